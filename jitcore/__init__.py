@@ -1,0 +1,70 @@
+"""jitcore: a jit for C++ GPU kernels whose cache-hit launch costs little more than the driver.
+
+    import jitcore as jc
+
+    axpy = jc.Kernel(SRC, "axpy")
+
+    @jc.jit
+    def launch_axpy(x, y, out, alpha: float):
+        n = x.numel()
+        axpy.instantiate(x.dtype)[jc.cdiv(n, 256), 256](x, y, out, alpha, n)
+
+See docs/ for the guide; ``jitcore.recorder`` is the replay layer's hook.
+"""
+
+from jitcore.errors import (
+    ArgumentError,
+    BackendUnavailableError,
+    CaptureMissError,
+    CompileError,
+    DeviceError,
+    DriverError,
+    GlobalDriftError,
+    JitError,
+    LaunchConfigError,
+    LayoutError,
+    SymbolicValueError,
+    UnsupportedTensorError,
+)
+from jitcore.jit import compile, jit
+from jitcore.kernel import Kernel, KernelSpecialization
+from jitcore.keys import Constexpr, KeyPlan
+from jitcore.symbolic import cdiv
+from jitcore.symbolic import maximum as max
+from jitcore.symbolic import minimum as min
+from jitcore.tensors import (
+    TensorAdaptor,
+    from_dlpack,
+    lean_cache_signature,
+    lean_static_signature,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ArgumentError",
+    "BackendUnavailableError",
+    "CaptureMissError",
+    "CompileError",
+    "Constexpr",
+    "DeviceError",
+    "DriverError",
+    "GlobalDriftError",
+    "JitError",
+    "Kernel",
+    "KernelSpecialization",
+    "KeyPlan",
+    "LaunchConfigError",
+    "LayoutError",
+    "SymbolicValueError",
+    "TensorAdaptor",
+    "UnsupportedTensorError",
+    "cdiv",
+    "compile",
+    "from_dlpack",
+    "jit",
+    "lean_cache_signature",
+    "lean_static_signature",
+    "max",
+    "min",
+]

@@ -1,0 +1,215 @@
+"""Cache keys of jit calls: one element per launcher parameter, built two ways.
+
+A :class:`KeyPlan` is made once per jit function from its parameter list. It generates a
+straight-line ``lean_key`` function for the hit path (no DLPack, no per-argument dispatch
+through helpers for plain tensors and Python scalars) and offers ``full_key`` for the miss path
+(a :class:`~jitcore.tensors.TensorAdaptor` per tensor). Both return byte-identical tuples for
+every input both accept and refuse the same inputs with the same exception type.
+
+Key elements:
+
+- tensors: their signature (see :mod:`jitcore.tensors`);
+- objects with ``__cache_signature__`` (duck-typed with ``hasattr``): what it returns;
+- runtime scalars: the type only (``"int"``, ``"float"``, ``"bool"``, ``"numpy.float32"``, ...);
+  objects with ``__jit_scalar__`` (the replay layer's dynamic scalars) by the type of the value
+  they carry;
+- ``Constexpr`` parameters: ``(type name, value)``; the value must be hashable.
+"""
+
+from __future__ import annotations
+
+import inspect
+import typing
+from collections.abc import Callable, Sequence
+
+import attrs
+import numpy as np
+import torch
+
+from jitcore import tensors
+from jitcore.errors import ArgumentError
+
+T = typing.TypeVar("T")
+
+
+class Constexpr(typing.Generic[T]):
+    """Annotation for a launcher parameter that is compile-time: ``n: jc.Constexpr[int]``.
+
+    Its value is part of the cache key and a plain Python value while tracing, so Python
+    control flow on it works; every distinct value compiles its own call state.
+    """
+
+
+def is_constexpr_annotation(annotation: object) -> bool:
+    if annotation is Constexpr or typing.get_origin(annotation) is Constexpr:
+        return True
+    if isinstance(annotation, str):  # an annotation that could not be evaluated
+        return annotation.split("[", 1)[0].rsplit(".", 1)[-1].strip() == "Constexpr"
+    return False
+
+
+SCALAR_SIGNATURES: dict[type, str] = {bool: "bool", int: "int", float: "float"}
+for _np_type in (
+    np.bool_,
+    np.int8,
+    np.int16,
+    np.int32,
+    np.int64,
+    np.uint8,
+    np.uint16,
+    np.uint32,
+    np.uint64,
+    np.float16,
+    np.float32,
+    np.float64,
+):
+    SCALAR_SIGNATURES[_np_type] = f"numpy.{_np_type.__name__}"
+
+# Constexpr values of these types are hashable and immutable: the lean path keys them inline.
+_CONSTEXPR_TYPE_NAMES: dict[type, str] = {t: t.__qualname__ for t in (bool, int, float, str, type(None), torch.dtype)}
+
+
+def scalar_signature(value: object, name: str) -> str:
+    carried = getattr(value, "__jit_scalar__", None)
+    if carried is not None:
+        value = carried()
+    signature = SCALAR_SIGNATURES.get(type(value))
+    if signature is None:
+        raise ArgumentError(
+            f"parameter {name!r}: unsupported argument type {type(value).__qualname__}; expected "
+            "a tensor, an int, float or bool (or numpy scalar), or an object with "
+            "__cache_signature__"
+        )
+    return signature
+
+
+def constexpr_signature(value: object, name: str) -> tuple:
+    if isinstance(value, torch.Tensor) or hasattr(value, "__dlpack__"):
+        raise TypeError(f"Constexpr parameter {name!r} needs a hashable Python value, got a tensor")
+    try:
+        hash(value)
+    except TypeError:
+        raise TypeError(
+            f"Constexpr parameter {name!r} needs a hashable value, got unhashable {type(value).__qualname__}"
+        ) from None
+    return (type(value).__qualname__, value)
+
+
+def argument_signature(value: object, name: str, *, full: bool) -> object:
+    """The key element of one non-Constexpr argument (the generic, slower dispatch)."""
+    if isinstance(value, torch.Tensor):
+        if full:
+            return tensors.TensorAdaptor(value).__cache_signature__()
+        return tensors.lean_cache_signature(value)
+    if hasattr(value, "__cache_signature__"):
+        return value.__cache_signature__()
+    if hasattr(value, "__dlpack__") and not hasattr(value, "__jit_scalar__"):
+        return tensors.TensorAdaptor(value).__cache_signature__()
+    return scalar_signature(value, name)
+
+
+def _argument_signature_hit(value: object, name: str, *, full: bool) -> object:
+    if hasattr(value, "__jit_scalar__"):
+        raise LookupError("dynamic scalars take the miss path")
+    return argument_signature(value, name, full=full)
+
+
+_NO_DEFAULT = inspect.Parameter.empty
+
+
+@attrs.frozen
+class Parameter:
+    """One launcher parameter as the key plan sees it."""
+
+    name: str
+    constexpr: bool = False
+    default: object = _NO_DEFAULT
+
+
+def parameters_of(fn: Callable) -> tuple[Parameter, ...]:
+    """Read a launcher's parameter list; *args, **kwargs and keyword-only parameters are
+    refused because a key plan needs a fixed, positional parameter list."""
+    try:
+        signature = inspect.signature(fn, eval_str=True)
+    except (NameError, TypeError, SyntaxError):
+        signature = inspect.signature(fn)
+    result = []
+    for param in signature.parameters.values():
+        if param.kind not in (param.POSITIONAL_ONLY, param.POSITIONAL_OR_KEYWORD):
+            raise TypeError(
+                f"{fn.__qualname__}: parameter {param.name!r} is {param.kind.description}; jit "
+                "launchers take a fixed list of positional-or-keyword parameters"
+            )
+        result.append(Parameter(param.name, is_constexpr_annotation(param.annotation), param.default))
+    return tuple(result)
+
+
+class KeyPlan:
+    """Key construction for one parameter list, built once per jit function."""
+
+    def __init__(self, parameters: Sequence[Parameter]):
+        self.parameters = tuple(parameters)
+        self.names = tuple(p.name for p in self.parameters)
+        self.namespace: dict[str, object] = {
+            "_Tensor": torch.Tensor,
+            "_LEAN": tensors._lean_signatures,
+            "_lean": tensors.lean_cache_signature,
+            "_last_unit": tensors.last_unit_axis,
+            "_strided": torch.strided,
+            "_SCALAR": SCALAR_SIGNATURES,
+            "_CONSTEXPR": _CONSTEXPR_TYPE_NAMES,
+            "_generic": argument_signature,
+            "_generic_hit": _argument_signature_hit,
+            "_constexpr": constexpr_signature,
+        }
+        args = ", ".join(self.names)
+        body = "\n".join("    " + line for line in self.key_lines())
+        self.source = f"def lean_key({args}):\n{body}\n    return key\n"
+        exec(compile(self.source, f"<jitcore key plan ({args})>", "exec"), self.namespace)
+        self.lean_key: Callable[..., tuple] = self.namespace["lean_key"]  # type: ignore[assignment]
+
+    def key_lines(self, *, hit_path: bool = False, leading: str = "") -> list[str]:
+        """Statements that leave the lean key in ``key``, reading the parameters by name.
+        The jit dispatcher inlines them (``hit_path=True``), so the hit path makes no extra
+        call for them; there, dynamic scalars (``__jit_scalar__``) raise LookupError so the
+        call takes the miss path, which unwraps them."""
+        generic = "_generic_hit" if hit_path else "_generic"
+        lines = []
+        for index, param in enumerate(self.parameters):
+            value, element = param.name, f"_k{index}"
+            if param.constexpr:
+                slow = f"_constexpr({value}, {param.name!r})"
+                lines += [
+                    f"_t = _CONSTEXPR.get({value}.__class__)",
+                    f"{element} = ({value}.__class__.__qualname__, {value}) if _t else {slow}",
+                ]
+                continue
+            lines += [
+                f"if {value}.__class__ is _Tensor:",
+                "    try:",
+                f"        _s = {value}.stride()",
+                "        _n = len(_s)",
+                f"        _d = {value}.get_device()",
+                f"        {element} = _LEAN[({value}.dtype, _n, _n - 1 if _s[-1] == 1 else _last_unit(_s), _d)]",
+                f"        if {value}.is_neg() or _d < 0 and ({value}.is_meta or {value}.layout is not _strided):",
+                f"            {element} = _lean({value})",
+                "    except (KeyError, IndexError, RuntimeError):",
+                f"        {element} = _lean({value})",
+                "else:",
+                f"    {element} = _SCALAR.get({value}.__class__) or {generic}({value}, {param.name!r}, full=False)",
+            ]
+        elements = "".join(f"_k{i}, " for i in range(len(self.parameters)))
+        lines.append(f"key = ({leading}{elements})")
+        return lines
+
+    def full_key(self, *args: object) -> tuple:
+        """The miss-path key: DLPack-built adaptors for tensors, the same bytes as lean_key."""
+        if len(args) != len(self.parameters):
+            raise TypeError(f"expected {len(self.parameters)} arguments, got {len(args)}")
+        elements = []
+        for param, value in zip(self.parameters, args):
+            if param.constexpr:
+                elements.append(constexpr_signature(value, param.name))
+            else:
+                elements.append(argument_signature(value, param.name, full=True))
+        return tuple(elements)

@@ -1,0 +1,39 @@
+"""Shared test setup: GPU tests are marked ``gpu`` and skip cleanly without a GPU."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+
+def gpu_available() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    try:
+        from jitcore.backends import get_backend
+
+        get_backend()
+    except Exception:
+        return False
+    return True
+
+
+def pytest_collection_modifyitems(config, items):
+    has_gpu = gpu_available()
+    gpus = torch.cuda.device_count() if has_gpu else 0
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA/HIP GPU and its jitreplay backend extra")
+    skip_multi = pytest.mark.skip(reason="needs two or more GPUs")
+    for item in items:
+        if "gpu" in item.keywords and not has_gpu:
+            item.add_marker(skip_gpu)
+        elif "multigpu" in item.keywords and gpus < 2:
+            item.add_marker(skip_multi)
+
+
+@pytest.fixture(autouse=True)
+def _private_kernel_cache(tmp_path, monkeypatch):
+    """Every test gets its own on-disk kernel cache, so tests never see each other's entries."""
+    if "JITCORE_TEST_SHARED_CACHE" not in os.environ:
+        monkeypatch.setenv("JITCORE_CACHE_DIR", str(tmp_path / "kernel-cache"))

@@ -1,0 +1,139 @@
+"""Key plans: the lean key equals the full key byte for byte, or both refuse alike."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import jitcore as jc
+from jitcore.errors import ArgumentError
+from jitcore.keys import KeyPlan, Parameter, parameters_of
+
+
+def canonical_bytes(key):
+    """A key's bytes: its repr, which spells every type (1, True, 1.0 and '1' all differ) and,
+    unlike a pickle, does not depend on which equal objects happen to be shared."""
+    return repr(key).encode()
+
+
+def outcome(fn, *args):
+    try:
+        return ("ok", canonical_bytes(fn(*args)))
+    except Exception as exc:
+        return ("error", type(exc), str(exc))
+
+
+def test_plan_from_a_launcher_reads_constexpr_annotations():
+    def launcher(x, y, n: jc.Constexpr[int], alpha: float = 1.0):
+        pass
+
+    params = parameters_of(launcher)
+    assert [p.name for p in params] == ["x", "y", "n", "alpha"]
+    assert [p.constexpr for p in params] == [False, False, True, False]
+    assert params[3].default == 1.0
+
+
+def test_plan_reads_string_annotations():
+    namespace = {}
+    exec(
+        "from __future__ import annotations\nimport jitcore as jc\n"
+        "def launcher(x, n: jc.Constexpr[int], m: Unknown[int]): pass",
+        namespace,
+    )
+    params = parameters_of(namespace["launcher"])
+    assert [p.constexpr for p in params] == [False, True, False]
+
+
+@pytest.mark.parametrize("source", ["def f(*args): pass", "def f(**kw): pass", "def f(x, *, y): pass"])
+def test_plans_need_a_fixed_positional_parameter_list(source):
+    namespace = {}
+    exec(source, namespace)
+    with pytest.raises(TypeError, match="fixed list"):
+        parameters_of(namespace["f"])
+
+
+def test_scalars_are_keyed_by_type_constexpr_by_value():
+    plan = KeyPlan([Parameter("a"), Parameter("b", constexpr=True)])
+    assert plan.lean_key(3, 4) == plan.lean_key(5, 4) == ("int", ("int", 4))
+    assert plan.lean_key(3.0, 4) == ("float", ("int", 4))
+    assert plan.lean_key(True, 4)[0] == "bool"
+    assert plan.lean_key(np.float32(1), 4)[0] == "numpy.float32"
+    assert plan.lean_key(1, True) != plan.lean_key(1, 1)  # bool and int constexprs never collide
+    assert plan.lean_key(1, 4) != plan.lean_key(1, 5)
+    assert plan.lean_key(1, torch.float16)[1] == ("dtype", torch.float16)
+
+
+def test_unhashable_constexpr_is_a_clear_type_error_on_both_paths():
+    plan = KeyPlan([Parameter("b", constexpr=True)])
+    for value in ([1, 2], (1, [2]), {"a": 1}):
+        lean, full = outcome(plan.lean_key, value), outcome(plan.full_key, value)
+        assert lean == full
+        assert lean[1] is TypeError and "Constexpr parameter 'b' needs a hashable" in lean[2]
+    with pytest.raises(TypeError, match="got a tensor"):
+        plan.lean_key(torch.randn(2))
+
+
+def test_unsupported_scalar_type_names_the_parameter():
+    plan = KeyPlan([Parameter("x"), Parameter("weird")])
+    with pytest.raises(ArgumentError, match="parameter 'weird': unsupported argument type object"):
+        plan.lean_key(torch.randn(3), object())
+    assert outcome(plan.lean_key, 1, "s") == outcome(plan.full_key, 1, "s")
+
+
+def test_cache_signature_is_duck_typed():
+    class Config:
+        def __cache_signature__(self):
+            return ("config", 7)
+
+    plan = KeyPlan([Parameter("c")])
+    assert plan.lean_key(Config()) == plan.full_key(Config()) == (("config", 7),)
+
+
+def test_no_runtime_checkable_protocol_isinstance_in_key_paths():
+    import inspect
+
+    from jitcore import keys, tensors
+
+    for module in (keys, tensors):
+        assert "runtime_checkable" not in inspect.getsource(module)
+
+
+def test_adaptors_and_subclasses_go_through_the_generic_path():
+    plan = KeyPlan([Parameter("x")])
+    x = torch.randn(4, 4)
+    assert plan.lean_key(jc.from_dlpack(x)) == plan.full_key(jc.from_dlpack(x))
+    p = torch.nn.Parameter(torch.randn(4, 4))
+    assert plan.lean_key(p) == plan.full_key(p) == plan.lean_key(p.detach())
+
+
+_ARGS = st.one_of(
+    st.integers(-5, 5),
+    st.floats(allow_nan=False),
+    st.booleans(),
+    st.sampled_from([np.float32(1.5), np.int64(3), np.bool_(True), np.uint8(2)]),
+    st.builds(lambda shape, t: torch.empty(shape).t() if t and len(shape) == 2 else torch.empty(shape),
+              st.lists(st.integers(0, 4), max_size=3), st.booleans()),
+    st.builds(lambda n, step: torch.empty(n)[::step], st.integers(0, 6), st.integers(1, 3)),
+    st.just(torch.randn(3, dtype=torch.complex64).conj()),
+    st.just(torch.empty(2, device="meta")),
+    st.just("text"),
+)
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.lists(_ARGS, min_size=1, max_size=6), st.data())
+def test_property_lean_key_equals_full_key(args, data):
+    flags = data.draw(st.lists(st.booleans(), min_size=len(args), max_size=len(args)))
+    plan = KeyPlan([Parameter(f"a{i}", constexpr=flag and not isinstance(a, torch.Tensor))
+                    for i, (a, flag) in enumerate(zip(args, flags))])
+    assert outcome(plan.lean_key, *args) == outcome(plan.full_key, *args)
+
+
+@pytest.mark.parametrize("count", [1, 4, 16])
+def test_generated_lean_key_source_is_readable(count):
+    plan = KeyPlan([Parameter(f"t{i}") for i in range(count)])
+    assert plan.source.startswith("def lean_key(")
+    assert plan.lean_key(*[torch.randn(3)] * count) == plan.full_key(*[torch.randn(3)] * count)
