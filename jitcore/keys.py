@@ -8,8 +8,8 @@ every input both accept and refuse the same inputs with the same exception type.
 
 Key elements:
 
-- tensors: their signature (see :mod:`jitcore.tensors`);
-- objects with ``__cache_signature__`` (duck-typed with ``hasattr``): what it returns;
+- tensors: their signature (see :mod:`jitcore.tensors`), as its interned token;
+- objects with ``__cache_signature__`` (duck-typed with ``hasattr``): what it returns, as a token;
 - runtime scalars: the type only (``"int"``, ``"float"``, ``"bool"``, ``"numpy.float32"``, ...);
   objects with ``__jit_scalar__`` (the replay layer's dynamic scalars) by the type of the value
   they carry;
@@ -96,15 +96,24 @@ def constexpr_signature(value: object, name: str) -> tuple:
 
 
 def argument_signature(value: object, name: str, *, full: bool) -> object:
-    """The key element of one non-Constexpr argument (the generic, slower dispatch)."""
+    """The key element of one non-Constexpr argument (the generic, slower dispatch).
+
+    Tensors and objects with ``__cache_signature__`` are represented by the interned token of
+    their signature (see :class:`~jitcore.tensors.SignatureToken`)."""
     if isinstance(value, torch.Tensor):
         if full:
-            return tensors.TensorAdaptor(value).__cache_signature__()
-        return tensors.lean_cache_signature(value)
+            return tensors.token_of(tensors.TensorAdaptor(value).__cache_signature__())
+        return tensors.lean_token(value)
     if hasattr(value, "__cache_signature__"):
-        return value.__cache_signature__()
+        signature = value.__cache_signature__()
+        try:
+            return tensors.token_of(signature)
+        except TypeError:
+            raise TypeError(
+                f"parameter {name!r}: __cache_signature__() of {type(value).__qualname__} returned an unhashable value"
+            ) from None
     if hasattr(value, "__dlpack__") and not hasattr(value, "__jit_scalar__"):
-        return tensors.TensorAdaptor(value).__cache_signature__()
+        return tensors.token_of(tensors.TensorAdaptor(value).__cache_signature__())
     return scalar_signature(value, name)
 
 
@@ -152,8 +161,8 @@ class KeyPlan:
         self.names = tuple(p.name for p in self.parameters)
         self.namespace: dict[str, object] = {
             "_Tensor": torch.Tensor,
-            "_LEAN": tensors._lean_signatures,
-            "_lean": tensors.lean_cache_signature,
+            "_LEAN": tensors._lean_tokens,
+            "_lean": tensors.lean_token,
             "_last_unit": tensors.last_unit_axis,
             "_strided": torch.strided,
             "_SCALAR": SCALAR_SIGNATURES,

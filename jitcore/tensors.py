@@ -18,6 +18,8 @@ same inputs with the same exception; ``tests/jitcore/test_tensors.py`` holds the
 from __future__ import annotations
 
 import sys
+import threading
+import weakref
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -117,12 +119,48 @@ def _no_unit_axis(strides: Sequence[int]) -> LayoutError:
     )
 
 
-# Lean fast path: (torch dtype, ndim, unit axis, get_device()) -> signature, filled by the slow
+class SignatureToken:
+    """The one object standing for a signature inside cache keys.
+
+    Keys hold tokens rather than signature tuples: a token hashes and compares by identity
+    (no recursive tuple hashing on every lookup), and :func:`token_of` returns the same token
+    for equal signatures, so keys built by the lean and the full path are still equal (and
+    print identically: a token's repr is its signature's)."""
+
+    __slots__ = ("__weakref__", "signature")
+
+    def __init__(self, signature: object):
+        self.signature = signature
+
+    def __repr__(self) -> str:
+        return repr(self.signature)
+
+    def __reduce__(self):
+        return (token_of, (self.signature,))
+
+
+_tokens: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_tokens_lock = threading.Lock()
+
+
+def token_of(signature: object) -> SignatureToken:
+    """The interned token of a (hashable) signature."""
+    token = _tokens.get(signature)
+    if token is None:
+        with _tokens_lock:
+            token = _tokens.get(signature)
+            if token is None:
+                token = SignatureToken(signature)
+                _tokens[signature] = token
+    return token
+
+
+# Lean fast path: (torch dtype, ndim, unit axis, get_device()) -> token, filled by the slow
 # path only after full validation, so a hit here is always a tensor both paths accept.
-_lean_signatures: dict[tuple, Signature] = {}
+_lean_tokens: dict[tuple, SignatureToken] = {}
 
 
-def _lean_slow(tensor: torch.Tensor) -> Signature:
+def _lean_slow(tensor: torch.Tensor) -> SignatureToken:
     dtype = describe_torch_tensor(tensor)
     strides = tensor.stride()
     ndim = len(strides)
@@ -130,11 +168,30 @@ def _lean_slow(tensor: torch.Tensor) -> Signature:
     if unit < 0 and ndim:
         raise _no_unit_axis(strides)
     shape_spec, stride_spec = layout_dynamic_specs(ndim, unit)
-    signature = (dtype.name, shape_spec, stride_spec, unit, dtype.itemsize, device_name(tensor.device))
+    token = token_of((dtype.name, shape_spec, stride_spec, unit, dtype.itemsize, device_name(tensor.device)))
     if ndim and type(tensor) is torch.Tensor and not dtype.is_complex:
         # complex tensors stay on this path: only here is the conjugate bit checked
-        _lean_signatures[(tensor.dtype, ndim, unit, tensor.get_device())] = signature
-    return signature
+        _lean_tokens[(tensor.dtype, ndim, unit, tensor.get_device())] = token
+    return token
+
+
+def lean_token(tensor: torch.Tensor) -> SignatureToken:
+    """The key token of a raw torch tensor's layout-dynamic signature, without DLPack."""
+    if type(tensor) is torch.Tensor:
+        try:
+            strides = tensor.stride()
+            ndim = len(strides)
+            unit = ndim - 1 if strides[-1] == 1 else last_unit_axis(strides)
+            device = tensor.get_device()
+            token = _lean_tokens[(tensor.dtype, ndim, unit, device)]
+            if device < 0 and (tensor.is_meta or tensor.layout is not _strided):
+                raise KeyError
+            if tensor.is_neg():
+                raise KeyError
+            return token
+        except (KeyError, IndexError, RuntimeError):
+            pass
+    return _lean_slow(tensor)
 
 
 def lean_cache_signature(tensor: torch.Tensor) -> Signature:
@@ -142,21 +199,7 @@ def lean_cache_signature(tensor: torch.Tensor) -> Signature:
 
     Equal, byte for byte, to ``TensorAdaptor(tensor).__cache_signature__()``.
     """
-    if type(tensor) is torch.Tensor:
-        try:
-            strides = tensor.stride()
-            ndim = len(strides)
-            unit = ndim - 1 if strides[-1] == 1 else last_unit_axis(strides)
-            device = tensor.get_device()
-            signature = _lean_signatures[(tensor.dtype, ndim, unit, device)]
-            if device < 0 and (tensor.is_meta or tensor.layout is not _strided):
-                raise KeyError
-            if tensor.is_neg():
-                raise KeyError
-            return signature
-        except (KeyError, IndexError, RuntimeError):
-            pass
-    return _lean_slow(tensor)
+    return lean_token(tensor).signature
 
 
 def lean_static_signature(tensor: torch.Tensor) -> Signature:

@@ -1,0 +1,413 @@
+"""Kernel parameter ABI: C parameter types, their sizes and alignments, and packing.
+
+Vendor-neutral: CUDA and HIP kernels take parameters the same way (an array of ``void*``, each
+pointing at one parameter's bytes). A :class:`ParamLayout` places every parameter at its C
+alignment inside one persistent buffer; :class:`PackedParams` owns that buffer and the ``void*``
+array the driver reads; call states write only the slots whose value can change, with one
+``struct.pack_into`` per run of such slots.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import re
+import struct
+from collections.abc import Iterable, Mapping, Sequence
+
+import attrs
+
+from jitcore.errors import ArgumentError
+
+# C scalar spelling (normalised: single spaces, no qualifiers) -> (struct format, size, kind).
+# kind: "int" (signed), "uint", "float", "bool", "half", "bfloat16".
+_SCALARS: dict[str, tuple[str, int, str]] = {}
+
+
+def _register(names: Iterable[str], fmt: str, size: int, kind: str) -> None:
+    for name in names:
+        _SCALARS[name] = (fmt, size, kind)
+
+
+_register(["signed char", "int8_t", "char"], "b", 1, "int")
+_register(["unsigned char", "uint8_t"], "B", 1, "uint")
+_register(["short", "short int", "signed short", "signed short int", "int16_t"], "h", 2, "int")
+_register(["unsigned short", "unsigned short int", "uint16_t"], "H", 2, "uint")
+_register(["int", "signed", "signed int", "int32_t"], "i", 4, "int")
+_register(["unsigned", "unsigned int", "uint32_t"], "I", 4, "uint")
+_register(
+    [
+        "long",
+        "long int",
+        "signed long",
+        "long long",
+        "long long int",
+        "signed long long",
+        "int64_t",
+        "ptrdiff_t",
+        "intptr_t",
+        "ssize_t",
+    ],
+    "q",
+    8,
+    "int",
+)
+_register(
+    [
+        "unsigned long",
+        "unsigned long int",
+        "unsigned long long",
+        "unsigned long long int",
+        "uint64_t",
+        "size_t",
+        "uintptr_t",
+    ],
+    "Q",
+    8,
+    "uint",
+)
+_register(["bool"], "?", 1, "bool")
+_register(["float"], "f", 4, "float")
+_register(["double"], "d", 8, "float")
+_register(["__half", "half"], "e", 2, "half")
+_register(["__nv_bfloat16", "nv_bfloat16", "__hip_bfloat16", "hip_bfloat16"], "H", 2, "bfloat16")
+
+# Pointee C type -> torch dtype names a tensor argument may have. Types not listed here
+# (vector types aside) are opaque: any dtype is accepted, as for void*.
+_POINTEE_DTYPES: dict[str, frozenset[str]] = {}
+
+
+def _pointee(names: Iterable[str], dtype_names: Iterable[str]) -> None:
+    for name in names:
+        _POINTEE_DTYPES[name] = frozenset(dtype_names)
+
+
+_BYTE_STORAGE = [
+    "uint8",
+    "bool",
+    "float8_e4m3fn",
+    "float8_e4m3fnuz",
+    "float8_e5m2",
+    "float8_e5m2fnuz",
+    "float8_e8m0fnu",
+    "float4_e2m1fn_x2",
+]
+_pointee(["float", "float2", "float4"], ["float32"])
+_pointee(["double", "double2"], ["float64"])
+_pointee(["__half", "half", "__half2", "half2"], ["float16"])
+_pointee(["__nv_bfloat16", "nv_bfloat16", "__nv_bfloat162", "__hip_bfloat16", "hip_bfloat16"], ["bfloat16"])
+_pointee(["signed char", "int8_t"], ["int8"])
+_pointee(["char"], ["int8", "uint8", "bool"])
+_pointee(["unsigned char", "uint8_t"], _BYTE_STORAGE)
+_pointee(["short", "short int", "int16_t"], ["int16"])
+_pointee(["unsigned short", "unsigned short int", "uint16_t"], ["uint16"])
+_pointee(["int", "signed", "signed int", "int32_t", "int2", "int4"], ["int32"])
+_pointee(["unsigned", "unsigned int", "uint32_t"], ["uint32"])
+_pointee(["long", "long int", "long long", "long long int", "int64_t"], ["int64"])
+_pointee(["unsigned long", "unsigned long long", "uint64_t", "size_t"], ["uint64"])
+_pointee(["bool"], ["bool"])
+_pointee(["__nv_fp8_e4m3", "__hip_fp8_e4m3"], ["float8_e4m3fn"])
+_pointee(["__nv_fp8_e5m2", "__hip_fp8_e5m2"], ["float8_e5m2"])
+_pointee(["__hip_fp8_e4m3_fnuz"], ["float8_e4m3fnuz"])
+_pointee(["__hip_fp8_e5m2_fnuz"], ["float8_e5m2fnuz"])
+_pointee(["__nv_fp8_e8m0"], ["float8_e8m0fnu"])
+
+_KNOWN_TYPES = frozenset(_SCALARS) | frozenset(_POINTEE_DTYPES) | {"void"}
+# Template-argument spellings of torch dtypes, per vendor (data, not bindings: the null test
+# backend uses the CUDA names too).
+CUDA_TYPE_NAMES = {
+    "float32": "float",
+    "float64": "double",
+    "float16": "__half",
+    "bfloat16": "__nv_bfloat16",
+    "int8": "signed char",
+    "int16": "short",
+    "int32": "int",
+    "int64": "long long",
+    "uint8": "unsigned char",
+    "uint16": "unsigned short",
+    "uint32": "unsigned int",
+    "uint64": "unsigned long long",
+    "bool": "bool",
+    "float8_e4m3fn": "__nv_fp8_e4m3",
+    "float8_e5m2": "__nv_fp8_e5m2",
+    "float8_e8m0fnu": "__nv_fp8_e8m0",
+    "float4_e2m1fn_x2": "__nv_fp4x2_e2m1",
+}
+HIP_TYPE_NAMES = {
+    **{k: v for k, v in CUDA_TYPE_NAMES.items() if not v.startswith("__nv")},
+    "bfloat16": "__hip_bfloat16",
+    "float8_e4m3fn": "__hip_fp8_e4m3",
+    "float8_e5m2": "__hip_fp8_e5m2",
+    "float8_e4m3fnuz": "__hip_fp8_e4m3_fnuz",
+    "float8_e5m2fnuz": "__hip_fp8_e5m2_fnuz",
+}
+
+_QUALIFIERS = re.compile(r"\b(const|volatile|__restrict__|__restrict|restrict|struct|__grid_constant__)\b")
+
+
+@attrs.frozen
+class ParamType:
+    """One kernel parameter's C type, as the ABI sees it."""
+
+    spelling: str  # as written (after template substitution)
+    fmt: str  # struct format character
+    size: int
+    align: int
+    kind: str  # "pointer", "int", "uint", "float", "bool", "half", "bfloat16"
+    pointee: str | None = None  # for pointers: the normalised pointee type ("void", "float", ...)
+    const_pointee: bool = False
+    name: str | None = None
+
+    @property
+    def is_pointer(self) -> bool:
+        return self.kind == "pointer"
+
+    def accepts_dtype(self, dtype_name: str) -> bool:
+        """Whether a tensor of this dtype may be passed to this pointer parameter."""
+        if self.pointee is None:
+            return False
+        allowed = _POINTEE_DTYPES.get(self.pointee)
+        return allowed is None or dtype_name in allowed
+
+    def describe(self) -> str:
+        """The declaration as the kernel spells it (name included, when it has one)."""
+        return self.spelling
+
+
+def parse_param(declaration: str, index: int = 0) -> ParamType:
+    """Parse one parameter declaration such as ``const float* __restrict__ x`` or ``int n``."""
+    text = " ".join(declaration.replace("\n", " ").split())
+    if not text:
+        raise ArgumentError(f"kernel parameter {index} has an empty declaration")
+    if "&" in text:
+        raise ArgumentError(f"kernel parameter {index} ({text!r}): references are not supported")
+    if "(" in text:
+        raise ArgumentError(f"kernel parameter {index} ({text!r}): function pointers are not supported")
+    if "=" in text:
+        text = text.split("=", 1)[0].strip()
+    array = text.endswith("]")
+    if array:
+        text = text[: text.index("[")].strip()
+    stars = text.count("*") + (1 if array else 0)
+    const_pointee = bool(re.search(r"\bconst\b", text.split("*", 1)[0])) if stars else False
+    bare = _QUALIFIERS.sub(" ", text.replace("*", " * "))
+    words = [t for t in bare.split() if t != "*"]
+    # The last word is the parameter's name unless all the words spell a known type.
+    name = None
+    if len(words) >= 2 and " ".join(words) not in _KNOWN_TYPES and re.match(r"^[A-Za-z_]\w*$", words[-1]):
+        name = words.pop()
+    base_type = " ".join(words)
+    if stars:
+        if not base_type:
+            raise ArgumentError(f"kernel parameter {index} ({declaration!r}): missing pointee type")
+        return ParamType(
+            spelling=declaration.strip(),
+            fmt="Q",
+            size=8,
+            align=8,
+            kind="pointer",
+            pointee=base_type if stars == 1 else "void*",
+            const_pointee=const_pointee,
+            name=name,
+        )
+    scalar = _SCALARS.get(base_type)
+    if scalar is None:
+        raise ArgumentError(
+            f"kernel parameter {index} ({declaration.strip()!r}): type {base_type!r} is not "
+            "supported by value (structs and vector types are out of scope; pass a pointer)"
+        )
+    fmt, size, kind = scalar
+    return ParamType(spelling=declaration.strip(), fmt=fmt, size=size, align=size, kind=kind, name=name)
+
+
+def split_params(text: str) -> list[str]:
+    """Split a parameter list on top-level commas (templates and parentheses nest)."""
+    parts, depth, current = [], 0, []
+    for ch in text:
+        if ch in "<([":
+            depth += 1
+        elif ch in ">)]":
+            depth -= 1
+        if ch == "," and depth == 0:
+            parts.append("".join(current))
+            current = []
+        else:
+            current.append(ch)
+    tail = "".join(current)
+    if tail.strip() or parts:
+        parts.append(tail)
+    parts = [p.strip() for p in parts]
+    if parts == ["void"]:
+        return []
+    return parts
+
+
+def parse_signature(signature: str) -> tuple[ParamType, ...]:
+    """Parse an explicit signature string: ``"const float* x, float* y, int n"``."""
+    return tuple(parse_param(part, i) for i, part in enumerate(split_params(signature)))
+
+
+_COMMENTS = re.compile(r"//[^\n]*|/\*.*?\*/", re.S)
+
+
+@attrs.frozen
+class KernelDeclaration:
+    """A ``__global__`` function found in source: its template and parameter lists."""
+
+    name: str
+    template_params: tuple[tuple[str, str, str | None], ...]  # (kind, name, default)
+    params_text: tuple[str, ...]
+
+
+def find_kernel(source: str, name: str) -> KernelDeclaration:
+    """Locate the ``__global__`` declaration of ``name`` and read its template and parameters."""
+    clean = _COMMENTS.sub(" ", source)
+    pattern = re.compile(r"__global__\b(?P<pre>[^;{}()]*?(?:\([^()]*\)[^;{}()]*?)*?)\b" + re.escape(name) + r"\s*\(")
+    matches = list(pattern.finditer(clean))
+    if not matches:
+        raise ArgumentError(f"no __global__ function named {name!r} in the kernel source")
+    if len(matches) > 1:
+        raise ArgumentError(f"{len(matches)} __global__ functions named {name!r}; pass signature= to choose")
+    match = matches[0]
+    start = match.end()
+    depth, end = 1, start
+    while depth and end < len(clean):
+        depth += {"(": 1, ")": -1}.get(clean[end], 0)
+        end += 1
+    params_text = tuple(split_params(clean[start : end - 1]))
+    prefix = clean[: match.start()]
+    template_params: tuple = ()
+    head = prefix.rstrip()
+    # A template clause ends right before __global__ (possibly with extern "C" or static).
+    head = re.sub(r'(\bstatic\b|\binline\b|\bextern\s*"C"|__launch_bounds__\s*\([^)]*\))\s*$', "", head).rstrip()
+    if head.endswith(">"):
+        depth, i = 0, len(head) - 1
+        while i >= 0:
+            depth += {">": 1, "<": -1}.get(head[i], 0)
+            if depth == 0:
+                break
+            i -= 1
+        before = head[:i].rstrip()
+        if before.endswith("template"):
+            template_params = tuple(_parse_template_param(p) for p in split_params(head[i + 1 : -1]))
+    return KernelDeclaration(name, template_params, params_text)
+
+
+def _parse_template_param(text: str) -> tuple[str, str, str | None]:
+    default = None
+    if "=" in text:
+        text, default = (part.strip() for part in text.split("=", 1))
+    tokens = text.split()
+    if not tokens:
+        raise ArgumentError("empty template parameter")
+    kind = "type" if tokens[0] in ("typename", "class") else "value"
+    return (kind, tokens[-1], default)
+
+
+def substitute(text: str, mapping: Mapping[str, str]) -> str:
+    """Replace template parameter names by their arguments, token by token."""
+    if not mapping:
+        return text
+    pattern = re.compile(r"\b(" + "|".join(re.escape(k) for k in mapping) + r")\b")
+    return pattern.sub(lambda m: mapping[m.group(1)], text)
+
+
+def _align_up(value: int, align: int) -> int:
+    return (value + align - 1) // align * align
+
+
+@attrs.frozen
+class ParamLayout:
+    """Where each parameter sits in the packed buffer (C alignment rules)."""
+
+    types: tuple[ParamType, ...]
+    offsets: tuple[int, ...]
+    size: int
+
+    @classmethod
+    def of(cls, types: Sequence[ParamType]) -> ParamLayout:
+        offsets, offset, max_align = [], 0, 1
+        for param in types:
+            offset = _align_up(offset, param.align)
+            offsets.append(offset)
+            offset += param.size
+            max_align = max(max_align, param.align)
+        return cls(tuple(types), tuple(offsets), _align_up(offset, max_align))
+
+    def assemble(self, parts: Sequence[bytes]) -> bytes:
+        """One packed buffer from each parameter's bytes (as a graph node reports them)."""
+        buffer = bytearray(self.size)
+        for offset, part, param in zip(self.offsets, parts, self.types):
+            if len(part) != param.size:
+                raise ValueError(f"parameter {param.describe()!r} needs {param.size} bytes, got {len(part)}")
+            buffer[offset : offset + param.size] = part
+        return bytes(buffer)
+
+    def runs(self, indices: Iterable[int]) -> list[tuple[int, ...]]:
+        """Group parameter indices into runs of consecutive parameters."""
+        runs: list[list[int]] = []
+        for index in sorted(set(indices)):
+            if runs and runs[-1][-1] == index - 1:
+                runs[-1].append(index)
+            else:
+                runs.append([index])
+        return [tuple(run) for run in runs]
+
+    def struct_for(self, run: Sequence[int]) -> tuple[int, struct.Struct]:
+        """A little-endian Struct writing the consecutive parameters ``run`` (padding between
+        them is written as zero bytes) and the byte offset it starts at."""
+        fmt, position = "<", self.offsets[run[0]]
+        for index in run:
+            gap = self.offsets[index] - position
+            fmt += "x" * gap + self.types[index].fmt
+            position = self.offsets[index] + self.types[index].size
+        return self.offsets[run[0]], struct.Struct(fmt)
+
+
+class PackedParams:
+    """A persistent parameter buffer and the ``void*`` array pointing into it.
+
+    The addresses never change for the life of the object, so a call state can hand
+    ``self.address`` to the driver on every launch and only rewrite the changed values.
+    """
+
+    __slots__ = ("layout", "buffer", "pointers", "address", "buffer_address")
+
+    def __init__(self, layout: ParamLayout, initial: bytes | None = None):
+        self.layout = layout
+        self.buffer = (ctypes.c_char * max(layout.size, 8))()
+        self.buffer_address = ctypes.addressof(self.buffer)
+        count = max(len(layout.offsets), 1)
+        self.pointers = (ctypes.c_void_p * count)(*[self.buffer_address + offset for offset in layout.offsets])
+        self.address = ctypes.addressof(self.pointers)
+        if initial is not None:
+            ctypes.memmove(self.buffer, initial, min(len(initial), layout.size))
+
+    def bytes(self) -> bytes:
+        return bytes(self.buffer[: self.layout.size])
+
+    def param_bytes(self, index: int) -> bytes:
+        offset = self.layout.offsets[index]
+        return bytes(self.buffer[offset : offset + self.layout.types[index].size])
+
+
+def float_to_bfloat16_bits(value: float) -> int:
+    """Round a Python float to bfloat16 (round to nearest even) and return its bits."""
+    (bits,) = struct.unpack("<I", struct.pack("<f", value))
+    if (bits & 0x7F800000) == 0x7F800000 and bits & 0x007FFFFF:
+        return 0x7FC0  # NaN
+    bits += 0x7FFF + ((bits >> 16) & 1)
+    return (bits >> 16) & 0xFFFF
+
+
+def accepts_scalar(param: ParamType, value: object) -> bool:
+    """Whether a Python/numpy scalar may be passed by value to ``param`` (no lossy casts)."""
+    import numpy as np
+
+    if param.kind == "pointer":
+        return value is None
+    if param.kind == "bool":
+        return isinstance(value, (bool, np.bool_))
+    if param.kind in ("int", "uint"):
+        return isinstance(value, (int, np.integer, np.bool_))
+    return isinstance(value, (int, float, np.integer, np.floating, np.bool_))

@@ -1,0 +1,214 @@
+"""The driver interface: what jitcore and replay need from a GPU vendor, and nothing more.
+
+One implementation per vendor (:mod:`jitcore.backends.cuda`, :mod:`jitcore.backends.hip`);
+they are the only modules that import a vendor binding. Everything else talks to a
+:class:`Backend`. Hot paths (call states, graph replays) do not call methods on it: they are
+generated Python that calls the vendor function directly, through the source templates and
+namespaces a backend publishes (``launch_template``, ``hot_namespace``), so a launch costs what
+the binding costs.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+
+import attrs
+
+from jitcore.backends.abi import PackedParams, ParamLayout
+from jitcore.dtypes import DType
+
+
+@attrs.frozen
+class DeviceLimits:
+    max_block: tuple[int, int, int]
+    max_threads_per_block: int
+    max_grid: tuple[int, int, int]
+    max_shared_per_block: int  # without opting in
+    max_shared_per_block_optin: int
+
+
+@attrs.frozen
+class CompiledBinary:
+    """A compiled module image and the lowered (mangled) name of each name expression."""
+
+    image: bytes
+    lowered_names: dict[str, str]
+    log: str
+    arch: str
+    compiler: str
+
+
+@attrs.define
+class LoadedFunction:
+    """A kernel loaded on one device."""
+
+    handle: object  # vendor function object, passed straight to the vendor launch call
+    address: int  # the raw handle value, as graph nodes report it
+    device: int
+    name: str
+    max_threads_per_block: int
+    static_shared_bytes: int
+    dynamic_shared_limit: int = 0  # the max-dynamic-shared-memory attribute as last set
+    owner: object = None  # the vendor module object, kept alive with its function
+
+
+@attrs.frozen
+class GraphNode:
+    """One node of a captured graph, as far as replay needs to know it."""
+
+    index: int
+    handle: object  # vendor node object
+    kind: str  # "kernel", "memcpy", "memset", "other"
+    function: int = 0  # kernel nodes: the function's raw handle
+    grid: tuple[int, int, int] = (0, 0, 0)
+    block: tuple[int, int, int] = (0, 0, 0)
+    shared_bytes: int = 0
+    params_address: int = 0  # kernel nodes: the node's own void* array (owned by the node)
+    pointers: tuple[int, ...] = ()  # memcpy/memset nodes: the device addresses they touch
+
+
+class NodeUpdater:
+    """Rewrites one kernel node's parameters in an instantiated graph.
+
+    ``params`` is a persistent buffer holding the node's current parameter values; a caller
+    writes changed slots into ``params.buffer`` and then calls :meth:`apply` (or the
+    generated-code equivalent ``set_call``/``set_args``).
+    """
+
+    params: PackedParams
+    set_call: object  # the vendor function, for generated code
+    set_args: tuple  # its arguments (exec, node, node-params struct)
+
+    def apply(self) -> None:
+        raise NotImplementedError
+
+
+class Backend(abc.ABC):
+    """One vendor's driver, compiler and graph API behind the same small surface.
+
+    Devices and streams are torch's (both vendors use ``torch.cuda``), so the defaults here
+    read them through torch's cheapest entry points; ``hot_namespace`` must publish the same
+    two callables as ``_current_device`` and ``_current_stream`` for generated code.
+    """
+
+    name: str
+    device_type = "cuda"
+    #: Python source of one checked launch, with fields {function} {gx} {gy} {gz} {bx} {by} {bz}
+    #: {shared} {stream} {params} {label}; it runs with ``hot_namespace`` as globals. {stream}
+    #: is a vendor stream object, which generated code gets from a raw handle with
+    #: ``_STREAMS.get(raw)`` (a cache dict) falling back to ``_stream_object(raw)``.
+    launch_template: str
+    #: Python source of one graph launch with fields {exec} {stream} (both vendor objects).
+    graph_launch_template: str
+    #: Globals for generated code: the vendor calls, ``_STREAMS``, ``_stream_object``,
+    #: ``_current_device`` and ``_current_stream``.
+    hot_namespace: dict[str, object]
+    #: The vendor launch function itself, (function, gx, gy, gz, bx, by, bz, shared, stream
+    #: object, params address, extra) -> status tuple; benchmarks time it as the floor.
+    raw_launch: object
+
+    # --- devices and streams (torch's) ------------------------------------------------------
+    def current_device(self) -> int:
+        import torch
+
+        return torch.cuda.current_device()
+
+    def device_name(self, device: int) -> str:
+        return f"{self.device_type}:{device}"
+
+    def current_stream(self, device: int) -> int:
+        import torch
+
+        return torch._C._cuda_getCurrentRawStream(device)
+
+    def is_capturing(self) -> bool:
+        import torch
+
+        return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+    @staticmethod
+    def torch_hot_namespace() -> dict[str, object]:
+        import torch
+
+        def no_cuda(*_args):
+            raise RuntimeError("this torch build has no CUDA/HIP support; a GPU build is needed to launch")
+
+        return {
+            "_current_device": getattr(torch._C, "_cuda_getDevice", no_cuda),
+            "_current_stream": getattr(torch._C, "_cuda_getCurrentRawStream", no_cuda),
+        }
+
+    # --- compilation -------------------------------------------------------------------
+    @abc.abstractmethod
+    def compiler_version(self) -> str: ...
+
+    @abc.abstractmethod
+    def device_arch(self, device: int) -> str: ...
+
+    @abc.abstractmethod
+    def type_name(self, dtype: DType) -> str:
+        """The C type a template argument of this dtype becomes."""
+
+    @abc.abstractmethod
+    def prelude(self, source: str, type_names: Sequence[str]) -> str:
+        """Source prepended to a kernel: fixed-width integer typedefs and the vendor headers
+        for the half, bfloat16 and fp8 types the kernel or its template arguments use."""
+
+    @abc.abstractmethod
+    def compile(
+        self, source: str, name_expressions: Sequence[str], options: Sequence[str], arch: str
+    ) -> CompiledBinary: ...
+
+    # --- modules and launches ------------------------------------------------------------
+    @abc.abstractmethod
+    def load(self, binary: CompiledBinary, name_expression: str, device: int) -> LoadedFunction: ...
+
+    @abc.abstractmethod
+    def device_limits(self, device: int) -> DeviceLimits: ...
+
+    @abc.abstractmethod
+    def set_dynamic_shared_limit(self, function: LoadedFunction, nbytes: int) -> None: ...
+
+    @abc.abstractmethod
+    def launch(
+        self,
+        function: LoadedFunction,
+        grid: tuple[int, int, int],
+        block: tuple[int, int, int],
+        shared_bytes: int,
+        stream: int,
+        params: PackedParams,
+    ) -> None:
+        """A checked launch for slow paths and tests; call states use ``launch_template``."""
+
+    @abc.abstractmethod
+    def synchronize(self, device: int) -> None: ...
+
+    # --- graphs --------------------------------------------------------------------------
+    @abc.abstractmethod
+    def graph_nodes(self, raw_graph: int) -> list[GraphNode]:
+        """All nodes of a captured graph in the order the graph reports them (capture order
+        for stream-captured graphs), with kernel launch parameters filled in."""
+
+    @abc.abstractmethod
+    def kernel_param_sizes(self, function: int) -> list[int] | None:
+        """Sizes of a foreign kernel's parameters, or None where the driver cannot say."""
+
+    @abc.abstractmethod
+    def read_kernel_params(self, node: GraphNode, sizes: Sequence[int]) -> list[bytes]:
+        """The bytes of each parameter of a kernel node (the caller knows the sizes)."""
+
+    @abc.abstractmethod
+    def node_updater(self, raw_exec: int, node: GraphNode, layout: ParamLayout, initial: bytes) -> NodeUpdater: ...
+
+    @abc.abstractmethod
+    def graph_launch(self, raw_exec: int, stream: int) -> None: ...
+
+    @abc.abstractmethod
+    def graph_exec_object(self, raw_exec: int) -> object:
+        """The vendor object for a raw graph-exec handle, for ``graph_launch_template``."""
+
+    @abc.abstractmethod
+    def stream_object(self, raw_stream: int) -> object:
+        """The vendor object for a raw stream handle, as the hot templates pass it."""

@@ -1,0 +1,394 @@
+"""NVIDIA backend: the CUDA driver API and NVRTC through ``cuda-bindings``.
+
+The only module (with :mod:`jitcore.backends.hip`) that imports a vendor binding.
+Compilation needs no GPU (NVRTC runs on the CPU); everything else needs the driver.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Sequence
+
+from jitcore.backends.abi import CUDA_TYPE_NAMES, PackedParams, ParamLayout
+from jitcore.backends.base import (
+    Backend,
+    CompiledBinary,
+    DeviceLimits,
+    GraphNode,
+    LoadedFunction,
+    NodeUpdater,
+)
+from jitcore.dtypes import DType
+from jitcore.errors import BackendUnavailableError, CompileError, DriverError
+
+try:
+    from cuda.bindings import driver, nvrtc
+except ImportError as exc:  # pragma: no cover - exercised by the backend-selection tests
+    raise BackendUnavailableError(
+        f"the CUDA backend needs cuda-bindings and NVRTC: pip install 'jitreplay[cuda]' ({exc})"
+    ) from exc
+
+
+_INTEGER_TYPEDEFS = """\
+#ifndef JITCORE_STDINT
+#define JITCORE_STDINT
+typedef signed char int8_t; typedef unsigned char uint8_t;
+typedef short int16_t; typedef unsigned short uint16_t;
+typedef int int32_t; typedef unsigned int uint32_t;
+typedef long long int64_t; typedef unsigned long long uint64_t;
+#endif
+"""
+
+
+def _result_name(code: object) -> str:
+    try:
+        return driver.CUresult(int(code)).name
+    except ValueError:
+        return f"CUresult {int(code)}"
+
+
+def _check(result: tuple, call: str) -> object:
+    """Unpack a cuda-bindings result tuple, raising DriverError on a non-success status."""
+    status = result[0]
+    if int(status):
+        detail = ""
+        err, text = driver.cuGetErrorString(status)
+        if not int(err) and text:
+            detail = text.decode() if isinstance(text, bytes) else str(text)
+        raise DriverError(call, int(status), _result_name(status), detail)
+    if len(result) == 1:
+        return None
+    return result[1] if len(result) == 2 else result[1:]
+
+
+def _nvrtc_check(result: tuple, call: str) -> object:
+    status = result[0]
+    if int(status):
+        raise DriverError(call, int(status), nvrtc.nvrtcResult(int(status)).name)
+    return None if len(result) == 1 else (result[1] if len(result) == 2 else result[1:])
+
+
+def _device_attribute(device: object, name: str) -> int:
+    attribute = getattr(driver.CUdevice_attribute, f"CU_DEVICE_ATTRIBUTE_{name}")
+    return int(_check(driver.cuDeviceGetAttribute(attribute, device), f"cuDeviceGetAttribute({name})"))
+
+
+def _function_attribute(function: object, name: str) -> int:
+    attribute = getattr(driver.CUfunction_attribute, f"CU_FUNC_ATTRIBUTE_{name}")
+    return int(_check(driver.cuFuncGetAttribute(attribute, function), f"cuFuncGetAttribute({name})"))
+
+
+def _launch_failed(status: object, label: str) -> None:
+    raise DriverError(f"cuLaunchKernel({label})", int(status), _result_name(status))
+
+
+def _header_include_dir() -> str | None:
+    """Where cuda_fp16.h and friends are (the nvidia-cuda-runtime wheel or CUDA_HOME)."""
+    try:
+        from cuda import pathfinder
+
+        located = pathfinder.find_nvidia_header_directory("cudart")
+        if located:
+            return str(located)
+    except Exception:  # pathfinder missing or too old: fall back to the environment
+        pass
+    import os
+
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        root = os.environ.get(var)
+        if root and os.path.exists(os.path.join(root, "include", "cuda_fp16.h")):
+            return os.path.join(root, "include")
+    if os.path.exists("/usr/local/cuda/include/cuda_fp16.h"):
+        return "/usr/local/cuda/include"
+    return None
+
+
+class _CudaNodeUpdater(NodeUpdater):
+    __slots__ = ("params", "set_call", "set_args", "node_params")
+
+    def __init__(self, graph_exec: object, node: GraphNode, layout: ParamLayout, initial: bytes):
+        self.params = PackedParams(layout, initial)
+        node_params = driver.CUDA_KERNEL_NODE_PARAMS()
+        node_params.func = driver.CUfunction(node.function)
+        node_params.gridDimX, node_params.gridDimY, node_params.gridDimZ = node.grid
+        node_params.blockDimX, node_params.blockDimY, node_params.blockDimZ = node.block
+        node_params.sharedMemBytes = node.shared_bytes
+        node_params.kernelParams = self.params.address
+        node_params.extra = 0
+        self.node_params = node_params
+        self.set_call = driver.cuGraphExecKernelNodeSetParams
+        self.set_args = (graph_exec, node.handle, node_params)
+
+    def apply(self) -> None:
+        _check(self.set_call(*self.set_args), "cuGraphExecKernelNodeSetParams")
+
+
+class CudaBackend(Backend):
+    name = "cuda"
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._initialized = False
+        self._contexts: dict[int, object] = {}
+        self._limits: dict[int, DeviceLimits] = {}
+        self._streams: dict[int, object] = {}
+        self._include_dir = _header_include_dir()
+        self.raw_launch = driver.cuLaunchKernel
+        self.hot_namespace = {
+            "_cuLaunchKernel": driver.cuLaunchKernel,
+            "_cuGraphLaunch": driver.cuGraphLaunch,
+            "_STREAMS": self._streams,
+            "_stream_object": self.stream_object,
+            "_launch_failed": _launch_failed,
+            "_graph_launch_failed": self._graph_launch_failed,
+            **self.torch_hot_namespace(),
+        }
+        self.launch_template = (
+            "_r = _cuLaunchKernel({function}, {gx}, {gy}, {gz}, {bx}, {by}, {bz}, {shared}, {stream}, {params}, 0)\n"
+            "if _r[0]: _launch_failed(_r[0], {label})"
+        )
+        self.graph_launch_template = (
+            "_r = _cuGraphLaunch({exec}, {stream})\n"
+            "if _r[0]: _graph_launch_failed(_r[0])"
+        )
+
+    # --- driver state --------------------------------------------------------------------
+    def _ensure_init(self) -> None:
+        if self._initialized:
+            return
+        with self._lock:
+            if self._initialized:
+                return
+            try:
+                _check(driver.cuInit(0), "cuInit")
+            except DriverError:
+                raise
+            except Exception as exc:  # the driver library itself is missing
+                raise BackendUnavailableError(
+                    f"the NVIDIA driver could not be loaded ({exc}); a GPU is needed to launch kernels"
+                ) from exc
+            self._initialized = True
+
+    def _context(self, device: int) -> object:
+        """The device's primary context (the one torch uses), retained once."""
+        context = self._contexts.get(device)
+        if context is None:
+            self._ensure_init()
+            handle = _check(driver.cuDeviceGet(device), "cuDeviceGet")
+            context = _check(driver.cuDevicePrimaryCtxRetain(handle), "cuDevicePrimaryCtxRetain")
+            self._contexts[device] = context
+        return context
+
+    def _in_context(self, device: int):
+        backend = self
+
+        class _Scope:
+            def __enter__(self_inner):
+                _check(driver.cuCtxPushCurrent(backend._context(device)), "cuCtxPushCurrent")
+
+            def __exit__(self_inner, *exc):
+                _check(driver.cuCtxPopCurrent(), "cuCtxPopCurrent")
+
+        return _Scope()
+
+    def stream_object(self, raw_stream: int) -> object:
+        stream = self._streams.get(raw_stream)
+        if stream is None:
+            stream = self._streams[raw_stream] = driver.CUstream(raw_stream)
+        return stream
+
+    def _graph_launch_failed(self, status: object) -> None:
+        raise DriverError("cuGraphLaunch", int(status), _result_name(status))
+
+    # --- compilation ---------------------------------------------------------------------
+    def compiler_version(self) -> str:
+        major, minor = _nvrtc_check(nvrtc.nvrtcVersion(), "nvrtcVersion")
+        return f"nvrtc-{major}.{minor}"
+
+    def device_arch(self, device: int) -> str:
+        self._ensure_init()
+        handle = _check(driver.cuDeviceGet(device), "cuDeviceGet")
+        major = _device_attribute(handle, "COMPUTE_CAPABILITY_MAJOR")
+        minor = _device_attribute(handle, "COMPUTE_CAPABILITY_MINOR")
+        return f"sm_{major}{minor}"
+
+    def type_name(self, dtype: DType) -> str:
+        try:
+            return CUDA_TYPE_NAMES[dtype.name]
+        except KeyError:
+            raise TypeError(f"dtype {dtype.name} has no CUDA C type for a template argument") from None
+
+    def prelude(self, source: str, type_names: Sequence[str]) -> str:
+        text = source + " " + " ".join(type_names)
+        lines = [_INTEGER_TYPEDEFS]
+        if "__half" in text or "half" in text:
+            lines.append("#include <cuda_fp16.h>")
+        if "bfloat16" in text:
+            lines.append("#include <cuda_bf16.h>")
+        if "__nv_fp8" in text:
+            lines.append("#include <cuda_fp8.h>")
+        if "__nv_fp4" in text:
+            lines.append("#include <cuda_fp4.h>")
+        return "\n".join(lines) + "\n"
+
+    def compile(
+        self, source: str, name_expressions: Sequence[str], options: Sequence[str], arch: str
+    ) -> CompiledBinary:
+        program = _nvrtc_check(nvrtc.nvrtcCreateProgram(source.encode(), b"kernel.cu", 0, [], []), "nvrtcCreateProgram")
+        try:
+            for expression in name_expressions:
+                _nvrtc_check(nvrtc.nvrtcAddNameExpression(program, expression.encode()), "nvrtcAddNameExpression")
+            flags = [f"--gpu-architecture={arch}", "-std=c++17"]
+            if self._include_dir:
+                flags.append(f"-I{self._include_dir}")
+            flags += list(options)
+            encoded = [flag.encode() for flag in flags]
+            status = nvrtc.nvrtcCompileProgram(program, len(encoded), encoded)[0]
+            size = _nvrtc_check(nvrtc.nvrtcGetProgramLogSize(program), "nvrtcGetProgramLogSize")
+            log_buffer = b" " * size
+            _nvrtc_check(nvrtc.nvrtcGetProgramLog(program, log_buffer), "nvrtcGetProgramLog")
+            log = log_buffer.rstrip(b"\0 ").decode(errors="replace")
+            if int(status):
+                raise CompileError(f"NVRTC could not compile {', '.join(name_expressions)} for {arch}", log=log)
+            lowered = {}
+            for expression in name_expressions:
+                name = _nvrtc_check(nvrtc.nvrtcGetLoweredName(program, expression.encode()), "nvrtcGetLoweredName")
+                lowered[expression] = name.decode() if isinstance(name, bytes) else str(name)
+            if arch.startswith("sm_"):
+                size = _nvrtc_check(nvrtc.nvrtcGetCUBINSize(program), "nvrtcGetCUBINSize")
+                image = b" " * size
+                _nvrtc_check(nvrtc.nvrtcGetCUBIN(program, image), "nvrtcGetCUBIN")
+            else:
+                size = _nvrtc_check(nvrtc.nvrtcGetPTXSize(program), "nvrtcGetPTXSize")
+                image = b" " * size
+                _nvrtc_check(nvrtc.nvrtcGetPTX(program, image), "nvrtcGetPTX")
+            return CompiledBinary(
+                image=bytes(image), lowered_names=lowered, log=log, arch=arch, compiler=self.compiler_version()
+            )
+        finally:
+            nvrtc.nvrtcDestroyProgram(program)
+
+    # --- modules and launches ------------------------------------------------------------
+    def load(self, binary: CompiledBinary, name_expression: str, device: int) -> LoadedFunction:
+        lowered = binary.lowered_names[name_expression]
+        with self._in_context(device):
+            module = _check(driver.cuModuleLoadData(binary.image), "cuModuleLoadData")
+            function = _check(driver.cuModuleGetFunction(module, lowered.encode()), "cuModuleGetFunction")
+            loaded = LoadedFunction(
+                handle=function,
+                address=int(function),
+                device=device,
+                name=name_expression,
+                max_threads_per_block=_function_attribute(function, "MAX_THREADS_PER_BLOCK"),
+                static_shared_bytes=_function_attribute(function, "SHARED_SIZE_BYTES"),
+                dynamic_shared_limit=_function_attribute(function, "MAX_DYNAMIC_SHARED_SIZE_BYTES"),
+                owner=module,
+            )
+        return loaded
+
+    def device_limits(self, device: int) -> DeviceLimits:
+        limits = self._limits.get(device)
+        if limits is None:
+            self._ensure_init()
+            handle = _check(driver.cuDeviceGet(device), "cuDeviceGet")
+
+            def get(name: str) -> int:
+                return _device_attribute(handle, name)
+
+            limits = DeviceLimits(
+                max_block=(get("MAX_BLOCK_DIM_X"), get("MAX_BLOCK_DIM_Y"), get("MAX_BLOCK_DIM_Z")),
+                max_threads_per_block=get("MAX_THREADS_PER_BLOCK"),
+                max_grid=(get("MAX_GRID_DIM_X"), get("MAX_GRID_DIM_Y"), get("MAX_GRID_DIM_Z")),
+                max_shared_per_block=get("MAX_SHARED_MEMORY_PER_BLOCK"),
+                max_shared_per_block_optin=get("MAX_SHARED_MEMORY_PER_BLOCK_OPTIN"),
+            )
+            self._limits[device] = limits
+        return limits
+
+    def set_dynamic_shared_limit(self, function: LoadedFunction, nbytes: int) -> None:
+        with self._in_context(function.device):
+            _check(
+                driver.cuFuncSetAttribute(
+                    function.handle,
+                    driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    int(nbytes),
+                ),
+                "cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)",
+            )
+        function.dynamic_shared_limit = int(nbytes)
+
+    def launch(self, function, grid, block, shared_bytes, stream, params) -> None:
+        result = driver.cuLaunchKernel(
+            function.handle, *grid, *block, shared_bytes, self.stream_object(stream), params.address, 0
+        )
+        if int(result[0]):
+            _launch_failed(result[0], function.name)
+
+    def synchronize(self, device: int) -> None:
+        with self._in_context(device):
+            _check(driver.cuCtxSynchronize(), "cuCtxSynchronize")
+
+    # --- graphs --------------------------------------------------------------------------
+    def graph_nodes(self, raw_graph: int) -> list[GraphNode]:
+        graph = driver.CUgraph(raw_graph)
+        _, count = _check(driver.cuGraphGetNodes(graph, 0), "cuGraphGetNodes")
+        if not count:
+            return []
+        handles, count = _check(driver.cuGraphGetNodes(graph, count), "cuGraphGetNodes")
+        node_type = driver.CUgraphNodeType
+        nodes = []
+        for index, handle in enumerate(handles[:count]):
+            kind = _check(driver.cuGraphNodeGetType(handle), "cuGraphNodeGetType")
+            if kind == node_type.CU_GRAPH_NODE_TYPE_KERNEL:
+                p = _check(driver.cuGraphKernelNodeGetParams(handle), "cuGraphKernelNodeGetParams")
+                nodes.append(
+                    GraphNode(
+                        index=index,
+                        handle=handle,
+                        kind="kernel",
+                        function=int(p.func),
+                        grid=(p.gridDimX, p.gridDimY, p.gridDimZ),
+                        block=(p.blockDimX, p.blockDimY, p.blockDimZ),
+                        shared_bytes=p.sharedMemBytes,
+                        params_address=int(p.kernelParams),
+                    )
+                )
+            elif kind == node_type.CU_GRAPH_NODE_TYPE_MEMCPY:
+                p = _check(driver.cuGraphMemcpyNodeGetParams(handle), "cuGraphMemcpyNodeGetParams")
+                nodes.append(
+                    GraphNode(index=index, handle=handle, kind="memcpy", pointers=(int(p.srcDevice), int(p.dstDevice)))
+                )
+            elif kind == node_type.CU_GRAPH_NODE_TYPE_MEMSET:
+                p = _check(driver.cuGraphMemsetNodeGetParams(handle), "cuGraphMemsetNodeGetParams")
+                nodes.append(GraphNode(index=index, handle=handle, kind="memset", pointers=(int(p.dst),)))
+            else:
+                nodes.append(GraphNode(index=index, handle=handle, kind="other"))
+        return nodes
+
+    def kernel_param_sizes(self, function: int) -> list[int] | None:
+        sizes = []
+        handle = driver.CUfunction(function)
+        for index in range(4096):
+            result = driver.cuFuncGetParamInfo(handle, index)
+            if int(result[0]):
+                break
+            sizes.append(int(result[2]))
+        return sizes if sizes else None
+
+    def read_kernel_params(self, node: GraphNode, sizes: Sequence[int]) -> list[bytes]:
+        if not node.params_address:
+            return [b""] * len(sizes)
+        pointers = (ctypes.c_void_p * len(sizes)).from_address(node.params_address)
+        return [ctypes.string_at(pointers[i], size) for i, size in enumerate(sizes)]
+
+    def node_updater(self, raw_exec, node, layout, initial) -> NodeUpdater:
+        return _CudaNodeUpdater(driver.CUgraphExec(raw_exec), node, layout, initial)
+
+    def graph_exec_object(self, raw_exec: int) -> object:
+        return driver.CUgraphExec(raw_exec)
+
+    def graph_launch(self, raw_exec: int, stream: int) -> None:
+        result = driver.cuGraphLaunch(driver.CUgraphExec(raw_exec), self.stream_object(stream))
+        if int(result[0]):
+            self._graph_launch_failed(result[0])

@@ -1,0 +1,426 @@
+"""Call states: a traced launcher turned into straight-line Python.
+
+A call state reads the data pointers and dynamic sizes it needs from the raw arguments, writes
+them into persistent parameter buffers (one ``struct.pack_into`` per run of non-constant
+parameters; constants are written once when a thread's buffers are made) and calls the vendor
+launch directly, once per recorded kernel launch. Print one with ``JITCORE_DUMP=1`` or
+``fn.dump()``; an example::
+
+    def launch_axpy__state0(x, y, out, alpha, /, stream=None):
+        if _ACTIVE[0]:
+            return _recording((x, y, out, alpha), (x, y, out, alpha), stream)
+        ...
+        x_numel = x.numel()
+        _g0x = (-(-x_numel // 256))
+        if not 0 < _g0x <= 2147483647: _bad_config(0, 'grid', (_g0x, 1, 1))
+        _pack0_0(_b[0], 0, x.data_ptr(), y.data_ptr(), out.data_ptr(), alpha, x_numel)
+        _r = _cuLaunchKernel(_f0, _g0x, 1, 1, 256, 1, 1, 0, ...)
+
+Each thread gets its own buffers, so concurrent hits never share a half-written one.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import threading
+from collections.abc import Sequence
+
+from jitcore import recorder, symbolic
+from jitcore.backends import abi
+from jitcore.backends.abi import PackedParams
+from jitcore.backends.base import Backend
+from jitcore.errors import ArgumentError, LaunchConfigError
+from jitcore.symbolic import Sym
+from jitcore.tracing import Trace, TraceLaunch
+
+
+def dump_enabled() -> bool:
+    return os.environ.get("JITCORE_DUMP", "").strip() not in ("", "0")
+
+
+def stream_handle(stream: object) -> int:
+    """A raw stream handle from a torch stream or an int."""
+    if isinstance(stream, int):
+        return stream
+    raw = getattr(stream, "cuda_stream", None)
+    if isinstance(raw, int):
+        return raw
+    raise TypeError(
+        f"stream= expects a torch.cuda.Stream or a raw stream handle (int), got {type(stream).__qualname__}"
+    )
+
+
+def leaf_values(trace: Trace, args: Sequence[object]) -> dict[str, object]:
+    """Read every leaf the trace uses from concrete arguments (the slow, generic way)."""
+    values: dict[str, object] = {}
+    for variable, leaf in trace.leaves.items():
+        arg = args[leaf.arg_index]
+        if leaf.kind == "size":
+            values[variable] = arg.shape[leaf.dim]
+        elif leaf.kind == "stride":
+            values[variable] = arg.stride()[leaf.dim]
+        elif leaf.kind == "numel":
+            values[variable] = arg.numel()
+        else:
+            values[variable] = arg
+    return values
+
+
+def _value(expr: object, values: dict[str, object]) -> object:
+    return expr.evaluate(values) if isinstance(expr, Sym) else expr
+
+
+class CallState:
+    """One traced launcher for one key: generated ``run`` plus what replay's hook needs."""
+
+    def __init__(
+        self, owner: str, index: int, key: tuple, trace: Trace, backend: Backend, returns: tuple[int, ...] | int | None
+    ):
+        self.owner = owner
+        self.key = key
+        self.trace = trace
+        self.backend = backend
+        self.device = trace.device
+        self.returns = returns
+        self.param_names = trace.param_names
+        self._tls = threading.local()
+        self.name = f"{owner}__state{index}"
+        self.namespace: dict[str, object] = dict(backend.hot_namespace)
+        self.namespace.update(
+            {
+                "_ACTIVE": recorder.ACTIVE,
+                "_recording": self.run_recording,
+                "_tls": self._tls,
+                "_new_buffers": self._new_buffers,
+                "_stream_handle": stream_handle,
+                "_StructError": struct.error,
+                "_pack_failed": self._pack_failed,
+                "_bad_config": self._bad_config,
+                "_grow_shared": self._grow_shared,
+                "_bf16": abi.float_to_bfloat16_bits,
+            }
+        )
+        self.source = self._generate()
+        exec(compile(self.source, f"<jitcore call state {self.name}>", "exec"), self.namespace)
+        self.run = self.namespace[self.name]
+        self.run.source = self.source
+        self.run.call_state = self
+        for launch in trace.launches:  # static shared memory over the default limit: opt in now
+            if symbolic.is_static(launch.shared) and launch.shared > launch.function.dynamic_shared_limit:
+                backend.set_dynamic_shared_limit(launch.function, launch.shared)
+
+    # --- generation ----------------------------------------------------------------------
+    def _generate(self) -> str:
+        trace = self.trace
+        args = ", ".join(self.param_names)
+        args_tuple = f"({args},)" if self.param_names else "()"
+        lines = [
+            f"def {self.name}({args}{', /' if self.param_names else ''}, stream=None):",
+            f"    # call state of {self.owner} for key {self.key!r}",
+            "    if _ACTIVE[0]:",
+            f"        return _recording({args_tuple}, {args_tuple}, stream)",
+            "    try:",
+            "        _b = _tls.b",
+            "    except AttributeError:",
+            "        _b = _new_buffers()",
+            "    if stream is None:",
+            f"        stream = _current_stream({trace.device})",
+            "    elif stream.__class__ is not int:",
+            "        stream = _stream_handle(stream)",
+            "    _so = _STREAMS.get(stream)",
+            "    if _so is None:",
+            "        _so = _stream_object(stream)",
+            "    try:",
+        ]
+        body: list[str] = []
+        body += self._leaf_reads()
+        pointer_args = sorted({s.arg_index for launch in trace.launches for s in launch.sources if s.kind == "pointer"})
+        for index in pointer_args:
+            name = self.param_names[index]
+            body.append(f"{name}_ptr = {name}.data_ptr()")
+        for number, launch in enumerate(trace.launches):
+            body += self._launch_lines(number, launch)
+        lines += ["        " + line for line in body] or ["        pass"]
+        lines += [
+            "    except _StructError as _e:",
+            f"        _pack_failed(_e, {args_tuple})",
+        ]
+        if self.returns is not None:
+            lines.append(f"    return {self._return_source()}")
+        return "\n".join(lines) + "\n"
+
+    def _return_source(self) -> str:
+        if isinstance(self.returns, int):
+            return self.param_names[self.returns]
+        return "(" + "".join(f"{self.param_names[i]}, " for i in self.returns) + ")"
+
+    def _used_leaves(self) -> list:
+        """Leaves some launch actually uses (tracing registers every dynamic size it sees)."""
+        used: dict[str, None] = {}
+        for launch in self.trace.launches:
+            exprs = [*launch.grid, *launch.block, launch.shared]
+            for source in launch.sources:
+                exprs += [source.offset, source.value]
+            for expr in exprs:
+                if isinstance(expr, Sym):
+                    for leaf in expr.leaves():
+                        used.setdefault(leaf.args[0], None)
+        return [self.trace.leaves[variable] for variable in used]
+
+    def _leaf_reads(self) -> list[str]:
+        lines = []
+        by_arg: dict[int, list] = {}
+        for leaf in self._used_leaves():
+            by_arg.setdefault(leaf.arg_index, []).append(leaf)
+        for index in sorted(by_arg):
+            leaves = by_arg[index]
+            name = self.param_names[index]
+            sizes = [leaf for leaf in leaves if leaf.kind == "size"]
+            strides = [leaf for leaf in leaves if leaf.kind == "stride"]
+            if sizes:
+                lines.append(f"{name}_shape = {name}.shape")
+                lines += [f"{leaf.variable} = {name}_shape[{leaf.dim}]" for leaf in sizes]
+            if strides:
+                lines.append(f"{name}_strides = {name}.stride()")
+                lines += [f"{leaf.variable} = {name}_strides[{leaf.dim}]" for leaf in strides]
+            lines += [f"{leaf.variable} = {name}.numel()" for leaf in leaves if leaf.kind == "numel"]
+        return lines
+
+    def _launch_lines(self, number: int, launch: TraceLaunch) -> list[str]:
+        lines: list[str] = []
+        limits = self.trace.limits
+        function = launch.function
+        self.namespace[f"_f{number}"] = function.handle
+        self.namespace[f"_fn{number}"] = function
+
+        def local(expr: object, name: str) -> str:
+            if symbolic.is_static(expr):
+                return repr(expr)
+            lines.append(f"{name} = {expr.source()}")
+            return name
+
+        grid = [local(g, f"_g{number}{'xyz'[i]}") for i, g in enumerate(launch.grid)]
+        block = [local(b, f"_b{number}{'xyz'[i]}") for i, b in enumerate(launch.block)]
+        shared = local(launch.shared, f"_s{number}")
+        grid_t, block_t = f"({', '.join(grid)})", f"({', '.join(block)})"
+        for axis, expr in enumerate(launch.grid):
+            if not symbolic.is_static(expr):
+                lines.append(
+                    f"if not 0 < {grid[axis]} <= {limits.max_grid[axis]}: _bad_config({number}, 'grid', {grid_t})"
+                )
+        if not all(symbolic.is_static(b) for b in launch.block):
+            threads = min(limits.max_threads_per_block, function.max_threads_per_block or limits.max_threads_per_block)
+            checks = " or ".join(f"not 0 < {block[axis]} <= {limits.max_block[axis]}" for axis in range(3))
+            product = f"{block[0]} * {block[1]} * {block[2]}"
+            lines.append(f"if {checks} or {product} > {threads}: _bad_config({number}, 'block', {block_t})")
+        if not symbolic.is_static(launch.shared):
+            available = limits.max_shared_per_block_optin - function.static_shared_bytes
+            lines.append(f"if not 0 <= {shared} <= {available}: _bad_config({number}, 'shared', {shared})")
+            lines.append(f"if {shared} > _fn{number}.dynamic_shared_limit: _grow_shared({number}, {shared})")
+        layout = launch.kernel.layout
+        dynamic = [i for i, s in enumerate(launch.sources) if s.kind != "constant"]
+        for run_number, run in enumerate(layout.runs(dynamic)):
+            offset, packer = layout.struct_for(run)
+            packer_name = f"_pack{number}_{run_number}"
+            self.namespace[packer_name] = packer.pack_into
+            values = ", ".join(self._param_source(launch, i) for i in run)
+            lines.append(f"{packer_name}(_b[{2 * number}], {offset}, {values})")
+        lines += self.backend.launch_template.format(
+            function=f"_f{number}",
+            gx=grid[0],
+            gy=grid[1],
+            gz=grid[2],
+            bx=block[0],
+            by=block[1],
+            bz=block[2],
+            shared=shared,
+            stream="_so",
+            params=f"_b[{2 * number + 1}]",
+            label=repr(launch.kernel.name_expression),
+        ).splitlines()
+        return lines
+
+    def _param_source(self, launch: TraceLaunch, index: int) -> str:
+        source = launch.sources[index]
+        param = launch.kernel.param_types[index]
+        if source.kind == "pointer":
+            pointer = f"{self.param_names[source.arg_index]}_ptr"
+            offset = source.offset * source.itemsize if source.itemsize else 0
+            if symbolic.is_static(offset):
+                return pointer if offset == 0 else f"{pointer} + {offset}"
+            return f"{pointer} + {offset.source()}"
+        text = symbolic.render(source.value)
+        return f"_bf16({text})" if param.kind == "bfloat16" else text
+
+    # --- buffers -------------------------------------------------------------------------
+    def _new_buffers(self) -> tuple:
+        """This thread's buffers, with every constant parameter written once."""
+        flat: list[object] = []
+        owners = []
+        for launch in self.trace.launches:
+            packed = PackedParams(launch.kernel.layout)
+            for index, source in enumerate(launch.sources):
+                if source.kind == "constant":
+                    _pack_one(packed, launch, index, source.value)
+            flat += [packed.buffer, packed.address]
+            owners.append(packed)
+        self._tls.owners = owners  # the void* arrays behind the addresses live as long as the thread's buffers
+        buffers = self._tls.b = tuple(flat)
+        return buffers
+
+    # --- slow paths ----------------------------------------------------------------------
+    def _evaluate(self, launch: TraceLaunch, values: dict[str, object]) -> list[object]:
+        result = []
+        for source in launch.sources:
+            if source.kind == "pointer":
+                arg = values["__args__"][source.arg_index]
+                result.append(arg.data_ptr() + int(_value(source.offset, values)) * source.itemsize)
+            else:
+                result.append(_value(source.value, values))
+        return result
+
+    def _pack_failed(self, error: struct.error, args: tuple) -> None:
+        values = leaf_values(self.trace, args)
+        values["__args__"] = args
+        for launch in self.trace.launches:
+            for index, value in enumerate(self._evaluate(launch, values)):
+                param = launch.kernel.param_types[index]
+                try:
+                    _pack_one(PackedParams(launch.kernel.layout), launch, index, value)
+                except (struct.error, OverflowError, TypeError) as exc:
+                    raise ArgumentError(
+                        f"{self.owner}: argument {index} ({param.describe()}) of "
+                        f"{launch.kernel.name_expression} gets {value!r}, which does not fit ({exc})"
+                    ) from None
+        raise ArgumentError(f"{self.owner}: a kernel argument does not fit its C type ({error})")
+
+    def _bad_config(self, number: int, what: str, value: object) -> None:
+        launch = self.trace.launches[number]
+        raise LaunchConfigError(
+            f"{self.owner}: {launch.kernel.name_expression} launched with {what} {value}, outside "
+            "the device's limits (each grid and block dimension must be at least 1)"
+        )
+
+    def _grow_shared(self, number: int, nbytes: int) -> None:
+        self.backend.set_dynamic_shared_limit(self.trace.launches[number].function, nbytes)
+
+    def run_recording(self, args: tuple, original: tuple, stream: object = None) -> object:
+        """The generic path: used while any recorder is installed. Launches the same bytes as
+        ``run`` and reports each launch to this thread's recorder, if it has one."""
+        hook = recorder.current()
+        device = self.device
+        stream = self.backend.current_stream(device) if stream is None else stream_handle(stream)
+        values = leaf_values(self.trace, args)
+        values["__args__"] = args
+        limits = self.trace.limits
+        for number, launch in enumerate(self.trace.launches):
+            grid = tuple(int(_value(g, values)) for g in launch.grid)
+            block = tuple(int(_value(b, values)) for b in launch.block)
+            shared = int(_value(launch.shared, values))
+            for axis in range(3):
+                if not 0 < grid[axis] <= limits.max_grid[axis]:
+                    self._bad_config(number, "grid", grid)
+                if not 0 < block[axis] <= limits.max_block[axis]:
+                    self._bad_config(number, "block", block)
+            if shared > launch.function.dynamic_shared_limit:
+                self._grow_shared(number, shared)
+            packed = PackedParams(launch.kernel.layout)
+            param_values = self._evaluate(launch, values)
+            for index, value in enumerate(param_values):
+                try:
+                    _pack_one(packed, launch, index, value)
+                except (struct.error, OverflowError, TypeError):
+                    self._pack_failed(struct.error("does not fit"), args)
+            self.backend.launch(launch.function, grid, block, shared, stream, packed)
+            if hook is not None:
+                hook.launch(self._launch_record(launch, packed, values, original, grid, block, shared, stream))
+        if self.returns is None:
+            return None
+        if isinstance(self.returns, int):
+            return original[self.returns]
+        return tuple(original[i] for i in self.returns)
+
+    def _launch_record(self, launch, packed, values, original, grid, block, shared, stream):
+        layout = launch.kernel.layout
+        params = []
+        for index, source in enumerate(launch.sources):
+            param = launch.kernel.param_types[index]
+            common = dict(index=index, name=param.name, offset=layout.offsets[index], size=param.size, fmt=param.fmt)
+            if source.kind == "pointer":
+                params.append(
+                    recorder.ParamRecord(
+                        kind="pointer",
+                        arg_index=source.arg_index,
+                        byte_offset=int(_value(source.offset, values)) * source.itemsize,
+                        read_only=param.const_pointee,
+                        **common,
+                    )
+                )
+            elif source.kind == "value" and any(leaf.kind == "scalar" for leaf in self._leaves_of(source.value)):
+                scalar_leaves = [leaf for leaf in self._leaves_of(source.value) if leaf.kind == "scalar"]
+                params.append(
+                    recorder.ParamRecord(
+                        kind="scalar",
+                        scalar_args=tuple(sorted(leaf.arg_index for leaf in scalar_leaves)),
+                        evaluate=_Evaluator(source.value, values, self.param_names),
+                        encode=_Encoder(param),
+                        **common,
+                    )
+                )
+            else:
+                params.append(recorder.ParamRecord(kind="constant", **common))
+        return recorder.LaunchRecord(
+            jit_function=self.owner,
+            kernel=launch.kernel.name_expression,
+            function=launch.function.address,
+            device=self.device,
+            grid=grid,
+            block=block,
+            shared_bytes=shared,
+            layout=layout,
+            param_bytes=packed.bytes(),
+            params=tuple(params),
+            args=tuple(original),
+            stream=stream,
+        )
+
+    def _leaves_of(self, expr: object) -> list:
+        if not isinstance(expr, Sym):
+            return []
+        return [self.trace.leaves[leaf.args[0]] for leaf in expr.leaves()]
+
+
+class _Evaluator:
+    """Recompute a scalar parameter from new runtime-scalar values (sizes stay as recorded)."""
+
+    def __init__(self, expr: Sym, values: dict[str, object], names: Sequence[str]):
+        self.expr = expr
+        self.fixed = {k: v for k, v in values.items() if k != "__args__"}
+        self.names = tuple(names)
+
+    def __call__(self, scalars: dict[int, object]) -> object:
+        values = dict(self.fixed)
+        for index, value in scalars.items():
+            values[self.names[index]] = value
+        return self.expr.evaluate(values)
+
+
+class _Encoder:
+    """Turn a value into a parameter's bytes exactly as the call state packs it."""
+
+    def __init__(self, param: abi.ParamType):
+        self.param = param
+        self.packer = struct.Struct("<" + param.fmt)
+
+    def __call__(self, value: object) -> bytes:
+        if self.param.kind == "bfloat16":
+            value = abi.float_to_bfloat16_bits(float(value))
+        return self.packer.pack(value)
+
+
+def _pack_one(packed: PackedParams, launch: TraceLaunch, index: int, value: object) -> None:
+    param = launch.kernel.param_types[index]
+    if param.kind == "bfloat16":
+        value = abi.float_to_bfloat16_bits(float(value))
+    struct.pack_into("<" + param.fmt, packed.buffer, launch.kernel.layout.offsets[index], value)

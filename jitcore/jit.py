@@ -1,0 +1,299 @@
+"""``@jit`` launchers: a lean-key hit path in front of traced call states.
+
+``@jit`` returns a generated dispatcher with the launcher's own parameter list (so Python
+binds arguments and reports a wrong count or an unknown keyword itself). A call:
+
+1. builds the lean key (inlined :class:`~jitcore.keys.KeyPlan` statements, the current
+   device first),
+2. looks the call state up in a bounded LRU cache,
+3. checks the launcher's globals for drift (one ``is`` per identity-stable global),
+4. calls the call state, which packs parameters and launches.
+
+Anything unusual (a new key, a dynamic scalar, a bad argument) takes the miss path: the full
+key (DLPack-built adaptors; equal to the lean key by construction and by test), then tracing,
+compiling and storing the new call state. Nothing is stored when any step fails.
+
+``compile(fn, *args)`` returns the call state itself as a pinned handle (see its docstring).
+"""
+
+from __future__ import annotations
+
+import builtins
+import functools
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+
+import attrs
+import numpy as np
+import torch
+
+from jitcore import keys, recorder, tensors
+from jitcore.backends import get_backend
+from jitcore.codegen import CallState, dump_enabled
+from jitcore.drift import GlobalsSnapshot
+from jitcore.errors import ArgumentError, CaptureMissError, DeviceError
+from jitcore.symbolic import Sym
+from jitcore.tracing import Trace, TracedTensor
+
+DEFAULT_CACHE_SIZE = 4096
+
+
+@attrs.frozen
+class CacheInfo:
+    states: int
+    capacity: int
+    compiles: int
+    evictions: int
+
+
+class JitFunction:
+    """The controller behind one ``@jit`` launcher (reachable as ``launcher.jit``)."""
+
+    def __init__(self, fn: Callable, *, cache_size: int = DEFAULT_CACHE_SIZE):
+        if not callable(fn) or not hasattr(fn, "__code__"):
+            raise TypeError(f"@jit expects a Python function, got {fn!r}")
+        if isinstance(cache_size, bool) or not isinstance(cache_size, int) or cache_size < 1:
+            raise ValueError(f"cache_size must be a positive int, got {cache_size!r}")
+        self.fn = fn
+        self.name = fn.__name__
+        self.cache_size = cache_size
+        self.parameters = keys.parameters_of(fn)
+        if "stream" in (p.name for p in self.parameters):
+            raise TypeError(f"{self.name}: a launcher parameter may not be called 'stream' (it is jit's keyword)")
+        self.plan = keys.KeyPlan(self.parameters)
+        # key -> the call state's generated run function (its CallState is run.call_state)
+        self.states: OrderedDict[tuple, Callable] = OrderedDict()
+        self.snapshot: GlobalsSnapshot | None = None
+        self.compiles = 0
+        self.evictions = 0
+        self._lock = threading.RLock()
+        self.namespace: dict[str, object] = dict(self.plan.namespace)
+        self.namespace.update(
+            {
+                "_STATES": self.states,
+                "_touch": self.states.move_to_end,
+                "_miss": self.miss,
+                "_device": self._bootstrap_device,
+            }
+        )
+        for index, param in enumerate(self.parameters):
+            if param.default is not keys._NO_DEFAULT:
+                self.namespace[f"_default{index}"] = param.default
+        self.dispatcher = self._make_dispatcher()
+
+    # --- the generated hit path ----------------------------------------------------------
+    def _bootstrap_device(self) -> int:
+        """First call only: bind the backend's current-device reader, then use it."""
+        reader = get_backend().hot_namespace["_current_device"]
+        self.namespace["_device"] = reader
+        return reader()
+
+    def _dispatcher_source(self) -> str:
+        names = [p.name for p in self.parameters]
+        params = ", ".join(
+            p.name if p.default is keys._NO_DEFAULT else f"{p.name}=_default{i}" for i, p in enumerate(self.parameters)
+        )
+        args_tuple = "(" + "".join(f"{n}, " for n in names) + ")"
+        lines = [f"def {self.name}({params}{', ' if params else ''}*, stream=None):", "    try:"]
+        lines += ["        " + line for line in self.plan.key_lines(hit_path=True, leading="_device(), ")]
+        lines += [
+            "        _state = _STATES[key]",
+            "    except Exception:",
+            f"        return _miss({args_tuple}, stream)",
+            "    _touch(key)",
+        ]
+        if self.snapshot is not None:
+            lines += ["    " + line for line in self.snapshot.check_lines]
+        lines.append(f"    return _state({', '.join(names)}{', ' if names else ''}stream)")
+        return "\n".join(lines) + "\n"
+
+    def _make_dispatcher(self) -> Callable:
+        source = self._dispatcher_source()
+        exec(builtins.compile(source, f"<jitcore dispatcher {self.name}>", "exec"), self.namespace)
+        dispatcher = self.namespace[self.name]
+        functools.update_wrapper(dispatcher, self.fn)
+        dispatcher.__wrapped__ = self.fn
+        dispatcher.jit = self
+        dispatcher.dump = self.dump
+        dispatcher.cache_info = self.cache_info
+        dispatcher.cache_clear = self.cache_clear
+        self.source = source
+        return dispatcher
+
+    def _install_drift_check(self, snapshot: GlobalsSnapshot) -> None:
+        """Inline the drift check into the dispatcher (same function object, new code)."""
+        self.namespace.update(snapshot.namespace)
+        self.snapshot = snapshot
+        source = self._dispatcher_source()
+        scratch: dict[str, object] = {}
+        exec(builtins.compile(source, f"<jitcore dispatcher {self.name}>", "exec"), self.namespace, scratch)
+        self.dispatcher.__code__ = scratch[self.name].__code__
+        self.source = source
+        if dump_enabled():
+            print(f"# jitcore dispatcher\n{source}")
+
+    # --- the miss path -------------------------------------------------------------------
+    def miss(self, args: tuple, stream: object = None) -> object:
+        concrete, run = self._lookup(args)
+        if any(a is not c for a, c in zip(args, concrete)):
+            return run.call_state.run_recording(concrete, args, stream)
+        return run(*concrete, stream=stream)
+
+    def state_for(self, args: tuple) -> CallState:
+        """The call state for these arguments, built if needed, without launching."""
+        return self._lookup(args)[1].call_state
+
+    def _lookup(self, args: tuple) -> tuple[tuple, Callable]:
+        """The full-key lookup: validate everything, check drift, find or build the state."""
+        concrete = tuple(_unwrap_scalar(a) for a in args)
+        backend = get_backend()
+        device = backend.current_device()
+        key = (device, *self.plan.full_key(*args))
+        if self.snapshot is not None:
+            self.snapshot.check()
+        run = self.states.get(key)
+        if run is None:
+            run = self._build(key, concrete, device, backend).run
+        else:
+            self.states.move_to_end(key)
+        return concrete, run
+
+    def _build(self, key: tuple, args: tuple, device: int, backend) -> CallState:
+        hook = recorder.current()
+        if hook is not None:
+            hook.miss(f"{self.name}: no call state for key {key!r}")
+        elif backend.is_capturing():
+            raise CaptureMissError(
+                f"{self.name}: a new key during graph capture would compile inside the capture; "
+                f"call it once with these argument types before capturing (key {key!r})"
+            )
+        with self._lock:
+            run = self.states.get(key)
+            if run is not None:
+                return run.call_state
+            snapshot = self.snapshot or GlobalsSnapshot(self.fn, owner=f"@jit {self.name}", prefix="_d")
+            trace = Trace(
+                self.name,
+                device,
+                backend.device_name(device),
+                backend.device_limits(device),
+                [p.name for p in self.parameters],
+                loader=lambda kernel: kernel.function(device),
+            )
+            traced = [
+                self._traced(trace, i, param, arg, key[i + 1])
+                for i, (param, arg) in enumerate(zip(self.parameters, args))
+            ]
+            with trace:
+                result = self.fn(*traced)
+            returns = _returns(self.name, result, traced)
+            state = CallState(self.name, self.compiles, key, trace, backend, returns)
+            if self.snapshot is None:
+                self._install_drift_check(snapshot)
+            self.states[key] = state.run
+            self.compiles += 1
+            while len(self.states) > self.cache_size:
+                self.states.popitem(last=False)
+                self.evictions += 1
+            if dump_enabled():
+                print(f"# jitcore call state\n{state.source}")
+        return state
+
+    def _traced(self, trace: Trace, index: int, param: keys.Parameter, arg: object, signature: object) -> object:
+        if param.constexpr:
+            return arg
+        if isinstance(arg, torch.Tensor) or isinstance(arg, tensors.TensorAdaptor):
+            return _traced_tensor(trace, index, arg, signature.signature)
+        if hasattr(arg, "__cache_signature__"):
+            return arg  # declares its own signature: static for the launcher
+        if hasattr(arg, "__dlpack__"):
+            raise ArgumentError(
+                f"{self.name}: parameter {param.name!r} is a {type(arg).__qualname__}; wrap DLPack "
+                "producers other than torch tensors with jitcore.from_dlpack(...)"
+            )
+        return trace.leaf(index, "scalar", is_float=isinstance(arg, (float, np.floating)))
+
+    # --- introspection -------------------------------------------------------------------
+    def dump(self, file=None) -> str:
+        """The generated dispatcher and every call state, printed and returned."""
+        text = f"# dispatcher\n{self.source}"
+        for run in self.states.values():
+            text += f"\n# call state\n{run.source}"
+        print(text, file=file)
+        return text
+
+    def cache_info(self) -> CacheInfo:
+        return CacheInfo(len(self.states), self.cache_size, self.compiles, self.evictions)
+
+    def cache_clear(self) -> None:
+        with self._lock:
+            self.states.clear()
+
+
+def _unwrap_scalar(value: object) -> object:
+    carried = getattr(value, "__jit_scalar__", None)
+    return carried() if carried is not None and not isinstance(value, torch.Tensor) else value
+
+
+def _traced_tensor(trace: Trace, index: int, arg: object, signature: tuple) -> TracedTensor:
+    from jitcore import dtypes
+
+    dtype_name, shape_spec, stride_spec, _unit, _align, device = signature
+    name = trace.param_names[index]
+    if device != trace.device_name:
+        where = "a CPU tensor" if device == "cpu" else f"a tensor on {device}"
+        raise DeviceError(
+            f"{trace.owner}: parameter {name!r} is {where}, but kernels launch on the current "
+            f"device {trace.device_name}; move it there or switch devices with torch.cuda.device(...)"
+        )
+    shape = tuple(s if isinstance(s, int) else trace.leaf(index, "size", d) for d, s in enumerate(shape_spec))
+    strides = tuple(s if isinstance(s, int) else trace.leaf(index, "stride", d) for d, s in enumerate(stride_spec))
+    numel = None
+    if any(isinstance(s, Sym) for s in shape):
+        numel = trace.leaf(index, "numel")
+    return TracedTensor(trace, index, dtypes.BY_NAME[dtype_name], shape, strides, torch.device(device), numel=numel)
+
+
+def _returns(owner: str, result: object, traced: list) -> tuple[int, ...] | int | None:
+    """Launchers may return None or their own (unsliced) tensor arguments."""
+
+    def index_of(value: object) -> int:
+        for i, t in enumerate(traced):
+            if value is t and isinstance(t, TracedTensor):
+                return i
+        raise ArgumentError(
+            f"{owner}: a launcher may return None or its own tensor arguments (not views or other "
+            f"values), got {value!r}"
+        )
+
+    if result is None:
+        return None
+    if isinstance(result, tuple):
+        return tuple(index_of(v) for v in result)
+    return index_of(result)
+
+
+def jit(fn: Callable | None = None, *, cache_size: int = DEFAULT_CACHE_SIZE) -> Callable:
+    """Decorate a launcher: ``@jit`` or ``@jit(cache_size=...)``."""
+    if fn is None:
+        return lambda f: JitFunction(f, cache_size=cache_size).dispatcher
+    return JitFunction(fn, cache_size=cache_size).dispatcher
+
+
+def compile(fn: Callable, *args: object) -> Callable:
+    """Trace and compile ``fn`` for ``args`` without launching; return a pinned handle.
+
+    The handle is the call state itself: ``handle(*args, stream=None)`` with positional
+    arguments only, no key and no drift check, so it costs what the packing and the driver
+    launch cost. Between calls these may change: tensor data pointers, dynamic sizes and
+    strides (those a layout-dynamic or marked argument leaves dynamic), and runtime scalar
+    values. These must not: dtypes, ranks, the unit-stride axis, static sizes and strides,
+    scalar types, Constexpr values, the device, and the globals the launcher read. The handle
+    does not check them; passing other arguments is undefined behaviour, as with a C function
+    pointer. Use the ``@jit`` function itself when arguments vary.
+    """
+    controller = getattr(fn, "jit", None)
+    if not isinstance(controller, JitFunction):
+        controller = JitFunction(fn)
+    return controller.state_for(args).run

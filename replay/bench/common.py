@@ -1,0 +1,113 @@
+"""Shared benchmark plumbing: timing loops, machine description, result files."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.metadata
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+DEFAULT_OUT = Path(__file__).resolve().parents[2] / "docs" / "benchmarks"
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="directory for the .json/.md/.png results")
+    p.add_argument("--quick", action="store_true", help="fewer repetitions (smoke test, not for publishing)")
+    return p
+
+
+def command_line() -> str:
+    module = sys.modules["__main__"].__spec__
+    name = module.name if module else sys.argv[0]
+    return " ".join(["python", "-m", name, *sys.argv[1:]]) if module else " ".join(["python", *sys.argv])
+
+
+def machine() -> dict[str, object]:
+    info: dict[str, object] = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        if torch.cuda.is_available():
+            info["gpu"] = torch.cuda.get_device_name()
+            info["gpus"] = torch.cuda.device_count()
+    except Exception:
+        pass
+    for package in ("cuda-bindings", "hip-python"):
+        try:
+            info[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return info
+
+
+def per_call_us(fn: Callable[[], object], calls: int, sync: Callable[[], object] | None = None) -> float:
+    """Host microseconds per call over one loop of ``calls`` calls (sync before timing)."""
+    if sync:
+        sync()
+    start = time.perf_counter_ns()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter_ns() - start
+    if sync:
+        sync()
+    return elapsed / calls / 1000.0
+
+
+def compare(
+    paths: dict[str, Callable[[], object]],
+    *,
+    calls: int,
+    repeats: int,
+    warmup: int = 200,
+    sync: Callable[[], object] | None = None,
+) -> dict[str, dict[str, float]]:
+    """Time every path in round-robin order (so drift of a noisy machine hits all alike) and
+    report the median, min and max of the per-loop means, in microseconds per call."""
+    for fn in paths.values():
+        for _ in range(warmup):
+            fn()
+    samples: dict[str, list[float]] = {name: [] for name in paths}
+    for _ in range(repeats):
+        for name, fn in paths.items():
+            samples[name].append(per_call_us(fn, calls, sync))
+    return {
+        name: {"median_us": statistics.median(s), "min_us": min(s), "max_us": max(s), "loops": len(s), "calls": calls}
+        for name, s in samples.items()
+    }
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    def cell(value: object) -> str:
+        return f"{value:.3f}" if isinstance(value, float) else str(value)
+
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def write(out: Path, name: str, title: str, results: dict, body: str, notes: str = "") -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    record = {"command": command_line(), "machine": machine(), "results": results}
+    (out / f"{name}.json").write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+    info = record["machine"]
+    where = ", ".join(f"{k} {info[k]}" for k in ("gpu", "torch", "cuda-bindings", "python", "processor") if k in info)
+    text = f"# {title}\n\nCommand: `{record['command']}`\n\nMachine: {where}; measured {info['date']}.\n\n{body}\n"
+    if notes:
+        text += f"\n{notes.strip()}\n"
+    (out / f"{name}.md").write_text(text)
+    print(text)

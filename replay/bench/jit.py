@@ -1,0 +1,124 @@
+"""Cache-hit cost of a jit call, against every peer, in one process (GPU benchmark).
+
+A launcher taking three tensors and one runtime scalar (``out = alpha * x + y``), called with
+a cache hit through ``@jit`` and through a ``compile()`` handle; the same kernel launched by
+the raw prepacked driver call, written in Triton, as a CuPy ``RawKernel``, and the torch op.
+The ``@jit`` time is broken down into key, lookup, drift check, fill and launch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import jitcore as jc
+from jitcore.codegen import CallState
+from replay.bench import common
+from replay.bench.launch import SOURCE, N, launch_axpy, raw_paths
+
+
+class _NoLaunch:
+    """The real backend with the launch replaced by a no-op: what is left is the fill."""
+
+    def __init__(self, backend):
+        self.__dict__.update({k: getattr(backend, k) for k in ("hot_namespace", "set_dynamic_shared_limit")})
+        self.hot_namespace = dict(backend.hot_namespace, _noop=lambda *a: (0,))
+        self.launch_template = (
+            "_r = _noop({function}, {gx}, {gy}, {gz}, {bx}, {by}, {bz}, {shared}, {stream}, {params}, 0)"
+        )
+
+
+def triton_path(x, y, out, alpha):
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def axpy_triton(X, Y, Out, alpha, n, BLOCK: tl.constexpr):
+        offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offsets < n
+        tl.store(Out + offsets, alpha * tl.load(X + offsets, mask=mask) + tl.load(Y + offsets, mask=mask), mask=mask)
+
+    grid = (triton.cdiv(N, 256),)
+    return lambda: axpy_triton[grid](x, y, out, alpha, N, BLOCK=256)
+
+
+def main() -> None:
+    args = common.parser(__doc__.splitlines()[0]).parse_args()
+    repeats, calls = (3, 500) if args.quick else (25, 2000)
+    x, y = torch.randn(N, device="cuda"), torch.randn(N, device="cuda")
+    out = torch.full((N,), float("nan"), device="cuda")
+    alpha = 1.5
+    launch_axpy(x, y, out, alpha)
+    torch.cuda.synchronize()
+    assert torch.allclose(out, alpha * x + y)
+    handle = jc.compile(launch_axpy, x, y, out, alpha)
+    prepacked, _tuple, _backend_launch, _keep = raw_paths(x, y, out, alpha)
+    controller = launch_axpy.jit
+    state = handle.call_state
+    fill_only = CallState("fill_only", 0, state.key, state.trace, _NoLaunch(state.backend), state.returns).run
+    lean_key = controller.plan.lean_key
+    device = controller.namespace["_device"]
+    key = next(iter(controller.states))
+    states = controller.states
+
+    def lookup():
+        states[key]
+        states.move_to_end(key)
+
+    paths = {
+        "raw prepacked driver launch": prepacked,
+        "jitcore compile() handle": lambda: handle(x, y, out, alpha),
+        "jitcore @jit call": lambda: launch_axpy(x, y, out, alpha),
+        "torch.add(out=)": lambda: torch.add(y, x, alpha=alpha, out=out),
+    }
+    try:
+        paths["Triton kernel[grid](...)"] = triton_path(x, y, out, alpha)
+    except Exception as exc:
+        print(f"Triton skipped: {exc}")
+    try:
+        import cupy
+        import numpy as np
+
+        raw = cupy.RawKernel(SOURCE, "axpy_f")
+        cargs = (cupy.from_dlpack(x), cupy.from_dlpack(y), cupy.from_dlpack(out), np.float32(alpha), np.int64(N))
+        paths["CuPy RawKernel"] = lambda: raw((N // 256,), (256,), cargs)
+    except Exception as exc:
+        print(f"CuPy skipped: {exc}")
+    results = common.compare(paths, calls=calls, repeats=repeats, sync=torch.cuda.synchronize)
+    breakdown = common.compare(
+        {
+            "key (lean key + current device)": lambda: (device(), lean_key(x, y, out, alpha)),
+            "lookup (LRU dict)": lookup,
+            "drift check": controller.snapshot.check,
+            "fill (call state, launch replaced by a no-op)": lambda: fill_only(x, y, out, alpha),
+        },
+        calls=calls * 5,
+        repeats=repeats,
+    )
+    floor = results["raw prepacked driver launch"]["median_us"]
+    rows = [[name, r["median_us"], r["min_us"], r["median_us"] / floor] for name, r in results.items()]
+    body = common.markdown_table(["path", "median us/call", "min us", "x raw prepacked"], rows)
+    jit_ratio = results["jitcore @jit call"]["median_us"] / floor
+    pinned_ratio = results["jitcore compile() handle"]["median_us"] / floor
+    body += (
+        f"\n\n`@jit` / raw: **{jit_ratio:.3f}x** (target at most 1.25x); "
+        f"`compile()` handle / raw: **{pinned_ratio:.3f}x** (target at most 1.05x).\n\n"
+    )
+    body += "Breakdown of the `@jit` hit path (each part timed alone):\n\n"
+    parts = [[name, r["median_us"]] for name, r in breakdown.items()]
+    parts.append(["launch (raw prepacked driver call)", floor])
+    parts.append(["sum of parts", sum(p[1] for p in parts)])
+    body += common.markdown_table(["part", "median us"], parts)
+    results.update(breakdown=breakdown, jit_over_raw=jit_ratio, pinned_over_raw=pinned_ratio)
+    common.write(
+        args.out,
+        "jit",
+        "Cache-hit cost of a jit call",
+        results,
+        body,
+        notes="Host time per call; a loop timed with perf_counter, synchronized before and after; "
+        "medians of interleaved loops.",
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,522 @@
+"""The jit core's logic on the CPU, with a driver test double (GPU tests run the real one)."""
+
+from __future__ import annotations
+
+import struct
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+import jitcore as jc
+from jitcore import recorder
+from jitcore.backends import use_backend
+from jitcore.errors import (
+    ArgumentError,
+    CaptureMissError,
+    DeviceError,
+    GlobalDriftError,
+    LaunchConfigError,
+    LayoutError,
+    SymbolicValueError,
+    UnsupportedTensorError,
+)
+
+from .fakes import CountingBackend, track_layouts
+
+AXPY = r"""
+template <typename T>
+__global__ void axpy(const T* __restrict__ x, const T* __restrict__ y, T* __restrict__ out, T alpha, long long n) {
+    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (i < n) out[i] = alpha * x[i] + y[i];
+}
+"""
+ROWS = r"""
+__global__ void rows(const float* x, float* out, int rows, int cols, long long row_stride, bool flag) {}
+"""
+axpy = jc.Kernel(AXPY, "axpy")
+rows_kernel = jc.Kernel(ROWS, "rows")
+BLOCK = 256
+
+
+@pytest.fixture
+def backend():
+    fake = CountingBackend()
+    with use_backend(fake):
+        yield fake
+
+
+def make_axpy():
+    @jc.jit
+    def launch_axpy(x, y, out, alpha):
+        n = x.numel()
+        axpy.instantiate(x.dtype)[jc.cdiv(n, BLOCK), BLOCK](x, y, out, alpha, n)
+
+    return launch_axpy
+
+
+def unpack(fmt: str, raw: bytes):
+    return struct.unpack("<" + fmt, raw)[0]
+
+
+def test_hit_path_packs_pointers_scalars_and_sizes(backend):
+    launch = make_axpy()
+    x, y, out = torch.randn(1000), torch.randn(1000), torch.empty(1000)
+    launch(x, y, out, 2.5)
+    track_layouts(backend, axpy.instantiate(torch.float32))
+    backend.calls.clear()
+    launch(x, y, out, 2.5)
+    x2 = torch.randn(3000)
+    launch(x2, y, out, -1.0)
+    assert launch.cache_info().compiles == 1  # layout-dynamic: one call state for both sizes
+    (_, grid1, block1, *_r1, params1), (_, grid2, _b, *_r2, params2) = (c[:3] + c[3:6] + (c[7],) for c in backend.calls)
+    assert grid1 == (4, 1, 1) and block1 == (256, 1, 1) and grid2 == (12, 1, 1)
+    assert [unpack("Q", params1[i]) for i in range(3)] == [x.data_ptr(), y.data_ptr(), out.data_ptr()]
+    assert unpack("f", params1[3]) == 2.5 and unpack("q", params1[4]) == 1000
+    assert unpack("Q", params2[0]) == x2.data_ptr() and unpack("f", params2[3]) == -1.0
+    assert unpack("q", params2[4]) == 3000
+
+
+def test_views_carry_their_element_offset_and_dynamic_strides(backend):
+    @jc.jit
+    def launch_rows(x, out, flag: jc.Constexpr[bool]):
+        view = x[1:, 2:]
+        rows_kernel[view.shape[0], 32](view, out, view.shape[0], view.shape[1], view.stride(0), flag)
+
+    x, out = torch.randn(6, 10), torch.empty(60)
+    launch_rows(x, out, True)
+    track_layouts(backend, rows_kernel.instantiate())
+    backend.calls.clear()
+    launch_rows(x, out, True)
+    params = backend.calls[0][7]
+    assert unpack("Q", params[0]) == x.data_ptr() + (1 * 10 + 2) * 4
+    assert [unpack("i", params[2]), unpack("i", params[3]), unpack("q", params[4])] == [5, 8, 10]
+    assert unpack("?", params[5]) is True
+    wide = torch.randn(4, 12)
+    launch_rows(wide, out, True)
+    assert unpack("Q", backend.calls[-1][7][0]) == wide.data_ptr() + (12 + 2) * 4
+    assert unpack("q", backend.calls[-1][7][4]) == 12
+    launch_rows(x, out, False)  # a Constexpr value is part of the key
+    assert launch_rows.cache_info().compiles == 2
+
+
+def test_static_adaptors_compile_once_per_shape(backend):
+    launch = make_axpy()
+    for n in (128, 256, 128, 256):
+        x = torch.randn(n)
+        launch(jc.from_dlpack(x), jc.from_dlpack(x), jc.from_dlpack(torch.empty(n)), 1.0)
+    assert launch.cache_info().compiles == 2
+    for n in (64, 512):
+        launch(torch.randn(n), torch.randn(n), torch.empty(n), 1.0)
+    assert launch.cache_info().compiles == 3
+
+
+def test_constants_are_written_once_and_never_rewritten(backend):
+    @jc.jit
+    def launch_const(x, out):
+        rows_kernel[1, 32](x, out, 7, 9, 11, False)
+
+    x, out = torch.randn(8), torch.empty(8)
+    launch_const(x, out)
+    state = launch_const.jit.states[next(iter(launch_const.jit.states))].call_state
+    assert state.source.count("_pack0_") == 1 and ", 7," not in state.source.split("_pack0_0(")[1]
+    buffer = state._tls.b[0]
+    layout = rows_kernel.instantiate().layout
+    struct.pack_into("<i", buffer, layout.offsets[2], 12345)  # scribble over a constant slot
+    track_layouts(backend, rows_kernel.instantiate())
+    launch_const(x, out)
+    assert unpack("i", backend.calls[-1][7][2]) == 12345  # the call did not touch it
+
+
+# --- errors raised before any GPU work, and nothing left half-built --------------------------
+def assert_nothing_built(launch, before):
+    assert launch.cache_info().states == before
+
+
+def test_wrong_argument_count_and_unknown_keyword(backend):
+    launch = make_axpy()
+    x = torch.randn(4)
+    with pytest.raises(TypeError, match="launch_axpy"):
+        launch(x, x, x)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'beta'"):
+        launch(x, x, x, 1.0, beta=2)
+    assert_nothing_built(launch, 0)
+    assert backend.calls == []
+
+
+def test_wrong_kernel_argument_count_names_the_kernel(backend):
+    @jc.jit
+    def bad(x):
+        axpy.instantiate(x.dtype)[1, 32](x, x)
+
+    with pytest.raises(ArgumentError, match=r"axpy<float> takes 5 arguments .*got 2"):
+        bad(torch.randn(4))
+    assert_nothing_built(bad, 0)
+
+
+def test_cpu_tensor_and_other_device_are_device_errors():
+    fake = CountingBackend(device_name="cuda:0", device=0)
+    with use_backend(fake):
+        launch = make_axpy()
+        with pytest.raises(DeviceError, match="parameter 'x' is a CPU tensor"):
+            launch(torch.randn(4), torch.randn(4), torch.randn(4), 1.0)
+        assert_nothing_built(launch, 0)
+        assert fake.calls == []
+
+
+def test_dtype_the_kernel_cannot_take(backend):
+    @jc.jit
+    def mixed(x, out):
+        axpy.instantiate(torch.float32)[1, 32](x, x, out, 1.0, 4)
+
+    with pytest.raises(ArgumentError, match=r"argument 0 \(const float\* __restrict__ x\).*dtype float16"):
+        mixed(torch.randn(4).half(), torch.empty(4))
+    assert_nothing_built(mixed, 0)
+
+
+def test_tensor_without_unit_stride_axis(backend):
+    launch = make_axpy()
+    strided = torch.randn(16)[::2]
+    with pytest.raises(LayoutError, match="from_dlpack"):
+        launch(strided, strided, strided, 1.0)
+    assert_nothing_built(launch, 0)
+
+
+@pytest.mark.parametrize(
+    "value, match", [("text", "unsupported argument type str"), (1 + 2j, "complex"), ([1.0], "list")]
+)
+def test_unsupported_scalar_type(backend, value, match):
+    launch = make_axpy()
+    x = torch.randn(4)
+    with pytest.raises(ArgumentError, match=f"parameter 'alpha'.*{match}"):
+        launch(x, x, x, value)
+    assert_nothing_built(launch, 0)
+
+
+def test_int_into_float_parameter_is_fine_float_into_int_is_not(backend):
+    @jc.jit
+    def launch_n(x, out, n):
+        rows_kernel[1, 32](x, out, n, 1, 1, False)
+
+    x = torch.randn(4)
+    launch_n(x, x, 3)
+    with pytest.raises(ArgumentError, match="is a float; the parameter is an integer"):
+        launch_n(x, x, 3.0)
+    launch(make_axpy(), x, 1)
+
+
+def launch(fn, x, alpha):
+    fn(x, x, x, alpha)
+
+
+@pytest.mark.parametrize(
+    "grid, block, shared, match",
+    [
+        (0, 32, 0, "grid dimension x is 0"),
+        ((1, 70000), 32, 0, "grid dimension y"),
+        (1, 2048, 0, "block dimension x"),
+        (1, (32, 32, 2), 0, "1024 threads|2048 threads"),
+        (1, 32, 10**7, "shared memory"),
+        (1, 32, -1, "shared memory"),
+        ((1, 1, 1, 1), 32, 0, "tuple of 1 to 3"),
+        (1.5, 32, 0, "must be ints"),
+    ],
+)
+def test_launch_configuration_limits(backend, grid, block, shared, match):
+    @jc.jit
+    def bad(x):
+        rows_kernel[grid, block, shared](x, x, 1, 1, 1, False)
+
+    with pytest.raises(LaunchConfigError, match=match):
+        bad(torch.randn(4))
+    assert_nothing_built(bad, 0)
+
+
+def test_dynamic_grid_of_zero_raises_at_call_time(backend):
+    launch = make_axpy()
+    launch(torch.randn(8), torch.randn(8), torch.empty(8), 1.0)
+    calls = len(backend.calls)
+    with pytest.raises(LaunchConfigError, match=r"grid \(0, 1, 1\)"):
+        launch(torch.randn(0), torch.randn(0), torch.empty(0), 1.0)
+    assert len(backend.calls) == calls
+
+
+def test_symbolic_value_in_control_flow_names_the_expression(backend):
+    @jc.jit
+    def branchy(x, out):
+        if x.shape[0] > 4:
+            rows_kernel[1, 32](x, out, 1, 1, 1, False)
+
+    with pytest.raises(SymbolicValueError, match=r"x\.shape\[0\].*from_dlpack.*Constexpr"):
+        branchy(torch.randn(8), torch.empty(8))
+    assert_nothing_built(branchy, 0)
+    branchy(jc.from_dlpack(torch.randn(8)), torch.empty(8))  # static: fine
+
+    @jc.jit
+    def to_int(x, out, n):
+        rows_kernel[int(n * 2), 32](x, out, 1, 1, 1, False)
+
+    with pytest.raises(SymbolicValueError, match=r"int\(\) of the symbolic value \(n \* 2\)"):
+        to_int(torch.randn(8), torch.empty(8), 3)
+
+
+def test_global_drift_raises_and_keeps_the_cache(backend, monkeypatch):
+    launch = make_axpy()
+    x = torch.randn(8)
+    launch(x, x, x, 1.0)
+    monkeypatch.setitem(globals(), "BLOCK", 128)
+    with pytest.raises(GlobalDriftError, match="'BLOCK'.*pass it as an argument"):
+        launch(x, x, x, 1.0)
+    with pytest.raises(GlobalDriftError):  # the miss path checks too
+        launch(torch.randn(4, 4), torch.randn(4, 4), torch.randn(4, 4), 1.0)
+    assert launch.cache_info().states == 1
+    monkeypatch.setitem(globals(), "BLOCK", 256)
+    launch(x, x, x, 1.0)
+
+
+def test_unsupported_tensors_are_refused_before_work(backend):
+    launch = make_axpy()
+    z = torch.randn(4, dtype=torch.complex64)
+    with pytest.raises(UnsupportedTensorError, match="negative bit"):
+        launch(z.conj().imag, torch.randn(4), torch.randn(4), 1.0)
+    assert_nothing_built(launch, 0)
+
+
+def test_tensors_not_passed_as_arguments_are_refused(backend):
+    captured = torch.randn(4)
+
+    @jc.jit
+    def uses_global_tensor(x):
+        axpy.instantiate(x.dtype)[1, 32](x, captured, x, 1.0, 4)
+
+    with pytest.raises(ArgumentError, match="not an argument of the launcher"):
+        uses_global_tensor(torch.randn(4))
+
+
+def test_torch_ops_inside_a_launcher_are_refused(backend):
+    @jc.jit
+    def does_torch(x):
+        torch.add(x, 1)
+
+    with pytest.raises(TypeError, match="runs once, at trace time"):
+        does_torch(torch.randn(4))
+
+
+def test_launchers_may_return_their_arguments(backend):
+    @jc.jit
+    def returns(x, out):
+        rows_kernel[1, 32](x, out, 1, 1, 1, False)
+        return out
+
+    x, out = torch.randn(4), torch.empty(4)
+    assert returns(x, out) is out
+    assert returns(x, out) is out
+
+    @jc.jit
+    def returns_view(x, out):
+        return out[1:]
+
+    with pytest.raises(ArgumentError, match="may return None or its own tensor arguments"):
+        returns_view(x, out)
+
+
+def test_numpy_scalars_and_bool_scalars(backend):
+    @jc.jit
+    def launch_np(x, out, n, flag):
+        rows_kernel[1, 32](x, out, n, 1, 1, flag)
+
+    x = torch.randn(4)
+    launch_np(x, x, np.int32(3), np.bool_(True))
+    launch_np(x, x, 3, True)
+    assert launch_np.cache_info().compiles == 2
+
+
+def test_lru_bound(backend):
+    @jc.jit(cache_size=2)
+    def small(x, n: jc.Constexpr[int]):
+        rows_kernel[1, 32](x, x, n, 1, 1, False)
+
+    x = torch.randn(4)
+    for n in (1, 2, 1, 3):
+        small(x, n)
+    info = small.cache_info()
+    assert (info.states, info.capacity, info.compiles, info.evictions) == (2, 2, 3, 1)
+    keys = [k[-1] for k in small.jit.states]
+    assert keys == [("int", 1), ("int", 3)]  # 2 was least recently used
+
+
+def test_stream_argument(backend):
+    launch = make_axpy()
+    x = torch.randn(4)
+
+    class FakeStream:
+        cuda_stream = 0xABC
+
+    launch(x, x, x, 1.0, stream=FakeStream())
+    launch(x, x, x, 1.0, stream=0xDEF)
+    assert [c[4] for c in backend.calls[-2:]] == [0xABC, 0xDEF]
+    with pytest.raises(TypeError, match="stream="):
+        launch(x, x, x, 1.0, stream="default")
+
+
+def test_launcher_parameter_named_stream_is_refused():
+    with pytest.raises(TypeError, match="'stream'"):
+        jc.jit(lambda x, stream: None)
+
+
+def test_dump_shows_generated_source(backend, monkeypatch, capsys):
+    monkeypatch.setenv("JITCORE_DUMP", "1")
+    launch = make_axpy()
+    x = torch.randn(4)
+    launch(x, x, x, 1.0)
+    printed = capsys.readouterr().out
+    assert "def launch_axpy__state0(x, y, out, alpha, /, stream=None):" in printed
+    assert "_pack0_0(" in printed and "x.data_ptr()" in printed
+    assert "def launch_axpy(x, y, out, alpha, *, stream=None):" in launch.dump()
+
+
+def test_compile_returns_a_pinned_handle_without_launching(backend):
+    launch = make_axpy()
+    x, y, out = torch.randn(16), torch.randn(16), torch.empty(16)
+    handle = jc.compile(launch, x, y, out, 2.0)
+    assert backend.calls == []
+    track_layouts(backend, axpy.instantiate(torch.float32))
+    x2 = torch.randn(32)
+    handle(x2, y, out, 3.0)
+    assert unpack("Q", backend.calls[-1][7][0]) == x2.data_ptr()
+    assert unpack("q", backend.calls[-1][7][4]) == 32
+    with pytest.raises(TypeError):
+        handle(x=x2, y=y, out=out, alpha=3.0)  # positional only
+    assert launch.cache_info().states == 1  # shared with the jit function's cache
+
+
+def test_concurrent_first_calls_compile_once(backend):
+    launch = make_axpy()
+    barrier = threading.Barrier(8)
+    errors = []
+
+    def worker():
+        try:
+            barrier.wait()
+            x = torch.randn(64)
+            launch(x, x, x, 1.0)
+        except Exception as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert launch.cache_info().compiles == 1
+
+
+def test_concurrent_hits_never_share_a_parameter_buffer(backend):
+    launch = make_axpy()
+    warm = torch.randn(64)
+    launch(warm, warm, warm, 1.0)
+    track_layouts(backend, axpy.instantiate(torch.float32))
+    backend.calls.clear()
+    tensors = {i: torch.randn(64 + i) for i in range(6)}
+    barrier = threading.Barrier(len(tensors))
+
+    def worker(i):
+        barrier.wait()
+        for _ in range(300):
+            launch(tensors[i], tensors[i], tensors[i], float(i))
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in tensors]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    pointer_to_index = {t.data_ptr(): i for i, t in tensors.items()}
+    assert len(backend.calls) == 300 * len(tensors)
+    for call in backend.calls:
+        params = call[7]
+        i = pointer_to_index[unpack("Q", params[0])]
+        assert unpack("Q", params[2]) == tensors[i].data_ptr()
+        assert unpack("f", params[3]) == float(i)
+        assert unpack("q", params[4]) == 64 + i
+    buffers_by_thread = {call[6]: call[5] for call in backend.calls}
+    assert len(set(buffers_by_thread.values())) == len(tensors)
+
+
+def test_overflowing_scalar_names_the_parameter(backend):
+    @jc.jit
+    def launch_n(x, n):
+        rows_kernel[1, 32](x, x, n, 1, 1, False)
+
+    x = torch.randn(4)
+    launch_n(x, 5)
+    with pytest.raises(ArgumentError, match=r"argument 2 \(int rows\) of rows gets 8589934592"):
+        launch_n(x, 2**33)
+
+
+# --- the recorder hook ------------------------------------------------------------------------
+class ListRecorder:
+    def __init__(self, refuse_miss: bool = False):
+        self.records = []
+        self.misses = []
+        self.refuse_miss = refuse_miss
+
+    def launch(self, record):
+        self.records.append(record)
+
+    def miss(self, description):
+        self.misses.append(description)
+        if self.refuse_miss:
+            raise CaptureMissError(description)
+
+
+class Dynamic:
+    """A stand-in for replay.dynamic: carries a runtime scalar."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __jit_scalar__(self):
+        return self.value
+
+
+def test_recorder_sees_every_launch_with_provenance(backend):
+    @jc.jit
+    def two(x, out, scale):
+        axpy.instantiate(x.dtype)[1, 32](x[2:], x, out, scale * 2.0, x.numel() - 2)
+        rows_kernel[1, 32](x, out, 3, 4, 5, True)
+
+    x, out = torch.randn(10), torch.empty(10)
+    two(x, out, 1.5)
+    hook = ListRecorder()
+    dynamic = Dynamic(0.25)
+    with recorder.recording(hook):
+        two(x, out, dynamic)
+    first, second = hook.records
+    assert (first.kernel, second.kernel) == ("axpy<float>", "rows")
+    assert first.args[2] is dynamic
+    pointer = first.params[0]
+    assert (pointer.kind, pointer.arg_index, pointer.byte_offset, pointer.read_only) == ("pointer", 0, 8, True)
+    assert first.params[2].read_only is False
+    scalar = first.params[3]
+    assert scalar.kind == "scalar" and scalar.scalar_args == (2,)
+    assert scalar.evaluate({2: 4.0}) == 8.0
+    assert scalar.encode(8.0) == struct.pack("<f", 8.0)
+    assert first.param_bytes[scalar.offset : scalar.offset + 4] == struct.pack("<f", 0.5)
+    assert first.params[4].kind == "constant"  # depends on sizes only
+    assert unpack("q", first.param_bytes[first.params[4].offset :][:8]) == 8
+    assert all(p.kind == "constant" for p in second.params[2:])
+    assert hook.misses == []
+    # outside the recording block nothing is reported and the fast path is back
+    two(x, out, 1.5)
+    assert len(hook.records) == 2
+
+
+def test_recorder_can_refuse_a_miss(backend):
+    launch = make_axpy()
+    hook = ListRecorder(refuse_miss=True)
+    x = torch.randn(4)
+    with recorder.recording(hook), pytest.raises(CaptureMissError):
+        launch(x, x, x, 1.0)
+    assert hook.misses and launch.cache_info().states == 0
