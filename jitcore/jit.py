@@ -28,7 +28,7 @@ import attrs
 import numpy as np
 import torch
 
-from jitcore import keys, recorder, tensors
+from jitcore import guards, keys, recorder, tensors
 from jitcore.backends import get_backend
 from jitcore.codegen import CallState, dump_enabled
 from jitcore.drift import GlobalsSnapshot
@@ -37,6 +37,11 @@ from jitcore.symbolic import Sym
 from jitcore.tracing import Trace, TracedTensor
 
 DEFAULT_CACHE_SIZE = 4096
+_UNBUILT = object()
+
+
+def _never(*args: object) -> bool:
+    return False
 
 
 @attrs.frozen
@@ -69,12 +74,16 @@ class JitFunction:
         self.evictions = 0
         self._lock = threading.RLock()
         self.namespace: dict[str, object] = dict(self.plan.namespace)
+        # The most recently used state and its guard, swapped as one tuple (atomic under the GIL).
+        self.mru: list[tuple[Callable, Callable | None]] = [(_never, None)]
         self.namespace.update(
             {
                 "_STATES": self.states,
                 "_touch": self.states.move_to_end,
                 "_miss": self.miss,
                 "_device": self._bootstrap_device,
+                "_MRU": self.mru,
+                "_promote": self._promote,
             }
         )
         for index, param in enumerate(self.parameters):
@@ -95,18 +104,79 @@ class JitFunction:
             p.name if p.default is keys._NO_DEFAULT else f"{p.name}=_default{i}" for i, p in enumerate(self.parameters)
         )
         args_tuple = "(" + "".join(f"{n}, " for n in names) + ")"
-        lines = [f"def {self.name}({params}{', ' if params else ''}*, stream=None):", "    try:"]
+        call_args = ", ".join(names) + (", " if names else "")
+        drift = ["    " + line for line in self.snapshot.check_lines] if self.snapshot is not None else []
+        lines = [
+            f"def {self.name}({params}{', ' if params else ''}*, stream=None):",
+            "    _m = _MRU[0]",
+            f"    if _m[0]({', '.join(names)}):",
+            *["    " + line for line in drift],
+            f"        return _m[1]({call_args}stream)",
+            "    try:",
+        ]
         lines += ["        " + line for line in self.plan.key_lines(hit_path=True, leading="_device(), ")]
         lines += [
             "        _state = _STATES[key]",
             "    except Exception:",
             f"        return _miss({args_tuple}, stream)",
             "    _touch(key)",
+            *drift,
+            "    if _state is not _m[1]:",
+            f"        _promote(key, _state, {args_tuple})",
+            f"    return _state({call_args}stream)",
         ]
-        if self.snapshot is not None:
-            lines += ["    " + line for line in self.snapshot.check_lines]
-        lines.append(f"    return _state({', '.join(names)}{', ' if names else ''}stream)")
         return "\n".join(lines) + "\n"
+
+    def _promote(self, key: tuple, run: Callable, args: tuple) -> None:
+        """Make ``run`` the guarded fast path (its guard is built once, from these args)."""
+        state = run.call_state
+        guard = getattr(state, "guard", _UNBUILT)
+        if guard is _UNBUILT:
+            guard = state.guard = self._make_guard(key, args)
+        self.mru[0] = (guard or _never, run)
+
+    def _make_guard(self, key: tuple, args: tuple) -> Callable | None:
+        """A generated ``guard(*args) -> bool`` accepting exactly arguments this state was
+        compiled for (stricter than the key, never looser), or None when some argument
+        cannot be guarded (adaptors, subclasses, unusual constexpr types)."""
+        device, elements = key[0], key[1:]
+        names = [p.name for p in self.parameters]
+        namespace: dict[str, object] = {"_Tensor": torch.Tensor, "_device": self.namespace["_device"]}
+        checks, guarded, sizes, strides = [], [], [], []
+        for index, (param, element, arg) in enumerate(zip(self.parameters, elements, args)):
+            name = param.name
+            if param.constexpr:
+                if type(arg) not in keys._CONSTEXPR_TYPE_NAMES:
+                    return None
+                namespace[f"_c{index}"], namespace[f"_v{index}"] = type(arg), arg
+                checks.append(f"{name}.__class__ is _c{index} and {name} == _v{index}")
+            elif isinstance(element, tensors.SignatureToken):
+                if type(arg) is not torch.Tensor:
+                    return None
+                _dtype, shape_spec, stride_spec, *_ = element.signature
+                checks.append(f"{name}.__class__ is _Tensor")
+                guarded.append(name)
+                sizes.append([s if isinstance(s, int) else None for s in shape_spec])
+                strides.append([s if isinstance(s, int) else None for s in stride_spec])
+            elif isinstance(element, str) and type(arg) in keys.SCALAR_SIGNATURES:
+                namespace[f"_c{index}"] = type(arg)
+                checks.append(f"{name}.__class__ is _c{index}")
+            else:
+                return None
+        # One guard per tensor parameter: torch's evaluator refuses the same tensor passed
+        # twice in one check, and callers do pass one tensor as several arguments.
+        for number, (name, size, stride) in enumerate(zip(guarded, sizes, strides)):
+            check = guards.tensor_guard([args[names.index(name)]], [size], [stride])
+            if check is None:
+                return None
+            namespace[f"_tensor_guard{number}"] = check
+            checks.append(f"_tensor_guard{number}({name})")
+        checks.append(f"_device() == {device}")
+        source = f"def guard({', '.join(names)}):\n    return " + " and ".join(checks) + "\n"
+        exec(builtins.compile(source, f"<jitcore guard of {self.name}>", "exec"), namespace)
+        guard = namespace["guard"]
+        guard.source = source
+        return guard
 
     def _make_dispatcher(self) -> Callable:
         source = self._dispatcher_source()
@@ -194,8 +264,10 @@ class JitFunction:
             self.states[key] = state.run
             self.compiles += 1
             while len(self.states) > self.cache_size:
-                self.states.popitem(last=False)
+                _key, evicted = self.states.popitem(last=False)
                 self.evictions += 1
+                if self.mru[0][1] is evicted:
+                    self.mru[0] = (_never, None)
             if dump_enabled():
                 print(f"# jitcore call state\n{state.source}")
         return state
@@ -229,6 +301,7 @@ class JitFunction:
     def cache_clear(self) -> None:
         with self._lock:
             self.states.clear()
+            self.mru[0] = (_never, None)
 
 
 def _unwrap_scalar(value: object) -> object:

@@ -8,6 +8,8 @@ import threading
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import jitcore as jc
 from jitcore import recorder
@@ -520,3 +522,128 @@ def test_recorder_can_refuse_a_miss(backend):
     with recorder.recording(hook), pytest.raises(CaptureMissError):
         launch(x, x, x, 1.0)
     assert hook.misses and launch.cache_info().states == 0
+
+
+# --- the guarded fast path --------------------------------------------------------------------
+def test_the_most_recent_state_is_served_by_its_guard(backend):
+    launch = make_axpy()
+    x = torch.randn(64)
+    launch(x, x, x, 1.0)  # miss: builds the state
+    launch(x, x, x, 1.0)  # lean hit: promotes it
+    guard, run = launch.jit.mru[0]
+    assert run is next(iter(launch.jit.states.values()))
+    assert guard(x, x, x, 1.0) and guard(torch.randn(7), torch.randn(3), torch.randn(5), 2.0)
+    assert "_tensor_guard0(x)" in guard.source and "_tensor_guard2(out)" in guard.source
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda x: (x.double(), x, x, 1.0),
+        lambda x: (x.view(8, 8), x, x, 1.0),
+        lambda x: (x.view(8, 8).t(), x, x, 1.0),
+        lambda x: (torch._neg_view(x), x, x, 1.0),
+        lambda x: (x, x, x, 1),
+        lambda x: (x, x, x, np.float32(1.0)),
+        lambda x: (x.requires_grad_(False).clone().requires_grad_(True), x, x, 1.0),
+        lambda x: (jc.from_dlpack(x).mark_layout_dynamic(), x, x, 1.0),
+        lambda x: (torch.nn.Parameter(x.clone()), x, x, 1.0),
+        lambda x: (x[::2], x, x, 1.0),
+    ],
+    ids=[
+        "dtype",
+        "rank",
+        "transposed",
+        "negative-bit",
+        "scalar-type",
+        "numpy-scalar",
+        "requires-grad",
+        "adaptor",
+        "parameter-subclass",
+        "strided",
+    ],
+)
+def test_the_guard_rejects_what_the_state_was_not_compiled_for(backend, change):
+    launch = make_axpy()
+    x = torch.randn(64)
+    launch(x, x, x, 1.0)
+    launch(x, x, x, 1.0)
+    guard, _ = launch.jit.mru[0]
+    args = change(torch.randn(64))
+    assert not guard(*args)
+
+
+def test_the_guard_checks_the_current_device():
+    fake = CountingBackend()
+    with use_backend(fake):
+        launch = make_axpy()
+        x = torch.randn(64)
+        launch(x, x, x, 1.0)
+        launch(x, x, x, 1.0)
+        guard, _ = launch.jit.mru[0]
+        assert guard(x, x, x, 1.0)
+        fake._device = 3  # as if torch.cuda.set_device(3) had been called
+        launch.jit.namespace["_device"] = fake.hot_namespace["_current_device"]
+        assert not guard(x, x, x, 1.0)
+
+
+def test_constexpr_values_are_guarded(backend):
+    @jc.jit
+    def with_n(x, n: jc.Constexpr[int]):
+        rows_kernel[1, 32](x, x, n, 1, 1, False)
+
+    x = torch.randn(4)
+    with_n(x, 3)
+    with_n(x, 3)
+    guard, _ = with_n.jit.mru[0]
+    assert guard(x, 3) and not guard(x, 4) and not guard(x, True)
+
+
+def test_switching_states_keeps_the_lru_order_and_results(backend):
+    launch = make_axpy()
+    track = []
+    for dtype in (torch.float32, torch.float64, torch.float32, torch.float64):
+        x = torch.randn(16, dtype=dtype)
+        launch(x, x, x, 1.0)
+        track.append(launch.jit.mru[0][1])
+    assert track[0] is None or track[2] is track[0] or track[2] is not None
+    assert launch.cache_info().compiles == 2
+    assert list(launch.jit.states)[-1][1].signature[0] == "float64"
+
+
+@st.composite
+def guard_tensors(draw):
+    shape = draw(st.lists(st.integers(1, 4), min_size=1, max_size=3))
+    dtype = draw(st.sampled_from([torch.float32, torch.float64, torch.float16]))
+    tensor = torch.empty(shape, dtype=dtype).permute(*draw(st.permutations(range(len(shape)))))
+    return tensor[..., :: draw(st.integers(1, 2))]
+
+
+_GUARD_TENSORS = guard_tensors()
+
+
+@settings(max_examples=300, deadline=None)
+@given(_GUARD_TENSORS, _GUARD_TENSORS)
+def test_property_a_guard_only_accepts_tensors_its_state_fits(first, second):
+    fake = CountingBackend()
+    with use_backend(fake):
+
+        @jc.jit
+        def one(x):
+            axpy.instantiate(x.dtype)[1, 32](x, x, x, 1.0, 1)
+
+        try:
+            one(first)
+            one(first)
+        except jc.JitError:
+            return  # no unit-stride axis: not launchable layout-dynamic
+        guard, run = one.jit.mru[0]
+        if run is None:
+            return
+        state_signature = run.call_state.key[1].signature
+        if guard(second):
+            dtype, shape_spec, stride_spec, *_ = state_signature
+            assert str(second.dtype).removeprefix("torch.") == dtype
+            assert second.ndim == len(shape_spec)
+            for stride, spec in zip(second.stride(), stride_spec):
+                assert spec == "?" or stride == spec

@@ -44,6 +44,7 @@ def random_like(dtype, n, device="cuda"):
 
 
 def poison(shape, dtype):
+    shape = (shape,) if isinstance(shape, int) else shape
     if dtype.is_floating_point:
         return torch.full(shape, float("nan"), device="cuda", dtype=dtype)
     return torch.full(shape, -12345, device="cuda", dtype=dtype)

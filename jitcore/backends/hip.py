@@ -1,0 +1,479 @@
+"""AMD backend: the HIP runtime and hiprtc through ``hip-python``, graph nodes through ctypes.
+
+The only module (with :mod:`jitcore.backends.cuda`) that imports a vendor binding. It mirrors
+the CUDA backend call for call; the data and pure logic live in
+:mod:`jitcore.backends.hip_abi`, which imports no binding and is tested on any machine.
+
+Where it departs from the CUDA backend, and why:
+
+* Graph nodes are enumerated and read through ctypes on libamdhip64: hip-python's
+  ``hipGraphGetNodes`` hands the runtime a one-slot output array with an uninitialised count,
+  and its ``hipGraphKernelNodeGetParams`` changed signature between hip-python 7.x and 10.x.
+* HIP has no ``cuFuncGetParamInfo``: :meth:`HipBackend.kernel_param_sizes` answers None.
+* ``hipFuncSetAttribute`` takes a host stub, not a module function (ROCm's clr looks it up
+  with ``getStatFunc`` and fails with hipErrorInvalidSymbol), and AMD GPUs have no opt-in
+  shared-memory limit: every kernel may already use all of the LDS not taken statically.
+* ``hipGetDeviceProperties`` is ``(props, device) -> (status,)`` up to hip-python 7.x and
+  ``(device) -> (status, props)`` from 10.x: both are handled.
+
+None of this has run on AMD hardware; see docs/hip.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import threading
+from collections.abc import Iterator, Sequence
+
+from jitcore.backends import hip_abi
+from jitcore.backends.abi import PackedParams, ParamLayout
+from jitcore.backends.base import (
+    Backend,
+    CompiledBinary,
+    DeviceLimits,
+    GraphNode,
+    LoadedFunction,
+    NodeUpdater,
+)
+from jitcore.dtypes import DType
+from jitcore.errors import BackendUnavailableError, CompileError, DriverError
+
+try:
+    from hip import hip, hiprtc
+except ImportError as exc:  # pragma: no cover - exercised by the backend-selection tests
+    raise BackendUnavailableError(
+        f"the HIP backend needs hip-python and a ROCm runtime: pip install 'jitreplay[rocm]' ({exc})"
+    ) from exc
+
+
+def _status_name(code: object) -> str:
+    try:
+        return hip.hipError_t(int(code)).name
+    except ValueError:
+        return f"hipError_t {int(code)}"
+
+
+def _status_detail(code: object) -> str:
+    try:
+        _, text = hip.hipGetErrorString(hip.hipError_t(int(code)))
+    except (ValueError, TypeError, RuntimeError):
+        return ""
+    return bytes(text).decode(errors="replace") if text is not None else ""
+
+
+def _check(result: tuple, call: str) -> object:
+    """Unpack a hip-python result tuple (or a ctypes ``(status,)``), raising DriverError on a
+    non-success status."""
+    status = result[0]
+    if int(status):
+        raise DriverError(call, int(status), _status_name(status), _status_detail(status))
+    if len(result) == 1:
+        return None
+    return result[1] if len(result) == 2 else result[1:]
+
+
+def _hiprtc_check(result: tuple, call: str) -> object:
+    status = result[0]
+    if int(status):
+        try:
+            name = hiprtc.hiprtcResult(int(status)).name
+        except ValueError:
+            name = f"hiprtcResult {int(status)}"
+        raise DriverError(call, int(status), name)
+    return None if len(result) == 1 else (result[1] if len(result) == 2 else result[1:])
+
+
+def _device_attribute(device: int, name: str) -> int:
+    attribute = getattr(hip.hipDeviceAttribute_t, f"hipDeviceAttribute{name}")
+    return int(_check(hip.hipDeviceGetAttribute(attribute, device), f"hipDeviceGetAttribute({name})"))
+
+
+def _function_attribute(function: object, name: str) -> int:
+    attribute = getattr(hip.hipFunction_attribute, f"HIP_FUNC_ATTRIBUTE_{name}")
+    return int(_check(hip.hipFuncGetAttribute(attribute, function), f"hipFuncGetAttribute({name})"))
+
+
+def _launch_failed(status: object, label: str) -> None:
+    raise DriverError(f"hipModuleLaunchKernel({label})", int(status), _status_name(status), _status_detail(status))
+
+
+def _library_missing(exc: Exception, what: str) -> BackendUnavailableError:
+    """hip-python imports without ROCm and opens its libraries on the first call; a failure
+    there (a RuntimeError naming dlopen) means ROCm is not installed or not found."""
+    return BackendUnavailableError(f"the HIP backend could not load {what} ({exc}); a ROCm installation is needed")
+
+
+def _header_include_dir() -> str | None:
+    """Where hip/hip_bf16.h and friends are. hiprtc compiles with -nogpuinc (only its builtin
+    header is visible), so the headers the prelude names must come through -I."""
+    candidates = []
+    for var in ("ROCM_PATH", "ROCM_HOME", "HIP_PATH"):
+        root = os.environ.get(var)
+        if root:
+            candidates.append(os.path.join(root, "include"))
+    try:  # ROCm from the rocm-sdk wheels (TheRock): headers in the rocm-sdk-devel tree
+        from rocm_sdk._devel import get_devel_root
+
+        candidates.append(os.path.join(str(get_devel_root()), "include"))
+    except Exception:  # not installed, or a layout this code does not know
+        pass
+    candidates.append("/opt/rocm/include")
+    for candidate in candidates:
+        if os.path.exists(os.path.join(candidate, "hip", "hip_bf16.h")):
+            return candidate
+    return None
+
+
+def _device_properties(device: int) -> object:
+    try:
+        result = hip.hipGetDeviceProperties(device)  # hip-python >= 10: (status, props)
+    except TypeError:  # hip-python <= 7.x: fills a caller-allocated struct
+        props = hip.hipDeviceProp_t()
+        _check(hip.hipGetDeviceProperties(props, device), "hipGetDeviceProperties")
+        return props
+    return _check(result, "hipGetDeviceProperties")
+
+
+class _StreamCache(dict):
+    """Raw stream handle -> hip-python stream object, created on first use.
+
+    Generated code reads it with ``_STREAMS.get(raw)`` and tests the result with ``is None``
+    (hip-python's wrapper of the null stream is falsy, so a truth test would miss it).
+    """
+
+    def __missing__(self, raw_stream: int) -> object:
+        stream = self[raw_stream] = hip.ihipStream_t.fromObj(raw_stream)
+        return stream
+
+
+class _HipNodeUpdater(NodeUpdater):
+    __slots__ = ("params", "set_call", "set_args", "node_params")
+
+    def __init__(self, set_call: object, raw_exec: int, node: GraphNode, layout: ParamLayout, initial: bytes):
+        self.params = PackedParams(layout, initial)
+        node_params = hip_abi.HipKernelNodeParams()
+        node_params.func = node.function
+        node_params.gridDim = hip_abi.Dim3(*node.grid)
+        node_params.blockDim = hip_abi.Dim3(*node.block)
+        node_params.sharedMemBytes = node.shared_bytes
+        node_params.kernelParams = self.params.address
+        node_params.extra = None
+        self.node_params = node_params
+        # ctypes hipGraphExecKernelNodeSetParams, returning (status,) like hip-python. The
+        # runtime copies every parameter out of self.params on each call (clr's
+        # GraphKernelNode::SetParams -> copyParams), so the buffer may be rewritten after it.
+        self.set_call = set_call
+        self.set_args = (ctypes.c_void_p(raw_exec), ctypes.c_void_p(node.handle), ctypes.byref(node_params))
+
+    def apply(self) -> None:
+        _check(self.set_call(*self.set_args), "hipGraphExecKernelNodeSetParams")
+
+
+class HipBackend(Backend):
+    name = "hip"
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._initialized = False
+        self._runtime: ctypes.CDLL | None = None
+        self._limits: dict[int, DeviceLimits] = {}
+        self._streams = _StreamCache()
+        self._include_dir = _header_include_dir()
+        self.raw_launch = hip.hipModuleLaunchKernel
+        self.hot_namespace = {
+            "_hipModuleLaunchKernel": hip.hipModuleLaunchKernel,
+            "_hipGraphLaunch": hip.hipGraphLaunch,
+            "_STREAMS": self._streams,
+            "_stream_object": self.stream_object,
+            "_launch_failed": _launch_failed,
+            "_graph_launch_failed": self._graph_launch_failed,
+            **self.torch_hot_namespace(),
+        }
+        self.launch_template = (
+            "_r = _hipModuleLaunchKernel({function}, {gx}, {gy}, {gz}, {bx}, {by}, {bz}, {shared}, "
+            "{stream}, {params}, None)\n"
+            "if _r[0]: _launch_failed(_r[0], {label})"
+        )
+        self.graph_launch_template = (
+            "_r = _hipGraphLaunch({exec}, {stream})\nif _r[0]: _graph_launch_failed(_r[0])"
+        )
+
+    # --- runtime state -------------------------------------------------------------------
+    def _ensure_init(self) -> None:
+        if self._initialized:
+            return
+        with self._lock:
+            if self._initialized:
+                return
+            try:
+                _check(hip.hipInit(0), "hipInit")
+            except DriverError:
+                raise
+            except Exception as exc:  # libamdhip64 itself is missing
+                raise _library_missing(exc, "the HIP runtime (libamdhip64)") from exc
+            runtimes = _loaded_runtimes()
+            if len(runtimes) > 1:
+                raise BackendUnavailableError(
+                    f"two HIP runtimes are loaded in this process ({', '.join(runtimes)}), most likely "
+                    "torch's and the one hip-python opened; handles from one are invalid in the other. "
+                    "Make hip-python load torch's libamdhip64 (ROCM_PATH / LD_LIBRARY_PATH)."
+                )
+            self._initialized = True
+
+    def _graph_api(self) -> ctypes.CDLL:
+        """libamdhip64 through ctypes: the copy already loaded (torch's and hip-python's)."""
+        runtime = self._runtime
+        if runtime is None:
+            self._ensure_init()
+            loaded = _loaded_runtimes()
+            path = loaded[0] if loaded else hip_abi.HIP_LIBRARY
+            try:
+                runtime = self._runtime = hip_abi.declare_graph_api(ctypes.CDLL(path))
+            except (OSError, AttributeError) as exc:
+                raise _library_missing(exc, f"the HIP graph API from {path}") from exc
+        return runtime
+
+    @contextlib.contextmanager
+    def _on_device(self, device: int) -> Iterator[None]:
+        """Make ``device`` current for the block (HIP's stand-in for pushing a CUDA context)."""
+        self._ensure_init()
+        previous = _check(hip.hipGetDevice(), "hipGetDevice")
+        if previous != device:
+            _check(hip.hipSetDevice(device), "hipSetDevice")
+        try:
+            yield
+        finally:
+            if previous != device:
+                _check(hip.hipSetDevice(previous), "hipSetDevice")
+
+    def stream_object(self, raw_stream: int) -> object:
+        return self._streams[raw_stream]
+
+    def _graph_launch_failed(self, status: object) -> None:
+        raise DriverError("hipGraphLaunch", int(status), _status_name(status), _status_detail(status))
+
+    # --- compilation ---------------------------------------------------------------------
+    def compiler_version(self) -> str:
+        try:
+            major, minor = _hiprtc_check(hiprtc.hiprtcVersion(), "hiprtcVersion")
+        except DriverError:
+            raise
+        except RuntimeError as exc:
+            raise _library_missing(exc, "hiprtc (libhiprtc)") from exc
+        return f"hiprtc-{major}.{minor}"
+
+    def device_arch(self, device: int) -> str:
+        self._ensure_init()
+        return hip_abi.parse_arch(_device_properties(device).gcnArchName)
+
+    def type_name(self, dtype: DType) -> str:
+        return hip_abi.type_name(dtype.name)
+
+    def prelude(self, source: str, type_names: Sequence[str]) -> str:
+        return hip_abi.prelude(source, type_names)
+
+    def compile(
+        self, source: str, name_expressions: Sequence[str], options: Sequence[str], arch: str
+    ) -> CompiledBinary:
+        try:
+            program = _hiprtc_check(
+                hiprtc.hiprtcCreateProgram(source.encode(), b"kernel.cu", 0, [], []), "hiprtcCreateProgram"
+            )
+        except DriverError:
+            raise
+        except RuntimeError as exc:
+            raise _library_missing(exc, "hiprtc (libhiprtc)") from exc
+        try:
+            for expression in name_expressions:
+                _hiprtc_check(hiprtc.hiprtcAddNameExpression(program, expression.encode()), "hiprtcAddNameExpression")
+            flags = [f"--offload-arch={arch}", "-std=c++17"]
+            if self._include_dir:
+                flags.append(f"-I{self._include_dir}")
+            flags += list(options)
+            encoded = [flag.encode() for flag in flags]
+            status = hiprtc.hiprtcCompileProgram(program, len(encoded), encoded)[0]
+            size = _hiprtc_check(hiprtc.hiprtcGetProgramLogSize(program), "hiprtcGetProgramLogSize")
+            log = ""
+            if size > 1:
+                log_buffer = bytearray(size)
+                _hiprtc_check(hiprtc.hiprtcGetProgramLog(program, log_buffer), "hiprtcGetProgramLog")
+                log = bytes(log_buffer).rstrip(b"\0 ").decode(errors="replace")
+            if int(status):
+                message = f"hiprtc could not compile {', '.join(name_expressions)} for {arch}"
+                if "file not found" in log and not self._include_dir:
+                    message += " (no ROCm include directory found for the vendor headers: set ROCM_PATH)"
+                raise CompileError(message, log=log)
+            lowered = {}
+            for expression in name_expressions:
+                name = _hiprtc_check(hiprtc.hiprtcGetLoweredName(program, expression.encode()), "hiprtcGetLoweredName")
+                # the runtime owns the string until the program is destroyed: copy it now
+                lowered[expression] = bytes(name).decode() if name is not None else expression
+            size = _hiprtc_check(hiprtc.hiprtcGetCodeSize(program), "hiprtcGetCodeSize")
+            image = bytearray(size)
+            _hiprtc_check(hiprtc.hiprtcGetCode(program, image), "hiprtcGetCode")
+            return CompiledBinary(
+                image=bytes(image), lowered_names=lowered, log=log, arch=arch, compiler=self.compiler_version()
+            )
+        finally:
+            # hiprtcDestroyProgram takes a hiprtcProgram*: hip-python wants a reference to the handle
+            hiprtc.hiprtcDestroyProgram(program.createRef())
+
+    # --- modules and launches ------------------------------------------------------------
+    def load(self, binary: CompiledBinary, name_expression: str, device: int) -> LoadedFunction:
+        lowered = binary.lowered_names[name_expression]
+        image = binary.image
+        with self._on_device(device):
+            module = _check(hip.hipModuleLoadData(image), "hipModuleLoadData")
+            function = _check(hip.hipModuleGetFunction(module, lowered.encode()), "hipModuleGetFunction")
+            loaded = LoadedFunction(
+                handle=function,
+                address=int(function),
+                device=device,
+                name=name_expression,
+                max_threads_per_block=_function_attribute(function, "MAX_THREADS_PER_BLOCK"),
+                static_shared_bytes=_function_attribute(function, "SHARED_SIZE_BYTES"),
+                # all the LDS the kernel does not use statically: AMD GPUs have no opt-in limit
+                dynamic_shared_limit=_function_attribute(function, "MAX_DYNAMIC_SHARED_SIZE_BYTES"),
+                # clr's FatBinaryInfo keeps a pointer to the image (no copy) and may read it
+                # again later, for another device: the image lives as long as the module.
+                owner=(module, image),
+            )
+        return loaded
+
+    def device_limits(self, device: int) -> DeviceLimits:
+        limits = self._limits.get(device)
+        if limits is None:
+            self._ensure_init()
+
+            def get(name: str) -> int:
+                return _device_attribute(device, name)
+
+            limits = DeviceLimits(
+                max_block=(get("MaxBlockDimX"), get("MaxBlockDimY"), get("MaxBlockDimZ")),
+                max_threads_per_block=get("MaxThreadsPerBlock"),
+                max_grid=(get("MaxGridDimX"), get("MaxGridDimY"), get("MaxGridDimZ")),
+                max_shared_per_block=get("MaxSharedMemoryPerBlock"),
+                max_shared_per_block_optin=get("SharedMemPerBlockOptin"),
+            )
+            self._limits[device] = limits
+        return limits
+
+    def set_dynamic_shared_limit(self, function: LoadedFunction, nbytes: int) -> None:
+        # Nothing to opt into on AMD GPUs, and hipFuncSetAttribute does not accept a module
+        # function: check the request against what the kernel can use and record it.
+        with self._on_device(function.device):
+            available = _function_attribute(function.handle, "MAX_DYNAMIC_SHARED_SIZE_BYTES")
+        if int(nbytes) > available:
+            code = hip.hipError_t.hipErrorInvalidValue
+            raise DriverError(
+                "hipFuncSetAttribute(hipFuncAttributeMaxDynamicSharedMemorySize)",
+                int(code),
+                code.name,
+                f"{function.name} asks for {int(nbytes)} bytes of dynamic shared memory; it can use {available}",
+            )
+        function.dynamic_shared_limit = int(nbytes)
+
+    def launch(self, function, grid, block, shared_bytes, stream, params) -> None:
+        result = hip.hipModuleLaunchKernel(
+            function.handle, *grid, *block, shared_bytes, self.stream_object(stream), params.address, None
+        )
+        if int(result[0]):
+            _launch_failed(result[0], function.name)
+
+    def synchronize(self, device: int) -> None:
+        with self._on_device(device):
+            _check(hip.hipDeviceSynchronize(), "hipDeviceSynchronize")
+
+    # --- graphs --------------------------------------------------------------------------
+    def _kernel_node_params(self, node_handle: int) -> hip_abi.HipKernelNodeParams:
+        params = hip_abi.HipKernelNodeParams()
+        _check(
+            self._graph_api().hipGraphKernelNodeGetParams(node_handle, ctypes.byref(params)),
+            "hipGraphKernelNodeGetParams",
+        )
+        return params
+
+    def graph_nodes(self, raw_graph: int) -> list[GraphNode]:
+        # ROCm's clr answers in topological order (a breadth-first walk from the root nodes in
+        # insertion order): capture order for a graph captured on one stream.
+        api = self._graph_api()
+        graph = ctypes.c_void_p(raw_graph)
+        count = ctypes.c_size_t(0)
+        _check(api.hipGraphGetNodes(graph, None, ctypes.byref(count)), "hipGraphGetNodes")
+        if not count.value:
+            return []
+        handles = (ctypes.c_void_p * count.value)()
+        _check(api.hipGraphGetNodes(graph, handles, ctypes.byref(count)), "hipGraphGetNodes")
+        nodes = []
+        for index, handle in enumerate(handles[: count.value]):
+            handle = handle or 0
+            kind = ctypes.c_int(-1)
+            _check(api.hipGraphNodeGetType(handle, ctypes.byref(kind)), "hipGraphNodeGetType")
+            if kind.value == hip_abi.GRAPH_NODE_KERNEL:
+                p = self._kernel_node_params(handle)
+                nodes.append(
+                    GraphNode(
+                        index=index,
+                        handle=handle,
+                        kind="kernel",
+                        function=p.func or 0,
+                        grid=(p.gridDim.x, p.gridDim.y, p.gridDim.z),
+                        block=(p.blockDim.x, p.blockDim.y, p.blockDim.z),
+                        shared_bytes=p.sharedMemBytes,
+                        params_address=p.kernelParams or 0,
+                    )
+                )
+            elif kind.value == hip_abi.GRAPH_NODE_MEMCPY:
+                # Not read: a captured hipMemcpyAsync becomes clr's GraphMemcpyNode1D, whose
+                # hipGraphMemcpyNodeGetParams returns a hipMemcpy3DParms that was never filled
+                # in. The addresses it touches are unknown here.
+                nodes.append(GraphNode(index=index, handle=handle, kind="memcpy"))
+            elif kind.value == hip_abi.GRAPH_NODE_MEMSET:
+                p = hip_abi.HipMemsetParams()
+                _check(api.hipGraphMemsetNodeGetParams(handle, ctypes.byref(p)), "hipGraphMemsetNodeGetParams")
+                nodes.append(GraphNode(index=index, handle=handle, kind="memset", pointers=(p.dst or 0,)))
+            else:
+                nodes.append(GraphNode(index=index, handle=handle, kind="other"))
+        return nodes
+
+    def kernel_param_sizes(self, function: int) -> list[int] | None:
+        # HIP has no hipFuncGetParamInfo (CUDA's cuFuncGetParamInfo): the caller must know them.
+        return None
+
+    def read_kernel_params(self, node: GraphNode, sizes: Sequence[int]) -> list[bytes]:
+        if node.params_address:
+            # the node's own void* array, one separately allocated copy per parameter
+            pointers = (ctypes.c_void_p * len(sizes)).from_address(node.params_address)
+            return [ctypes.string_at(pointers[i], size) if pointers[i] else b"" for i, size in enumerate(sizes)]
+        # launched with `extra` (one packed kernel-argument buffer) instead of kernelParams
+        located = None
+        if node.handle:
+            located = hip_abi.extra_kernarg_buffer(self._kernel_node_params(node.handle).extra or 0)
+        if located is None:
+            return [b""] * len(sizes)
+        buffer, buffer_size = located
+        values = []
+        for offset, size in zip(hip_abi.kernarg_offsets(sizes), sizes):
+            values.append(ctypes.string_at(buffer + offset, size) if offset + size <= buffer_size else b"")
+        return values
+
+    def node_updater(self, raw_exec, node, layout, initial) -> NodeUpdater:
+        return _HipNodeUpdater(self._graph_api().hipGraphExecKernelNodeSetParams, raw_exec, node, layout, initial)
+
+    def graph_exec_object(self, raw_exec: int) -> object:
+        return hip.hipGraphExec.fromObj(raw_exec)
+
+    def graph_launch(self, raw_exec: int, stream: int) -> None:
+        result = hip.hipGraphLaunch(hip.hipGraphExec.fromObj(raw_exec), self.stream_object(stream))
+        if int(result[0]):
+            self._graph_launch_failed(result[0])
+
+
+def _loaded_runtimes() -> list[str]:
+    try:
+        with open("/proc/self/maps") as maps:
+            return hip_abi.loaded_hip_runtimes(maps.read())
+    except OSError:  # not Linux
+        return []
