@@ -12,6 +12,8 @@
 See docs/ for the guide; ``jitcore.recorder`` is the replay layer's hook.
 """
 
+from jitcore import recorder
+from jitcore.drift import GlobalsSnapshot
 from jitcore.errors import (
     ArgumentError,
     BackendUnavailableError,
@@ -26,6 +28,7 @@ from jitcore.errors import (
     SymbolicValueError,
     UnsupportedTensorError,
 )
+from jitcore.guards import tensor_guard
 from jitcore.jit import compile, jit
 from jitcore.kernel import Kernel, KernelSpecialization
 from jitcore.keys import Constexpr, KeyPlan
@@ -50,6 +53,7 @@ __all__ = [
     "DeviceError",
     "DriverError",
     "GlobalDriftError",
+    "GlobalsSnapshot",
     "JitError",
     "Kernel",
     "KernelSpecialization",
@@ -67,4 +71,6 @@ __all__ = [
     "lean_static_signature",
     "max",
     "min",
+    "recorder",
+    "tensor_guard",
 ]

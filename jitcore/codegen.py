@@ -21,6 +21,7 @@ Each thread gets its own buffers, so concurrent hits never share a half-written 
 
 from __future__ import annotations
 
+import builtins
 import os
 import struct
 import threading
@@ -84,6 +85,7 @@ class CallState:
         self.device = trace.device
         self.returns = returns
         self.param_names = trace.param_names
+        self.check_globals: object = None  # set by the jit function once it has a drift snapshot
         self._tls = threading.local()
         self.name = f"{owner}__state{index}"
         self.namespace: dict[str, object] = dict(backend.hot_namespace)
@@ -358,13 +360,20 @@ class CallState:
                     )
                 )
             elif source.kind == "value" and any(leaf.kind == "scalar" for leaf in self._leaves_of(source.value)):
-                scalar_leaves = [leaf for leaf in self._leaves_of(source.value) if leaf.kind == "scalar"]
+                leaves = self._leaves_of(source.value)
+                substitutions = {
+                    leaf.variable: f"{{{leaf.arg_index}}}" if leaf.kind == "scalar" else repr(values[leaf.variable])
+                    for leaf in leaves
+                }
+                expression = source.value.render_with(substitutions)
                 params.append(
                     recorder.ParamRecord(
                         kind="scalar",
-                        scalar_args=tuple(sorted(leaf.arg_index for leaf in scalar_leaves)),
-                        evaluate=_Evaluator(source.value, values, self.param_names),
+                        scalar_args=tuple(sorted({leaf.arg_index for leaf in leaves if leaf.kind == "scalar"})),
+                        evaluate=_Evaluator(expression, len(self.param_names)),
                         encode=_Encoder(param),
+                        expression=expression,
+                        convert=abi.float_to_bfloat16_bits if param.kind == "bfloat16" else None,
                         **common,
                     )
                 )
@@ -383,6 +392,7 @@ class CallState:
             params=tuple(params),
             args=tuple(original),
             stream=stream,
+            check_globals=self.check_globals,
         )
 
     def _leaves_of(self, expr: object) -> list:
@@ -392,18 +402,19 @@ class CallState:
 
 
 class _Evaluator:
-    """Recompute a scalar parameter from new runtime-scalar values (sizes stay as recorded)."""
+    """Recompute a scalar parameter from new runtime-scalar values (sizes stay as recorded),
+    through the expression compiled once into a lambda."""
 
-    def __init__(self, expr: Sym, values: dict[str, object], names: Sequence[str]):
-        self.expr = expr
-        self.fixed = {k: v for k, v in values.items() if k != "__args__"}
-        self.names = tuple(names)
+    def __init__(self, expression: str, arg_count: int):
+        source = expression.format(*[f"_s[{i}]" for i in range(arg_count)])
+        self.source = source
+        self._function = eval(
+            builtins.compile(f"lambda _s: {source}", "<jitcore param evaluator>", "eval"),
+            {"__builtins__": {"min": min, "max": max}},
+        )
 
     def __call__(self, scalars: dict[int, object]) -> object:
-        values = dict(self.fixed)
-        for index, value in scalars.items():
-            values[self.names[index]] = value
-        return self.expr.evaluate(values)
+        return self._function(scalars)
 
 
 class _Encoder:

@@ -261,6 +261,7 @@ class JitFunction:
             state = CallState(self.name, self.compiles, key, trace, backend, returns)
             if self.snapshot is None:
                 self._install_drift_check(snapshot)
+            state.check_globals = self.snapshot.check
             self.states[key] = state.run
             self.compiles += 1
             while len(self.states) > self.cache_size:

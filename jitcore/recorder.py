@@ -37,7 +37,9 @@ class ParamRecord:
     - ``"scalar"``: computed from the runtime scalar arguments ``scalar_args`` (jit argument
       indices) and sizes fixed for this call state; ``evaluate`` recomputes it from new values
       of those arguments (a dict ``{arg_index: value}``) and ``encode`` turns a value into the
-      parameter's bytes;
+      parameter's bytes. ``expression`` is the same computation as Python source, with
+      ``{k}`` standing for jit argument ``k`` (for callers that generate code), and
+      ``convert`` (or None) maps a value to what ``struct`` packs with ``fmt``;
     - ``"constant"``: fixed for the call state.
     """
 
@@ -53,6 +55,8 @@ class ParamRecord:
     scalar_args: tuple[int, ...] = ()
     evaluate: Callable[[dict[int, object]], object] | None = None
     encode: Callable[[object], bytes] | None = None
+    expression: str | None = None
+    convert: Callable[[object], object] | None = None
 
 
 @attrs.frozen
@@ -71,6 +75,7 @@ class LaunchRecord:
     params: tuple[ParamRecord, ...]
     args: tuple  # the jit call's arguments as passed (dynamic scalars included)
     stream: int
+    check_globals: Callable[[], None] | None = None  # the launcher's drift check (raises on drift)
 
 
 class Recorder(Protocol):

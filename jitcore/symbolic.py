@@ -59,6 +59,10 @@ class Sym:
                 stack.extend(a for a in node.args if isinstance(a, Sym))
         return list(found.values())
 
+    def render_with(self, substitutions: dict[str, str]) -> str:
+        """Source with each leaf variable replaced by the given text (all leaves must be given)."""
+        return _render(self, label=False, substitutions=substitutions)
+
     def evaluate(self, values: dict[str, object]) -> object:
         """Evaluate with ``values`` mapping leaf variables to concrete values."""
         return eval(self.source(), {"__builtins__": {"min": min, "max": max}}, dict(values))
@@ -204,12 +208,14 @@ def maximum(*values):
     return Sym("max", tuple(values), any(getattr(v, "is_float", isinstance(v, float)) for v in values))
 
 
-def _render(node: object, *, label: bool) -> str:
+def _render(node: object, *, label: bool, substitutions: dict[str, str] | None = None) -> str:
     if not isinstance(node, Sym):
         return repr(node)
     if node.op == "leaf":
+        if substitutions is not None:
+            return substitutions[node.args[0]]
         return (node.label or node.args[0]) if label else node.args[0]
-    parts = [_render(a, label=label) for a in node.args]
+    parts = [_render(a, label=label, substitutions=substitutions) for a in node.args]
     if node.op == "neg":
         return f"(-{parts[0]})"
     if node.op == "cdiv":

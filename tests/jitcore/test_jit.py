@@ -504,6 +504,8 @@ def test_recorder_sees_every_launch_with_provenance(backend):
     scalar = first.params[3]
     assert scalar.kind == "scalar" and scalar.scalar_args == (2,)
     assert scalar.evaluate({2: 4.0}) == 8.0
+    assert scalar.expression == "({2} * 2.0)" and scalar.convert is None
+    assert first.check_globals is not None
     assert scalar.encode(8.0) == struct.pack("<f", 8.0)
     assert first.param_bytes[scalar.offset : scalar.offset + 4] == struct.pack("<f", 0.5)
     assert first.params[4].kind == "constant"  # depends on sizes only

@@ -1,0 +1,46 @@
+"""replay: record sequences of jit launches (and torch ops) into CUDA/HIP graphs, keyed by the
+shape-exact signatures of a region's arguments; replay them with one graph launch, rebinding
+new input pointers and dynamic scalars exactly; run eagerly whatever cannot be replayed.
+
+    from replay import capture, dynamic
+
+    with capture() as cap:
+        step = cap.region(decode_step)
+        for batch in batches:
+            logits = step(batch.tokens, kv_cache, dynamic(pos))
+    print(cap.report())
+
+See docs/replay.md for the semantics (keys, rebinding vs staging, output lifetime).
+"""
+
+from replay.dynamic import Dynamic, DynamicScalar, dynamic
+from replay.errors import (
+    DynamicScalarError,
+    ReplayError,
+    ReplayMismatchError,
+    ReplayWarning,
+    SessionClosedError,
+    StaleOutputError,
+)
+from replay.policy import Policy
+from replay.session import Region, Session, capture, graphed
+from replay.stats import InputChoice, Stats
+
+__all__ = [
+    "Dynamic",
+    "DynamicScalar",
+    "DynamicScalarError",
+    "InputChoice",
+    "Policy",
+    "Region",
+    "ReplayError",
+    "ReplayMismatchError",
+    "ReplayWarning",
+    "Session",
+    "SessionClosedError",
+    "Stats",
+    "StaleOutputError",
+    "capture",
+    "dynamic",
+    "graphed",
+]

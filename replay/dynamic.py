@@ -1,0 +1,182 @@
+"""Dynamic scalars: runtime values a replayed graph takes fresh on every call.
+
+A region argument wrapped in :func:`dynamic` is keyed by its type only. While the region is
+recorded it receives a :class:`DynamicScalar` instead of the number: arithmetic on it builds an
+expression, passing it to a ``@jit`` launcher records which kernel parameters it reaches (the
+jit core reads its value through ``__jit_scalar__``), and at replay those parameters are
+recomputed from the new value and patched. Anything that would bake the value into the graph
+(a torch op, ``int()``, ``if``, a comparison) raises :class:`DynamicScalarError` during
+recording; the key then runs eagerly, with a warning that names the use.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from replay.errors import DynamicScalarError
+
+_NUMBERS = (int, float, bool, np.integer, np.floating, np.bool_)
+
+
+class Dynamic:
+    """A runtime scalar argument of a region (see :func:`dynamic`)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: object):
+        if isinstance(value, Dynamic):
+            value = value.value
+        if not isinstance(value, _NUMBERS):
+            raise TypeError(
+                f"replay.dynamic() takes an int, float or bool (or numpy scalar), got {type(value).__qualname__}"
+            )
+        self.value = value
+
+    def __repr__(self) -> str:
+        return f"dynamic({self.value!r})"
+
+
+def dynamic(value: object) -> Dynamic:
+    """Mark a scalar region argument as runtime: graphs are keyed by its type, not its value,
+    and kernel parameters computed from it are patched on every replay."""
+    return Dynamic(value)
+
+
+_ADVICE = (
+    "a recorded graph would bake its value in. Pass it only to @jit launchers (and arithmetic "
+    "on it), or do not mark it dynamic (then each value gets its own graph)"
+)
+
+
+class DynamicScalar:
+    """What a region sees in place of a dynamic argument while it is being recorded."""
+
+    __slots__ = ("name", "source", "value")
+
+    def __init__(self, source: str, value: object, name: str):
+        self.source = source  # Python source over the dynamic leaves, e.g. "(_d2 + 1)"
+        self.value = value
+        self.name = name  # for messages: the argument path, or the expression
+
+    def __jit_scalar__(self) -> object:
+        return self.value
+
+    def __repr__(self) -> str:
+        return f"DynamicScalar({self.name} = {self.value!r})"
+
+    # --- refusing to become a constant ---------------------------------------------------
+    def _refuse(self, what: str):
+        raise DynamicScalarError(f"{what} of dynamic scalar {self.name} inside a recorded region: {_ADVICE}")
+
+    def __bool__(self):
+        self._refuse("bool()")
+
+    def __int__(self):
+        self._refuse("int()")
+
+    def __float__(self):
+        self._refuse("float()")
+
+    def __index__(self):
+        self._refuse("use as an index")
+
+    def __complex__(self):
+        self._refuse("complex()")
+
+    def __hash__(self):
+        self._refuse("hash()")
+
+    def __eq__(self, other):
+        self._refuse("comparison (==)")
+
+    def __ne__(self, other):
+        self._refuse("comparison (!=)")
+
+    def __lt__(self, other):
+        self._refuse("comparison (<)")
+
+    def __le__(self, other):
+        self._refuse("comparison (<=)")
+
+    def __gt__(self, other):
+        self._refuse("comparison (>)")
+
+    def __ge__(self, other):
+        self._refuse("comparison (>=)")
+
+    def __format__(self, spec):
+        self._refuse("formatting")
+
+    # --- arithmetic builds expressions ---------------------------------------------------
+    def _binary(self, op: str, other: object, reflected: bool):
+        if isinstance(other, DynamicScalar):
+            other_source, other_value = other.source, other.value
+        elif isinstance(other, _NUMBERS):
+            other_source, other_value = repr(other.item() if isinstance(other, np.generic) else other), other
+        else:
+            return NotImplemented
+        left, right = (other_source, self.source) if reflected else (self.source, other_source)
+        lv, rv = (other_value, self.value) if reflected else (self.value, other_value)
+        value = _OPS[op](lv, rv)
+        return DynamicScalar(f"({left} {op} {right})", value, f"({self.name} {op} ...)")
+
+    def __add__(self, o):
+        return self._binary("+", o, False)
+
+    def __radd__(self, o):
+        return self._binary("+", o, True)
+
+    def __sub__(self, o):
+        return self._binary("-", o, False)
+
+    def __rsub__(self, o):
+        return self._binary("-", o, True)
+
+    def __mul__(self, o):
+        return self._binary("*", o, False)
+
+    def __rmul__(self, o):
+        return self._binary("*", o, True)
+
+    def __truediv__(self, o):
+        return self._binary("/", o, False)
+
+    def __rtruediv__(self, o):
+        return self._binary("/", o, True)
+
+    def __floordiv__(self, o):
+        return self._binary("//", o, False)
+
+    def __rfloordiv__(self, o):
+        return self._binary("//", o, True)
+
+    def __mod__(self, o):
+        return self._binary("%", o, False)
+
+    def __rmod__(self, o):
+        return self._binary("%", o, True)
+
+    def __neg__(self):
+        return DynamicScalar(f"(-{self.source})", -self.value, f"(-{self.name})")
+
+    def __pos__(self):
+        return self
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        found = [a for a in (*args, *(kwargs or {}).values()) if isinstance(a, DynamicScalar)]
+        name = found[0].name if found else "?"
+        raise DynamicScalarError(
+            f"passing dynamic scalar {name} to torch.{getattr(func, '__name__', func)} inside a recorded region: "
+            f"{_ADVICE}"
+        )
+
+
+_OPS = {
+    "+": lambda a, b: a + b,
+    "-": lambda a, b: a - b,
+    "*": lambda a, b: a * b,
+    "/": lambda a, b: a / b,
+    "//": lambda a, b: a // b,
+    "%": lambda a, b: a % b,
+}

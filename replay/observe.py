@@ -1,0 +1,63 @@
+"""Which region inputs torch ops touch, seen through torch's dispatcher.
+
+A torch op inside a region is captured into the graph with its tensor addresses baked in; the
+replay layer cannot patch it, so an input such an op reads must be staged (copied into the
+recorded buffer) and one it writes copied back. :class:`TorchOpObserver` is a
+``TorchDispatchMode`` active while a region runs eagerly (the warm-up before recording) and
+while it is captured: every non-view op reports the tensors it reads and writes, and the
+observer maps them to region inputs by address range (so views and slices count).
+
+This is exact for torch ops, including indirect ones (pointer arrays built inside a library
+kernel) because it looks at op arguments, not at kernel parameters. Kernels neither torch nor
+jitcore launched (Triton, CuPy) are caught after capture by scanning graph nodes instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from replay.keys import extent_bytes
+
+
+def byte_range(tensor: torch.Tensor) -> tuple[int, int]:
+    start = tensor.data_ptr()
+    return start, start + extent_bytes(tensor)
+
+
+class TorchOpObserver(TorchDispatchMode):
+    """Records, per watched range, whether a torch op read it and whether one wrote it."""
+
+    def __init__(self, ranges: Sequence[tuple[int, int]]):
+        super().__init__()
+        self.ranges = list(ranges)
+        self.read: set[int] = set()
+        self.written: set[int] = set()
+        self.ops: dict[int, list[str]] = {}
+
+    def _hits(self, tensor: torch.Tensor) -> list[int]:
+        if tensor.device.type == "meta" or tensor.layout is not torch.strided:
+            return []
+        lo, hi = byte_range(tensor)
+        if lo == hi:
+            return []
+        return [i for i, (a, b) in enumerate(self.ranges) if a < hi and lo < b]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not getattr(func, "is_view", False) and self.ranges:
+            schema = func._schema
+            written_names = {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write}
+            for index, argument in enumerate(schema.arguments):
+                value = args[index] if index < len(args) else kwargs.get(argument.name)
+                tensors = [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+                for tensor in tensors:
+                    for hit in self._hits(tensor):
+                        self.read.add(hit)
+                        self.ops.setdefault(hit, []).append(str(func))
+                        if argument.name in written_names:
+                            self.written.add(hit)
+        return func(*args, **kwargs)

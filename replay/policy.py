@@ -1,0 +1,42 @@
+"""A session's policy: when to record, how many graphs to keep, how outputs are returned."""
+
+from __future__ import annotations
+
+import os
+
+import attrs
+
+
+def _non_negative_int(instance, attribute, value):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{attribute.name} must be an int >= 0, got {value!r}")
+
+
+def _positive_int(instance, attribute, value):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{attribute.name} must be an int >= 1, got {value!r}")
+
+
+def _bool(instance, attribute, value):
+    if not isinstance(value, bool):
+        raise ValueError(f"{attribute.name} must be True or False, got {value!r}")
+
+
+def _debug_default() -> bool:
+    return os.environ.get("REPLAY_DEBUG", "").strip() not in ("", "0")
+
+
+@attrs.frozen(kw_only=True)
+class Policy:
+    """``record_after``: eager runs of a key before it is recorded (compiles happen there).
+    ``max_graphs``: graphs kept per session; the least recently replayed is released beyond.
+    ``clone_outputs``: return copies instead of the graph's own output buffers.
+    ``verify_every``: every Nth replay of a graph is also run eagerly and compared bitwise
+    (0 turns it off). ``check_stale``: outputs raise StaleOutputError when read after a later
+    replay overwrote them (a debug aid; on by default when ``REPLAY_DEBUG=1``)."""
+
+    record_after: int = attrs.field(default=1, validator=_non_negative_int)
+    max_graphs: int = attrs.field(default=64, validator=_positive_int)
+    clone_outputs: bool = attrs.field(default=False, validator=_bool)
+    verify_every: int = attrs.field(default=0, validator=_non_negative_int)
+    check_stale: bool = attrs.field(factory=_debug_default, validator=_bool)

@@ -1,0 +1,279 @@
+"""Recording a region into a CUDA/HIP graph, and working out how to rebind it.
+
+One recording: stream capture of the region on the session's capture stream and memory pool
+(thread-local capture mode, ``keep_graph=True``) with the jitcore recorder installed (every jit
+launch is logged with its parameter provenance, and a jit cache miss aborts the capture before
+anything compiles) and the torch-op observer active. Then the graph is instantiated, its
+nodes read, and :func:`replay.rebinding.build_plan` decides what to patch and what to stage.
+
+Capture goes through ``CUDAGraph.capture_begin/capture_end`` rather than the
+``torch.cuda.graph`` context manager: the latter synchronizes the device and empties the
+allocator cache on entry, which costs milliseconds per recording and is not needed here (the
+session's pool is private and nothing captured runs until the graph is launched).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import attrs
+import torch
+
+import jitcore
+from jitcore.backends import get_backend
+from jitcore.errors import CaptureMissError
+from replay import rebinding, staging
+from replay.dynamic import Dynamic, DynamicScalar
+from replay.errors import DynamicScalarError
+from replay.keys import extent_bytes, unflatten
+from replay.observe import TorchOpObserver
+
+_NUMBERS = (int, float, bool)
+
+
+class CaptureAborted(Exception):
+    """The capture must be retried later (a jit miss: compile eagerly first)."""
+
+
+class CaptureFailed(Exception):
+    """This key cannot be captured; ``reason`` says why (it will run eagerly)."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+class CaptureRetry(Exception):
+    """The capture showed more inputs must be staged; record again with them."""
+
+
+class _Recorder:
+    """The jitcore recorder: keeps every launch, refuses every miss."""
+
+    def __init__(self) -> None:
+        self.records: list = []
+
+    def launch(self, record) -> None:
+        self.records.append(record)
+
+    def miss(self, description: str) -> None:
+        raise CaptureMissError(f"{description} (during replay recording: compile eagerly first)")
+
+
+@attrs.define
+class Capture:
+    """Everything a successful capture produced."""
+
+    graph: torch.cuda.CUDAGraph
+    device: int
+    outputs: object  # what the region returned (tensors in the pool, constants, dynamic scalars)
+    records: list
+    nodes: list
+    plan: rebinding.Plan
+    inputs: list[rebinding.InputRange]
+    staged: dict[int, torch.Tensor]  # leaf index -> the graph's own buffer
+    copied_back: set[int]
+    seconds: float
+    memory: int  # bytes the pool grew by
+
+
+def pool_bytes(device: int, pool: tuple) -> int:
+    """Bytes reserved by a private memory pool (its segments), from the allocator's snapshot."""
+    try:
+        segments = torch.cuda.memory_snapshot(mempool_id=pool, include_traces=False)
+        return sum(s["total_size"] for s in segments if s.get("device", device) == device)
+    except TypeError:  # older torch: no per-pool snapshot
+        segments = torch.cuda.memory_snapshot()
+        return sum(
+            s["total_size"]
+            for s in segments
+            if s.get("device") == device and tuple(s.get("segment_pool_id", ())) == tuple(pool)
+        )
+
+
+def _end_capture_after_error(graph: torch.cuda.CUDAGraph, device: int, pool: tuple) -> None:
+    """Leave no capture running and the allocator routing no allocation to the pool."""
+    try:
+        graph.capture_end()
+    except Exception:
+        # cudaStreamEndCapture failed (an invalidated capture ends anyway); torch skipped
+        # ending its allocation to the pool, so do it here.
+        for name in ("_cuda_endAllocateToPool", "_cuda_releasePool"):  # balance capture_begin
+            call = getattr(torch._C, name, None)
+            if call is not None:
+                try:
+                    call(device, pool)
+                except Exception:
+                    pass
+    try:
+        graph.reset()
+    except Exception:
+        pass
+
+
+def _launch_view(record, dynamic_args: set[int], sources: dict[int, str]) -> rebinding.LaunchView:
+    params = tuple(
+        rebinding.ParamView(
+            index=p.index,
+            offset=p.offset,
+            size=p.size,
+            fmt=p.fmt,
+            kind=p.kind,
+            read_only=p.read_only,
+            expression=p.expression,
+            convert=p.convert,
+            scalar_args=p.scalar_args,
+        )
+        for p in record.params
+    )
+    return rebinding.LaunchView(
+        function=record.function,
+        kernel=record.kernel,
+        param_bytes=record.param_bytes,
+        params=params,
+        scalar_sources=sources,
+        dynamic_args=frozenset(dynamic_args),
+    )
+
+
+def launch_views(records: Sequence) -> list[rebinding.LaunchView]:
+    views = []
+    for record in records:
+        sources, dynamic = {}, set()
+        for k, arg in enumerate(record.args):
+            if isinstance(arg, DynamicScalar):
+                sources[k], _ = arg.source, dynamic.add(k)
+            elif isinstance(arg, _NUMBERS) or hasattr(arg, "__jit_scalar__"):
+                value = arg.__jit_scalar__() if hasattr(arg, "__jit_scalar__") else arg
+                sources[k] = repr(value)
+        views.append(_launch_view(record, dynamic, sources))
+    return views
+
+
+def node_views(backend, nodes: Sequence, records: Sequence) -> tuple[list[rebinding.NodeView], bool]:
+    """Read each kernel node's parameters: with the sizes of the jit launch that may be in it,
+    or the driver's parameter info for foreign kernels (None where unknown)."""
+    layouts = {r.function: r.layout for r in records}
+    scanned = True
+    views = []
+    for node in nodes:
+        if node.kind == "kernel":
+            layout = layouts.get(node.function)
+            sizes = [t.size for t in layout.types] if layout is not None else backend.kernel_param_sizes(node.function)
+            if sizes is None:
+                scanned = False
+                params = None
+            else:
+                params = tuple(backend.read_kernel_params(node, sizes))
+            views.append(rebinding.NodeView(node.index, "kernel", node.function, params))
+        elif node.kind in ("memcpy", "memset"):
+            views.append(rebinding.NodeView(node.index, node.kind, pointers=tuple(node.pointers)))
+        else:
+            views.append(rebinding.NodeView(node.index, node.kind))
+    return views, scanned
+
+
+def capture(
+    fn,
+    spec: object,
+    leaves: Sequence,
+    paths: Sequence[str],
+    *,
+    device: int,
+    pool: tuple,
+    stream: torch.cuda.Stream,
+    stage: set[int],
+    copy_back: set[int],
+) -> Capture:
+    """Record ``fn`` once. Raises CaptureAborted, CaptureFailed or CaptureRetry."""
+    backend = get_backend()
+    tensors = {i: leaf for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)}
+    for i, tensor in tensors.items():
+        if tensor.device.type != "cuda" or tensor.device.index != device:
+            raise CaptureFailed(f"input {paths[i]} is on {tensor.device}, the current device is cuda:{device}")
+    inputs = [
+        rebinding.InputRange(i, paths[i], t.data_ptr(), t.data_ptr() + extent_bytes(t)) for i, t in tensors.items()
+    ]
+    staged: dict[int, torch.Tensor] = {}
+    for i in sorted(stage):
+        reason = staging.unsupported_reason(tensors[i])
+        if reason:
+            raise CaptureFailed(f"input {paths[i]} must be staged but {reason}")
+        staged[i] = staging.staged_buffer(tensors[i])
+        staging.prepare(tensors[i], staged[i])
+        staging.prepare(staged[i], tensors[i])
+    capture_leaves = list(leaves)
+    for i, leaf in enumerate(leaves):
+        if i in staged:
+            capture_leaves[i] = staged[i]
+        elif isinstance(leaf, Dynamic):
+            capture_leaves[i] = DynamicScalar(f"_d{i}", leaf.value, paths[i])
+    args, kwargs = unflatten(spec, capture_leaves)
+    watched = [(r.lo, r.hi) for r in inputs] + [(b.data_ptr(), b.data_ptr() + extent_bytes(b)) for b in staged.values()]
+    watched_index = [r.index for r in inputs] + list(staged)
+    observer = TorchOpObserver(watched)
+    recorder = _Recorder()
+    graph = torch.cuda.CUDAGraph(keep_graph=True)
+    pool_before = pool_bytes(device, pool)
+    started = time.perf_counter()
+    copied_back: set[int] = set()
+    with torch.cuda.stream(stream):
+        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+        try:
+            with jitcore.recorder.recording(recorder), observer:
+                for i, buffer in staged.items():
+                    staging.copy(tensors[i], buffer)
+                outputs = fn(*args, **kwargs)
+                written = {watched_index[w] for w in observer.written}
+                for record in recorder.records:
+                    for param in record.params:
+                        if param.kind == "pointer" and not param.read_only:
+                            address = int.from_bytes(record.param_bytes[param.offset : param.offset + 8], "little")
+                            for i, buffer in staged.items():
+                                if buffer.data_ptr() <= address < buffer.data_ptr() + max(extent_bytes(buffer), 1):
+                                    written.add(i)
+                for i, buffer in staged.items():
+                    if i in written or i in copy_back:
+                        staging.copy(buffer, tensors[i])
+                        copied_back.add(i)
+        except CaptureMissError as exc:
+            _end_capture_after_error(graph, device, pool)
+            raise CaptureAborted(str(exc)) from exc
+        except DynamicScalarError as exc:
+            _end_capture_after_error(graph, device, pool)
+            raise CaptureFailed(str(exc)) from exc
+        except Exception as exc:
+            _end_capture_after_error(graph, device, pool)
+            first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            raise CaptureFailed(f"{type(exc).__name__} while capturing: {first_line}") from exc
+        try:
+            graph.capture_end()
+        except Exception as exc:
+            _end_capture_after_error(graph, device, pool)
+            raise CaptureFailed(f"the capture was invalidated: {str(exc).strip().splitlines()[0]}") from exc
+    graph.instantiate()
+    seconds = time.perf_counter() - started
+    memory = max(pool_bytes(device, pool) - pool_before, 0)
+    records = recorder.records
+    nodes = backend.graph_nodes(graph.raw_cuda_graph())
+    views, scanned = node_views(backend, nodes, records)
+    torch_read = {watched_index[w] for w in observer.read if watched_index[w] not in staged}
+    torch_written = {watched_index[w] for w in observer.written if watched_index[w] not in staged}
+    plan = rebinding.build_plan(
+        inputs,
+        launch_views(records),
+        views,
+        staged=set(staged),
+        copied_back=copied_back,
+        torch_read=torch_read,
+        torch_written=torch_written,
+        scanned=scanned,
+    )
+    if plan.failure:
+        graph.reset()
+        raise CaptureFailed(plan.failure)
+    if plan.needs_staging or plan.needs_copy_back:
+        graph.reset()
+        raise CaptureRetry(plan)
+    return Capture(graph, device, outputs, records, nodes, plan, inputs, staged, copied_back, seconds, memory)

@@ -1,0 +1,520 @@
+"""Sessions and regions: keys, the recording policy, replay, fallbacks, bounds.
+
+    with capture() as cap:                 # a session: memory pool, graphs, policy, stats
+        step = cap.region(decode_step)     # also usable as a decorator
+        for batch in batches:
+            logits = step(batch.tokens, kv_cache, replay.dynamic(pos))
+    print(cap.report())
+
+Per call: the most recently replayed key of the region is checked first by a guard (one C++
+tensor check per tensor argument); otherwise the key is computed. A new key runs eagerly
+(``record_after`` times, compiling what it needs), then is recorded into a graph, then
+replayed. A key whose capture fails runs eagerly from then on, with one warning naming the
+reason. ``max_graphs`` bounds the graphs held (least recently replayed released first).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+
+import torch
+
+import jitcore
+from jitcore.backends import get_backend
+from jitcore.errors import GlobalDriftError
+from replay import keys, recording
+from replay.dynamic import Dynamic
+from replay.errors import ReplayWarning, SessionClosedError
+from replay.graph import RecordedGraph
+from replay.observe import TorchOpObserver
+from replay.policy import Policy
+from replay.rebinding import STAGED
+from replay.stats import InputChoice, Stats, report
+
+WARMING, RECORDED, EAGER_ONLY = "warming", "recorded", "eager-only"
+
+
+def _never(*args: object) -> bool:
+    return False
+
+
+class Entry:
+    """One key of one region: its state and, once recorded, its graph."""
+
+    __slots__ = (
+        "copy_back_hint",
+        "eager_runs",
+        "graph",
+        "guard",
+        "key",
+        "reason",
+        "region",
+        "stage_hint",
+        "state",
+        "calls",
+    )
+
+    def __init__(self, region: Region, key: tuple):
+        self.region = region
+        self.key = key
+        self.state = WARMING
+        self.eager_runs = 0
+        self.graph: RecordedGraph | None = None
+        self.guard: Callable | None = None
+        self.stage_hint: set[int] = set()
+        self.copy_back_hint: set[int] = set()
+        self.reason = ""
+        self.calls = 0
+
+
+def _describe_key(key: tuple) -> str:
+    parts = []
+    for element in key[2:]:
+        if isinstance(element, tuple) and len(element) == 6 and isinstance(element[1], tuple):
+            parts.append(f"{element[0]}[{','.join(map(str, element[1]))}]")
+        elif isinstance(element, tuple) and element and element[0] == "dynamic":
+            parts.append(f"dynamic {element[1]}")
+        else:
+            parts.append(repr(element[1] if isinstance(element, tuple) and len(element) == 2 else element))
+    return "(" + ", ".join(parts) + ")"
+
+
+class Region:
+    """A function whose calls are recorded into graphs and replayed, key by key."""
+
+    def __init__(self, session: Session, fn: Callable, name: str | None = None):
+        if not callable(fn):
+            raise TypeError(f"region expects a callable, got {fn!r}")
+        self.session = session
+        self.fn = fn
+        self.name = name or getattr(fn, "__qualname__", type(fn).__qualname__)
+        self.entries: dict[tuple, Entry] = {}
+        self.snapshot: jitcore.GlobalsSnapshot | None = None
+        self.mru: tuple[Callable, Entry | None] = (_never, None)
+        functools.update_wrapper(self, fn)
+
+    # --- the call ------------------------------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        guard, entry = self.mru
+        if not kwargs and guard(*args):
+            if self.snapshot is not None:
+                try:
+                    self.snapshot.check()
+                except GlobalDriftError:
+                    return self._rekey(args, kwargs)
+            self.session.stats_record.calls += 1
+            entry.calls += 1
+            return self._replay(entry, args)
+        return self._call(args, kwargs)
+
+    def _call(self, args: tuple, kwargs: dict):
+        session = self.session
+        session.check_open()
+        if self.snapshot is not None:
+            try:
+                self.snapshot.check()
+            except GlobalDriftError:
+                return self._rekey(args, kwargs)
+        spec, leaves, paths = keys.flatten(args, kwargs)
+        device = session.current_device()
+        key = keys.region_key(device, spec, leaves, paths)
+        entry = self.entries.get(key)
+        if entry is None:
+            entry = self.entries[key] = Entry(self, key)
+        session.stats_record.calls += 1
+        entry.calls += 1
+        if entry.state == RECORDED:
+            session.touch(entry)
+            self._promote(entry, spec, leaves)
+            return self._replay(entry, leaves)
+        if entry.state == EAGER_ONLY or not session.can_record():
+            return self._eager(spec, leaves)
+        if entry.eager_runs < session.policy.record_after:
+            entry.eager_runs += 1
+            last_warmup = entry.eager_runs == session.policy.record_after
+            return self._eager(spec, leaves, observe=entry if last_warmup else None)
+        return self._record(entry, key, spec, leaves, paths, device)
+
+    def _replay(self, entry: Entry, leaves: Sequence):
+        graph = entry.graph
+        every = self.session.policy.verify_every
+        if every and (graph.replays + 1) % every == 0:
+            self.session.stats_record.verifications += 1
+            spec = entry.key[1]
+            return graph.verify(leaves, lambda snapshot: self._eager(spec, snapshot))
+        return graph.replay(*leaves)
+
+    def _rekey(self, args: tuple, kwargs: dict):
+        """The region's globals changed: its graphs were recorded against the old ones."""
+        self.session.stats_record.invalidations += 1
+        self.drop_graphs()
+        self.entries.clear()
+        self.snapshot = None
+        return self._call(args, kwargs)
+
+    def _eager(self, spec: object, leaves: Sequence, observe: Entry | None = None):
+        self.session.stats_record.eager_runs += 1
+        args, kwargs = keys.unflatten(spec, keys.plain_leaves(leaves))
+        if observe is None:
+            return self.fn(*args, **kwargs)
+        tensors = [(i, leaf) for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+        observer = TorchOpObserver([(t.data_ptr(), t.data_ptr() + keys.extent_bytes(t)) for _, t in tensors])
+        with observer:
+            result = self.fn(*args, **kwargs)
+        observe.stage_hint |= {tensors[w][0] for w in observer.read}
+        observe.copy_back_hint |= {tensors[w][0] for w in observer.written}
+        return result
+
+    # --- recording -----------------------------------------------------------------------
+    def _record(self, entry: Entry, key: tuple, spec: object, leaves: list, paths: list, device: int):
+        session = self.session
+        with session.lock:
+            if self.snapshot is None:
+                self.snapshot = jitcore.GlobalsSnapshot(self.fn, owner=f"region {self.name}", prefix="_r")
+            capture = None
+            for _attempt in range(3):
+                try:
+                    capture = session.capture(
+                        self.fn,
+                        spec,
+                        leaves,
+                        paths,
+                        device=device,
+                        pool=session.pool(device),
+                        stream=session.capture_stream(device),
+                        stage=entry.stage_hint,
+                        copy_back=entry.copy_back_hint,
+                    )
+                    break
+                except recording.CaptureRetry as retry:
+                    plan = retry.args[0]
+                    entry.stage_hint |= plan.needs_staging
+                    entry.copy_back_hint |= plan.needs_copy_back | (plan.needs_staging & entry.copy_back_hint)
+                    session.stats_record.record_retries += 1
+                except recording.CaptureAborted:
+                    session.stats_record.record_retries += 1
+                    return self._eager(spec, leaves)  # compiles now; recording is retried next call
+                except recording.CaptureFailed as failure:
+                    return self._give_up(entry, spec, leaves, failure.reason)
+            if capture is None:
+                return self._give_up(entry, spec, leaves, "staging did not settle after three captures")
+            try:
+                graph = session.build_graph(self, key, capture, spec, leaves, paths, session, len(session.lru))
+            except recording.CaptureFailed as failure:
+                capture.graph.reset()
+                return self._give_up(entry, spec, leaves, failure.reason)
+            entry.graph = graph
+            entry.state = RECORDED
+            stats = session.stats_record
+            stats.records += 1
+            stats.capture_seconds += capture.seconds
+            described = _describe_key(key)
+            for input_range in capture.inputs:
+                choice = capture.plan.choices.get(input_range.index, "unused")
+                if choice == STAGED and input_range.index in capture.copied_back:
+                    choice = "staged+copied back"
+                reason = "; ".join(capture.plan.reasons.get(input_range.index, []))
+                stats.inputs.append(InputChoice(self.name, described, input_range.path, choice, reason))
+            session.add_graph(entry)
+            session.after_record(entry, capture)
+            self._promote(entry, spec, leaves)
+            return entry.graph.replay(*leaves)
+
+    def recapture(self, entry: Entry, pool: tuple) -> RecordedGraph:
+        """Record ``entry``'s key again into ``pool``, from placeholders of its inputs."""
+        old = entry.graph
+        leaves = old.placeholder_leaves()
+        session = self.session
+        capture = session.capture(
+            self.fn,
+            old.spec,
+            leaves,
+            old.paths,
+            device=old.device,
+            pool=pool,
+            stream=session.capture_stream(old.device),
+            stage=entry.stage_hint,
+            copy_back=entry.copy_back_hint,
+        )
+        session.stats_record.capture_seconds += capture.seconds
+        return session.build_graph(self, entry.key, capture, old.spec, leaves, old.paths, session, len(session.lru))
+
+    def _give_up(self, entry: Entry, spec: object, leaves: Sequence, reason: str):
+        entry.state = EAGER_ONLY
+        entry.reason = reason
+        self.session.stats_record.eager_only_keys += 1
+        warnings.warn(
+            ReplayWarning(f"region {self.name}, key {_describe_key(entry.key)}: runs eagerly from now on: {reason}"),
+            stacklevel=4,
+        )
+        return self._eager(spec, leaves)
+
+    # --- the guarded fast path -----------------------------------------------------------
+    def _promote(self, entry: Entry, spec: object, leaves: Sequence) -> None:
+        if entry.guard is None:
+            entry.guard = self._make_guard(entry, spec, leaves) or _never
+        self.mru = (entry.guard, entry)
+
+    def _make_guard(self, entry: Entry, spec: object, leaves: Sequence) -> Callable | None:
+        """``guard(*args) -> bool``: exactly this key, for calls with positional leaves only."""
+        if spec[0] != keys.FLAT:
+            return None
+        device = entry.key[0]
+        namespace: dict[str, object] = {
+            "_Tensor": torch.Tensor,
+            "_Dynamic": Dynamic,
+            "_device": get_backend().hot_namespace["_current_device"],
+        }
+        names = [f"a{i}" for i in range(len(leaves))]
+        checks = []
+        for i, leaf in enumerate(leaves):
+            name = names[i]
+            if type(leaf) is torch.Tensor:
+                check = jitcore.tensor_guard([leaf], [list(leaf.shape)], [list(leaf.stride())])
+                if check is None:
+                    return None
+                namespace[f"_g{i}"] = check
+                checks.append(f"{name}.__class__ is _Tensor and _g{i}({name})")
+            elif isinstance(leaf, Dynamic):
+                namespace[f"_c{i}"] = type(leaf.value)
+                checks.append(f"{name}.__class__ is _Dynamic and {name}.value.__class__ is _c{i}")
+            elif isinstance(leaf, (bool, int, float, str, type(None))):
+                namespace[f"_c{i}"], namespace[f"_v{i}"] = type(leaf), leaf
+                checks.append(f"{name}.__class__ is _c{i} and {name} == _v{i}")
+            else:
+                return None
+        checks.append(f"_device() == {device}")
+        body = " and ".join(checks)
+        source = (
+            f"def guard(*args):\n    if len(args) != {len(leaves)}:\n        return False\n"
+            f"    {', '.join(names)}{',' if len(names) == 1 else ''} = args\n    return {body}\n"
+            if leaves
+            else f"def guard(*args):\n    return not args and {body}\n"
+        )
+        exec(compile(source, f"<replay guard of {self.name}>", "exec"), namespace)
+        guard = namespace["guard"]
+        guard.source = source
+        return guard
+
+    # --- maintenance ---------------------------------------------------------------------
+    def drop_graphs(self) -> None:
+        for entry in list(self.entries.values()):
+            if entry.graph is not None:
+                self.session.release(entry)
+        self.mru = (_never, None)
+
+    def __repr__(self) -> str:
+        return f"<replay region {self.name}: {len(self.entries)} keys>"
+
+
+class Session:
+    """A capture session: one memory pool per device, the graph cache, policy and stats."""
+
+    #: How a key is captured and turned into a replayable graph; CPU tests of the session's
+    #: logic replace these with doubles (the GPU tests run the real ones).
+    capture = staticmethod(recording.capture)
+    build_graph = RecordedGraph
+
+    def __init__(self, **policy: object):
+        self.policy = Policy(**policy)
+        self.stats_record = Stats()
+        self.lock = threading.RLock()
+        self.regions: list[Region] = []
+        self.lru: OrderedDict[Entry, None] = OrderedDict()
+        self._pools: dict[int, tuple] = {}
+        self._streams: dict[int, torch.cuda.Stream] = {}
+        self.last_stream: list[int | None] = [None]
+        self.closed = False
+        self.compaction = True  # off for good once a compaction stops paying
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- regions -------------------------------------------------------------------------
+    def region(self, fn: Callable | None = None, *, name: str | None = None):
+        """Wrap ``fn`` as a region of this session (usable as ``@cap.region``)."""
+        if fn is None:
+            return lambda f: self.region(f, name=name)
+        self.check_open()
+        region = Region(self, fn, name)
+        self.regions.append(region)
+        return region
+
+    def current_device(self) -> int:
+        """The device graphs are recorded for (-1 without a GPU)."""
+        return get_backend().current_device() if torch.cuda.is_available() else -1
+
+    def can_record(self) -> bool:
+        """Without a GPU every call runs eagerly (the same results, no graphs)."""
+        return torch.cuda.is_available()
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise SessionClosedError("this capture() session is closed (its with-block ended); open a new one")
+
+    # --- resources -----------------------------------------------------------------------
+    def pool(self, device: int) -> tuple:
+        pool = self._pools.get(device)
+        if pool is None:
+            with torch.cuda.device(device):
+                pool = self._pools[device] = torch.cuda.graph_pool_handle()
+        return pool
+
+    def capture_stream(self, device: int) -> torch.cuda.Stream:
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device=device)
+        return stream
+
+    def stream_switch(self, stream: int) -> None:
+        """Replays of one session share a pool: order a replay on a new stream after the last
+        replay on the previous one, so they never run concurrently."""
+        previous = self.last_stream[0]
+        if previous is not None and previous != stream:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.ExternalStream(previous))
+            torch.cuda.ExternalStream(stream).wait_event(event)
+        self.last_stream[0] = stream
+
+    def touch(self, entry: Entry) -> None:
+        self.lru.move_to_end(entry)
+
+    def add_graph(self, entry: Entry) -> None:
+        self.lru[entry] = None
+        self.stats_record.graphs = len(self.lru)
+        while len(self.lru) > self.policy.max_graphs:
+            oldest = next(iter(self.lru))
+            self.release(oldest)
+            self.stats_record.evictions += 1
+
+    def pool_bytes(self, device: int) -> int:
+        return recording.pool_bytes(device, self.pool(device))
+
+    def memory_bytes(self) -> int:
+        return sum(self.pool_bytes(device) for device in self._pools)
+
+    def after_record(self, entry: Entry, capture) -> None:
+        """A recording that grew the pool substantially may have fragmented it (a bigger shape
+        cannot reuse the blocks smaller shapes were recorded into): record the device's graphs
+        again, largest inputs first, into a fresh pool, so they share one set of blocks."""
+        device = capture.device
+        size = self.pool_bytes(device)
+        others = [e for e in self.lru if e is not entry and e.graph is not None and e.graph.device == device]
+        if self.compaction and others and capture.memory >= max(1 << 20, size // 10):
+            self.compact(device)
+        self.stats_record.graph_memory_bytes = self.memory_bytes()
+
+    def compact(self, device: int) -> bool:
+        """Record every graph of ``device`` again into a fresh pool (largest inputs first) and
+        free the old pool. Keeps the old graphs if any recording fails."""
+        entries = sorted(
+            (e for e in self.lru if e.graph is not None and e.graph.device == device),
+            key=lambda e: e.graph.input_bytes,
+            reverse=True,
+        )
+        before = self.pool_bytes(device)
+        with torch.cuda.device(device):
+            new_pool = torch.cuda.graph_pool_handle()
+        fresh: dict[Entry, RecordedGraph] = {}
+        try:
+            for entry in entries:
+                fresh[entry] = entry.region.recapture(entry, new_pool)
+        except (recording.CaptureFailed, recording.CaptureAborted, recording.CaptureRetry):
+            for graph in fresh.values():
+                graph.release()
+            self.compaction = False
+            return False
+        for entry, graph in fresh.items():
+            old, entry.graph = entry.graph, graph
+            old.release()
+        self._pools[device] = new_pool
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        after = self.pool_bytes(device)
+        self.stats_record.compactions += 1
+        if after > 0.9 * before:
+            self.compaction = False
+        return True
+
+    def release(self, entry: Entry) -> None:
+        """Drop an entry's graph; its memory returns to the pool. The key records again later."""
+        self.lru.pop(entry, None)
+        if entry.graph is not None:
+            entry.graph.release()
+        entry.graph = None
+        entry.guard = None
+        entry.state = WARMING
+        entry.eager_runs = 0
+        if entry.region.mru[1] is entry:
+            entry.region.mru = (_never, None)
+        self.stats_record.graphs = len(self.lru)
+
+    def invalidate(self) -> None:
+        """Drop every graph of the session; keys record again after their eager runs."""
+        with self.lock:
+            for entry in list(self.lru):
+                self.release(entry)
+            for region in self.regions:
+                region.mru = (_never, None)
+                for entry in region.entries.values():
+                    if entry.state == EAGER_ONLY:
+                        continue
+                    entry.state, entry.eager_runs = WARMING, 0
+            self.stats_record.invalidations += 1
+
+    def close(self) -> None:
+        if not self.closed:
+            self.invalidate()
+            self.stats_record.invalidations -= 1  # closing is not an invalidation by the user
+            self.closed = True
+
+    # --- introspection -------------------------------------------------------------------
+    def stats(self) -> Stats:
+        return self.stats_record.copy()
+
+    def report(self) -> str:
+        rows = []
+        for region in self.regions:
+            for entry in region.entries.values():
+                graph = entry.graph
+                rows.append(
+                    (
+                        region.name,
+                        _describe_key(entry.key),
+                        entry.state if not entry.reason else f"{entry.state}: {entry.reason}",
+                        entry.calls,
+                        graph.replays if graph else 0,
+                        entry.eager_runs,
+                        f"{graph.capture.seconds * 1e3:.2f}" if graph else "-",
+                        f"{graph.memory / 2**20:.1f}" if graph else "-",
+                    )
+                )
+        return report(self.stats_record, rows)
+
+    def dump(self) -> str:
+        """The generated replay source of every graph held."""
+        return "\n".join(entry.graph.source for entry in self.lru if entry.graph is not None)
+
+
+def capture(**policy: object) -> Session:
+    """A capture session (a context manager): ``with capture(record_after=1) as cap: ...``.
+
+    Policy: ``record_after`` (eager runs of a key before recording, default 1), ``max_graphs``
+    (default 64), ``clone_outputs`` (default False), ``verify_every`` (0 = off),
+    ``check_stale`` (default off, on with REPLAY_DEBUG=1).
+    """
+    return Session(**policy)
+
+
+def graphed(fn: Callable | None = None, **policy: object):
+    """A region with its own session: ``@graphed`` or ``@graphed(record_after=2)``."""
+    if fn is None:
+        return lambda f: graphed(f, **policy)
+    return Session(**policy).region(fn)

@@ -1,0 +1,70 @@
+"""What a session did: counters, per-key details and the per-input rebinding choices."""
+
+from __future__ import annotations
+
+import attrs
+
+
+@attrs.define
+class InputChoice:
+    """How one region input is handled in one recorded graph."""
+
+    region: str
+    key: str
+    input: str
+    choice: str  # "rebound", "staged", "staged+copied back", "unused"
+    reason: str = ""
+
+
+@attrs.define
+class Stats:
+    """Counters of a session (``Session.stats()`` returns a copy)."""
+
+    calls: int = 0
+    replays: int = 0
+    records: int = 0
+    record_retries: int = 0  # captures redone (a jit miss, or more inputs had to be staged)
+    eager_runs: int = 0
+    eager_only_keys: int = 0
+    patches: int = 0  # kernel-node parameter updates pushed to graph execs
+    staged_copies: int = 0  # staging copies run inside replays
+    capture_seconds: float = 0.0
+    graph_memory_bytes: int = 0  # pool growth caused by recordings (reserved, not released)
+    graphs: int = 0  # graphs currently held
+    evictions: int = 0
+    compactions: int = 0  # times the graphs of a device were recorded again into a fresh pool
+    invalidations: int = 0
+    verifications: int = 0
+    inputs: list[InputChoice] = attrs.Factory(list)
+
+    def copy(self) -> Stats:
+        return attrs.evolve(self, inputs=list(self.inputs))
+
+
+def report(stats: Stats, rows: list[tuple]) -> str:
+    """A readable table: totals, then one line per key, then each input's choice."""
+    lines = [
+        "replay session report",
+        f"  calls {stats.calls}, replays {stats.replays}, eager runs {stats.eager_runs}, "
+        f"records {stats.records} (retries {stats.record_retries}), eager-only keys {stats.eager_only_keys}",
+        f"  node patches {stats.patches}, staged copies {stats.staged_copies}, verifications {stats.verifications}",
+        f"  graphs held {stats.graphs}, evictions {stats.evictions}, compactions {stats.compactions}, "
+        f"invalidations {stats.invalidations}, "
+        f"capture {stats.capture_seconds * 1e3:.1f} ms, graph memory {stats.graph_memory_bytes / 2**20:.1f} MiB",
+    ]
+    if rows:
+        header = ("region", "key", "state", "calls", "replays", "eager", "capture ms", "MiB")
+        table = [header, *[tuple(str(c) for c in row) for row in rows]]
+        widths = [max(len(r[i]) for r in table) for i in range(len(header))]
+        lines.append("")
+        for number, row in enumerate(table):
+            lines.append("  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths)))
+            if number == 0:
+                lines.append("  " + "  ".join("-" * width for width in widths))
+    if stats.inputs:
+        lines.append("")
+        lines.append("  inputs:")
+        for choice in stats.inputs:
+            why = f" ({choice.reason})" if choice.reason else ""
+            lines.append(f"    {choice.region} {choice.key} {choice.input}: {choice.choice}{why}")
+    return "\n".join(lines)

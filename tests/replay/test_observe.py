@@ -1,0 +1,40 @@
+"""The torch-op observer: which watched inputs non-view torch ops read and write."""
+
+from __future__ import annotations
+
+import torch
+
+from replay.observe import TorchOpObserver, byte_range
+
+
+def watch(*tensors):
+    return TorchOpObserver([byte_range(t) for t in tensors])
+
+
+def test_reads_writes_and_views():
+    x, y, z = torch.randn(8), torch.randn(8), torch.randn(8)
+    observer = watch(x, y, z)
+    with observer:
+        view = x[2:]  # a view: no read
+        _ = view * 2  # reads x through the view
+        y.add_(1)  # writes y
+        torch.mul(x, 2, out=torch.empty(8))
+    assert observer.read == {0, 1}
+    assert observer.written == {1}
+    assert 2 not in observer.read
+
+
+def test_out_arguments_count_as_writes():
+    x, out = torch.randn(4), torch.empty(4)
+    observer = watch(x, out)
+    with observer:
+        torch.add(x, 1, out=out)
+    assert observer.written == {1} and observer.read == {0, 1}
+
+
+def test_unwatched_and_empty_tensors_are_ignored():
+    x = torch.randn(4)
+    observer = watch(x, torch.empty(0))
+    with observer:
+        torch.randn(4) + 1
+    assert observer.read == set() and observer.written == set()

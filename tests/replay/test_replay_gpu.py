@@ -1,0 +1,338 @@
+"""Replay on a real GPU: differential runs against eager, staging, fallbacks, bounds, memory."""
+
+from __future__ import annotations
+
+import random
+import warnings
+
+import pytest
+import torch
+
+import jitcore as jc
+import replay
+from replay import dynamic
+
+pytestmark = pytest.mark.gpu
+
+SOURCE = r"""
+__global__ void gather_add(const long long* __restrict__ tokens, const float* __restrict__ table,
+                           const float* __restrict__ extra, float* __restrict__ out, int rows, int cols) {
+    int r = blockIdx.y, c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c < cols) out[r * cols + c] = table[tokens[r] * cols + c] + extra[r * cols + c];
+}
+__global__ void scale(const float* __restrict__ x, float* __restrict__ y, float s, long long n) {
+    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (i < n) y[i] = x[i] * s;
+}
+__global__ void write_row(const float* __restrict__ x, float* __restrict__ cache, long long row, long long n) {
+    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (i < n) cache[row * n + i] = x[i] + (float)row;
+}
+__global__ void relu(const float* __restrict__ x, float* __restrict__ y, long long n) {
+    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (i < n) y[i] = x[i] > 0.f ? x[i] : 0.f;
+}
+__global__ void spread(const float* __restrict__ x, float* __restrict__ h, long long cols) {
+    long long c = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (c < cols) h[blockIdx.y * cols + c] = x[blockIdx.y] * (float)(c % 7);
+}
+__global__ void row_sum(const float* __restrict__ x, float* __restrict__ out, int cols) {
+    float acc = 0.f;
+    for (int c = threadIdx.x; c < cols; c += 32) acc += x[blockIdx.x * (long long)cols + c];
+    for (int o = 16; o > 0; o >>= 1) acc += __shfl_down_sync(0xffffffff, acc, o);
+    if (threadIdx.x == 0) out[blockIdx.x] = acc;
+}
+"""
+gather_kernel = jc.Kernel(SOURCE, "gather_add")
+scale_kernel = jc.Kernel(SOURCE, "scale")
+write_kernel = jc.Kernel(SOURCE, "write_row")
+relu_kernel = jc.Kernel(SOURCE, "relu")
+row_sum_kernel = jc.Kernel(SOURCE, "row_sum")
+spread_kernel = jc.Kernel(SOURCE, "spread")
+
+VOCAB, DIM, ROWS = 97, 64, 16
+TABLE = torch.randn(VOCAB, DIM, device="cuda") if torch.cuda.is_available() else None
+
+
+@jc.jit
+def gather(tokens, table, extra, out):
+    rows, cols = out.shape
+    gather_kernel[(jc.cdiv(cols, 64), rows), 64](tokens, table, extra, out, rows, cols)
+
+
+@jc.jit
+def scaled(x, y, s):
+    n = x.numel()
+    scale_kernel[jc.cdiv(n, 256), 256](x, y, s, n)
+
+
+@jc.jit
+def write(x, cache, row):
+    n = x.numel()
+    write_kernel[jc.cdiv(n, 256), 256](x, cache, row, n)
+
+
+@jc.jit
+def relu(x, y):
+    n = x.numel()
+    relu_kernel[jc.cdiv(n, 256), 256](x, y, n)
+
+
+@jc.jit
+def spread(x, h):
+    rows, cols = h.shape
+    spread_kernel[(jc.cdiv(cols, 256), rows), 256](x, h, cols)
+
+
+@jc.jit
+def row_sums(x, out):
+    row_sum_kernel[x.shape[0], 32](x, out, x.shape[1])
+
+
+def decode_step(tokens, extra, cache, pos):
+    batch = tokens.shape[0]
+    h = torch.empty(batch, DIM, device="cuda")
+    gather(tokens, TABLE, extra, h)
+    y = torch.empty_like(h)
+    scaled(h, y, pos * 0.5 + 1.0)
+    write(y, cache, pos % ROWS)
+    return y
+
+
+def fresh_inputs(batch, generator):
+    tokens = torch.randint(0, VOCAB, (batch,), device="cuda", generator=generator)
+    extra = torch.randn(batch, DIM, device="cuda", generator=generator)
+    cache = torch.randn(ROWS, batch * DIM, device="cuda", generator=generator)
+    return tokens, extra, cache
+
+
+def test_differential_2000_steps_over_8_shapes_fresh_inputs_and_a_changing_dynamic_scalar():
+    generator = torch.Generator(device="cuda").manual_seed(random.randrange(1 << 30))
+    shapes = [1, 2, 3, 4, 5, 8, 13, 16]
+    order = random.Random(1).choices(shapes, k=2000)
+    with replay.capture() as session:
+        step = session.region(decode_step)
+        for number, batch in enumerate(order):
+            tokens, extra, cache = fresh_inputs(batch, generator)
+            expected_cache = cache.clone()
+            expected = decode_step(tokens.clone(), extra.clone(), expected_cache, number)
+            got = step(tokens, extra, cache, dynamic(number))
+            assert torch.equal(got, expected), f"step {number}, batch {batch}"
+            assert torch.equal(cache, expected_cache), f"step {number}, batch {batch}: cache"
+        stats = session.stats()
+    assert stats.records == len(set(order))
+    assert stats.replays == 2000 - 2 * len(set(order)) + stats.records
+    assert stats.patches > 0
+    choices = {c.input: c.choice for c in stats.inputs}
+    assert choices == {"args[0]": "rebound", "args[1]": "rebound", "args[2]": "rebound", "args[3]": "unused"}
+
+
+def test_outputs_are_overwritten_clone_outputs_copies_and_stale_reads_are_caught():
+    with replay.capture(record_after=0) as session:
+        step = session.region(decode_step)
+        first = step(*fresh_inputs(2, None), dynamic(1))
+        kept = first.clone()
+        second = step(*fresh_inputs(2, None), dynamic(2))
+        assert second is first and not torch.equal(first, kept)  # the graph's own buffer, overwritten
+    with replay.capture(record_after=0, clone_outputs=True) as session:
+        step = session.region(decode_step)
+        a = step(*fresh_inputs(2, None), dynamic(1))
+        b = step(*fresh_inputs(2, None), dynamic(2))
+        assert a is not b and a.data_ptr() != b.data_ptr()
+    with replay.capture(record_after=0, check_stale=True) as session:
+        step = session.region(decode_step)
+        a = step(*fresh_inputs(2, None), dynamic(1))
+        a.sum()  # fresh: fine
+        step(*fresh_inputs(2, None), dynamic(2))
+        with pytest.raises(replay.StaleOutputError, match="overwritten by a later replay"):
+            a.sum()
+
+
+def mixed(x, w):
+    h = torch.empty_like(x)
+    relu(x, h)
+    return h @ w
+
+
+def test_torch_ops_reading_inputs_are_staged_and_results_match_eager():
+    with replay.capture() as session:
+        step = session.region(mixed)
+        for _ in range(20):
+            x = torch.randn(32, 64, device="cuda")
+            w = torch.randn(64, 48, device="cuda")
+            expected = mixed(x.clone(), w.clone())
+            assert torch.equal(step(x, w), expected)
+        stats = session.stats()
+    choices = {c.input: c.choice for c in stats.inputs}
+    assert choices == {"args[0]": "rebound", "args[1]": "staged"}
+    assert stats.staged_copies == stats.replays
+
+
+def inplace_torch(x, w):
+    x.mul_(2)  # a torch op writing an input: staged and copied back
+    out = torch.empty_like(w)
+    relu(w, out)
+    return out
+
+
+def test_inputs_written_by_torch_ops_are_copied_back():
+    with replay.capture() as session:
+        step = session.region(inplace_torch)
+        for _ in range(6):
+            x, w = torch.randn(100, device="cuda"), torch.randn(7, device="cuda")
+            x_expected = x.clone() * 2
+            assert torch.equal(step(x, w), torch.relu(w))
+            assert torch.equal(x, x_expected)
+    assert {c.input: c.choice for c in session.stats().inputs}["args[0]"] == "staged+copied back"
+
+
+def with_item(x):
+    y = torch.empty_like(x)
+    relu(x, y)
+    if y.sum().item() > 1e9:
+        y.zero_()
+    return y
+
+
+def test_a_host_sync_makes_the_key_eager_only_with_one_warning():
+    with replay.capture() as session:
+        step = session.region(with_item)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(5):
+                x = torch.randn(50, device="cuda")
+                assert torch.equal(step(x), torch.relu(x))
+        relevant = [w for w in caught if issubclass(w.category, replay.ReplayWarning)]
+        assert len(relevant) == 1 and "runs eagerly" in str(relevant[0].message)
+        assert session.stats().eager_only_keys == 1 and session.stats().replays == 0
+    # the process, the stream and the allocator are fine afterwards
+    x = torch.randn(10, device="cuda")
+    y = torch.empty_like(x)
+    relu(x, y)
+    torch.cuda.synchronize()
+    assert torch.equal(y, torch.relu(x))
+
+
+def test_a_jit_miss_during_recording_aborts_cleanly_and_records_later():
+    @jc.jit
+    def fresh_scale(x, y, s):
+        n = x.numel()
+        scale_kernel[jc.cdiv(n, 256), 256](x, y, s, n)
+
+    calls = {"n": 0}
+
+    def region(x):
+        calls["n"] += 1
+        y = torch.empty_like(x)
+        if calls["n"] >= 2:  # the recording run takes a path the eager warm-up did not
+            fresh_scale(x, y, 3.0)
+        else:
+            scaled(x, y, 3.0)
+        return y
+
+    with replay.capture(record_after=1) as session:
+        step = session.region(region)
+        for _ in range(4):
+            x = torch.randn(64, device="cuda")
+            assert torch.equal(step(x), x * 3.0)
+        stats = session.stats()
+    assert stats.record_retries == 1 and stats.records == 1 and stats.replays == 2
+
+
+def test_lru_eviction_on_the_gpu():
+    with replay.capture(record_after=0, max_graphs=2) as session:
+        step = session.region(decode_step)
+        for number, batch in enumerate([1, 2, 3, 1, 2, 3, 1]):
+            tokens, extra, cache = fresh_inputs(batch, None)
+            expected_cache = cache.clone()
+            expected = decode_step(tokens, extra, expected_cache, number)
+            assert torch.equal(step(tokens, extra, cache, dynamic(number)), expected)
+            assert torch.equal(cache, expected_cache)
+        stats = session.stats()
+    assert stats.graphs <= 2 and stats.evictions >= 4
+
+
+WIDE = 1 << 20
+
+
+def big_intermediates(x):
+    h = torch.empty(x.shape[0], WIDE, device="cuda")  # 4 MiB a row, freed when the region returns
+    spread(x, h)
+    out = torch.empty(x.shape[0], device="cuda")
+    row_sums(h, out)
+    return out
+
+
+def test_memory_of_eight_shapes_is_close_to_the_largest_alone():
+    torch.cuda.synchronize()
+    with replay.capture(record_after=0) as alone:
+        x = torch.randn(8, device="cuda")
+        alone.region(big_intermediates)(x)
+        largest = alone.stats().graph_memory_bytes
+    with replay.capture(record_after=0) as session:
+        step = session.region(big_intermediates)
+        for batch in [3, 8, 1, 6, 2, 7, 4, 5]:  # not largest-first: the pool must be compacted
+            x = torch.randn(batch, device="cuda")
+            expected = (x[:, None] * (torch.arange(WIDE, device="cuda") % 7).float()).sum(1)
+            torch.testing.assert_close(step(x), expected, rtol=1e-4, atol=1e-2)
+        for batch in [5, 3, 8]:  # still right after the compactions
+            x = torch.randn(batch, device="cuda")
+            expected = (x[:, None] * (torch.arange(WIDE, device="cuda") % 7).float()).sum(1)
+            torch.testing.assert_close(step(x), expected, rtol=1e-4, atol=1e-2)
+        total = session.stats().graph_memory_bytes
+        compactions = session.stats().compactions
+    assert largest >= 8 * WIDE * 4
+    assert total <= 1.2 * largest, f"{total / 2**20:.1f} MiB for 8 shapes vs {largest / 2**20:.1f} MiB alone"
+    assert compactions >= 1
+
+
+def test_verify_every_catches_a_stale_graph():
+    weights = {"w": torch.randn(16, device="cuda")}
+
+    def uses_closure(x):
+        y = torch.empty_like(x)
+        scaled(x, y, 1.0)
+        return y + weights["w"]  # a tensor from outside the arguments: baked into the graph
+
+    with replay.capture(record_after=0, verify_every=2) as session:
+        step = session.region(uses_closure)
+        x = torch.randn(16, device="cuda")
+        step(x)
+        step(x)  # verified: still fresh
+        weights["w"] = torch.randn(16, device="cuda")  # rebinding the dict entry: the graph is stale
+        step(x)
+        with pytest.raises(replay.ReplayMismatchError, match="differs from an eager run"):
+            step(x)
+        session.invalidate()
+        assert torch.equal(step(x), x + weights["w"])
+
+
+def aliasing_output(x):
+    relu(x, x)
+    return x[1:]
+
+
+def test_outputs_that_alias_inputs_follow_the_new_input():
+    with replay.capture(record_after=0) as session:
+        step = session.region(aliasing_output)
+        for _ in range(3):
+            x = torch.randn(10, device="cuda")
+            expected = torch.relu(x)[1:]
+            out = step(x)
+            assert out.data_ptr() == x.data_ptr() + 4 and torch.equal(out, expected)
+
+
+def test_replays_follow_the_current_stream():
+    with replay.capture(record_after=0) as session:
+        step = session.region(decode_step)
+        tokens, extra, cache = fresh_inputs(4, None)
+        step(tokens, extra, cache, dynamic(0))
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            tokens, extra, cache = fresh_inputs(4, None)
+            expected_cache = cache.clone()
+            expected = decode_step(tokens, extra, expected_cache, 5)
+            got = step(tokens, extra, cache, dynamic(5))
+        stream.synchronize()
+        assert torch.equal(got, expected) and torch.equal(cache, expected_cache)

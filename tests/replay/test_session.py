@@ -1,0 +1,302 @@
+"""Session logic on the CPU with a recording double (the GPU tests capture for real)."""
+
+from __future__ import annotations
+
+import warnings
+
+import attrs
+import pytest
+import torch
+
+import replay
+from jitcore.backends import use_backend
+from jitcore.backends.null import NullBackend
+from replay import keys, recording
+from replay.rebinding import REBOUND, InputRange, Plan
+from replay.session import EAGER_ONLY, RECORDED, WARMING, Session
+
+
+@attrs.define
+class FakeTorchGraph:
+    resets: int = 0
+
+    def reset(self):
+        self.resets += 1
+
+
+class FakeGraph:
+    """Stands in for RecordedGraph: 'replays' by running the region eagerly, and counts."""
+
+    instances: list = []
+
+    def __init__(self, region, key, capture, spec, leaves, paths, session, number):
+        self.region, self.key, self.capture, self.session = region, key, capture, session
+        self.device = capture.device
+        self.replays = self.generation = 0
+        self.memory = 0
+        self.released = False
+        self.verified = 0
+        self.source = f"# fake graph {number}"
+        FakeGraph.instances.append(self)
+
+    def replay(self, *leaves):
+        assert not self.released
+        self.replays += 1
+        self.session.stats_record.replays += 1
+        args, kwargs = keys.unflatten(self.key[1], keys.plain_leaves(leaves))
+        return self.region.fn(*args, **kwargs)
+
+    def verify(self, leaves, eager):
+        self.verified += 1
+        return self.replay(*leaves)
+
+    def release(self):
+        self.released = True
+
+
+class DoubleSession(Session):
+    build_graph = FakeGraph
+    outcomes: dict = {}
+
+    def __init__(self, **policy):
+        super().__init__(**policy)
+        self.captures = []
+        self.script = []  # exceptions to raise from the next captures, in order
+
+    @staticmethod
+    def capture(fn, spec, leaves, paths, *, device, pool, stream, stage, copy_back):
+        session = DoubleSession.current
+        session.captures.append((spec, list(leaves), set(stage), set(copy_back)))
+        if session.script:
+            raise session.script.pop(0)
+        inputs = [InputRange(i, paths[i], 0, 0) for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+        plan = Plan(choices={r.index: REBOUND for r in inputs})
+        return recording.Capture(FakeTorchGraph(), device, None, [], [], plan, inputs, {}, set(), 0.001, 1024)
+
+    def can_record(self):
+        return True
+
+    def current_device(self):
+        return -1
+
+    def pool(self, device):
+        return (0, 1)
+
+    def pool_bytes(self, device):
+        return 0
+
+    def capture_stream(self, device):
+        return None
+
+
+@pytest.fixture
+def session_factory():
+    with use_backend(NullBackend()):
+
+        def make(**policy):
+            session = DoubleSession(**policy)
+            DoubleSession.current = session
+            return session
+
+        yield make
+
+
+def add(x, y):
+    return x + y
+
+
+def test_record_after_counts_eager_runs_then_records_then_replays(session_factory):
+    session = session_factory(record_after=2)
+    step = session.region(add)
+    x, y = torch.randn(4), torch.randn(4)
+    for _ in range(5):
+        assert torch.equal(step(x, y), x + y)
+    stats = session.stats()
+    assert (stats.calls, stats.eager_runs, stats.records, stats.replays) == (5, 2, 1, 3)
+    assert len(session.captures) == 1
+
+
+def test_record_after_zero_records_on_the_first_call(session_factory):
+    session = session_factory(record_after=0)
+    step = session.region(add)
+    step(torch.randn(2), torch.randn(2))
+    assert session.stats().records == 1 and session.stats().eager_runs == 0
+
+
+def test_each_shape_is_its_own_key(session_factory):
+    session = session_factory(record_after=1)
+    step = session.region(add)
+    for n in (2, 3, 2, 3, 2):
+        step(torch.randn(n), torch.randn(n))
+    stats = session.stats()
+    assert (stats.eager_runs, stats.records, stats.replays) == (2, 2, 3)
+    assert {e.state for e in step.entries.values()} == {RECORDED}
+
+
+def test_lru_bound_releases_the_least_recently_replayed(session_factory):
+    session = session_factory(record_after=0, max_graphs=2)
+    step = session.region(add)
+    tensors = {n: (torch.randn(n), torch.randn(n)) for n in (1, 2, 3)}
+    step(*tensors[1])
+    step(*tensors[2])
+    step(*tensors[1])  # 1 is now more recent than 2
+    step(*tensors[3])  # evicts 2
+    states = {key[2][1][0]: entry.state for key, entry in step.entries.items()}
+    assert states == {1: RECORDED, 2: WARMING, 3: RECORDED}
+    assert session.stats().evictions == 1 and session.stats().graphs == 2
+    assert [g.released for g in FakeGraph.instances[-3:]] == [False, True, False]
+
+
+def test_a_failed_capture_marks_the_key_eager_only_with_one_warning(session_factory):
+    session = session_factory(record_after=0)
+    session.script = [recording.CaptureFailed("RuntimeError while capturing: operation not permitted")]
+    step = session.region(add)
+    x = torch.randn(3)
+    with pytest.warns(replay.ReplayWarning, match="runs eagerly from now on: RuntimeError") as caught:
+        for _ in range(4):
+            assert torch.equal(step(x, x), x + x)
+    assert len([w for w in caught if issubclass(w.category, replay.ReplayWarning)]) == 1
+    assert session.stats().eager_only_keys == 1 and session.stats().eager_runs == 4
+    assert next(iter(step.entries.values())).state == EAGER_ONLY
+    assert "operation not permitted" in session.report()
+
+
+def test_a_jit_miss_during_capture_runs_eagerly_and_records_next_time(session_factory):
+    session = session_factory(record_after=0)
+    session.script = [recording.CaptureAborted("no call state")]
+    step = session.region(add)
+    x = torch.randn(3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        step(x, x)
+        step(x, x)
+    stats = session.stats()
+    assert (stats.record_retries, stats.eager_runs, stats.records, stats.replays) == (1, 1, 1, 1)
+
+
+def test_more_staging_found_by_a_capture_records_again_with_it(session_factory):
+    session = session_factory(record_after=0)
+    session.script = [recording.CaptureRetry(Plan(needs_staging={1}, needs_copy_back={1}))]
+    step = session.region(add)
+    step(torch.randn(3), torch.randn(3))
+    assert [c[2] for c in session.captures] == [set(), {1}]
+    assert [c[3] for c in session.captures] == [set(), {1}]
+
+
+def test_the_guard_serves_the_most_recent_key_without_computing_a_key(session_factory, monkeypatch):
+    session = session_factory(record_after=0)
+    step = session.region(add)
+    x, y = torch.randn(5), torch.randn(5)
+    step(x, y)
+    calls = []
+    original = step._call
+    monkeypatch.setattr(step, "_call", lambda a, k: calls.append(1) or original(a, k))
+    step(torch.randn(5), torch.randn(5))
+    assert calls == []  # guarded hit
+    step(torch.randn(6), torch.randn(6))
+    assert calls == [1]  # another shape: the key path
+    assert "_g0(a0)" in step.mru[0].source
+
+
+def test_region_globals_drift_rekeys(session_factory, monkeypatch):
+    session = session_factory(record_after=0)
+    namespace = {"scale": 2.0}
+    exec("def scaled(x):\n    return x * scale", namespace)
+    step = session.region(namespace["scaled"])
+    x = torch.randn(3)
+    assert torch.equal(step(x), x * 2)
+    step(x)
+    namespace["scale"] = 3.0
+    assert torch.equal(step(x), x * 3)
+    assert session.stats().invalidations == 1
+    assert session.stats().records == 2
+
+
+def test_invalidate_drops_graphs_and_keys_record_again(session_factory):
+    session = session_factory(record_after=1)
+    step = session.region(add)
+    x = torch.randn(3)
+    for _ in range(3):
+        step(x, x)
+    session.invalidate()
+    assert session.stats().graphs == 0 and FakeGraph.instances[-1].released
+    for _ in range(3):
+        step(x, x)
+    stats = session.stats()
+    assert (stats.records, stats.eager_runs, stats.invalidations) == (2, 2, 1)
+
+
+def test_verify_every(session_factory):
+    session = session_factory(record_after=0, verify_every=3)
+    step = session.region(add)
+    x = torch.randn(3)
+    for _ in range(10):
+        step(x, x)
+    assert FakeGraph.instances[-1].verified == 3 and session.stats().verifications == 3
+
+
+def test_closed_sessions_refuse_calls(session_factory):
+    with session_factory() as session:
+        step = session.region(add)
+        step(torch.randn(2), torch.randn(2))
+    assert "calls 1" in session.report()
+    with pytest.raises(replay.SessionClosedError, match="closed"):
+        step(torch.randn(2), torch.randn(2))
+
+
+def test_report_lists_keys_and_input_choices(session_factory):
+    session = session_factory(record_after=0)
+    step = session.region(add, name="decode")
+    step(torch.randn(2, 3), torch.randn(2, 3))
+    text = session.report()
+    assert "decode" in text and "float32[2,3]" in text and "args[0]: rebound" in text
+
+
+def test_nested_arguments_and_dynamic_scalars(session_factory):
+    session = session_factory(record_after=1)
+
+    @session.region
+    def step(batch, pos, scale=1.0):
+        return batch["x"] * pos + scale
+
+    x = torch.randn(4)
+    for pos in range(4):
+        assert torch.equal(step({"x": x}, replay.dynamic(pos), scale=2.0), x * pos + 2.0)
+    assert session.stats().records == 1
+
+
+def test_without_a_gpu_every_call_runs_eagerly():
+    session = replay.capture()
+    if session.can_record():
+        pytest.skip("a GPU is present")
+    step = session.region(add)
+    x = torch.randn(3)
+    for _ in range(3):
+        assert torch.equal(step(x, x), x + x)
+    assert session.stats().eager_runs == 3 and session.stats().records == 0
+
+
+def test_graphed_decorator_has_its_own_session():
+    @replay.graphed(record_after=3)
+    def double(x):
+        return x * 2
+
+    assert double.session.policy.record_after == 3
+    assert torch.equal(double(torch.ones(2)), torch.full((2,), 2.0))
+
+
+@pytest.mark.parametrize(
+    "policy, match",
+    [
+        ({"record_after": -1}, "record_after"),
+        ({"max_graphs": 0}, "max_graphs"),
+        ({"clone_outputs": 1}, "clone_outputs"),
+        ({"verify_every": 1.5}, "verify_every"),
+        ({"check_stale": "yes"}, "check_stale"),
+    ],
+)
+def test_bad_policy_values_name_the_field(policy, match):
+    with pytest.raises(ValueError, match=match):
+        replay.capture(**policy)
+    with pytest.raises(TypeError):
+        replay.capture(record_afterr=1)
