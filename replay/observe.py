@@ -28,6 +28,19 @@ def byte_range(tensor: torch.Tensor) -> tuple[int, int]:
     return start, start + extent_bytes(tensor)
 
 
+_aten = torch.ops.aten
+# Ops that take a tensor for its metadata (shape, dtype, device) and never read its data.
+_METADATA_ONLY = {
+    getattr(_aten, name)
+    for name in (
+        "empty_like", "zeros_like", "ones_like", "full_like", "rand_like", "randn_like", "randint_like",
+        "new_empty", "new_empty_strided", "new_zeros", "new_ones", "new_full", "size", "stride", "numel",
+        "dim", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "is_contiguous", "is_same_size",
+    )
+    if hasattr(_aten, name)
+}
+
+
 class TorchOpObserver(TorchDispatchMode):
     """Records, per watched range, whether a torch op read it and whether one wrote it."""
 
@@ -48,7 +61,7 @@ class TorchOpObserver(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if not getattr(func, "is_view", False) and self.ranges:
+        if not getattr(func, "is_view", False) and self.ranges and func.overloadpacket not in _METADATA_ONLY:
             schema = func._schema
             written_names = {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write}
             for index, argument in enumerate(schema.arguments):

@@ -110,6 +110,18 @@ def _end_capture_after_error(graph: torch.cuda.CUDAGraph, device: int, pool: tup
         graph.reset()
     except Exception:
         pass
+    _repair_generator(device)
+
+
+def _repair_generator(device: int) -> None:
+    """torch (before 2.12) leaves the default CUDA generator in capture mode when a capture
+    fails at its end (pytorch#171263), after which every random op raises; hand it a fresh
+    copy of its own state, which is not capturing."""
+    try:
+        generator = torch.cuda.default_generators[device]
+        generator.graphsafe_set_state(generator.clone_state())
+    except Exception:
+        pass
 
 
 def _launch_view(record, dynamic_args: set[int], sources: dict[int, str]) -> rebinding.LaunchView:
@@ -224,9 +236,10 @@ def capture(
             with jitcore.recorder.recording(recorder), observer:
                 for i, buffer in staged.items():
                     staging.copy(tensors[i], buffer)
+                first_region_launch = len(recorder.records)
                 outputs = fn(*args, **kwargs)
                 written = {watched_index[w] for w in observer.written}
-                for record in recorder.records:
+                for record in recorder.records[first_region_launch:]:
                     for param in record.params:
                         if param.kind == "pointer" and not param.read_only:
                             address = int.from_bytes(record.param_bytes[param.offset : param.offset + 8], "little")

@@ -325,7 +325,7 @@ class Session:
         self.lock = threading.RLock()
         self.regions: list[Region] = []
         self.lru: OrderedDict[Entry, None] = OrderedDict()
-        self._pools: dict[int, tuple] = {}
+        self._pools: dict[int, object] = {}  # device -> torch.cuda.MemPool (holds the pool alive)
         self._streams: dict[int, torch.cuda.Stream] = {}
         self.last_stream: list[int | None] = [None]
         self.closed = False
@@ -361,11 +361,14 @@ class Session:
 
     # --- resources -----------------------------------------------------------------------
     def pool(self, device: int) -> tuple:
+        """The id of this session's memory pool on ``device``. A ``torch.cuda.MemPool`` keeps
+        one reference on it, so the pool outlives graphs that are released (a bare pool handle
+        would be freed, and its id poisoned, when its last graph goes)."""
         pool = self._pools.get(device)
         if pool is None:
             with torch.cuda.device(device):
-                pool = self._pools[device] = torch.cuda.graph_pool_handle()
-        return pool
+                pool = self._pools[device] = torch.cuda.MemPool()
+        return pool.id
 
     def capture_stream(self, device: int) -> torch.cuda.Stream:
         stream = self._streams.get(device)
@@ -421,11 +424,11 @@ class Session:
         )
         before = self.pool_bytes(device)
         with torch.cuda.device(device):
-            new_pool = torch.cuda.graph_pool_handle()
+            new_pool = torch.cuda.MemPool()
         fresh: dict[Entry, RecordedGraph] = {}
         try:
             for entry in entries:
-                fresh[entry] = entry.region.recapture(entry, new_pool)
+                fresh[entry] = entry.region.recapture(entry, new_pool.id)
         except (recording.CaptureFailed, recording.CaptureAborted, recording.CaptureRetry):
             for graph in fresh.values():
                 graph.release()
@@ -434,7 +437,7 @@ class Session:
         for entry, graph in fresh.items():
             old, entry.graph = entry.graph, graph
             old.release()
-        self._pools[device] = new_pool
+        self._pools[device] = new_pool  # the old MemPool goes, and with it the old pool
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
         after = self.pool_bytes(device)
@@ -473,6 +476,8 @@ class Session:
         if not self.closed:
             self.invalidate()
             self.stats_record.invalidations -= 1  # closing is not an invalidation by the user
+            self.stats_record.graph_memory_bytes = 0
+            self._pools.clear()  # the pools go with their MemPools (memory the caller still holds stays)
             self.closed = True
 
     # --- introspection -------------------------------------------------------------------

@@ -29,7 +29,7 @@ class Stats:
     patches: int = 0  # kernel-node parameter updates pushed to graph execs
     staged_copies: int = 0  # staging copies run inside replays
     capture_seconds: float = 0.0
-    graph_memory_bytes: int = 0  # pool growth caused by recordings (reserved, not released)
+    graph_memory_bytes: int = 0  # bytes the session's memory pools hold (graph outputs, intermediates)
     graphs: int = 0  # graphs currently held
     evictions: int = 0
     compactions: int = 0  # times the graphs of a device were recorded again into a fresh pool

@@ -423,11 +423,13 @@ def test_concurrent_hits_never_share_a_parameter_buffer(backend):
     backend.calls.clear()
     tensors = {i: torch.randn(64 + i) for i in range(6)}
     barrier = threading.Barrier(len(tensors))
+    finished = threading.Barrier(len(tensors))  # keep every thread (and its buffers) alive to the end
 
     def worker(i):
         barrier.wait()
         for _ in range(300):
             launch(tensors[i], tensors[i], tensors[i], float(i))
+        finished.wait()
 
     threads = [threading.Thread(target=worker, args=(i,)) for i in tensors]
     for t in threads:

@@ -29,7 +29,7 @@ __global__ void row_softmax(const float* __restrict__ x, float* __restrict__ out
     __shared__ float scratch[BLOCK];
     const float* row = x + blockIdx.x * x_rs;
     float* orow = out + blockIdx.x * o_rs;
-    float m = -INFINITY;
+    float m = -3.402823466e+38f;
     for (int c = threadIdx.x; c < cols; c += BLOCK) m = fmaxf(m, row[c]);
     scratch[threadIdx.x] = m;
     __syncthreads();

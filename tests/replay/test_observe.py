@@ -38,3 +38,13 @@ def test_unwatched_and_empty_tensors_are_ignored():
     with observer:
         torch.randn(4) + 1
     assert observer.read == set() and observer.written == set()
+
+
+def test_metadata_only_ops_do_not_count_as_reads():
+    x = torch.randn(4)
+    observer = watch(x)
+    with observer:
+        torch.empty_like(x)
+        torch.zeros_like(x)
+        x.new_empty(3)
+    assert observer.read == set()
