@@ -271,17 +271,16 @@ class RecordedGraph:
         ]
         ns["_stats"] = self.session.stats_record
         ns["_entry"] = self
-        dirty = " + ".join(f"_dirty{node}" for node in self.updaters) or "0"
+        dirty = " + ".join(f"_dirty{node}" for node in self.updaters)
         staged_copies = len(self.staged) + len(self.copied_back)
-        lines += [
-            "    _entry.generation += 1",
-            "    _entry.replays += 1",
-            "    _stats.replays += 1",
-            f"    _stats.patches += {dirty}",
-        ]
+        policy = self.session.policy
+        if policy.check_stale:
+            lines.append("    _entry.generation += 1")
+        lines += ["    _entry.replays += 1", "    _stats.replays += 1"]
+        if dirty:
+            lines.append(f"    _stats.patches += {dirty}")
         if staged_copies:
             lines.append(f"    _stats.staged_copies += {staged_copies}")
-        policy = self.session.policy
         simple = all(item[0] in ("tensor", "const") for item in self.outputs)
         if simple and not policy.clone_outputs and not policy.check_stale:
             ns["_OUT"] = self.build_outputs(leaves, clone=False, guard=False)

@@ -33,9 +33,28 @@ _aten = torch.ops.aten
 _METADATA_ONLY = {
     getattr(_aten, name)
     for name in (
-        "empty_like", "zeros_like", "ones_like", "full_like", "rand_like", "randn_like", "randint_like",
-        "new_empty", "new_empty_strided", "new_zeros", "new_ones", "new_full", "size", "stride", "numel",
-        "dim", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "is_contiguous", "is_same_size",
+        "empty_like",
+        "zeros_like",
+        "ones_like",
+        "full_like",
+        "rand_like",
+        "randn_like",
+        "randint_like",
+        "new_empty",
+        "new_empty_strided",
+        "new_zeros",
+        "new_ones",
+        "new_full",
+        "size",
+        "stride",
+        "numel",
+        "dim",
+        "sym_size",
+        "sym_stride",
+        "sym_numel",
+        "sym_storage_offset",
+        "is_contiguous",
+        "is_same_size",
     )
     if hasattr(_aten, name)
 }

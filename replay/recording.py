@@ -15,6 +15,7 @@ session's pool is private and nothing captured runs until the graph is launched)
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Sequence
 
 import attrs
@@ -74,8 +75,29 @@ class Capture:
     inputs: list[rebinding.InputRange]
     staged: dict[int, torch.Tensor]  # leaf index -> the graph's own buffer
     copied_back: set[int]
-    seconds: float
+    seconds: float  # capture + instantiate
     memory: int  # bytes the pool grew by
+    timings: dict = attrs.Factory(dict)  # seconds per phase, for benchmarks and reports
+
+
+class KeptPool:
+    """A graph memory pool that stays valid while this object lives.
+
+    torch counts the users of a pool in two allocators (device and pinned host) and frees the
+    pool, poisoning its id, when the count drops to zero, as it does when the last graph
+    recorded into it is released. Capturing an empty graph into the pool first, and keeping
+    that graph, holds one count in both for the life of this object."""
+
+    def __init__(self, device: int, stream: torch.cuda.Stream):
+        with torch.cuda.device(device):
+            self.id = torch.cuda.graph_pool_handle()
+        self.device = device
+        self.keeper = torch.cuda.CUDAGraph()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "The CUDA Graph is empty": that is the point
+            with torch.cuda.stream(stream):
+                self.keeper.capture_begin(pool=self.id)
+                self.keeper.capture_end()
 
 
 def pool_bytes(device: int, pool: tuple) -> int:
@@ -200,6 +222,8 @@ def capture(
 ) -> Capture:
     """Record ``fn`` once. Raises CaptureAborted, CaptureFailed or CaptureRetry."""
     backend = get_backend()
+    clock = time.perf_counter
+    timings = {"start": clock()}
     tensors = {i: leaf for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)}
     for i, tensor in tensors.items():
         if tensor.device.type != "cuda" or tensor.device.index != device:
@@ -228,10 +252,15 @@ def capture(
     recorder = _Recorder()
     graph = torch.cuda.CUDAGraph(keep_graph=True)
     pool_before = pool_bytes(device, pool)
-    started = time.perf_counter()
+    timings["prepare"] = clock() - timings.pop("start")
+    started = clock()
     copied_back: set[int] = set()
     with torch.cuda.stream(stream):
-        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+        try:
+            graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+        except Exception as exc:
+            _repair_generator(device)
+            raise CaptureFailed(f"the capture could not start: {str(exc).strip().splitlines()[0]}") from exc
         try:
             with jitcore.recorder.recording(recorder), observer:
                 for i, buffer in staged.items():
@@ -265,9 +294,13 @@ def capture(
         except Exception as exc:
             _end_capture_after_error(graph, device, pool)
             raise CaptureFailed(f"the capture was invalidated: {str(exc).strip().splitlines()[0]}") from exc
+    timings["capture"] = clock() - started
     graph.instantiate()
-    seconds = time.perf_counter() - started
+    seconds = clock() - started
+    timings["instantiate"] = seconds - timings["capture"]
+    analysed = clock()
     memory = max(pool_bytes(device, pool) - pool_before, 0)
+    timings["pool size"] = clock() - analysed
     records = recorder.records
     nodes = backend.graph_nodes(graph.raw_cuda_graph())
     views, scanned = node_views(backend, nodes, records)
@@ -283,10 +316,11 @@ def capture(
         torch_written=torch_written,
         scanned=scanned,
     )
+    timings["analyse"] = clock() - analysed - timings["pool size"]
     if plan.failure:
         graph.reset()
         raise CaptureFailed(plan.failure)
     if plan.needs_staging or plan.needs_copy_back:
         graph.reset()
         raise CaptureRetry(plan)
-    return Capture(graph, device, outputs, records, nodes, plan, inputs, staged, copied_back, seconds, memory)
+    return Capture(graph, device, outputs, records, nodes, plan, inputs, staged, copied_back, seconds, memory, timings)

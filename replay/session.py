@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import time
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -36,6 +37,7 @@ from replay.rebinding import STAGED
 from replay.stats import InputChoice, Stats, report
 
 WARMING, RECORDED, EAGER_ONLY = "warming", "recorded", "eager-only"
+_DYNAMIC_MARK = ("replay.dynamic",)
 
 
 def _never(*args: object) -> bool:
@@ -46,16 +48,17 @@ class Entry:
     """One key of one region: its state and, once recorded, its graph."""
 
     __slots__ = (
+        "calls",
         "copy_back_hint",
         "eager_runs",
         "graph",
         "guard",
         "key",
+        "pre_key",
         "reason",
         "region",
         "stage_hint",
         "state",
-        "calls",
     )
 
     def __init__(self, region: Region, key: tuple):
@@ -69,6 +72,7 @@ class Entry:
         self.copy_back_hint: set[int] = set()
         self.reason = ""
         self.calls = 0
+        self.pre_key: tuple | None = None
 
 
 def _describe_key(key: tuple) -> str:
@@ -94,22 +98,60 @@ class Region:
         self.name = name or getattr(fn, "__qualname__", type(fn).__qualname__)
         self.entries: dict[tuple, Entry] = {}
         self.snapshot: jitcore.GlobalsSnapshot | None = None
-        self.mru: tuple[Callable, Entry | None] = (_never, None)
+        # recorded keys of flat calls, by a cheap pre-key (tensor shapes, constants); each
+        # candidate's guard then checks everything the key holds
+        self.fast: dict[tuple, list[Entry]] = {}
+        self._dispatchers: dict[int, Callable] = {}
         functools.update_wrapper(self, fn)
 
     # --- the call ------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
-        guard, entry = self.mru
-        if not kwargs and guard(*args):
-            if self.snapshot is not None:
-                try:
-                    self.snapshot.check()
-                except GlobalDriftError:
-                    return self._rekey(args, kwargs)
-            self.session.stats_record.calls += 1
-            entry.calls += 1
-            return self._replay(entry, args)
+        if not kwargs and self.fast:
+            dispatch = self._dispatchers.get(len(args)) or self._make_dispatcher(len(args))
+            try:
+                entry = dispatch(args)
+            except TypeError:  # an unhashable constant: the key path says what is wrong
+                entry = None
+            if entry is not None:
+                if self.snapshot is not None:
+                    try:
+                        self.snapshot.check()
+                    except GlobalDriftError:
+                        return self._rekey(args, kwargs)
+                self.session.stats_record.calls += 1
+                entry.calls += 1
+                return self._replay(entry, args)
         return self._call(args, kwargs)
+
+    def _make_dispatcher(self, count: int) -> Callable:
+        """``dispatch(args) -> Entry | None`` for calls of ``count`` positional arguments:
+        look the pre-key up, then run each candidate's guard."""
+        names = [f"a{i}" for i in range(count)]
+        parts = [
+            f"({n}.shape if {n}.__class__ is _Tensor else (_DYN if {n}.__class__ is _Dynamic else {n}))" for n in names
+        ]
+        source = (
+            "def dispatch(args):\n"
+            + (f"    {', '.join(names)}{',' if count == 1 else ''} = args\n" if count else "")
+            + f"    candidates = _FAST.get(({''.join(p + ', ' for p in parts)}))\n"
+            + "    if candidates is not None:\n"
+            + "        for entry in candidates:\n"
+            + "            if entry.guard(*args):\n"
+            + "                return entry\n"
+            + "    return None\n"
+        )
+        namespace = {"_Tensor": torch.Tensor, "_Dynamic": Dynamic, "_DYN": _DYNAMIC_MARK, "_FAST": self.fast}
+        exec(compile(source, f"<replay dispatch of {self.name}>", "exec"), namespace)
+        dispatch = self._dispatchers[count] = namespace["dispatch"]
+        dispatch.source = source
+        return dispatch
+
+    @staticmethod
+    def pre_key(leaves: Sequence) -> tuple:
+        return tuple(
+            leaf.shape if type(leaf) is torch.Tensor else (_DYNAMIC_MARK if isinstance(leaf, Dynamic) else leaf)
+            for leaf in leaves
+        )
 
     def _call(self, args: tuple, kwargs: dict):
         session = self.session
@@ -128,8 +170,6 @@ class Region:
         session.stats_record.calls += 1
         entry.calls += 1
         if entry.state == RECORDED:
-            session.touch(entry)
-            self._promote(entry, spec, leaves)
             return self._replay(entry, leaves)
         if entry.state == EAGER_ONLY or not session.can_record():
             return self._eager(spec, leaves)
@@ -140,6 +180,7 @@ class Region:
         return self._record(entry, key, spec, leaves, paths, device)
 
     def _replay(self, entry: Entry, leaves: Sequence):
+        self.session.lru.move_to_end(entry)
         graph = entry.graph
         every = self.session.policy.verify_every
         if every and (graph.replays + 1) % every == 0:
@@ -203,7 +244,9 @@ class Region:
             if capture is None:
                 return self._give_up(entry, spec, leaves, "staging did not settle after three captures")
             try:
+                started = time.perf_counter()
                 graph = session.build_graph(self, key, capture, spec, leaves, paths, session, len(session.lru))
+                capture.timings["build replay"] = time.perf_counter() - started
             except recording.CaptureFailed as failure:
                 capture.graph.reset()
                 return self._give_up(entry, spec, leaves, failure.reason)
@@ -255,9 +298,24 @@ class Region:
 
     # --- the guarded fast path -----------------------------------------------------------
     def _promote(self, entry: Entry, spec: object, leaves: Sequence) -> None:
+        """Put a recorded key of a flat call on the fast dispatch path."""
         if entry.guard is None:
             entry.guard = self._make_guard(entry, spec, leaves) or _never
-        self.mru = (entry.guard, entry)
+        if entry.guard is not _never:
+            try:
+                candidates = self.fast.setdefault(self.pre_key(leaves), [])
+            except TypeError:
+                return
+            if entry not in candidates:
+                candidates.append(entry)
+                entry.pre_key = self.pre_key(leaves)
+
+    def _demote(self, entry: Entry) -> None:
+        candidates = self.fast.get(getattr(entry, "pre_key", None) or ())
+        if candidates and entry in candidates:
+            candidates.remove(entry)
+            if not candidates:
+                del self.fast[entry.pre_key]
 
     def _make_guard(self, entry: Entry, spec: object, leaves: Sequence) -> Callable | None:
         """``guard(*args) -> bool``: exactly this key, for calls with positional leaves only."""
@@ -305,7 +363,7 @@ class Region:
         for entry in list(self.entries.values()):
             if entry.graph is not None:
                 self.session.release(entry)
-        self.mru = (_never, None)
+        self.fast.clear()
 
     def __repr__(self) -> str:
         return f"<replay region {self.name}: {len(self.entries)} keys>"
@@ -325,7 +383,7 @@ class Session:
         self.lock = threading.RLock()
         self.regions: list[Region] = []
         self.lru: OrderedDict[Entry, None] = OrderedDict()
-        self._pools: dict[int, object] = {}  # device -> torch.cuda.MemPool (holds the pool alive)
+        self._pools: dict[int, recording.KeptPool] = {}
         self._streams: dict[int, torch.cuda.Stream] = {}
         self.last_stream: list[int | None] = [None]
         self.closed = False
@@ -361,13 +419,10 @@ class Session:
 
     # --- resources -----------------------------------------------------------------------
     def pool(self, device: int) -> tuple:
-        """The id of this session's memory pool on ``device``. A ``torch.cuda.MemPool`` keeps
-        one reference on it, so the pool outlives graphs that are released (a bare pool handle
-        would be freed, and its id poisoned, when its last graph goes)."""
+        """The id of this session's memory pool on ``device``."""
         pool = self._pools.get(device)
         if pool is None:
-            with torch.cuda.device(device):
-                pool = self._pools[device] = torch.cuda.MemPool()
+            pool = self._pools[device] = recording.KeptPool(device, self.capture_stream(device))
         return pool.id
 
     def capture_stream(self, device: int) -> torch.cuda.Stream:
@@ -423,8 +478,7 @@ class Session:
             reverse=True,
         )
         before = self.pool_bytes(device)
-        with torch.cuda.device(device):
-            new_pool = torch.cuda.MemPool()
+        new_pool = recording.KeptPool(device, self.capture_stream(device))
         fresh: dict[Entry, RecordedGraph] = {}
         try:
             for entry in entries:
@@ -437,7 +491,7 @@ class Session:
         for entry, graph in fresh.items():
             old, entry.graph = entry.graph, graph
             old.release()
-        self._pools[device] = new_pool  # the old MemPool goes, and with it the old pool
+        self._pools[device] = new_pool  # the old KeptPool goes, and with it the old pool
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
         after = self.pool_bytes(device)
@@ -451,12 +505,11 @@ class Session:
         self.lru.pop(entry, None)
         if entry.graph is not None:
             entry.graph.release()
+        entry.region._demote(entry)
         entry.graph = None
         entry.guard = None
         entry.state = WARMING
         entry.eager_runs = 0
-        if entry.region.mru[1] is entry:
-            entry.region.mru = (_never, None)
         self.stats_record.graphs = len(self.lru)
 
     def invalidate(self) -> None:
@@ -465,7 +518,7 @@ class Session:
             for entry in list(self.lru):
                 self.release(entry)
             for region in self.regions:
-                region.mru = (_never, None)
+                region.fast.clear()
                 for entry in region.entries.values():
                     if entry.state == EAGER_ONLY:
                         continue
@@ -477,7 +530,7 @@ class Session:
             self.invalidate()
             self.stats_record.invalidations -= 1  # closing is not an invalidation by the user
             self.stats_record.graph_memory_bytes = 0
-            self._pools.clear()  # the pools go with their MemPools (memory the caller still holds stays)
+            self._pools.clear()  # the pools go (memory the caller still holds stays until it is freed)
             self.closed = True
 
     # --- introspection -------------------------------------------------------------------

@@ -49,7 +49,7 @@ def main() -> None:
     alpha = 1.5
     launch_axpy(x, y, out, alpha)
     torch.cuda.synchronize()
-    assert torch.allclose(out, alpha * x + y)
+    torch.testing.assert_close(out, alpha * x + y, rtol=1e-6, atol=1e-5)  # the kernel may fuse into an FMA
     handle = jc.compile(launch_axpy, x, y, out, alpha)
     prepacked, _tuple, _backend_launch, _keep = raw_paths(x, y, out, alpha)
     controller = launch_axpy.jit

@@ -183,7 +183,7 @@ def test_more_staging_found_by_a_capture_records_again_with_it(session_factory):
     assert [c[3] for c in session.captures] == [set(), {1}]
 
 
-def test_the_guard_serves_the_most_recent_key_without_computing_a_key(session_factory, monkeypatch):
+def test_recorded_keys_are_served_by_pre_key_and_guard_without_computing_a_key(session_factory, monkeypatch):
     session = session_factory(record_after=0)
     step = session.region(add)
     x, y = torch.randn(5), torch.randn(5)
@@ -195,7 +195,8 @@ def test_the_guard_serves_the_most_recent_key_without_computing_a_key(session_fa
     assert calls == []  # guarded hit
     step(torch.randn(6), torch.randn(6))
     assert calls == [1]  # another shape: the key path
-    assert "_g0(a0)" in step.mru[0].source
+    entry = next(iter(step.entries.values()))
+    assert "_g0(a0)" in entry.guard.source and step.fast[step.pre_key([x, y])] == [entry]
 
 
 def test_region_globals_drift_rekeys(session_factory, monkeypatch):
