@@ -103,9 +103,15 @@ class CallState:
                 "_bf16": abi.float_to_bfloat16_bits,
             }
         )
+        self._config_sources: dict[int, tuple[str, str, str]] = {}
+        self._provenance = [self._static_provenance(launch) for launch in trace.launches]
+        self._evaluators: dict[str, _Evaluator] = {}
+        self.namespace["_current_hook"] = recorder.current
+        self.namespace["_report"] = self._report
         self.source = self._generate()
         exec(compile(self.source, f"<jitcore call state {self.name}>", "exec"), self.namespace)
         self.run = self.namespace[self.name]
+        self._run_recording = self.namespace[f"{self.name}__rec"]
         self.run.source = self.source
         self.run.call_state = self
         for launch in trace.launches:  # static shared memory over the default limit: opt in now
@@ -114,14 +120,27 @@ class CallState:
 
     # --- generation ----------------------------------------------------------------------
     def _generate(self) -> str:
+        """Two functions: ``run`` (the hot path) and ``run__rec``, the same code that also
+        reports each launch to this thread's recorder (used while any recorder is installed)."""
+        return self._generate_one(recording=False) + "\n" + self._generate_one(recording=True)
+
+    def _generate_one(self, *, recording: bool) -> str:
         trace = self.trace
         args = ", ".join(self.param_names)
         args_tuple = f"({args},)" if self.param_names else "()"
-        lines = [
-            f"def {self.name}({args}{', /' if self.param_names else ''}, stream=None):",
-            f"    # call state of {self.owner} for key {self.key!r}",
-            "    if _ACTIVE[0]:",
-            f"        return _recording({args_tuple}, {args_tuple}, stream)",
+        if recording:
+            lines = [
+                f"def {self.name}__rec({args}{', ' if self.param_names else ''}stream, _original):",
+                "    _hook = _current_hook()",
+            ]
+        else:
+            lines = [
+                f"def {self.name}({args}{', /' if self.param_names else ''}, stream=None):",
+                f"    # call state of {self.owner} for key {self.key!r}",
+                "    if _ACTIVE[0]:",
+                f"        return _recording({args_tuple}, {args_tuple}, stream)",
+            ]
+        lines += [
             "    try:",
             "        _b = _tls.b",
             "    except AttributeError:",
@@ -143,19 +162,29 @@ class CallState:
             body.append(f"{name}_ptr = {name}.data_ptr()")
         for number, launch in enumerate(trace.launches):
             body += self._launch_lines(number, launch)
+            if recording:
+                grid, block, shared = self._config_sources[number]
+                body.append(
+                    f"if _hook is not None: _report(_hook, {number}, _b, {args_tuple}, _original, stream, "
+                    f"{grid}, {block}, {shared})"
+                )
         lines += ["        " + line for line in body] or ["        pass"]
         lines += [
             "    except _StructError as _e:",
             f"        _pack_failed(_e, {args_tuple})",
         ]
         if self.returns is not None:
-            lines.append(f"    return {self._return_source()}")
+            target = "_original" if recording else None
+            lines.append(f"    return {self._return_source(target)}")
         return "\n".join(lines) + "\n"
 
-    def _return_source(self) -> str:
+    def _return_source(self, original: str | None = None) -> str:
+        def name(i: int) -> str:
+            return f"{original}[{i}]" if original else self.param_names[i]
+
         if isinstance(self.returns, int):
-            return self.param_names[self.returns]
-        return "(" + "".join(f"{self.param_names[i]}, " for i in self.returns) + ")"
+            return name(self.returns)
+        return "(" + "".join(f"{name(i)}, " for i in self.returns) + ")"
 
     def _used_leaves(self) -> list:
         """Leaves some launch actually uses (tracing registers every dynamic size it sees)."""
@@ -206,6 +235,7 @@ class CallState:
         block = [local(b, f"_b{number}{'xyz'[i]}") for i, b in enumerate(launch.block)]
         shared = local(launch.shared, f"_s{number}")
         grid_t, block_t = f"({', '.join(grid)})", f"({', '.join(block)})"
+        self._config_sources[number] = (grid_t, block_t, shared)
         for axis, expr in enumerate(launch.grid):
             if not symbolic.is_static(expr):
                 lines.append(
@@ -308,92 +338,67 @@ class CallState:
         self.backend.set_dynamic_shared_limit(self.trace.launches[number].function, nbytes)
 
     def run_recording(self, args: tuple, original: tuple, stream: object = None) -> object:
-        """The generic path: used while any recorder is installed. Launches the same bytes as
-        ``run`` and reports each launch to this thread's recorder, if it has one."""
-        hook = recorder.current()
-        device = self.device
-        stream = self.backend.current_stream(device) if stream is None else stream_handle(stream)
-        values = leaf_values(self.trace, args)
-        values["__args__"] = args
-        limits = self.trace.limits
-        for number, launch in enumerate(self.trace.launches):
-            grid = tuple(int(_value(g, values)) for g in launch.grid)
-            block = tuple(int(_value(b, values)) for b in launch.block)
-            shared = int(_value(launch.shared, values))
-            for axis in range(3):
-                if not 0 < grid[axis] <= limits.max_grid[axis]:
-                    self._bad_config(number, "grid", grid)
-                if not 0 < block[axis] <= limits.max_block[axis]:
-                    self._bad_config(number, "block", block)
-            if shared > launch.function.dynamic_shared_limit:
-                self._grow_shared(number, shared)
-            packed = PackedParams(launch.kernel.layout)
-            param_values = self._evaluate(launch, values)
-            for index, value in enumerate(param_values):
-                try:
-                    _pack_one(packed, launch, index, value)
-                except (struct.error, OverflowError, TypeError):
-                    self._pack_failed(struct.error("does not fit"), args)
-            self.backend.launch(launch.function, grid, block, shared, stream, packed)
-            if hook is not None:
-                hook.launch(self._launch_record(launch, packed, values, original, grid, block, shared, stream))
-        if self.returns is None:
-            return None
-        if isinstance(self.returns, int):
-            return original[self.returns]
-        return tuple(original[i] for i in self.returns)
+        """The path taken while any recorder is installed: launches the same bytes as ``run``
+        and reports each launch to this thread's recorder, if it has one. ``original`` are
+        the arguments as the caller passed them (dynamic scalars included)."""
+        return self._run_recording(*args, stream, original)
 
-    def _launch_record(self, launch, packed, values, original, grid, block, shared, stream):
+    def _static_provenance(self, launch: TraceLaunch) -> list[tuple]:
+        """What each parameter's provenance is, computed once per launch of the trace."""
         layout = launch.kernel.layout
-        params = []
+        static = []
         for index, source in enumerate(launch.sources):
             param = launch.kernel.param_types[index]
             common = dict(index=index, name=param.name, offset=layout.offsets[index], size=param.size, fmt=param.fmt)
+            leaves = self._leaves_of(source.value) if source.kind == "value" else []
             if source.kind == "pointer":
-                params.append(
-                    recorder.ParamRecord(
-                        kind="pointer",
-                        arg_index=source.arg_index,
-                        byte_offset=int(_value(source.offset, values)) * source.itemsize,
-                        read_only=param.const_pointee,
-                        **common,
-                    )
-                )
-            elif source.kind == "value" and any(leaf.kind == "scalar" for leaf in self._leaves_of(source.value)):
-                leaves = self._leaves_of(source.value)
+                static.append(("pointer", common, source.arg_index, param.const_pointee))
+            elif any(leaf.kind == "scalar" for leaf in leaves):
+                static.append(("scalar", common, source.value, leaves, param))
+            else:
+                static.append(("constant", common))
+        return static
+
+    def _report(self, hook, number, buffers, args, original, stream, grid, block, shared) -> None:
+        launch = self.trace.launches[number]
+        packed = bytes(buffers[2 * number])
+        values = None
+        params = []
+        for item in self._provenance[number]:
+            kind, common = item[0], item[1]
+            if kind == "pointer":
+                _, _, arg_index, read_only = item
+                (address,) = struct.unpack_from("<Q", packed, common["offset"])
+                params.append(recorder.ParamRecord(
+                    kind="pointer", arg_index=arg_index, byte_offset=address - args[arg_index].data_ptr(),
+                    read_only=read_only, **common,
+                ))
+            elif kind == "scalar":
+                _, _, expr, leaves, param = item
+                if values is None and any(leaf.kind != "scalar" for leaf in leaves):
+                    values = leaf_values(self.trace, args)
                 substitutions = {
                     leaf.variable: f"{{{leaf.arg_index}}}" if leaf.kind == "scalar" else repr(values[leaf.variable])
                     for leaf in leaves
                 }
-                expression = source.value.render_with(substitutions)
-                params.append(
-                    recorder.ParamRecord(
-                        kind="scalar",
-                        scalar_args=tuple(sorted({leaf.arg_index for leaf in leaves if leaf.kind == "scalar"})),
-                        evaluate=_Evaluator(expression, len(self.param_names)),
-                        encode=_Encoder(param),
-                        expression=expression,
-                        convert=abi.float_to_bfloat16_bits if param.kind == "bfloat16" else None,
-                        **common,
-                    )
-                )
+                expression = expr.render_with(substitutions)
+                evaluator = self._evaluators.get(expression)
+                if evaluator is None:
+                    evaluator = self._evaluators[expression] = _Evaluator(expression, len(self.param_names))
+                params.append(recorder.ParamRecord(
+                    kind="scalar",
+                    scalar_args=tuple(sorted({leaf.arg_index for leaf in leaves if leaf.kind == "scalar"})),
+                    evaluate=evaluator, encode=_Encoder(param), expression=expression,
+                    convert=abi.float_to_bfloat16_bits if param.kind == "bfloat16" else None, **common,
+                ))
             else:
                 params.append(recorder.ParamRecord(kind="constant", **common))
-        return recorder.LaunchRecord(
-            jit_function=self.owner,
-            kernel=launch.kernel.name_expression,
-            function=launch.function.address,
-            device=self.device,
-            grid=grid,
-            block=block,
-            shared_bytes=shared,
-            layout=layout,
-            param_bytes=packed.bytes(),
-            params=tuple(params),
-            args=tuple(original),
-            stream=stream,
-            check_globals=self.check_globals,
-        )
+        hook.launch(recorder.LaunchRecord(
+            jit_function=self.owner, kernel=launch.kernel.name_expression, function=launch.function.address,
+            device=self.device, grid=grid, block=block, shared_bytes=shared, layout=launch.kernel.layout,
+            param_bytes=packed[: launch.kernel.layout.size], params=tuple(params), args=tuple(original),
+            stream=stream, check_globals=self.check_globals,
+        ))
 
     def _leaves_of(self, expr: object) -> list:
         if not isinstance(expr, Sym):

@@ -28,6 +28,19 @@ def dump_enabled() -> bool:
     return os.environ.get("REPLAY_DUMP", "").strip() not in ("", "0")
 
 
+def guard_outputs(value: object, owner) -> object:
+    """Hand out tensors that raise once ``owner`` (an entry) has been replayed again."""
+    spec, leaves, _ = keys.flatten((value,), {})
+    wrapped = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            leaf = leaf.as_subclass(StaleGuardTensor)
+            leaf._replay_owner = owner
+            leaf._replay_generation = owner.generation
+        wrapped.append(leaf)
+    return keys.unflatten(spec, wrapped)[0][0]
+
+
 class StaleGuardTensor(torch.Tensor):
     """An output handed out in ``check_stale`` mode: any use after the graph that produced it
     has been replayed again raises :class:`StaleOutputError` instead of reading new data."""
@@ -40,7 +53,7 @@ class StaleGuardTensor(torch.Tensor):
                 owner = getattr(value, "_replay_owner", None)
                 if owner is not None and owner.generation != value._replay_generation:
                     raise StaleOutputError(
-                        f"this output of region {owner.region_name} was overwritten by a later replay "
+                        f"this output of region {owner.region.name} was overwritten by a later replay "
                         f"(replay {owner.generation}, output of replay {value._replay_generation}); copy "
                         "outputs you keep (tensor.clone()) or use capture(clone_outputs=True)"
                     )
@@ -81,6 +94,7 @@ class RecordedGraph:
         backend = get_backend()
         self.region = region
         self.region_name = region.name
+        self.entry = region.entries[key]
         self.key = key
         self.capture = capture
         self.graph = capture.graph
@@ -102,7 +116,7 @@ class RecordedGraph:
         self.generation = 0
         self.replays = 0
         self.memory = capture.memory
-        self.name = f"replay_{region.name}_{number}"
+        self.name = re.sub(r"\W", "_", f"replay_{region.name}_{number}")
         raw_exec = self.graph.raw_cuda_graph_exec()
         nodes = {n.index: n for n in capture.nodes}
         self.updaters = {}
@@ -117,7 +131,7 @@ class RecordedGraph:
             if record.check_globals is not None and record.check_globals not in self.checks:
                 self.checks.append(record.check_globals)
         self.output_spec, output_leaves, _ = keys.flatten((capture.outputs,), {})
-        self.outputs = self._classify_outputs(output_leaves, leaves)
+        self.outputs = self._classify_outputs(output_leaves)
         self.namespace: dict[str, object] = dict(backend.hot_namespace)
         self.source = self._generate(backend, leaves)
         code = compile(self.source, f"<replay graph {self.name}>", "exec")
@@ -127,38 +141,36 @@ class RecordedGraph:
             print(f"# replay graph\n{self.source}")
 
     # --- outputs -------------------------------------------------------------------------
-    def _classify_outputs(self, output_leaves: list, leaves: Sequence) -> list[tuple]:
+    def _classify_outputs(self, output_leaves: list) -> list[tuple]:
         """Each output leaf: ("tensor", t) the graph's own buffer; ("alias", leaf, size,
         stride, delta) a view of an input, rebuilt on the new input; ("const", v);
-        ("dynamic", source)."""
+        ("dynamic", source). Addresses are the capture's: the graph holds those."""
         classified = []
-        inputs = {i: leaf for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)}
         for value in output_leaves:
             if isinstance(value, DynamicScalar):
                 classified.append(("dynamic", value.source))
-            elif isinstance(value, torch.Tensor):
-                address = value.data_ptr()
-                owner = None
-                for i, tensor in inputs.items():
-                    lo = tensor.data_ptr()
-                    if i in self.staged and i not in self.copied_back:
-                        continue  # a view of a read-only staged buffer: the graph's own memory
-                    if i in self.staged:
-                        lo = self.staged[i].data_ptr()
-                    if lo <= address < lo + max(keys.extent_bytes(tensor), 1) and value.numel():
-                        owner = i
-                        break
-                if owner is None:
-                    classified.append(("tensor", value))
-                    continue
-                if value.dtype != inputs[owner].dtype:
-                    raise CaptureFailed(f"an output is a view of input {self.paths[owner]} with another dtype")
-                delta, remainder = divmod(address - lo, value.element_size())
-                if remainder:
-                    raise CaptureFailed(f"an output is a misaligned view of input {self.paths[owner]}")
-                classified.append(("alias", owner, tuple(value.shape), tuple(value.stride()), delta))
-            else:
+                continue
+            if not isinstance(value, torch.Tensor):
                 classified.append(("const", value))
+                continue
+            address, owner, base = value.data_ptr(), None, 0
+            for input_range in self.capture.inputs:
+                i = input_range.index
+                if i in self.staged and i not in self.copied_back:
+                    continue  # a view of a read-only staged buffer: the graph's own memory
+                lo = self.staged[i].data_ptr() if i in self.staged else input_range.lo
+                if value.numel() and lo <= address < lo + max(input_range.hi - input_range.lo, 1):
+                    owner, base = i, lo
+                    break
+            if owner is None:
+                classified.append(("tensor", value))
+                continue
+            if value.dtype != self.capture.input_dtypes[owner]:
+                raise CaptureFailed(f"an output is a view of input {self.paths[owner]} with another dtype")
+            delta, remainder = divmod(address - base, value.element_size())
+            if remainder:
+                raise CaptureFailed(f"an output is a misaligned view of input {self.paths[owner]}")
+            classified.append(("alias", owner, tuple(value.shape), tuple(value.stride()), delta))
         return classified
 
     def build_outputs(self, leaves: Sequence, clone: bool, guard: bool) -> object:
@@ -172,8 +184,8 @@ class RecordedGraph:
                     value = value.clone()
                 elif guard:
                     value = value.as_subclass(StaleGuardTensor)
-                    value._replay_owner = self
-                    value._replay_generation = self.generation
+                    value._replay_owner = self.entry
+                    value._replay_generation = self.entry.generation
             elif kind == "alias":
                 _, owner, size, stride, delta = item
                 source = leaves[owner]
@@ -203,9 +215,10 @@ class RecordedGraph:
         for binding in self.plan.pointers:
             by_input.setdefault(binding.input, []).append(binding)
         extents = {i: keys.extent_bytes(leaf) for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)}
+        recorded_pointer = {r.index: r.lo for r in self.capture.inputs}
         for input_index, bindings in sorted(by_input.items()):
             slot = len(last)
-            last.append(leaves[input_index].data_ptr())
+            last.append(recorded_pointer[input_index])  # what the graph's nodes hold now
             lines.append(f"    _p = l{input_index}.data_ptr()")
             lines.append(f"    if _p != _last[{slot}]:")
             lines.append(f"        _last[{slot}] = _p")
@@ -218,14 +231,10 @@ class RecordedGraph:
         used = {int(m) for s in self.plan.scalars for m in re.findall(r"\b_d(\d+)\b", s.source)}
         for i in sorted(used):
             lines.append(f"    _d{i} = l{i}.value")
+        recorded = {f"_d{i}": v for i, v in self.capture.dynamic_values.items()}
         for number, binding in enumerate(self.plan.scalars):
             slot = len(last)
-            value = eval(
-                binding.source,
-                {"__builtins__": {"min": min, "max": max}},
-                {f"_d{i}": getattr(leaf, "value", None) for i, leaf in enumerate(leaves)},
-            )
-            last.append(value)
+            last.append(eval(binding.source, {"__builtins__": {"min": min, "max": max}}, recorded))
             packer = f"_pack_s{number}"
             ns[packer] = struct.Struct("<" + binding.fmt).pack_into
             ns[f"_buf{binding.node}"] = self.updaters[binding.node].params.buffer
@@ -275,7 +284,8 @@ class RecordedGraph:
         staged_copies = len(self.staged) + len(self.copied_back)
         policy = self.session.policy
         if policy.check_stale:
-            lines.append("    _entry.generation += 1")
+            ns["_owner"] = self.entry
+            lines.append("    _owner.generation += 1")
         lines += ["    _entry.replays += 1", "    _stats.replays += 1"]
         if dirty:
             lines.append(f"    _stats.patches += {dirty}")

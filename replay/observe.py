@@ -80,16 +80,39 @@ class TorchOpObserver(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if not getattr(func, "is_view", False) and self.ranges and func.overloadpacket not in _METADATA_ONLY:
-            schema = func._schema
-            written_names = {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write}
-            for index, argument in enumerate(schema.arguments):
-                value = args[index] if index < len(args) else kwargs.get(argument.name)
-                tensors = [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+        arguments = _schema_arguments(func)
+        if arguments and self.ranges:
+            for index, (name, written) in enumerate(arguments):
+                value = args[index] if index < len(args) else kwargs.get(name)
+                if value is None or isinstance(value, (int, float, bool, str)):
+                    continue
+                tensors = (
+                    [value]
+                    if isinstance(value, torch.Tensor)
+                    else [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+                )
                 for tensor in tensors:
                     for hit in self._hits(tensor):
                         self.read.add(hit)
                         self.ops.setdefault(hit, []).append(str(func))
-                        if argument.name in written_names:
+                        if written:
                             self.written.add(hit)
         return func(*args, **kwargs)
+
+
+_ARGUMENTS: dict = {}
+
+
+def _schema_arguments(func) -> tuple:
+    """(name, written) for each argument of an op that reads data; () for views and
+    metadata-only ops. Cached per op."""
+    arguments = _ARGUMENTS.get(func)
+    if arguments is None:
+        if getattr(func, "is_view", False) or func.overloadpacket in _METADATA_ONLY:
+            arguments = ()
+        else:
+            arguments = tuple(
+                (a.name, a.alias_info is not None and a.alias_info.is_write) for a in func._schema.arguments
+            )
+        _ARGUMENTS[func] = arguments
+    return arguments

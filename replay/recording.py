@@ -27,7 +27,7 @@ from jitcore.errors import CaptureMissError
 from replay import rebinding, staging
 from replay.dynamic import Dynamic, DynamicScalar
 from replay.errors import DynamicScalarError
-from replay.keys import extent_bytes, unflatten
+from replay.keys import extent_bytes, flatten, unflatten
 from replay.observe import TorchOpObserver
 
 _NUMBERS = (int, float, bool)
@@ -64,20 +64,26 @@ class _Recorder:
 
 @attrs.define
 class Capture:
-    """Everything a successful capture produced."""
+    """Everything a successful capture produced. ``nodes`` and ``plan`` are filled in by
+    :func:`analyse`, which the session defers to the key's second call: the first replay
+    uses the very pointers the graph was recorded with, so it needs no rebinding."""
 
     graph: torch.cuda.CUDAGraph
     device: int
     outputs: object  # what the region returned (tensors in the pool, constants, dynamic scalars)
     records: list
-    nodes: list
-    plan: rebinding.Plan
     inputs: list[rebinding.InputRange]
+    input_dtypes: dict[int, torch.dtype]
+    dynamic_values: dict[int, object]  # leaf index -> the value recorded for a dynamic scalar
     staged: dict[int, torch.Tensor]  # leaf index -> the graph's own buffer
     copied_back: set[int]
+    torch_read: set[int]
+    torch_written: set[int]
     seconds: float  # capture + instantiate
     memory: int  # bytes the pool grew by
     timings: dict = attrs.Factory(dict)  # seconds per phase, for benchmarks and reports
+    nodes: list = attrs.Factory(list)
+    plan: rebinding.Plan | None = None
 
 
 class KeptPool:
@@ -221,7 +227,6 @@ def capture(
     copy_back: set[int],
 ) -> Capture:
     """Record ``fn`` once. Raises CaptureAborted, CaptureFailed or CaptureRetry."""
-    backend = get_backend()
     clock = time.perf_counter
     timings = {"start": clock()}
     tensors = {i: leaf for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)}
@@ -298,29 +303,56 @@ def capture(
     graph.instantiate()
     seconds = clock() - started
     timings["instantiate"] = seconds - timings["capture"]
-    analysed = clock()
+    measured = clock()
     memory = max(pool_bytes(device, pool) - pool_before, 0)
-    timings["pool size"] = clock() - analysed
-    records = recorder.records
-    nodes = backend.graph_nodes(graph.raw_cuda_graph())
-    views, scanned = node_views(backend, nodes, records)
-    torch_read = {watched_index[w] for w in observer.read if watched_index[w] not in staged}
-    torch_written = {watched_index[w] for w in observer.written if watched_index[w] not in staged}
-    plan = rebinding.build_plan(
-        inputs,
-        launch_views(records),
-        views,
-        staged=set(staged),
+    timings["pool size"] = clock() - measured
+    return Capture(
+        graph=graph,
+        device=device,
+        outputs=outputs,
+        records=recorder.records,
+        inputs=inputs,
+        input_dtypes={i: t.dtype for i, t in tensors.items()},
+        dynamic_values={i: leaf.value for i, leaf in enumerate(leaves) if isinstance(leaf, Dynamic)},
+        staged=staged,
         copied_back=copied_back,
-        torch_read=torch_read,
-        torch_written=torch_written,
+        torch_read={watched_index[w] for w in observer.read if watched_index[w] not in staged},
+        torch_written={watched_index[w] for w in observer.written if watched_index[w] not in staged},
+        seconds=seconds,
+        memory=memory,
+        timings=timings,
+    )
+
+
+def analyse(capture: Capture) -> None:
+    """Read the graph's nodes and plan the rebinding (fills ``capture.nodes/plan``). Raises
+    CaptureFailed when the graph cannot be rebound, CaptureRetry when more inputs must be
+    staged; the caller then releases ``capture.graph``."""
+    started = time.perf_counter()
+    backend = get_backend()
+    capture.nodes = backend.graph_nodes(capture.graph.raw_cuda_graph())
+    views, scanned = node_views(backend, capture.nodes, capture.records)
+    plan = rebinding.build_plan(
+        capture.inputs,
+        launch_views(capture.records),
+        views,
+        staged=set(capture.staged),
+        copied_back=capture.copied_back,
+        torch_read=capture.torch_read,
+        torch_written=capture.torch_written,
         scanned=scanned,
     )
-    timings["analyse"] = clock() - analysed - timings["pool size"]
+    capture.timings["analyse"] = time.perf_counter() - started
     if plan.failure:
-        graph.reset()
         raise CaptureFailed(plan.failure)
     if plan.needs_staging or plan.needs_copy_back:
-        graph.reset()
         raise CaptureRetry(plan)
-    return Capture(graph, device, outputs, records, nodes, plan, inputs, staged, copied_back, seconds, memory, timings)
+    capture.plan = plan
+
+
+def first_outputs(capture: Capture) -> object:
+    """What the first launch of a fresh capture returns: the capture's own outputs, with
+    dynamic scalars turned into their recorded values."""
+    spec, leaves, _ = flatten((capture.outputs,), {})
+    values = [leaf.value if isinstance(leaf, DynamicScalar) else leaf for leaf in leaves]
+    return unflatten(spec, values)[0][0]

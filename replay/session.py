@@ -30,13 +30,13 @@ from jitcore.errors import GlobalDriftError
 from replay import keys, recording
 from replay.dynamic import Dynamic
 from replay.errors import ReplayWarning, SessionClosedError
-from replay.graph import RecordedGraph
+from replay.graph import RecordedGraph, guard_outputs
 from replay.observe import TorchOpObserver
 from replay.policy import Policy
 from replay.rebinding import STAGED
 from replay.stats import InputChoice, Stats, report
 
-WARMING, RECORDED, EAGER_ONLY = "warming", "recorded", "eager-only"
+WARMING, PENDING, RECORDED, EAGER_ONLY = "warming", "recorded, not yet analysed", "recorded", "eager-only"
 _DYNAMIC_MARK = ("replay.dynamic",)
 
 
@@ -49,6 +49,8 @@ class Entry:
 
     __slots__ = (
         "calls",
+        "capture",
+        "generation",
         "copy_back_hint",
         "eager_runs",
         "graph",
@@ -57,6 +59,7 @@ class Entry:
         "pre_key",
         "reason",
         "region",
+        "retries",
         "stage_hint",
         "state",
     )
@@ -72,6 +75,9 @@ class Entry:
         self.copy_back_hint: set[int] = set()
         self.reason = ""
         self.calls = 0
+        self.retries = 0
+        self.generation = 0  # replays so far: outputs handed out remember it (check_stale)
+        self.capture = None  # a capture waiting for its analysis (state PENDING)
         self.pre_key: tuple | None = None
 
 
@@ -171,6 +177,8 @@ class Region:
         entry.calls += 1
         if entry.state == RECORDED:
             return self._replay(entry, leaves)
+        if entry.state == PENDING:
+            return self._finish(entry, key, spec, leaves, paths, device)
         if entry.state == EAGER_ONLY or not session.can_record():
             return self._eager(spec, leaves)
         if entry.eager_runs < session.policy.record_after:
@@ -212,50 +220,74 @@ class Region:
 
     # --- recording -----------------------------------------------------------------------
     def _record(self, entry: Entry, key: tuple, spec: object, leaves: list, paths: list, device: int):
+        """Capture the key and launch the new graph once (this call's result). The node
+        analysis and the replay code wait for the key's next call (see :meth:`_finish`)."""
         session = self.session
         with session.lock:
             if self.snapshot is None:
                 self.snapshot = jitcore.GlobalsSnapshot(self.fn, owner=f"region {self.name}", prefix="_r")
-            capture = None
-            for _attempt in range(3):
-                try:
-                    capture = session.capture(
-                        self.fn,
-                        spec,
-                        leaves,
-                        paths,
-                        device=device,
-                        pool=session.pool(device),
-                        stream=session.capture_stream(device),
-                        stage=entry.stage_hint,
-                        copy_back=entry.copy_back_hint,
-                    )
-                    break
-                except recording.CaptureRetry as retry:
-                    plan = retry.args[0]
-                    entry.stage_hint |= plan.needs_staging
-                    entry.copy_back_hint |= plan.needs_copy_back | (plan.needs_staging & entry.copy_back_hint)
-                    session.stats_record.record_retries += 1
-                except recording.CaptureAborted:
-                    session.stats_record.record_retries += 1
-                    return self._eager(spec, leaves)  # compiles now; recording is retried next call
-                except recording.CaptureFailed as failure:
-                    return self._give_up(entry, spec, leaves, failure.reason)
-            if capture is None:
-                return self._give_up(entry, spec, leaves, "staging did not settle after three captures")
             try:
+                capture = session.capture(
+                    self.fn,
+                    spec,
+                    leaves,
+                    paths,
+                    device=device,
+                    pool=session.pool(device),
+                    stream=session.capture_stream(device),
+                    stage=entry.stage_hint,
+                    copy_back=entry.copy_back_hint,
+                )
+            except recording.CaptureAborted:
+                session.stats_record.record_retries += 1
+                return self._eager(spec, leaves)  # compiles now; recording is retried next call
+            except recording.CaptureFailed as failure:
+                return self._give_up(entry, spec, leaves, failure.reason)
+            entry.capture = capture
+            entry.state = PENDING
+            stats = session.stats_record
+            stats.records += 1
+            stats.replays += 1  # the first launch of the new graph serves this call
+            stats.capture_seconds += capture.seconds
+            session.stream_switch(get_backend().current_stream(device))
+            capture.graph.replay()
+            stats.graph_memory_bytes = session.memory_bytes()
+            outputs = recording.first_outputs(capture)
+            if session.policy.clone_outputs:
+                outputs = _clone_tensors(outputs)
+            elif session.policy.check_stale:
+                outputs = guard_outputs(outputs, entry)
+            return outputs
+
+    def _finish(self, entry: Entry, key: tuple, spec: object, leaves: list, paths: list, device: int):
+        """The key's second call: analyse its capture and build the replay (or record again
+        with more inputs staged, or give up), then replay."""
+        session = self.session
+        with session.lock:
+            capture, entry.capture = entry.capture, None
+            try:
+                session.analyse(capture)
                 started = time.perf_counter()
                 graph = session.build_graph(self, key, capture, spec, leaves, paths, session, len(session.lru))
                 capture.timings["build replay"] = time.perf_counter() - started
+            except recording.CaptureRetry as retry:
+                capture.graph.reset()
+                entry.state = WARMING
+                plan = retry.args[0]
+                entry.stage_hint |= plan.needs_staging
+                entry.copy_back_hint |= plan.needs_copy_back
+                entry.retries += 1
+                session.stats_record.record_retries += 1
+                if entry.retries > 2:
+                    return self._give_up(entry, spec, leaves, "staging did not settle after three captures")
+                return self._record(entry, key, spec, leaves, paths, device)
             except recording.CaptureFailed as failure:
                 capture.graph.reset()
                 return self._give_up(entry, spec, leaves, failure.reason)
             entry.graph = graph
             entry.state = RECORDED
-            stats = session.stats_record
-            stats.records += 1
-            stats.capture_seconds += capture.seconds
             described = _describe_key(key)
+            stats = session.stats_record
             for input_range in capture.inputs:
                 choice = capture.plan.choices.get(input_range.index, "unused")
                 if choice == STAGED and input_range.index in capture.copied_back:
@@ -265,7 +297,7 @@ class Region:
             session.add_graph(entry)
             session.after_record(entry, capture)
             self._promote(entry, spec, leaves)
-            return entry.graph.replay(*leaves)
+            return self._replay(entry, leaves)
 
     def recapture(self, entry: Entry, pool: tuple) -> RecordedGraph:
         """Record ``entry``'s key again into ``pool``, from placeholders of its inputs."""
@@ -284,6 +316,11 @@ class Region:
             copy_back=entry.copy_back_hint,
         )
         session.stats_record.capture_seconds += capture.seconds
+        try:
+            session.analyse(capture)
+        except (recording.CaptureFailed, recording.CaptureRetry):
+            capture.graph.reset()
+            raise
         return session.build_graph(self, entry.key, capture, old.spec, leaves, old.paths, session, len(session.lru))
 
     def _give_up(self, entry: Entry, spec: object, leaves: Sequence, reason: str):
@@ -375,6 +412,7 @@ class Session:
     #: How a key is captured and turned into a replayable graph; CPU tests of the session's
     #: logic replace these with doubles (the GPU tests run the real ones).
     capture = staticmethod(recording.capture)
+    analyse = staticmethod(recording.analyse)
     build_graph = RecordedGraph
 
     def __init__(self, **policy: object):
@@ -477,6 +515,11 @@ class Session:
             key=lambda e: e.graph.input_bytes,
             reverse=True,
         )
+        for region in self.regions:  # captures still awaiting analysis live in the old pool:
+            for entry in region.entries.values():  # drop them; they record again when called
+                if entry.capture is not None and entry.capture.device == device:
+                    self.release(entry)
+                    entry.eager_runs = self.policy.record_after
         before = self.pool_bytes(device)
         new_pool = recording.KeptPool(device, self.capture_stream(device))
         fresh: dict[Entry, RecordedGraph] = {}
@@ -506,6 +549,9 @@ class Session:
         if entry.graph is not None:
             entry.graph.release()
         entry.region._demote(entry)
+        if entry.capture is not None:
+            entry.capture.graph.reset()
+            entry.capture = None
         entry.graph = None
         entry.guard = None
         entry.state = WARMING
@@ -522,6 +568,8 @@ class Session:
                 for entry in region.entries.values():
                     if entry.state == EAGER_ONLY:
                         continue
+                    if entry.capture is not None:
+                        self.release(entry)
                     entry.state, entry.eager_runs = WARMING, 0
             self.stats_record.invalidations += 1
 
@@ -559,6 +607,11 @@ class Session:
     def dump(self) -> str:
         """The generated replay source of every graph held."""
         return "\n".join(entry.graph.source for entry in self.lru if entry.graph is not None)
+
+
+def _clone_tensors(value: object) -> object:
+    spec, leaves, _ = keys.flatten((value,), {})
+    return keys.unflatten(spec, [leaf.clone() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves])[0][0]
 
 
 def capture(**policy: object) -> Session:

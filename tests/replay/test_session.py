@@ -13,15 +13,19 @@ from jitcore.backends import use_backend
 from jitcore.backends.null import NullBackend
 from replay import keys, recording
 from replay.rebinding import REBOUND, InputRange, Plan
-from replay.session import EAGER_ONLY, RECORDED, WARMING, Session
+from replay.session import EAGER_ONLY, PENDING, RECORDED, WARMING, Session
 
 
 @attrs.define
 class FakeTorchGraph:
     resets: int = 0
+    launches: int = 0
 
     def reset(self):
         self.resets += 1
+
+    def replay(self):
+        self.launches += 1
 
 
 class FakeGraph:
@@ -55,23 +59,38 @@ class FakeGraph:
 
 
 class DoubleSession(Session):
+    """The session with capture and analysis replaced: a 'capture' runs the region eagerly
+    (its result is what the first launch returns); scripted exceptions simulate failures."""
+
     build_graph = FakeGraph
-    outcomes: dict = {}
 
     def __init__(self, **policy):
         super().__init__(**policy)
         self.captures = []
-        self.script = []  # exceptions to raise from the next captures, in order
+        self.capture_script = []  # exceptions for the next captures, in order
+        self.analyse_script = []  # exceptions for the next analyses, in order
 
     @staticmethod
     def capture(fn, spec, leaves, paths, *, device, pool, stream, stage, copy_back):
         session = DoubleSession.current
         session.captures.append((spec, list(leaves), set(stage), set(copy_back)))
-        if session.script:
-            raise session.script.pop(0)
+        if session.capture_script:
+            raise session.capture_script.pop(0)
+        args, kwargs = keys.unflatten(spec, keys.plain_leaves(leaves))
+        outputs = fn(*args, **kwargs)
         inputs = [InputRange(i, paths[i], 0, 0) for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-        plan = Plan(choices={r.index: REBOUND for r in inputs})
-        return recording.Capture(FakeTorchGraph(), device, None, [], [], plan, inputs, {}, set(), 0.001, 1024)
+        return recording.Capture(
+            graph=FakeTorchGraph(), device=device, outputs=outputs, records=[], inputs=inputs, input_dtypes={},
+            dynamic_values={}, staged={}, copied_back=set(), torch_read=set(), torch_written=set(), seconds=0.001,
+            memory=1024,
+        )
+
+    @staticmethod
+    def analyse(capture):
+        session = DoubleSession.current
+        if session.analyse_script:
+            raise session.analyse_script.pop(0)
+        capture.plan = Plan(choices={r.index: REBOUND for r in capture.inputs})
 
     def can_record(self):
         return True
@@ -126,10 +145,13 @@ def test_record_after_zero_records_on_the_first_call(session_factory):
 def test_each_shape_is_its_own_key(session_factory):
     session = session_factory(record_after=1)
     step = session.region(add)
-    for n in (2, 3, 2, 3, 2):
+    for n in (2, 3, 2, 3):  # warm-up runs, then recordings (whose first launch serves the call)
+        step(torch.randn(n), torch.randn(n))
+    assert {e.state for e in step.entries.values()} == {PENDING}
+    for n in (2, 3, 2):  # the next call analyses, then replays
         step(torch.randn(n), torch.randn(n))
     stats = session.stats()
-    assert (stats.eager_runs, stats.records, stats.replays) == (2, 2, 3)
+    assert (stats.eager_runs, stats.records, stats.replays) == (2, 2, 5)
     assert {e.state for e in step.entries.values()} == {RECORDED}
 
 
@@ -137,10 +159,11 @@ def test_lru_bound_releases_the_least_recently_replayed(session_factory):
     session = session_factory(record_after=0, max_graphs=2)
     step = session.region(add)
     tensors = {n: (torch.randn(n), torch.randn(n)) for n in (1, 2, 3)}
-    step(*tensors[1])
-    step(*tensors[2])
+    for n in (1, 1, 2, 2):  # record, then analyse: a graph is held from the second call
+        step(*tensors[n])
     step(*tensors[1])  # 1 is now more recent than 2
-    step(*tensors[3])  # evicts 2
+    step(*tensors[3])
+    step(*tensors[3])  # the third graph: evicts 2
     states = {key[2][1][0]: entry.state for key, entry in step.entries.items()}
     assert states == {1: RECORDED, 2: WARMING, 3: RECORDED}
     assert session.stats().evictions == 1 and session.stats().graphs == 2
@@ -149,7 +172,7 @@ def test_lru_bound_releases_the_least_recently_replayed(session_factory):
 
 def test_a_failed_capture_marks_the_key_eager_only_with_one_warning(session_factory):
     session = session_factory(record_after=0)
-    session.script = [recording.CaptureFailed("RuntimeError while capturing: operation not permitted")]
+    session.capture_script = [recording.CaptureFailed("RuntimeError while capturing: operation not permitted")]
     step = session.region(add)
     x = torch.randn(3)
     with pytest.warns(replay.ReplayWarning, match="runs eagerly from now on: RuntimeError") as caught:
@@ -163,7 +186,7 @@ def test_a_failed_capture_marks_the_key_eager_only_with_one_warning(session_fact
 
 def test_a_jit_miss_during_capture_runs_eagerly_and_records_next_time(session_factory):
     session = session_factory(record_after=0)
-    session.script = [recording.CaptureAborted("no call state")]
+    session.capture_script = [recording.CaptureAborted("no call state")]
     step = session.region(add)
     x = torch.randn(3)
     with warnings.catch_warnings():
@@ -176,9 +199,10 @@ def test_a_jit_miss_during_capture_runs_eagerly_and_records_next_time(session_fa
 
 def test_more_staging_found_by_a_capture_records_again_with_it(session_factory):
     session = session_factory(record_after=0)
-    session.script = [recording.CaptureRetry(Plan(needs_staging={1}, needs_copy_back={1}))]
+    session.analyse_script = [recording.CaptureRetry(Plan(needs_staging={1}, needs_copy_back={1}))]
     step = session.region(add)
-    step(torch.randn(3), torch.randn(3))
+    step(torch.randn(3), torch.randn(3))  # records
+    step(torch.randn(3), torch.randn(3))  # its analysis asks for staging: records again
     assert [c[2] for c in session.captures] == [set(), {1}]
     assert [c[3] for c in session.captures] == [set(), {1}]
 
@@ -187,6 +211,7 @@ def test_recorded_keys_are_served_by_pre_key_and_guard_without_computing_a_key(s
     session = session_factory(record_after=0)
     step = session.region(add)
     x, y = torch.randn(5), torch.randn(5)
+    step(x, y)
     step(x, y)
     calls = []
     original = step._call
@@ -248,6 +273,7 @@ def test_closed_sessions_refuse_calls(session_factory):
 def test_report_lists_keys_and_input_choices(session_factory):
     session = session_factory(record_after=0)
     step = session.region(add, name="decode")
+    step(torch.randn(2, 3), torch.randn(2, 3))
     step(torch.randn(2, 3), torch.randn(2, 3))
     text = session.report()
     assert "decode" in text and "float32[2,3]" in text and "args[0]: rebound" in text
