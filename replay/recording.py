@@ -152,6 +152,13 @@ def _repair_generator(device: int) -> None:
         pass
 
 
+def _scalar_or_none(value: object) -> object:
+    """What analysis needs of a jit argument: dynamic scalars and numbers; nothing else."""
+    if isinstance(value, (DynamicScalar, *_NUMBERS)) or hasattr(value, "__jit_scalar__"):
+        return value
+    return None
+
+
 def _launch_view(record, dynamic_args: set[int], sources: dict[int, str]) -> rebinding.LaunchView:
     params = tuple(
         rebinding.ParamView(
@@ -300,6 +307,10 @@ def capture(
             _end_capture_after_error(graph, device, pool)
             raise CaptureFailed(f"the capture was invalidated: {str(exc).strip().splitlines()[0]}") from exc
     timings["capture"] = clock() - started
+    # Records must not keep the capture's tensors alive: intermediates freed now return to
+    # the pool, where the next graph recorded into it reuses them.
+    records = [attrs.evolve(r, args=tuple(_scalar_or_none(a) for a in r.args)) for r in recorder.records]
+    del args, kwargs, capture_leaves
     graph.instantiate()
     seconds = clock() - started
     timings["instantiate"] = seconds - timings["capture"]
@@ -310,7 +321,7 @@ def capture(
         graph=graph,
         device=device,
         outputs=outputs,
-        records=recorder.records,
+        records=records,
         inputs=inputs,
         input_dtypes={i: t.dtype for i, t in tensors.items()},
         dynamic_values={i: leaf.value for i, leaf in enumerate(leaves) if isinstance(leaf, Dynamic)},

@@ -37,6 +37,21 @@ from replay.rebinding import STAGED
 from replay.stats import InputChoice, Stats, report
 
 WARMING, PENDING, RECORDED, EAGER_ONLY = "warming", "recorded, not yet analysed", "recorded", "eager-only"
+_MISS = object()
+
+
+class _RegionDrift(Exception):
+    pass
+
+
+def _raise_region_drift(name: str) -> None:
+    raise _RegionDrift(name)
+
+
+def _no_fast_path(args: tuple) -> object:
+    return _MISS
+
+
 _DYNAMIC_MARK = ("replay.dynamic",)
 
 
@@ -48,7 +63,6 @@ class Entry:
     """One key of one region: its state and, once recorded, its graph."""
 
     __slots__ = (
-        "calls",
         "capture",
         "generation",
         "copy_back_hint",
@@ -74,7 +88,6 @@ class Entry:
         self.stage_hint: set[int] = set()
         self.copy_back_hint: set[int] = set()
         self.reason = ""
-        self.calls = 0
         self.retries = 0
         self.generation = 0  # replays so far: outputs handed out remember it (check_stale)
         self.capture = None  # a capture waiting for its analysis (state PENDING)
@@ -106,51 +119,67 @@ class Region:
         self.snapshot: jitcore.GlobalsSnapshot | None = None
         # recorded keys of flat calls, by a cheap pre-key (tensor shapes, constants); each
         # candidate's guard then checks everything the key holds
-        self.fast: dict[tuple, list[Entry]] = {}
-        self._dispatchers: dict[int, Callable] = {}
+        self.fast: dict[tuple, list[tuple]] = {}  # pre-key -> [(guard, replay, entry)]
+        self._fast: Callable = _no_fast_path
         functools.update_wrapper(self, fn)
 
     # --- the call ------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
-        if not kwargs and self.fast:
-            dispatch = self._dispatchers.get(len(args)) or self._make_dispatcher(len(args))
+        if not kwargs:
             try:
-                entry = dispatch(args)
-            except TypeError:  # an unhashable constant: the key path says what is wrong
-                entry = None
-            if entry is not None:
-                if self.snapshot is not None:
-                    try:
-                        self.snapshot.check()
-                    except GlobalDriftError:
-                        return self._rekey(args, kwargs)
-                self.session.stats_record.calls += 1
-                entry.calls += 1
-                return self._replay(entry, args)
+                result = self._fast(args)
+            except _RegionDrift:
+                return self._rekey(args, kwargs)
+            if result is not _MISS:
+                return result
         return self._call(args, kwargs)
 
-    def _make_dispatcher(self, count: int) -> Callable:
-        """``dispatch(args) -> Entry | None`` for calls of ``count`` positional arguments:
-        look the pre-key up, then run each candidate's guard."""
-        names = [f"a{i}" for i in range(count)]
-        parts = [
-            f"({n}.shape if {n}.__class__ is _Tensor else (_DYN if {n}.__class__ is _Dynamic else {n}))" for n in names
-        ]
-        source = (
-            "def dispatch(args):\n"
-            + (f"    {', '.join(names)}{',' if count == 1 else ''} = args\n" if count else "")
-            + f"    candidates = _FAST.get(({''.join(p + ', ' for p in parts)}))\n"
-            + "    if candidates is not None:\n"
-            + "        for entry in candidates:\n"
-            + "            if entry.guard(*args):\n"
-            + "                return entry\n"
-            + "    return None\n"
-        )
-        namespace = {"_Tensor": torch.Tensor, "_Dynamic": Dynamic, "_DYN": _DYNAMIC_MARK, "_FAST": self.fast}
+    def _rebuild_fast(self) -> None:
+        """Generate ``_fast(args)``: for each arity with recorded keys, compute the pre-key,
+        try each candidate's guard, check the region's globals, touch the LRU, replay. One
+        function, so a replayed call pays for no other Python call than the guard and the
+        replay itself. Returns _MISS when no recorded key fits."""
+        arities = sorted({len(key) for key in self.fast})
+        namespace: dict[str, object] = {
+            "_Tensor": torch.Tensor,
+            "_Dynamic": Dynamic,
+            "_DYN": _DYNAMIC_MARK,
+            "_FAST": self.fast,
+            "_MISS": _MISS,
+            "_TOUCH": self.session.lru.move_to_end,
+        }
+        drift: list[str] = []
+        if self.snapshot is not None:
+            namespace.update(self.snapshot.namespace)
+            namespace["_rdrift"] = _raise_region_drift
+            drift = self.snapshot.check_lines
+        lines = ["def fast(args):", "    count = len(args)"]
+        for count in arities:
+            names = [f"a{i}" for i in range(count)]
+            parts = "".join(
+                f"({n}.shape if {n}.__class__ is _Tensor else (_DYN if {n}.__class__ is _Dynamic else {n})), "
+                for n in names
+            )
+            joined = ", ".join(names)
+            lines += [
+                f"    if count == {count}:",
+                f"        {joined}{',' if count == 1 else ''} = args" if count else "        pass",
+                "        try:",
+                f"            candidates = _FAST.get(({parts}))",
+                "        except TypeError:",
+                "            return _MISS",
+                "        if candidates is not None:",
+                "            for guard, run, entry in candidates:",
+                f"                if guard({joined}):",
+                *["                    " + line for line in drift],
+                "                    _TOUCH(entry)",
+                f"                    return run({joined})",
+            ]
+        lines.append("    return _MISS")
+        source = "\n".join(lines) + "\n"
         exec(compile(source, f"<replay dispatch of {self.name}>", "exec"), namespace)
-        dispatch = self._dispatchers[count] = namespace["dispatch"]
-        dispatch.source = source
-        return dispatch
+        self._fast = namespace["fast"]
+        self._fast.source = source
 
     @staticmethod
     def pre_key(leaves: Sequence) -> tuple:
@@ -173,8 +202,6 @@ class Region:
         entry = self.entries.get(key)
         if entry is None:
             entry = self.entries[key] = Entry(self, key)
-        session.stats_record.calls += 1
-        entry.calls += 1
         if entry.state == RECORDED:
             return self._replay(entry, leaves)
         if entry.state == PENDING:
@@ -188,7 +215,7 @@ class Region:
         return self._record(entry, key, spec, leaves, paths, device)
 
     def _replay(self, entry: Entry, leaves: Sequence):
-        self.session.lru.move_to_end(entry)
+        self.session.touch(entry)
         graph = entry.graph
         every = self.session.policy.verify_every
         if every and (graph.replays + 1) % every == 0:
@@ -338,21 +365,31 @@ class Region:
         """Put a recorded key of a flat call on the fast dispatch path."""
         if entry.guard is None:
             entry.guard = self._make_guard(entry, spec, leaves) or _never
-        if entry.guard is not _never:
-            try:
-                candidates = self.fast.setdefault(self.pre_key(leaves), [])
-            except TypeError:
-                return
-            if entry not in candidates:
-                candidates.append(entry)
-                entry.pre_key = self.pre_key(leaves)
+        if entry.guard is _never:
+            return
+        try:
+            pre_key = self.pre_key(leaves)
+            candidates = self.fast.setdefault(pre_key, [])
+        except TypeError:
+            return
+        if self.session.policy.verify_every:  # verification needs the full replay path
+            run = functools.partial(self._replay_args, entry)
+        else:
+            run = entry.graph.replay
+        candidates[:] = [c for c in candidates if c[2] is not entry] + [(entry.guard, run, entry)]
+        entry.pre_key = pre_key
+        self._rebuild_fast()
+
+    def _replay_args(self, entry: Entry, *leaves):
+        return self._replay(entry, leaves)
 
     def _demote(self, entry: Entry) -> None:
-        candidates = self.fast.get(getattr(entry, "pre_key", None) or ())
-        if candidates and entry in candidates:
-            candidates.remove(entry)
+        candidates = self.fast.get(entry.pre_key) if entry.pre_key is not None else None
+        if candidates:
+            candidates[:] = [c for c in candidates if c[2] is not entry]
             if not candidates:
                 del self.fast[entry.pre_key]
+            self._rebuild_fast()
 
     def _make_guard(self, entry: Entry, spec: object, leaves: Sequence) -> Callable | None:
         """``guard(*args) -> bool``: exactly this key, for calls with positional leaves only."""
@@ -401,6 +438,7 @@ class Region:
             if entry.graph is not None:
                 self.session.release(entry)
         self.fast.clear()
+        self._fast = _no_fast_path
 
     def __repr__(self) -> str:
         return f"<replay region {self.name}: {len(self.entries)} keys>"
@@ -565,6 +603,7 @@ class Session:
                 self.release(entry)
             for region in self.regions:
                 region.fast.clear()
+                region._fast = _no_fast_path
                 for entry in region.entries.values():
                     if entry.state == EAGER_ONLY:
                         continue
@@ -583,7 +622,9 @@ class Session:
 
     # --- introspection -------------------------------------------------------------------
     def stats(self) -> Stats:
-        return self.stats_record.copy()
+        stats = self.stats_record.copy()
+        stats.calls = stats.replays + stats.eager_runs  # every call either replays or runs eagerly
+        return stats
 
     def report(self) -> str:
         rows = []
@@ -595,14 +636,14 @@ class Session:
                         region.name,
                         _describe_key(entry.key),
                         entry.state if not entry.reason else f"{entry.state}: {entry.reason}",
-                        entry.calls,
+                        (graph.replays if graph else 0) + entry.eager_runs,
                         graph.replays if graph else 0,
                         entry.eager_runs,
                         f"{graph.capture.seconds * 1e3:.2f}" if graph else "-",
                         f"{graph.memory / 2**20:.1f}" if graph else "-",
                     )
                 )
-        return report(self.stats_record, rows)
+        return report(self.stats(), rows)
 
     def dump(self) -> str:
         """The generated replay source of every graph held."""

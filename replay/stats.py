@@ -20,8 +20,8 @@ class InputChoice:
 class Stats:
     """Counters of a session (``Session.stats()`` returns a copy)."""
 
-    calls: int = 0
-    replays: int = 0
+    calls: int = 0  # replays + eager runs (filled in by Session.stats())
+    replays: int = 0  # calls served by a graph launch
     records: int = 0
     record_retries: int = 0  # captures redone (a jit miss, or more inputs had to be staged)
     eager_runs: int = 0

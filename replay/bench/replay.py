@@ -86,7 +86,8 @@ def main() -> None:
         fresh_region(inputs[b][0])
         torch.cuda.synchronize()
         first[b] = (time.perf_counter() - start) * 1e6
-        for name, seconds in next(iter(fresh_region.entries.values())).graph.capture.timings.items():
+        entry = next(iter(fresh_region.entries.values()))
+        for name, seconds in (entry.graph.capture if entry.graph else entry.capture).timings.items():
             phases.setdefault(name, []).append(seconds * 1e6)
         fresh.close()
     capture_only = statistics.median(c + i for c, i in zip(phases["capture"], phases["instantiate"]))
