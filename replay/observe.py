@@ -101,6 +101,17 @@ class TorchOpObserver(TorchDispatchMode):
 
 
 _ARGUMENTS: dict = {}
+_prepared = []
+
+
+def prepare() -> None:
+    """The first op dispatched through any Python dispatch mode makes torch import its
+    compiler stack (about 800 modules, 1 to 6 s). Pay that once, when a session is created,
+    not inside the first recording."""
+    if not _prepared:
+        _prepared.append(True)
+        with TorchOpObserver([]):
+            torch.empty(1).add_(1)
 
 
 def _schema_arguments(func) -> tuple:

@@ -27,7 +27,7 @@ import torch
 import jitcore
 from jitcore.backends import get_backend
 from jitcore.errors import GlobalDriftError
-from replay import keys, recording
+from replay import keys, observe, recording
 from replay.dynamic import Dynamic
 from replay.errors import ReplayWarning, SessionClosedError
 from replay.graph import RecordedGraph, guard_outputs
@@ -380,6 +380,13 @@ class Region:
         entry.pre_key = pre_key
         self._rebuild_fast()
 
+    def _refresh(self, entry: Entry) -> None:
+        """The entry has a new graph (compaction): serve it on the fast path."""
+        candidates = self.fast.get(entry.pre_key) if entry.pre_key is not None else None
+        if candidates and not self.session.policy.verify_every:
+            candidates[:] = [(g, entry.graph.replay, e) if e is entry else (g, r, e) for g, r, e in candidates]
+            self._rebuild_fast()
+
     def _replay_args(self, entry: Entry, *leaves):
         return self._replay(entry, leaves)
 
@@ -455,6 +462,7 @@ class Session:
 
     def __init__(self, **policy: object):
         self.policy = Policy(**policy)
+        observe.prepare()
         self.stats_record = Stats()
         self.lock = threading.RLock()
         self.regions: list[Region] = []
@@ -572,6 +580,7 @@ class Session:
         for entry, graph in fresh.items():
             old, entry.graph = entry.graph, graph
             old.release()
+            entry.region._refresh(entry)
         self._pools[device] = new_pool  # the old KeptPool goes, and with it the old pool
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
