@@ -111,3 +111,49 @@ def write(out: Path, name: str, title: str, results: dict, body: str, notes: str
         text += f"\n{notes.strip()}\n"
     (out / f"{name}.md").write_text(text)
     print(text)
+
+
+def plot(
+    out: Path,
+    name: str,
+    title: str,
+    xlabel: str,
+    ylabel: str,
+    series: dict[str, tuple[list, list]],
+    *,
+    logx: bool = False,
+    logy: bool = False,
+    bars: bool = False,
+) -> None:
+    """A PNG next to the results (skipped, with a message, where matplotlib is missing)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"matplotlib is not installed: {name}.png not written (pip install 'jitreplay[bench]')")
+        return
+    figure, axes = plt.subplots(figsize=(7, 4.2))
+    if bars:
+        labels = list(series)
+        values = [series[label][1][0] for label in labels]
+        axes.barh(labels, values, color="#4c72b0")
+        axes.invert_yaxis()
+        for y, value in enumerate(values):
+            axes.text(value, y, f" {value:.1f}", va="center", fontsize=8)
+    else:
+        for label, (xs, ys) in series.items():
+            axes.plot(xs, ys, marker="o", label=label)
+        axes.legend()
+    if logx:
+        axes.set_xscale("log", base=2)
+    if logy:
+        axes.set_yscale("log")
+    axes.set_title(title)
+    axes.set_xlabel(xlabel)
+    axes.set_ylabel(ylabel)
+    axes.grid(True, alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(out / f"{name}.png", dpi=120)
+    plt.close(figure)

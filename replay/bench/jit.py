@@ -108,6 +108,16 @@ def main() -> None:
     parts.append(["launch (raw prepacked driver call)", floor])
     parts.append(["sum of parts", sum(p[1] for p in parts)])
     body += common.markdown_table(["part", "median us"], parts)
+    common.plot(
+        args.out,
+        "jit",
+        "Host time per cache-hit call (us, median)",
+        "us per call",
+        "",
+        {name: ([0], [r["median_us"]]) for name, r in results.items()},
+        bars=True,
+    )
+    body += "\n\n![host time per call](jit.png)"
     results.update(breakdown=breakdown, jit_over_raw=jit_ratio, pinned_over_raw=pinned_ratio)
     common.write(
         args.out,

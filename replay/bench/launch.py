@@ -116,6 +116,16 @@ def main() -> None:
     ratio = results["backend prepacked path"]["median_us"] / floor
     body += f"\n\nBackend prepacked path / raw prepacked launch: **{ratio:.3f}x** (target at most 1.05x)."
     results["backend_over_raw"] = ratio
+    common.plot(
+        args.out,
+        "launch",
+        "Host time per launch (us, median)",
+        "us per launch",
+        "",
+        {name: ([0], [r["median_us"]]) for name, r in results.items() if isinstance(r, dict)},
+        bars=True,
+    )
+    body += "\n\n![host time per launch](launch.png)"
     common.write(
         args.out,
         "launch",

@@ -192,6 +192,16 @@ def main() -> None:
         f"{session.stats().compactions} pool compactions included; the pool then holds "
         f"{session.stats().graph_memory_bytes / 2**20:.1f} MiB."
     )
+    common.plot(
+        args.out,
+        "replay",
+        f"End-to-end time per step, {KERNELS}-kernel region over 8 shapes (us)",
+        "us per step",
+        "",
+        {name: ([0], [r["end_to_end_us"]]) for name, r in results.items()},
+        bars=True,
+    )
+    body += "\n\n![end-to-end time per step](replay.png)"
     results.update(
         patched_nodes_per_step=patched_per_step,
         host_budget_us=host_budget,

@@ -80,8 +80,18 @@ class DoubleSession(Session):
         outputs = fn(*args, **kwargs)
         inputs = [InputRange(i, paths[i], 0, 0) for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
         return recording.Capture(
-            graph=FakeTorchGraph(), device=device, outputs=outputs, records=[], inputs=inputs, input_dtypes={},
-            dynamic_values={}, staged={}, copied_back=set(), torch_read=set(), torch_written=set(), seconds=0.001,
+            graph=FakeTorchGraph(),
+            device=device,
+            outputs=outputs,
+            records=[],
+            inputs=inputs,
+            input_dtypes={},
+            dynamic_values={},
+            staged={},
+            copied_back=set(),
+            torch_read=set(),
+            torch_written=set(),
+            seconds=0.001,
             memory=1024,
         )
 

@@ -1,0 +1,50 @@
+"""Run every GPU benchmark, each in a fresh process, then the decode-loop sample.
+
+    python -m replay.bench [--out docs/benchmarks] [--quick]
+
+Writes <name>.json, <name>.md and PNG plots for: launch (host cost of each dispatch path),
+jit (cache-hit cost against peers), keys (lean vs full keys), replay (the 32-kernel region),
+scaling (per-step time against region length and distinct shapes), and decode_loop.md (the
+sample's output).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from replay.bench import common
+
+BENCHMARKS = ["launch", "jit", "keys", "replay", "scaling"]
+
+
+def main() -> int:
+    args = common.parser(__doc__.splitlines()[0]).parse_args()
+    extra = ["--out", str(args.out)] + (["--quick"] if args.quick else [])
+    failed = []
+    for name in BENCHMARKS:
+        print(f"== {name}", flush=True)
+        if subprocess.run([sys.executable, "-m", f"replay.bench.{name}", *extra]).returncode:
+            failed.append(name)
+    sample = Path(__file__).resolve().parents[2] / "samples" / "decode_loop.py"
+    print("== decode_loop sample", flush=True)
+    steps = "100" if args.quick else "1000"
+    done = subprocess.run(
+        [sys.executable, str(sample), "--steps", steps, "--no-progress"], capture_output=True, text=True
+    )
+    print(done.stdout + done.stderr)
+    command = f"python samples/decode_loop.py --steps {steps} --no-progress"
+    (args.out / "decode_loop.md").write_text(
+        f"# Decode-loop sample\n\nCommand: `{command}` (run by `{common.command_line()}`)\n\n"
+        f"Machine: {common.machine()}\n\n```\n{done.stdout.strip()}\n```\n"
+    )
+    if done.returncode:
+        failed.append("decode_loop")
+    if failed:
+        print(f"failed: {', '.join(failed)}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
