@@ -14,6 +14,7 @@ session's pool is private and nothing captured runs until the graph is launched)
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
 from collections.abc import Sequence
@@ -31,6 +32,11 @@ from replay.keys import extent_bytes, flatten, unflatten
 from replay.observe import TorchOpObserver
 
 _NUMBERS = (int, float, bool)
+
+
+class _NoObservation:
+    read: frozenset = frozenset()
+    written: frozenset = frozenset()
 
 
 class CaptureAborted(Exception):
@@ -232,8 +238,14 @@ def capture(
     stream: torch.cuda.Stream,
     stage: set[int],
     copy_back: set[int],
+    observe: bool = True,
 ) -> Capture:
-    """Record ``fn`` once. Raises CaptureAborted, CaptureFailed or CaptureRetry."""
+    """Record ``fn`` once. Raises CaptureAborted or CaptureFailed.
+
+    ``observe=False`` skips the torch-op observer during the capture (it costs tens of
+    microseconds per torch op): the session passes it when the eager warm-up of this key ran
+    under the observer and saw no torch op touch an input. The node scan after capture still
+    catches foreign kernels and copies that reach an input."""
     clock = time.perf_counter
     timings = {"start": clock()}
     tensors = {i: leaf for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)}
@@ -260,7 +272,7 @@ def capture(
     args, kwargs = unflatten(spec, capture_leaves)
     watched = [(r.lo, r.hi) for r in inputs] + [(b.data_ptr(), b.data_ptr() + extent_bytes(b)) for b in staged.values()]
     watched_index = [r.index for r in inputs] + list(staged)
-    observer = TorchOpObserver(watched)
+    observer = TorchOpObserver(watched) if observe else contextlib.nullcontext(_NoObservation())
     recorder = _Recorder()
     graph = torch.cuda.CUDAGraph(keep_graph=True)
     pool_before = pool_bytes(device, pool)
@@ -274,7 +286,7 @@ def capture(
             _repair_generator(device)
             raise CaptureFailed(f"the capture could not start: {str(exc).strip().splitlines()[0]}") from exc
         try:
-            with jitcore.recorder.recording(recorder), observer:
+            with jitcore.recorder.recording(recorder), observer as observer:
                 for i, buffer in staged.items():
                     staging.copy(tensors[i], buffer)
                 first_region_launch = len(recorder.records)

@@ -64,8 +64,9 @@ class Entry:
 
     __slots__ = (
         "capture",
-        "generation",
         "copy_back_hint",
+        "generation",
+        "observed_clean",
         "eager_runs",
         "graph",
         "guard",
@@ -91,6 +92,8 @@ class Entry:
         self.retries = 0
         self.generation = 0  # replays so far: outputs handed out remember it (check_stale)
         self.capture = None  # a capture waiting for its analysis (state PENDING)
+        self.observed_clean = False  # the warm-up ran under the observer; no torch op touched an input
+        self.observed_clean = False  # the warm-up ran under the observer and no torch op touched an input
         self.pre_key: tuple | None = None
 
 
@@ -243,6 +246,7 @@ class Region:
             result = self.fn(*args, **kwargs)
         observe.stage_hint |= {tensors[w][0] for w in observer.read}
         observe.copy_back_hint |= {tensors[w][0] for w in observer.written}
+        observe.observed_clean = not observer.read and not observer.written
         return result
 
     # --- recording -----------------------------------------------------------------------
@@ -264,6 +268,7 @@ class Region:
                     stream=session.capture_stream(device),
                     stage=entry.stage_hint,
                     copy_back=entry.copy_back_hint,
+                    observe=not entry.observed_clean,
                 )
             except recording.CaptureAborted:
                 session.stats_record.record_retries += 1

@@ -166,10 +166,10 @@ def kv_write(qkv, cache_k, cache_v, pos):
 
 
 @jc.jit
-def attend(qkv, cache_k, cache_v, out, length, max_len: jc.Constexpr[int]):
+def attend(qkv, cache_k, cache_v, out, length, scale, max_len: jc.Constexpr[int]):
     batch, _three, heads, head_dim = qkv.shape
     attend_kernel.instantiate(max_len)[(batch, heads), 128](
-        qkv, cache_k, cache_v, out, heads, head_dim, max_len, length, head_dim**-0.5
+        qkv, cache_k, cache_v, out, heads, head_dim, max_len, length, scale
     )
 
 
@@ -257,7 +257,7 @@ class Model:
             rope(qkv, pos)
             kv_write(qkv, cache_k, cache_v, pos)
             attention = torch.empty(batch, self.heads, self.head_dim, device=x.device)
-            attend(qkv, cache_k, cache_v, attention, pos + 1, c.max_len)
+            attend(qkv, cache_k, cache_v, attention, pos + 1, self.head_dim**-0.5, c.max_len)
             projected = attention.view(batch, -1) @ layer["wo"]
             if self.group is not None:
                 torch.distributed.all_reduce(projected, group=self.group)

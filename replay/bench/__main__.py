@@ -4,12 +4,13 @@
 
 Writes <name>.json, <name>.md and PNG plots for: launch (host cost of each dispatch path),
 jit (cache-hit cost against peers), keys (lean vs full keys), replay (the 32-kernel region),
-scaling (per-step time against region length and distinct shapes), and decode_loop.md (the
-sample's output).
+scaling (per-step time against region length and distinct shapes), decode_loop.md (the
+sample's output) and, with two GPUs, decode_loop_tp2.md (the tensor-parallel sample).
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -41,6 +42,28 @@ def main() -> int:
     )
     if done.returncode:
         failed.append("decode_loop")
+    import shutil
+
+    import torch
+
+    torchrun = shutil.which("torchrun")
+    if torch.cuda.device_count() >= 2 and torchrun:
+        print("== decode_loop sample, tensor parallel over 2 GPUs", flush=True)
+        env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
+        done = subprocess.run(
+            [torchrun, "--nproc-per-node", "2", str(sample), "--tp", "2", "--steps", steps, "--no-progress"],
+            capture_output=True,
+            text=True,
+            env=env,
+        )
+        print(done.stdout + done.stderr)
+        command = f"torchrun --nproc-per-node 2 samples/decode_loop.py --tp 2 --steps {steps} --no-progress"
+        (args.out / "decode_loop_tp2.md").write_text(
+            f"# Decode-loop sample, tensor parallel over 2 GPUs\n\nCommand: `{command}` (run by "
+            f"`{common.command_line()}`)\n\nMachine: {common.machine()}\n\n```\n{done.stdout.strip()}\n```\n"
+        )
+        if done.returncode:
+            failed.append("decode_loop_tp2")
     if failed:
         print(f"failed: {', '.join(failed)}")
     return 1 if failed else 0

@@ -71,9 +71,9 @@ class DoubleSession(Session):
         self.analyse_script = []  # exceptions for the next analyses, in order
 
     @staticmethod
-    def capture(fn, spec, leaves, paths, *, device, pool, stream, stage, copy_back):
+    def capture(fn, spec, leaves, paths, *, device, pool, stream, stage, copy_back, observe=True):
         session = DoubleSession.current
-        session.captures.append((spec, list(leaves), set(stage), set(copy_back)))
+        session.captures.append((spec, list(leaves), set(stage), set(copy_back), observe))
         if session.capture_script:
             raise session.capture_script.pop(0)
         args, kwargs = keys.unflatten(spec, keys.plain_leaves(leaves))
@@ -337,3 +337,19 @@ def test_bad_policy_values_name_the_field(policy, match):
         replay.capture(**policy)
     with pytest.raises(TypeError):
         replay.capture(record_afterr=1)
+
+
+def test_the_capture_is_observed_unless_a_clean_warm_up_was(session_factory):
+    session = session_factory(record_after=1)
+    reads = session.region(add)  # x + y: a torch op reads both inputs
+    writes_nothing = session.region(lambda x: torch.empty_like(x), name="alloc")  # metadata only
+    x = torch.randn(3)
+    for _ in range(2):
+        reads(x, x)
+        writes_nothing(x)
+    (_, _, stage, _, observed), (_, _, stage2, _, observed2) = session.captures
+    assert (stage, observed) == ({0, 1}, True)
+    assert (stage2, observed2) == (set(), False)
+    session0 = session_factory(record_after=0)
+    session0.region(lambda x: torch.empty_like(x))(x)
+    assert session0.captures[0][4] is True  # no warm-up: observe the capture itself
