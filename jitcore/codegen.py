@@ -344,7 +344,8 @@ class CallState:
         return self._run_recording(*args, stream, original)
 
     def _static_provenance(self, launch: TraceLaunch) -> list[tuple]:
-        """What each parameter's provenance is, computed once per launch of the trace."""
+        """What each parameter's provenance is, computed once per launch of the trace (with
+        the records and encoders that do not change from call to call)."""
         layout = launch.kernel.layout
         static = []
         for index, source in enumerate(launch.sources):
@@ -354,9 +355,10 @@ class CallState:
             if source.kind == "pointer":
                 static.append(("pointer", common, source.arg_index, param.const_pointee))
             elif any(leaf.kind == "scalar" for leaf in leaves):
-                static.append(("scalar", common, source.value, leaves, param))
+                scalar_args = tuple(sorted({leaf.arg_index for leaf in leaves if leaf.kind == "scalar"}))
+                static.append(("scalar", common, source.value, leaves, param, _Encoder(param), scalar_args))
             else:
-                static.append(("constant", common))
+                static.append(("constant", recorder.ParamRecord(kind="constant", **common)))
         return static
 
     def _report(self, hook, number, buffers, args, original, stream, grid, block, shared) -> None:
@@ -366,15 +368,22 @@ class CallState:
         params = []
         for item in self._provenance[number]:
             kind, common = item[0], item[1]
-            if kind == "pointer":
+            if kind == "constant":
+                params.append(common)  # the cached record itself
+            elif kind == "pointer":
                 _, _, arg_index, read_only = item
                 (address,) = struct.unpack_from("<Q", packed, common["offset"])
-                params.append(recorder.ParamRecord(
-                    kind="pointer", arg_index=arg_index, byte_offset=address - args[arg_index].data_ptr(),
-                    read_only=read_only, **common,
-                ))
-            elif kind == "scalar":
-                _, _, expr, leaves, param = item
+                params.append(
+                    recorder.ParamRecord(
+                        kind="pointer",
+                        arg_index=arg_index,
+                        byte_offset=address - args[arg_index].data_ptr(),
+                        read_only=read_only,
+                        **common,
+                    )
+                )
+            else:
+                _, _, expr, leaves, param, encoder, scalar_args = item
                 if values is None and any(leaf.kind != "scalar" for leaf in leaves):
                     values = leaf_values(self.trace, args)
                 substitutions = {
@@ -385,20 +394,34 @@ class CallState:
                 evaluator = self._evaluators.get(expression)
                 if evaluator is None:
                     evaluator = self._evaluators[expression] = _Evaluator(expression, len(self.param_names))
-                params.append(recorder.ParamRecord(
-                    kind="scalar",
-                    scalar_args=tuple(sorted({leaf.arg_index for leaf in leaves if leaf.kind == "scalar"})),
-                    evaluate=evaluator, encode=_Encoder(param), expression=expression,
-                    convert=abi.float_to_bfloat16_bits if param.kind == "bfloat16" else None, **common,
-                ))
-            else:
-                params.append(recorder.ParamRecord(kind="constant", **common))
-        hook.launch(recorder.LaunchRecord(
-            jit_function=self.owner, kernel=launch.kernel.name_expression, function=launch.function.address,
-            device=self.device, grid=grid, block=block, shared_bytes=shared, layout=launch.kernel.layout,
-            param_bytes=packed[: launch.kernel.layout.size], params=tuple(params), args=tuple(original),
-            stream=stream, check_globals=self.check_globals,
-        ))
+                params.append(
+                    recorder.ParamRecord(
+                        kind="scalar",
+                        scalar_args=scalar_args,
+                        evaluate=evaluator,
+                        encode=encoder,
+                        expression=expression,
+                        convert=abi.float_to_bfloat16_bits if param.kind == "bfloat16" else None,
+                        **common,
+                    )
+                )
+        hook.launch(
+            recorder.LaunchRecord(
+                jit_function=self.owner,
+                kernel=launch.kernel.name_expression,
+                function=launch.function.address,
+                device=self.device,
+                grid=grid,
+                block=block,
+                shared_bytes=shared,
+                layout=launch.kernel.layout,
+                param_bytes=packed[: launch.kernel.layout.size],
+                params=tuple(params),
+                args=tuple(original),
+                stream=stream,
+                check_globals=self.check_globals,
+            )
+        )
 
     def _leaves_of(self, expr: object) -> list:
         if not isinstance(expr, Sym):

@@ -97,7 +97,7 @@ class Entry:
         self.pre_key: tuple | None = None
 
 
-def _describe_key(key: tuple) -> str:
+def _describe_key(key: tuple, limit: int = 96) -> str:
     parts = []
     for element in key[2:]:
         if isinstance(element, tuple) and len(element) == 6 and isinstance(element[1], tuple):
@@ -106,7 +106,8 @@ def _describe_key(key: tuple) -> str:
             parts.append(f"dynamic {element[1]}")
         else:
             parts.append(repr(element[1] if isinstance(element, tuple) and len(element) == 2 else element))
-    return "(" + ", ".join(parts) + ")"
+    text = "(" + ", ".join(parts) + ")"
+    return text if len(text) <= limit else text[: limit - 4] + " ...)"
 
 
 class Region:

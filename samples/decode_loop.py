@@ -309,9 +309,11 @@ def run(model: Model, stream, device, *, use_replay: bool, show_progress: bool):
         progress(number + 1, len(stream), "replay" if session else "eager", show_progress)
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
+    report = None
     if session:
+        report = session.report()
         session.close()
-    return logits, seconds, session
+    return logits, seconds, report
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -372,12 +374,12 @@ def main(argv: list[str] | None = None) -> int:
         if (use_replay and args.eager_only) or (not use_replay and args.replay_only):
             continue
         run(model, stream[: min(8, len(stream))], device, use_replay=use_replay, show_progress=False)  # warm up
-        logits, seconds, session = run(model, stream, device, use_replay=use_replay, show_progress=show)
+        logits, seconds, report = run(model, stream, device, use_replay=use_replay, show_progress=show)
         results[use_replay] = (logits, seconds)
         label = "replay" if use_replay else "eager"
         say(f"  {label:6s}: {tokens / seconds:10.0f} tokens/s ({seconds * 1e3 / args.steps:.3f} ms/step)")
-        if session:
-            say(session.report())
+        if report:
+            say(report)
     status = 0
     if len(results) == 2:
         eager_logits, eager_seconds = results[False]

@@ -148,10 +148,7 @@ class CudaBackend(Backend):
             "_r = _cuLaunchKernel({function}, {gx}, {gy}, {gz}, {bx}, {by}, {bz}, {shared}, {stream}, {params}, 0)\n"
             "if _r[0]: _launch_failed(_r[0], {label})"
         )
-        self.graph_launch_template = (
-            "_r = _cuGraphLaunch({exec}, {stream})\n"
-            "if _r[0]: _graph_launch_failed(_r[0])"
-        )
+        self.graph_launch_template = "_r = _cuGraphLaunch({exec}, {stream})\nif _r[0]: _graph_launch_failed(_r[0])"
 
     # --- driver state --------------------------------------------------------------------
     def _ensure_init(self) -> None:

@@ -196,9 +196,7 @@ class HipBackend(Backend):
             "{stream}, {params}, None)\n"
             "if _r[0]: _launch_failed(_r[0], {label})"
         )
-        self.graph_launch_template = (
-            "_r = _hipGraphLaunch({exec}, {stream})\nif _r[0]: _graph_launch_failed(_r[0])"
-        )
+        self.graph_launch_template = "_r = _hipGraphLaunch({exec}, {stream})\nif _r[0]: _graph_launch_failed(_r[0])"
 
     # --- runtime state -------------------------------------------------------------------
     def _ensure_init(self) -> None:
