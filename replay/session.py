@@ -92,7 +92,6 @@ class Entry:
         self.retries = 0
         self.generation = 0  # replays so far: outputs handed out remember it (check_stale)
         self.capture = None  # a capture waiting for its analysis (state PENDING)
-        self.observed_clean = False  # the warm-up ran under the observer; no torch op touched an input
         self.observed_clean = False  # the warm-up ran under the observer and no torch op touched an input
         self.pre_key: tuple | None = None
 

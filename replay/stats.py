@@ -64,7 +64,29 @@ def report(stats: Stats, rows: list[tuple]) -> str:
     if stats.inputs:
         lines.append("")
         lines.append("  inputs:")
-        for choice in stats.inputs:
-            why = f" ({choice.reason})" if choice.reason else ""
-            lines.append(f"    {choice.region} {choice.key} {choice.input}: {choice.choice}{why}")
+        lines.extend(f"    {line}" for line in _input_lines(stats.inputs))
     return "\n".join(lines)
+
+
+def _input_lines(choices: list[InputChoice]) -> list[str]:
+    """One line per (region, input, choice): a loop over many shapes makes the same choice per key,
+    and listing it once per key would bury the one input that is staged in one key."""
+    keys_of_region: dict[str, list[str]] = {}
+    grouped: dict[tuple[str, str, str, str], list[str]] = {}
+    for choice in choices:
+        region_keys = keys_of_region.setdefault(choice.region, [])
+        if choice.key not in region_keys:
+            region_keys.append(choice.key)
+        grouped.setdefault((choice.region, choice.input, choice.choice, choice.reason), []).append(choice.key)
+    lines = []
+    for (region, input_name, choice, reason), keys in grouped.items():
+        why = f" ({reason})" if reason else ""
+        total = len(keys_of_region[region])
+        if total == 1:
+            lines.append(f"{region} {keys[0]} {input_name}: {choice}{why}")
+        elif len(keys) == total:
+            lines.append(f"{region} {input_name}: {choice}{why}, in all {total} keys")
+        else:
+            listed = ", ".join(keys[:2]) + (", ..." if len(keys) > 2 else "")
+            lines.append(f"{region} {input_name}: {choice}{why}, in {len(keys)} of {total} keys: {listed}")
+    return lines

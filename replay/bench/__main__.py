@@ -1,6 +1,6 @@
 """Run every GPU benchmark, each in a fresh process, then the decode-loop sample.
 
-    python -m replay.bench [--out docs/benchmarks] [--quick]
+    python -m replay.bench [--out docs/benchmarks] [--quick] [--only NAME ...]
 
 Writes <name>.json, <name>.md and PNG plots for: launch (host cost of each dispatch path),
 jit (cache-hit cost against peers), keys (lean vs full keys), replay (the 32-kernel region),
@@ -10,24 +10,54 @@ sample's output) and, with two GPUs, decode_loop_tp2.md (the tensor-parallel sam
 
 from __future__ import annotations
 
+import argparse
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 from replay.bench import common
 
 BENCHMARKS = ["launch", "jit", "keys", "replay", "scaling"]
+SAMPLE = "decode_loop"
 
 
 def main() -> int:
-    args = common.parser(__doc__.splitlines()[0]).parse_args()
+    parser = common.parser(__doc__.splitlines()[0])
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        choices=[*BENCHMARKS, SAMPLE],
+        default=[*BENCHMARKS, SAMPLE],
+        help="run only these (decode_loop is the sample, with its tensor-parallel run on two GPUs)",
+    )
+    args = parser.parse_args()
     extra = ["--out", str(args.out)] + (["--quick"] if args.quick else [])
+    args.out.mkdir(parents=True, exist_ok=True)
+    failed = [name for name in BENCHMARKS if name in args.only and _run_benchmark(name, extra)]
+    if SAMPLE in args.only:
+        failed += _run_sample(args)
+    if failed:
+        print(f"failed: {', '.join(failed)}")
+    return 1 if failed else 0
+
+
+def _run_benchmark(name: str, extra: list[str]) -> bool:
+    """Each benchmark in a fresh process, so one's warm caches and allocator state don't help another."""
+    print(f"== {name}", flush=True)
+    return subprocess.run([sys.executable, "-m", f"replay.bench.{name}", *extra]).returncode != 0
+
+
+def _shown(done: subprocess.CompletedProcess) -> str:
+    """The sample's report; its error output too when it failed, so a failed run isn't an empty block."""
+    return (done.stdout if done.returncode == 0 else done.stdout + done.stderr).strip()
+
+
+def _run_sample(args: argparse.Namespace) -> list[str]:
     failed = []
-    for name in BENCHMARKS:
-        print(f"== {name}", flush=True)
-        if subprocess.run([sys.executable, "-m", f"replay.bench.{name}", *extra]).returncode:
-            failed.append(name)
     sample = Path(__file__).resolve().parents[2] / "samples" / "decode_loop.py"
     print("== decode_loop sample", flush=True)
     steps = "100" if args.quick else "1000"
@@ -38,14 +68,10 @@ def main() -> int:
     command = f"python samples/decode_loop.py --steps {steps} --no-progress"
     (args.out / "decode_loop.md").write_text(
         f"# Decode-loop sample\n\nCommand: `{command}` (run by `{common.command_line()}`)\n\n"
-        f"Machine: {common.machine()}\n\n```\n{done.stdout.strip()}\n```\n"
+        f"Machine: {common.machine()}\n\n```\n{_shown(done)}\n```\n"
     )
     if done.returncode:
         failed.append("decode_loop")
-    import shutil
-
-    import torch
-
     torchrun = shutil.which("torchrun")
     if torch.cuda.device_count() >= 2 and torchrun:
         print("== decode_loop sample, tensor parallel over 2 GPUs", flush=True)
@@ -60,13 +86,11 @@ def main() -> int:
         command = f"torchrun --nproc-per-node 2 samples/decode_loop.py --tp 2 --steps {steps} --no-progress"
         (args.out / "decode_loop_tp2.md").write_text(
             f"# Decode-loop sample, tensor parallel over 2 GPUs\n\nCommand: `{command}` (run by "
-            f"`{common.command_line()}`)\n\nMachine: {common.machine()}\n\n```\n{done.stdout.strip()}\n```\n"
+            f"`{common.command_line()}`)\n\nMachine: {common.machine()}\n\n```\n{_shown(done)}\n```\n"
         )
         if done.returncode:
             failed.append("decode_loop_tp2")
-    if failed:
-        print(f"failed: {', '.join(failed)}")
-    return 1 if failed else 0
+    return failed
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ def parser(description: str) -> argparse.ArgumentParser:
 
 def command_line() -> str:
     module = sys.modules["__main__"].__spec__
-    name = module.name if module else sys.argv[0]
+    name = module.name.removesuffix(".__main__") if module else sys.argv[0]
     return " ".join(["python", "-m", name, *sys.argv[1:]]) if module else " ".join(["python", *sys.argv])
 
 
