@@ -51,46 +51,38 @@ def _run_benchmark(name: str, extra: list[str]) -> bool:
     return subprocess.run([sys.executable, "-m", f"replay.bench.{name}", *extra]).returncode != 0
 
 
-def _shown(done: subprocess.CompletedProcess) -> str:
-    """The sample's report; its error output too when it failed, so a failed run isn't an empty block."""
-    return (done.stdout if done.returncode == 0 else done.stdout + done.stderr).strip()
-
-
 def _run_sample(args: argparse.Namespace) -> list[str]:
-    failed = []
-    sample = Path(__file__).resolve().parents[2] / "samples" / "decode_loop.py"
-    print("== decode_loop sample", flush=True)
+    """The sample on one GPU, then tensor parallel over two where two GPUs and torchrun exist."""
     steps = "100" if args.quick else "1000"
-    done = subprocess.run(
-        [sys.executable, str(sample), "--steps", steps, "--no-progress"], capture_output=True, text=True
-    )
-    print(done.stdout + done.stderr)
-    command = f"python samples/decode_loop.py --steps {steps} --no-progress"
-    (args.out / "decode_loop.md").write_text(
-        f"# Decode-loop sample\n\nCommand: `{command}` (run by `{common.command_line()}`)\n\n"
-        f"Machine: {common.machine()}\n\n```\n{_shown(done)}\n```\n"
-    )
-    if done.returncode:
+    flags = ["--steps", steps, "--no-progress"]
+    failed = []
+    if _sample_run(args.out, "decode_loop", "Decode-loop sample", ["python"], flags):
         failed.append("decode_loop")
     torchrun = shutil.which("torchrun")
     if torch.cuda.device_count() >= 2 and torchrun:
-        print("== decode_loop sample, tensor parallel over 2 GPUs", flush=True)
-        env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
-        done = subprocess.run(
-            [torchrun, "--nproc-per-node", "2", str(sample), "--tp", "2", "--steps", steps, "--no-progress"],
-            capture_output=True,
-            text=True,
-            env=env,
-        )
-        print(done.stdout + done.stderr)
-        command = f"torchrun --nproc-per-node 2 samples/decode_loop.py --tp 2 --steps {steps} --no-progress"
-        (args.out / "decode_loop_tp2.md").write_text(
-            f"# Decode-loop sample, tensor parallel over 2 GPUs\n\nCommand: `{command}` (run by "
-            f"`{common.command_line()}`)\n\nMachine: {common.machine()}\n\n```\n{_shown(done)}\n```\n"
-        )
-        if done.returncode:
+        launcher = ["torchrun", "--nproc-per-node", "2"]
+        title = "Decode-loop sample, tensor parallel over 2 GPUs"
+        if _sample_run(args.out, "decode_loop_tp2", title, launcher, ["--tp", "2", *flags]):
             failed.append("decode_loop_tp2")
     return failed
+
+
+def _sample_run(out: Path, name: str, title: str, launcher: list[str], flags: list[str]) -> bool:
+    """Run the sample once and write its report to <name>.md; True when it failed."""
+    print(f"== {title}", flush=True)
+    sample = Path(__file__).resolve().parents[2] / "samples" / "decode_loop.py"
+    executable = sys.executable if launcher == ["python"] else shutil.which(launcher[0])
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
+    done = subprocess.run([executable, *launcher[1:], str(sample), *flags], capture_output=True, text=True, env=env)
+    print(done.stdout + done.stderr)
+    # the report; its error output too when it failed, so a failed run isn't an empty block
+    shown = (done.stdout if done.returncode == 0 else done.stdout + done.stderr).strip()
+    command = " ".join([*launcher, "samples/decode_loop.py", *flags])
+    (out / f"{name}.md").write_text(
+        f"# {title}\n\nCommand: `{command}` (run by `{common.command_line()}`)\n\n"
+        f"Machine: {common.machine()}\n\n```\n{shown}\n```\n"
+    )
+    return done.returncode != 0
 
 
 if __name__ == "__main__":
