@@ -1,4 +1,5 @@
-"""Call states: a traced launcher turned into straight-line Python.
+"""Call states: a traced launcher turned into straight-line Python, and the helpers every
+generated function of jitcore goes through.
 
 A call state reads the data pointers and dynamic sizes it needs from the raw arguments, writes
 them into persistent parameter buffers (one ``struct.pack_into`` per run of non-constant
@@ -6,34 +7,122 @@ parameters; constants are written once when a thread's buffers are made) and cal
 launch directly, once per recorded kernel launch. Print one with ``JITCORE_DUMP=1`` or
 ``fn.dump()``; an example::
 
-    def launch_axpy__state0(x, y, out, alpha, /, stream=None):
+    def launch_axpy__state0(_a0, _a1, _a2, _a3, /, stream=None):
+        # call state 0 of launch_axpy; arguments: _a0 = x, _a1 = y, _a2 = out, _a3 = alpha
         if _ACTIVE[0]:
-            return _recording((x, y, out, alpha), (x, y, out, alpha), stream)
+            return _recording((_a0, _a1, _a2, _a3), (_a0, _a1, _a2, _a3), stream)
         ...
-        x_numel = x.numel()
-        _g0x = (-(-x_numel // 256))
-        if not 0 < _g0x <= 2147483647: _bad_config(0, 'grid', (_g0x, 1, 1))
-        _pack0_0(_b[0], 0, x.data_ptr(), y.data_ptr(), out.data_ptr(), alpha, x_numel)
-        _r = _cuLaunchKernel(_f0, _g0x, 1, 1, 256, 1, 1, 0, ...)
+        _a0_numel = _a0.numel()
+        _g0x = (-(-_a0_numel // 256))
+        if not 0 < _g0x <= 2147483647: _check_grid(0, (_g0x, 1, 1))
+        _pack0_0(_b[0], 0, _a0_ptr, _a1_ptr, _a2_ptr, _a3, _a0_numel)
+        if _g0x:
+            _r = _cuLaunchKernel(_f0, _g0x, 1, 1, 256, 1, 1, 0, ...)
 
-Each thread gets its own buffers, so concurrent hits never share a half-written one.
+Rules every generated function here follows (see :func:`define`):
+
+- arguments and everything derived from them are mangled locals (``_a0``, ``_a0_size1``,
+  ``_a0_ptr``); a user's parameter name is never an identifier in generated source (the
+  dispatcher, which Python must bind by the user's names, gets them by renaming the compiled
+  code's parameters, :func:`rename_parameters`);
+- values reach generated code through its namespace under mangled names (``_k0``, ...; see
+  :class:`~jitcore.symbolic.Binder`), never by their ``repr``; only exact ``int`` constants
+  are written as literals;
+- each source is registered with :mod:`linecache` under a descriptive filename, so tracebacks
+  show the generated line and pdb can list and step through it.
+
+A grid with a dimension of 0 is a launch over no work: it is skipped (and reported to a
+recorder with ``launched=False``). Each thread gets its own buffers, so concurrent hits never
+share a half-written one.
 """
 
 from __future__ import annotations
 
 import builtins
+import functools
+import keyword
+import linecache
 import os
+import re
 import struct
 import threading
+import types
+import weakref
 from collections.abc import Sequence
+
+import attrs
 
 from jitcore import recorder, symbolic
 from jitcore.backends import abi
 from jitcore.backends.abi import PackedParams
 from jitcore.backends.base import Backend
 from jitcore.errors import ArgumentError, LaunchConfigError
-from jitcore.symbolic import Sym
+from jitcore.symbolic import Binder, Sym
 from jitcore.tracing import Trace, TraceLaunch
+
+# --- generated source: names, comments, linecache ------------------------------------------
+_filenames: dict[str, int] = {}
+_filenames_lock = threading.Lock()
+
+
+def python_name(text: str) -> str:
+    """An identifier made from ``text`` (for ``def`` lines: tracebacks show it)."""
+    name = re.sub(r"\W", "_", str(text)) or "_"
+    if name[0].isdigit() or keyword.iskeyword(name):
+        name = "_" + name
+    return name
+
+
+def comment(text: object) -> str:
+    """``text`` made safe for a ``#`` comment: one line, nothing that ends the comment."""
+    return repr(str(text))[1:-1]
+
+
+def source_filename(description: str) -> str:
+    """A descriptive filename for generated source, ``<jitcore {description}>``, unique in
+    this process (a second use of one description gets `` #2``, ...)."""
+    text = comment(description).replace(">", ")").replace("<", "(")
+    with _filenames_lock:
+        count = _filenames[text] = _filenames.get(text, 0) + 1
+    return f"<jitcore {text}>" if count == 1 else f"<jitcore {text} #{count}>"
+
+
+def register_source(filename: str, source: str) -> None:
+    """Make ``source`` what tracebacks and pdb show for ``filename`` (an mtime of None tells
+    linecache.checkcache to leave the entry alone)."""
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+
+
+def forget_source(filename: str) -> None:
+    linecache.cache.pop(filename, None)
+
+
+def define(source: str, filename: str, namespace: dict[str, object]) -> dict[str, object]:
+    """Compile generated ``source`` (registered under ``filename``) with ``namespace`` as its
+    globals and return what it defines. Definitions go into a separate dict, so a generated
+    function's name can never replace a value in its namespace."""
+    register_source(filename, source)
+    defined: dict[str, object] = {}
+    exec(builtins.compile(source, filename, "exec"), namespace, defined)
+    return defined
+
+
+def rename_parameters(code: types.CodeType, names: Sequence[str]) -> types.CodeType:
+    """``code`` with its first ``len(names)`` parameters renamed to ``names``.
+
+    Generated functions are written with mangled parameters (``_a0``, ...); Python binds
+    keyword arguments by the names in the code object, while the body refers to locals by
+    slot, so renaming the slots lets a dispatcher accept the user's names without any of
+    them ever being an identifier of the generated source (no user name can shadow a
+    generated one). Other locals that happen to share a user's name get a suffix."""
+    taken = set(names)
+    varnames = list(names)
+    for name in code.co_varnames[len(names) :]:
+        while name in taken:
+            name += "_"
+        taken.add(name)
+        varnames.append(name)
+    return code.replace(co_varnames=tuple(varnames))
 
 
 def dump_enabled() -> bool:
@@ -72,6 +161,62 @@ def _value(expr: object, values: dict[str, object]) -> object:
     return expr.evaluate(values) if isinstance(expr, Sym) else expr
 
 
+# What packing a parameter may raise: struct's range errors, its OverflowError for a float too
+# large for ``f``/``e`` (and bfloat16's), and abi's checked conversions.
+_PACK_ERRORS = (struct.error, OverflowError, abi.ScalarError)
+CONFIG_FIELDS = recorder.CONFIG_FIELDS
+
+
+def _unique_leaves(trace: Trace, expr: object) -> tuple:
+    if not isinstance(expr, Sym):
+        return ()
+    found: dict[str, object] = {}
+    for leaf in expr.leaves():
+        found.setdefault(leaf.args[0], trace.leaves[leaf.args[0]])
+    return tuple(found.values())
+
+
+def _scalar_args(leaves: Sequence) -> tuple[int, ...]:
+    return tuple(sorted({leaf.arg_index for leaf in leaves if leaf.kind == "scalar"}))
+
+
+@attrs.frozen
+class _PointerPlan:
+    common: dict = attrs.field(hash=False)
+    arg_index: int
+    read_only: bool
+    offset: object  # byte offset from the tensor's data pointer: int or Sym
+    leaves: tuple
+    scalar_args: tuple[int, ...]
+
+
+@attrs.frozen
+class _ScalarPlan:
+    common: dict = attrs.field(hash=False)
+    expr: object
+    leaves: tuple
+    param: abi.ParamType
+    encoder: object
+    scalar_args: tuple[int, ...]
+
+
+@attrs.frozen
+class _ConfigPlan:
+    field: str
+    expr: object
+    leaves: tuple
+    scalar_args: tuple[int, ...]
+
+
+@attrs.frozen
+class _LaunchPlan:
+    """What a recorder is told about one launch, computed once per call state."""
+
+    params: tuple  # ParamRecord (constants, reused as is), _PointerPlan or _ScalarPlan
+    config: tuple[_ConfigPlan, ...]
+    needs_values: bool  # some runtime-dependent value also reads sizes or strides
+
+
 class CallState:
     """One traced launcher for one key: generated ``run`` plus what replay's hook needs."""
 
@@ -79,6 +224,7 @@ class CallState:
         self, owner: str, index: int, key: tuple, trace: Trace, backend: Backend, returns: tuple[int, ...] | int | None
     ):
         self.owner = owner
+        self.index = index
         self.key = key
         self.trace = trace
         self.backend = backend
@@ -88,6 +234,7 @@ class CallState:
         self.check_globals: object = None  # set by the jit function once it has a drift snapshot
         self._tls = threading.local()
         self.name = f"{owner}__state{index}"
+        self._ident = python_name(self.name)
         self.namespace: dict[str, object] = dict(backend.hot_namespace)
         self.namespace.update(
             {
@@ -96,22 +243,27 @@ class CallState:
                 "_tls": self._tls,
                 "_new_buffers": self._new_buffers,
                 "_stream_handle": stream_handle,
-                "_StructError": struct.error,
+                "_PACK_ERRORS": _PACK_ERRORS,
                 "_pack_failed": self._pack_failed,
                 "_bad_config": self._bad_config,
+                "_check_grid": self._check_grid,
                 "_grow_shared": self._grow_shared,
+                "_index_failed": self._index_failed,
                 "_bf16": abi.float_to_bfloat16_bits,
+                "_current_hook": recorder.current,
+                "_report": self._report,
             }
         )
+        self._binder = Binder(self.namespace)
         self._config_sources: dict[int, tuple[str, str, str]] = {}
-        self._provenance = [self._static_provenance(launch) for launch in trace.launches]
-        self._evaluators: dict[str, _Evaluator] = {}
-        self.namespace["_current_hook"] = recorder.current
-        self.namespace["_report"] = self._report
+        self._provenance = [self._plan_provenance(launch) for launch in trace.launches]
+        self._evaluators: dict[tuple, tuple[_Evaluator, str]] = {}
         self.source = self._generate()
-        exec(compile(self.source, f"<jitcore call state {self.name}>", "exec"), self.namespace)
-        self.run = self.namespace[self.name]
-        self._run_recording = self.namespace[f"{self.name}__rec"]
+        self.filename = source_filename(f"call state {self.name}")
+        defined = define(self.source, self.filename, self.namespace)
+        weakref.finalize(self, forget_source, self.filename)
+        self.run = defined[self._ident]
+        self._run_recording = defined[f"{self._ident}__rec"]
         self.run.source = self.source
         self.run.call_state = self
         for launch in trace.launches:  # static shared memory over the default limit: opt in now
@@ -126,17 +278,18 @@ class CallState:
 
     def _generate_one(self, *, recording: bool) -> str:
         trace = self.trace
-        args = ", ".join(self.param_names)
-        args_tuple = f"({args},)" if self.param_names else "()"
+        args = [f"_a{i}" for i in range(len(self.param_names))]
+        args_tuple = "(" + "".join(f"{a}, " for a in args) + ")"
         if recording:
             lines = [
-                f"def {self.name}__rec({args}{', ' if self.param_names else ''}stream, _original):",
+                f"def {self._ident}__rec({', '.join([*args, 'stream', '_original'])}):",
                 "    _hook = _current_hook()",
             ]
         else:
+            mapping = ", ".join(f"{a} = {name}" for a, name in zip(args, self.param_names)) or "none"
             lines = [
-                f"def {self.name}({args}{', /' if self.param_names else ''}, stream=None):",
-                f"    # call state of {self.owner} for key {self.key!r}",
+                f"def {self._ident}({', '.join([*args, '/', 'stream=None'] if args else ['stream=None'])}):",
+                f"    # {comment(f'call state {self.index} of {self.owner}; arguments: {mapping}')}",
                 "    if _ACTIVE[0]:",
                 f"        return _recording({args_tuple}, {args_tuple}, stream)",
             ]
@@ -146,7 +299,7 @@ class CallState:
             "    except AttributeError:",
             "        _b = _new_buffers()",
             "    if stream is None:",
-            f"        stream = _current_stream({trace.device})",
+            f"        stream = _current_stream({int(trace.device)})",
             "    elif stream.__class__ is not int:",
             "        stream = _stream_handle(stream)",
             "    _so = _STREAMS.get(stream)",
@@ -156,47 +309,43 @@ class CallState:
         ]
         body: list[str] = []
         body += self._leaf_reads()
+        body += self._index_checks(args_tuple)
         pointer_args = sorted({s.arg_index for launch in trace.launches for s in launch.sources if s.kind == "pointer"})
-        for index in pointer_args:
-            name = self.param_names[index]
-            body.append(f"{name}_ptr = {name}.data_ptr()")
+        body += [f"_a{index}_ptr = _a{index}.data_ptr()" for index in pointer_args]
         for number, launch in enumerate(trace.launches):
-            body += self._launch_lines(number, launch)
-            if recording:
-                grid, block, shared = self._config_sources[number]
-                body.append(
-                    f"if _hook is not None: _report(_hook, {number}, _b, {args_tuple}, _original, stream, "
-                    f"{grid}, {block}, {shared})"
-                )
+            body += self._launch_lines(number, launch, recording, args_tuple)
         lines += ["        " + line for line in body] or ["        pass"]
         lines += [
-            "    except _StructError as _e:",
+            "    except _PACK_ERRORS as _e:",
             f"        _pack_failed(_e, {args_tuple})",
         ]
         if self.returns is not None:
-            target = "_original" if recording else None
-            lines.append(f"    return {self._return_source(target)}")
+            lines.append(f"    return {self._return_source('_original' if recording else None)}")
         return "\n".join(lines) + "\n"
 
     def _return_source(self, original: str | None = None) -> str:
         def name(i: int) -> str:
-            return f"{original}[{i}]" if original else self.param_names[i]
+            return f"{original}[{i}]" if original else f"_a{i}"
 
         if isinstance(self.returns, int):
             return name(self.returns)
         return "(" + "".join(f"{name(i)}, " for i in self.returns) + ")"
 
     def _used_leaves(self) -> list:
-        """Leaves some launch actually uses (tracing registers every dynamic size it sees)."""
+        """Leaves some launch or index check actually uses (tracing registers every dynamic
+        size it sees)."""
         used: dict[str, None] = {}
+        exprs: list[object] = []
+        for check in getattr(self.trace, "runtime_checks", ()):
+            exprs += list(check.expressions())
         for launch in self.trace.launches:
-            exprs = [*launch.grid, *launch.block, launch.shared]
+            exprs += [*launch.grid, *launch.block, launch.shared]
             for source in launch.sources:
                 exprs += [source.offset, source.value]
-            for expr in exprs:
-                if isinstance(expr, Sym):
-                    for leaf in expr.leaves():
-                        used.setdefault(leaf.args[0], None)
+        for expr in exprs:
+            if isinstance(expr, Sym):
+                for leaf in expr.leaves():
+                    used.setdefault(leaf.args[0], None)
         return [self.trace.leaves[variable] for variable in used]
 
     def _leaf_reads(self) -> list[str]:
@@ -206,29 +355,40 @@ class CallState:
             by_arg.setdefault(leaf.arg_index, []).append(leaf)
         for index in sorted(by_arg):
             leaves = by_arg[index]
-            name = self.param_names[index]
+            arg = f"_a{index}"
             sizes = [leaf for leaf in leaves if leaf.kind == "size"]
             strides = [leaf for leaf in leaves if leaf.kind == "stride"]
             if sizes:
-                lines.append(f"{name}_shape = {name}.shape")
-                lines += [f"{leaf.variable} = {name}_shape[{leaf.dim}]" for leaf in sizes]
+                lines.append(f"{arg}_shape = {arg}.shape")
+                lines += [f"{leaf.variable} = {arg}_shape[{int(leaf.dim)}]" for leaf in sizes]
             if strides:
-                lines.append(f"{name}_strides = {name}.stride()")
-                lines += [f"{leaf.variable} = {name}_strides[{leaf.dim}]" for leaf in strides]
-            lines += [f"{leaf.variable} = {name}.numel()" for leaf in leaves if leaf.kind == "numel"]
+                lines.append(f"{arg}_strides = {arg}.stride()")
+                lines += [f"{leaf.variable} = {arg}_strides[{int(leaf.dim)}]" for leaf in strides]
+            lines += [f"{leaf.variable} = {arg}.numel()" for leaf in leaves if leaf.kind == "numel"]
         return lines
 
-    def _launch_lines(self, number: int, launch: TraceLaunch) -> list[str]:
+    def _index_checks(self, args_tuple: str) -> list[str]:
+        """Bounds checks of integer indexes only known at call time (torch's IndexError),
+        before anything is packed or launched."""
+        bind = self._binder.bind
+        lines = []
+        for number, check in enumerate(getattr(self.trace, "runtime_checks", ())):
+            value, size = (symbolic.render(e, bind) for e in check.expressions())
+            lines.append(f"if not -({size}) <= {value} < {size}: _index_failed({number}, {args_tuple})")
+        return lines
+
+    def _launch_lines(self, number: int, launch: TraceLaunch, recording: bool, args_tuple: str) -> list[str]:
         lines: list[str] = []
         limits = self.trace.limits
         function = launch.function
+        bind = self._binder.bind
         self.namespace[f"_f{number}"] = function.handle
         self.namespace[f"_fn{number}"] = function
 
         def local(expr: object, name: str) -> str:
             if symbolic.is_static(expr):
-                return repr(expr)
-            lines.append(f"{name} = {expr.source()}")
+                return symbolic.render(expr, bind)
+            lines.append(f"{name} = {expr.source(bind)}")
             return name
 
         grid = [local(g, f"_g{number}{'xyz'[i]}") for i, g in enumerate(launch.grid)]
@@ -236,20 +396,18 @@ class CallState:
         shared = local(launch.shared, f"_s{number}")
         grid_t, block_t = f"({', '.join(grid)})", f"({', '.join(block)})"
         self._config_sources[number] = (grid_t, block_t, shared)
-        for axis, expr in enumerate(launch.grid):
-            if not symbolic.is_static(expr):
-                lines.append(
-                    f"if not 0 < {grid[axis]} <= {limits.max_grid[axis]}: _bad_config({number}, 'grid', {grid_t})"
-                )
+        dynamic_axes = [axis for axis, g in enumerate(launch.grid) if not symbolic.is_static(g)]
+        if dynamic_axes:
+            inside = " and ".join(f"0 < {grid[axis]} <= {int(limits.max_grid[axis])}" for axis in dynamic_axes)
+            lines.append(f"if not ({inside}): _check_grid({number}, {grid_t})")
         if not all(symbolic.is_static(b) for b in launch.block):
             threads = min(limits.max_threads_per_block, function.max_threads_per_block or limits.max_threads_per_block)
-            checks = " or ".join(f"not 0 < {block[axis]} <= {limits.max_block[axis]}" for axis in range(3))
+            checks = " or ".join(f"not 0 < {block[axis]} <= {int(limits.max_block[axis])}" for axis in range(3))
             product = f"{block[0]} * {block[1]} * {block[2]}"
-            lines.append(f"if {checks} or {product} > {threads}: _bad_config({number}, 'block', {block_t})")
+            lines.append(f"if {checks} or {product} > {int(threads)}: _bad_config({number}, 'block', {block_t})")
         if not symbolic.is_static(launch.shared):
             available = limits.max_shared_per_block_optin - function.static_shared_bytes
-            lines.append(f"if not 0 <= {shared} <= {available}: _bad_config({number}, 'shared', {shared})")
-            lines.append(f"if {shared} > _fn{number}.dynamic_shared_limit: _grow_shared({number}, {shared})")
+            lines.append(f"if not 0 <= {shared} <= {int(available)}: _bad_config({number}, 'shared', {shared})")
         layout = launch.kernel.layout
         dynamic = [i for i, s in enumerate(launch.sources) if s.kind != "constant"]
         for run_number, run in enumerate(layout.runs(dynamic)):
@@ -257,8 +415,11 @@ class CallState:
             packer_name = f"_pack{number}_{run_number}"
             self.namespace[packer_name] = packer.pack_into
             values = ", ".join(self._param_source(launch, i) for i in run)
-            lines.append(f"{packer_name}(_b[{2 * number}], {offset}, {values})")
-        lines += self.backend.launch_template.format(
+            lines.append(f"{packer_name}(_b[{2 * number}], {int(offset)}, {values})")
+        launching: list[str] = []
+        if not symbolic.is_static(launch.shared):
+            launching.append(f"if {shared} > _fn{number}.dynamic_shared_limit: _grow_shared({number}, {shared})")
+        launching += self.backend.launch_template.format(
             function=f"_f{number}",
             gx=grid[0],
             gy=grid[1],
@@ -269,21 +430,55 @@ class CallState:
             shared=shared,
             stream="_so",
             params=f"_b[{2 * number + 1}]",
-            label=repr(launch.kernel.name_expression),
+            label=bind(launch.kernel.name_expression),
         ).splitlines()
+        if any(symbolic.is_static(g) and g == 0 for g in launch.grid):
+            launched = "False"  # a static grid of zero: nothing to launch, ever
+        elif dynamic_axes:
+            # a dynamic grid of zero (an empty tensor): skip the launch
+            lines.append(f"if {' and '.join(grid[axis] for axis in dynamic_axes)}:")
+            lines += ["    " + line for line in launching]
+            launched = " and ".join(f"{grid[axis]} != 0" for axis in dynamic_axes)
+        else:
+            lines += launching
+            launched = "True"
+        if recording:
+            lines.append(
+                f"if _hook is not None: _report(_hook, {number}, _b, {args_tuple}, _original, stream, "
+                f"{grid_t}, {block_t}, {shared}, {launched})"
+            )
         return lines
 
     def _param_source(self, launch: TraceLaunch, index: int) -> str:
         source = launch.sources[index]
         param = launch.kernel.param_types[index]
+        bind = self._binder.bind
         if source.kind == "pointer":
-            pointer = f"{self.param_names[source.arg_index]}_ptr"
+            pointer = f"_a{source.arg_index}_ptr"
             offset = source.offset * source.itemsize if source.itemsize else 0
-            if symbolic.is_static(offset):
-                return pointer if offset == 0 else f"{pointer} + {offset}"
-            return f"{pointer} + {offset.source()}"
-        text = symbolic.render(source.value)
-        return f"_bf16({text})" if param.kind == "bfloat16" else text
+            if symbolic.is_static(offset) and offset == 0:
+                return pointer
+            return f"{pointer} + {symbolic.render(offset, bind)}"
+        text = symbolic.render(source.value, bind)
+        if self._packs_exactly(param, source.value):
+            return f"_bf16({text})" if param.kind == "bfloat16" else text
+        # checked conversion: an integer for a floating parameter must convert exactly, a
+        # numpy bool for an integer parameter is its int, ...
+        return f"{bind(functools.partial(abi.scalar_value, param))}({text})"
+
+    def _packs_exactly(self, param: abi.ParamType, value: object) -> bool:
+        """Whether struct (or _bf16) packing the raw value is exactly :func:`abi.scalar_value`
+        (so the hot path needs no conversion call): range errors are struct's to raise."""
+        if not isinstance(value, Sym):
+            return False
+        import numpy as np
+
+        types_ = {leaf.value_type for leaf in _unique_leaves(self.trace, value) if leaf.kind == "scalar"}
+        if param.kind in ("int", "uint"):
+            return not value.is_float and all(t is not None and issubclass(t, (int, np.integer)) for t in types_)
+        if param.kind == "bool":
+            return all(t in (bool, np.bool_) for t in types_) and bool(types_)
+        return value.is_float  # floating parameters: a float rounds to nearest; an int must be exact
 
     # --- buffers -------------------------------------------------------------------------
     def _new_buffers(self) -> tuple:
@@ -302,40 +497,50 @@ class CallState:
         return buffers
 
     # --- slow paths ----------------------------------------------------------------------
-    def _evaluate(self, launch: TraceLaunch, values: dict[str, object]) -> list[object]:
-        result = []
-        for source in launch.sources:
-            if source.kind == "pointer":
-                arg = values["__args__"][source.arg_index]
-                result.append(arg.data_ptr() + int(_value(source.offset, values)) * source.itemsize)
-            else:
-                result.append(_value(source.value, values))
-        return result
-
-    def _pack_failed(self, error: struct.error, args: tuple) -> None:
+    def _pack_failed(self, error: Exception, args: tuple) -> None:
+        """A parameter did not pack: find which, and say so in the user's terms."""
         values = leaf_values(self.trace, args)
-        values["__args__"] = args
         for launch in self.trace.launches:
-            for index, value in enumerate(self._evaluate(launch, values)):
+            for index, source in enumerate(launch.sources):
                 param = launch.kernel.param_types[index]
+                origin = ""
                 try:
-                    _pack_one(PackedParams(launch.kernel.layout), launch, index, value)
-                except (struct.error, OverflowError, TypeError) as exc:
+                    if source.kind == "pointer":
+                        value = args[source.arg_index].data_ptr() + int(_value(source.offset, values)) * source.itemsize
+                        struct.pack("<Q", value)
+                        continue
+                    value = _value(source.value, values)
+                    if isinstance(source.value, Sym) and source.value.op == "leaf":
+                        origin = f" (launcher argument {self.trace.leaves[source.value.args[0]].arg_name!r})"
+                    struct.pack("<" + param.fmt, abi.scalar_value(param, value))
+                except (*_PACK_ERRORS, TypeError) as exc:
                     raise ArgumentError(
                         f"{self.owner}: argument {index} ({param.describe()}) of "
-                        f"{launch.kernel.name_expression} gets {value!r}, which does not fit ({exc})"
+                        f"{launch.kernel.name_expression} gets {value!r}{origin}, which does not fit ({exc})"
                     ) from None
-        raise ArgumentError(f"{self.owner}: a kernel argument does not fit its C type ({error})")
+        raise ArgumentError(f"{self.owner}: a kernel argument does not fit its C type ({error})") from error
 
     def _bad_config(self, number: int, what: str, value: object) -> None:
         launch = self.trace.launches[number]
         raise LaunchConfigError(
             f"{self.owner}: {launch.kernel.name_expression} launched with {what} {value}, outside "
-            "the device's limits (each grid and block dimension must be at least 1)"
+            "the device's limits (grid dimensions must be 0 or more, 0 launching nothing; block "
+            "dimensions at least 1)"
         )
+
+    def _check_grid(self, number: int, grid: tuple) -> None:
+        """A grid outside 1..max on some axis: fine (an empty launch, skipped) when every
+        dimension is within 0..max, else a LaunchConfigError."""
+        limits = self.trace.limits.max_grid
+        if not all(isinstance(g, int) and 0 <= g <= limit for g, limit in zip(grid, limits)):
+            self._bad_config(number, "grid", grid)
 
     def _grow_shared(self, number: int, nbytes: int) -> None:
         self.backend.set_dynamic_shared_limit(self.trace.launches[number].function, nbytes)
+
+    def _index_failed(self, number: int, args: tuple) -> None:
+        check = self.trace.runtime_checks[number]
+        raise check.error(leaf_values(self.trace, args)) from None
 
     def run_recording(self, args: tuple, original: tuple, stream: object = None) -> object:
         """The path taken while any recorder is installed: launches the same bytes as ``run``
@@ -343,72 +548,101 @@ class CallState:
         the arguments as the caller passed them (dynamic scalars included)."""
         return self._run_recording(*args, stream, original)
 
-    def _static_provenance(self, launch: TraceLaunch) -> list[tuple]:
-        """What each parameter's provenance is, computed once per launch of the trace (with
-        the records and encoders that do not change from call to call)."""
+    # --- the recorder hook ---------------------------------------------------------------
+    def _plan_provenance(self, launch: TraceLaunch) -> _LaunchPlan:
+        """Where each parameter and each launch dimension comes from, computed once per
+        launch of the trace (with the records and encoders that do not change per call)."""
         layout = launch.kernel.layout
-        static = []
+        params: list[object] = []
         for index, source in enumerate(launch.sources):
             param = launch.kernel.param_types[index]
             common = dict(index=index, name=param.name, offset=layout.offsets[index], size=param.size, fmt=param.fmt)
-            leaves = self._leaves_of(source.value) if source.kind == "value" else []
             if source.kind == "pointer":
-                static.append(("pointer", common, source.arg_index, param.const_pointee))
-            elif any(leaf.kind == "scalar" for leaf in leaves):
-                scalar_args = tuple(sorted({leaf.arg_index for leaf in leaves if leaf.kind == "scalar"}))
-                static.append(("scalar", common, source.value, leaves, param, _Encoder(param), scalar_args))
+                offset = source.offset * source.itemsize if source.itemsize else 0
+                leaves = _unique_leaves(self.trace, offset)
+                params.append(
+                    _PointerPlan(common, source.arg_index, param.const_pointee, offset, leaves, _scalar_args(leaves))
+                )
+                continue
+            leaves = _unique_leaves(self.trace, source.value) if source.kind == "value" else ()
+            if _scalar_args(leaves):
+                params.append(_ScalarPlan(common, source.value, leaves, param, _Encoder(param), _scalar_args(leaves)))
             else:
-                static.append(("constant", recorder.ParamRecord(kind="constant", **common)))
-        return static
+                params.append(recorder.ParamRecord(kind="constant", **common))
+        config = []
+        for field, expr in zip(CONFIG_FIELDS, (*launch.grid, *launch.block, launch.shared)):
+            leaves = _unique_leaves(self.trace, expr)
+            if _scalar_args(leaves):
+                config.append(_ConfigPlan(field, expr, leaves, _scalar_args(leaves)))
+        dependent = [p for p in params if isinstance(p, (_PointerPlan, _ScalarPlan)) and p.scalar_args] + config
+        needs_values = any(leaf.kind != "scalar" for item in dependent for leaf in item.leaves)
+        return _LaunchPlan(tuple(params), tuple(config), needs_values)
 
-    def _report(self, hook, number, buffers, args, original, stream, grid, block, shared) -> None:
+    def _evaluator(self, what: str, expr: object, leaves: tuple, values: dict | None) -> tuple[_Evaluator, str]:
+        """(evaluate, expression) for ``expr`` with sizes and strides fixed at ``values``."""
+        fixed = tuple((leaf.variable, values[leaf.variable]) for leaf in leaves if leaf.kind != "scalar")
+        key = (id(expr), fixed)
+        found = self._evaluators.get(key)
+        if found is None:
+            evaluator = _Evaluator(expr, leaves, dict(fixed), f"evaluator of {what} in {self.name}")
+            shown = {leaf.variable: f"{{{leaf.arg_index}}}" for leaf in leaves if leaf.kind == "scalar"}
+            shown.update({variable: repr(value) for variable, value in fixed})
+            expression = expr.render_with(shown) if isinstance(expr, Sym) else repr(expr)
+            found = self._evaluators[key] = (evaluator, expression)
+        return found
+
+    def _report(self, hook, number, buffers, args, original, stream, grid, block, shared, launched=True) -> None:
         launch = self.trace.launches[number]
+        plan = self._provenance[number]
         packed = bytes(buffers[2 * number])
-        values = None
+        values = leaf_values(self.trace, args) if plan.needs_values else None
+        label = launch.kernel.name_expression
         params = []
-        for item in self._provenance[number]:
-            kind, common = item[0], item[1]
-            if kind == "constant":
-                params.append(common)  # the cached record itself
-            elif kind == "pointer":
-                _, _, arg_index, read_only = item
-                (address,) = struct.unpack_from("<Q", packed, common["offset"])
+        for item in plan.params:
+            if isinstance(item, recorder.ParamRecord):
+                params.append(item)  # a constant: the cached record itself
+            elif isinstance(item, _PointerPlan):
+                (address,) = struct.unpack_from("<Q", packed, item.common["offset"])
+                offset_evaluate = None
+                if item.scalar_args:
+                    offset_evaluate = self._evaluator(
+                        f"{label} pointer {item.common['index']}", item.offset, item.leaves, values
+                    )[0]
                 params.append(
                     recorder.ParamRecord(
                         kind="pointer",
-                        arg_index=arg_index,
-                        byte_offset=address - args[arg_index].data_ptr(),
-                        read_only=read_only,
-                        **common,
+                        arg_index=item.arg_index,
+                        byte_offset=address - args[item.arg_index].data_ptr(),
+                        read_only=item.read_only,
+                        offset_scalar_args=item.scalar_args,
+                        offset_evaluate=offset_evaluate,
+                        **item.common,
                     )
                 )
             else:
-                _, _, expr, leaves, param, encoder, scalar_args = item
-                if values is None and any(leaf.kind != "scalar" for leaf in leaves):
-                    values = leaf_values(self.trace, args)
-                substitutions = {
-                    leaf.variable: f"{{{leaf.arg_index}}}" if leaf.kind == "scalar" else repr(values[leaf.variable])
-                    for leaf in leaves
-                }
-                expression = expr.render_with(substitutions)
-                evaluator = self._evaluators.get(expression)
-                if evaluator is None:
-                    evaluator = self._evaluators[expression] = _Evaluator(expression, len(self.param_names))
+                evaluator, expression = self._evaluator(
+                    f"{label} argument {item.common['index']}", item.expr, item.leaves, values
+                )
                 params.append(
                     recorder.ParamRecord(
                         kind="scalar",
-                        scalar_args=scalar_args,
+                        scalar_args=item.scalar_args,
                         evaluate=evaluator,
-                        encode=encoder,
+                        encode=item.encoder,
                         expression=expression,
-                        convert=abi.float_to_bfloat16_bits if param.kind == "bfloat16" else None,
-                        **common,
+                        convert=abi.float_to_bfloat16_bits if item.param.kind == "bfloat16" else None,
+                        **item.common,
                     )
                 )
+        config = []
+        for item in plan.config:
+            evaluator, expression = self._evaluator(f"{label} {item.field}", item.expr, item.leaves, values)
+            config.append(recorder.ConfigRecord(item.field, item.scalar_args, evaluator, expression))
+        checks = self._check_records(args)
         hook.launch(
             recorder.LaunchRecord(
                 jit_function=self.owner,
-                kernel=launch.kernel.name_expression,
+                kernel=label,
                 function=launch.function.address,
                 device=self.device,
                 grid=grid,
@@ -420,46 +654,72 @@ class CallState:
                 args=tuple(original),
                 stream=stream,
                 check_globals=self.check_globals,
+                launched=bool(launched),
+                dynamic_config=tuple(config),
+                checks=checks,
             )
         )
 
-    def _leaves_of(self, expr: object) -> list:
-        if not isinstance(expr, Sym):
-            return []
-        return [self.trace.leaves[leaf.args[0]] for leaf in expr.leaves()]
+    def _check_records(self, args: tuple) -> tuple:
+        """The index checks that depend on runtime scalars, as recorder CheckRecords."""
+        checks = []
+        values = None
+        for number, check in enumerate(getattr(self.trace, "runtime_checks", ())):
+            value_leaves = _unique_leaves(self.trace, check.value)
+            size_leaves = _unique_leaves(self.trace, check.size)
+            scalar_args = _scalar_args(value_leaves + size_leaves)
+            if not scalar_args:
+                continue
+            if values is None:
+                values = leaf_values(self.trace, args)
+            value, shown = self._evaluator(f"index check {number}", check.value, value_leaves, values)
+            size, _ = self._evaluator(f"index check {number} size", check.size, size_leaves, values)
+            checks.append(recorder.CheckRecord(scalar_args, value, size, shown))
+        return tuple(checks)
 
 
 class _Evaluator:
-    """Recompute a scalar parameter from new runtime-scalar values (sizes stay as recorded),
-    through the expression compiled once into a lambda."""
+    """Recompute a value from new runtime-scalar arguments, sizes and strides fixed as
+    recorded: ``evaluate(scalars)``, where ``scalars[k]`` is the value of jit argument ``k``
+    (a list, a tuple or a dict; only the indices the value depends on are read). Compiled
+    once into a lambda whose constants are bound in its namespace (see :class:`Binder`)."""
 
-    def __init__(self, expression: str, arg_count: int):
-        source = expression.format(*[f"_s[{i}]" for i in range(arg_count)])
-        self.source = source
-        self._function = eval(
-            builtins.compile(f"lambda _s: {source}", "<jitcore param evaluator>", "eval"),
-            {"__builtins__": {"min": min, "max": max}},
-        )
+    def __init__(self, expr: object, leaves: tuple, fixed: dict[str, object], description: str):
+        namespace: dict[str, object] = {"__builtins__": {"min": min, "max": max}}
+        binder = Binder(namespace)
+        substitutions = {}
+        for leaf in leaves:
+            if leaf.kind == "scalar":
+                substitutions[leaf.variable] = f"_s[{int(leaf.arg_index)}]"
+            else:
+                substitutions[leaf.variable] = symbolic.render(fixed[leaf.variable], binder.bind)
+        if isinstance(expr, Sym):
+            body = expr.render_with(substitutions, bind=binder.bind)
+        else:
+            body = symbolic.render(expr, binder.bind)
+        self.source = f"lambda _s: {body}"
+        self.filename = source_filename(description)
+        register_source(self.filename, self.source + "\n")
+        weakref.finalize(self, forget_source, self.filename)
+        self._function = eval(builtins.compile(self.source, self.filename, "eval"), namespace)
 
-    def __call__(self, scalars: dict[int, object]) -> object:
+    def __call__(self, scalars: Sequence[object] | dict[int, object]) -> object:
         return self._function(scalars)
 
 
 class _Encoder:
-    """Turn a value into a parameter's bytes exactly as the call state packs it."""
+    """Turn a value into a parameter's bytes exactly as the call state packs it (checked:
+    :class:`~jitcore.backends.abi.ScalarError` when the C type cannot hold it unchanged)."""
 
     def __init__(self, param: abi.ParamType):
         self.param = param
-        self.packer = struct.Struct("<" + param.fmt)
 
     def __call__(self, value: object) -> bytes:
-        if self.param.kind == "bfloat16":
-            value = abi.float_to_bfloat16_bits(float(value))
-        return self.packer.pack(value)
+        return abi.encode_scalar(self.param, value)
 
 
 def _pack_one(packed: PackedParams, launch: TraceLaunch, index: int, value: object) -> None:
     param = launch.kernel.param_types[index]
-    if param.kind == "bfloat16":
-        value = abi.float_to_bfloat16_bits(float(value))
-    struct.pack_into("<" + param.fmt, packed.buffer, launch.kernel.layout.offsets[index], value)
+    struct.pack_into(
+        "<" + param.fmt, packed.buffer, launch.kernel.layout.offsets[index], abi.scalar_value(param, value)
+    )

@@ -55,11 +55,18 @@ def compile_cached(
     arch: str,
     type_names: Sequence[str] = (),
 ) -> CompiledBinary:
-    """Compile ``source`` (the user's text) for ``arch``, through the disk cache."""
+    """Compile ``source`` (the user's text) for ``arch``, through the disk cache.
+
+    The key covers every user header the source can include (:func:`cache.header_digest`),
+    so editing a header found through ``-I`` (or next to the working directory) recompiles
+    in the next process instead of serving the old binary. A source whose headers cannot be
+    named (a computed ``#include MACRO``, an unreadable header) is compiled without the cache;
+    a header that changes while compiling keeps the result out of the cache."""
     text = full_source(backend, source, type_names)
     compiler = backend.compiler_version()
-    key = cache.entry_key(backend.name, compiler, arch, text, name_expressions, options)
-    binary = cache.load(key)
+    headers = cache.header_digest(text, options)
+    key = cache.entry_key(backend.name, compiler, arch, text, name_expressions, options, headers or "")
+    binary = cache.load(key) if headers is not None else None
     if binary is not None and all(e in binary.lowered_names for e in name_expressions):
         return binary
     try:
@@ -70,5 +77,6 @@ def compile_cached(
         if excerpt:
             message += f"\n\nsource:\n{excerpt}"
         raise CompileError(message, log=exc.log, source_excerpt=excerpt) from None
-    cache.store(key, binary)
+    if headers is not None and cache.header_digest(text, options) == headers:
+        cache.store(key, binary)
     return binary

@@ -1,7 +1,10 @@
 """``@jit`` launchers: a lean-key hit path in front of traced call states.
 
 ``@jit`` returns a generated dispatcher with the launcher's own parameter list (so Python
-binds arguments and reports a wrong count or an unknown keyword itself). A call:
+binds arguments and reports a wrong count or an unknown keyword itself). Its source names the
+arguments ``_a0``, ``_a1``, ...; the user's names are given to the compiled code's parameter
+slots (:func:`~jitcore.codegen.rename_parameters`), so any parameter name works, ``key``,
+``_m`` or ``_MRU`` included (only ``stream``, jit's keyword, is refused). A call:
 
 1. builds the lean key (inlined :class:`~jitcore.keys.KeyPlan` statements, the current
    device first),
@@ -18,9 +21,9 @@ compiling and storing the new call state. Nothing is stored when any step fails.
 
 from __future__ import annotations
 
-import builtins
 import functools
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -28,7 +31,7 @@ import attrs
 import numpy as np
 import torch
 
-from jitcore import guards, keys, recorder, tensors
+from jitcore import codegen, guards, keys, recorder, tensors
 from jitcore.backends import get_backend
 from jitcore.codegen import CallState, dump_enabled
 from jitcore.drift import GlobalsSnapshot
@@ -89,6 +92,9 @@ class JitFunction:
         for index, param in enumerate(self.parameters):
             if param.default is not keys._NO_DEFAULT:
                 self.namespace[f"_default{index}"] = param.default
+        where = f"{getattr(fn, '__module__', None) or '?'}.{getattr(fn, '__qualname__', self.name)}"
+        self.filename = codegen.source_filename(f"dispatcher {where}")
+        weakref.finalize(self, codegen.forget_source, self.filename)
         self.dispatcher = self._make_dispatcher()
 
     # --- the generated hit path ----------------------------------------------------------
@@ -99,15 +105,18 @@ class JitFunction:
         return reader()
 
     def _dispatcher_source(self) -> str:
-        names = [p.name for p in self.parameters]
+        names = [f"_a{i}" for i in range(len(self.parameters))]
         params = ", ".join(
-            p.name if p.default is keys._NO_DEFAULT else f"{p.name}=_default{i}" for i, p in enumerate(self.parameters)
+            a if p.default is keys._NO_DEFAULT else f"{a}=_default{i}"
+            for i, (a, p) in enumerate(zip(names, self.parameters))
         )
         args_tuple = "(" + "".join(f"{n}, " for n in names) + ")"
         call_args = ", ".join(names) + (", " if names else "")
         drift = ["    " + line for line in self.snapshot.check_lines] if self.snapshot is not None else []
+        mapping = ", ".join(f"{a} = {p.name}" for a, p in zip(names, self.parameters)) or "none"
         lines = [
-            f"def {self.name}({params}{', ' if params else ''}*, stream=None):",
+            f"def {codegen.python_name(self.name)}({params}{', ' if params else ''}*, stream=None):",
+            f"    # {codegen.comment(f'dispatcher of {self.name}; arguments: {mapping}')}",
             "    _m = _MRU[0]",
             f"    if _m[0]({', '.join(names)}):",
             *["    " + line for line in drift],
@@ -116,13 +125,13 @@ class JitFunction:
         ]
         lines += ["        " + line for line in self.plan.key_lines(hit_path=True, leading="_device(), ")]
         lines += [
-            "        _state = _STATES[key]",
+            "        _state = _STATES[_key]",
             "    except Exception:",
             f"        return _miss({args_tuple}, stream)",
-            "    _touch(key)",
+            "    _touch(_key)",
             *drift,
             "    if _state is not _m[1]:",
-            f"        _promote(key, _state, {args_tuple})",
+            f"        _promote(_key, _state, {args_tuple})",
             f"    return _state({call_args}stream)",
         ]
         return "\n".join(lines) + "\n"
@@ -140,13 +149,15 @@ class JitFunction:
         compiled for (stricter than the key, never looser), or None when some argument
         cannot be guarded (adaptors, subclasses, unusual constexpr types)."""
         device, elements = key[0], key[1:]
-        names = [p.name for p in self.parameters]
+        names = [f"_a{i}" for i in range(len(self.parameters))]  # never the user's names
         namespace: dict[str, object] = {"_Tensor": torch.Tensor, "_device": self.namespace["_device"]}
         checks, guarded, sizes, strides = [], [], [], []
         for index, (param, element, arg) in enumerate(zip(self.parameters, elements, args)):
-            name = param.name
+            name = names[index]
             if param.constexpr:
-                if type(arg) not in keys._CONSTEXPR_TYPE_NAMES:
+                if type(arg) is float and (arg != arg or arg == 0.0):
+                    return None  # NaN and the two zeros: == cannot tell them apart, the key can
+                if type(arg) not in keys._CONSTEXPR_TYPE_NAMES and type(arg) is not float:
                     return None
                 namespace[f"_c{index}"], namespace[f"_v{index}"] = type(arg), arg
                 checks.append(f"{name}.__class__ is _c{index} and {name} == _v{index}")
@@ -171,17 +182,23 @@ class JitFunction:
                 return None
             namespace[f"_tensor_guard{number}"] = check
             checks.append(f"_tensor_guard{number}({name})")
-        checks.append(f"_device() == {device}")
+        checks.append(f"_device() == {int(device)}")
         source = f"def guard({', '.join(names)}):\n    return " + " and ".join(checks) + "\n"
-        exec(builtins.compile(source, f"<jitcore guard of {self.name}>", "exec"), namespace)
-        guard = namespace["guard"]
+        filename = codegen.source_filename(f"guard of {self.name}")
+        guard = codegen.define(source, filename, namespace)["guard"]
+        weakref.finalize(guard, codegen.forget_source, filename)
         guard.source = source
         return guard
 
+    def _compile_dispatcher(self, source: str) -> Callable:
+        """The dispatcher function of ``source``, its parameters renamed to the user's."""
+        dispatcher = codegen.define(source, self.filename, self.namespace)[codegen.python_name(self.name)]
+        dispatcher.__code__ = codegen.rename_parameters(dispatcher.__code__, [p.name for p in self.parameters])
+        return dispatcher
+
     def _make_dispatcher(self) -> Callable:
         source = self._dispatcher_source()
-        exec(builtins.compile(source, f"<jitcore dispatcher {self.name}>", "exec"), self.namespace)
-        dispatcher = self.namespace[self.name]
+        dispatcher = self._compile_dispatcher(source)
         functools.update_wrapper(dispatcher, self.fn)
         dispatcher.__wrapped__ = self.fn
         dispatcher.jit = self
@@ -196,9 +213,7 @@ class JitFunction:
         self.namespace.update(snapshot.namespace)
         self.snapshot = snapshot
         source = self._dispatcher_source()
-        scratch: dict[str, object] = {}
-        exec(builtins.compile(source, f"<jitcore dispatcher {self.name}>", "exec"), self.namespace, scratch)
-        self.dispatcher.__code__ = scratch[self.name].__code__
+        self.dispatcher.__code__ = self._compile_dispatcher(source).__code__
         self.source = source
         if dump_enabled():
             print(f"# jitcore dispatcher\n{source}")
@@ -238,7 +253,7 @@ class JitFunction:
                 f"{self.name}: a new key during graph capture would compile inside the capture; "
                 f"call it once with these argument types before capturing (key {key!r})"
             )
-        with self._lock:
+        with recorder.CAPTURES.shared(), self._lock:  # compiling loads a module: never during a capture
             run = self.states.get(key)
             if run is not None:
                 return run.call_state
@@ -285,7 +300,7 @@ class JitFunction:
                 f"{self.name}: parameter {param.name!r} is a {type(arg).__qualname__}; wrap DLPack "
                 "producers other than torch tensors with jitcore.from_dlpack(...)"
             )
-        return trace.leaf(index, "scalar", is_float=isinstance(arg, (float, np.floating)))
+        return trace.leaf(index, "scalar", is_float=isinstance(arg, (float, np.floating)), value_type=type(arg))
 
     # --- introspection -------------------------------------------------------------------
     def dump(self, file=None) -> str:

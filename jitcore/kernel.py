@@ -183,7 +183,7 @@ class LaunchConfig:
 
 def launch_direct(config: LaunchConfig, args: Sequence[object]) -> None:
     """Launch outside any jit launcher: check everything, pack every slot, launch on the
-    current torch stream of the current device."""
+    current torch stream of the current device (a grid dimension of 0 launches nothing)."""
     kernel = config.kernel
     backend = get_backend()
     device = backend.current_device()
@@ -214,17 +214,23 @@ def launch_direct(config: LaunchConfig, args: Sequence[object]) -> None:
             values.append(0)
         elif param.is_pointer:
             raise ArgumentError(f"{where}: expects a tensor, got {type(value).__qualname__}")
-        elif abi.accepts_scalar(param, value):
-            values.append(abi.float_to_bfloat16_bits(float(value)) if param.kind == "bfloat16" else value)
         else:
-            raise ArgumentError(f"{where}: cannot take a {type(value).__qualname__} ({value!r}) without a lossy cast")
+            try:
+                values.append(abi.scalar_value(param, value))
+            except abi.ScalarError as exc:
+                raise ArgumentError(
+                    f"{where}: cannot take the {type(value).__qualname__} {value!r} without a lossy cast: {exc}"
+                ) from None
     grid = tracing._dims(config.grid, "grid", label)
     block = tracing._dims(config.block, "block", label)
     shared = config.shared
     if isinstance(shared, bool) or not isinstance(shared, int):
         raise LaunchConfigError(f"{label}: shared memory must be an int number of bytes, got {shared!r}")
+    shared = int(shared)
     function = kernel.function(device)
     tracing.check_static_config(label, grid, block, shared, backend.device_limits(device), function)
+    if tracing.is_empty_grid(grid):
+        return  # a grid dimension of 0: a launch over no work
     if shared > function.dynamic_shared_limit:
         backend.set_dynamic_shared_limit(function, shared)
     packed = PackedParams(kernel.layout)

@@ -13,20 +13,28 @@ Key elements:
 - runtime scalars: the type only (``"int"``, ``"float"``, ``"bool"``, ``"numpy.float32"``, ...);
   objects with ``__jit_scalar__`` (the replay layer's dynamic scalars) by the type of the value
   they carry;
-- ``Constexpr`` parameters: ``(type name, value)``; the value must be hashable.
+- ``Constexpr`` parameters: ``(type name, value)``; the value must be hashable. Floats (and
+  complex numbers, and floats inside tuples and frozensets) are keyed by their bit pattern, so
+  ``-0.0`` never shares ``0.0``'s call state and a NaN finds its own entry again; container
+  elements are keyed with their types (``(1, 2.0)`` is not ``(1.0, 2.0)``).
+
+The generated ``lean_key`` (and the dispatcher lines of :meth:`KeyPlan.key_lines`) read the
+arguments as ``_a0``, ``_a1``, ...; the user's parameter names are never identifiers in them.
 """
 
 from __future__ import annotations
 
 import inspect
+import struct
 import typing
+import weakref
 from collections.abc import Callable, Sequence
 
 import attrs
 import numpy as np
 import torch
 
-from jitcore import tensors
+from jitcore import codegen, tensors
 from jitcore.errors import ArgumentError
 
 T = typing.TypeVar("T")
@@ -65,8 +73,9 @@ for _np_type in (
 ):
     SCALAR_SIGNATURES[_np_type] = f"numpy.{_np_type.__name__}"
 
-# Constexpr values of these types are hashable and immutable: the lean path keys them inline.
-_CONSTEXPR_TYPE_NAMES: dict[type, str] = {t: t.__qualname__ for t in (bool, int, float, str, type(None), torch.dtype)}
+# Constexpr values of these types are hashable, immutable and equal only to themselves: the lean
+# path keys them inline. (Not float: 0.0 == -0.0 and NaN != NaN; floats are keyed by their bits.)
+_CONSTEXPR_TYPE_NAMES: dict[type, str] = {t: t.__qualname__ for t in (bool, int, str, type(None), torch.dtype)}
 
 
 def scalar_signature(value: object, name: str) -> str:
@@ -92,7 +101,25 @@ def constexpr_signature(value: object, name: str) -> tuple:
         raise TypeError(
             f"Constexpr parameter {name!r} needs a hashable value, got unhashable {type(value).__qualname__}"
         ) from None
-    return (type(value).__qualname__, value)
+    return (type(value).__qualname__, _exact(value))
+
+
+def _float_bits(value: object) -> bytes:
+    return value.tobytes() if isinstance(value, np.generic) else struct.pack("<d", value)
+
+
+def _exact(value: object) -> object:
+    """A stand-in for a Constexpr value that equals another only for the same value: floats by
+    their bit pattern, tuple and frozenset elements with their types."""
+    if isinstance(value, (float, np.floating)):
+        return ("bits", _float_bits(value))
+    if isinstance(value, (complex, np.complexfloating)):
+        return ("bits", _float_bits(value.real), _float_bits(value.imag))
+    if isinstance(value, tuple):
+        return tuple((type(v).__qualname__, _exact(v)) for v in value)
+    if isinstance(value, frozenset):
+        return frozenset((type(v).__qualname__, _exact(v)) for v in value)
+    return value
 
 
 def argument_signature(value: object, name: str, *, full: bool) -> object:
@@ -160,6 +187,7 @@ class KeyPlan:
         self.parameters = tuple(parameters)
         self.names = tuple(p.name for p in self.parameters)
         self.namespace: dict[str, object] = {
+            "_NAMES": self.names,
             "_Tensor": torch.Tensor,
             "_LEAN": tensors._lean_tokens,
             "_lean": tensors.lean_token,
@@ -171,23 +199,29 @@ class KeyPlan:
             "_generic_hit": _argument_signature_hit,
             "_constexpr": constexpr_signature,
         }
-        args = ", ".join(self.names)
+        args = ", ".join(f"_a{i}" for i in range(len(self.names)))
         body = "\n".join("    " + line for line in self.key_lines())
-        self.source = f"def lean_key({args}):\n{body}\n    return key\n"
-        exec(compile(self.source, f"<jitcore key plan ({args})>", "exec"), self.namespace)
-        self.lean_key: Callable[..., tuple] = self.namespace["lean_key"]  # type: ignore[assignment]
+        mapping = ", ".join(f"_a{i} = {name}" for i, name in enumerate(self.names)) or "none"
+        self.source = (
+            f"def lean_key({args}):\n    # {codegen.comment(f'arguments: {mapping}')}\n{body}\n    return _key\n"
+        )
+        self.filename = codegen.source_filename(f"key plan ({', '.join(self.names)})")
+        lean_key = codegen.define(self.source, self.filename, self.namespace)["lean_key"]
+        weakref.finalize(self, codegen.forget_source, self.filename)
+        lean_key.__code__ = codegen.rename_parameters(lean_key.__code__, self.names)
+        self.lean_key: Callable[..., tuple] = lean_key  # type: ignore[assignment]
 
     def key_lines(self, *, hit_path: bool = False, leading: str = "") -> list[str]:
-        """Statements that leave the lean key in ``key``, reading the parameters by name.
+        """Statements that leave the lean key in ``_key``, reading the arguments as ``_a0``, ...
         The jit dispatcher inlines them (``hit_path=True``), so the hit path makes no extra
         call for them; there, dynamic scalars (``__jit_scalar__``) raise LookupError so the
         call takes the miss path, which unwraps them."""
         generic = "_generic_hit" if hit_path else "_generic"
         lines = []
         for index, param in enumerate(self.parameters):
-            value, element = param.name, f"_k{index}"
+            value, element, name = f"_a{index}", f"_k{index}", f"_NAMES[{index}]"
             if param.constexpr:
-                slow = f"_constexpr({value}, {param.name!r})"
+                slow = f"_constexpr({value}, {name})"
                 lines += [
                     f"_t = _CONSTEXPR.get({value}.__class__)",
                     f"{element} = ({value}.__class__.__qualname__, {value}) if _t else {slow}",
@@ -205,10 +239,10 @@ class KeyPlan:
                 "    except (KeyError, IndexError, RuntimeError):",
                 f"        {element} = _lean({value})",
                 "else:",
-                f"    {element} = _SCALAR.get({value}.__class__) or {generic}({value}, {param.name!r}, full=False)",
+                f"    {element} = _SCALAR.get({value}.__class__) or {generic}({value}, {name}, full=False)",
             ]
         elements = "".join(f"_k{i}, " for i in range(len(self.parameters)))
-        lines.append(f"key = ({leading}{elements})")
+        lines.append(f"_key = ({leading}{elements})")
         return lines
 
     def full_key(self, *args: object) -> tuple:

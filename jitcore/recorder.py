@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Protocol
 
 import attrs
@@ -30,16 +30,27 @@ _count_lock = threading.Lock()
 class ParamRecord:
     """Where one kernel parameter's value came from.
 
+    Every ``evaluate``-style callable here takes ``scalars``, anything indexable with
+    ``scalars[k]`` giving the value of jit argument ``k`` (a list or tuple of all the
+    arguments, or a dict holding at least the indices it depends on); sizes and strides stay
+    as recorded (replay keys are shape-exact).
+
     kind is one of:
 
     - ``"pointer"``: the data pointer of jit argument ``arg_index`` plus ``byte_offset``
-      (a view's offset); ``read_only`` when the kernel declares it pointer-to-const;
+      (a view's offset, in bytes, as recorded); ``read_only`` when the kernel declares it
+      pointer-to-const. When the offset depends on runtime scalar arguments (``x[pos]`` with
+      ``pos`` a runtime int), ``offset_scalar_args`` lists them (jit argument indices) and
+      ``offset_evaluate(scalars)`` returns the byte offset from the tensor's data pointer for
+      new values of them; otherwise ``offset_scalar_args`` is ``()`` and ``offset_evaluate``
+      None;
     - ``"scalar"``: computed from the runtime scalar arguments ``scalar_args`` (jit argument
-      indices) and sizes fixed for this call state; ``evaluate`` recomputes it from new values
-      of those arguments (a dict ``{arg_index: value}``) and ``encode`` turns a value into the
-      parameter's bytes. ``expression`` is the same computation as Python source, with
-      ``{k}`` standing for jit argument ``k`` (for callers that generate code), and
-      ``convert`` (or None) maps a value to what ``struct`` packs with ``fmt``;
+      indices) and sizes fixed for this call state; ``evaluate(scalars)`` recomputes it and
+      ``encode`` turns a value into the parameter's bytes (raising
+      :class:`~jitcore.backends.abi.ScalarError`, a ValueError, for a value the C type cannot
+      hold unchanged). ``expression`` shows the computation for messages only, with ``{k}``
+      standing for jit argument ``k`` (it is not code: constants appear by their ``repr``),
+      and ``convert`` (or None) maps a value to what ``struct`` packs with ``fmt``;
     - ``"constant"``: fixed for the call state.
     """
 
@@ -53,15 +64,59 @@ class ParamRecord:
     byte_offset: int = 0
     read_only: bool = False
     scalar_args: tuple[int, ...] = ()
-    evaluate: Callable[[dict[int, object]], object] | None = None
+    evaluate: Callable[[Sequence | Mapping], object] | None = None
     encode: Callable[[object], bytes] | None = None
     expression: str | None = None
     convert: Callable[[object], object] | None = None
+    offset_scalar_args: tuple[int, ...] = ()
+    offset_evaluate: Callable[[Sequence | Mapping], int] | None = None
+
+
+#: The launch-configuration values a :class:`ConfigRecord` may describe.
+CONFIG_FIELDS = ("grid_x", "grid_y", "grid_z", "block_x", "block_y", "block_z", "shared")
+
+
+@attrs.frozen
+class ConfigRecord:
+    """A launch-configuration value computed from runtime scalar arguments.
+
+    ``field`` is one of :data:`CONFIG_FIELDS` (``"shared"``: dynamic shared memory bytes);
+    ``scalar_args`` are the jit argument indices it depends on; ``evaluate(scalars)`` returns
+    the int for new values of them (same convention as :class:`ParamRecord`, sizes and
+    strides fixed as recorded); ``expression`` shows it for messages, ``{k}`` standing for
+    jit argument ``k``. Values that depend only on sizes and strides get no record.
+    """
+
+    field: str
+    scalar_args: tuple[int, ...]
+    evaluate: Callable[[Sequence | Mapping], int]
+    expression: str = ""
+
+
+@attrs.frozen
+class CheckRecord:
+    """An index bounds check the call state makes before its launches, computed from
+    runtime scalar arguments (``x[i]`` with ``i`` a runtime int): ``value(scalars)`` and
+    ``size(scalars)`` recompute the index and the size (same convention as
+    :class:`ParamRecord`); the check passes when ``-size <= value < size``. A replay of the
+    launch must fail where the call state would have raised IndexError."""
+
+    scalar_args: tuple[int, ...]
+    value: Callable[[Sequence | Mapping], int]
+    size: Callable[[Sequence | Mapping], int]
+    expression: str = ""
 
 
 @attrs.frozen
 class LaunchRecord:
-    """One kernel launch made by a call state while a recorder was installed."""
+    """One kernel launch made by a call state while a recorder was installed.
+
+    ``launched`` is False for a launch over an empty grid (a grid dimension of 0, e.g.
+    ``cdiv(n, 256)`` with ``n == 0``): nothing reached the driver, but the launch is reported
+    so that a recording sees every launch of the launcher. ``dynamic_config`` holds a
+    :class:`ConfigRecord` for each of grid, block and shared size that depends on runtime
+    scalar arguments.
+    """
 
     jit_function: str
     kernel: str  # the name expression, e.g. "axpy<float>"
@@ -76,6 +131,10 @@ class LaunchRecord:
     args: tuple  # the jit call's arguments as passed (dynamic scalars included)
     stream: int
     check_globals: Callable[[], None] | None = None  # the launcher's drift check (raises on drift)
+    launched: bool = True
+    dynamic_config: tuple[ConfigRecord, ...] = ()
+    #: the call state's index checks that depend on runtime scalars (on every launch record)
+    checks: tuple[CheckRecord, ...] = ()
 
 
 class Recorder(Protocol):
@@ -102,3 +161,64 @@ def recording(recorder: Recorder) -> Iterator[Recorder]:
         with _count_lock:
             ACTIVE[0] -= 1
         _local.recorder = previous
+
+
+class CaptureExclusion:
+    """Keeps stream captures apart from work in other threads that would break them.
+
+    While one thread captures a graph, another thread must not load a module (a jit compile,
+    or the lazy loading of a kernel's first launch, torch's included), synchronize the device
+    or empty torch's allocator cache: the driver answers "operation not permitted when stream
+    is capturing" and the capture is lost. Captures hold this exclusively; work that may do
+    any of those (a jit miss, an eager run of a replay region) holds it shared, so such work
+    runs concurrently with itself but never during another thread's capture. A thread that
+    holds it exclusively may take it shared (a no-op). Jit cache hits take nothing.
+    """
+
+    def __init__(self) -> None:
+        self._condition = threading.Condition(threading.Lock())
+        self._readers = 0
+        self._owner: int | None = None
+        self._depth = 0
+
+    @contextlib.contextmanager
+    def shared(self) -> Iterator[None]:
+        me = threading.get_ident()
+        with self._condition:
+            if self._owner == me:
+                owner = True
+            else:
+                owner = False
+                while self._owner is not None:
+                    self._condition.wait()
+                self._readers += 1
+        try:
+            yield
+        finally:
+            if not owner:
+                with self._condition:
+                    self._readers -= 1
+                    if not self._readers:
+                        self._condition.notify_all()
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        me = threading.get_ident()
+        with self._condition:
+            if self._owner != me:
+                while self._owner is not None or self._readers:
+                    self._condition.wait()
+                self._owner = me
+            self._depth += 1
+        try:
+            yield
+        finally:
+            with self._condition:
+                self._depth -= 1
+                if not self._depth:
+                    self._owner = None
+                    self._condition.notify_all()
+
+
+#: The process's one capture exclusion (see :class:`CaptureExclusion`).
+CAPTURES = CaptureExclusion()

@@ -10,6 +10,8 @@ naming the expression and how to make it static.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from jitcore.errors import SymbolicValueError
 
 _ADVICE = (
@@ -38,10 +40,16 @@ class Sym:
         return cls("leaf", (variable,), is_float, label)
 
     # --- rendering -----------------------------------------------------------------------
-    def source(self) -> str:
-        """Python source computing this value from the generated code's local variables."""
+    def source(self, bind: Callable[[object], str] | None = None) -> str:
+        """Python source computing this value from the generated code's local variables.
+
+        Constants other than plain ``int`` (floats, numpy scalars, ``IntEnum`` members, ...)
+        are never written by their ``repr``: ``bind(value)`` returns the name under which the
+        caller's namespace holds the value. Without ``bind`` such a constant is an error."""
+        if bind is not None:
+            return _render(self, label=False, bind=bind)
         if self._source is None:
-            self._source = _render(self, label=False)
+            self._source = _render(self, label=False, bind=_no_binding)
         return self._source
 
     def describe(self) -> str:
@@ -59,13 +67,18 @@ class Sym:
                 stack.extend(a for a in node.args if isinstance(a, Sym))
         return list(found.values())
 
-    def render_with(self, substitutions: dict[str, str]) -> str:
-        """Source with each leaf variable replaced by the given text (all leaves must be given)."""
-        return _render(self, label=False, substitutions=substitutions)
+    def render_with(self, substitutions: dict[str, str], bind: Callable[[object], str] | None = None) -> str:
+        """Source with each leaf variable replaced by the given text (all leaves must be given).
+        With ``bind``, constants are bound as in :meth:`source`; without it they are shown by
+        their ``repr`` (text for messages, not for code)."""
+        if bind is None:
+            return _render(self, label=True, substitutions=substitutions)
+        return _render(self, label=False, substitutions=substitutions, bind=bind)
 
     def evaluate(self, values: dict[str, object]) -> object:
         """Evaluate with ``values`` mapping leaf variables to concrete values."""
-        return eval(self.source(), {"__builtins__": {"min": min, "max": max}}, dict(values))
+        namespace: dict[str, object] = {"__builtins__": {"min": min, "max": max}}
+        return eval(self.source(Binder(namespace).bind), namespace, dict(values))
 
     def __repr__(self) -> str:
         return f"Sym({self.describe()})"
@@ -208,20 +221,72 @@ def maximum(*values):
     return Sym("max", tuple(values), any(getattr(v, "is_float", isinstance(v, float)) for v in values))
 
 
-def _render(node: object, *, label: bool, substitutions: dict[str, str] | None = None) -> str:
-    if not isinstance(node, Sym):
+class Binder:
+    """Binds values into a generated function's namespace under fresh names (``_k0``, ...),
+    so that generated source refers to them by name, never by their ``repr``."""
+
+    def __init__(self, namespace: dict[str, object], prefix: str = "_k"):
+        self.namespace = namespace
+        self.prefix = prefix
+        self._count = 0
+        self._names: dict[int, str] = {}  # id -> name (the namespace keeps the value, so the id stays its)
+
+    def bind(self, value: object) -> str:
+        name = self._names.get(id(value))
+        if name is not None and self.namespace.get(name) is value:
+            return name
+        name = self._new_name(value)
+        self._names[id(value)] = name
+        return name
+
+    def _new_name(self, value: object) -> str:
+        while True:
+            name = f"{self.prefix}{self._count}"
+            self._count += 1
+            if name not in self.namespace:
+                self.namespace[name] = value
+                return name
+
+
+def _no_binding(value: object) -> str:
+    raise ValueError(f"the constant {value!r} ({type(value).__qualname__}) needs a namespace to be bound into")
+
+
+def _constant(node: object, bind: Callable[[object], str] | None) -> str:
+    """A constant in source: exact ints as literals (their repr is Python source), anything
+    else (bool, IntEnum, float, numpy scalars) through ``bind``; ``repr`` only for messages."""
+    if type(node) is int or bind is None:
         return repr(node)
+    return bind(node)
+
+
+def _render(
+    node: object,
+    *,
+    label: bool,
+    substitutions: dict[str, str] | None = None,
+    bind: Callable[[object], str] | None = None,
+) -> str:
+    if not isinstance(node, Sym):
+        return _constant(node, None if label else bind)
     if node.op == "leaf":
         if substitutions is not None:
             return substitutions[node.args[0]]
         return (node.label or node.args[0]) if label else node.args[0]
-    parts = [_render(a, label=label, substitutions=substitutions) for a in node.args]
+    parts = [_render(a, label=label, substitutions=substitutions, bind=bind) for a in node.args]
     if node.op == "neg":
         return f"(-{parts[0]})"
     if node.op == "cdiv":
         return f"cdiv({parts[0]}, {parts[1]})" if label else f"(-(-{parts[0]} // {parts[1]}))"
     if node.op in ("min", "max"):
         return f"{node.op}({', '.join(parts)})"
+    if node.op in ("slice_index", "wrap_index"):  # see slice_index() and wrap_index() below
+        value, size = parts
+        if label:
+            return f"{node.op}({value}, {size})"
+        if node.op == "slice_index":
+            return f"(min({value}, {size}) if {value} >= 0 else max({value} + {size}, 0))"
+        return f"({value} + {size} if {value} < 0 else {value})"
     return f"({parts[0]} {node.op} {parts[1]})"
 
 
@@ -229,6 +294,31 @@ def is_static(value: object) -> bool:
     return not isinstance(value, Sym)
 
 
-def render(value: object) -> str:
-    """Source of a value that may be symbolic or a plain Python number."""
-    return value.source() if isinstance(value, Sym) else repr(value)
+def render(value: object, bind: Callable[[object], str] | None = None) -> str:
+    """Source of a value that may be symbolic or a constant (bound as in :meth:`Sym.source`)."""
+    if isinstance(value, Sym):
+        return value.source(bind)
+    return _constant(value, bind or _no_binding)
+
+
+def slice_index(value, size):
+    """A slice bound normalized the way Python's ``slice.indices`` (and torch) does for a
+    positive step: a negative bound counts from the end, then the result is clamped to
+    ``[0, size]``. Symbolic when either is (the call state computes it on every call, since a
+    runtime bound's sign is only known then); ``size`` must be >= 0."""
+    if not _is_symbolic(value):  # the sign is known: plain min/max read better
+        return minimum(value, size) if value >= 0 else maximum(size - -value, 0)
+    _check_operand(value, "slice_index")
+    _check_operand(size, "slice_index")
+    return Sym("slice_index", (value, size))
+
+
+def wrap_index(value, size):
+    """An integer index with a negative value counted from the end (``value + size`` if
+    ``value < 0``), as torch's select does after its bounds check; the caller checks
+    ``-size <= value < size`` separately (see jitcore.tracing.IndexCheck)."""
+    if not _is_symbolic(value):
+        return size - -value if value < 0 else value
+    _check_operand(value, "wrap_index")
+    _check_operand(size, "wrap_index")
+    return Sym("wrap_index", (value, size))

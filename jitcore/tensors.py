@@ -25,7 +25,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from jitcore import dlpack, dtypes
-from jitcore.errors import LayoutError, UnsupportedTensorError
+from jitcore.errors import ArgumentError, LayoutError, UnsupportedTensorError
 
 DYNAMIC = "?"
 
@@ -249,6 +249,7 @@ class TensorAdaptor:
         "_stride_marks",
         "_leading_dim",
         "_signature",
+        "_live",
     )
 
     def __init__(self, tensor: object, *, static: bool = False, assumed_align: int | None = None):
@@ -298,6 +299,9 @@ class TensorAdaptor:
         self._stride_marks: list[int | None] = [None] * ndim
         self._leading_dim: int | None = None
         self._signature: Signature | None = None
+        # A torch source can change under the adaptor (resize_, set_, .data = ...): the
+        # adaptor is a snapshot, so it re-checks the tensor whenever it is used (see _stale).
+        self._live = tensor if isinstance(tensor, torch.Tensor) else None
         if not static:
             unit = last_unit_axis(strides)
             if unit < 0 and ndim:
@@ -311,7 +315,33 @@ class TensorAdaptor:
 
     # torch-like accessors: call states read adaptors and raw tensors with the same code.
     def data_ptr(self) -> int:
+        live = self._live
+        if live is not None and live.data_ptr() != self.data:
+            self._stale()
         return self.data
+
+    def check_fresh(self) -> None:
+        """Raise if the torch tensor behind this adaptor no longer has the data pointer, shape
+        and strides the adaptor recorded (it was resized or re-pointed in place)."""
+        live = self._live
+        if live is not None and (
+            live.data_ptr() != self.data or live.shape != self.shape or live.stride() != self.strides
+        ):
+            self._stale()
+
+    def _stale(self) -> None:
+        """Refuse a stale snapshot. After ``t.resize_(...)`` the old storage may be freed, so
+        launching with the recorded pointer and shape would read freed memory; refreshing in
+        place would change a signature the caller may have marked, so the caller rewraps."""
+        live = self._live
+        now = (live.data_ptr(), tuple(live.shape), tuple(live.stride()))
+        raise ArgumentError(
+            f"stale jitcore.from_dlpack adaptor {self!r}: its torch tensor changed in place after "
+            f"it was wrapped (resize_, set_ or .data =): the adaptor recorded data pointer "
+            f"{self.data:#x}, shape {self.shape} and strides {self.strides}, the tensor now has "
+            f"{now[0]:#x}, {now[1]} and {now[2]}. Call jitcore.from_dlpack(t) again after "
+            "changing the tensor (and re-apply any mark_* calls)"
+        )
 
     def stride(self, dim: int | None = None):
         return self.strides if dim is None else self.strides[dim]
@@ -405,6 +435,11 @@ class TensorAdaptor:
         return -1
 
     def __cache_signature__(self) -> Signature:
+        if self._live is not None:
+            self.check_fresh()
+        return self._recorded_signature()
+
+    def _recorded_signature(self) -> Signature:
         signature = self._signature
         if signature is None:
             shape = tuple(
@@ -421,7 +456,7 @@ class TensorAdaptor:
         return signature
 
     def __repr__(self) -> str:
-        return f"TensorAdaptor({self.__cache_signature__()})"
+        return f"TensorAdaptor({self._recorded_signature()})"
 
 
 def _framework_strides(obj: object, view: dlpack.DLPackView, dtype: dtypes.DType) -> tuple[int, ...]:

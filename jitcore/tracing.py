@@ -8,6 +8,7 @@ block](...)`` it makes is checked against the kernel's parameter list and record
 
 from __future__ import annotations
 
+import operator
 import threading
 from collections.abc import Sequence
 
@@ -32,11 +33,12 @@ def current_trace() -> Trace | None:
 class Leaf:
     """How generated code reads one symbolic leaf from the raw arguments."""
 
-    variable: str
+    variable: str  # the generated code's local: ``_a{arg_index}`` plus a suffix, never a user name
     arg_index: int
     arg_name: str
     kind: str  # "size", "stride", "numel", "scalar"
     dim: int = -1
+    value_type: type | None = None  # scalars: the Python type of the argument traced with
 
 
 @attrs.define
@@ -60,6 +62,55 @@ class TraceLaunch:
     sources: list[ParamSource]
 
 
+@attrs.define
+class IndexCheck:
+    """An integer index that only the call state can bounds-check.
+
+    Fields:
+
+    - ``value``: the index as the launcher wrote it (int or :class:`Sym`), before a negative
+      value is counted from the end;
+    - ``size``: the size of the indexed dimension at that point (int or :class:`Sym`);
+    - ``dim``: the dimension torch's message names (the position of the index in the
+      subscript, as torch counts it);
+    - ``message``: torch's IndexError text as a ``str.format`` template with ``{value}`` and
+      ``{size}`` (see :meth:`format`).
+
+    The requirement is ``-size <= value < size`` when the call state runs; torch raises
+    IndexError otherwise, and so must generated code, before any launch (a violating index
+    would give the kernel a pointer outside the tensor). ``value`` and ``size`` are
+    symbolic when they depend on runtime scalars or dynamic sizes, so :meth:`violated`
+    takes the concrete leaf values (the same mapping :meth:`Sym.evaluate` takes, e.g. from
+    ``jitcore.codegen.leaf_values``).
+    """
+
+    value: object
+    size: object
+    dim: int
+    message: str
+
+    def expressions(self) -> tuple[object, object]:
+        """(value, size): the expressions whose leaves generated code must read."""
+        return self.value, self.size
+
+    def concrete(self, values: dict[str, object]) -> tuple[object, object]:
+        value = self.value.evaluate(values) if isinstance(self.value, Sym) else self.value
+        size = self.size.evaluate(values) if isinstance(self.size, Sym) else self.size
+        return value, size
+
+    def violated(self, values: dict[str, object]) -> bool:
+        """True when these leaf values put the index out of bounds (torch would raise)."""
+        value, size = self.concrete(values)
+        return not -size <= value < size
+
+    def format(self, value: object, size: object) -> str:
+        return self.message.format(value=value, size=size)
+
+    def error(self, values: dict[str, object]) -> IndexError:
+        """The IndexError torch raises for these values (call only when violated)."""
+        return IndexError(self.format(*self.concrete(values)))
+
+
 class Trace:
     """What one run of a launcher did, plus what generated code must read to redo it."""
 
@@ -74,6 +125,8 @@ class Trace:
         self.loader = loader  # callable(specialization) -> LoadedFunction on self.device
         self.leaves: dict[str, Leaf] = {}
         self.launches: list[TraceLaunch] = []
+        # Integer indexes the call state must bounds-check before launching (see IndexCheck).
+        self.runtime_checks: list[IndexCheck] = []
 
     def __enter__(self) -> Trace:
         if current_trace() is not None:
@@ -84,13 +137,19 @@ class Trace:
     def __exit__(self, *exc) -> None:
         _local.trace = None
 
-    def leaf(self, arg_index: int, kind: str, dim: int = -1, *, is_float: bool = False) -> Sym:
+    def leaf(
+        self, arg_index: int, kind: str, dim: int = -1, *, is_float: bool = False, value_type: type | None = None
+    ) -> Sym:
+        """The symbolic value of one runtime quantity of jit argument ``arg_index``. Generated
+        code reads it into a mangled local (``_a0`` for a scalar, ``_a0_size1``, ...), so
+        the user's parameter names never become identifiers; labels keep them for messages."""
         name = self.param_names[arg_index]
+        mangled = f"_a{arg_index}"
         variable = {
-            "size": f"{name}_size{dim}",
-            "stride": f"{name}_stride{dim}",
-            "numel": f"{name}_numel",
-            "scalar": name,
+            "size": f"{mangled}_size{dim}",
+            "stride": f"{mangled}_stride{dim}",
+            "numel": f"{mangled}_numel",
+            "scalar": mangled,
         }[kind]
         label = {
             "size": f"{name}.shape[{dim}]",
@@ -98,7 +157,7 @@ class Trace:
             "numel": f"{name}.numel()",
             "scalar": name,
         }[kind]
-        self.leaves.setdefault(variable, Leaf(variable, arg_index, name, kind, dim))
+        self.leaves.setdefault(variable, Leaf(variable, arg_index, name, kind, dim, value_type))
         return Sym.leaf(variable, label, is_float=is_float)
 
     # --- launches ------------------------------------------------------------------------
@@ -115,12 +174,14 @@ class Trace:
             raise LaunchConfigError(f"{label}: shared memory must be an int number of bytes, got {shared!r}")
         if isinstance(shared, Sym) and shared.is_float:
             raise LaunchConfigError(f"{label}: shared memory size {shared.describe()} is not an integer")
+        if isinstance(shared, int):
+            shared = operator.index(shared)  # an IntEnum member or other int subclass: its plain int
         function = self.loader(kernel)
         check_static_config(label, grid3, block3, shared, self.limits, function)
         self.launches.append(TraceLaunch(kernel, function, grid3, block3, shared, sources))
 
     def _source(self, kernel, index: int, param: abi.ParamType, value: object) -> ParamSource:
-        where = f"argument {index} ({param.describe()}) of {kernel.name_expression}"
+        where = f"{self.owner}: argument {index} ({param.describe()}) of {kernel.name_expression}"
         if isinstance(value, TracedTensor):
             if not param.is_pointer:
                 raise ArgumentError(f"{where}: got a tensor for a parameter passed by value")
@@ -145,14 +206,30 @@ class Trace:
                 raise ArgumentError(f"{where}: expects a tensor, got the value {value.describe()}")
             if value.is_float and param.kind in ("int", "uint", "bool"):
                 raise ArgumentError(f"{where}: {value.describe()} is a float; the parameter is an integer")
+            if param.kind == "bool":
+                leaf = self.leaves.get(value.args[0]) if value.op == "leaf" else None
+                if leaf is None or leaf.kind != "scalar" or leaf.value_type not in (bool, np.bool_):
+                    raise ArgumentError(
+                        f"{where}: a bool parameter takes a bool launcher argument, got {value.describe()} "
+                        "(pass a bool, or compare in the kernel)"
+                    )
             return ParamSource("value", value=value)
         if param.is_pointer:
             raise ArgumentError(f"{where}: expects a tensor, got {type(value).__qualname__}")
-        if not abi.accepts_scalar(param, value):
-            raise ArgumentError(f"{where}: cannot take a {type(value).__qualname__} ({value!r}) without a lossy cast")
+        try:
+            abi.scalar_value(param, value)
+        except abi.ScalarError as exc:
+            raise ArgumentError(
+                f"{where}: cannot take the {type(value).__qualname__} {value!r} without a lossy cast: {exc}"
+            ) from None
         if isinstance(value, np.generic):
             value = value.item()
         return ParamSource("constant", value=value)
+
+
+def is_empty_grid(grid: tuple) -> bool:
+    """Whether a grid has a static dimension of 0 (a launch over no work, which is skipped)."""
+    return any(symbolic.is_static(size) and size == 0 for size in grid)
 
 
 def _dims(value: object, what: str, label: str) -> tuple:
@@ -162,16 +239,23 @@ def _dims(value: object, what: str, label: str) -> tuple:
     for dim in dims:
         if isinstance(dim, bool) or not isinstance(dim, (int, Sym)) or (isinstance(dim, Sym) and dim.is_float):
             raise LaunchConfigError(f"{label}: {what} dimensions must be ints, got {value!r}")
-    return tuple(dims) + (1,) * (3 - len(dims))
+    # int subclasses (IntEnum members) become plain ints: generated code writes ints as literals
+    dims = tuple(operator.index(d) if isinstance(d, int) else d for d in dims)
+    return dims + (1,) * (3 - len(dims))
 
 
 def check_static_config(
     label: str, grid: tuple, block: tuple, shared: object, limits: DeviceLimits, function: LoadedFunction
 ) -> None:
-    """Check every static part of a launch configuration against the device's limits."""
+    """Check every static part of a launch configuration against the device's limits.
+
+    A grid dimension of 0 is allowed: the launch covers no work and is skipped (see
+    :func:`is_empty_grid`); negative sizes, empty blocks and sizes beyond the device are not."""
     for axis, (size, limit) in enumerate(zip(grid, limits.max_grid)):
-        if symbolic.is_static(size) and not 0 < size <= limit:
-            raise LaunchConfigError(f"{label}: grid dimension {'xyz'[axis]} is {size}; it must be in 1..{limit}")
+        if symbolic.is_static(size) and not 0 <= size <= limit:
+            raise LaunchConfigError(
+                f"{label}: grid dimension {'xyz'[axis]} is {size}; it must be in 0..{limit} (0 launches nothing)"
+            )
     for axis, (size, limit) in enumerate(zip(block, limits.max_block)):
         if symbolic.is_static(size) and not 0 < size <= limit:
             raise LaunchConfigError(f"{label}: block dimension {'xyz'[axis]} is {size}; it must be in 1..{limit}")
@@ -189,17 +273,84 @@ def check_static_config(
             )
 
 
-def _normalize_index(index: object, ndim: int) -> list:
-    items = list(index) if isinstance(index, tuple) else [index]
-    if sum(1 for i in items if i is Ellipsis) > 1:
-        raise IndexError("an index can only have a single ellipsis")
-    if Ellipsis in items:
-        at = items.index(Ellipsis)
-        fill = ndim - (len(items) - 1)
-        items[at : at + 1] = [slice(None)] * fill
-    if len(items) > ndim:
-        raise IndexError(f"too many indices for a {ndim}-d tensor")
-    return items + [slice(None)] * (ndim - len(items))
+_OUT_OF_BOUNDS = "index {value} is out of bounds for dimension {dim} with size {size}"
+_ZERO_DIM_INT = (
+    "invalid index of a 0-dim tensor. Use `tensor.item()` in Python or `tensor.item<T>()` in "
+    "C++ to convert a 0-dim tensor to a number"
+)
+_INDEX_KINDS = (
+    "only integers, slices (`:`), ellipsis (`...`), None and long or byte Variables are valid indices (got {type})"
+)
+_ADVANCED = (
+    "{what} as an index inside a launcher: torch's advanced indexing (tensors, lists, bools) "
+    "copies the data, so there is no view to pass to a kernel. A launcher takes ints, slices "
+    "with a positive step, None and one Ellipsis; index the tensor outside the launcher"
+)
+
+
+def _index_kind(item: object) -> tuple[str, object]:
+    """Classify one subscript item as torch does: ("int" | "slice" | "none" | "ellipsis",
+    the item with ints made exact), or refuse it."""
+    if item is None:
+        return "none", None
+    if item is Ellipsis:
+        return "ellipsis", item
+    if isinstance(item, slice):
+        return "slice", item
+    if isinstance(item, bool) or isinstance(item, np.bool_):
+        raise ArgumentError(_ADVANCED.format(what=f"the bool {item!r}"))
+    if isinstance(item, Sym):
+        if item.is_float:
+            raise IndexError(_INDEX_KINDS.format(type=f"float: {item.describe()}"))
+        return "int", item
+    if isinstance(item, (torch.Tensor, TracedTensor, list, tuple, np.ndarray)):
+        raise ArgumentError(_ADVANCED.format(what=f"a {type(item).__qualname__}"))
+    if isinstance(item, int) or hasattr(type(item), "__index__"):
+        value = operator.index(item)
+        if not -(2**63) <= value < 2**63:
+            raise ValueError("Overflow when unpacking long long")
+        return "int", value
+    raise IndexError(_INDEX_KINDS.format(type=type(item).__qualname__))
+
+
+_SLICE_TYPES = "slice indices must be integers or None or have an __index__ method"
+
+
+def _slice_bound(value: object) -> object:
+    if value is None:
+        return None
+    if isinstance(value, Sym):
+        if value.is_float:
+            raise TypeError(f"{_SLICE_TYPES} (got the float {value.describe()})")
+        return value
+    if isinstance(value, int) or hasattr(type(value), "__index__"):
+        return operator.index(value)
+    raise TypeError(_SLICE_TYPES)
+
+
+def _slice_step(value: object) -> int:
+    if value is None:
+        return 1
+    if isinstance(value, Sym):
+        raise ArgumentError(
+            f"slice step {value.describe()} is a runtime value; a launcher's slice steps must be "
+            "static ints (pass the step as a jitcore.Constexpr[int] parameter)"
+        )
+    step = _slice_bound(value)
+    if step == 0:
+        raise ValueError("slice step cannot be zero")
+    if step < 0:
+        raise ValueError("step must be greater than zero")  # torch has no negative strides
+    return step
+
+
+def _slice_length(start: object, stop: object, step: int, given: tuple[bool, bool]) -> object:
+    """Elements in ``[start, stop)`` by ``step``, both already normalized into [0, size]."""
+    span = stop - start
+    length = span if step == 1 else symbolic.cdiv(span, step)
+    if all(given):  # only two given bounds can cross; a default one never does
+        length = symbolic.maximum(length, 0)
+    return length
 
 
 class TracedTensor:
@@ -281,33 +432,55 @@ class TracedTensor:
         )
 
     def __getitem__(self, index: object) -> TracedTensor:
-        items = _normalize_index(index, self.ndim)
-        offset, shape, strides = self.offset, [], []
-        for dim, item in enumerate(items):
-            size, stride = self.shape[dim], self._strides[dim]
-            if isinstance(item, slice):
-                step = 1 if item.step is None else item.step
-                if isinstance(step, bool) or not isinstance(step, int) or step <= 0:
-                    raise IndexError(f"slice step must be a positive int, got {item.step!r}")
-                if symbolic.is_static(size) and all(symbolic.is_static(v) for v in (item.start, item.stop)):
-                    start, stop, _ = slice(item.start, item.stop, step).indices(size)
-                    length = max(0, -(-(stop - start) // step))
-                else:
-                    # Python clamps slice bounds to the size; so does the symbolic view.
-                    start = 0 if item.start is None else symbolic.minimum(_bound(item.start, size, 0), size)
-                    stop = size if item.stop is None else symbolic.minimum(_bound(item.stop, size, size), size)
-                    length = symbolic.cdiv(stop - start, step) if step > 1 else stop - start
-                    if item.start is not None and item.stop is not None:
-                        length = symbolic.maximum(length, 0)
-                offset = offset + start * stride
-                shape.append(length)
-                strides.append(stride * step)
-            elif isinstance(item, (int, Sym)) and not isinstance(item, bool):
-                if isinstance(item, int) and item < 0:
-                    item = size + item
-                offset = offset + item * stride
+        """A view, with exactly torch's semantics for basic indexing.
+
+        Mirrors torch's ``applySlicing``: items apply left to right to the view built so far;
+        an int selects (negative counts from the end, out of range raises torch's IndexError),
+        a slice keeps a dimension with Python's bound normalization (negative bounds count from
+        the end, then clamp to the size), None inserts a size-1 dimension and the one Ellipsis
+        stands for the unspecified dimensions. Where a bound, an index or a size is only known
+        at call time, the normalization is a symbolic expression (so each call computes it)
+        and an int index adds an :class:`IndexCheck` to ``trace.runtime_checks``. Refused:
+        slice steps below 1 (torch has no negative strides), runtime steps, more than one
+        Ellipsis (torch's multi-ellipsis results are inconsistent) and advanced indexing.
+        """
+        single = not isinstance(index, tuple)
+        items = [_index_kind(item) for item in ([index] if single else index)]
+        if sum(1 for kind, _ in items if kind == "ellipsis") > 1:
+            raise IndexError("an index can only have a single ellipsis ('...') inside a launcher")
+        ndim = self.ndim
+        specified = sum(1 for kind, _ in items if kind in ("int", "slice"))
+        if single and ndim == 0 and items[0][0] in ("int", "slice"):
+            kind, value = items[0]
+            if kind == "slice":
+                raise IndexError("slice() cannot be applied to a 0-dim tensor.")
+            if isinstance(value, int) and value != 0:
+                raise IndexError(_OUT_OF_BOUNDS.format(value=value, dim=0, size=0))
+            raise IndexError(_ZERO_DIM_INT)  # every int fails on a 0-d tensor
+        if specified > ndim:
+            raise IndexError(f"too many indices for tensor of dimension {ndim}")
+        offset = self.offset
+        shape, strides = list(self.shape), list(self._strides)
+        dim = 0
+        for position, (kind, item) in enumerate(items):
+            if kind == "ellipsis":
+                dim += ndim - specified
+            elif kind == "none":
+                # torch's unsqueeze: the new stride is size * stride of the dimension it lands
+                # before (1 past the end); it only matters to a kernel that reads it.
+                stride = shape[dim] * strides[dim] if dim < len(shape) else 1
+                shape.insert(dim, 1)
+                strides.insert(dim, stride)
+                dim += 1
+            elif kind == "int":
+                offset = offset + self._select(item, shape[dim], position) * strides[dim]
+                del shape[dim], strides[dim]
             else:
-                raise IndexError(f"unsupported index {item!r} in a launcher (ints and slices only)")
+                start, length, step = _slice_view(item, shape[dim])
+                offset = offset + start * strides[dim]
+                shape[dim] = length
+                strides[dim] = strides[dim] * step
+                dim += 1
         return TracedTensor(
             self.trace,
             self.arg_index,
@@ -318,6 +491,21 @@ class TracedTensor:
             offset=offset,
             is_view=True,
         )
+
+    def _select(self, value: object, size: object, position: int) -> object:
+        """The element index an int selects, checked now when static, else at call time."""
+        message = _OUT_OF_BOUNDS.replace("{dim}", str(position))
+        if symbolic.is_static(value) and symbolic.is_static(size):
+            if -size <= value < size:
+                return value + size if value < 0 else value
+            if not self.trace.runtime_checks:
+                raise IndexError(message.format(value=value, size=size))
+            # An earlier index is checked at call time, and torch reports the first bad index:
+            # this one fails on every call, after those (the 0 below is never launched).
+            self.trace.runtime_checks.append(IndexCheck(value, size, position, message))
+            return 0
+        self.trace.runtime_checks.append(IndexCheck(value, size, position, message))
+        return symbolic.wrap_index(value, size)
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -334,11 +522,17 @@ class TracedTensor:
         return f"TracedTensor({self.arg_name}: {self.jdtype.name}[{shape}] on {self.device})"
 
 
-def _bound(value: object, size: object, default: object) -> object:
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, Sym)):
-        raise IndexError(f"slice bounds must be ints, got {value!r}")
-    if isinstance(value, int) and value < 0:
-        return size + value
-    return value
+def _slice_view(item: slice, size: object) -> tuple[object, object, int]:
+    """(start element, length, step) of ``item`` over a dimension of ``size``, exactly as
+    Python's ``slice.indices`` (which torch follows) for a positive step."""
+    start, stop, step = _slice_bound(item.start), _slice_bound(item.stop), _slice_step(item.step)
+    if all(symbolic.is_static(v) for v in (start, stop, size)):
+        first, last, _ = slice(start, stop, step).indices(size)
+        return first, max(0, -(-(last - first) // step)), step
+    first = 0 if start is None or _is_zero(start) else symbolic.slice_index(start, size)
+    last = size if stop is None else symbolic.slice_index(stop, size)
+    return first, _slice_length(first, last, step, (start is not None, stop is not None)), step
+
+
+def _is_zero(value: object) -> bool:
+    return symbolic.is_static(value) and value == 0

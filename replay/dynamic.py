@@ -11,6 +11,8 @@ recording; the key then runs eagerly, with a warning that names the use.
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from replay.errors import DynamicScalarError
@@ -48,15 +50,28 @@ _ADVICE = (
 )
 
 
+_constant_names = itertools.count()
+
+
 class DynamicScalar:
-    """What a region sees in place of a dynamic argument while it is being recorded."""
+    """What a region sees in place of a dynamic argument while it is being recorded.
 
-    __slots__ = ("name", "source", "value")
+    ``source`` is Python source over the dynamic leaves (``_d2``) and named constants
+    (``_k7``): a constant never enters the source by its repr (``inf``, ``nan``, numpy
+    scalars and enum members have none that evaluates back to them); it is bound under its
+    name in ``constants``, which whoever evaluates the source puts in the namespace."""
 
-    def __init__(self, source: str, value: object, name: str):
-        self.source = source  # Python source over the dynamic leaves, e.g. "(_d2 + 1)"
+    __slots__ = ("constants", "name", "source", "value")
+
+    def __init__(self, source: str, value: object, name: str, constants: dict | None = None):
+        self.source = source  # e.g. "(_d2 + _k0)"
         self.value = value
         self.name = name  # for messages: the argument path, or the expression
+        self.constants: dict[str, object] = constants or {}
+
+    def evaluate(self, dynamic_values: dict[str, object]) -> object:
+        """This expression for other values of the dynamic leaves (``{"_d2": 5}``)."""
+        return eval(self.source, {"__builtins__": {}}, {**self.constants, **dynamic_values})
 
     def __jit_scalar__(self) -> object:
         return self.value
@@ -109,16 +124,19 @@ class DynamicScalar:
 
     # --- arithmetic builds expressions ---------------------------------------------------
     def _binary(self, op: str, other: object, reflected: bool):
+        constants = dict(self.constants)
         if isinstance(other, DynamicScalar):
             other_source, other_value = other.source, other.value
+            constants.update(other.constants)
         elif isinstance(other, _NUMBERS):
-            other_source, other_value = repr(other.item() if isinstance(other, np.generic) else other), other
+            other_source, other_value = f"_k{next(_constant_names)}", other
+            constants[other_source] = other
         else:
             return NotImplemented
         left, right = (other_source, self.source) if reflected else (self.source, other_source)
         lv, rv = (other_value, self.value) if reflected else (self.value, other_value)
         value = _OPS[op](lv, rv)
-        return DynamicScalar(f"({left} {op} {right})", value, f"({self.name} {op} ...)")
+        return DynamicScalar(f"({left} {op} {right})", value, f"({self.name} {op} ...)", constants)
 
     def __add__(self, o):
         return self._binary("+", o, False)
@@ -157,7 +175,7 @@ class DynamicScalar:
         return self._binary("%", o, True)
 
     def __neg__(self):
-        return DynamicScalar(f"(-{self.source})", -self.value, f"(-{self.name})")
+        return DynamicScalar(f"(-{self.source})", -self.value, f"(-{self.name})", self.constants)
 
     def __pos__(self):
         return self

@@ -1,19 +1,34 @@
 """A recorded graph and its generated replay function.
 
 Replaying is straight-line Python generated per graph (print it with ``REPLAY_DUMP=1`` or
-``Session.dump()``): read the data pointer of each rebound input, and when it differs from
-the last replay write ``pointer + delta`` into every kernel-node parameter bound to it;
-recompute parameters that depend on dynamic scalars and write those that changed; push each
-dirty node to the graph exec with the driver's node update; launch the graph once on the
-current stream; return the outputs in the region's structure. Nothing else runs per call.
+``Session.dump()``). It runs in two phases:
+
+1. Check and compute, changing nothing: the region's globals, the torch modes, how the tensor
+   arguments overlap (it must be the pattern the graph was recorded for), the new pointers and
+   the parameters and grid sizes computed from dynamic scalars (packed to their exact bytes).
+   Anything this graph cannot serve exactly (another aliasing pattern, a value that does not
+   fit its C type, a grid beyond the device, a pointer leaving its input) returns
+   :data:`MISMATCH` and the caller runs the call eagerly, which gives the exact result or
+   the exact error.
+2. Patch and launch: write what changed into the kernel nodes' parameter buffers, push each
+   dirty node to the graph exec (disabling a node whose grid became 0), remember what the
+   nodes now hold, launch the graph once on the current stream, and build the outputs in the
+   region's structure (a fresh container every call).
+
+"What the nodes hold" changes only after the driver took the update, and an exception while
+patching restores every buffer to what its node holds, so an interrupted replay never
+leaves a half-patched graph behind. Graphs whose region draws random numbers are launched
+through torch's own ``CUDAGraph.replay()``, which advances the generators' offsets first.
 """
 
 from __future__ import annotations
 
+import itertools
+import linecache
 import os
 import re
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -28,17 +43,44 @@ def dump_enabled() -> bool:
     return os.environ.get("REPLAY_DUMP", "").strip() not in ("", "0")
 
 
+class _Mismatch:
+    """Returned by a replay function for a call its graph cannot serve exactly."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "MISMATCH"
+
+
+MISMATCH = _Mismatch()
+
+_sources = itertools.count()
+
+
+def compile_function(source: str, name: str, filename: str, namespace: dict) -> Callable:
+    """Compile generated source into ``namespace`` and register it with ``linecache`` so
+    tracebacks and pdb show its lines."""
+    filename = f"<{filename} #{next(_sources)}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    exec(compile(source, filename, "exec"), namespace)
+    function = namespace[name]
+    function.source = source
+    return function
+
+
 def guard_outputs(value: object, owner) -> object:
     """Hand out tensors that raise once ``owner`` (an entry) has been replayed again."""
-    spec, leaves, _ = keys.flatten((value,), {})
-    wrapped = []
-    for leaf in leaves:
-        if isinstance(leaf, torch.Tensor):
-            leaf = leaf.as_subclass(StaleGuardTensor)
-            leaf._replay_owner = owner
-            leaf._replay_generation = owner.generation
-        wrapped.append(leaf)
-    return keys.unflatten(spec, wrapped)[0][0]
+    spec, leaves, _ = keys.flatten((value,), {}, walk_dataclasses=True)
+    return keys.unflatten(spec, [_stale_guard(leaf, owner) for leaf in leaves])[0][0]
+
+
+def _stale_guard(leaf: object, owner) -> object:
+    if not isinstance(leaf, torch.Tensor):
+        return leaf
+    leaf = leaf.as_subclass(StaleGuardTensor)
+    leaf._replay_owner = owner
+    leaf._replay_generation = owner.generation
+    return leaf
 
 
 class StaleGuardTensor(torch.Tensor):
@@ -66,15 +108,80 @@ def _bitwise_equal(a: object, b: object) -> bool:
         if a.shape != b.shape or a.dtype != b.dtype:
             return False
         return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
-    return a == b
+    if isinstance(a, float) and isinstance(b, float):
+        return keys.float_bits(a) == keys.float_bits(b)
+    return type(a) is type(b) and a == b
 
 
-def storage_clone(tensor: torch.Tensor) -> torch.Tensor:
-    """An independent copy with the very same layout (strides, offset, overlaps)."""
-    storage = tensor.untyped_storage().clone()
-    copy = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
-    copy.set_(storage, tensor.storage_offset(), tensor.shape, tensor.stride())
-    return copy
+def clone_preserving_sharing(leaves: Sequence) -> list:
+    """Independent copies of the tensor leaves that share memory exactly as the originals do:
+    one copy per storage, every leaf rebuilt on it with its own offset, shape and strides (so
+    the same tensor passed twice, or overlapping views, stay aliased in the copy)."""
+    copies: dict[int, torch.UntypedStorage] = {}
+    result = []
+    for leaf in leaves:
+        if not isinstance(leaf, torch.Tensor):
+            result.append(leaf)
+            continue
+        storage = leaf.untyped_storage()
+        key = storage.data_ptr() if storage.nbytes() else id(leaf)
+        copy_storage = copies.get(key)
+        if copy_storage is None:
+            copy_storage = copies[key] = storage.clone()
+        copy = torch.empty(0, dtype=leaf.dtype, device=leaf.device)
+        copy.set_(copy_storage, leaf.storage_offset(), leaf.shape, leaf.stride())
+        result.append(copy)
+    return result
+
+
+class _NodeState:
+    """What a kernel node of the graph exec holds now: its parameter bytes and launch
+    dimensions, restored into the updater's buffers when a replay is interrupted."""
+
+    __slots__ = ("updater", "held", "dimensions")
+
+    def __init__(self, updater) -> None:
+        self.updater = updater
+        self.held = bytes(updater.params.buffer)
+        self.dimensions = updater.dimensions() if hasattr(updater, "dimensions") else ()
+
+    def commit(self) -> None:
+        self.held = bytes(self.updater.params.buffer)
+        if self.dimensions:
+            self.dimensions = self.updater.dimensions()
+
+    def rollback(self) -> None:
+        buffer = self.updater.params.buffer
+        buffer[: len(self.held)] = self.held
+        for field, value in zip(self.updater.DIMENSIONS, self.dimensions):
+            self.updater.set_dimension(field, value)
+
+
+class _Source:
+    """Lines of generated Python with their indentation, and values bound by name."""
+
+    def __init__(self, namespace: dict) -> None:
+        self.lines: list[str] = []
+        self.namespace = namespace
+        self._names = itertools.count()
+        self._bound: dict[int, str] = {}
+
+    def line(self, text: str, depth: int = 1) -> None:
+        self.lines.append("    " * depth + text)
+
+    def bind(self, value: object, prefix: str = "_v") -> str:
+        """A name for ``value`` in the generated function's namespace (one per object)."""
+        name = self._bound.get(id(value))
+        if name is None or self.namespace.get(name) is not value:
+            name = self._bound[id(value)] = f"{prefix}{next(self._names)}"
+            self.namespace[name] = value
+        return name
+
+    def text(self) -> str:
+        return "\n".join(self.lines) + "\n"
+
+
+_ARITHMETIC_ERRORS = (struct.error, OverflowError, TypeError, ValueError, ArithmeticError)
 
 
 class RecordedGraph:
@@ -113,42 +220,44 @@ class RecordedGraph:
         ]
         self.input_bytes = sum(keys.extent_bytes(leaf) for leaf in leaves if isinstance(leaf, torch.Tensor))
         self.session = session
+        self.uses_rng = bool(getattr(self.entry, "uses_rng", False))
         self.generation = 0
         self.replays = 0
         self.memory = capture.memory
-        self.name = re.sub(r"\W", "_", f"replay_{region.name}_{number}")
+        self.name = f"replay_graph_{number}"
         raw_exec = self.graph.raw_cuda_graph_exec()
         nodes = {n.index: n for n in capture.nodes}
         self.updaters = {}
-        for binding in (*self.plan.pointers, *self.plan.scalars):
+        for binding in (*self.plan.pointers, *self.plan.scalars, *self.plan.configs):
             if binding.node not in self.updaters:
                 record = capture.records[binding.launch]
                 self.updaters[binding.node] = backend.node_updater(
                     raw_exec, nodes[binding.node], record.layout, record.param_bytes
                 )
+        self.node_states = {node: _NodeState(updater) for node, updater in self.updaters.items()}
         self.checks = []
         for record in capture.records:
             if record.check_globals is not None and record.check_globals not in self.checks:
                 self.checks.append(record.check_globals)
-        self.output_spec, output_leaves, _ = keys.flatten((capture.outputs,), {})
+        self.output_spec, output_leaves, _ = keys.flatten((capture.outputs,), {}, walk_dataclasses=True)
         self.outputs = self._classify_outputs(output_leaves)
         self.namespace: dict[str, object] = dict(backend.hot_namespace)
         self.source = self._generate(backend, leaves)
-        code = compile(self.source, f"<replay graph {self.name}>", "exec")
-        exec(code, self.namespace)
-        self.replay = self.namespace[self.name]
+        self.replay = compile_function(
+            self.source, self.name, f"replay graph {number} of region {region.name}", self.namespace
+        )
         if dump_enabled():
             print(f"# replay graph\n{self.source}")
 
     # --- outputs -------------------------------------------------------------------------
     def _classify_outputs(self, output_leaves: list) -> list[tuple]:
-        """Each output leaf: ("tensor", t) the graph's own buffer; ("alias", leaf, size,
-        stride, delta) a view of an input, rebuilt on the new input; ("const", v);
-        ("dynamic", source). Addresses are the capture's: the graph holds those."""
+        """Each output leaf: ("tensor", t) memory the graph owns; ("alias", leaf, size,
+        stride, delta, whole) a view of an input, rebuilt on the caller's input (``whole``:
+        the input itself); ("const", v); ("dynamic", scalar). Addresses are the capture's."""
         classified = []
         for value in output_leaves:
             if isinstance(value, DynamicScalar):
-                classified.append(("dynamic", value.source))
+                classified.append(("dynamic", value))
                 continue
             if not isinstance(value, torch.Tensor):
                 classified.append(("const", value))
@@ -156,10 +265,15 @@ class RecordedGraph:
             address, owner, base = value.data_ptr(), None, 0
             for input_range in self.capture.inputs:
                 i = input_range.index
-                if i in self.staged and i not in self.copied_back:
-                    continue  # a view of a read-only staged buffer: the graph's own memory
+                # a staged input's buffer has the input's exact layout: a view of it is the
+                # same view of the input
                 lo = self.staged[i].data_ptr() if i in self.staged else input_range.lo
-                if value.numel() and lo <= address < lo + max(input_range.hi - input_range.lo, 1):
+                extent = input_range.hi - input_range.lo
+                if (
+                    lo <= address
+                    and address + keys.extent_bytes(value) <= lo + extent
+                    and (extent or value.numel() == 0)
+                ):
                     owner, base = i, lo
                     break
             if owner is None:
@@ -170,142 +284,283 @@ class RecordedGraph:
             delta, remainder = divmod(address - base, value.element_size())
             if remainder:
                 raise CaptureFailed(f"an output is a misaligned view of input {self.paths[owner]}")
-            classified.append(("alias", owner, tuple(value.shape), tuple(value.stride()), delta))
+            template = self.template[owner]
+            whole = delta == 0 and tuple(value.shape) == template[1] and tuple(value.stride()) == template[2]
+            classified.append(("alias", owner, tuple(value.shape), tuple(value.stride()), delta, whole))
         return classified
 
-    def build_outputs(self, leaves: Sequence, clone: bool, guard: bool) -> object:
-        values = []
-        dynamic_values = {f"_d{i}": getattr(leaf, "value", None) for i, leaf in enumerate(leaves)}
+    def _output_expressions(self, code: _Source, clone: bool, guard: bool) -> list[str]:
+        expressions = []
         for item in self.outputs:
             kind = item[0]
             if kind == "tensor":
-                value = item[1]
+                name = code.bind(item[1], "_out")
                 if clone:
-                    value = value.clone()
+                    expressions.append(f"{name}.clone()")
                 elif guard:
-                    value = value.as_subclass(StaleGuardTensor)
-                    value._replay_owner = self.entry
-                    value._replay_generation = self.entry.generation
+                    code.namespace["_stale_guard"] = _stale_guard
+                    expressions.append(f"_stale_guard({name}, _owner)")
+                else:
+                    expressions.append(name)
             elif kind == "alias":
-                _, owner, size, stride, delta = item
-                source = leaves[owner]
-                value = torch.as_strided(source, size, stride, source.storage_offset() + delta)
+                _, owner, size, stride, delta, whole = item
+                if whole:
+                    expressions.append(f"l{owner}")
+                else:
+                    code.namespace["_as_strided"] = torch.as_strided
+                    size_name, stride_name = code.bind(size, "_size"), code.bind(stride, "_stride")
+                    expressions.append(
+                        f"_as_strided(l{owner}, {size_name}, {stride_name}, l{owner}.storage_offset() + {int(delta)})"
+                    )
             elif kind == "dynamic":
-                value = eval(item[1], {"__builtins__": {}}, dynamic_values)
+                code.namespace.update(item[1].constants)
+                expressions.append(item[1].source)
             else:
-                value = item[1]
-            values.append(value)
-        args, _ = keys.unflatten(self.output_spec, values)
-        return args[0]
+                expressions.append(code.bind(item[1], "_const"))
+        return expressions
+
+    def _container(self, code: _Source, spec: object, leaves: list[str]) -> str:
+        """An expression building ``spec``'s structure anew from the leaf expressions."""
+        if spec is None:
+            return leaves.pop(0)
+        kind = spec[0]
+        if kind == "dict":
+            items = ", ".join(
+                f"{code.bind(k, '_key')}: {self._container(code, s, leaves)}" for k, s in zip(spec[1], spec[2])
+            )
+            return "{" + items + "}"
+        if kind == "dataclass":
+            code.namespace["_make_dataclass"] = keys.make_dataclass_instance
+            values = "".join(f"{self._container(code, s, leaves)}, " for s in spec[3])
+            return f"_make_dataclass({code.bind(spec[1], '_type')}, {code.bind(spec[2], '_fields')}, ({values}))"
+        items = "".join(f"{self._container(code, s, leaves)}, " for s in spec[1])
+        if kind == "tuple":
+            return f"({items})"
+        if kind == "list":
+            return f"[{items}]"
+        return f"{code.bind(kind, '_type')}({items})"  # a named tuple
 
     # --- generation ----------------------------------------------------------------------
     def _generate(self, backend, leaves: Sequence) -> str:
         ns = self.namespace
+        code = _Source(ns)
+        plan = self.plan
         count = len(leaves)
         params = ", ".join(f"l{i}" for i in range(count))
-        lines = [f"def {self.name}({params}):", f"    # graph for {self.region_name}, key {self.key!r}"[:300]]
-        for number, check in enumerate(self.checks):
-            ns[f"_check{number}"] = check
-            lines.append(f"    _check{number}()")
-        for node in self.updaters:
-            lines.append(f"    _dirty{node} = False")
-        ns["_last"] = last = []
-        ns["_pack"] = {}
-        by_input: dict[int, list] = {}
-        for binding in self.plan.pointers:
-            by_input.setdefault(binding.input, []).append(binding)
+        code.lines.append(f"def {self.name}({params}):")
+        code.line(f"# a recorded graph: {count} arguments, {len(self.updaters)} patchable kernel nodes")
+        ns["_MISMATCH"] = MISMATCH
+        for check in self.checks:
+            code.line(f"{code.bind(check, '_check')}()")
+        ns["_modes"], ns["_MODES"] = keys.torch_modes, self.key[2]
+        code.line("if _modes() != _MODES:")
+        code.line("return _MISMATCH", 2)
+        self._alias_checks(code, leaves)
+        self._own_output_checks(code, leaves)
+
+        # --- phase 1: compute, change nothing ---
+        sources = [s for text in plan.arguments.values() for s in text if s]
+        sources += [item[1].source for item in self.outputs if item[0] == "dynamic"]
+        for i in sorted({int(m) for source in sources for m in re.findall(r"\b_d(\d+)\b", source)}):
+            code.line(f"_d{i} = l{i}.value")
+        ns.update(plan.constants)
+        if plan.arguments or plan.scalars or plan.configs:
+            code.line("try:")
+            for launch, sources in sorted(plan.arguments.items()):
+                values = "".join(f"{s if s is not None else 'None'}, " for s in sources)
+                code.line(f"_a{launch} = ({values})", 2)
+            for check in plan.checks:  # the launcher's index checks: eager raises IndexError
+                value, size = code.bind(check.value, "_index"), code.bind(check.size, "_extent")
+                code.line(f"_i = {value}(_a{check.launch})", 2)
+                code.line(f"_n = {size}(_a{check.launch})", 2)
+                code.line("if not -_n <= _i < _n:", 2)
+                code.line("return _MISMATCH", 3)
+        slots: dict[int, list[tuple[str, str, list[str]]]] = {}  # node -> [(changed, value, packs)]
+        last: list[object] = []
+        ns["_last"] = last
+        ns["_pack_Q"] = struct.Struct("<Q").pack_into
         extents = {i: keys.extent_bytes(leaf) for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)}
         recorded_pointer = {r.index: r.lo for r in self.capture.inputs}
-        for input_index, bindings in sorted(by_input.items()):
-            slot = len(last)
-            last.append(recorded_pointer[input_index])  # what the graph's nodes hold now
-            lines.append(f"    _p = l{input_index}.data_ptr()")
-            lines.append(f"    if _p != _last[{slot}]:")
-            lines.append(f"        _last[{slot}] = _p")
-            for binding in bindings:
-                ns[f"_buf{binding.node}"] = self.updaters[binding.node].params.buffer
-                lines.append(f"        _pack_Q(_buf{binding.node}, {binding.offset}, _p + {binding.delta})")
-            for node in sorted({b.node for b in bindings}):
-                lines.append(f"        _dirty{node} = True")
-        ns["_pack_Q"] = struct.Struct("<Q").pack_into
-        used = {int(m) for s in self.plan.scalars for m in re.findall(r"\b_d(\d+)\b", s.source)}
-        for i in sorted(used):
-            lines.append(f"    _d{i} = l{i}.value")
-        recorded = {f"_d{i}": v for i, v in self.capture.dynamic_values.items()}
-        for number, binding in enumerate(self.plan.scalars):
-            slot = len(last)
-            last.append(eval(binding.source, {"__builtins__": {"min": min, "max": max}}, recorded))
-            packer = f"_pack_s{number}"
-            ns[packer] = struct.Struct("<" + binding.fmt).pack_into
-            ns[f"_buf{binding.node}"] = self.updaters[binding.node].params.buffer
-            converted = f"_conv{number}(_v)" if binding.convert is not None else "_v"
+        static: dict[tuple[int, int], list] = {}
+        for number, binding in enumerate(plan.pointers):
+            buffer = code.bind(self.updaters[binding.node].params.buffer, "_buf")
+            if not binding.dynamic:
+                static.setdefault((binding.input, binding.node), []).append((buffer, binding))
+                continue
+            evaluate = code.bind(binding.offset_evaluate, "_offset")
+            value = f"_q{number}"
+            code.line(
+                f"{value} = _p{binding.input} + {int(binding.delta - binding.recorded_offset)} + "
+                f"{evaluate}(_a{binding.launch})",
+                2,
+            )
+            code.line(f"if not _p{binding.input} <= {value} <= _p{binding.input} + {extents[binding.input]}:", 2)
+            code.line("return _MISMATCH", 3)
+            recorded = recorded_pointer[binding.input] + binding.delta
+            slots.setdefault(binding.node, []).append(
+                (f"_c{len(last)}", value, [f"_pack_Q({buffer}, {binding.offset}, {value})"])
+            )
+            last.append(recorded)
+        for (input_index, node), bound in sorted(static.items()):
+            packs = [f"_pack_Q({buffer}, {b.offset}, _p{input_index} + {int(b.delta)})" for buffer, b in bound]
+            slots.setdefault(node, []).append((f"_c{len(last)}", f"_p{input_index}", packs))
+            last.append(recorded_pointer[input_index])
+        for number, binding in enumerate(plan.scalars):
+            state = self.node_states[binding.node]
+            size = struct.calcsize("<" + binding.fmt)
+            packer = code.bind(struct.Struct("<" + binding.fmt).pack, "_packer")
+            evaluate = code.bind(binding.evaluate, "_value")
+            computed = f"{evaluate}(_a{binding.launch})"
             if binding.convert is not None:
-                ns[f"_conv{number}"] = binding.convert
-            lines.append(f"    _v = {binding.source}")
-            lines.append(f"    if _v != _last[{slot}]:")
-            lines.append(f"        _last[{slot}] = _v")
-            lines.append(f"        {packer}(_buf{binding.node}, {binding.offset}, {converted})")
-            lines.append(f"        _dirty{binding.node} = True")
-        for i in sorted(self.copied_back):
-            others = [j for j in extents if j != i]
-            for j in others:
-                lines.append(
-                    f"    if l{i}.data_ptr() < l{j}.data_ptr() + {max(extents[j], 1)} and "
-                    f"l{j}.data_ptr() < l{i}.data_ptr() + {max(extents[i], 1)}:"
-                )
-                lines.append(f"        return _eager(({params}{',' if count == 1 else ''}))")
-        ns["_eager"] = self.session_eager
-        if self.updaters:
-            ns["_SET"] = next(iter(self.updaters.values())).set_call
+                computed = f"{code.bind(binding.convert, '_convert')}({computed})"
+            code.line(f"_v{number} = {packer}({computed})", 2)
+            buffer = code.bind(self.updaters[binding.node].params.buffer, "_buf")
+            slots.setdefault(binding.node, []).append(
+                (f"_c{len(last)}", f"_v{number}", [f"{buffer}[{binding.offset}:{binding.offset + size}] = _v{number}"])
+            )
+            last.append(state.held[binding.offset : binding.offset + size])
+        zero_checks: dict[int, list[str]] = {}
+        limits = backend.device_limits(self.device) if plan.configs else None
+        for number, binding in enumerate(plan.configs):
+            evaluate = code.bind(binding.evaluate, "_size")
+            axis = "xyz".index(binding.field[-1])
+            code.line(f"_g{number} = {evaluate}(_a{binding.launch})", 2)
+            code.line(f"if not 0 <= _g{number} <= {int(limits.max_grid[axis])}:", 2)
+            code.line("return _MISMATCH", 3)
+            dimension = code.bind(self.updaters[binding.node].set_dimension, "_dimension")
+            field = code.bind(binding.field, "_field")
+            slots.setdefault(binding.node, []).append(
+                (f"_c{len(last)}", f"_g{number}", [f"{dimension}({field}, _g{number})"])
+            )
+            updater = self.updaters[binding.node]
+            last.append(updater.dimensions()[updater.DIMENSIONS.index(binding.field)])
+            zero_checks.setdefault(binding.node, []).append(f"_g{number} == 0")
+        if plan.arguments or plan.scalars or plan.configs:
+            ns["_ARITHMETIC_ERRORS"] = _ARITHMETIC_ERRORS
+            code.line("except _ARITHMETIC_ERRORS:")
+            code.line("return _MISMATCH", 2)  # the eager run raises the exact error, or computes
+        ns["_disabled"] = disabled = {}
+        for node, checks in zero_checks.items():
+            if self.updaters[node].enable_call is None:
+                code.line(f"if {' or '.join(checks)}:")  # cannot disable the node: run eagerly
+                code.line("return _MISMATCH", 2)
+            else:
+                code.line(f"_z{node} = {' or '.join(checks)}")  # a grid of 0: disable the node
+                disabled[node] = False
+        for node, node_slots in slots.items():
+            for changed, value, _ in node_slots:
+                code.line(f"{changed} = {value} != _last[{changed[2:]}]")
+            dirty = " or ".join(changed for changed, _, _ in node_slots)
+            code.line(f"_u{node} = {f'not _z{node} and ' if node in disabled else ''}({dirty})")
+
+        # --- phase 2: patch, remembering only what the driver took ---
+        if slots or disabled:
+            any_change = " or ".join([f"_u{n}" for n in slots] + [f"_z{n} is not _disabled[{n}]" for n in disabled])
+            ns["_rollback"] = self._rollback
             ns["_set_failed"] = self._set_failed
-        for node, updater in self.updaters.items():
-            ns[f"_args{node}"] = updater.set_args
-            lines.append(f"    if _dirty{node}:")
-            lines.append(f"        _r = _SET(*_args{node})")
-            lines.append(f"        if _r[0]: _set_failed(_r[0], {node})")
+            code.line(f"if {any_change}:")
+            code.line("try:", 2)
+            for node, node_slots in slots.items():
+                updater = self.updaters[node]
+                state = code.bind(self.node_states[node], "_node")
+                set_call, set_args = code.bind(updater.set_call, "_set"), code.bind(updater.set_args, "_set_args")
+                code.line(f"if _u{node}:", 3)
+                for changed, _, packs in node_slots:
+                    code.line(f"if {changed}:", 4)
+                    for pack in packs:
+                        code.line(pack, 5)
+                code.line(f"_r = {set_call}(*{set_args})", 4)
+                code.line(f"if _r[0]: _set_failed(_r[0], {node})", 4)
+                for changed, value, _ in node_slots:
+                    code.line(f"if {changed}: _last[{changed[2:]}] = {value}", 4)
+                code.line(f"{state}.commit()", 4)
+                code.line("_stats.patches += 1", 4)
+            for node in disabled:
+                updater = self.updaters[node]
+                enable, args = code.bind(updater.enable_call, "_enable"), code.bind(updater.enable_args, "_enable_args")
+                code.line(f"if _z{node} is not _disabled[{node}]:", 3)
+                code.line(f"_r = {enable}(*{args}, 0 if _z{node} else 1)", 4)
+                code.line(f"if _r[0]: _set_failed(_r[0], {node})", 4)
+                code.line(f"_disabled[{node}] = _z{node}", 4)
+            code.line("except BaseException:", 2)
+            code.line("_rollback()", 3)
+            code.line("raise", 3)
+
+        # --- launch ---
         ns["_current_stream"] = backend.hot_namespace["_current_stream"]
         ns["_stream_switch"] = self.session.stream_switch
         ns["_LAST_STREAM"] = self.session.last_stream
-        ns["_EXEC"] = backend.graph_exec_object(self.graph.raw_cuda_graph_exec())
-        lines += [
-            f"    _s = _current_stream({self.device})",
-            "    if _s != _LAST_STREAM[0]:",
-            "        _stream_switch(_s)",
-            "    _so = _STREAMS.get(_s)",
-            "    if _so is None:",
-            "        _so = _stream_object(_s)",
-        ]
-        lines += [
-            "    " + line for line in backend.graph_launch_template.format(exec="_EXEC", stream="_so").splitlines()
-        ]
+        code.line(f"_s = _current_stream({int(self.device)})")
+        code.line("if _s != _LAST_STREAM[0]:")
+        code.line("_stream_switch(_s)", 2)
+        if self.uses_rng:
+            # torch's replay advances the captured generators' offsets before launching, so
+            # each replay draws fresh numbers exactly as the eager sequence would
+            ns["_torch_replay"] = self.graph.replay
+            code.line("_torch_replay()")
+        else:
+            ns["_EXEC"] = backend.graph_exec_object(self.graph.raw_cuda_graph_exec())
+            code.line("_so = _STREAMS.get(_s)")
+            code.line("if _so is None:")
+            code.line("_so = _stream_object(_s)", 2)
+            for line in backend.graph_launch_template.format(exec="_EXEC", stream="_so").splitlines():
+                code.line(line)
         ns["_stats"] = self.session.stats_record
         ns["_entry"] = self
-        dirty = " + ".join(f"_dirty{node}" for node in self.updaters)
-        staged_copies = len(self.staged) + len(self.copied_back)
         policy = self.session.policy
         if policy.check_stale:
             ns["_owner"] = self.entry
-            lines.append("    _owner.generation += 1")
-        lines += ["    _entry.replays += 1", "    _stats.replays += 1"]
-        if dirty:
-            lines.append(f"    _stats.patches += {dirty}")
+            code.line("_owner.generation += 1")
+        code.line("_entry.replays += 1")
+        code.line("_stats.replays += 1")
+        staged_copies = len(self.staged) + len(self.copied_back)
         if staged_copies:
-            lines.append(f"    _stats.staged_copies += {staged_copies}")
-        simple = all(item[0] in ("tensor", "const") for item in self.outputs)
-        if simple and not policy.clone_outputs and not policy.check_stale:
-            ns["_OUT"] = self.build_outputs(leaves, clone=False, guard=False)
-            lines.append("    return _OUT")
-        else:
-            ns["_build_outputs"] = self.build_outputs
-            lines.append(
-                f"    return _build_outputs(({params}{',' if count == 1 else ''}), {policy.clone_outputs}, "
-                f"{policy.check_stale})"
-            )
-        return "\n".join(lines) + "\n"
+            code.line(f"_stats.staged_copies += {staged_copies}")
+        expressions = self._output_expressions(code, policy.clone_outputs, policy.check_stale)
+        code.line(f"return {self._container(code, self.output_spec[0][0], expressions)}")
+        return code.text()
 
-    def session_eager(self, leaves: tuple) -> object:
-        """A call this graph cannot serve (its inputs alias in a way the capture did not)."""
-        return self.region._eager(self.key[1], leaves)
+    def _alias_checks(self, code: _Source, leaves: Sequence) -> None:
+        """Read every tensor argument's pointer and return MISMATCH unless the arguments
+        overlap exactly as they did when the graph was recorded (the key's pattern)."""
+        tensors = [(i, keys.extent_bytes(leaf)) for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+        for i, _ in tensors:
+            code.line(f"_p{i} = l{i}.data_ptr()")
+        pattern = set(self.key[3])
+        if len(tensors) > 8:  # one sort instead of n^2/2 comparisons
+            code.namespace["_pattern_of"] = keys.pattern_of
+            code.namespace["_PATTERN"] = self.key[3]
+            ranges = "".join(f"({i}, _p{i}, _p{i} + {extent}), " for i, extent in tensors)
+            code.line(f"if _pattern_of([{ranges}]) != _PATTERN:")
+            code.line("return _MISMATCH", 2)
+            return
+        for n, (i, extent_i) in enumerate(tensors):
+            for j, extent_j in tensors[n + 1 :]:
+                overlap = f"_p{i} < _p{j} + {extent_j} and _p{j} < _p{i} + {extent_i}"
+                if not extent_i or not extent_j:
+                    continue  # an empty tensor overlaps nothing
+                code.line(f"if {'not (' + overlap + ')' if (i, j) in pattern else overlap}:")
+                code.line("return _MISMATCH", 2)
+
+    def _own_output_checks(self, code: _Source, leaves: Sequence) -> None:
+        """Decline a call whose tensor argument lies in this graph's own output memory (its
+        previous output passed back in, ``h = step(h)``): the replay would overwrite that
+        argument with the new output, where an eager call leaves it as it was."""
+        buffers = {}
+        for item in self.outputs:
+            if item[0] == "tensor" and item[1].numel():
+                storage = item[1].untyped_storage()
+                buffers[storage.data_ptr()] = storage.nbytes()
+        for i, leaf in enumerate(leaves):
+            if not isinstance(leaf, torch.Tensor) or not keys.extent_bytes(leaf):
+                continue
+            for lo, size in buffers.items():
+                code.line(f"if _p{i} < {lo + size} and {lo} < _p{i} + {keys.extent_bytes(leaf)}:")
+                code.line("return _MISMATCH", 2)
+
+    def _rollback(self) -> None:
+        for state in self.node_states.values():
+            state.rollback()
 
     def _set_failed(self, status: object, node: int) -> None:
         from jitcore.errors import DriverError
@@ -315,12 +570,18 @@ class RecordedGraph:
     # --- verification --------------------------------------------------------------------
     def verify(self, leaves: Sequence, eager) -> object:
         """Replay, then run the region eagerly on copies of the inputs taken before the
-        replay, and compare outputs and every input afterwards bit for bit."""
-        snapshots = [storage_clone(leaf) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+        replay (sharing memory as the inputs do), and compare outputs and every input
+        afterwards bit for bit."""
+        snapshots = clone_preserving_sharing(leaves)
         result = self.replay(*leaves)
-        replayed = [t.clone() if isinstance(t, torch.Tensor) else t for t in keys.flatten((result,), {})[1]]
+        if result is MISMATCH:
+            return result
+        replayed = [
+            t.clone() if isinstance(t, torch.Tensor) else t
+            for t in keys.flatten((result,), {}, walk_dataclasses=True)[1]
+        ]
         expected = eager(snapshots)
-        expected_leaves = keys.flatten((expected,), {})[1]
+        expected_leaves = keys.flatten((expected,), {}, walk_dataclasses=True)[1]
         problems = []
         if len(replayed) != len(expected_leaves):
             problems.append("a different number of outputs")
@@ -351,6 +612,7 @@ class RecordedGraph:
 
     def release(self) -> None:
         self.updaters.clear()
+        self.node_states.clear()
         self.outputs = []
         self.namespace.clear()
         self.staged = {}

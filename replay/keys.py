@@ -9,8 +9,10 @@ device, since graphs are recorded and replayed per device.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
-from collections.abc import Sequence
+import struct
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -23,37 +25,68 @@ FLAT = "flat"  # spec of a call whose arguments are all positional leaves
 _CONSTANT_TYPES = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, enum.Enum, np.generic)
 
 
-def _flatten_into(value: object, leaves: list, path: str, paths: list) -> object:
+def _flatten_into(value: object, leaves: list, path: str, paths: list, walk_dataclasses: bool) -> object:
     if isinstance(value, (tuple, list)) and not isinstance(value, torch.Tensor):
         kind = "tuple" if isinstance(value, tuple) else "list"
         if isinstance(value, tuple) and type(value) is not tuple:  # a named tuple: keep its type
             kind = type(value)
-        return (kind, tuple(_flatten_into(v, leaves, f"{path}[{i}]", paths) for i, v in enumerate(value)))
+        return (
+            kind,
+            tuple(_flatten_into(v, leaves, f"{path}[{i}]", paths, walk_dataclasses) for i, v in enumerate(value)),
+        )
     if isinstance(value, dict):
         keys = tuple(value)
         try:
             hash(keys)
         except TypeError:
             raise TypeError(f"{path}: dict keys of region arguments must be hashable") from None
-        return ("dict", keys, tuple(_flatten_into(value[k], leaves, f"{path}[{k!r}]", paths) for k in keys))
+        return (
+            "dict",
+            keys,
+            tuple(_flatten_into(value[k], leaves, f"{path}[{k!r}]", paths, walk_dataclasses) for k in keys),
+        )
+    if walk_dataclasses and dataclasses.is_dataclass(value) and not isinstance(value, type):
+        names = tuple(f.name for f in dataclasses.fields(value))
+        extra = set(getattr(value, "__dict__", {})) - set(names)
+        if extra:
+            raise TypeError(
+                f"{path}: a {type(value).__qualname__} with attributes that are not dataclass fields "
+                f"({', '.join(sorted(extra))}) cannot be rebuilt for each replay"
+            )
+        return (
+            "dataclass",
+            type(value),
+            names,
+            tuple(_flatten_into(getattr(value, n), leaves, f"{path}.{n}", paths, walk_dataclasses) for n in names),
+        )
     leaves.append(value)
     paths.append(path)
     return None
 
 
-def flatten(args: tuple, kwargs: dict) -> tuple[object, list, list[str]]:
-    """(spec, leaves, paths): nested tuples, lists and dicts are walked; everything else is a
-    leaf. ``paths`` name each leaf for messages (``args[1]['kv']``)."""
-    if not kwargs and not any(isinstance(a, (tuple, list, dict)) for a in args):
+def flatten(args: tuple, kwargs: dict, *, walk_dataclasses: bool = False) -> tuple[object, list, list[str]]:
+    """(spec, leaves, paths): nested tuples, lists and dicts are walked (and dataclass
+    instances, for outputs); everything else is a leaf. ``paths`` name each leaf for messages
+    (``args[1]['kv']``)."""
+    if not kwargs and not any(isinstance(a, (tuple, list, dict)) for a in args) and not walk_dataclasses:
         return (FLAT, len(args)), list(args), [f"args[{i}]" for i in range(len(args))]
     leaves: list = []
     paths: list[str] = []
     spec = (
-        tuple(_flatten_into(a, leaves, f"args[{i}]", paths) for i, a in enumerate(args)),
+        tuple(_flatten_into(a, leaves, f"args[{i}]", paths, walk_dataclasses) for i, a in enumerate(args)),
         tuple(kwargs),
-        tuple(_flatten_into(v, leaves, k, paths) for k, v in kwargs.items()),
+        tuple(_flatten_into(v, leaves, k, paths, walk_dataclasses) for k, v in kwargs.items()),
     )
     return spec, leaves, paths
+
+
+def make_dataclass_instance(cls: type, names: Sequence[str], values: Sequence) -> object:
+    """A new instance of a dataclass with these field values (frozen ones too), without
+    running ``__init__``/``__post_init__``: what a region returned, with new outputs."""
+    instance = object.__new__(cls)
+    for name, value in zip(names, values):
+        object.__setattr__(instance, name, value)
+    return instance
 
 
 def _rebuild(spec: object, leaves: Sequence, position: list[int]) -> object:
@@ -64,6 +97,8 @@ def _rebuild(spec: object, leaves: Sequence, position: list[int]) -> object:
     kind = spec[0]
     if kind == "dict":
         return {k: _rebuild(s, leaves, position) for k, s in zip(spec[1], spec[2])}
+    if kind == "dataclass":
+        return make_dataclass_instance(spec[1], spec[2], [_rebuild(s, leaves, position) for s in spec[3]])
     items = [_rebuild(s, leaves, position) for s in spec[1]]
     if kind == "tuple":
         return tuple(items)
@@ -88,6 +123,9 @@ def leaf_key(leaf: object, path: str) -> object:
         return jitcore.lean_static_signature(leaf)
     if isinstance(leaf, Dynamic):
         return ("dynamic", type(leaf.value).__qualname__)
+    if isinstance(leaf, (float, np.floating, complex)):
+        # by bit pattern: -0.0 == 0.0 and nan != nan, yet each is its own constant
+        return (type(leaf).__qualname__, float_bits(leaf))
     if isinstance(leaf, _CONSTANT_TYPES):
         return (type(leaf).__qualname__, leaf)
     try:
@@ -101,8 +139,135 @@ def leaf_key(leaf: object, path: str) -> object:
     return (type(leaf).__qualname__, leaf)  # an opaque constant: keyed (and baked) by its value
 
 
+_DOUBLE = struct.Struct("<d")
+
+
+def float_bits(value: object) -> bytes:
+    """The exact bits of a float (or complex) constant: what tells -0.0 from 0.0 and one NaN
+    from another."""
+    if isinstance(value, complex):
+        return _DOUBLE.pack(value.real) + _DOUBLE.pack(value.imag)
+    if isinstance(value, np.floating):
+        return value.tobytes()
+    return _DOUBLE.pack(value)
+
+
 def region_key(device: int, spec: object, leaves: Sequence, paths: Sequence[str]) -> tuple:
-    return (device, spec, *(leaf_key(leaf, path) for leaf, path in zip(leaves, paths)))
+    """The full key of one call: device, the torch modes in force, the argument structure,
+    how the tensor arguments overlap each other, and each leaf's signature."""
+    return (
+        device,
+        spec,
+        torch_modes(),
+        alias_pattern(leaves),
+        *(leaf_key(leaf, path) for leaf, path in zip(leaves, paths)),
+    )
+
+
+#: Key elements before the leaves' (device, spec, modes, aliasing).
+LEAVES_START = 4
+
+
+def tensor_ranges(leaves: Sequence) -> list[tuple[int, int, int]]:
+    """(leaf index, first byte, one past the last byte) of every tensor leaf."""
+    ranges = []
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor):
+            lo = leaf.data_ptr()
+            ranges.append((i, lo, lo + extent_bytes(leaf)))
+    return ranges
+
+
+def alias_pattern(leaves: Sequence) -> tuple[tuple[int, int], ...]:
+    """The pairs of tensor leaves whose bytes overlap (the same tensor twice, overlapping
+    views). A graph recorded for one pattern must never serve another: a region that writes
+    one argument and reads the other gives different results when they share memory."""
+    return pattern_of(tensor_ranges(leaves))
+
+
+def pattern_of(ranges: Sequence[tuple[int, int, int]]) -> tuple[tuple[int, int], ...]:
+    """The overlapping pairs among (leaf index, first byte, one past the last byte) ranges."""
+    ranges = sorted(ranges, key=lambda r: r[1])
+    pairs = []
+    for n, (i, lo, hi) in enumerate(ranges):
+        for j, other_lo, other_hi in ranges[n + 1 :]:
+            if other_lo >= hi:
+                break
+            if other_lo < other_hi and lo < hi:
+                pairs.append((min(i, j), max(i, j)))
+    return tuple(sorted(pairs))
+
+
+def _mode_readers() -> list[tuple[str, Callable[[], object]]]:
+    """(what, reader) for every global torch setting that changes what a region's torch ops
+    compute. A graph bakes in the kernels chosen under the settings in force when it was
+    recorded, so these are part of every region key. Readers missing from the installed
+    torch are skipped."""
+    C = torch._C
+    wanted = [
+        ("grad mode", "is_grad_enabled", ()),
+        ("inference mode", "is_inference_mode_enabled", ()),
+        ("autocast (cuda)", "is_autocast_enabled", ("cuda",)),
+        ("autocast dtype (cuda)", "get_autocast_dtype", ("cuda",)),
+        ("autocast (cpu)", "is_autocast_enabled", ("cpu",)),
+        ("autocast dtype (cpu)", "get_autocast_dtype", ("cpu",)),
+        ("autocast cache", "is_autocast_cache_enabled", ()),
+        ("default dtype", "get_default_dtype", ()),
+        ("deterministic algorithms", "_get_deterministic_algorithms", ()),
+        ("deterministic algorithms (warn only)", "_get_deterministic_algorithms_warn_only", ()),
+        ("float32 matmul precision", "_get_float32_matmul_precision", ()),
+        ("cuBLAS TF32", "_get_cublas_allow_tf32", ()),
+        ("cuBLAS fp16 reduced precision", "_get_cublas_allow_fp16_reduced_precision_reduction", ()),
+        ("cuBLAS bf16 reduced precision", "_get_cublas_allow_bf16_reduced_precision_reduction", ()),
+        ("cuBLAS fp16 accumulation", "_get_cublas_allow_fp16_accumulation", ()),
+        ("cuDNN TF32", "_get_cudnn_allow_tf32", ()),
+        ("cuDNN enabled", "_get_cudnn_enabled", ()),
+        ("cuDNN benchmark", "_get_cudnn_benchmark", ()),
+        ("cuDNN deterministic", "_get_cudnn_deterministic", ()),
+        ("SDPA flash", "_get_flash_sdp_enabled", ()),
+        ("SDPA memory-efficient", "_get_mem_efficient_sdp_enabled", ()),
+        ("SDPA math", "_get_math_sdp_enabled", ()),
+        ("SDPA cuDNN", "_get_cudnn_sdp_enabled", ()),
+        ("SDPA math fp16/bf16 reduction", "_get_math_sdp_allow_fp16_bf16_reduction", ()),
+        ("SDPA priority order", "_get_sdp_priority_order", ()),
+        ("preferred BLAS library", "_get_blas_preferred_backend", ()),
+        ("preferred linalg library", "_get_linalg_preferred_backend", ()),
+    ]
+    readers = []
+    for what, name, args in wanted:
+        function = getattr(C, name, None) or getattr(torch, name, None)
+        if function is None:
+            continue
+        try:
+            function(*args)
+        except Exception:
+            continue
+        if isinstance(function(*args), list):  # keys hold hashable values
+            readers.append((what, lambda f=function, a=args: tuple(f(*a))))
+        else:
+            readers.append((what, function if not args else (lambda f=function, a=args: f(*a))))
+    return readers
+
+
+_MODE_READERS = _mode_readers()
+MODE_NAMES = tuple(what for what, _ in _MODE_READERS)
+
+
+def _make_torch_modes() -> Callable[[], tuple]:
+    """One generated function reading every mode into a tuple (a call per setting, no loop)."""
+    namespace = {f"_m{i}": reader for i, (_, reader) in enumerate(_MODE_READERS)}
+    calls = "".join(f"_m{i}(), " for i in range(len(_MODE_READERS)))
+    exec(compile(f"def torch_modes():\n    return ({calls})\n", "<replay torch modes>", "exec"), namespace)
+    return namespace["torch_modes"]
+
+
+torch_modes: Callable[[], tuple] = _make_torch_modes()
+torch_modes.__doc__ = "The global torch settings in force now, in MODE_NAMES order (see _mode_readers)."
+
+
+def describe_mode_change(recorded: tuple, now: tuple) -> str:
+    changed = [f"{name} {a!r} -> {b!r}" for name, a, b in zip(MODE_NAMES, recorded, now) if a != b]
+    return ", ".join(changed) or "none"
 
 
 def plain_leaves(leaves: Sequence) -> list:

@@ -3,24 +3,32 @@
 Pure logic over plain data (addresses, parameter bytes, node lists), so it is tested on the CPU
 with made-up graphs; :mod:`replay.recording` feeds it what a real capture produced.
 
-- Every jit launch recorded during capture is matched to the kernel node holding it (same
-  function, same parameter bytes).
+- Every jit launch recorded during capture is paired with the kernel node it became: by the
+  node's identity where the backend reports it at capture time (the capturing stream's tail
+  right after the launch), else by equal function and parameter bytes, refusing launches that
+  are byte-identical but whose parameters come from different places (swapping them would
+  patch the wrong node).
 - A jit pointer parameter whose value lies inside exactly one input's byte range becomes a
   :class:`PointerBinding` (node, offset, input, delta): at replay, ``new pointer + delta`` is
-  written when the input moved, so views and slices rebase.
+  written when the input moved, so views and slices rebase. Where the view's offset itself
+  was computed from a dynamic scalar (``cache[pos]``), the offset is recomputed too.
 - A jit scalar parameter computed from dynamic region scalars becomes a
-  :class:`ScalarBinding` with the expression to recompute it.
+  :class:`ScalarBinding`; a grid or block size computed from one, a :class:`ConfigBinding`.
+- A pointer into memory the region allocated itself never depends on a dynamic value (the
+  plan refuses the capture if it would), and a launch skipped because a dynamic size was 0
+  at recording time has no node to patch (the plan asks for a later recording).
 - An input that something other than a jit launch touches (a torch op, seen by the observer;
   a foreign kernel or copy node, seen by scanning parameters) cannot be patched: it is staged
   (copied into a recorded buffer at the start of the graph) and, if written, copied back at
-  the end. Inputs that overlap each other are staged too (which one a pointer belongs to is
-  ambiguous); overlapping inputs that are also written cannot be graphed at all.
+  the end. A kernel node whose parameters cannot be read stages every input. Inputs that
+  overlap each other are staged too (which one a pointer belongs to is ambiguous);
+  overlapping inputs that are also written cannot be graphed at all.
 """
 
 from __future__ import annotations
 
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import attrs
 
@@ -37,7 +45,11 @@ class InputRange:
 
 @attrs.frozen
 class ParamView:
-    """A jit parameter as the plan needs it (a subset of jitcore's ParamRecord)."""
+    """A jit parameter as the plan needs it (a subset of jitcore's ParamRecord).
+
+    ``evaluate(scalars)`` recomputes a scalar parameter from ``scalars[k]``, the value of jit
+    argument ``k``; ``offset_evaluate(scalars)`` likewise recomputes a pointer's byte offset
+    from its tensor's data pointer, where ``offset_scalar_args`` is not empty."""
 
     index: int
     offset: int
@@ -45,9 +57,33 @@ class ParamView:
     fmt: str
     kind: str  # "pointer", "scalar", "constant"
     read_only: bool = False
-    expression: str | None = None  # scalars: with {k} for jit argument k
+    expression: str | None = None  # scalars, for messages: with {k} for jit argument k
     convert: object = None
     scalar_args: tuple[int, ...] = ()  # scalars: the jit arguments the value depends on
+    evaluate: Callable | None = None
+    byte_offset: int = 0  # pointers: the address minus the tensor argument's data pointer
+    offset_scalar_args: tuple[int, ...] = ()
+    offset_evaluate: Callable | None = None
+
+
+@attrs.frozen
+class ConfigView:
+    """A launch dimension computed from runtime scalar arguments."""
+
+    field: str  # "grid_x" ... "block_z", "shared"
+    scalar_args: tuple[int, ...]
+    evaluate: Callable
+    expression: str = ""
+
+
+@attrs.frozen
+class CheckView:
+    """An index bounds check of the call state, computed from runtime scalar arguments:
+    passes when ``-size(scalars) <= value(scalars) < size(scalars)``."""
+
+    scalar_args: tuple[int, ...]
+    value: Callable
+    size: Callable
 
 
 @attrs.frozen
@@ -59,9 +95,15 @@ class LaunchView:
     param_bytes: bytes
     params: tuple[ParamView, ...]
     # jit argument index -> Python source of its value: an expression over the dynamic leaves
-    # for dynamic scalars, a literal for plain numbers (other arguments are absent)
+    # (``_d2``) and named constants (``_k0``, values in ``constants``); other arguments absent
     scalar_sources: Mapping[int, str] = attrs.Factory(dict)
     dynamic_args: frozenset[int] = frozenset()
+    constants: Mapping[str, object] = attrs.Factory(dict)
+    config: tuple[ConfigView, ...] = ()
+    launched: bool = True  # False: a grid dimension was 0, so nothing was launched
+    node: int | None = None  # the graph node it became (raw handle), where the backend says
+    checks: tuple[CheckView, ...] = ()
+    staging_input: int | None = None  # a staging copy of this input (leaf index) made by replay itself
 
 
 @attrs.frozen
@@ -71,6 +113,7 @@ class NodeView:
     function: int = 0
     params: tuple[bytes, ...] | None = None  # kernel nodes: each parameter's bytes, if known
     pointers: tuple[int, ...] | None = ()  # memcpy/memset: addresses touched; None = unknown
+    handle: int = 0  # the node's raw handle
 
 
 @attrs.frozen
@@ -80,7 +123,10 @@ class PointerBinding:
     param: int
     offset: int
     input: int  # leaf index
-    delta: int
+    delta: int  # recorded address minus the input's recorded data pointer
+    dynamic: bool = False  # the view offset depends on dynamic scalars (recomputed each replay)
+    recorded_offset: int = 0  # dynamic: the byte offset the recording used
+    offset_evaluate: Callable | None = None
 
 
 @attrs.frozen
@@ -90,8 +136,25 @@ class ScalarBinding:
     param: int
     offset: int
     fmt: str
-    source: str  # Python source over the dynamic leaves
+    evaluate: Callable
     convert: object = None
+    expression: str = ""
+
+
+@attrs.frozen
+class ConfigBinding:
+    node: int
+    launch: int
+    field: str
+    evaluate: Callable
+    expression: str = ""
+
+
+@attrs.frozen
+class CheckBinding:
+    launch: int
+    value: Callable
+    size: Callable
 
 
 @attrs.define
@@ -99,11 +162,24 @@ class Plan:
     matches: list[tuple[int, int]] = attrs.Factory(list)  # (launch index, node index)
     pointers: list[PointerBinding] = attrs.Factory(list)
     scalars: list[ScalarBinding] = attrs.Factory(list)
+    configs: list[ConfigBinding] = attrs.Factory(list)
+    checks: list[CheckBinding] = attrs.Factory(list)  # index checks every replay must pass
+    # launch index -> the Python source of each jit argument replay recomputes (None elsewhere)
+    arguments: dict[int, tuple[str | None, ...]] = attrs.Factory(dict)
+    constants: dict[str, object] = attrs.Factory(dict)
     choices: dict[int, str] = attrs.Factory(dict)  # input leaf index -> REBOUND / STAGED / UNUSED
     reasons: dict[int, list[str]] = attrs.Factory(dict)
     needs_staging: set[int] = attrs.Factory(set)  # inputs that must be staged (not staged this capture)
     needs_copy_back: set[int] = attrs.Factory(set)
     failure: str | None = None  # why this capture cannot be used at all
+    retry_later: str | None = None  # why this capture cannot be used, though a later one may
+
+
+def evaluator_from_expression(expression: str, arg_count: int) -> Callable:
+    """An ``evaluate(scalars)`` from a ``{k}`` expression (records that carry no evaluator)."""
+    source = expression.format(*[f"_s[{k}]" for k in range(arg_count)])
+    namespace = {"__builtins__": {}, "min": min, "max": max}
+    return eval(compile(f"lambda _s: {source}", "<replay scalar expression>", "eval"), namespace)
 
 
 def _owners(inputs: Sequence[InputRange], address: int) -> list[InputRange]:
@@ -114,8 +190,10 @@ def _owners(inputs: Sequence[InputRange], address: int) -> list[InputRange]:
 
 
 def _pointer_words(data: bytes) -> list[int]:
-    """8-byte aligned words of a parameter's bytes (where a pointer could be)."""
-    return [struct.unpack_from("<Q", data, i)[0] for i in range(0, len(data) - 7, 8)]
+    """Every 8-byte window at a 4-byte aligned offset of a parameter's bytes: where a pointer
+    could be, also inside packed structs. A word that merely looks like an input's address
+    makes the plan stage that input, which is safe."""
+    return [struct.unpack_from("<Q", data, i)[0] for i in range(0, len(data) - 7, 4)]
 
 
 def _overlapping(inputs: Sequence[InputRange]) -> dict[int, set[int]]:
@@ -128,21 +206,59 @@ def _overlapping(inputs: Sequence[InputRange]) -> dict[int, set[int]]:
     return overlaps
 
 
+def _provenance(launch: LaunchView) -> tuple:
+    """What decides how a launch is patched: equal for launches that may be swapped."""
+    return (
+        tuple(
+            (p.kind, p.read_only, p.scalar_args, p.expression, p.offset_scalar_args, p.byte_offset)
+            for p in launch.params
+        ),
+        tuple(sorted((k, v) for k, v in launch.scalar_sources.items())),
+        tuple((c.field, c.scalar_args, c.expression) for c in launch.config),
+    )
+
+
 def match_launches(
     launches: Sequence[LaunchView], nodes: Sequence[NodeView]
 ) -> tuple[list[tuple[int, int]], str | None]:
-    """Pair each jit launch with the kernel node that holds it, in capture order where possible."""
+    """Pair each jit launch that ran with the kernel node that holds it."""
+    kernels = [n for n in nodes if n.kind == "kernel"]
+    by_handle = {n.handle: n for n in kernels if n.handle}
     used: set[int] = set()
     matches = []
     cursor = 0
-    kernels = [n for n in nodes if n.kind == "kernel"]
     for number, launch in enumerate(launches):
+        if not launch.launched:
+            continue
         wanted = [launch.param_bytes[p.offset : p.offset + p.size] for p in launch.params]
+        if launch.node is not None:
+            node = by_handle.get(launch.node)
+            if node is None or node.function != launch.function or node.index in used:
+                return matches, f"jit launch {number} ({launch.kernel}) is not the graph node the capture reported"
+            if node.params is not None and list(node.params) != wanted:
+                return matches, f"the graph node of jit launch {number} ({launch.kernel}) holds other parameters"
+            used.add(node.index)
+            matches.append((number, node.index))
+            continue
+        twins = [
+            other
+            for other in launches
+            if other is not launch
+            and other.launched
+            and other.function == launch.function
+            and other.param_bytes == launch.param_bytes
+        ]
+        if any(_provenance(other) != _provenance(launch) for other in twins):
+            return (
+                matches,
+                f"jit launch {number} ({launch.kernel}) has the same parameter bytes as another launch whose "
+                "parameters come from elsewhere, and this backend cannot say which graph node is which",
+            )
         order = kernels[cursor:] + kernels[:cursor]
         for node in order:
             if node.index in used or node.function != launch.function or node.params is None:
                 continue
-            if list(node.params[: len(wanted)]) == wanted and len(node.params) == len(wanted):
+            if list(node.params) == wanted:
                 used.add(node.index)
                 matches.append((number, node.index))
                 cursor = (kernels.index(node) + 1) % max(len(kernels), 1)
@@ -153,6 +269,11 @@ def match_launches(
                 f"jit launch {number} ({launch.kernel}) was not found among the captured graph's kernel nodes",
             )
     return matches, None
+
+
+def _arguments_source(launch: LaunchView, needed: set[int]) -> tuple[str | None, ...]:
+    count = max(needed) + 1
+    return tuple(launch.scalar_sources.get(k) for k in range(count))
 
 
 def build_plan(
@@ -170,11 +291,19 @@ def build_plan(
 
     ``staged``/``copied_back``: inputs that were staged (and copied back) in this capture.
     ``torch_read``/``torch_written``: inputs the observer saw torch ops read/write.
-    ``scanned``: whether foreign kernel parameters could be read (False on HIP).
+    ``scanned``: whether every foreign kernel's parameters could be read (False on HIP).
     """
     plan = Plan()
     by_index = {r.index: r for r in inputs}
     overlaps = _overlapping(inputs)
+
+    for launch in launches:
+        if not launch.launched and any(set(c.scalar_args) & launch.dynamic_args for c in launch.config):
+            plan.retry_later = (
+                f"{launch.kernel} was skipped while recording (a grid size computed from a dynamic scalar was 0), "
+                "so the graph has no node for it"
+            )
+            return plan
     plan.matches, plan.failure = match_launches(launches, nodes)
     if plan.failure:
         return plan
@@ -186,67 +315,150 @@ def build_plan(
         if copy_back and index not in copied_back:
             plan.needs_copy_back.add(index)
 
+    def depends_on_dynamic(launch: LaunchView, args: Sequence[int], what: str) -> bool:
+        if not set(args) & launch.dynamic_args:
+            return False  # depends on constants only: fixed for this graph
+        missing = [k for k in args if k not in launch.scalar_sources]
+        if missing:
+            plan.failure = f"{launch.kernel}: {what} depends on arguments {missing} whose values replay cannot follow"
+        return True
+
     jit_nodes = {node for _, node in plan.matches}
     written_by_jit: set[int] = set()
     for launch_number, node_index in plan.matches:
         launch = launches[launch_number]
+        needed: set[int] = set()
         for param in launch.params:
             raw = launch.param_bytes[param.offset : param.offset + param.size]
             if param.kind == "pointer":
                 (address,) = struct.unpack("<Q", raw)
                 owners = _owners(inputs, address)
-                if len(owners) == 1 and owners[0].index not in overlaps:
+                own = by_index.get(launch.staging_input) if launch.staging_input is not None else None
+                staging_copy = own is not None and address == own.lo
+                if staging_copy:
+                    owners = [own]  # our own copy of this very input: bound to it, overlaps or not
+                dynamic = depends_on_dynamic(launch, param.offset_scalar_args, f"the offset of pointer {param.index}")
+                if plan.failure:
+                    return plan
+                if dynamic and not owners:
+                    plan.failure = (
+                        f"{launch.kernel}: pointer parameter {param.index} points into memory the region allocated, "
+                        "at an offset computed from a dynamic scalar; replay rebinds only region inputs"
+                    )
+                    return plan
+                if len(owners) == 1 and (owners[0].index not in overlaps or staging_copy):
                     # (a staged input's own memory is reached only by our staging copies,
                     # whose pointers must follow the input like any other)
                     owner = owners[0]
+                    if dynamic:
+                        needed |= set(param.offset_scalar_args)
                     plan.pointers.append(
                         PointerBinding(
-                            node_index, launch_number, param.index, param.offset, owner.index, address - owner.lo
+                            node_index,
+                            launch_number,
+                            param.index,
+                            param.offset,
+                            owner.index,
+                            address - owner.lo,
+                            dynamic=dynamic,
+                            recorded_offset=param.byte_offset,
+                            offset_evaluate=param.offset_evaluate if dynamic else None,
                         )
                     )
                     if not param.read_only:
                         written_by_jit.add(owner.index)
                 elif owners:
+                    if dynamic:
+                        plan.failure = (
+                            f"{launch.kernel}: pointer parameter {param.index} points into overlapping inputs at an "
+                            "offset computed from a dynamic scalar"
+                        )
+                        return plan
                     for owner in owners:
                         need(
                             owner.index,
                             f"it overlaps another input and {launch.kernel} points into it",
                             copy_back=not param.read_only,
                         )
-            elif param.kind == "scalar" and param.expression is not None:
-                if not set(param.scalar_args) & launch.dynamic_args:
-                    continue  # depends on constants only: fixed for this graph
-                count = max(param.scalar_args) + 1
-                missing = [k for k in param.scalar_args if k not in launch.scalar_sources]
-                if missing:
-                    plan.failure = (
-                        f"{launch.kernel}: scalar parameter {param.index} depends on unknown arguments {missing}"
-                    )
+                        if not param.read_only:
+                            written_by_jit.add(owner.index)
+            elif param.kind == "scalar" and (param.evaluate is not None or param.expression is not None):
+                if not depends_on_dynamic(launch, param.scalar_args, f"scalar parameter {param.index}"):
+                    continue
+                if plan.failure:
                     return plan
-                source = param.expression.format(*[launch.scalar_sources.get(k, "None") for k in range(count)])
+                needed |= set(param.scalar_args)
+                evaluate = param.evaluate or evaluator_from_expression(param.expression, max(param.scalar_args) + 1)
                 plan.scalars.append(
                     ScalarBinding(
-                        node_index, launch_number, param.index, param.offset, param.fmt, source, param.convert
+                        node_index,
+                        launch_number,
+                        param.index,
+                        param.offset,
+                        param.fmt,
+                        evaluate,
+                        param.convert,
+                        param.expression or "",
                     )
                 )
+        for config in launch.config:
+            if not depends_on_dynamic(launch, config.scalar_args, f"launch dimension {config.field}"):
+                continue
+            if plan.failure:
+                return plan
+            if not config.field.startswith("grid"):
+                plan.failure = (
+                    f"{launch.kernel}: its {config.field.replace('_', ' ')} size is computed from a dynamic scalar; "
+                    "replay patches grid sizes only (pass that value as a plain argument: one graph per value)"
+                )
+                return plan
+            needed |= set(config.scalar_args)
+            plan.configs.append(
+                ConfigBinding(node_index, launch_number, config.field, config.evaluate, config.expression)
+            )
+        if needed:
+            plan.arguments[launch_number] = _arguments_source(launch, needed)
+            plan.constants.update(launch.constants)
+    for launch_number, launch in enumerate(launches):  # launched or not: the call state checked
+        needed = set()
+        for check in launch.checks:
+            if not depends_on_dynamic(launch, check.scalar_args, "an index"):
+                continue
+            if plan.failure:
+                return plan
+            needed |= set(check.scalar_args)
+            plan.checks.append(CheckBinding(launch_number, check.value, check.size))
+        if needed:
+            needed |= {k for k, s in enumerate(plan.arguments.get(launch_number, ())) if s is not None}
+            plan.arguments[launch_number] = _arguments_source(launch, needed)
+            plan.constants.update(launch.constants)
+    unknown_kernel = False
     for node in nodes:
         if node.index in jit_nodes:
             continue
         words: list[int] | None
         if node.kind == "kernel":
             words = None if node.params is None else [w for p in node.params for w in _pointer_words(p)]
+            unknown_kernel |= words is None
         elif node.kind in ("memcpy", "memset"):
             words = (
                 None if node.pointers is None or (node.kind == "memcpy" and not node.pointers) else list(node.pointers)
             )
+            if words is None:
+                for owner in inputs:
+                    need(owner.index, f"a {node.kind} node whose addresses cannot be read may touch it", copy_back=True)
+                continue
         else:
             continue
         if words is None:
-            continue  # unknown: the observer covers torch ops; see docs for other kernels
+            continue
         for word in words:
             for owner in _owners(inputs, word):
                 if owner.index not in staged:
                     need(owner.index, f"a non-jit {node.kind} node reads or writes it", copy_back=True)
+    if unknown_kernel or not scanned:
+        for owner in inputs:
+            need(owner.index, "a kernel node whose parameters cannot be read may touch it", copy_back=True)
     for index in torch_read:
         if index in by_index:
             need(index, "a torch op reads it", copy_back=index in torch_written)
@@ -256,8 +468,11 @@ def build_plan(
     for index in written_by_jit & plan.needs_staging:
         if index not in copied_back:
             plan.needs_copy_back.add(index)
+    # Staged buffers are separate copies: they keep overlapping inputs apart, which is exact
+    # only while nothing writes them. Refuse before any graph of that kind is launched.
+    written = torch_written | written_by_jit | copied_back | plan.needs_copy_back
     for index, partners in overlaps.items():
-        if (index in torch_written or index in written_by_jit or index in copied_back) and partners:
+        if index in written and partners:
             plan.failure = (
                 f"input {by_index[index].path} overlaps {', '.join(by_index[p].path for p in sorted(partners))} "
                 "and is written: its aliasing cannot be reproduced by a graph"

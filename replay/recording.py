@@ -15,11 +15,14 @@ session's pool is private and nothing captured runs until the graph is launched)
 from __future__ import annotations
 
 import contextlib
+import enum
+import itertools
 import time
 import warnings
 from collections.abc import Sequence
 
 import attrs
+import numpy as np
 import torch
 
 import jitcore
@@ -55,14 +58,27 @@ class CaptureRetry(Exception):
     """The capture showed more inputs must be staged; record again with them."""
 
 
-class _Recorder:
-    """The jitcore recorder: keeps every launch, refuses every miss."""
+#: Held exclusively by every recording (capture begin to instantiate) and by whatever must
+#: not run while another thread captures (a device-wide synchronize, emptying the
+#: allocator's cache); held shared by eager runs of regions and jit compiles, which may load
+#: modules (see jitcore.recorder.CaptureExclusion). Sessions in different threads take turns
+#: recording and replay concurrently.
+CAPTURES = jitcore.recorder.CAPTURES
 
-    def __init__(self) -> None:
+
+class _Recorder:
+    """The jitcore recorder: keeps every launch (and the graph node it became, where the
+    backend can say), refuses every miss."""
+
+    def __init__(self, backend) -> None:
         self.records: list = []
+        self.nodes: list[int | None] = []
+        self.backend = backend
 
     def launch(self, record) -> None:
         self.records.append(record)
+        tail = self.backend.capture_tail(record.stream) if getattr(record, "launched", True) else None
+        self.nodes.append(tail[0] if tail and len(tail) == 1 else None)
 
     def miss(self, description: str) -> None:
         raise CaptureMissError(f"{description} (during replay recording: compile eagerly first)")
@@ -88,6 +104,9 @@ class Capture:
     seconds: float  # capture + instantiate
     memory: int  # bytes the pool grew by
     timings: dict = attrs.Factory(dict)  # seconds per phase, for benchmarks and reports
+    output_bytes: int = 0  # memory of the outputs' own buffers (outside the pool)
+    staging_launches: dict = attrs.Factory(dict)  # record index -> input index (our staging copies)
+    launch_nodes: list = attrs.Factory(list)  # per record: the graph node it became (raw handle) or None
     nodes: list = attrs.Factory(list)
     plan: rebinding.Plan | None = None
 
@@ -126,36 +145,54 @@ def pool_bytes(device: int, pool: tuple) -> int:
         )
 
 
-def _end_capture_after_error(graph: torch.cuda.CUDAGraph, device: int, pool: tuple) -> None:
-    """Leave no capture running and the allocator routing no allocation to the pool."""
+def _end_capture_after_error(graph: torch.cuda.CUDAGraph, device: int, pool: tuple) -> bool:
+    """Leave no capture running and the device allocator routing nothing to the pool.
+
+    Returns True when the pool must not be captured into again: where torch's
+    ``capture_end`` fails (the capture was invalidated), it skips ending the pool's routing,
+    and while the device allocator's can be ended from Python, the pinned host allocator's
+    cannot, so the next ``capture_begin`` on that pool would fail ("already recording to
+    mempool_id"). The session then moves its recordings to a fresh pool."""
+    spoiled = False
     try:
         graph.capture_end()
     except Exception:
-        # cudaStreamEndCapture failed (an invalidated capture ends anyway); torch skipped
-        # ending its allocation to the pool, so do it here.
-        for name in ("_cuda_endAllocateToPool", "_cuda_releasePool"):  # balance capture_begin
-            call = getattr(torch._C, name, None)
-            if call is not None:
-                try:
-                    call(device, pool)
-                except Exception:
-                    pass
+        spoiled = True
+        end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+        if end is not None:
+            try:
+                end(device, pool)
+            except Exception:
+                pass  # already ended (a torch that ends routing before checking the capture)
     try:
         graph.reset()
     except Exception:
         pass
     _repair_generator(device)
+    return spoiled
 
 
 def _repair_generator(device: int) -> None:
-    """torch (before 2.12) leaves the default CUDA generator in capture mode when a capture
-    fails at its end (pytorch#171263), after which every random op raises; hand it a fresh
-    copy of its own state, which is not capturing."""
+    """torch leaves the default CUDA generator in capture mode when a capture fails at its
+    end (pytorch#171263), after which every random op raises "Offset increment outside graph
+    capture". Give it a fresh state (not capturing) with the same seed and offset: the failed
+    capture drew nothing that counts."""
     try:
         generator = torch.cuda.default_generators[device]
-        generator.graphsafe_set_state(generator.clone_state())
+        fresh = torch.Generator(device=f"cuda:{device}")
+        fresh.manual_seed(generator.initial_seed())
+        fresh.set_offset(generator.get_offset())
+        generator.graphsafe_set_state(fresh.graphsafe_get_state())
     except Exception:
-        pass
+        try:
+            generator.graphsafe_set_state(generator.clone_state())
+        except Exception:
+            pass
+
+
+class SpoiledPool(CaptureFailed):
+    """A capture failed in a way that leaves its memory pool unusable for further captures
+    (see :func:`_end_capture_after_error`); the session moves to a fresh pool."""
 
 
 def _scalar_or_none(value: object) -> object:
@@ -165,7 +202,10 @@ def _scalar_or_none(value: object) -> object:
     return None
 
 
-def _launch_view(record, dynamic_args: set[int], sources: dict[int, str]) -> rebinding.LaunchView:
+_literal_names = itertools.count()
+
+
+def _launch_view(record, node: int | None, staging_input: int | None = None) -> rebinding.LaunchView:
     params = tuple(
         rebinding.ParamView(
             index=p.index,
@@ -177,31 +217,58 @@ def _launch_view(record, dynamic_args: set[int], sources: dict[int, str]) -> reb
             expression=p.expression,
             convert=p.convert,
             scalar_args=p.scalar_args,
+            evaluate=p.evaluate,
+            byte_offset=p.byte_offset,
+            offset_scalar_args=getattr(p, "offset_scalar_args", ()),
+            offset_evaluate=getattr(p, "offset_evaluate", None),
         )
         for p in record.params
     )
+    config = tuple(
+        rebinding.ConfigView(c.field, tuple(c.scalar_args), c.evaluate, getattr(c, "expression", ""))
+        for c in getattr(record, "dynamic_config", ())
+    )
+    sources, dynamic, constants = {}, set(), {}
+    for k, arg in enumerate(record.args):
+        if isinstance(arg, DynamicScalar):
+            sources[k] = arg.source
+            constants.update(arg.constants)
+            dynamic.add(k)
+        elif isinstance(arg, _NUMBERS) or hasattr(arg, "__jit_scalar__"):
+            # a plain number: bound by name, never pasted into generated code by its repr
+            name = f"_lit{next(_literal_names)}"
+            constants[name] = arg.__jit_scalar__() if hasattr(arg, "__jit_scalar__") else arg
+            sources[k] = name
+    checks = tuple(rebinding.CheckView(tuple(c.scalar_args), c.value, c.size) for c in getattr(record, "checks", ()))
     return rebinding.LaunchView(
+        checks=checks,
+        staging_input=staging_input,
         function=record.function,
         kernel=record.kernel,
         param_bytes=record.param_bytes,
         params=params,
         scalar_sources=sources,
-        dynamic_args=frozenset(dynamic_args),
+        dynamic_args=frozenset(dynamic),
+        constants=constants,
+        config=config,
+        launched=getattr(record, "launched", True),
+        node=node,
     )
 
 
-def launch_views(records: Sequence) -> list[rebinding.LaunchView]:
-    views = []
-    for record in records:
-        sources, dynamic = {}, set()
-        for k, arg in enumerate(record.args):
-            if isinstance(arg, DynamicScalar):
-                sources[k], _ = arg.source, dynamic.add(k)
-            elif isinstance(arg, _NUMBERS) or hasattr(arg, "__jit_scalar__"):
-                value = arg.__jit_scalar__() if hasattr(arg, "__jit_scalar__") else arg
-                sources[k] = repr(value)
-        views.append(_launch_view(record, dynamic, sources))
-    return views
+def launch_views(
+    records: Sequence, nodes: Sequence[int | None] | None = None, staging: dict[int, int] | None = None
+) -> list[rebinding.LaunchView]:
+    nodes = nodes if nodes is not None else [None] * len(records)
+    staging = staging or {}
+    return [_launch_view(record, node, staging.get(n)) for n, (record, node) in enumerate(zip(records, nodes))]
+
+
+def _handle(node) -> int:
+    try:
+        return int(node.handle or 0)
+    except (TypeError, ValueError):
+        return 0
 
 
 def node_views(backend, nodes: Sequence, records: Sequence) -> tuple[list[rebinding.NodeView], bool]:
@@ -219,11 +286,11 @@ def node_views(backend, nodes: Sequence, records: Sequence) -> tuple[list[rebind
                 params = None
             else:
                 params = tuple(backend.read_kernel_params(node, sizes))
-            views.append(rebinding.NodeView(node.index, "kernel", node.function, params))
+            views.append(rebinding.NodeView(node.index, "kernel", node.function, params, handle=_handle(node)))
         elif node.kind in ("memcpy", "memset"):
-            views.append(rebinding.NodeView(node.index, node.kind, pointers=tuple(node.pointers)))
+            views.append(rebinding.NodeView(node.index, node.kind, pointers=tuple(node.pointers), handle=_handle(node)))
         else:
-            views.append(rebinding.NodeView(node.index, node.kind))
+            views.append(rebinding.NodeView(node.index, node.kind, handle=_handle(node)))
     return views, scanned
 
 
@@ -273,21 +340,62 @@ def capture(
     watched = [(r.lo, r.hi) for r in inputs] + [(b.data_ptr(), b.data_ptr() + extent_bytes(b)) for b in staged.values()]
     watched_index = [r.index for r in inputs] + list(staged)
     observer = TorchOpObserver(watched) if observe else contextlib.nullcontext(_NoObservation())
-    recorder = _Recorder()
+    with CAPTURES.exclusive():
+        return _capture_locked(
+            fn,
+            args,
+            kwargs,
+            leaves,
+            tensors,
+            inputs,
+            staged,
+            watched,
+            watched_index,
+            observer,
+            device,
+            pool,
+            stream,
+            copy_back,
+            timings,
+        )
+
+
+def _capture_locked(
+    fn,
+    args,
+    kwargs,
+    leaves,
+    tensors,
+    inputs,
+    staged,
+    watched,
+    watched_index,
+    observer,
+    device,
+    pool,
+    stream,
+    copy_back,
+    timings,
+) -> Capture:
+    clock = time.perf_counter
+    backend = get_backend()
+    recorder = _Recorder(backend)
     graph = torch.cuda.CUDAGraph(keep_graph=True)
     pool_before = pool_bytes(device, pool)
     timings["prepare"] = clock() - timings.pop("start")
     started = clock()
     copied_back: set[int] = set()
+    staging_launches: dict[int, int] = {}  # record index -> the input a staging copy reads or writes
     with torch.cuda.stream(stream):
         try:
             graph.capture_begin(pool=pool, capture_error_mode="thread_local")
         except Exception as exc:
             _repair_generator(device)
-            raise CaptureFailed(f"the capture could not start: {str(exc).strip().splitlines()[0]}") from exc
+            raise CaptureFailed(f"the capture could not start: {_first_line(exc)}") from exc
         try:
             with jitcore.recorder.recording(recorder), observer as observer:
                 for i, buffer in staged.items():
+                    staging_launches[len(recorder.records)] = i
                     staging.copy(tensors[i], buffer)
                 first_region_launch = len(recorder.records)
                 outputs = fn(*args, **kwargs)
@@ -301,39 +409,53 @@ def capture(
                                     written.add(i)
                 for i, buffer in staged.items():
                     if i in written or i in copy_back:
+                        staging_launches[len(recorder.records)] = i
                         staging.copy(buffer, tensors[i])
                         copied_back.add(i)
+                _refuse_written_overlaps(inputs, staged, written | copied_back)
         except CaptureMissError as exc:
-            _end_capture_after_error(graph, device, pool)
+            if _end_capture_after_error(graph, device, pool):
+                raise SpoiledPool(str(exc)) from exc
             raise CaptureAborted(str(exc)) from exc
-        except DynamicScalarError as exc:
-            _end_capture_after_error(graph, device, pool)
-            raise CaptureFailed(str(exc)) from exc
+        except (DynamicScalarError, CaptureFailed) as exc:
+            failed = SpoiledPool if _end_capture_after_error(graph, device, pool) else CaptureFailed
+            raise failed(str(exc)) from exc
         except Exception as exc:
-            _end_capture_after_error(graph, device, pool)
-            first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-            raise CaptureFailed(f"{type(exc).__name__} while capturing: {first_line}") from exc
+            failed = SpoiledPool if _end_capture_after_error(graph, device, pool) else CaptureFailed
+            raise failed(f"{type(exc).__name__} while capturing: {_first_line(exc)}") from exc
         try:
             graph.capture_end()
         except Exception as exc:
             _end_capture_after_error(graph, device, pool)
-            raise CaptureFailed(f"the capture was invalidated: {str(exc).strip().splitlines()[0]}") from exc
+            raise SpoiledPool(f"the capture was invalidated: {_first_line(exc)}") from exc
+        try:
+            outputs, output_bytes = own_outputs(outputs, watched, device, backend, graph, stream)
+        except Exception as exc:
+            graph.reset()
+            if isinstance(exc, CaptureFailed):
+                raise
+            raise CaptureFailed(
+                f"{type(exc).__name__} while giving the outputs their own memory: {_first_line(exc)}"
+            ) from exc
     timings["capture"] = clock() - started
     # Records must not keep the capture's tensors alive: intermediates freed now return to
     # the pool, where the next graph recorded into it reuses them.
     records = [attrs.evolve(r, args=tuple(_scalar_or_none(a) for a in r.args)) for r in recorder.records]
-    del args, kwargs, capture_leaves
+    del args, kwargs
     graph.instantiate()
     seconds = clock() - started
     timings["instantiate"] = seconds - timings["capture"]
     measured = clock()
-    memory = max(pool_bytes(device, pool) - pool_before, 0)
+    memory = max(pool_bytes(device, pool) - pool_before, 0) + output_bytes
     timings["pool size"] = clock() - measured
     return Capture(
         graph=graph,
         device=device,
         outputs=outputs,
         records=records,
+        launch_nodes=list(recorder.nodes),
+        staging_launches=staging_launches,
+        output_bytes=output_bytes,
         inputs=inputs,
         input_dtypes={i: t.dtype for i, t in tensors.items()},
         dynamic_values={i: leaf.value for i, leaf in enumerate(leaves) if isinstance(leaf, Dynamic)},
@@ -357,7 +479,7 @@ def analyse(capture: Capture) -> None:
     views, scanned = node_views(backend, capture.nodes, capture.records)
     plan = rebinding.build_plan(
         capture.inputs,
-        launch_views(capture.records),
+        launch_views(capture.records, capture.launch_nodes or None, capture.staging_launches),
         views,
         staged=set(capture.staged),
         copied_back=capture.copied_back,
@@ -368,14 +490,146 @@ def analyse(capture: Capture) -> None:
     capture.timings["analyse"] = time.perf_counter() - started
     if plan.failure:
         raise CaptureFailed(plan.failure)
+    if plan.retry_later:
+        raise CaptureAborted(plan.retry_later)
     if plan.needs_staging or plan.needs_copy_back:
         raise CaptureRetry(plan)
     capture.plan = plan
 
 
-def first_outputs(capture: Capture) -> object:
+def _overlapping_staged(inputs: Sequence[rebinding.InputRange], staged: dict) -> set[int]:
+    """Staged inputs that overlap another input. Their staged buffers are separate copies,
+    exact only while nothing writes them."""
+    found = set()
+    for a in inputs:
+        for b in inputs:
+            if a.index != b.index and a.lo < b.hi and b.lo < a.hi and a.index in staged:
+                found.add(a.index)
+    return found
+
+
+def _refuse_written_overlaps(inputs, staged: dict, written: set[int]) -> None:
+    """Called inside the capture, before the graph is ever launched: the region writes an
+    input that overlaps another one, so separate staged copies would not see each other."""
+    bad = _overlapping_staged(inputs, staged) & written
+    if bad:
+        names = ", ".join(r.path for r in inputs if r.index in bad)
+        raise CaptureFailed(f"input {names} overlaps another input and is written: a graph cannot reproduce that")
+
+
+def _first_line(exc: BaseException) -> str:
+    """The first line of an exception's message ("" when it has none)."""
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
+
+
+_CONSTANT_OUTPUTS = (
+    bool,
+    int,
+    float,
+    complex,
+    str,
+    bytes,
+    type(None),
+    torch.dtype,
+    torch.device,
+    enum.Enum,
+    np.generic,
+)
+
+
+def own_outputs(
+    outputs: object, watched: Sequence[tuple[int, int]], device: int, backend, graph, stream
+) -> tuple[object, int]:
+    """Give the graph's tensor outputs memory of their own, outside the session's pool.
+
+    Inside the pool, an output can sit where an earlier graph keeps its scratch, and a replay
+    of that graph would overwrite it while the caller still holds it (or passes it to another
+    region). So once the region is captured, buffers are allocated outside the pool and copies
+    of the outputs into them are appended to the graph (captured into it, after every node),
+    and the caller gets views of those buffers with the outputs' exact layout. Outputs that
+    share storage share a buffer, so their aliasing is kept. Outputs inside the inputs
+    (``watched`` byte ranges) stay what they are. Raises CaptureFailed for outputs a graph
+    cannot reproduce. Returns (outputs, bytes allocated)."""
+    spec, leaves, paths = flatten((outputs,), {}, walk_dataclasses=True)
+    groups: dict[int, list[int]] = {}
+    for i, leaf in enumerate(leaves):
+        where = paths[i].replace("args[0]", "output", 1)
+        if isinstance(leaf, DynamicScalar) or isinstance(leaf, _CONSTANT_OUTPUTS):
+            continue
+        if not isinstance(leaf, torch.Tensor):
+            raise CaptureFailed(
+                f"the region returned a {type(leaf).__qualname__} ({where}); a replay can only return tensors, "
+                "numbers, strings and tuples, lists, dicts, named tuples or dataclasses of those"
+            )
+        if leaf.requires_grad:
+            raise CaptureFailed(
+                f"{where} requires grad; replay does not record autograd (run the loop under torch.no_grad() "
+                "or torch.inference_mode())"
+            )
+        lo, hi = leaf.data_ptr(), leaf.data_ptr() + extent_bytes(leaf)
+        if any(a <= lo and hi <= b for a, b in watched):
+            continue  # a view of an input: rebuilt on the caller's input at each replay
+        if leaf.device.type != "cuda":
+            raise CaptureFailed(f"{where} is a tensor on {leaf.device} the region made; a graph cannot produce it")
+        if type(leaf) is not torch.Tensor:
+            raise CaptureFailed(f"{where} is a {type(leaf).__qualname__}; replay returns plain tensors only")
+        if leaf.numel() == 0:  # no bytes to keep (and maybe no address): a fresh empty tensor
+            leaves[i] = torch.empty_strided(leaf.shape, leaf.stride(), dtype=leaf.dtype, device=leaf.device)
+            continue
+        groups.setdefault(leaf.untyped_storage().data_ptr(), []).append(i)
+    if not groups:
+        return unflatten(spec, leaves)[0][0], 0
+    new_leaves = list(leaves)
+    total = 0
+    copies = []
+    for members in groups.values():
+        storage = leaves[members[0]].untyped_storage()
+        base = storage.data_ptr()
+        lo = max(min(leaves[i].data_ptr() for i in members) & ~15, base)
+        hi = max(leaves[i].data_ptr() + extent_bytes(leaves[i]) for i in members)
+        buffer = torch.empty(max(hi - lo, 1), dtype=torch.uint8, device=f"cuda:{device}")
+        total += buffer.numel()
+        if hi > lo:
+            source = torch.empty(0, dtype=torch.uint8, device=f"cuda:{device}")
+            source.set_(storage, lo - base, (hi - lo,), (1,))
+            copies.append((buffer[: hi - lo], source))
+        for i in members:
+            leaf = leaves[i]
+            offset, remainder = divmod(leaf.data_ptr() - lo, leaf.element_size())
+            if remainder:
+                raise CaptureFailed(f"an output ({paths[i]}) is misaligned within its storage")
+            view = torch.empty(0, dtype=leaf.dtype, device=leaf.device)
+            view.set_(buffer.untyped_storage(), offset, leaf.shape, leaf.stride())
+            new_leaves[i] = view
+    if copies:
+        try:
+            appending = backend.capture_into(graph.raw_cuda_graph(), stream.cuda_stream)
+        except NotImplementedError as exc:
+            raise CaptureFailed(f"{exc}, so its outputs cannot get memory of their own") from None
+        with appending:
+            for destination, source in copies:
+                destination.copy_(source)
+    return unflatten(spec, new_leaves)[0][0], total
+
+
+def first_outputs(capture: Capture, inputs: Sequence) -> object:
     """What the first launch of a fresh capture returns: the capture's own outputs, with
-    dynamic scalars turned into their recorded values."""
-    spec, leaves, _ = flatten((capture.outputs,), {})
-    values = [leaf.value if isinstance(leaf, DynamicScalar) else leaf for leaf in leaves]
+    dynamic scalars turned into their recorded values and views of a staged buffer turned
+    into the same views of the caller's input (``inputs``: the call's leaves), as every
+    replay returns them."""
+    spec, leaves, _ = flatten((capture.outputs,), {}, walk_dataclasses=True)
+    values = []
+    for leaf in leaves:
+        if isinstance(leaf, DynamicScalar):
+            leaf = leaf.value
+        elif isinstance(leaf, torch.Tensor):
+            for i, buffer in capture.staged.items():
+                lo = buffer.data_ptr()
+                if lo <= leaf.data_ptr() and leaf.data_ptr() + extent_bytes(leaf) <= lo + extent_bytes(buffer):
+                    offset = (leaf.data_ptr() - lo) // leaf.element_size()
+                    source = inputs[i]
+                    leaf = torch.as_strided(source, leaf.shape, leaf.stride(), source.storage_offset() + offset)
+                    break
+        values.append(leaf)
     return unflatten(spec, values)[0][0]

@@ -30,7 +30,7 @@ from jitcore.errors import GlobalDriftError
 from replay import keys, observe, recording
 from replay.dynamic import Dynamic
 from replay.errors import ReplayWarning, SessionClosedError
-from replay.graph import RecordedGraph, guard_outputs
+from replay.graph import MISMATCH, RecordedGraph, guard_outputs
 from replay.observe import TorchOpObserver
 from replay.policy import Policy
 from replay.rebinding import STAGED
@@ -69,6 +69,7 @@ class Entry:
         "observed_clean",
         "eager_runs",
         "graph",
+        "uses_rng",
         "guard",
         "key",
         "pre_key",
@@ -94,11 +95,12 @@ class Entry:
         self.capture = None  # a capture waiting for its analysis (state PENDING)
         self.observed_clean = False  # the warm-up ran under the observer and no torch op touched an input
         self.pre_key: tuple | None = None
+        self.uses_rng = False  # the graph advances a generator's offset (it draws random numbers)
 
 
 def _describe_key(key: tuple, limit: int = 96) -> str:
     parts = []
-    for element in key[2:]:
+    for element in key[keys.LEAVES_START :]:
         if isinstance(element, tuple) and len(element) == 6 and isinstance(element[1], tuple):
             parts.append(f"{element[0]}[{','.join(map(str, element[1]))}]")
         elif isinstance(element, tuple) and element and element[0] == "dynamic":
@@ -150,6 +152,7 @@ class Region:
             "_FAST": self.fast,
             "_MISS": _MISS,
             "_TOUCH": self.session.lru.move_to_end,
+            "_DECLINED": MISMATCH,
         }
         drift: list[str] = []
         if self.snapshot is not None:
@@ -176,7 +179,10 @@ class Region:
                 f"                if guard({joined}):",
                 *["                    " + line for line in drift],
                 "                    _TOUCH(entry)",
-                f"                    return run({joined})",
+                f"                    result = run({joined})",
+                "                    if result is not _DECLINED:",
+                "                        return result",
+                "                    return _MISS",
             ]
         lines.append("    return _MISS")
         source = "\n".join(lines) + "\n"
@@ -221,11 +227,18 @@ class Region:
         self.session.touch(entry)
         graph = entry.graph
         every = self.session.policy.verify_every
+        spec = entry.key[1]
         if every and (graph.replays + 1) % every == 0:
             self.session.stats_record.verifications += 1
-            spec = entry.key[1]
-            return graph.verify(leaves, lambda snapshot: self._eager(spec, snapshot))
-        return graph.replay(*leaves)
+            result = graph.verify(leaves, lambda snapshot: self._eager(spec, snapshot))
+        else:
+            result = graph.replay(*leaves)
+        if result is MISMATCH:
+            # the graph cannot serve these values exactly (see replay.graph): the eager run
+            # gives the exact result, or the exact error
+            self.session.stats_record.declined += 1
+            return self._eager(spec, leaves)
+        return result
 
     def _rekey(self, args: tuple, kwargs: dict):
         """The region's globals changed: its graphs were recorded against the old ones."""
@@ -239,10 +252,11 @@ class Region:
         self.session.stats_record.eager_runs += 1
         args, kwargs = keys.unflatten(spec, keys.plain_leaves(leaves))
         if observe is None:
-            return self.fn(*args, **kwargs)
+            with recording.CAPTURES.shared():  # may load kernels: not while another thread captures
+                return self.fn(*args, **kwargs)
         tensors = [(i, leaf) for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
         observer = TorchOpObserver([(t.data_ptr(), t.data_ptr() + keys.extent_bytes(t)) for _, t in tensors])
-        with observer:
+        with recording.CAPTURES.shared(), observer:
             result = self.fn(*args, **kwargs)
         observe.stage_hint |= {tensors[w][0] for w in observer.read}
         observe.copy_back_hint |= {tensors[w][0] for w in observer.written}
@@ -258,6 +272,10 @@ class Region:
             if self.snapshot is None:
                 self.snapshot = jitcore.GlobalsSnapshot(self.fn, owner=f"region {self.name}", prefix="_r")
             try:
+                # Arguments that overlap each other are never staged by a first capture (a
+                # warm-up hint): staged apart, they would stop sharing memory, which is exact
+                # only once an analysis of the graph has shown that nothing writes them.
+                overlapping = {i for pair in key[3] for i in pair} if entry.retries == 0 else set()
                 capture = session.capture(
                     self.fn,
                     spec,
@@ -266,14 +284,15 @@ class Region:
                     device=device,
                     pool=session.pool(device),
                     stream=session.capture_stream(device),
-                    stage=entry.stage_hint,
-                    copy_back=entry.copy_back_hint,
+                    stage=entry.stage_hint - overlapping,
+                    copy_back=entry.copy_back_hint - overlapping,
                     observe=not entry.observed_clean,
                 )
-            except recording.CaptureAborted:
-                session.stats_record.record_retries += 1
-                return self._eager(spec, leaves)  # compiles now; recording is retried next call
+            except recording.CaptureAborted as aborted:
+                return self._retry_later(entry, spec, leaves, str(aborted))
             except recording.CaptureFailed as failure:
+                if isinstance(failure, recording.SpoiledPool):
+                    session.retire_pool(device)
                 return self._give_up(entry, spec, leaves, failure.reason)
             entry.capture = capture
             entry.state = PENDING
@@ -282,9 +301,12 @@ class Region:
             stats.replays += 1  # the first launch of the new graph serves this call
             stats.capture_seconds += capture.seconds
             session.stream_switch(get_backend().current_stream(device))
-            capture.graph.replay()
+            generator = _cuda_generator(device)
+            offset = generator.get_offset() if generator is not None else 0
+            capture.graph.replay()  # torch's replay: it advances the generators the graph draws from
+            entry.uses_rng = generator is not None and generator.get_offset() != offset
             stats.graph_memory_bytes = session.memory_bytes()
-            outputs = recording.first_outputs(capture)
+            outputs = recording.first_outputs(capture, leaves)
             if session.policy.clone_outputs:
                 outputs = _clone_tensors(outputs)
             elif session.policy.check_stale:
@@ -316,6 +338,10 @@ class Region:
             except recording.CaptureFailed as failure:
                 capture.graph.reset()
                 return self._give_up(entry, spec, leaves, failure.reason)
+            except recording.CaptureAborted as aborted:
+                capture.graph.reset()
+                entry.state = WARMING
+                return self._retry_later(entry, spec, leaves, str(aborted))
             entry.graph = graph
             entry.state = RECORDED
             described = _describe_key(key)
@@ -350,10 +376,19 @@ class Region:
         session.stats_record.capture_seconds += capture.seconds
         try:
             session.analyse(capture)
-        except (recording.CaptureFailed, recording.CaptureRetry):
+        except (recording.CaptureFailed, recording.CaptureRetry, recording.CaptureAborted):
             capture.graph.reset()
             raise
         return session.build_graph(self, entry.key, capture, old.spec, leaves, old.paths, session, len(session.lru))
+
+    def _retry_later(self, entry: Entry, spec: object, leaves: Sequence, reason: str):
+        """This call runs eagerly (compiling what the capture could not); the key records
+        again on its next call, three times at most."""
+        self.session.stats_record.record_retries += 1
+        entry.retries += 1
+        if entry.retries > 3:
+            return self._give_up(entry, spec, leaves, f"recording kept failing: {reason}")
+        return self._eager(spec, leaves)
 
     def _give_up(self, entry: Entry, spec: object, leaves: Sequence, reason: str):
         entry.state = EAGER_ONLY
@@ -426,7 +461,11 @@ class Region:
             elif isinstance(leaf, Dynamic):
                 namespace[f"_c{i}"] = type(leaf.value)
                 checks.append(f"{name}.__class__ is _Dynamic and {name}.value.__class__ is _c{i}")
-            elif isinstance(leaf, (bool, int, float, str, type(None))):
+            elif isinstance(leaf, float):  # by bits: -0.0 is not 0.0, a NaN is itself
+                namespace[f"_c{i}"], namespace[f"_v{i}"] = type(leaf), keys.float_bits(leaf)
+                namespace["_float_bits"] = keys.float_bits
+                checks.append(f"{name}.__class__ is _c{i} and _float_bits({name}) == _v{i}")
+            elif isinstance(leaf, (bool, int, str, type(None))):
                 namespace[f"_c{i}"], namespace[f"_v{i}"] = type(leaf), leaf
                 checks.append(f"{name}.__class__ is _c{i} and {name} == _v{i}")
             else:
@@ -473,6 +512,7 @@ class Session:
         self.regions: list[Region] = []
         self.lru: OrderedDict[Entry, None] = OrderedDict()
         self._pools: dict[int, recording.KeptPool] = {}
+        self._retired_pools: list[recording.KeptPool] = []
         self._streams: dict[int, torch.cuda.Stream] = {}
         self.last_stream: list[int | None] = [None]
         self.closed = False
@@ -541,11 +581,21 @@ class Session:
             self.release(oldest)
             self.stats_record.evictions += 1
 
+    def retire_pool(self, device: int) -> None:
+        """Record into a fresh pool from now on (a failed capture left the current one
+        unusable for captures). Graphs recorded into the old pool keep it alive."""
+        old = self._pools.pop(device, None)
+        if old is not None:
+            self._retired_pools.append(old)
+
     def pool_bytes(self, device: int) -> int:
         return recording.pool_bytes(device, self.pool(device))
 
     def memory_bytes(self) -> int:
-        return sum(self.pool_bytes(device) for device in self._pools)
+        """The pools' size plus the graphs' own output buffers."""
+        outputs = sum(getattr(e.graph.capture, "output_bytes", 0) for e in self.lru if e.graph is not None)
+        retired = sum(recording.pool_bytes(p.device, p.id) for p in self._retired_pools)
+        return sum(self.pool_bytes(device) for device in self._pools) + retired + outputs
 
     def after_record(self, entry: Entry, capture) -> None:
         """A recording that grew the pool substantially may have fragmented it (a bigger shape
@@ -587,8 +637,9 @@ class Session:
             old.release()
             entry.region._refresh(entry)
         self._pools[device] = new_pool  # the old KeptPool goes, and with it the old pool
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
+        with recording.CAPTURES.exclusive():  # both would break another thread's capture
+            torch.cuda.synchronize(device)
+            torch.cuda.empty_cache()
         after = self.pool_bytes(device)
         self.stats_record.compactions += 1
         if after > 0.9 * before:
@@ -631,6 +682,7 @@ class Session:
             self.invalidate()
             self.stats_record.invalidations -= 1  # closing is not an invalidation by the user
             self.stats_record.graph_memory_bytes = 0
+            self._retired_pools.clear()
             self._pools.clear()  # the pools go (memory the caller still holds stays until it is freed)
             self.closed = True
 
@@ -664,8 +716,15 @@ class Session:
         return "\n".join(entry.graph.source for entry in self.lru if entry.graph is not None)
 
 
+def _cuda_generator(device: int):
+    try:
+        return torch.cuda.default_generators[device]
+    except (IndexError, RuntimeError, AttributeError):
+        return None
+
+
 def _clone_tensors(value: object) -> object:
-    spec, leaves, _ = keys.flatten((value,), {})
+    spec, leaves, _ = keys.flatten((value,), {}, walk_dataclasses=True)
     return keys.unflatten(spec, [leaf.clone() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves])[0][0]
 
 

@@ -35,6 +35,7 @@ class Stats:
     compactions: int = 0  # times the graphs of a device were recorded again into a fresh pool
     invalidations: int = 0
     verifications: int = 0
+    declined: int = 0  # calls a recorded graph could not serve exactly (run eagerly instead)
     inputs: list[InputChoice] = attrs.Factory(list)
 
     def copy(self) -> Stats:
@@ -47,7 +48,8 @@ def report(stats: Stats, rows: list[tuple]) -> str:
         "replay session report",
         f"  calls {stats.calls}, replays {stats.replays}, eager runs {stats.eager_runs}, "
         f"records {stats.records} (retries {stats.record_retries}), eager-only keys {stats.eager_only_keys}",
-        f"  node patches {stats.patches}, staged copies {stats.staged_copies}, verifications {stats.verifications}",
+        f"  node patches {stats.patches}, staged copies {stats.staged_copies}, verifications {stats.verifications}, "
+        f"declined by a graph {stats.declined}",
         f"  graphs held {stats.graphs}, evictions {stats.evictions}, compactions {stats.compactions}, "
         f"invalidations {stats.invalidations}, "
         f"capture {stats.capture_seconds * 1e3:.1f} ms, graph memory {stats.graph_memory_bytes / 2**20:.1f} MiB",

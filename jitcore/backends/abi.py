@@ -10,6 +10,7 @@ array the driver reads; call states write only the slots whose value can change,
 from __future__ import annotations
 
 import ctypes
+import math
 import re
 import struct
 from collections.abc import Iterable, Mapping, Sequence
@@ -392,22 +393,131 @@ class PackedParams:
 
 
 def float_to_bfloat16_bits(value: float) -> int:
-    """Round a Python float to bfloat16 (round to nearest even) and return its bits."""
-    (bits,) = struct.unpack("<I", struct.pack("<f", value))
-    if (bits & 0x7F800000) == 0x7F800000 and bits & 0x007FFFFF:
-        return 0x7FC0  # NaN
+    """Round a Python float to bfloat16 (round to nearest even, from the double itself, not
+    through float32) and return its bits. NaN keeps its sign; a finite value too large for
+    bfloat16 raises OverflowError (as ``struct`` does for ``f`` and ``e``)."""
+    value = float(value)
+    if value != value:
+        return 0xFFC0 if math.copysign(1.0, value) < 0 else 0x7FC0
+    try:
+        (bits,) = struct.unpack("<I", struct.pack("<f", value))
+    except OverflowError:
+        raise OverflowError("float too large to pack as bfloat16") from None
+    (single,) = struct.unpack("<f", struct.pack("<I", bits))
+    if single != value:
+        # float32 rounded: redo it rounding to odd (truncate, set the last bit), so that the
+        # second rounding, to bfloat16, cannot round a second time the wrong way.
+        if abs(single) > abs(value):
+            bits -= 1
+        bits |= 1
     bits += 0x7FFF + ((bits >> 16) & 1)
-    return (bits >> 16) & 0xFFFF
+    result = (bits >> 16) & 0xFFFF
+    if result & 0x7FFF == 0x7F80 and not math.isinf(value):
+        raise OverflowError("float too large to pack as bfloat16")
+    return result
+
+
+def bfloat16_bits_to_float(bits: int) -> float:
+    """The value of bfloat16 ``bits`` as a Python float."""
+    return struct.unpack("<f", struct.pack("<I", (bits & 0xFFFF) << 16))[0]
+
+
+class ScalarError(ValueError):
+    """A scalar that a C parameter type cannot hold with its value unchanged."""
+
+
+def c_type_name(param: ParamType) -> str:
+    """The C type of a by-value parameter in words, for messages."""
+    if param.kind == "float":
+        return "double" if param.size == 8 else "float"
+    if param.kind in ("int", "uint"):
+        return f"{'' if param.kind == 'int' else 'u'}int{param.size * 8}"
+    return param.kind
+
+
+def _narrow(param: ParamType, value: float) -> tuple[float, object]:
+    """(the value the parameter holds, what struct packs) for a float, or OverflowError."""
+    if param.kind == "bfloat16":
+        bits = float_to_bfloat16_bits(value)
+        return bfloat16_bits_to_float(bits), bits
+    if param.size == 8:
+        return value, value
+    fmt = "<" + param.fmt
+    return struct.unpack(fmt, struct.pack(fmt, value))[0], value
+
+
+def _shown(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:18]}...{text[-18:]}"
+
+
+def scalar_value(param: ParamType, value: object) -> object:
+    """What ``struct`` packs with ``param.fmt`` for the Python or numpy scalar ``value``.
+
+    The kernel receives exactly ``value``, encoded in the parameter's C type, or this raises
+    :class:`ScalarError` saying why not: a type the parameter does not take (a float for an
+    integer, anything but a bool for ``bool``), an integer outside the C type's range, an
+    integer that a floating type cannot hold exactly (above 2**24 for ``float``, 2**53 for
+    ``double``, 2048 for ``half``, 256 for ``bfloat16``, unless it happens to be
+    representable), or a finite float beyond the type's range. Floats are rounded to nearest
+    (that is their encoding); NaN and infinities pass.
+    """
+    import numpy as np
+
+    kind, ctype = param.kind, c_type_name(param)
+    if kind == "pointer":
+        raise ScalarError("a pointer parameter takes a tensor or None, not a scalar")
+    if kind == "bool":
+        if isinstance(value, (bool, np.bool_)):
+            return bool(value)
+        raise ScalarError(f"a bool parameter takes a bool, not a {type(value).__qualname__}")
+    integral = isinstance(value, (int, np.integer, np.bool_))
+    if kind in ("int", "uint"):
+        if not integral:
+            raise ScalarError(f"an {ctype} parameter takes an integer, not a {type(value).__qualname__}")
+        number = int(value)
+        bits = param.size * 8
+        low, high = (-(2 ** (bits - 1)), 2 ** (bits - 1) - 1) if kind == "int" else (0, 2**bits - 1)
+        if not low <= number <= high:
+            raise ScalarError(f"{_shown(number)} is outside the range of {ctype} ({low}..{high})")
+        return number
+    if integral:
+        number = int(value)
+        try:
+            converted = float(number)
+        except OverflowError:
+            raise ScalarError(f"{_shown(number)} is too large for {ctype}") from None
+        if converted != number:
+            raise ScalarError(
+                f"{_shown(number)} has no exact {ctype} representation (the nearest double is {converted!r})"
+            )
+    elif isinstance(value, (float, np.floating)):
+        converted = float(value)
+        if converted != value and converted == converted:
+            raise ScalarError(f"{_shown(value)} has no exact double representation")
+    else:
+        raise ScalarError(f"a {ctype} parameter takes a number, not a {type(value).__qualname__}")
+    try:
+        held, packed = _narrow(param, converted)
+    except OverflowError:
+        raise ScalarError(f"{_shown(value)} is too large for {ctype}") from None
+    if integral and held != converted:
+        raise ScalarError(f"{_shown(int(value))} has no exact {ctype} representation (it would become {held!r})")
+    return packed
+
+
+def encode_scalar(param: ParamType, value: object) -> bytes:
+    """The parameter's bytes for a scalar, checked as :func:`scalar_value` checks it."""
+    return struct.pack("<" + param.fmt, scalar_value(param, value))
 
 
 def accepts_scalar(param: ParamType, value: object) -> bool:
-    """Whether a Python/numpy scalar may be passed by value to ``param`` (no lossy casts)."""
-    import numpy as np
-
+    """Whether a Python/numpy scalar may be passed by value to ``param`` unchanged (no lossy
+    casts; :func:`scalar_value` says why not)."""
     if param.kind == "pointer":
         return value is None
-    if param.kind == "bool":
-        return isinstance(value, (bool, np.bool_))
-    if param.kind in ("int", "uint"):
-        return isinstance(value, (int, np.integer, np.bool_))
-    return isinstance(value, (int, float, np.integer, np.floating, np.bool_))
+    try:
+        scalar_value(param, value)
+    except ScalarError:
+        return False
+    return True

@@ -79,8 +79,25 @@ class NodeUpdater:
     params: PackedParams
     set_call: object  # the vendor function, for generated code
     set_args: tuple  # its arguments (exec, node, node-params struct)
+    #: The vendor's enable/disable call for this node, ``enable_call(*enable_args, 0 or 1)``
+    #: -> status tuple, or None where the backend cannot disable a node (a launch whose grid
+    #: becomes 0 then runs eagerly instead).
+    enable_call: object = None
+    enable_args: tuple = ()
+
+    #: The launch dimensions ``set_dimension`` accepts.
+    DIMENSIONS = ("grid_x", "grid_y", "grid_z", "block_x", "block_y", "block_z", "shared")
 
     def apply(self) -> None:
+        raise NotImplementedError
+
+    def set_dimension(self, field: str, value: int) -> None:
+        """Write one launch dimension (``DIMENSIONS``) into the node parameters the next
+        ``set_call`` sends."""
+        raise NotImplementedError
+
+    def dimensions(self) -> tuple[int, ...]:
+        """The node parameters' launch dimensions, in ``DIMENSIONS`` order."""
         raise NotImplementedError
 
 
@@ -204,6 +221,21 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def graph_launch(self, raw_exec: int, stream: int) -> None: ...
+
+    def capture_into(self, raw_graph: int, raw_stream: int):
+        """A context manager: work issued on ``raw_stream`` inside it is captured into the
+        existing graph ``raw_graph``, after every node already there (the graph is not
+        instantiated yet). Replay uses it to append copies of a graph's outputs into memory
+        the graph owns. Raises NotImplementedError where the driver cannot."""
+        raise NotImplementedError(f"the {self.name} backend cannot capture into an existing graph")
+
+    def capture_tail(self, raw_stream: int) -> tuple[int, ...] | None:
+        """While ``raw_stream`` is capturing: the raw handles of the nodes its next node will
+        depend on (right after a kernel launch, that launch's own node). This is how replay
+        knows which graph node a launch became, instead of guessing from equal parameter
+        bytes. None where the backend cannot say (replay then matches by bytes and refuses
+        launches it cannot tell apart)."""
+        return None
 
     @abc.abstractmethod
     def graph_exec_object(self, raw_exec: int) -> object:

@@ -6,6 +6,7 @@ Compilation needs no GPU (NVRTC runs on the CPU); everything else needs the driv
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import threading
 from collections.abc import Sequence
@@ -104,8 +105,19 @@ def _header_include_dir() -> str | None:
     return None
 
 
+_DIMENSION_FIELDS = {
+    "grid_x": "gridDimX",
+    "grid_y": "gridDimY",
+    "grid_z": "gridDimZ",
+    "block_x": "blockDimX",
+    "block_y": "blockDimY",
+    "block_z": "blockDimZ",
+    "shared": "sharedMemBytes",
+}
+
+
 class _CudaNodeUpdater(NodeUpdater):
-    __slots__ = ("params", "set_call", "set_args", "node_params")
+    __slots__ = ("params", "set_call", "set_args", "node_params", "enable_call", "enable_args")
 
     def __init__(self, graph_exec: object, node: GraphNode, layout: ParamLayout, initial: bytes):
         self.params = PackedParams(layout, initial)
@@ -119,9 +131,17 @@ class _CudaNodeUpdater(NodeUpdater):
         self.node_params = node_params
         self.set_call = driver.cuGraphExecKernelNodeSetParams
         self.set_args = (graph_exec, node.handle, node_params)
+        self.enable_call = driver.cuGraphNodeSetEnabled
+        self.enable_args = (graph_exec, node.handle)
 
     def apply(self) -> None:
         _check(self.set_call(*self.set_args), "cuGraphExecKernelNodeSetParams")
+
+    def set_dimension(self, field: str, value: int) -> None:
+        setattr(self.node_params, _DIMENSION_FIELDS[field], value)
+
+    def dimensions(self) -> tuple[int, ...]:
+        return tuple(getattr(self.node_params, _DIMENSION_FIELDS[f]) for f in self.DIMENSIONS)
 
 
 class CudaBackend(Backend):
@@ -381,6 +401,30 @@ class CudaBackend(Backend):
 
     def node_updater(self, raw_exec, node, layout, initial) -> NodeUpdater:
         return _CudaNodeUpdater(driver.CUgraphExec(raw_exec), node, layout, initial)
+
+    @contextlib.contextmanager
+    def capture_into(self, raw_graph: int, raw_stream: int):
+        graph = driver.CUgraph(raw_graph)
+        _, count = _check(driver.cuGraphGetNodes(graph, 0), "cuGraphGetNodes")
+        nodes = list(_check(driver.cuGraphGetNodes(graph, count), "cuGraphGetNodes")[0][:count]) if count else []
+        stream = self.stream_object(raw_stream)
+        mode = driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
+        _check(
+            driver.cuStreamBeginCaptureToGraph(stream, graph, nodes or None, None, len(nodes), mode),
+            "cuStreamBeginCaptureToGraph",
+        )
+        try:
+            yield
+        finally:
+            _check(driver.cuStreamEndCapture(stream), "cuStreamEndCapture")
+
+    def capture_tail(self, raw_stream: int) -> tuple[int, ...] | None:
+        result = driver.cuStreamGetCaptureInfo(self.stream_object(raw_stream))
+        if int(result[0]) or result[1] != driver.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_ACTIVE:
+            return None
+        # (status, capture status, id, graph, dependencies, [edge data,] count)
+        dependencies, count = result[4], int(result[-1])
+        return tuple(int(node) for node in list(dependencies)[:count])
 
     def graph_exec_object(self, raw_exec: int) -> object:
         return driver.CUgraphExec(raw_exec)

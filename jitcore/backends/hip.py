@@ -170,6 +170,17 @@ class _HipNodeUpdater(NodeUpdater):
     def apply(self) -> None:
         _check(self.set_call(*self.set_args), "hipGraphExecKernelNodeSetParams")
 
+    def set_dimension(self, field: str, value: int) -> None:
+        if field == "shared":
+            self.node_params.sharedMemBytes = value
+        else:
+            kind, axis = field.split("_")
+            setattr(self.node_params.gridDim if kind == "grid" else self.node_params.blockDim, axis, value)
+
+    def dimensions(self) -> tuple[int, ...]:
+        p = self.node_params
+        return (p.gridDim.x, p.gridDim.y, p.gridDim.z, p.blockDim.x, p.blockDim.y, p.blockDim.z, p.sharedMemBytes)
+
 
 class HipBackend(Backend):
     name = "hip"
@@ -435,6 +446,41 @@ class HipBackend(Backend):
             else:
                 nodes.append(GraphNode(index=index, handle=handle, kind="other"))
         return nodes
+
+    @contextlib.contextmanager
+    def capture_into(self, raw_graph: int, raw_stream: int):
+        # hipStreamBeginCaptureToGraph (ROCm 6.2+), through ctypes like the other graph calls.
+        # Never run on AMD hardware (docs/hip.md).
+        runtime = self._graph_api()
+        begin = getattr(runtime, "hipStreamBeginCaptureToGraph", None)
+        end = getattr(runtime, "hipStreamEndCapture", None)
+        if begin is None or end is None:
+            raise NotImplementedError("this HIP runtime has no hipStreamBeginCaptureToGraph")
+        begin.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_int,
+        ]
+        begin.restype = ctypes.c_int
+        end.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)]
+        end.restype = ctypes.c_int
+        graph = ctypes.c_void_p(raw_graph)
+        count = ctypes.c_size_t(0)
+        _check(runtime.hipGraphGetNodes(graph, None, ctypes.byref(count)), "hipGraphGetNodes")
+        nodes = (ctypes.c_void_p * max(count.value, 1))()
+        if count.value:
+            _check(runtime.hipGraphGetNodes(graph, nodes, ctypes.byref(count)), "hipGraphGetNodes")
+        thread_local = 1  # hipStreamCaptureModeThreadLocal
+        status = begin(raw_stream, raw_graph, ctypes.cast(nodes, ctypes.c_void_p), None, count.value, thread_local)
+        _check((status,), "hipStreamBeginCaptureToGraph")
+        try:
+            yield
+        finally:
+            captured = ctypes.c_void_p(0)
+            _check((end(raw_stream, ctypes.byref(captured)),), "hipStreamEndCapture")
 
     def kernel_param_sizes(self, function: int) -> list[int] | None:
         # HIP has no hipFuncGetParamInfo (CUDA's cuFuncGetParamInfo): the caller must know them.

@@ -24,6 +24,7 @@ from jitcore.backends.base import (
 from jitcore.dtypes import DType
 
 _SUCCESS = (0,)
+_HANDLES = itertools.count(0x1000)
 
 
 def _null_launch(function, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
@@ -36,7 +37,7 @@ class NullBackend(Backend):
 
     def __init__(self) -> None:
         self.launches = 0
-        self._handles = itertools.count(0x1000)
+        self._handles = _HANDLES  # process-wide: kernels keep loaded functions across backends
         self.raw_launch = _null_launch
         self.hot_namespace = {
             "_null_launch": _null_launch,

@@ -216,7 +216,7 @@ def launch(fn, x, alpha):
 @pytest.mark.parametrize(
     "grid, block, shared, match",
     [
-        (0, 32, 0, "grid dimension x is 0"),
+        (-1, 32, 0, "grid dimension x is -1"),
         ((1, 70000), 32, 0, "grid dimension y"),
         (1, 2048, 0, "block dimension x"),
         (1, (32, 32, 2), 0, "1024 threads|2048 threads"),
@@ -236,13 +236,12 @@ def test_launch_configuration_limits(backend, grid, block, shared, match):
     assert_nothing_built(bad, 0)
 
 
-def test_dynamic_grid_of_zero_raises_at_call_time(backend):
+def test_dynamic_grid_of_zero_is_a_skipped_launch(backend):
     launch = make_axpy()
     launch(torch.randn(8), torch.randn(8), torch.empty(8), 1.0)
     calls = len(backend.calls)
-    with pytest.raises(LaunchConfigError, match=r"grid \(0, 1, 1\)"):
-        launch(torch.randn(0), torch.randn(0), torch.empty(0), 1.0)
-    assert len(backend.calls) == calls
+    launch(torch.randn(0), torch.randn(0), torch.empty(0), 1.0)  # cdiv(0, 256) == 0: nothing to do
+    assert len(backend.calls) == calls and launch.cache_info().compiles == 1
 
 
 def test_symbolic_value_in_control_flow_names_the_expression(backend):
@@ -374,9 +373,10 @@ def test_dump_shows_generated_source(backend, monkeypatch, capsys):
     x = torch.randn(4)
     launch(x, x, x, 1.0)
     printed = capsys.readouterr().out
-    assert "def launch_axpy__state0(x, y, out, alpha, /, stream=None):" in printed
-    assert "_pack0_0(" in printed and "x.data_ptr()" in printed
-    assert "def launch_axpy(x, y, out, alpha, *, stream=None):" in launch.dump()
+    assert "def launch_axpy__state0(_a0, _a1, _a2, _a3, /, stream=None):" in printed
+    assert "arguments: _a0 = x, _a1 = y, _a2 = out, _a3 = alpha" in printed
+    assert "_pack0_0(" in printed and "_a0.data_ptr()" in printed
+    assert "def launch_axpy(_a0, _a1, _a2, _a3, *, stream=None):" in launch.dump()
 
 
 def test_compile_returns_a_pinned_handle_without_launching(backend):
@@ -538,7 +538,7 @@ def test_the_most_recent_state_is_served_by_its_guard(backend):
     guard, run = launch.jit.mru[0]
     assert run is next(iter(launch.jit.states.values()))
     assert guard(x, x, x, 1.0) and guard(torch.randn(7), torch.randn(3), torch.randn(5), 2.0)
-    assert "_tensor_guard0(x)" in guard.source and "_tensor_guard2(out)" in guard.source
+    assert "_tensor_guard0(_a0)" in guard.source and "_tensor_guard2(_a2)" in guard.source
 
 
 @pytest.mark.parametrize(
@@ -652,3 +652,47 @@ def test_property_a_guard_only_accepts_tensors_its_state_fits(first, second):
             assert second.ndim == len(shape_spec)
             for stride, spec in zip(second.stride(), stride_spec):
                 assert spec == "?" or stride == spec
+
+
+def test_capture_exclusion_keeps_shared_work_out_of_a_capture():
+    import threading
+    import time
+
+    from jitcore.recorder import CaptureExclusion
+
+    exclusion = CaptureExclusion()
+    events = []
+    inside = threading.Event()
+
+    def capture():
+        with exclusion.exclusive():
+            inside.set()
+            with exclusion.shared():  # the capturing thread itself: no wait
+                events.append("capture, shared inside")
+            time.sleep(0.05)
+            events.append("capture ends")
+
+    def compile_():
+        inside.wait()
+        with exclusion.shared(), exclusion.shared():  # reentrant
+            events.append("compile")
+
+    threads = [threading.Thread(target=capture), threading.Thread(target=compile_)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert events == ["capture, shared inside", "capture ends", "compile"]
+    with exclusion.shared():  # and an exclusive section waits for shared holders
+        got = []
+
+        def exclusive():
+            with exclusion.exclusive():
+                got.append("exclusive")
+
+        waiter = threading.Thread(target=exclusive)
+        waiter.start()
+        time.sleep(0.05)
+        assert got == []
+    waiter.join()
+    assert got == ["exclusive"]

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import enum
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -23,9 +26,28 @@ def test_arithmetic_builds_source_and_value():
     pos = DynamicScalar("_d2", 7, "args[2]")
     expr = (pos + 1) * 2 - pos // 3
     assert expr.value == (7 + 1) * 2 - 7 // 3
-    assert eval(expr.source, {}, {"_d2": 10}) == (10 + 1) * 2 - 10 // 3
+    assert expr.evaluate({"_d2": 10}) == (10 + 1) * 2 - 10 // 3
     assert (3 - pos).value == -4 and (-pos).value == -7 and (pos / 2).value == 3.5
     assert expr.__jit_scalar__() == expr.value
+
+
+class Scale(enum.IntEnum):
+    DOUBLE = 2
+
+
+@pytest.mark.parametrize("constant", [math.inf, -math.inf, np.float64(1.5), np.int32(3), Scale.DOUBLE, -0.0, 1e300])
+def test_constants_reach_the_source_by_name_never_by_repr(constant):
+    pos = DynamicScalar("_d0", 2.0, "args[0]")
+    expr = pos * constant + 1
+    assert repr(constant) not in expr.source and str(constant) not in expr.source
+    assert set(expr.source.replace("(", " ").replace(")", " ").split()) <= {"_d0", "*", "+", *expr.constants}
+    for value in (3.0, -0.0, 7.5):
+        assert np.float64(expr.evaluate({"_d0": value})).tobytes() == np.float64(value * constant + 1).tobytes()
+
+
+def test_nan_constant_evaluates_to_nan():
+    expr = DynamicScalar("_d0", 1.0, "args[0]") + math.nan
+    assert math.isnan(expr.evaluate({"_d0": 2.0}))
 
 
 @pytest.mark.parametrize(

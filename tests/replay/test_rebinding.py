@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import struct
 
+import attrs
+
 from replay.rebinding import (
     REBOUND,
     STAGED,
     UNUSED,
+    ConfigView,
     InputRange,
     LaunchView,
     NodeView,
@@ -103,10 +106,23 @@ def test_foreign_kernel_parameters_are_scanned_for_input_addresses():
     assert result.needs_staging == {1} and result.needs_copy_back == {1}
 
 
-def test_copy_nodes_are_scanned_and_unknown_ones_ignored():
+def test_copy_nodes_are_scanned_and_unknown_nodes_stage_every_input():
     assert plan([X, Y], [], [NodeView(0, "memcpy", pointers=(X.lo + 8, 0x90000))]).needs_staging == {0}
-    assert plan([X, Y], [], [NodeView(0, "memcpy", pointers=())]).needs_staging == set()  # HIP: unknown
-    assert plan([X, Y], [], [NodeView(0, "kernel", 0xC, None)]).needs_staging == set()  # no param info
+    # unknown must mean staged (and copied back: it may write), never ignored
+    for unknown in (NodeView(0, "memcpy", pointers=()), NodeView(0, "memset", pointers=None)):
+        result = plan([X, Y], [], [unknown])
+        assert result.needs_staging == {0, 1} and result.needs_copy_back == {0, 1}
+    result = plan([X, Y], [], [NodeView(0, "kernel", 0xC, None)])  # no parameter info (HIP)
+    assert result.needs_staging == {0, 1} and result.needs_copy_back == {0, 1}
+    assert "cannot be read" in result.reasons[0][0]
+    result = plan([X, Y], [], [], scanned=False)
+    assert result.needs_staging == {0, 1}
+
+
+def test_pointers_at_4_byte_offsets_inside_packed_structs_are_found():
+    packed = struct.pack("<iQi", 7, X.lo + 16, 9)  # a pointer at offset 4 (#pragma pack(4))
+    result = plan([X, Y], [], [NodeView(0, "kernel", 0xC, (packed,))])
+    assert result.needs_staging == {0}
 
 
 def test_staged_inputs_keep_their_staging_copies_rebound():
@@ -125,7 +141,9 @@ def test_overlapping_inputs_are_staged_and_written_overlaps_refused():
     assert result.needs_staging == {0, 1} and result.failure is None
     writer = launch(0xF1, [(tail.lo, False)])
     result = plan([whole, tail], [writer], [node_for(0, writer)])
-    assert result.needs_copy_back >= {0, 1}
+    # refused at once: staging would give the first launch of the next capture separate
+    # copies of memory the region writes through one name and reads through the other
+    assert "cannot be reproduced" in result.failure
     result = plan([whole, tail], [], [], torch_written={1}, torch_read={1})
     assert "cannot be reproduced" in result.failure
 
@@ -147,5 +165,96 @@ def test_scalars_from_dynamic_arguments_become_bindings():
     result = plan([X], [view], [node_for(0, view)])
     assert len(result.scalars) == 1
     binding = result.scalars[0]
-    assert binding.source == "((_d3 + 1) * 2 + 1)" and binding.offset == 8 and binding.fmt == "i"
-    assert eval(binding.source, {}, {"_d3": 3}) == 9
+    assert binding.offset == 8 and binding.fmt == "i"
+    assert result.arguments == {0: (None, "(_d3 + 1)")}
+    arguments = tuple(eval(s, {}, {"_d3": 3}) if s else None for s in result.arguments[0])
+    assert binding.evaluate(arguments) == 9
+
+
+def dynamic_pointer_launch(address, recorded_offset, node=None, row_bytes=256):
+    """A launch writing ``cache[pos]``: the pointer's offset is pos * row_bytes."""
+    params = (
+        ParamView(
+            0,
+            0,
+            8,
+            "Q",
+            "pointer",
+            read_only=False,
+            byte_offset=recorded_offset,
+            offset_scalar_args=(1,),
+            offset_evaluate=lambda s: s[1] * row_bytes,
+        ),
+    )
+    return LaunchView(0xF1, "write_row", struct.pack("<Q", address), params, {1: "_d4"}, frozenset({1}), node=node)
+
+
+def test_pointer_offsets_from_dynamic_scalars_are_recomputed():
+    view = dynamic_pointer_launch(X.lo + 3 * 256, 3 * 256)
+    result = plan([X], [view], [node_for(0, view)])
+    (binding,) = result.pointers
+    assert binding.dynamic and binding.delta == 768 and binding.recorded_offset == 768
+    assert result.arguments == {0: (None, "_d4")}
+    # a new pointer of the input and pos = 5: new_lo + delta - recorded + evaluate
+    new_lo, pos = 0x70000, 5
+    assert new_lo + binding.delta - binding.recorded_offset + binding.offset_evaluate((None, pos)) == new_lo + 5 * 256
+
+
+def test_pointers_into_intermediates_offset_by_dynamic_scalars_are_refused():
+    view = dynamic_pointer_launch(0x90000 + 256, 256)  # no input holds this address
+    result = plan([X], [view], [node_for(0, view)])
+    assert "memory the region allocated" in result.failure
+
+
+def config_launch(grid, field="grid_x", launched=True):
+    params = (pointer_param(0, 0),)
+    config = (ConfigView(field, (1,), lambda s: -(-s[1] // 64), "cdiv(n, 64)"),)
+    return LaunchView(
+        0xF1, "k", struct.pack("<Q", X.lo), params, {1: "_d2"}, frozenset({1}), config=config, launched=launched
+    )
+
+
+def test_grid_sizes_from_dynamic_scalars_become_bindings_block_sizes_are_refused():
+    view = config_launch(2)
+    result = plan([X], [view], [node_for(0, view)])
+    assert result.failure is None and [(c.node, c.field) for c in result.configs] == [(0, "grid_x")]
+    assert result.configs[0].evaluate((None, 4000)) == 63
+    for field in ("block_x", "shared"):
+        refused = plan([X], [config_launch(2, field)], [node_for(0, view)])
+        assert "replay patches grid sizes only" in refused.failure
+
+
+def test_a_launch_skipped_at_a_zero_dynamic_grid_asks_for_a_later_recording():
+    result = plan([X], [config_launch(0, launched=False)], [])
+    assert result.retry_later and "skipped" in result.retry_later and result.failure is None
+
+
+def test_launches_are_matched_to_the_node_the_capture_reported():
+    a = launch(0xA, [(X.lo, True)])
+    b = launch(0xA, [(X.lo, True)])
+    nodes = [attrs.evolve(node_for(5, a), handle=0x500), attrs.evolve(node_for(6, b), handle=0x600)]
+    reported = [attrs.evolve(a, node=0x600), attrs.evolve(b, node=0x500)]
+    matches, failure = match_launches(reported, nodes)
+    assert failure is None and matches == [(0, 6), (1, 5)]
+    _, failure = match_launches([attrs.evolve(a, node=0x999)], nodes)
+    assert "not the graph node" in failure
+
+
+def test_byte_identical_launches_with_different_provenance_are_refused_without_node_identity():
+    # scale(x, s) twice with equal bytes: one s is dynamic, the other a constant 2
+    dynamic = launch(0xF1, [(X.lo, True)], scalars=[(2, "{1}", (1,))], sources={1: "_d3"}, dynamic={1})
+    constant = launch(0xF1, [(X.lo, True)], scalars=[(2, "{1}", (1,))], sources={1: "_lit0"})
+    assert dynamic.param_bytes == constant.param_bytes
+    _, failure = match_launches([dynamic, constant], [node_for(0, dynamic), node_for(1, constant)])
+    assert "cannot say which graph node is which" in failure
+    matches, failure = match_launches([dynamic, dynamic], [node_for(0, dynamic), node_for(1, dynamic)])
+    assert failure is None and len(matches) == 2  # same provenance: either pairing is exact
+
+
+def test_staging_copies_of_overlapping_inputs_stay_bound_to_their_own_input():
+    whole = InputRange(0, "args[0]", 0x10000, 0x10000 + 4096)
+    tail = InputRange(1, "args[1]", 0x10000 + 1024, 0x10000 + 4096)
+    copy_in = attrs.evolve(launch(0x5, [(tail.lo, True), (0x80000, False)]), staging_input=1)
+    result = plan([whole, tail], [copy_in], [node_for(0, copy_in)], staged={0, 1})
+    assert result.failure is None
+    assert [(b.input, b.delta) for b in result.pointers] == [(1, 0)]

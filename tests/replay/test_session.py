@@ -12,6 +12,7 @@ import replay
 from jitcore.backends import use_backend
 from jitcore.backends.null import NullBackend
 from replay import keys, recording
+from replay.graph import MISMATCH
 from replay.rebinding import REBOUND, InputRange, Plan
 from replay.session import EAGER_ONLY, PENDING, RECORDED, WARMING, Session
 
@@ -174,7 +175,7 @@ def test_lru_bound_releases_the_least_recently_replayed(session_factory):
     step(*tensors[1])  # 1 is now more recent than 2
     step(*tensors[3])
     step(*tensors[3])  # the third graph: evicts 2
-    states = {key[2][1][0]: entry.state for key, entry in step.entries.items()}
+    states = {key[keys.LEAVES_START][1][0]: entry.state for key, entry in step.entries.items()}
     assert states == {1: RECORDED, 2: WARMING, 3: RECORDED}
     assert session.stats().evictions == 1 and session.stats().graphs == 2
     assert [g.released for g in FakeGraph.instances[-3:]] == [False, True, False]
@@ -205,6 +206,46 @@ def test_a_jit_miss_during_capture_runs_eagerly_and_records_next_time(session_fa
         step(x, x)
     stats = session.stats()
     assert (stats.record_retries, stats.eager_runs, stats.records, stats.replays) == (1, 1, 1, 1)
+
+
+def test_a_capture_asking_to_retry_later_gives_up_after_three_retries(session_factory):
+    session = session_factory(record_after=0)
+    session.capture_script = [recording.CaptureAborted("a dynamic grid was 0")] * 4
+    step = session.region(add)
+    x = torch.randn(3)
+    for _ in range(3):
+        step(x, x)
+    assert session.stats().eager_only_keys == 0
+    with pytest.warns(replay.ReplayWarning, match="recording kept failing: a dynamic grid was 0"):
+        step(x, x)
+    assert session.stats().eager_only_keys == 1 and session.stats().record_retries == 4
+
+
+def test_a_retry_asked_for_by_the_analysis_records_again_later(session_factory):
+    session = session_factory(record_after=0)
+    session.analyse_script = [recording.CaptureAborted("skipped launch")]
+    step = session.region(add)
+    x = torch.randn(3)
+    step(x, x)  # records
+    step(x, x)  # its analysis asks for a later recording: eager
+    step(x, x)  # records again
+    step(x, x)  # replays
+    stats = session.stats()
+    assert (stats.records, stats.record_retries, stats.replays) == (2, 1, 3)
+
+
+def test_a_call_the_graph_declines_runs_eagerly(session_factory, monkeypatch):
+    session = session_factory(record_after=0)
+    step = session.region(add)
+    x = torch.randn(3)
+    step(x, x)
+    step(x, x)
+    entry = next(iter(step.entries.values()))
+    monkeypatch.setattr(entry.graph, "replay", lambda *leaves: MISMATCH)
+    step._refresh(entry)
+    eager_before = session.stats().eager_runs
+    assert torch.equal(step(x, x), x + x)  # through the fast path
+    assert session.stats().declined == 1 and session.stats().eager_runs == eager_before + 1
 
 
 def test_more_staging_found_by_a_capture_records_again_with_it(session_factory):
@@ -343,13 +384,16 @@ def test_the_capture_is_observed_unless_a_clean_warm_up_was(session_factory):
     session = session_factory(record_after=1)
     reads = session.region(add)  # x + y: a torch op reads both inputs
     writes_nothing = session.region(lambda x: torch.empty_like(x), name="alloc")  # metadata only
-    x = torch.randn(3)
+    x, y = torch.randn(3), torch.randn(3)
     for _ in range(2):
-        reads(x, x)
+        reads(x, y)
         writes_nothing(x)
     (_, _, stage, _, observed), (_, _, stage2, _, observed2) = session.captures
     assert (stage, observed) == ({0, 1}, True)
     assert (stage2, observed2) == (set(), False)
+    for _ in range(2):  # the same tensor twice: a first capture never stages them apart
+        reads(x, x)
+    assert session.captures[2][2] == set()
     session0 = session_factory(record_after=0)
     session0.region(lambda x: torch.empty_like(x))(x)
     assert session0.captures[0][4] is True  # no warm-up: observe the capture itself

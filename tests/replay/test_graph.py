@@ -1,0 +1,351 @@
+"""The generated replay function against a simulated graph exec (the GPU tests run real ones).
+
+The simulated exec keeps, per kernel node, the parameter bytes, launch dimensions and enabled
+state the driver accepted, and every launch records what would have run: so these tests see
+exactly what a real graph would compute with, including after failed updates.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import attrs
+import pytest
+import torch
+
+from jitcore.backends import use_backend
+from jitcore.backends.abi import ParamLayout, parse_param
+from jitcore.backends.base import GraphNode, NodeUpdater
+from jitcore.backends.null import NullBackend
+from jitcore.errors import DriverError
+from replay import keys
+from replay.dynamic import Dynamic, DynamicScalar
+from replay.graph import MISMATCH, RecordedGraph, clone_preserving_sharing
+from replay.policy import Policy
+from replay.rebinding import (
+    ConfigBinding,
+    InputRange,
+    Plan,
+    PointerBinding,
+    ScalarBinding,
+)
+from replay.stats import Stats
+
+
+class SimExec:
+    """What a graph exec holds: per node, parameter bytes, dimensions, enabled."""
+
+    def __init__(self) -> None:
+        self.params: dict[int, bytes] = {}
+        self.dims: dict[int, tuple] = {}
+        self.enabled: dict[int, bool] = {}
+        self.launched: list[dict] = []
+        self.fail_next_set = 0
+
+    def launch(self) -> None:
+        self.launched.append({n: (self.params[n], self.dims[n]) for n in self.params if self.enabled.get(n, True)})
+
+
+class SimUpdater(NodeUpdater):
+    def __init__(self, sim: SimExec, node: GraphNode, layout: ParamLayout, initial: bytes):
+        from jitcore.backends.abi import PackedParams
+
+        self.params = PackedParams(layout, initial)
+        self.size = layout.size
+        self.sim = sim
+        self.node = node.index
+        self._dims = list(node.grid) + list(node.block) + [node.shared_bytes]
+        sim.params[self.node] = bytes(initial)
+        sim.dims[self.node] = tuple(self._dims)
+        self.set_call = self._set
+        self.set_args = ()
+        self.enable_call = self._enable
+        self.enable_args = ()
+
+    def _set(self):
+        if self.sim.fail_next_set:
+            self.sim.fail_next_set -= 1
+            return (700,)
+        if 0 in self._dims[:6]:
+            return (1,)  # a real driver refuses a zero grid
+        self.sim.params[self.node] = bytes(self.params.buffer)[: self.size]
+        self.sim.dims[self.node] = tuple(self._dims)
+        return (0,)
+
+    def _enable(self, flag):
+        self.sim.enabled[self.node] = bool(flag)
+        return (0,)
+
+    def set_dimension(self, field, value):
+        self._dims[self.DIMENSIONS.index(field)] = value
+
+    def dimensions(self):
+        return tuple(self._dims)
+
+
+class SimBackend(NullBackend):
+    def __init__(self, sim: SimExec) -> None:
+        super().__init__()
+        self.sim = sim
+        self.hot_namespace = dict(self.hot_namespace, _SIM=sim)
+        self.graph_launch_template = "_SIM.launch()"
+
+    def node_updater(self, raw_exec, node, layout, initial):
+        return SimUpdater(self.sim, node, layout, initial)
+
+    def graph_exec_object(self, raw_exec):
+        return raw_exec
+
+
+class FakeTorchGraph:
+    def __init__(self, sim: SimExec) -> None:
+        self.sim = sim
+
+    def raw_cuda_graph_exec(self):
+        return 1
+
+    def replay(self):
+        self.sim.launch()
+
+    def reset(self):
+        pass
+
+
+@attrs.define
+class Record:
+    layout: ParamLayout
+    param_bytes: bytes
+    check_globals: object = None
+
+
+class FakeSession:
+    def __init__(self, **policy):
+        self.policy = Policy(**policy)
+        self.stats_record = Stats()
+        self.last_stream = [0]
+
+    def stream_switch(self, stream):
+        self.last_stream[0] = stream
+
+
+class FakeRegion:
+    name = "step"
+
+    def __init__(self, key):
+        self.entries = {key: attrs.make_class("E", {"generation": attrs.field(default=0)})()}
+
+
+LAYOUT = ParamLayout.of([parse_param("float* x"), parse_param("float s"), parse_param("long long n")])
+
+
+def build(leaves, plan, *, outputs=None, sim=None, grid=(4, 1, 1), **policy):
+    sim = sim or SimExec()
+    spec, flat, paths = keys.flatten(tuple(leaves), {})
+    key = keys.region_key(-1, spec, flat, paths)
+    tensors = [(i, leaf) for i, leaf in enumerate(flat) if isinstance(leaf, torch.Tensor)]
+    initial = struct.pack("<Qfxxxxq", tensors[0][1].data_ptr() if tensors else 0, 1.0, 7)
+    capture = attrs.make_class(
+        "Capture",
+        [
+            "graph",
+            "device",
+            "plan",
+            "staged",
+            "copied_back",
+            "memory",
+            "nodes",
+            "records",
+            "outputs",
+            "inputs",
+            "input_dtypes",
+            "dynamic_values",
+        ],
+    )(
+        FakeTorchGraph(sim),
+        -1,
+        plan,
+        {},
+        set(),
+        0,
+        [GraphNode(0, None, "kernel", 0xF, grid, (64, 1, 1), 0)],
+        [Record(LAYOUT, initial)],
+        outputs,
+        [InputRange(i, paths[i], t.data_ptr(), t.data_ptr() + keys.extent_bytes(t)) for i, t in tensors],
+        {i: t.dtype for i, t in tensors},
+        {},
+    )
+    region = FakeRegion(key)
+    with use_backend(SimBackend(sim)):
+        graph = RecordedGraph(region, key, capture, spec, flat, paths, FakeSession(**policy), 0)
+    return graph, sim
+
+
+def node_pointer(sim, launch=-1):
+    return struct.unpack_from("<Q", sim.launched[launch][0][0])[0]
+
+
+def node_scale(sim, launch=-1):
+    return struct.unpack_from("<f", sim.launched[launch][0][0], 8)[0]
+
+
+def test_pointers_rebind_and_the_node_holds_the_new_address():
+    x = torch.randn(64)
+    graph, sim = build([x], Plan(pointers=[PointerBinding(0, 0, 0, 0, 0, 16)]))
+    y = torch.randn(64)
+    graph.replay(y)
+    assert node_pointer(sim) == y.data_ptr() + 16
+    graph.replay(x)
+    assert node_pointer(sim) == x.data_ptr() + 16
+
+
+def scalar_plan(fmt="f"):
+    binding = ScalarBinding(0, 0, 1, 8, fmt, lambda s: s[1])
+    return Plan(scalars=[binding], arguments={0: (None, "_d1")})
+
+
+def test_scalars_compare_by_bits_so_negative_zero_and_nan_are_patched():
+    x = torch.randn(8)
+    graph, sim = build([x, Dynamic(0.0)], scalar_plan())
+    graph.replay(x, Dynamic(0.0))
+    graph.replay(x, Dynamic(-0.0))
+    assert struct.pack("<f", node_scale(sim)) == struct.pack("<f", -0.0)
+    graph.replay(x, Dynamic(float("nan")))
+    assert node_scale(sim) != node_scale(sim)
+
+
+def test_a_value_that_does_not_fit_declines_without_touching_the_graph():
+    x = torch.randn(8)
+    binding = ScalarBinding(0, 0, 2, 16, "q", lambda s: s[1])
+    graph, sim = build([x, Dynamic(3)], Plan(scalars=[binding], arguments={0: (None, "_d1")}))
+    graph.replay(x, Dynamic(3))
+    held = dict(sim.params)
+    assert graph.replay(x, Dynamic(2**70)) is MISMATCH
+    assert sim.params == held and len(sim.launched) == 1
+    graph.replay(x, Dynamic(5))
+    assert struct.unpack_from("<q", sim.launched[-1][0][0], 16)[0] == 5
+
+
+def test_an_interrupted_update_never_leaves_a_half_patched_graph():
+    x, y = torch.randn(8), torch.randn(8)
+    plan = Plan(
+        pointers=[PointerBinding(0, 0, 0, 0, 0, 0)],
+        scalars=[ScalarBinding(0, 0, 1, 8, "f", lambda s: s[1])],
+        arguments={0: (None, "_d1")},
+    )
+    graph, sim = build([x, Dynamic(1.0)], plan)
+    sim.fail_next_set = 1
+    with pytest.raises(DriverError):
+        graph.replay(y, Dynamic(2.0))
+    # the same values again: the replay must push them (the node still holds the old ones)
+    graph.replay(y, Dynamic(2.0))
+    assert node_pointer(sim) == y.data_ptr() and node_scale(sim) == 2.0
+    # and back to the very first values: patched back, not skipped
+    graph.replay(x, Dynamic(1.0))
+    assert node_pointer(sim) == x.data_ptr() and node_scale(sim) == 1.0
+
+
+def test_a_graph_never_serves_another_aliasing_pattern():
+    x, y = torch.randn(16), torch.randn(16)
+    graph, sim = build([x, y], Plan(pointers=[PointerBinding(0, 0, 0, 0, 0, 0)]))
+    assert graph.replay(x, x) is MISMATCH
+    assert graph.replay(x, x[4:]) is MISMATCH
+    base = torch.randn(32)
+    assert graph.replay(base[:16], base[16:]) is not MISMATCH  # adjacent, not overlapping
+    assert len(sim.launched) == 1
+    shared, _ = build([x, x[4:]], Plan())
+    assert shared.replay(y, y[4:]) is not MISMATCH
+    assert shared.replay(x, y) is MISMATCH  # recorded overlapping, now disjoint
+
+
+def test_many_tensor_arguments_check_aliasing_with_one_sort():
+    tensors = [torch.randn(4) for _ in range(10)]
+    graph, _ = build(tensors, Plan())
+    assert "_pattern_of" in graph.source
+    assert graph.replay(*tensors) is not MISMATCH
+    assert graph.replay(*tensors[:9], tensors[0]) is MISMATCH
+
+
+def test_a_graph_never_serves_other_torch_modes():
+    x = torch.randn(8)
+    graph, _ = build([x], Plan())
+    with torch.no_grad():
+        assert graph.replay(x) is MISMATCH
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        assert graph.replay(x) is MISMATCH
+    finally:
+        torch.set_default_dtype(previous)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert graph.replay(x) is MISMATCH
+    assert graph.replay(x) is not MISMATCH
+
+
+def test_pointer_offsets_from_dynamic_scalars_follow_the_scalar():
+    cache = torch.randn(8, 16)
+    row = 16 * 4
+    binding = PointerBinding(
+        0, 0, 0, 0, 0, 3 * row, dynamic=True, recorded_offset=3 * row, offset_evaluate=lambda s: s[1] * row
+    )
+    graph, sim = build([cache, Dynamic(3)], Plan(pointers=[binding], arguments={0: (None, "_d1")}))
+    graph.replay(cache, Dynamic(5))
+    assert node_pointer(sim) == cache.data_ptr() + 5 * row
+    other = torch.randn(8, 16)
+    graph.replay(other, Dynamic(0))
+    assert node_pointer(sim) == other.data_ptr()
+    assert graph.replay(other, Dynamic(9)) is MISMATCH  # past the input: eager decides
+    graph.replay(other, Dynamic(3))
+    assert node_pointer(sim) == other.data_ptr() + 3 * row
+
+
+def test_grid_sizes_from_dynamic_scalars_are_patched_and_zero_disables_the_node():
+    x = torch.randn(64)
+    config = ConfigBinding(0, 0, "grid_x", lambda s: -(-s[1] // 16))
+    graph, sim = build([x, Dynamic(64)], Plan(configs=[config], arguments={0: (None, "_d1")}))
+    graph.replay(x, Dynamic(4000))
+    assert sim.launched[-1][0][1][0] == 250
+    graph.replay(x, Dynamic(0))
+    assert 0 not in sim.launched[-1]  # disabled: nothing of it runs
+    graph.replay(x, Dynamic(17))
+    assert sim.launched[-1][0][1][0] == 2
+    assert graph.replay(x, Dynamic(-20)) is MISMATCH  # a negative grid: the eager error
+    assert graph.replay(x, Dynamic(16 * 2**40)) is MISMATCH  # beyond the device
+
+
+def test_outputs_come_in_a_fresh_container_every_call():
+    x = torch.randn(8)
+    out = torch.randn(8)
+    graph, _ = build([x], Plan(), outputs={"y": out, "n": [1, 2.5], "t": (out, x)})
+    first = graph.replay(x)
+    second = graph.replay(x)
+    assert first is not second and first["n"] is not second["n"]
+    first["y"] = None
+    first["n"].append(3)
+    third = graph.replay(x)
+    assert third["y"] is out and third["n"] == [1, 2.5] and third["t"][1] is x
+
+
+def test_dynamic_outputs_are_recomputed_from_the_new_value():
+    x = torch.randn(8)
+    expr = DynamicScalar("_d1", 3, "args[1]") * float("inf")
+    graph, _ = build([x, Dynamic(3)], Plan(), outputs=(x, expr))
+    assert graph.replay(x, Dynamic(-2))[1] == float("-inf")
+
+
+def test_generated_source_holds_no_user_names_or_reprs():
+    x = torch.randn(8)
+    graph, _ = build([x, Dynamic(1.0)], scalar_plan(), outputs={"secret_name": x, "k": "literal text"})
+    assert "secret_name" not in graph.source and "literal text" not in graph.source and "step" not in graph.source
+    import linecache
+
+    filename = graph.replay.__code__.co_filename
+    assert linecache.getlines(filename) == graph.source.splitlines(True)
+
+
+def test_verification_copies_keep_the_inputs_aliasing():
+    base = torch.randn(16)
+    a, b = base[:8], base[4:12]
+    copies = clone_preserving_sharing([a, b, 3])
+    copies[0].add_(1)
+    assert torch.equal(copies[1][:4], b[:4] + 1)  # the overlap moved with the write
+    assert torch.equal(base[:8], a) and copies[2] == 3

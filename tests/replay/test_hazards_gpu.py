@@ -1,0 +1,485 @@
+"""Every way a value can enter a graph, on a real GPU: exact, or refused loudly.
+
+One test (or a few) per hazard of the "Hazards" table in docs/replay.md. Each compares the
+replayed call with an eager run of the same region on copies of the same fresh random inputs
+(copied so that arguments share memory exactly as the originals do), bit for bit, with
+outputs poisoned before the call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import traceback
+import warnings
+
+import pytest
+import torch
+
+import jitcore as jc
+import replay
+from jitcore.errors import ArgumentError
+from replay import dynamic
+from replay.graph import clone_preserving_sharing
+
+pytestmark = pytest.mark.gpu
+
+SOURCE = r"""
+__global__ void add_one(const float* x, float* y, long long n) {
+    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (i < n) y[i] = x[i] + 1.f;
+}
+__global__ void fill_first(float* out, float base, long long n) {
+    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (i < n) out[i] = base + (float)i;
+}
+__global__ void copy_into(const float* __restrict__ x, float* __restrict__ row, long long n) {
+    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (i < n) row[i] = x[i];
+}
+__global__ void scale(const float* __restrict__ x, float* __restrict__ y, float s, long long n) {
+    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (i < n) y[i] = x[i] * s;
+}
+__global__ void store_int(float* y, int v) { y[0] = (float)v; }
+"""
+add_one_kernel = jc.Kernel(SOURCE, "add_one")
+fill_kernel = jc.Kernel(SOURCE, "fill_first")
+copy_kernel = jc.Kernel(SOURCE, "copy_into")
+scale_kernel = jc.Kernel(SOURCE, "scale")
+store_int_kernel = jc.Kernel(SOURCE, "store_int")
+
+
+@jc.jit
+def add_one(x, y):
+    n = x.numel()
+    add_one_kernel[jc.cdiv(n, 256), 256](x, y, n)
+
+
+@jc.jit
+def fill_first(out, n):
+    fill_kernel[jc.cdiv(n, 64), 64](out, 1.5, n)
+
+
+@jc.jit
+def write_row(x, cache, pos):
+    row = cache[pos]  # a view whose offset is computed from a runtime scalar
+    n = x.numel()
+    copy_kernel[jc.cdiv(n, 256), 256](x, row, n)
+
+
+@jc.jit
+def scaled(x, y, s):
+    n = x.numel()
+    scale_kernel[jc.cdiv(n, 256), 256](x, y, s, n)
+
+
+@jc.jit
+def store_int(y, v):
+    store_int_kernel[1, 1](y, v)
+
+
+def same(a: object, b: object) -> bool:
+    if isinstance(a, torch.Tensor):
+        return (
+            isinstance(b, torch.Tensor)
+            and a.shape == b.shape
+            and a.dtype == b.dtype
+            and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+        )
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (tuple, list)):
+        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def differential(step, fn, *args):
+    """Call the region and, on copies that share memory like ``args``, the plain function;
+    compare the outputs and every argument afterwards."""
+    plain = [a.value if isinstance(a, replay.Dynamic) else a for a in args]
+    copies = clone_preserving_sharing(plain)
+    expected = fn(*copies)
+    got = step(*args)
+    assert same(got, expected), "outputs differ from eager"
+    for number, (arg, copy) in enumerate(zip(plain, copies)):
+        if isinstance(arg, torch.Tensor):
+            assert same(arg, copy), f"argument {number} differs from eager after the call"
+    return got
+
+
+# --- 1. aliased inputs ------------------------------------------------------------------------
+def write_then_read(x, y):
+    add_one(x, y)  # y = x + 1 (jit)
+    return x * 2  # a torch op reading x
+
+
+def test_aliased_inputs_select_their_own_graph():
+    with replay.capture() as session:
+        step = session.region(write_then_read)
+        for _ in range(3):
+            differential(step, write_then_read, torch.randn(256, device="cuda"), torch.randn(256, device="cuda"))
+        for _ in range(5):
+            a = torch.randn(256, device="cuda")
+            differential(step, write_then_read, a, a)  # eager: 2 * (a + 1)
+        for _ in range(3):
+            base = torch.randn(512, device="cuda")
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", replay.ReplayWarning)
+                differential(step, write_then_read, base[:256], base[128:384])
+        for _ in range(3):
+            differential(step, write_then_read, torch.randn(256, device="cuda"), torch.randn(256, device="cuda"))
+
+
+def read_both(x, y):
+    a = torch.empty_like(x)
+    add_one(y, a)
+    b = torch.empty_like(x)
+    add_one(x, b)
+    return a, b  # jit reads both: staged, each into its own buffer (read-only: exact)
+
+
+def test_verify_every_keeps_the_aliasing_of_its_reference_run():
+    with replay.capture(verify_every=1) as session:
+        step = session.region(read_both)
+        for _ in range(5):
+            base = torch.randn(512, device="cuda")
+            differential(step, read_both, base[:256], base[128:384])
+        assert session.stats().verifications >= 1
+
+
+def sync_inside(x):
+    return x * (2.0 if float(x.abs().sum()) > 1e30 else 1.0)
+
+
+def test_a_failed_capture_leaves_recording_and_random_numbers_working():
+    with replay.capture() as session:
+        bad = session.region(sync_inside)
+        good = session.region(noisy)
+        with pytest.warns(replay.ReplayWarning):
+            for _ in range(3):
+                differential(bad, sync_inside, torch.randn(64, device="cuda"))
+        torch.rand(4, device="cuda")  # the generator is not left capturing
+        inputs = [torch.randn(1024, device="cuda") for _ in range(6)]
+        torch.manual_seed(7)
+        expected = [[t.clone() for t in noisy(x)] for x in inputs]
+        torch.manual_seed(7)
+        got = [[t.clone() for t in good(x)] for x in inputs]
+        assert all(same(a, b) for a, b in zip(got, expected))
+        assert session.stats().replays >= 4
+
+
+# --- 2. random numbers --------------------------------------------------------------------------
+def noisy(x):
+    y = torch.empty_like(x)
+    scaled(x, y, 2.0)
+    probabilities = torch.softmax(y[:16], dim=0)
+    return (
+        y + torch.rand_like(y),
+        torch.bernoulli(torch.full_like(y, 0.3)),
+        torch.multinomial(probabilities, 4, replacement=True),
+        torch.nn.functional.dropout(y, 0.5),
+    )
+
+
+def test_random_numbers_are_fresh_on_every_replay_and_equal_the_eager_sequence():
+    inputs = [torch.randn(1024, device="cuda") for _ in range(12)]
+    torch.manual_seed(1234)
+    expected = [[t.clone() for t in noisy(x)] for x in inputs]
+    torch.manual_seed(1234)
+    got = []
+    with replay.capture() as session:
+        step = session.region(noisy)
+        for x in inputs:
+            got.append([t.clone() for t in step(x)])
+        assert session.stats().replays >= 10
+    for number, (a, b) in enumerate(zip(got, expected)):
+        assert same(a, b), f"call {number}"
+    assert not torch.equal(got[5][0], got[6][0])
+
+
+# --- 3 and 5. launch sizes from dynamic scalars, zero-size launches -----------------------------
+def fill(out, n):
+    fill_first(out, n)
+    return out
+
+
+def test_grid_sizes_from_dynamic_scalars_are_recomputed_and_zero_is_a_no_op():
+    with replay.capture() as session:
+        step = session.region(fill)
+        for n in [100, 100, 4000, 7, 0, 0, 4096, 1, 0, 3333]:
+            out = torch.full((4096,), float("nan"), device="cuda")
+            differential(step, fill, out, dynamic(n))
+        stats = session.stats()
+    assert stats.replays >= 7 and stats.eager_only_keys == 0
+
+
+def test_a_dynamic_grid_first_seen_at_zero_records_later():
+    with replay.capture() as session:
+        step = session.region(fill)
+        for n in [0, 0, 0, 50, 60, 0, 70]:
+            differential(step, fill, torch.full((128,), float("nan"), device="cuda"), dynamic(n))
+        assert session.stats().eager_only_keys == 0 and session.stats().replays >= 2
+
+
+def empty_batch(x):
+    y = torch.empty_like(x)
+    add_one(x, y)
+    return y
+
+
+def test_zero_size_launches_are_no_ops_eagerly_and_in_regions():
+    x = torch.empty(0, device="cuda")
+    add_one(x, torch.empty(0, device="cuda"))  # eager: no error
+    with replay.capture() as session:
+        step = session.region(empty_batch)
+        for size in [0, 0, 0, 5, 0, 5]:
+            differential(step, empty_batch, torch.randn(size, device="cuda"))
+
+
+# --- 4. threads ----------------------------------------------------------------------------------
+def threaded_step(x, n):
+    y = torch.empty_like(x)
+    scaled(x, y, 0.5)
+    fill_first(y, n)
+    return y.cumsum(0)
+
+
+def test_sessions_in_threads_record_and_replay_concurrently():
+    errors = []
+
+    def work(seed):
+        try:
+            stream = torch.cuda.Stream()
+            generator = torch.Generator(device="cuda").manual_seed(seed)
+            with torch.cuda.stream(stream), replay.capture() as session:
+                step = session.region(threaded_step)
+                for i in range(60):
+                    x = torch.randn(64 + 32 * (i % 4), device="cuda", generator=generator)
+                    differential(step, threaded_step, x, dynamic(i % 50))
+            stream.synchronize()
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(seed,)) for seed in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, "".join("".join(traceback.format_exception(e)) for e in errors)
+
+
+# --- 6. pointer offsets from dynamic scalars ----------------------------------------------------
+def kv_write(x, cache, pos):
+    write_row(x, cache, pos)
+    return cache
+
+
+def test_pointer_offsets_from_dynamic_scalars_follow_the_scalar():
+    cache = torch.randn(16, 64, device="cuda")
+    with replay.capture() as session:
+        step = session.region(kv_write)
+        for pos in [3, 3, 0, 15, 7, 7, 1]:
+            differential(step, kv_write, torch.randn(64, device="cuda"), cache, dynamic(pos))
+        with pytest.raises(IndexError):
+            step(torch.randn(64, device="cuda"), cache, dynamic(16))
+        differential(step, kv_write, torch.randn(64, device="cuda"), cache, dynamic(-1))
+        assert session.stats().replays >= 5
+
+
+# --- 7. outputs held across other graphs' replays -----------------------------------------------
+def encoder(x):
+    h = torch.empty_like(x)
+    scaled(x, h, 3.0)
+    return h * 2
+
+
+def decoder(y, memory):
+    scratch = torch.empty_like(y)
+    scaled(y, scratch, 0.25)
+    big = torch.empty(8 * y.numel(), device="cuda")
+    big.fill_(7.0)
+    return scratch + memory + big[: y.numel()]
+
+
+def test_outputs_survive_any_other_graphs_replays():
+    with replay.capture() as session:
+        dec = session.region(decoder)
+        enc = session.region(encoder)
+        for _ in range(3):  # the decoder's graph is recorded first: its scratch is in the pool
+            dec(torch.randn(4096, device="cuda"), torch.randn(4096, device="cuda"))
+        for _ in range(3):
+            x = torch.randn(4096, device="cuda")
+            memory = enc(x)
+            kept = memory.clone()
+            for _ in range(5):
+                y = torch.randn(4096, device="cuda")
+                assert same(dec(y, memory), decoder(y, kept))
+                assert same(memory, kept), "another graph's replay overwrote a held output"
+
+
+# --- 8. global torch modes ----------------------------------------------------------------------
+def matmul_region(a, b):
+    return a @ b
+
+
+def test_torch_modes_select_their_own_graph():
+    with replay.capture() as session:
+        step = session.region(matmul_region)
+        for _ in range(3):
+            differential(step, matmul_region, torch.randn(64, 64, device="cuda"), torch.randn(64, 64, device="cuda"))
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            for _ in range(3):
+                got = differential(
+                    step, matmul_region, torch.randn(64, 64, device="cuda"), torch.randn(64, 64, device="cuda")
+                )
+                assert got.dtype == torch.bfloat16
+        previous = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = not previous
+        try:
+            for _ in range(3):
+                differential(
+                    step, matmul_region, torch.randn(64, 64, device="cuda"), torch.randn(64, 64, device="cuda")
+                )
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = previous
+        with torch.no_grad():
+            for _ in range(3):
+                differential(
+                    step, matmul_region, torch.randn(64, 64, device="cuda"), torch.randn(64, 64, device="cuda")
+                )
+
+
+# --- 9. returned containers ----------------------------------------------------------------------
+def as_dict(x):
+    y = torch.empty_like(x)
+    scaled(x, y, 2.0)
+    return {"y": y, "extra": [x.numel()]}
+
+
+def test_returned_containers_are_fresh_each_call():
+    with replay.capture() as session:
+        step = session.region(as_dict)
+        for _ in range(4):
+            x = torch.randn(32, device="cuda")
+            out = step(x)
+            assert same(out["y"], x * 2)
+            out["y"] = out["y"] * 0
+            out["extra"].append("edited")
+        x = torch.randn(32, device="cuda")
+        again = step(x)
+        assert same(again["y"], x * 2) and again["extra"] == [32]
+
+
+# --- 10. an interrupted replay -------------------------------------------------------------------
+def int_store(y, v):
+    store_int(y, v)
+    return y
+
+
+def test_a_value_that_does_not_fit_is_refused_and_the_graph_stays_exact():
+    y = torch.zeros(1, device="cuda")
+    with replay.capture() as session:
+        step = session.region(int_store)
+        for v in [1, 2, 3]:
+            step(y, dynamic(v))
+            assert y.item() == v
+        with pytest.raises(ArgumentError):
+            step(y, dynamic(2**40))
+        step(y, dynamic(3))  # the value the graph held before the refused call
+        assert y.item() == 3
+        step(y, dynamic(-7))
+        assert y.item() == -7
+
+
+# --- 11. kernels whose parameters cannot be read ------------------------------------------------
+def torch_and_jit(x, w):
+    h = torch.empty_like(x)
+    scaled(x, h, 2.0)
+    return h + w
+
+
+def test_kernels_of_unknown_parameters_stage_every_input(monkeypatch):
+    from jitcore.backends import get_backend
+
+    backend = get_backend()
+    monkeypatch.setattr(type(backend), "kernel_param_sizes", lambda self, function: None)
+    with replay.capture() as session:
+        step = session.region(torch_and_jit)
+        for _ in range(6):
+            differential(step, torch_and_jit, torch.randn(100, device="cuda"), torch.randn(100, device="cuda"))
+        choices = {c.input: c.choice for c in session.stats().inputs}
+    assert set(choices.values()) <= {"staged", "staged+copied back"}, choices
+
+
+# --- 14. byte-identical launches -----------------------------------------------------------------
+def twins(x, s):
+    a = torch.empty_like(x)
+    scaled(x, a, s)  # s is dynamic
+    b = a * 1  # a torch op reads the first result
+    scaled(x, a, 2.0)  # the very same parameter bytes while s == 2.0
+    return b, a
+
+
+def test_launches_with_equal_bytes_are_told_apart():
+    with replay.capture() as session:
+        step = session.region(twins)
+        x = torch.randn(64, device="cuda")
+        for s in [2.0, 2.0, 3.0, -1.0, 2.0, 0.5]:
+            b, a = step(x, dynamic(s))
+            assert same(b, x * s) and same(a, x * 2.0)
+        assert session.stats().replays >= 4
+
+
+# --- host tensors and other outputs --------------------------------------------------------------
+def with_host_tensor(x, host):
+    y = torch.empty_like(x)
+    scaled(x, y, 2.0)
+    return y + host.to("cuda", non_blocking=False)
+
+
+def test_a_host_tensor_argument_runs_eagerly_with_a_warning():
+    with replay.capture() as session:
+        step = session.region(with_host_tensor)
+        with pytest.warns(replay.ReplayWarning):
+            for _ in range(3):
+                differential(step, with_host_tensor, torch.randn(16, device="cuda"), torch.randn(16))
+        assert session.stats().replays == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+    y: torch.Tensor
+    n: int
+
+
+def returns_dataclass(x):
+    y = torch.empty_like(x)
+    scaled(x, y, 3.0)
+    return Result(y, 7)
+
+
+def test_dataclass_outputs_carry_the_new_outputs():
+    with replay.capture() as session:
+        step = session.region(returns_dataclass)
+        for _ in range(4):
+            x = torch.randn(32, device="cuda")
+            out = step(x)
+            assert isinstance(out, Result) and same(out.y, x * 3.0) and out.n == 7
+        assert session.stats().replays >= 2
+
+
+def recurrent(h, x):
+    y = torch.empty_like(h)
+    scaled(h, y, 0.5)
+    return y + x
+
+
+def test_an_output_fed_back_into_its_own_graph_runs_eagerly():
+    with replay.capture() as session:
+        step = session.region(recurrent)
+        h = torch.randn(128, device="cuda")
+        for _ in range(8):
+            x = torch.randn(128, device="cuda")
+            h = differential(step, recurrent, h, x)
+        assert session.stats().declined >= 1
