@@ -168,7 +168,8 @@ def _end_capture_after_error(graph: torch.cuda.CUDAGraph, device: int, pool: tup
         graph.reset()
     except Exception:
         pass
-    _repair_generator(device)
+    if spoiled:  # a clean capture_end already took the generator out of capture mode
+        _repair_generator(device)
     return spoiled
 
 
@@ -176,7 +177,9 @@ def _repair_generator(device: int) -> None:
     """torch leaves the default CUDA generator in capture mode when a capture fails at its
     end (pytorch#171263), after which every random op raises "Offset increment outside graph
     capture". Give it a fresh state (not capturing) with the same seed and offset: the failed
-    capture drew nothing that counts."""
+    capture drew nothing that counts. Graphs recorded before hold the old state object and
+    would advance it instead: the session records its random-drawing graphs again
+    (:meth:`replay.session.Session.retire_pool`)."""
     try:
         generator = torch.cuda.default_generators[device]
         fresh = torch.Generator(device=f"cuda:{device}")
@@ -627,9 +630,12 @@ def first_outputs(capture: Capture, inputs: Sequence) -> object:
             for i, buffer in capture.staged.items():
                 lo = buffer.data_ptr()
                 if lo <= leaf.data_ptr() and leaf.data_ptr() + extent_bytes(leaf) <= lo + extent_bytes(buffer):
-                    offset = (leaf.data_ptr() - lo) // leaf.element_size()
+                    # the same view (dtype included) of the caller's memory
                     source = inputs[i]
-                    leaf = torch.as_strided(source, leaf.shape, leaf.stride(), source.storage_offset() + offset)
+                    start = source.storage_offset() * source.element_size() + leaf.data_ptr() - lo
+                    view = torch.empty(0, dtype=leaf.dtype, device=leaf.device)
+                    view.set_(source.untyped_storage(), start // leaf.element_size(), leaf.shape, leaf.stride())
+                    leaf = view
                     break
         values.append(leaf)
     return unflatten(spec, values)[0][0]

@@ -583,10 +583,15 @@ class Session:
 
     def retire_pool(self, device: int) -> None:
         """Record into a fresh pool from now on (a failed capture left the current one
-        unusable for captures). Graphs recorded into the old pool keep it alive."""
+        unusable for captures). Graphs recorded into the old pool keep it alive. The failure
+        also gave the device's generator a new state, which graphs that draw random numbers
+        no longer advance: those are dropped and record again."""
         old = self._pools.pop(device, None)
         if old is not None:
             self._retired_pools.append(old)
+        for entry in list(self.lru):
+            if entry.uses_rng and entry.graph is not None and entry.graph.device == device:
+                self.release(entry)
 
     def pool_bytes(self, device: int) -> int:
         return recording.pool_bytes(device, self.pool(device))

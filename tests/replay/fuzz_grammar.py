@@ -1016,8 +1016,11 @@ def plan_calls(case: Case, *, feedback: bool = True) -> list[Call]:
                 used.add((hid, value))
                 clones = case.policy.get("clone_outputs", False)
                 feeds[slot] = Feed(hid, leaf, feedback=same_graph, compare_after=clones or not same_graph)
+        # a held output lives in the memory of the graph that made it, and of every graph whose
+        # output was fed into the call that made it (a region may return its input as is)
+        fed_deps = set().union(*(live[f.held]["deps"] for f in feeds.values() if f.held in live))
         if not case.policy.get("clone_outputs"):
-            for hid in [h for h, held in live.items() if held["region"] == r and held["sig"] == sig]:
+            for hid in [h for h, held in live.items() if sig in held["deps"]]:
                 del live[hid]
         checks = tuple(live)
         hold = None
@@ -1030,6 +1033,7 @@ def plan_calls(case: Case, *, feedback: bool = True) -> list[Call]:
                 "sig": sig,
                 "shape": shape,
                 "feedable": [(i, leaf.value) for i, leaf in enumerate(region.outputs) if leaf.feedable],
+                "deps": {sig} | fed_deps,
             }
             while len(live) > MAX_HELD:
                 live.popitem(last=False)
