@@ -124,10 +124,11 @@ class KeptPool:
             self.id = torch.cuda.graph_pool_handle()
         self.device = device
         self.keeper = torch.cuda.CUDAGraph()
-        with warnings.catch_warnings():
+        # a capture like any other: thread-local mode, and never beside another thread's
+        with warnings.catch_warnings(), CAPTURES.exclusive():
             warnings.simplefilter("ignore")  # "The CUDA Graph is empty": that is the point
             with torch.cuda.stream(stream):
-                self.keeper.capture_begin(pool=self.id)
+                self.keeper.capture_begin(pool=self.id, capture_error_mode="thread_local")
                 self.keeper.capture_end()
 
 

@@ -261,6 +261,11 @@ def test_sessions_in_threads_record_and_replay_concurrently():
         except BaseException as exc:  # reported below
             errors.append(exc)
 
+    # A kernel's first launch loads its module, which breaks a capture under way in another
+    # thread (docs/replay.md, "Streams and threads"): load them once before the threads start.
+    threaded_step(torch.randn(64, device="cuda"), 3)
+    same(torch.zeros(2, device="cuda"), torch.zeros(2, device="cuda"))
+    torch.cuda.synchronize()
     threads = [threading.Thread(target=work, args=(seed,)) for seed in range(3)]
     for t in threads:
         t.start()
