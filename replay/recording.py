@@ -46,6 +46,11 @@ class CaptureAborted(Exception):
     """The capture must be retried later (a jit miss: compile eagerly first)."""
 
 
+class RecordLater(CaptureAborted):
+    """The analysis found the capture unusable for now (a launch skipped because a dynamic
+    grid size was 0 has no node to patch); a later recording may succeed."""
+
+
 class CaptureFailed(Exception):
     """This key cannot be captured; ``reason`` says why (it will run eagerly)."""
 
@@ -495,7 +500,7 @@ def analyse(capture: Capture) -> None:
     if plan.failure:
         raise CaptureFailed(plan.failure)
     if plan.retry_later:
-        raise CaptureAborted(plan.retry_later)
+        raise RecordLater(plan.retry_later)
     if plan.needs_staging or plan.needs_copy_back:
         raise CaptureRetry(plan)
     capture.plan = plan

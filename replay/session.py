@@ -70,6 +70,8 @@ class Entry:
         "eager_runs",
         "graph",
         "uses_rng",
+        "analysed_staging",
+        "later",
         "guard",
         "key",
         "pre_key",
@@ -96,6 +98,8 @@ class Entry:
         self.observed_clean = False  # the warm-up ran under the observer and no torch op touched an input
         self.pre_key: tuple | None = None
         self.uses_rng = False  # the graph advances a generator's offset (it draws random numbers)
+        self.analysed_staging = False  # the staging hints come from an analysis of a graph
+        self.later = 0  # recordings the analysis asked to redo later
 
 
 def _describe_key(key: tuple, limit: int = 96) -> str:
@@ -275,7 +279,7 @@ class Region:
                 # Arguments that overlap each other are never staged by a first capture (a
                 # warm-up hint): staged apart, they would stop sharing memory, which is exact
                 # only once an analysis of the graph has shown that nothing writes them.
-                overlapping = {i for pair in key[3] for i in pair} if entry.retries == 0 else set()
+                overlapping = set() if entry.analysed_staging else {i for pair in key[3] for i in pair}
                 capture = session.capture(
                     self.fn,
                     spec,
@@ -289,7 +293,7 @@ class Region:
                     observe=not entry.observed_clean,
                 )
             except recording.CaptureAborted as aborted:
-                return self._retry_later(entry, spec, leaves, str(aborted))
+                return self._retry_later(entry, spec, leaves, aborted)
             except recording.CaptureFailed as failure:
                 if isinstance(failure, recording.SpoiledPool):
                     session.retire_pool(device)
@@ -330,6 +334,7 @@ class Region:
                 plan = retry.args[0]
                 entry.stage_hint |= plan.needs_staging
                 entry.copy_back_hint |= plan.needs_copy_back
+                entry.analysed_staging = True
                 entry.retries += 1
                 session.stats_record.record_retries += 1
                 if entry.retries > 2:
@@ -341,7 +346,7 @@ class Region:
             except recording.CaptureAborted as aborted:
                 capture.graph.reset()
                 entry.state = WARMING
-                return self._retry_later(entry, spec, leaves, str(aborted))
+                return self._retry_later(entry, spec, leaves, aborted)
             entry.graph = graph
             entry.state = RECORDED
             described = _describe_key(key)
@@ -381,13 +386,15 @@ class Region:
             raise
         return session.build_graph(self, entry.key, capture, old.spec, leaves, old.paths, session, len(session.lru))
 
-    def _retry_later(self, entry: Entry, spec: object, leaves: Sequence, reason: str):
+    def _retry_later(self, entry: Entry, spec: object, leaves: Sequence, aborted: Exception):
         """This call runs eagerly (compiling what the capture could not); the key records
-        again on its next call, three times at most."""
+        again on its next call. Recordings the analysis turned down (``RecordLater``) are
+        retried three times at most."""
         self.session.stats_record.record_retries += 1
-        entry.retries += 1
-        if entry.retries > 3:
-            return self._give_up(entry, spec, leaves, f"recording kept failing: {reason}")
+        if isinstance(aborted, recording.RecordLater):
+            entry.later += 1
+            if entry.later > 3:
+                return self._give_up(entry, spec, leaves, f"recording kept failing: {aborted}")
         return self._eager(spec, leaves)
 
     def _give_up(self, entry: Entry, spec: object, leaves: Sequence, reason: str):

@@ -210,7 +210,7 @@ def test_a_jit_miss_during_capture_runs_eagerly_and_records_next_time(session_fa
 
 def test_a_capture_asking_to_retry_later_gives_up_after_three_retries(session_factory):
     session = session_factory(record_after=0)
-    session.capture_script = [recording.CaptureAborted("a dynamic grid was 0")] * 4
+    session.capture_script = [recording.RecordLater("a dynamic grid was 0")] * 4
     step = session.region(add)
     x = torch.randn(3)
     for _ in range(3):
@@ -221,9 +221,19 @@ def test_a_capture_asking_to_retry_later_gives_up_after_three_retries(session_fa
     assert session.stats().eager_only_keys == 1 and session.stats().record_retries == 4
 
 
+def test_jit_misses_during_capture_are_retried_without_a_limit(session_factory):
+    session = session_factory(record_after=0)
+    session.capture_script = [recording.CaptureAborted("no call state")] * 6
+    step = session.region(add)
+    x = torch.randn(3)
+    for _ in range(7):
+        step(x, x)
+    assert session.stats().eager_only_keys == 0 and session.stats().records == 1
+
+
 def test_a_retry_asked_for_by_the_analysis_records_again_later(session_factory):
     session = session_factory(record_after=0)
-    session.analyse_script = [recording.CaptureAborted("skipped launch")]
+    session.analyse_script = [recording.RecordLater("skipped launch")]
     step = session.region(add)
     x = torch.randn(3)
     step(x, x)  # records
