@@ -399,8 +399,10 @@ def _capture_locked(
         try:
             graph.capture_begin(pool=pool, capture_error_mode="thread_local")
         except Exception as exc:
+            # capture_begin puts the generator in capture mode before it can fail: repaired
+            # with a new state, as after a spoiled capture (and handled the same way)
             _repair_generator(device)
-            raise CaptureFailed(f"the capture could not start: {_first_line(exc)}") from exc
+            raise SpoiledPool(f"the capture could not start: {_first_line(exc)}") from exc
         try:
             with jitcore.recorder.recording(recorder), observer as observer:
                 for i, buffer in staged.items():

@@ -289,9 +289,15 @@ class Pattern:
             return "partial"
         return "none"
 
-    def overlapping_pairs(self) -> tuple[tuple[int, int], ...]:
+    def overlapping_pairs(self, rows: int | None = None) -> tuple[tuple[int, int], ...]:
+        """The argument pairs that share memory; with ``rows`` (the call's shape), only those
+        that really overlap: ``buf[1:]`` and ``buf[:-1]`` of a two-row buffer are disjoint."""
         return tuple(
-            g.slots for g in self.groups if g.kind in ("same", "overlap_rows", "overlap_elem") and len(g.slots) == 2
+            g.slots
+            for g in self.groups
+            if g.kind in ("same", "overlap_rows", "overlap_elem")
+            and len(g.slots) == 2
+            and not (g.kind == "overlap_rows" and rows == 1)
         )
 
     def describe(self, slots: list[Slot]) -> str:
@@ -993,7 +999,7 @@ def plan_calls(case: Case, *, feedback: bool = True) -> list[Call]:
             i: _scalar_value(rng, s, shape, region.cache_rows) for i, s in enumerate(region.slots) if not s.is_tensor
         }
         statics = tuple(sorted((i, v) for i, v in scalars.items() if region.slots[i].kind == "static_float"))
-        sig = (r, shape, mode, statics, pattern.overlapping_pairs())
+        sig = (r, shape, mode, statics, pattern.overlapping_pairs(shape[0]))
         feeds: dict[int, Feed] = {}
         if feeding:
             used: set[tuple[int, str]] = set()
