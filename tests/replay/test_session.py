@@ -407,3 +407,24 @@ def test_the_capture_is_observed_unless_a_clean_warm_up_was(session_factory):
     session0 = session_factory(record_after=0)
     session0.region(lambda x: torch.empty_like(x))(x)
     assert session0.captures[0][4] is True  # no warm-up: observe the capture itself
+
+
+def test_a_spoiled_pool_is_retired_and_random_drawing_graphs_record_again(session_factory, monkeypatch):
+    session = session_factory(record_after=0)
+    retired = []
+    monkeypatch.setattr(
+        session, "retire_pool", lambda device: retired.append(device) or Session.retire_pool(session, device)
+    )
+    draws = session.region(add, name="draws")
+    x = torch.randn(3)
+    draws(x, x)
+    draws(x, x)  # recorded and analysed
+    (entry,) = draws.entries.values()
+    entry.uses_rng = True
+    session.capture_script = [recording.SpoiledPool("the capture was invalidated: a host sync")]
+    other = session.region(lambda x: x * 2, name="other")
+    with pytest.warns(replay.ReplayWarning, match="invalidated"):
+        other(x)
+    assert retired == [-1]
+    assert entry.state == WARMING and entry.graph is None  # dropped: it records again
+    assert torch.equal(draws(x, x), x + x)
