@@ -596,9 +596,13 @@ class Session:
         old = self._pools.pop(device, None)
         if old is not None:
             self._retired_pools.append(old)
-        for entry in list(self.lru):
-            if entry.uses_rng and entry.graph is not None and entry.graph.device == device:
-                self.release(entry)
+        for region in self.regions:
+            for entry in list(region.entries.values()):
+                held = entry.graph if entry.graph is not None else entry.capture  # recorded or pending
+                if entry.uses_rng and held is not None and held.device == device:
+                    # torch registered the old state with it: its replay would advance that
+                    # state (and raise, the old state being stuck in capture mode)
+                    self.release(entry)
 
     def pool_bytes(self, device: int) -> int:
         return recording.pool_bytes(device, self.pool(device))

@@ -428,3 +428,14 @@ def test_a_spoiled_pool_is_retired_and_random_drawing_graphs_record_again(sessio
     assert retired == [-1]
     assert entry.state == WARMING and entry.graph is None  # dropped: it records again
     assert torch.equal(draws(x, x), x + x)
+    # a capture awaiting its analysis is dropped too
+    pending = session.region(lambda x: x + 1, name="pending")
+    pending(x)
+    (waiting,) = pending.entries.values()
+    assert waiting.state == PENDING
+    waiting.uses_rng = True
+    session.capture_script = [recording.SpoiledPool("the capture could not start")]
+    with pytest.warns(replay.ReplayWarning):
+        session.region(lambda x: x * 3, name="third")(x)
+    assert waiting.state == WARMING and waiting.capture is None
+    assert torch.equal(pending(x), x + 1)
