@@ -163,6 +163,12 @@ def recording(recorder: Recorder) -> Iterator[Recorder]:
         _local.recorder = previous
 
 
+class CaptureBusy(RuntimeError):
+    """An exclusive section was asked for by a thread that holds the exclusion shared (a
+    region recorded from inside another region's eager run): waiting would never end, so the
+    caller gives up on that capture for now."""
+
+
 class CaptureExclusion:
     """Keeps stream captures apart from work in other threads that would break them.
 
@@ -172,7 +178,8 @@ class CaptureExclusion:
     is capturing" and the capture is lost. Captures hold this exclusively; work that may do
     any of those (a jit miss, an eager run of a replay region) holds it shared, so such work
     runs concurrently with itself but never during another thread's capture. A thread that
-    holds it exclusively may take it shared (a no-op). Jit cache hits take nothing.
+    holds it exclusively may take it shared (a no-op); a thread that holds it shared and asks
+    for it exclusively gets :class:`CaptureBusy` at once. Jit cache hits take nothing.
     """
 
     def __init__(self) -> None:
@@ -180,6 +187,7 @@ class CaptureExclusion:
         self._readers = 0
         self._owner: int | None = None
         self._depth = 0
+        self._local = threading.local()  # this thread's shared depth
 
     @contextlib.contextmanager
     def shared(self) -> Iterator[None]:
@@ -192,18 +200,26 @@ class CaptureExclusion:
                 while self._owner is not None:
                     self._condition.wait()
                 self._readers += 1
+        self._local.depth = getattr(self._local, "depth", 0) + (not owner)
         try:
             yield
         finally:
             if not owner:
+                self._local.depth -= 1
                 with self._condition:
                     self._readers -= 1
                     if not self._readers:
                         self._condition.notify_all()
 
+    def holds_shared(self) -> bool:
+        """Whether this thread holds the exclusion shared (so it cannot take it exclusively)."""
+        return bool(getattr(self._local, "depth", 0))
+
     @contextlib.contextmanager
     def exclusive(self) -> Iterator[None]:
         me = threading.get_ident()
+        if getattr(self._local, "depth", 0):
+            raise CaptureBusy("a capture was asked for inside work that holds the capture exclusion shared")
         with self._condition:
             if self._owner != me:
                 while self._owner is not None or self._readers:

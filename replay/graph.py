@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from jitcore.backends import get_backend
-from replay import keys
+from replay import keys, recording
 from replay.dynamic import DynamicScalar
 from replay.errors import ReplayMismatchError, StaleOutputError
 from replay.recording import Capture, CaptureFailed
@@ -182,6 +182,23 @@ class _Source:
 
 
 _ARITHMETIC_ERRORS = (struct.error, OverflowError, TypeError, ValueError, ArithmeticError)
+
+
+class _Unknown:
+    """A remembered value after an interrupted patch: equal to nothing, so it is pushed again."""
+
+    __slots__ = ()
+
+    def __eq__(self, other: object) -> bool:
+        return False
+
+    def __ne__(self, other: object) -> bool:
+        return True
+
+    __hash__ = object.__hash__
+
+
+_UNKNOWN = _Unknown()
 
 
 class RecordedGraph:
@@ -355,6 +372,10 @@ class RecordedGraph:
         ns["_modes"], ns["_MODES"] = keys.torch_modes, self.key[2]
         code.line("if _modes() != _MODES:")
         code.line("return _MISMATCH", 2)
+        if self.uses_rng:  # registered with the generator state of its recording (see recording)
+            ns["_GENERATOR_EPOCH"] = recording.GENERATOR_EPOCH
+            code.line(f"if _GENERATOR_EPOCH[0] != {int(getattr(self.entry, 'rng_epoch', 0))}:")
+            code.line("return _MISMATCH", 2)
         self._alias_checks(code, leaves)
         self._own_output_checks(code, leaves)
 
@@ -456,7 +477,7 @@ class RecordedGraph:
         # --- phase 2: patch, remembering only what the driver took ---
         if slots or disabled:
             any_change = " or ".join([f"_u{n}" for n in slots] + [f"_z{n} is not _disabled[{n}]" for n in disabled])
-            ns["_rollback"] = self._rollback
+            ns["_rollback"] = self._interrupted
             ns["_set_failed"] = self._set_failed
             code.line(f"if {any_change}:")
             code.line("try:", 2)
@@ -547,10 +568,12 @@ class RecordedGraph:
         previous output passed back in, ``h = step(h)``): the replay would overwrite that
         argument with the new output, where an eager call leaves it as it was."""
         buffers = {}
+        owned = getattr(self.capture, "owned_outputs", set())
         for item in self.outputs:
             if item[0] == "tensor" and item[1].numel():
                 storage = item[1].untyped_storage()
-                buffers[storage.data_ptr()] = storage.nbytes()
+                if storage.data_ptr() in owned:  # the graph's own output memory (not a global's)
+                    buffers[storage.data_ptr()] = storage.nbytes()
         for i, leaf in enumerate(leaves):
             if not isinstance(leaf, torch.Tensor) or not keys.extent_bytes(leaf):
                 continue
@@ -558,9 +581,21 @@ class RecordedGraph:
                 code.line(f"if _p{i} < {lo + size} and {lo} < _p{i} + {keys.extent_bytes(leaf)}:")
                 code.line("return _MISMATCH", 2)
 
-    def _rollback(self) -> None:
+    def _interrupted(self) -> None:
+        """A patch was interrupted (a failed node update, an exception, KeyboardInterrupt).
+        What each node holds is now known only where its update was committed: put every
+        buffer back to its committed bytes and forget every remembered value, so the next
+        replay pushes all of them again (an update the driver took just before the
+        interruption is then simply repeated)."""
         for state in self.node_states.values():
             state.rollback()
+        last = self.namespace.get("_last")
+        if last is not None:
+            last[:] = [_UNKNOWN] * len(last)
+        disabled = self.namespace.get("_disabled")
+        if disabled is not None:
+            for node in disabled:
+                disabled[node] = None  # neither enabled nor disabled: set again next time
 
     def _set_failed(self, status: object, node: int) -> None:
         from jitcore.errors import DriverError
@@ -573,6 +608,7 @@ class RecordedGraph:
         replay (sharing memory as the inputs do), and compare outputs and every input
         afterwards bit for bit."""
         snapshots = clone_preserving_sharing(leaves)
+        before = torch.cuda.get_rng_state(self.device) if self.uses_rng else None
         result = self.replay(*leaves)
         if result is MISMATCH:
             return result
@@ -580,7 +616,15 @@ class RecordedGraph:
             t.clone() if isinstance(t, torch.Tensor) else t
             for t in keys.flatten((result,), {}, walk_dataclasses=True)[1]
         ]
-        expected = eager(snapshots)
+        if before is not None:  # the reference draws the numbers the replay drew, and the
+            after = torch.cuda.get_rng_state(self.device)  # sequence goes on from the replay's
+            torch.cuda.set_rng_state(before, self.device)
+            try:
+                expected = eager(snapshots)
+            finally:
+                torch.cuda.set_rng_state(after, self.device)
+        else:
+            expected = eager(snapshots)
         expected_leaves = keys.flatten((expected,), {}, walk_dataclasses=True)[1]
         problems = []
         if len(replayed) != len(expected_leaves):

@@ -110,6 +110,7 @@ class Capture:
     memory: int  # bytes the pool grew by
     timings: dict = attrs.Factory(dict)  # seconds per phase, for benchmarks and reports
     output_bytes: int = 0  # memory of the outputs' own buffers (outside the pool)
+    owned_outputs: set = attrs.Factory(set)  # data pointers of those buffers' storages
     staging_launches: dict = attrs.Factory(dict)  # record index -> input index (our staging copies)
     launch_nodes: list = attrs.Factory(list)  # per record: the graph node it became (raw handle) or None
     nodes: list = attrs.Factory(list)
@@ -179,6 +180,12 @@ def _end_capture_after_error(graph: torch.cuda.CUDAGraph, device: int, pool: tup
     return spoiled
 
 
+#: How many times a generator was given a fresh state (``_repair_generator``). A graph that
+#: draws random numbers was registered with the state of its recording's epoch; once the
+#: epoch moved on, its replay would advance a state nobody draws from, so it declines.
+GENERATOR_EPOCH = [0]
+
+
 def _repair_generator(device: int) -> None:
     """torch leaves the default CUDA generator in capture mode when a capture fails at its
     end (pytorch#171263), after which every random op raises "Offset increment outside graph
@@ -192,6 +199,7 @@ def _repair_generator(device: int) -> None:
         fresh.manual_seed(generator.initial_seed())
         fresh.set_offset(generator.get_offset())
         generator.graphsafe_set_state(fresh.graphsafe_get_state())
+        GENERATOR_EPOCH[0] += 1
     except Exception:
         try:
             generator.graphsafe_set_state(generator.clone_state())
@@ -440,7 +448,9 @@ def _capture_locked(
             _end_capture_after_error(graph, device, pool)
             raise SpoiledPool(f"the capture was invalidated: {_first_line(exc)}") from exc
         try:
-            outputs, output_bytes = own_outputs(outputs, watched, device, backend, graph, stream)
+            outputs, output_bytes, owned = own_outputs(
+                outputs, watched, device, backend, graph, stream, pool_ranges(device, pool)
+            )
         except Exception as exc:
             graph.reset()
             if isinstance(exc, CaptureFailed):
@@ -453,7 +463,11 @@ def _capture_locked(
     # the pool, where the next graph recorded into it reuses them.
     records = [attrs.evolve(r, args=tuple(_scalar_or_none(a) for a in r.args)) for r in recorder.records]
     del args, kwargs
-    graph.instantiate()
+    try:
+        graph.instantiate()
+    except Exception as exc:
+        graph.reset()
+        raise CaptureFailed(f"the graph could not be instantiated: {_first_line(exc)}") from exc
     seconds = clock() - started
     timings["instantiate"] = seconds - timings["capture"]
     measured = clock()
@@ -467,6 +481,7 @@ def _capture_locked(
         launch_nodes=list(recorder.nodes),
         staging_launches=staging_launches,
         output_bytes=output_bytes,
+        owned_outputs=owned,
         inputs=inputs,
         input_dtypes={i: t.dtype for i, t in tensors.items()},
         dynamic_values={i: leaf.value for i, leaf in enumerate(leaves) if isinstance(leaf, Dynamic)},
@@ -549,9 +564,24 @@ _CONSTANT_OUTPUTS = (
 )
 
 
+def pool_ranges(device: int, pool: tuple) -> list[tuple[int, int]]:
+    """The address ranges of a private memory pool's segments (what a capture allocated)."""
+    try:
+        segments = torch.cuda.memory_snapshot(mempool_id=pool, include_traces=False)
+    except TypeError:  # older torch: no per-pool snapshot
+        segments = [s for s in torch.cuda.memory_snapshot() if tuple(s.get("segment_pool_id", ())) == tuple(pool)]
+    return [(s["address"], s["address"] + s["total_size"]) for s in segments if s.get("device", device) == device]
+
+
 def own_outputs(
-    outputs: object, watched: Sequence[tuple[int, int]], device: int, backend, graph, stream
-) -> tuple[object, int]:
+    outputs: object,
+    watched: Sequence[tuple[int, int]],
+    device: int,
+    backend,
+    graph,
+    stream,
+    pool_memory: Sequence[tuple[int, int]] = (),
+) -> tuple[object, int, set[int]]:
     """Give the graph's tensor outputs memory of their own, outside the session's pool.
 
     Inside the pool, an output can sit where an earlier graph keeps its scratch, and a replay
@@ -560,8 +590,10 @@ def own_outputs(
     of the outputs into them are appended to the graph (captured into it, after every node),
     and the caller gets views of those buffers with the outputs' exact layout. Outputs that
     share storage share a buffer, so their aliasing is kept. Outputs inside the inputs
-    (``watched`` byte ranges) stay what they are. Raises CaptureFailed for outputs a graph
-    cannot reproduce. Returns (outputs, bytes allocated)."""
+    (``watched`` byte ranges) and tensors the region did not allocate (outside
+    ``pool_memory``: globals, closure tensors) stay what they are, as eagerly. Raises
+    CaptureFailed for outputs a graph cannot reproduce. Returns (outputs, bytes allocated,
+    the data pointers of the new buffers' storages)."""
     spec, leaves, paths = flatten((outputs,), {}, walk_dataclasses=True)
     groups: dict[int, list[int]] = {}
     for i, leaf in enumerate(leaves):
@@ -581,6 +613,8 @@ def own_outputs(
         lo, hi = leaf.data_ptr(), leaf.data_ptr() + extent_bytes(leaf)
         if any(a <= lo and hi <= b for a, b in watched):
             continue  # a view of an input: rebuilt on the caller's input at each replay
+        if leaf.device.type == "cuda" and not any(a <= lo < b for a, b in pool_memory):
+            continue  # not made by this capture (a global, a closure tensor): returned as is
         if leaf.device.type != "cuda":
             raise CaptureFailed(f"{where} is a tensor on {leaf.device} the region made; a graph cannot produce it")
         if type(leaf) is not torch.Tensor:
@@ -590,10 +624,11 @@ def own_outputs(
             continue
         groups.setdefault(leaf.untyped_storage().data_ptr(), []).append(i)
     if not groups:
-        return unflatten(spec, leaves)[0][0], 0
+        return unflatten(spec, leaves)[0][0], 0, set()
     new_leaves = list(leaves)
     total = 0
     copies = []
+    owned: set[int] = set()
     for members in groups.values():
         storage = leaves[members[0]].untyped_storage()
         base = storage.data_ptr()
@@ -601,6 +636,7 @@ def own_outputs(
         hi = max(leaves[i].data_ptr() + extent_bytes(leaves[i]) for i in members)
         buffer = torch.empty(max(hi - lo, 1), dtype=torch.uint8, device=f"cuda:{device}")
         total += buffer.numel()
+        owned.add(buffer.untyped_storage().data_ptr())
         if hi > lo:
             source = torch.empty(0, dtype=torch.uint8, device=f"cuda:{device}")
             source.set_(storage, lo - base, (hi - lo,), (1,))
@@ -621,7 +657,7 @@ def own_outputs(
         with appending:
             for destination, source in copies:
                 destination.copy_(source)
-    return unflatten(spec, new_leaves)[0][0], total
+    return unflatten(spec, new_leaves)[0][0], total, owned
 
 
 def first_outputs(capture: Capture, inputs: Sequence) -> object:

@@ -70,6 +70,7 @@ class Entry:
         "eager_runs",
         "graph",
         "uses_rng",
+        "rng_epoch",
         "analysed_staging",
         "later",
         "guard",
@@ -98,6 +99,7 @@ class Entry:
         self.observed_clean = False  # the warm-up ran under the observer and no torch op touched an input
         self.pre_key: tuple | None = None
         self.uses_rng = False  # the graph advances a generator's offset (it draws random numbers)
+        self.rng_epoch = 0  # recording.GENERATOR_EPOCH when its graph was captured
         self.analysed_staging = False  # the staging hints come from an analysis of a graph
         self.later = 0  # recordings the analysis asked to redo later
 
@@ -184,9 +186,8 @@ class Region:
                 *["                    " + line for line in drift],
                 "                    _TOUCH(entry)",
                 f"                    result = run({joined})",
-                "                    if result is not _DECLINED:",
+                "                    if result is not _DECLINED:",  # else another candidate may serve it
                 "                        return result",
-                "                    return _MISS",
             ]
         lines.append("    return _MISS")
         source = "\n".join(lines) + "\n"
@@ -292,6 +293,8 @@ class Region:
                     copy_back=entry.copy_back_hint - overlapping,
                     observe=not entry.observed_clean,
                 )
+            except jitcore.recorder.CaptureBusy:
+                return self._eager(spec, leaves)  # called inside another region's eager run
             except recording.CaptureAborted as aborted:
                 return self._retry_later(entry, spec, leaves, aborted)
             except recording.CaptureFailed as failure:
@@ -309,6 +312,7 @@ class Region:
             offset = generator.get_offset() if generator is not None else 0
             capture.graph.replay()  # torch's replay: it advances the generators the graph draws from
             entry.uses_rng = generator is not None and generator.get_offset() != offset
+            entry.rng_epoch = recording.GENERATOR_EPOCH[0]
             stats.graph_memory_bytes = session.memory_bytes()
             outputs = recording.first_outputs(capture, leaves)
             if session.policy.clone_outputs:
@@ -347,6 +351,10 @@ class Region:
                 capture.graph.reset()
                 entry.state = WARMING
                 return self._retry_later(entry, spec, leaves, aborted)
+            except BaseException:  # anything else (a driver error): leave nothing half-built
+                capture.graph.reset()
+                entry.state = WARMING
+                raise
             entry.graph = graph
             entry.state = RECORDED
             described = _describe_key(key)
@@ -381,10 +389,11 @@ class Region:
         session.stats_record.capture_seconds += capture.seconds
         try:
             session.analyse(capture)
-        except (recording.CaptureFailed, recording.CaptureRetry, recording.CaptureAborted):
+            entry.rng_epoch = recording.GENERATOR_EPOCH[0]  # registered with today's generator state
+            return session.build_graph(self, entry.key, capture, old.spec, leaves, old.paths, session, len(session.lru))
+        except BaseException:
             capture.graph.reset()
             raise
-        return session.build_graph(self, entry.key, capture, old.spec, leaves, old.paths, session, len(session.lru))
 
     def _retry_later(self, entry: Entry, spec: object, leaves: Sequence, aborted: Exception):
         """This call runs eagerly (compiling what the capture could not); the key records
@@ -627,6 +636,8 @@ class Session:
     def compact(self, device: int) -> bool:
         """Record every graph of ``device`` again into a fresh pool (largest inputs first) and
         free the old pool. Keeps the old graphs if any recording fails."""
+        if recording.CAPTURES.holds_shared():
+            return False  # inside another region's eager run: no capture can start here
         entries = sorted(
             (e for e in self.lru if e.graph is not None and e.graph.device == device),
             key=lambda e: e.graph.input_bytes,
@@ -643,11 +654,18 @@ class Session:
         try:
             for entry in entries:
                 fresh[entry] = entry.region.recapture(entry, new_pool.id)
-        except (recording.CaptureFailed, recording.CaptureAborted, recording.CaptureRetry):
+        except (recording.CaptureFailed, recording.CaptureAborted, recording.CaptureRetry) as failure:
             for graph in fresh.values():
                 graph.release()
             self.compaction = False
+            if isinstance(failure, recording.SpoiledPool):
+                self.retire_pool(device)
             return False
+        except BaseException:
+            for graph in fresh.values():
+                graph.release()
+            self.compaction = False
+            raise
         for entry, graph in fresh.items():
             old, entry.graph = entry.graph, graph
             old.release()

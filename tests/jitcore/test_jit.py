@@ -696,3 +696,14 @@ def test_capture_exclusion_keeps_shared_work_out_of_a_capture():
         assert got == []
     waiter.join()
     assert got == ["exclusive"]
+
+
+def test_capture_exclusion_refuses_exclusive_inside_shared_instead_of_hanging():
+    from jitcore.recorder import CaptureBusy, CaptureExclusion
+
+    exclusion = CaptureExclusion()
+    with exclusion.shared(), pytest.raises(CaptureBusy):
+        with exclusion.exclusive():
+            pass
+    with exclusion.exclusive():  # and nothing is left held
+        pass

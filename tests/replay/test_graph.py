@@ -41,6 +41,7 @@ class SimExec:
         self.enabled: dict[int, bool] = {}
         self.launched: list[dict] = []
         self.fail_next_set = 0
+        self.interrupt_after_next_set = False
 
     def launch(self) -> None:
         self.launched.append({n: (self.params[n], self.dims[n]) for n in self.params if self.enabled.get(n, True)})
@@ -70,6 +71,9 @@ class SimUpdater(NodeUpdater):
             return (1,)  # a real driver refuses a zero grid
         self.sim.params[self.node] = bytes(self.params.buffer)[: self.size]
         self.sim.dims[self.node] = tuple(self._dims)
+        if self.sim.interrupt_after_next_set:  # the driver took it; then Ctrl-C
+            self.sim.interrupt_after_next_set = False
+            raise KeyboardInterrupt
         return (0,)
 
     def _enable(self, flag):
@@ -349,3 +353,15 @@ def test_verification_copies_keep_the_inputs_aliasing():
     copies[0].add_(1)
     assert torch.equal(copies[1][:4], b[:4] + 1)  # the overlap moved with the write
     assert torch.equal(base[:8], a) and copies[2] == 3
+
+
+def test_an_interrupt_after_the_driver_took_an_update_is_repaired_by_the_next_replay():
+    x, y = torch.randn(8), torch.randn(8)
+    graph, sim = build([x], Plan(pointers=[PointerBinding(0, 0, 0, 0, 0, 0)]))
+    graph.replay(x)
+    sim.interrupt_after_next_set = True
+    with pytest.raises(KeyboardInterrupt):
+        graph.replay(y)
+    assert struct.unpack_from("<Q", sim.params[0])[0] == y.data_ptr()  # the node holds y now
+    graph.replay(x)  # x is what was last remembered before: it must be pushed again
+    assert node_pointer(sim) == x.data_ptr()

@@ -439,3 +439,18 @@ def test_a_spoiled_pool_is_retired_and_random_drawing_graphs_record_again(sessio
         session.region(lambda x: x * 3, name="third")(x)
     assert waiting.state == WARMING and waiting.capture is None
     assert torch.equal(pending(x), x + 1)
+
+
+def test_an_unexpected_error_in_the_analysis_leaves_the_key_recordable(session_factory):
+    session = session_factory(record_after=0)
+    session.analyse_script = [RuntimeError("cuGraphGetNodes failed")]
+    step = session.region(add)
+    x = torch.randn(3)
+    step(x, x)  # records
+    with pytest.raises(RuntimeError, match="cuGraphGetNodes"):
+        step(x, x)  # its analysis fails: the error is raised, nothing is left half-built
+    (entry,) = step.entries.values()
+    assert entry.state == WARMING and entry.capture is None and session.captures[0] is not None
+    assert torch.equal(step(x, x), x + x)  # records again
+    assert torch.equal(step(x, x), x + x)  # replays
+    assert entry.state == RECORDED
