@@ -25,8 +25,6 @@ try:  # torch's C++ guard evaluator (used by torch.compile on every call)
 except Exception:  # pragma: no cover - older or stripped torch builds
     _TensorGuards = None
 
-DYNAMIC = None  # a size/stride entry the guard does not check
-
 
 def available() -> bool:
     return _TensorGuards is not None

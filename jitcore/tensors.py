@@ -418,12 +418,6 @@ class TensorAdaptor:
         self._signature = None
         return self
 
-    def is_size_dynamic(self, dim: int) -> bool:
-        return self._size_marks[dim] is not None
-
-    def is_stride_dynamic(self, dim: int) -> bool:
-        return self._stride_marks[dim] is not None
-
     @property
     def unit_axis(self) -> int:
         """The axis whose stride the signature fixes at 1 (the last one), or -1."""

@@ -68,7 +68,6 @@ class TorchOpObserver(TorchDispatchMode):
         self.ranges = list(ranges)
         self.read: set[int] = set()
         self.written: set[int] = set()
-        self.ops: dict[int, list[str]] = {}
 
     def _hits(self, tensor: torch.Tensor) -> list[int]:
         if tensor.device.type == "meta" or tensor.layout is not torch.strided:
@@ -94,7 +93,6 @@ class TorchOpObserver(TorchDispatchMode):
                 for tensor in tensors:
                     for hit in self._hits(tensor):
                         self.read.add(hit)
-                        self.ops.setdefault(hit, []).append(str(func))
                         if written:
                             self.written.add(hit)
         return func(*args, **kwargs)

@@ -63,8 +63,6 @@ def unsupported_reason(tensor: torch.Tensor) -> str | None:
         return f"staging handles up to {MAX_RANK} dimensions, this input has {tensor.ndim}"
     if tensor.element_size() not in _ELEMENT_TYPES:
         return f"staging copies elements of 1, 2, 4 or 8 bytes, this input's are {tensor.element_size()}"
-    if tensor.numel() == 0:
-        return None
     return None
 
 

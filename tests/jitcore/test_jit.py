@@ -606,12 +606,31 @@ def test_constexpr_values_are_guarded(backend):
 
 def test_switching_states_keeps_the_lru_order_and_results(backend):
     launch = make_axpy()
-    track = []
-    for dtype in (torch.float32, torch.float64, torch.float32, torch.float64):
-        x = torch.randn(16, dtype=dtype)
-        launch(x, x, x, 1.0)
-        track.append(launch.jit.mru[0][1])
-    assert track[0] is None or track[2] is track[0] or track[2] is not None
+    functions = {dtype: axpy.instantiate(dtype) for dtype in (torch.float32, torch.float64)}
+    for dtype in (torch.float32, torch.float64):  # compile both, then watch the hits
+        launch(torch.randn(16, dtype=dtype), torch.randn(16, dtype=dtype), torch.empty(16, dtype=dtype), 1.0)
+        track_layouts(backend, functions[dtype])
+    backend.calls.clear()
+    served, orders = [], []
+    for step, dtype in enumerate((torch.float32, torch.float64, torch.float32, torch.float64, torch.float64)):
+        x, out = torch.randn(16 + step, dtype=dtype), torch.empty(16 + step, dtype=dtype)
+        launch(x, x, out, 2.0)
+        served.append(launch.jit.mru[0][1])  # the guarded fast path now holds this call's state
+        orders.append([key[1].signature[0] for key in launch.jit.states])  # LRU order, oldest first
+        function, *_rest, params = backend.calls[-1][:1] + backend.calls[-1][7:]
+        assert function == functions[dtype].function(-1).handle  # the kernel of this call's dtype
+        assert unpack("Q", params[0]) == x.data_ptr() and unpack("Q", params[2]) == out.data_ptr()
+        assert unpack("d" if dtype == torch.float64 else "f", params[3]) == 2.0
+        assert unpack("q", params[4]) == 16 + step
+    assert launch.cache_info().compiles == 2 and len(backend.calls) == 5
+    assert served[0] is served[2] and served[1] is served[3] is served[4] and served[0] is not served[1]
+    assert orders == [
+        ["float64", "float32"],
+        ["float32", "float64"],
+        ["float64", "float32"],
+        ["float32", "float64"],
+        ["float32", "float64"],
+    ]
     assert launch.cache_info().compiles == 2
     assert list(launch.jit.states)[-1][1].signature[0] == "float64"
 
