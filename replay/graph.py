@@ -24,7 +24,6 @@ through torch's own ``CUDAGraph.replay()``, which advances the generators' offse
 from __future__ import annotations
 
 import itertools
-import linecache
 import os
 import re
 import struct
@@ -32,6 +31,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from jitcore import codegen
 from jitcore.backends import get_backend
 from replay import keys, recording
 from replay.dynamic import DynamicScalar
@@ -57,13 +57,10 @@ MISMATCH = _Mismatch()
 _sources = itertools.count()
 
 
-def compile_function(source: str, name: str, filename: str, namespace: dict) -> Callable:
-    """Compile generated source into ``namespace`` and register it with ``linecache`` so
-    tracebacks and pdb show its lines."""
-    filename = f"<{filename} #{next(_sources)}>"
-    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
-    exec(compile(source, filename, "exec"), namespace)
-    function = namespace[name]
+def compile_function(source: str, name: str, description: str, namespace: dict) -> Callable:
+    """Compile generated source with ``namespace`` as its globals, through jitcore's one
+    codegen helper (registered with ``linecache``, so tracebacks and pdb show its lines)."""
+    function = codegen.define(source, f"<{codegen.comment(description)} #{next(_sources)}>", namespace)[name]
     function.source = source
     return function
 

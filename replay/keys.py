@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 import jitcore
+from jitcore import codegen
 from replay.dynamic import Dynamic
 
 FLAT = "flat"  # spec of a call whose arguments are all positional leaves
@@ -257,8 +258,8 @@ def _make_torch_modes() -> Callable[[], tuple]:
     """One generated function reading every mode into a tuple (a call per setting, no loop)."""
     namespace = {f"_m{i}": reader for i, (_, reader) in enumerate(_MODE_READERS)}
     calls = "".join(f"_m{i}(), " for i in range(len(_MODE_READERS)))
-    exec(compile(f"def torch_modes():\n    return ({calls})\n", "<replay torch modes>", "exec"), namespace)
-    return namespace["torch_modes"]
+    source = f"def torch_modes():\n    return ({calls})\n"
+    return codegen.define(source, "<replay torch modes>", namespace)["torch_modes"]
 
 
 torch_modes: Callable[[], tuple] = _make_torch_modes()

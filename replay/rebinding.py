@@ -175,13 +175,6 @@ class Plan:
     retry_later: str | None = None  # why this capture cannot be used, though a later one may
 
 
-def evaluator_from_expression(expression: str, arg_count: int) -> Callable:
-    """An ``evaluate(scalars)`` from a ``{k}`` expression (records that carry no evaluator)."""
-    source = expression.format(*[f"_s[{k}]" for k in range(arg_count)])
-    namespace = {"__builtins__": {}, "min": min, "max": max}
-    return eval(compile(f"lambda _s: {source}", "<replay scalar expression>", "eval"), namespace)
-
-
 def _owners(inputs: Sequence[InputRange], address: int) -> list[InputRange]:
     found = [r for r in inputs if r.lo <= address < r.hi]
     if not found:
@@ -382,13 +375,12 @@ def build_plan(
                         )
                         if not param.read_only:
                             written_by_jit.add(owner.index)
-            elif param.kind == "scalar" and (param.evaluate is not None or param.expression is not None):
+            elif param.kind == "scalar" and param.evaluate is not None:
                 if not depends_on_dynamic(launch, param.scalar_args, f"scalar parameter {param.index}"):
                     continue
                 if plan.failure:
                     return plan
                 needed |= set(param.scalar_args)
-                evaluate = param.evaluate or evaluator_from_expression(param.expression, max(param.scalar_args) + 1)
                 plan.scalars.append(
                     ScalarBinding(
                         node_index,
@@ -396,7 +388,7 @@ def build_plan(
                         param.index,
                         param.offset,
                         param.fmt,
-                        evaluate,
+                        param.evaluate,
                         param.convert,
                         param.expression or "",
                     )

@@ -34,7 +34,12 @@ def launch(function, pointers, scalars=(), kernel="k", sources=None, dynamic=())
         params.append(pointer_param(len(params), len(data), read_only))
         data += struct.pack("<Q", value)
     for value, expression, args in scalars:
-        params.append(ParamView(len(params), len(data), 4, "i", "scalar", expression=expression, scalar_args=args))
+        evaluate = eval("lambda _s: " + expression.format(*[f"_s[{k}]" for k in range(max(args) + 1)]))
+        params.append(
+            ParamView(
+                len(params), len(data), 4, "i", "scalar", expression=expression, scalar_args=args, evaluate=evaluate
+            )
+        )
         data += struct.pack("<i", value)
     return LaunchView(function, kernel, data, tuple(params), sources or {}, frozenset(dynamic))
 
