@@ -189,7 +189,8 @@ def _pointer_words(data: bytes) -> list[int]:
     return [struct.unpack_from("<Q", data, i)[0] for i in range(0, len(data) - 7, 4)]
 
 
-def _overlapping(inputs: Sequence[InputRange]) -> dict[int, set[int]]:
+def overlapping_inputs(inputs: Sequence[InputRange]) -> dict[int, set[int]]:
+    """Each input that overlaps others, with the leaf indices of those others."""
     overlaps: dict[int, set[int]] = {}
     for i, a in enumerate(inputs):
         for b in inputs[i + 1 :]:
@@ -288,7 +289,7 @@ def build_plan(
     """
     plan = Plan()
     by_index = {r.index: r for r in inputs}
-    overlaps = _overlapping(inputs)
+    overlaps = overlapping_inputs(inputs)
 
     for launch in launches:
         if not launch.launched and any(set(c.scalar_args) & launch.dynamic_args for c in launch.config):

@@ -357,142 +357,105 @@ def capture(
     watched = [(r.lo, r.hi) for r in inputs] + [(b.data_ptr(), b.data_ptr() + extent_bytes(b)) for b in staged.values()]
     watched_index = [r.index for r in inputs] + list(staged)
     observer = TorchOpObserver(watched) if observe else contextlib.nullcontext(_NoObservation())
-    with CAPTURES.exclusive():
-        return _capture_locked(
-            fn,
-            args,
-            kwargs,
-            leaves,
-            tensors,
-            inputs,
-            staged,
-            watched,
-            watched_index,
-            observer,
-            device,
-            pool,
-            stream,
-            copy_back,
-            timings,
-        )
-
-
-def _capture_locked(
-    fn,
-    args,
-    kwargs,
-    leaves,
-    tensors,
-    inputs,
-    staged,
-    watched,
-    watched_index,
-    observer,
-    device,
-    pool,
-    stream,
-    copy_back,
-    timings,
-) -> Capture:
-    clock = time.perf_counter
-    backend = get_backend()
-    recorder = _Recorder(backend)
-    graph = torch.cuda.CUDAGraph(keep_graph=True)
-    pool_before = pool_bytes(device, pool)
-    timings["prepare"] = clock() - timings.pop("start")
-    started = clock()
-    copied_back: set[int] = set()
-    staging_launches: dict[int, int] = {}  # record index -> the input a staging copy reads or writes
-    with torch.cuda.stream(stream):
-        try:
-            graph.capture_begin(pool=pool, capture_error_mode="thread_local")
-        except Exception as exc:
-            # capture_begin puts the generator in capture mode before it can fail: repaired
-            # with a new state, as after a spoiled capture (and handled the same way)
-            _repair_generator(device)
-            raise SpoiledPool(f"the capture could not start: {_first_line(exc)}") from exc
-        try:
-            with jitcore.recorder.recording(recorder), observer as observer:
-                for i, buffer in staged.items():
-                    staging_launches[len(recorder.records)] = i
-                    staging.copy(tensors[i], buffer)
-                first_region_launch = len(recorder.records)
-                outputs = fn(*args, **kwargs)
-                written = {watched_index[w] for w in observer.written}
-                for record in recorder.records[first_region_launch:]:
-                    for param in record.params:
-                        if param.kind == "pointer" and not param.read_only:
-                            address = int.from_bytes(record.param_bytes[param.offset : param.offset + 8], "little")
-                            for i, buffer in staged.items():
-                                if buffer.data_ptr() <= address < buffer.data_ptr() + max(extent_bytes(buffer), 1):
-                                    written.add(i)
-                for i, buffer in staged.items():
-                    if i in written or i in copy_back:
+    with CAPTURES.exclusive():  # no other thread's work may break this capture
+        backend = get_backend()
+        recorder = _Recorder(backend)
+        graph = torch.cuda.CUDAGraph(keep_graph=True)
+        pool_before = pool_bytes(device, pool)
+        timings["prepare"] = clock() - timings.pop("start")
+        started = clock()
+        copied_back: set[int] = set()
+        staging_launches: dict[int, int] = {}  # record index -> the input a staging copy reads or writes
+        with torch.cuda.stream(stream):
+            try:
+                graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+            except Exception as exc:
+                # capture_begin puts the generator in capture mode before it can fail: repaired
+                # with a new state, as after a spoiled capture (and handled the same way)
+                _repair_generator(device)
+                raise SpoiledPool(f"the capture could not start: {_first_line(exc)}") from exc
+            try:
+                with jitcore.recorder.recording(recorder), observer as observer:
+                    for i, buffer in staged.items():
                         staging_launches[len(recorder.records)] = i
-                        staging.copy(buffer, tensors[i])
-                        copied_back.add(i)
-                _refuse_written_overlaps(inputs, staged, written | copied_back)
-        except CaptureMissError as exc:
-            if _end_capture_after_error(graph, device, pool):
-                raise SpoiledPool(str(exc)) from exc
-            raise CaptureAborted(str(exc)) from exc
-        except (DynamicScalarError, CaptureFailed) as exc:
-            failed = SpoiledPool if _end_capture_after_error(graph, device, pool) else CaptureFailed
-            raise failed(str(exc)) from exc
-        except Exception as exc:
-            failed = SpoiledPool if _end_capture_after_error(graph, device, pool) else CaptureFailed
-            raise failed(f"{type(exc).__name__} while capturing: {_first_line(exc)}") from exc
+                        staging.copy(tensors[i], buffer)
+                    first_region_launch = len(recorder.records)
+                    outputs = fn(*args, **kwargs)
+                    written = {watched_index[w] for w in observer.written}
+                    for record in recorder.records[first_region_launch:]:
+                        for param in record.params:
+                            if param.kind == "pointer" and not param.read_only:
+                                address = int.from_bytes(record.param_bytes[param.offset : param.offset + 8], "little")
+                                for i, buffer in staged.items():
+                                    if buffer.data_ptr() <= address < buffer.data_ptr() + max(extent_bytes(buffer), 1):
+                                        written.add(i)
+                    for i, buffer in staged.items():
+                        if i in written or i in copy_back:
+                            staging_launches[len(recorder.records)] = i
+                            staging.copy(buffer, tensors[i])
+                            copied_back.add(i)
+                    _refuse_written_overlaps(inputs, staged, written | copied_back)
+            except CaptureMissError as exc:
+                if _end_capture_after_error(graph, device, pool):
+                    raise SpoiledPool(str(exc)) from exc
+                raise CaptureAborted(str(exc)) from exc
+            except (DynamicScalarError, CaptureFailed) as exc:
+                failed = SpoiledPool if _end_capture_after_error(graph, device, pool) else CaptureFailed
+                raise failed(str(exc)) from exc
+            except Exception as exc:
+                failed = SpoiledPool if _end_capture_after_error(graph, device, pool) else CaptureFailed
+                raise failed(f"{type(exc).__name__} while capturing: {_first_line(exc)}") from exc
+            try:
+                graph.capture_end()
+            except Exception as exc:
+                _end_capture_after_error(graph, device, pool)
+                raise SpoiledPool(f"the capture was invalidated: {_first_line(exc)}") from exc
+            try:
+                outputs, output_bytes, owned = own_outputs(
+                    outputs, watched, device, backend, graph, stream, pool_ranges(device, pool)
+                )
+            except Exception as exc:
+                graph.reset()
+                if isinstance(exc, CaptureFailed):
+                    raise
+                raise CaptureFailed(
+                    f"{type(exc).__name__} while giving the outputs their own memory: {_first_line(exc)}"
+                ) from exc
+        timings["capture"] = clock() - started
+        # Records must not keep the capture's tensors alive: intermediates freed now return to
+        # the pool, where the next graph recorded into it reuses them.
+        records = [attrs.evolve(r, args=tuple(_scalar_or_none(a) for a in r.args)) for r in recorder.records]
+        del args, kwargs
         try:
-            graph.capture_end()
-        except Exception as exc:
-            _end_capture_after_error(graph, device, pool)
-            raise SpoiledPool(f"the capture was invalidated: {_first_line(exc)}") from exc
-        try:
-            outputs, output_bytes, owned = own_outputs(
-                outputs, watched, device, backend, graph, stream, pool_ranges(device, pool)
-            )
+            graph.instantiate()
         except Exception as exc:
             graph.reset()
-            if isinstance(exc, CaptureFailed):
-                raise
-            raise CaptureFailed(
-                f"{type(exc).__name__} while giving the outputs their own memory: {_first_line(exc)}"
-            ) from exc
-    timings["capture"] = clock() - started
-    # Records must not keep the capture's tensors alive: intermediates freed now return to
-    # the pool, where the next graph recorded into it reuses them.
-    records = [attrs.evolve(r, args=tuple(_scalar_or_none(a) for a in r.args)) for r in recorder.records]
-    del args, kwargs
-    try:
-        graph.instantiate()
-    except Exception as exc:
-        graph.reset()
-        raise CaptureFailed(f"the graph could not be instantiated: {_first_line(exc)}") from exc
-    seconds = clock() - started
-    timings["instantiate"] = seconds - timings["capture"]
-    measured = clock()
-    memory = max(pool_bytes(device, pool) - pool_before, 0) + output_bytes
-    timings["pool size"] = clock() - measured
-    return Capture(
-        graph=graph,
-        device=device,
-        outputs=outputs,
-        records=records,
-        launch_nodes=list(recorder.nodes),
-        staging_launches=staging_launches,
-        output_bytes=output_bytes,
-        owned_outputs=owned,
-        inputs=inputs,
-        input_dtypes={i: t.dtype for i, t in tensors.items()},
-        dynamic_values={i: leaf.value for i, leaf in enumerate(leaves) if isinstance(leaf, Dynamic)},
-        staged=staged,
-        copied_back=copied_back,
-        torch_read={watched_index[w] for w in observer.read if watched_index[w] not in staged},
-        torch_written={watched_index[w] for w in observer.written if watched_index[w] not in staged},
-        seconds=seconds,
-        memory=memory,
-        timings=timings,
-    )
+            raise CaptureFailed(f"the graph could not be instantiated: {_first_line(exc)}") from exc
+        seconds = clock() - started
+        timings["instantiate"] = seconds - timings["capture"]
+        measured = clock()
+        memory = max(pool_bytes(device, pool) - pool_before, 0) + output_bytes
+        timings["pool size"] = clock() - measured
+        return Capture(
+            graph=graph,
+            device=device,
+            outputs=outputs,
+            records=records,
+            launch_nodes=list(recorder.nodes),
+            staging_launches=staging_launches,
+            output_bytes=output_bytes,
+            owned_outputs=owned,
+            inputs=inputs,
+            input_dtypes={i: t.dtype for i, t in tensors.items()},
+            dynamic_values={i: leaf.value for i, leaf in enumerate(leaves) if isinstance(leaf, Dynamic)},
+            staged=staged,
+            copied_back=copied_back,
+            torch_read={watched_index[w] for w in observer.read if watched_index[w] not in staged},
+            torch_written={watched_index[w] for w in observer.written if watched_index[w] not in staged},
+            seconds=seconds,
+            memory=memory,
+            timings=timings,
+        )
 
 
 def analyse(capture: Capture) -> None:
@@ -526,12 +489,7 @@ def analyse(capture: Capture) -> None:
 def _overlapping_staged(inputs: Sequence[rebinding.InputRange], staged: dict) -> set[int]:
     """Staged inputs that overlap another input. Their staged buffers are separate copies,
     exact only while nothing writes them."""
-    found = set()
-    for a in inputs:
-        for b in inputs:
-            if a.index != b.index and a.lo < b.hi and b.lo < a.hi and a.index in staged:
-                found.add(a.index)
-    return found
+    return set(rebinding.overlapping_inputs(inputs)) & set(staged)
 
 
 def _refuse_written_overlaps(inputs, staged: dict, written: set[int]) -> None:
