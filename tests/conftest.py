@@ -37,3 +37,14 @@ def _private_kernel_cache(tmp_path, monkeypatch):
     """Every test gets its own on-disk kernel cache, so tests never see each other's entries."""
     if "JITCORE_TEST_SHARED_CACHE" not in os.environ:
         monkeypatch.setenv("JITCORE_CACHE_DIR", str(tmp_path / "kernel-cache"))
+
+
+@pytest.fixture
+def load(tmp_path):
+    """``load(name=source, ...)``: write modules into a temporary directory and import them
+    (tests/modules.py); they are forgotten after the test."""
+    from tests.modules import ModuleLoader
+
+    loader = ModuleLoader(tmp_path / "modules")
+    yield loader
+    loader.close()

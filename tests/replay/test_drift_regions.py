@@ -15,7 +15,6 @@ from jitcore.backends import use_backend
 from jitcore.backends.null import NullBackend
 from replay.session import RECORDED, Session
 
-from ..jitcore.test_drift import ModuleLoader
 from .test_session import DoubleSession, FakeGraph
 
 HELPERS = textwrap.dedent(
@@ -51,13 +50,6 @@ class BakedGraph(FakeGraph):
 
 class BakingSession(DoubleSession):
     build_graph = BakedGraph
-
-
-@pytest.fixture
-def load(tmp_path):
-    loader = ModuleLoader(tmp_path / "modules")
-    yield loader
-    loader.close()
 
 
 @pytest.fixture
