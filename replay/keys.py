@@ -276,6 +276,12 @@ def plain_leaves(leaves: Sequence) -> list:
     return [leaf.value if isinstance(leaf, Dynamic) else leaf for leaf in leaves]
 
 
+def byte_range(tensor: torch.Tensor) -> tuple[int, int]:
+    """(first byte, one past the last byte) the tensor can reach."""
+    start = tensor.data_ptr()
+    return start, start + extent_bytes(tensor)
+
+
 def extent_bytes(tensor: torch.Tensor) -> int:
     """Bytes from the data pointer to one past the last element the tensor can reach."""
     if tensor.numel() == 0:

@@ -20,13 +20,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from replay.keys import extent_bytes
-
-
-def byte_range(tensor: torch.Tensor) -> tuple[int, int]:
-    start = tensor.data_ptr()
-    return start, start + extent_bytes(tensor)
-
+from replay.keys import byte_range
 
 _aten = torch.ops.aten
 # Ops that take a tensor for its metadata (shape, dtype, device) and never read its data.

@@ -31,7 +31,7 @@ from jitcore.errors import CaptureMissError
 from replay import rebinding, staging
 from replay.dynamic import Dynamic, DynamicScalar
 from replay.errors import DynamicScalarError
-from replay.keys import extent_bytes, flatten, unflatten
+from replay.keys import byte_range, extent_bytes, flatten, unflatten
 from replay.observe import TorchOpObserver
 
 _NUMBERS = (int, float, bool)
@@ -336,9 +336,7 @@ def capture(
     for i, tensor in tensors.items():
         if tensor.device.type != "cuda" or tensor.device.index != device:
             raise CaptureFailed(f"input {paths[i]} is on {tensor.device}, the current device is cuda:{device}")
-    inputs = [
-        rebinding.InputRange(i, paths[i], t.data_ptr(), t.data_ptr() + extent_bytes(t)) for i, t in tensors.items()
-    ]
+    inputs = [rebinding.InputRange(i, paths[i], *byte_range(t)) for i, t in tensors.items()]
     staged: dict[int, torch.Tensor] = {}
     for i in sorted(stage):
         reason = staging.unsupported_reason(tensors[i])
@@ -354,7 +352,7 @@ def capture(
         elif isinstance(leaf, Dynamic):
             capture_leaves[i] = DynamicScalar(f"_d{i}", leaf.value, paths[i])
     args, kwargs = unflatten(spec, capture_leaves)
-    watched = [(r.lo, r.hi) for r in inputs] + [(b.data_ptr(), b.data_ptr() + extent_bytes(b)) for b in staged.values()]
+    watched = [(r.lo, r.hi) for r in inputs] + [byte_range(b) for b in staged.values()]
     watched_index = [r.index for r in inputs] + list(staged)
     observer = TorchOpObserver(watched) if observe else contextlib.nullcontext(_NoObservation())
     with CAPTURES.exclusive():  # no other thread's work may break this capture
@@ -568,7 +566,7 @@ def own_outputs(
                 f"{where} requires grad; replay does not record autograd (run the loop under torch.no_grad() "
                 "or torch.inference_mode())"
             )
-        lo, hi = leaf.data_ptr(), leaf.data_ptr() + extent_bytes(leaf)
+        lo, hi = byte_range(leaf)
         if any(a <= lo and hi <= b for a, b in watched):
             continue  # a view of an input: rebuilt on the caller's input at each replay
         if leaf.device.type == "cuda" and not any(a <= lo < b for a, b in pool_memory):

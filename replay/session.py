@@ -260,7 +260,7 @@ class Region:
             with recording.CAPTURES.shared():  # may load kernels: not while another thread captures
                 return self.fn(*args, **kwargs)
         tensors = [(i, leaf) for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-        observer = TorchOpObserver([(t.data_ptr(), t.data_ptr() + keys.extent_bytes(t)) for _, t in tensors])
+        observer = TorchOpObserver([keys.byte_range(t) for _, t in tensors])
         with recording.CAPTURES.shared(), observer:
             result = self.fn(*args, **kwargs)
         observe.stage_hint |= {tensors[w][0] for w in observer.read}

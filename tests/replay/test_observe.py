@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from replay.observe import TorchOpObserver, byte_range
+from replay.keys import byte_range
+from replay.observe import TorchOpObserver
 
 
 def watch(*tensors):
