@@ -263,9 +263,12 @@ class CudaBackend(Backend):
             encoded = [flag.encode() for flag in flags]
             status = nvrtc.nvrtcCompileProgram(program, len(encoded), encoded)[0]
             size = _nvrtc_check(nvrtc.nvrtcGetProgramLogSize(program), "nvrtcGetProgramLogSize")
-            log_buffer = b" " * size
+            # NVRTC writes into these buffers: they must be writable objects of our own, never
+            # bytes (``b" " * 1`` is CPython's shared one-byte ``b" "``, which an empty log's
+            # terminator would overwrite for the whole process)
+            log_buffer = bytearray(size)
             _nvrtc_check(nvrtc.nvrtcGetProgramLog(program, log_buffer), "nvrtcGetProgramLog")
-            log = log_buffer.rstrip(b"\0 ").decode(errors="replace")
+            log = bytes(log_buffer).rstrip(b"\0 ").decode(errors="replace")
             if int(status):
                 raise CompileError(f"NVRTC could not compile {', '.join(name_expressions)} for {arch}", log=log)
             lowered = {}
@@ -274,11 +277,11 @@ class CudaBackend(Backend):
                 lowered[expression] = name.decode() if isinstance(name, bytes) else str(name)
             if arch.startswith("sm_"):
                 size = _nvrtc_check(nvrtc.nvrtcGetCUBINSize(program), "nvrtcGetCUBINSize")
-                image = b" " * size
+                image = bytearray(size)
                 _nvrtc_check(nvrtc.nvrtcGetCUBIN(program, image), "nvrtcGetCUBIN")
             else:
                 size = _nvrtc_check(nvrtc.nvrtcGetPTXSize(program), "nvrtcGetPTXSize")
-                image = b" " * size
+                image = bytearray(size)
                 _nvrtc_check(nvrtc.nvrtcGetPTX(program, image), "nvrtcGetPTX")
             return CompiledBinary(
                 image=bytes(image), lowered_names=lowered, log=log, arch=arch, compiler=self.compiler_version()

@@ -124,3 +124,21 @@ def test_prelude_includes_only_what_is_used(cuda):
     assert "cuda_fp16.h" in cuda.prelude("__global__ void k(__half* x) {}", [])
     assert "cuda_bf16.h" in cuda.prelude("", ["__nv_bfloat16"])
     assert "cuda_fp8.h" in cuda.prelude("", ["__nv_fp8_e4m3"])
+
+
+def _one_byte_objects_intact() -> bool:
+    # CPython shares one bytes object per single byte value: a C call that writes into one
+    # changes that byte everywhere in the process (a kernel parameter read back as b" " then
+    # reads as b"\0")
+    return all(bytes([value])[0] == value for value in range(256))
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "compute_90"])
+def test_compiling_never_writes_into_shared_bytes_objects(cuda, arch):
+    # a clean compile has an empty log: one byte, its terminator, which NVRTC writes into
+    # the buffer it is given
+    assert _one_byte_objects_intact()
+    binary = cuda.compile("__global__ void empty_log(int* x) { x[0] = 1; }", ["empty_log"], [], arch)
+    assert binary.log == ""
+    assert _one_byte_objects_intact()
+    assert (binary.image.startswith(ELF) if arch.startswith("sm_") else b".entry" in binary.image)
