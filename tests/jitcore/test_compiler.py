@@ -141,4 +141,4 @@ def test_compiling_never_writes_into_shared_bytes_objects(cuda, arch):
     binary = cuda.compile("__global__ void empty_log(int* x) { x[0] = 1; }", ["empty_log"], [], arch)
     assert binary.log == ""
     assert _one_byte_objects_intact()
-    assert (binary.image.startswith(ELF) if arch.startswith("sm_") else b".entry" in binary.image)
+    assert binary.image.startswith(ELF) if arch.startswith("sm_") else b".entry" in binary.image
