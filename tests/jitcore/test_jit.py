@@ -726,3 +726,37 @@ def test_capture_exclusion_refuses_exclusive_inside_shared_instead_of_hanging():
             pass
     with exclusion.exclusive():  # and nothing is left held
         pass
+
+
+# --- the benchmarks' hook: the steps of a hit, each alone ---------------------------------------
+def test_hit_path_parts_run_each_step_of_a_hit_alone_and_launch_nothing(backend):
+    launch = make_axpy()
+    x, out = torch.randn(64), torch.empty(64)
+    parts = jc.hit_path_parts(launch, x, x, out, alpha=2.0)  # builds the call state, as a first call would
+    assert list(parts) == ["key", "lookup", "drift check", "fill"]
+    assert launch.cache_info().compiles == 1 and backend.calls == []
+    (key,) = launch.jit.states
+    device, elements = parts["key"]()
+    assert (device, *elements) == key
+    doubles = torch.randn(8, dtype=torch.float64)
+    launch(doubles, doubles, torch.empty_like(doubles), 2.0)  # another state, now the most recent
+    assert list(launch.jit.states)[-1] != key
+    parts["lookup"]()
+    assert list(launch.jit.states)[-1] == key  # the lookup touched the LRU as a hit does
+    parts["drift check"]()
+    parts["fill"]()
+    assert len(backend.calls) == 1 and launch.cache_info().compiles == 2  # the float64 call alone launched
+
+
+def test_hit_path_parts_check_the_launchers_globals(backend, monkeypatch):
+    launch = make_axpy()
+    x = torch.randn(64)
+    parts = jc.hit_path_parts(launch, x, x, x, 2.0)
+    monkeypatch.setitem(globals(), "BLOCK", 128)
+    with pytest.raises(GlobalDriftError, match="'BLOCK'"):
+        parts["drift check"]()
+
+
+def test_hit_path_parts_needs_a_jit_launcher():
+    with pytest.raises(TypeError, match="expects a @jit launcher"):
+        jc.hit_path_parts(lambda x: None, 1)
