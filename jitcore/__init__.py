@@ -9,7 +9,8 @@
         n = x.numel()
         axpy.instantiate(x.dtype)[jc.cdiv(n, 256), 256](x, y, out, alpha, n)
 
-See docs/ for the guide; ``jitcore.recorder`` is the replay layer's hook.
+See docs/ for the guide; ``jitcore.recorder`` is the replay layer's hook, and
+``hit_path_parts`` the benchmarks' (the steps of a cache hit, each callable alone).
 """
 
 from jitcore import recorder
@@ -29,7 +30,7 @@ from jitcore.errors import (
     UnsupportedTensorError,
 )
 from jitcore.guards import tensor_guard
-from jitcore.jit import compile, jit
+from jitcore.jit import compile, hit_path_parts, jit
 from jitcore.kernel import Kernel, KernelSpecialization
 from jitcore.keys import Constexpr, KeyPlan
 from jitcore.symbolic import cdiv
@@ -66,6 +67,7 @@ __all__ = [
     "cdiv",
     "compile",
     "from_dlpack",
+    "hit_path_parts",
     "jit",
     "lean_cache_signature",
     "lean_static_signature",

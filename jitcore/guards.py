@@ -26,10 +26,6 @@ except Exception:  # pragma: no cover - older or stripped torch builds
     _TensorGuards = None
 
 
-def available() -> bool:
-    return _TensorGuards is not None
-
-
 def tensor_guard(
     examples: Sequence[torch.Tensor],
     sizes: Sequence[Sequence[int | None]],

@@ -22,6 +22,7 @@ compiling and storing the new call state. Nothing is stored when any step fails.
 from __future__ import annotations
 
 import functools
+import inspect
 import threading
 import weakref
 from collections import OrderedDict
@@ -32,7 +33,7 @@ import numpy as np
 import torch
 
 from jitcore import codegen, guards, keys, recorder, tensors
-from jitcore.backends import get_backend
+from jitcore.backends import Backend, get_backend
 from jitcore.codegen import CallState, dump_enabled
 from jitcore.drift import GlobalsSnapshot
 from jitcore.errors import ArgumentError, CaptureMissError, DeviceError
@@ -386,3 +387,63 @@ def compile(fn: Callable, *args: object) -> Callable:
     if not isinstance(controller, JitFunction):
         controller = JitFunction(fn)
     return controller.state_for(args).run
+
+
+def hit_path_parts(launcher: Callable, *args: object, **kwargs: object) -> dict[str, Callable[[], object]]:
+    """The steps of a ``@jit`` cache hit on these arguments (passed as to the launcher), each as
+    a callable that runs that step alone: the hook behind the breakdown in
+    ``docs/benchmarks/jit.md``.
+
+    The dispatcher inlines every step of a hit into one generated function, so timing the
+    launcher says what a hit costs but not where the time goes. The parts, in the order a hit
+    (one that misses the guarded most-recent state) runs them:
+
+    - ``"key"``: the current device and the lean key of the arguments;
+    - ``"lookup"``: finding the call state in the launcher's LRU cache and moving it to the end;
+    - ``"drift check"``: the check of the globals the launcher read;
+    - ``"fill"``: the call state, built again for a backend whose launch is a no-op: reading
+      pointers and sizes and packing the changed parameters, with no driver call.
+
+    The call state for the arguments is built first if the launcher has none (tracing and
+    compiling, as a first call would); nothing is launched, neither then nor by any part.
+    The parts keep the arguments alive; they are for measuring, not for serving calls.
+    """
+    controller = getattr(launcher, "jit", None)
+    if not isinstance(controller, JitFunction):
+        raise TypeError(f"hit_path_parts expects a @jit launcher, got {launcher!r}")
+    bound = inspect.signature(controller.fn).bind(*args, **kwargs)
+    bound.apply_defaults()
+    args = bound.args
+    state = controller.state_for(args)
+    concrete = tuple(_unwrap_scalar(a) for a in args)
+    device = state.backend.hot_namespace["_current_device"]
+    lean_key, states, key = controller.plan.lean_key, controller.states, state.key
+    backend = _NoLaunch(state.backend)
+    fill = CallState(f"{controller.name}_fill", state.index, key, state.trace, backend, state.returns).run
+
+    def lookup() -> None:
+        states[key]
+        states.move_to_end(key)
+
+    return {
+        "key": lambda: (device(), lean_key(*args)),
+        "lookup": lookup,
+        "drift check": controller.snapshot.check,
+        "fill": lambda: fill(*concrete),
+    }
+
+
+def _no_launch(*args: object) -> tuple[int]:
+    return (0,)
+
+
+class _NoLaunch:
+    """``backend`` as a call state sees it, with the driver launch replaced by a no-op that
+    takes the same arguments (so what a call of the state costs is the fill alone)."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.hot_namespace = dict(backend.hot_namespace, _no_launch=_no_launch)
+        self.launch_template = (
+            "_r = _no_launch({function}, {gx}, {gy}, {gz}, {bx}, {by}, {bz}, {shared}, {stream}, {params}, 0)"
+        )
+        self.set_dynamic_shared_limit = backend.set_dynamic_shared_limit

@@ -183,6 +183,17 @@ def parameters_of(fn: Callable) -> tuple[Parameter, ...]:
 class KeyPlan:
     """Key construction for one parameter list, built once per jit function."""
 
+    @classmethod
+    def of(cls, fn: Callable) -> KeyPlan:
+        """The plan ``@jit`` builds for launcher ``fn``'s parameter list (``Constexpr``
+        annotations read as ``@jit`` reads them).
+
+        Public so that keys can be computed, compared or timed without a backend or a compiled
+        call state: ``plan.lean_key(*args)`` (the hit path's key) and ``plan.full_key(*args)``
+        (the miss path's) return the key's elements, without the current device that a jit key
+        starts with. ``benchmarks/keys.py`` times the two against each other."""
+        return cls(parameters_of(fn))
+
     def __init__(self, parameters: Sequence[Parameter]):
         self.parameters = tuple(parameters)
         self.names = tuple(p.name for p in self.parameters)

@@ -27,6 +27,7 @@ from jitcore.errors import ArgumentError
 from .fakes import CountingBackend, track_layouts
 
 ROOT = Path(__file__).resolve().parents[2]
+GUARDS = jc.tensor_guard([torch.zeros(1)], [[1]], [[1]]) is not None  # None where torch lacks the evaluator
 SOURCE = "__global__ void touch(float* p, long long n) {}"
 
 
@@ -190,7 +191,7 @@ def run_isolated(script: str) -> list[str]:
     return result.stdout.splitlines()
 
 
-@pytest.mark.skipif(not jc.guards.available(), reason="torch has no C++ tensor guard evaluator")
+@pytest.mark.skipif(not GUARDS, reason="torch has no C++ tensor guard evaluator")
 def test_unusual_tensors_are_refused_on_every_call_after_a_normal_one():
     outcomes = dict((line.split()[0], line.split()[1:]) for line in run_isolated(JIT_SCRIPT))
     for name in ("nested", "nested_1d", "nested_jagged", "sparse_coo", "sparse_csr", "meta", "dispatch_subclass"):
@@ -198,7 +199,7 @@ def test_unusual_tensors_are_refused_on_every_call_after_a_normal_one():
     assert outcomes["plain_subclass"] == ["ok"] * 3  # a subclass without its own dispatch is plain memory
 
 
-@pytest.mark.skipif(not jc.guards.available(), reason="torch has no C++ tensor guard evaluator")
+@pytest.mark.skipif(not GUARDS, reason="torch has no C++ tensor guard evaluator")
 def test_tensor_guard_says_no_to_unusual_tensors_instead_of_aborting():
     """``jitcore.tensor_guard`` is also replay's region fast path (replay/session.py)."""
     lines = run_isolated(GUARD_SCRIPT)

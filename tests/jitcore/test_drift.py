@@ -568,3 +568,29 @@ def test_jit_launcher_reading_a_module_attribute(backend, load):
     cfg.BLOCK = 32
     with pytest.raises(GlobalDriftError, match="module attribute 'cfg.BLOCK' read by @jit launch"):
         launch(x, x, x, 2.0)
+
+
+def test_a_jit_launchers_drift_error_shows_the_compiled_value_and_the_current_one(backend):
+    """Issue 13 item 7, end to end: a dict global mutated in place from {'n': 1} to {'n': 2} is
+    reported as it was at compile time and as it is now, on a (guarded) hit and on a miss."""
+    cfg = {"n": 1}
+    axpy = jc.Kernel(AXPY, "axpy")
+    launch = jc.jit(
+        exec_function(
+            """
+            def launch(x, y, out, alpha):
+                axpy.instantiate(x.dtype)[cfg["n"], 32](x, y, out, alpha, x.numel())
+            """,
+            axpy=axpy,
+            cfg=cfg,
+        )
+    )
+    x = torch.randn(64)
+    launch(x, x, x, 1.0)
+    launch(x, x, x, 1.0)  # now the guarded most-recent state
+    cfg["n"] = 2
+    message = re.escape("global 'cfg' read by @jit launch changed: it was {'n': 1} when first compiled, now {'n': 2}")
+    for args in ((x, x, x, 1.0), (torch.randn(8, dtype=torch.float64),) * 3 + (1.0,)):  # a hit, then a miss
+        with pytest.raises(GlobalDriftError, match=message):
+            launch(*args)
+    assert launch.cache_info().compiles == 1

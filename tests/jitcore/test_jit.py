@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import struct
 import threading
 
@@ -124,9 +125,10 @@ def test_constants_are_written_once_and_never_rewritten(backend):
     state = launch_const.jit.states[next(iter(launch_const.jit.states))].call_state
     hot = state.source.split("\n\n")[0]  # the run function (the recording variant follows it)
     assert hot.count("_pack0_") == 1 and ", 7," not in hot.split("_pack0_0(")[1]
-    buffer = state._tls.b[0]
-    layout = rows_kernel.instantiate().layout
-    struct.pack_into("<i", buffer, layout.offsets[2], 12345)  # scribble over a constant slot
+    # scribble over the constant's slot, found through the void* array the driver was given
+    params = backend.calls[-1][5]
+    slot = ctypes.c_void_p.from_address(params + 2 * ctypes.sizeof(ctypes.c_void_p)).value
+    ctypes.c_int.from_address(slot).value = 12345
     track_layouts(backend, rows_kernel.instantiate())
     launch_const(x, out)
     assert unpack("i", backend.calls[-1][7][2]) == 12345  # the call did not touch it
@@ -587,8 +589,7 @@ def test_the_guard_checks_the_current_device():
         launch(x, x, x, 1.0)
         guard, _ = launch.jit.mru[0]
         assert guard(x, x, x, 1.0)
-        fake._device = 3  # as if torch.cuda.set_device(3) had been called
-        launch.jit.namespace["_device"] = fake.hot_namespace["_current_device"]
+        fake._device = 3  # as if torch.cuda.set_device(3) had been called (the backend's device reader says 3)
         assert not guard(x, x, x, 1.0)
 
 
@@ -726,3 +727,37 @@ def test_capture_exclusion_refuses_exclusive_inside_shared_instead_of_hanging():
             pass
     with exclusion.exclusive():  # and nothing is left held
         pass
+
+
+# --- the benchmarks' hook: the steps of a hit, each alone ---------------------------------------
+def test_hit_path_parts_run_each_step_of_a_hit_alone_and_launch_nothing(backend):
+    launch = make_axpy()
+    x, out = torch.randn(64), torch.empty(64)
+    parts = jc.hit_path_parts(launch, x, x, out, alpha=2.0)  # builds the call state, as a first call would
+    assert list(parts) == ["key", "lookup", "drift check", "fill"]
+    assert launch.cache_info().compiles == 1 and backend.calls == []
+    (key,) = launch.jit.states
+    device, elements = parts["key"]()
+    assert (device, *elements) == key
+    doubles = torch.randn(8, dtype=torch.float64)
+    launch(doubles, doubles, torch.empty_like(doubles), 2.0)  # another state, now the most recent
+    assert list(launch.jit.states)[-1] != key
+    parts["lookup"]()
+    assert list(launch.jit.states)[-1] == key  # the lookup touched the LRU as a hit does
+    parts["drift check"]()
+    parts["fill"]()
+    assert len(backend.calls) == 1 and launch.cache_info().compiles == 2  # the float64 call alone launched
+
+
+def test_hit_path_parts_check_the_launchers_globals(backend, monkeypatch):
+    launch = make_axpy()
+    x = torch.randn(64)
+    parts = jc.hit_path_parts(launch, x, x, x, 2.0)
+    monkeypatch.setitem(globals(), "BLOCK", 128)
+    with pytest.raises(GlobalDriftError, match="'BLOCK'"):
+        parts["drift check"]()
+
+
+def test_hit_path_parts_needs_a_jit_launcher():
+    with pytest.raises(TypeError, match="expects a @jit launcher"):
+        jc.hit_path_parts(lambda x: None, 1)

@@ -47,6 +47,19 @@ def test_plan_reads_string_annotations():
     assert [p.constexpr for p in params] == [False, True, False]
 
 
+def test_key_plan_of_a_launcher_is_the_plan_jit_builds_for_it():
+    def launcher(x, n: jc.Constexpr[int], alpha=1.0):
+        pass
+
+    plan = jc.KeyPlan.of(launcher)
+    assert plan.names == ("x", "n", "alpha")
+    x = torch.randn(4, 3)
+    assert plan.lean_key(x, 3, 2.0) == plan.full_key(x, 3, 2.0)
+    assert plan.lean_key(x, 3, 2.0)[1:] == (("int", 3), "float")  # n by value, alpha by type
+    with pytest.raises(TypeError, match="fixed list"):
+        jc.KeyPlan.of(lambda *args: None)
+
+
 @pytest.mark.parametrize("source", ["def f(*args): pass", "def f(**kw): pass", "def f(x, *, y): pass"])
 def test_plans_need_a_fixed_positional_parameter_list(source):
     namespace = {}

@@ -48,7 +48,7 @@ def test_vendor_bindings_are_imported_only_by_backend_modules():
     pattern = re.compile(r"^\s*(from|import)\s+(cuda|hip)\b", re.M)
     offenders = [
         str(path.relative_to(root))
-        for package in ("jitcore", "replay", "samples")
+        for package in ("jitcore", "replay", "samples", "benchmarks")
         for path in (root / package).rglob("*.py")
         if pattern.search(path.read_text()) and path.name not in ("cuda.py", "hip.py")
     ]

@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 
 import jitcore as jc
+from benchmarks import common
 from jitcore.backends import use_backend
 from jitcore.backends.null import NullBackend
-from replay.bench import common
 
 
 def launcher_for(count: int):

@@ -11,20 +11,8 @@ from __future__ import annotations
 import torch
 
 import jitcore as jc
-from jitcore.codegen import CallState
-from replay.bench import common
-from replay.bench.launch import SOURCE, N, launch_axpy, raw_paths
-
-
-class _NoLaunch:
-    """The real backend with the launch replaced by a no-op: what is left is the fill."""
-
-    def __init__(self, backend):
-        self.__dict__.update({k: getattr(backend, k) for k in ("hot_namespace", "set_dynamic_shared_limit")})
-        self.hot_namespace = dict(backend.hot_namespace, _noop=lambda *a: (0,))
-        self.launch_template = (
-            "_r = _noop({function}, {gx}, {gy}, {gz}, {bx}, {by}, {bz}, {shared}, {stream}, {params}, 0)"
-        )
+from benchmarks import common
+from benchmarks.launch import SOURCE, N, launch_axpy, raw_paths
 
 
 def triton_path(x, y, out, alpha):
@@ -52,18 +40,7 @@ def main() -> None:
     torch.testing.assert_close(out, alpha * x + y, rtol=1e-6, atol=1e-5)  # the kernel may fuse into an FMA
     handle = jc.compile(launch_axpy, x, y, out, alpha)
     prepacked, _tuple, _backend_launch, _keep = raw_paths(x, y, out, alpha)
-    controller = launch_axpy.jit
-    state = handle.call_state
-    fill_only = CallState("fill_only", 0, state.key, state.trace, _NoLaunch(state.backend), state.returns).run
-    lean_key = controller.plan.lean_key
-    device = controller.namespace["_device"]
-    key = next(iter(controller.states))
-    states = controller.states
-
-    def lookup():
-        states[key]
-        states.move_to_end(key)
-
+    steps = jc.hit_path_parts(launch_axpy, x, y, out, alpha)  # each step of a hit, run alone
     paths = {
         "raw prepacked driver launch": prepacked,
         "jitcore compile() handle": lambda: handle(x, y, out, alpha),
@@ -86,10 +63,10 @@ def main() -> None:
     results = common.compare(paths, calls=calls, repeats=repeats, sync=torch.cuda.synchronize)
     breakdown = common.compare(
         {
-            "key (lean key + current device)": lambda: (device(), lean_key(x, y, out, alpha)),
-            "lookup (LRU dict)": lookup,
-            "drift check": controller.snapshot.check,
-            "fill (call state, launch replaced by a no-op)": lambda: fill_only(x, y, out, alpha),
+            "key (lean key + current device)": steps["key"],
+            "lookup (LRU dict)": steps["lookup"],
+            "drift check": steps["drift check"],
+            "fill (call state, launch replaced by a no-op)": steps["fill"],
         },
         calls=calls * 5,
         repeats=repeats,

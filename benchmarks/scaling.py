@@ -13,8 +13,8 @@ import statistics
 import torch
 
 import replay
-from replay.bench import common
-from replay.bench.replay import WIDTH, affine, loop
+from benchmarks import common
+from benchmarks.replay import WIDTH, affine, loop
 
 
 def chain(length: int):

@@ -14,7 +14,11 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-DEFAULT_OUT = Path(__file__).resolve().parents[2] / "docs" / "benchmarks"
+#: The checkout the benchmarks run in (they read its samples/ and write its docs/).
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_OUT = ROOT / "docs" / "benchmarks"
+#: The one command that runs benchmarks; results name it, with the arguments that make them.
+RUNNER = "python -m benchmarks"
 
 
 def parser(description: str) -> argparse.ArgumentParser:
@@ -25,9 +29,13 @@ def parser(description: str) -> argparse.ArgumentParser:
 
 
 def command_line() -> str:
-    module = sys.modules["__main__"].__spec__
-    name = module.name.removesuffix(".__main__") if module else sys.argv[0]
-    return " ".join(["python", "-m", name, *sys.argv[1:]]) if module else " ".join(["python", *sys.argv])
+    """The runner command that makes this run's results: in a benchmark's own process (the
+    runner starts each as ``benchmarks.NAME``), the runner with ``--only NAME``, so a table
+    names the command that makes it alone; in the runner, the runner as it was called."""
+    spec = sys.modules["__main__"].__spec__
+    module = spec.name.removesuffix(".__main__") if spec else ""
+    only = ["--only", module.removeprefix("benchmarks.")] if module.startswith("benchmarks.") else []
+    return " ".join([RUNNER, *only, *sys.argv[1:]])
 
 
 def machine() -> dict[str, object]:

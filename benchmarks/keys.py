@@ -10,9 +10,15 @@ from __future__ import annotations
 
 import torch
 
-from jitcore.keys import KeyPlan, Parameter
-from jitcore.tensors import TensorAdaptor, lean_cache_signature
-from replay.bench import common
+import jitcore as jc
+from benchmarks import common
+
+
+def launcher_with(count: int):
+    """A launcher signature with ``count`` tensor parameters (its body never runs)."""
+    namespace: dict[str, object] = {}
+    exec(f"def launch({', '.join(f't{i}' for i in range(count))}):\n    pass\n", namespace)
+    return namespace["launch"]
 
 
 def main() -> None:
@@ -23,8 +29,8 @@ def main() -> None:
     results: dict[str, dict] = {"device": device}
     single = common.compare(
         {
-            "lean signature": lambda: lean_cache_signature(tensor),
-            "full signature (DLPack)": lambda: TensorAdaptor(tensor).__cache_signature__(),
+            "lean signature": lambda: jc.lean_cache_signature(tensor),
+            "full signature (DLPack)": lambda: jc.TensorAdaptor(tensor).__cache_signature__(),
             # the floor: any lean key reads at least these four attributes of every tensor
             "bare read of (dtype, shape, stride(), device)": lambda: (
                 tensor.dtype,
@@ -40,7 +46,7 @@ def main() -> None:
     rows = [[name, r["median_us"], r["min_us"]] for name, r in single.items()]
     speedups = []
     for count in (1, 4, 16):
-        plan = KeyPlan([Parameter(f"t{i}") for i in range(count)])
+        plan = jc.KeyPlan.of(launcher_with(count))
         tensors = [torch.randn(32, 32 + i, device=device) for i in range(count)]
         lean, full = plan.lean_key, plan.full_key
         timed = common.compare(

@@ -1,11 +1,13 @@
-"""Run every GPU benchmark, each in a fresh process, then the decode-loop sample.
+"""Run the benchmarks, each in a fresh process, then the decode-loop sample.
 
-    python -m replay.bench [--out docs/benchmarks] [--quick] [--only NAME ...]
+    python -m benchmarks [--out docs/benchmarks] [--quick] [--only NAME ...]
 
 Writes <name>.json, <name>.md and PNG plots for: launch (host cost of each dispatch path),
 jit (cache-hit cost against peers), keys (lean vs full keys), replay (the 32-kernel region),
 scaling (per-step time against region length and distinct shapes), decode_loop.md (the
-sample's output) and, with two GPUs, decode_loop_tp2.md (the tensor-parallel sample).
+sample's output) and, with two GPUs, decode_loop_tp2.md (the tensor-parallel sample). These
+need a GPU (keys runs on CPU tensors without one) and are the default; jit_cpu (the jit's
+Python-side cost with the driver call a no-op) runs on any machine, with ``--only jit_cpu``.
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ from pathlib import Path
 
 import torch
 
-from replay.bench import common
+from benchmarks import common
 
-BENCHMARKS = ["launch", "jit", "keys", "replay", "scaling"]
+GPU_BENCHMARKS = ["launch", "jit", "keys", "replay", "scaling"]
+CPU_BENCHMARKS = ["jit_cpu"]
 SAMPLE = "decode_loop"
 
 
@@ -30,14 +33,15 @@ def main() -> int:
     parser.add_argument(
         "--only",
         nargs="+",
-        choices=[*BENCHMARKS, SAMPLE],
-        default=[*BENCHMARKS, SAMPLE],
+        choices=[*GPU_BENCHMARKS, *CPU_BENCHMARKS, SAMPLE],
+        default=[*GPU_BENCHMARKS, SAMPLE],
         help="run only these (decode_loop is the sample, with its tensor-parallel run on two GPUs)",
     )
     args = parser.parse_args()
     extra = ["--out", str(args.out)] + (["--quick"] if args.quick else [])
     args.out.mkdir(parents=True, exist_ok=True)
-    failed = [name for name in BENCHMARKS if name in args.only and _run_benchmark(name, extra)]
+    names = [name for name in (*GPU_BENCHMARKS, *CPU_BENCHMARKS) if name in args.only]
+    failed = [name for name in names if _run_benchmark(name, extra)]
     if SAMPLE in args.only:
         failed += _run_sample(args)
     if failed:
@@ -48,7 +52,7 @@ def main() -> int:
 def _run_benchmark(name: str, extra: list[str]) -> bool:
     """Each benchmark in a fresh process, so one's warm caches and allocator state don't help another."""
     print(f"== {name}", flush=True)
-    return subprocess.run([sys.executable, "-m", f"replay.bench.{name}", *extra]).returncode != 0
+    return subprocess.run([sys.executable, "-m", f"benchmarks.{name}", *extra]).returncode != 0
 
 
 def _run_sample(args: argparse.Namespace) -> list[str]:
@@ -70,7 +74,7 @@ def _run_sample(args: argparse.Namespace) -> list[str]:
 def _sample_run(out: Path, name: str, title: str, launcher: list[str], flags: list[str]) -> bool:
     """Run the sample once and write its report to <name>.md; True when it failed."""
     print(f"== {title}", flush=True)
-    sample = Path(__file__).resolve().parents[2] / "samples" / "decode_loop.py"
+    sample = common.ROOT / "samples" / "decode_loop.py"
     executable = sys.executable if launcher == ["python"] else shutil.which(launcher[0])
     env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
     done = subprocess.run([executable, *launcher[1:], str(sample), *flags], capture_output=True, text=True, env=env)

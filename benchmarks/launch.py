@@ -18,9 +18,9 @@ import ctypes
 import torch
 
 import jitcore as jc
+from benchmarks import common
 from jitcore.backends import get_backend
 from jitcore.backends.abi import PackedParams
-from replay.bench import common
 
 SOURCE = r"""
 extern "C" __global__ void axpy_f(const float* __restrict__ x, const float* __restrict__ y, float* __restrict__ out,
