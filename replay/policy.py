@@ -17,6 +17,11 @@ def _positive_int(instance, attribute, value):
         raise ValueError(f"{attribute.name} must be an int >= 1, got {value!r}")
 
 
+def _fraction(instance, attribute, value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise ValueError(f"{attribute.name} must be a number in (0, 1], got {value!r}")
+
+
 def _bool(instance, attribute, value):
     if not isinstance(value, bool):
         raise ValueError(f"{attribute.name} must be True or False, got {value!r}")
@@ -28,8 +33,11 @@ def _debug_default() -> bool:
 
 @attrs.frozen(kw_only=True)
 class Policy:
-    """``record_after``: eager runs of a key before it is recorded (compiles happen there).
-    ``max_graphs``: graphs kept per session; the least recently replayed is released beyond.
+    """``record_after``: a key is recorded once it has been called more often than this
+    recently (its first calls run eagerly and compile what it needs); see replay.admission.
+    ``max_graphs``: graphs kept per session; beyond, a new key replaces the least frequently
+    replayed graph only if it was called more often recently.
+    ``record_budget``: the most of the session's time that recording may take (0.05: 5%).
     ``clone_outputs``: return copies instead of the graph's own output buffers.
     ``verify_every``: every Nth replay of a graph is also run eagerly and compared bitwise
     (0 turns it off). ``check_stale``: outputs raise StaleOutputError when read after a later
@@ -37,6 +45,7 @@ class Policy:
 
     record_after: int = attrs.field(default=1, validator=_non_negative_int)
     max_graphs: int = attrs.field(default=64, validator=_positive_int)
+    record_budget: float = attrs.field(default=0.05, validator=_fraction)
     clone_outputs: bool = attrs.field(default=False, validator=_bool)
     verify_every: int = attrs.field(default=0, validator=_non_negative_int)
     check_stale: bool = attrs.field(factory=_debug_default, validator=_bool)

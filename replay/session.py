@@ -6,11 +6,12 @@
             logits = step(batch.tokens, kv_cache, replay.dynamic(pos))
     print(cap.report())
 
-Per call: the most recently replayed key of the region is checked first by a guard (one C++
-tensor check per tensor argument); otherwise the key is computed. A new key runs eagerly
-(``record_after`` times, compiling what it needs), then is recorded into a graph, then
-replayed. A key whose capture fails runs eagerly from then on, with one warning naming the
-reason. ``max_graphs`` bounds the graphs held (least recently replayed released first).
+Per call: the recorded keys of the region are checked first by their guards (one C++ tensor
+check per tensor argument); otherwise the key is computed. A new key runs eagerly (compiling
+what it needs) until it has been called more than ``record_after`` times recently and the
+cache policy admits it (replay.admission: recent frequency, ``max_graphs``, the recording
+budget), then is recorded into a graph, then replayed. A key whose capture fails runs eagerly
+from then on, with one warning naming the reason.
 """
 
 from __future__ import annotations
@@ -22,12 +23,14 @@ import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
+import attrs
 import torch
 
 import jitcore
 from jitcore.backends import get_backend
 from jitcore.errors import GlobalDriftError
 from replay import keys, observe, recording
+from replay.admission import Admission, CompactionRule
 from replay.dynamic import Dynamic
 from replay.errors import ReplayWarning, SessionClosedError
 from replay.graph import MISMATCH, RecordedGraph, guard_outputs
@@ -104,6 +107,21 @@ class Entry:
         self.later = 0  # recordings the analysis asked to redo later
 
 
+@attrs.define
+class Hints:
+    """What the keys of one argument structure (spec) of a region taught about its inputs:
+    which ones torch ops read or write (to be staged, or copied back), from an observed
+    warm-up and from analyses of their graphs. A new key of the spec starts from them, so
+    its first calls need no observer of their own (they cost what eager costs) and its first
+    capture rarely needs a second. Hints only choose what a first capture stages: the
+    analysis of every graph still checks each input exactly."""
+
+    observed_key: tuple | None = None  # the key whose warm-up ran under the observer
+    stage: set[int] = attrs.Factory(set)
+    copy_back: set[int] = attrs.Factory(set)
+    clean: bool = False  # the observed warm-up saw no torch op touch an input
+
+
 def _describe_key(key: tuple, limit: int = 96) -> str:
     parts = []
     for element in key[keys.LEAVES_START :]:
@@ -126,7 +144,8 @@ class Region:
         self.session = session
         self.fn = fn
         self.name = name or getattr(fn, "__qualname__", type(fn).__qualname__)
-        self.entries: dict[tuple, Entry] = {}
+        self.entries: dict[tuple, Entry] = {}  # keys that were recorded at least once
+        self.hints: dict[object, Hints] = {}  # spec -> what its keys taught about the inputs
         self.snapshot: jitcore.GlobalsSnapshot | None = None
         # recorded keys of flat calls, by a cheap pre-key (tensor shapes, constants); each
         # candidate's guard then checks everything the key holds
@@ -214,18 +233,42 @@ class Region:
         device = session.current_device()
         key = keys.region_key(device, spec, leaves, paths)
         entry = self.entries.get(key)
+        if entry is not None:
+            if entry.state == RECORDED:
+                return self._replay(entry, leaves)
+            if entry.state == PENDING:
+                return self._finish(entry, key, spec, leaves, paths, device)
+            if entry.state == EAGER_ONLY:
+                return self._eager(spec, leaves, entry)
+        if not session.can_record():
+            return self._eager(spec, leaves, entry)
+        return self._admit(entry, key, spec, leaves, paths, device)
+
+    def _admit(self, entry: Entry | None, key: tuple, spec: object, leaves: list, paths: list, device: int):
+        """A key without a graph: run it eagerly until it has been called often enough
+        recently, then record it if the cache and the recording budget let it in (see
+        replay.admission). Keys that never get that far leave no entry behind."""
+        session = self.session
+        admission = session.admission
+        count = admission.called((self, key))
+        if admission.warming((self, key)):
+            hints = None
+            if count == session.policy.record_after and spec not in self.hints:
+                hints = self.hints[spec] = Hints(observed_key=key)  # the spec's first key: observe it
+            return self._eager(spec, leaves, entry, observe=hints)
+        admitted, _victim = admission.victim((self, key), session.lru, len(session.pending))
+        if not admitted:
+            session.stats_record.refused += 1
+            return self._eager(spec, leaves, entry)
+        if not admission.may_record():
+            session.stats_record.deferred += 1
+            return self._eager(spec, leaves, entry)
         if entry is None:
             entry = self.entries[key] = Entry(self, key)
-        if entry.state == RECORDED:
-            return self._replay(entry, leaves)
-        if entry.state == PENDING:
-            return self._finish(entry, key, spec, leaves, paths, device)
-        if entry.state == EAGER_ONLY or not session.can_record():
-            return self._eager(spec, leaves)
-        if entry.eager_runs < session.policy.record_after:
-            entry.eager_runs += 1
-            last_warmup = entry.eager_runs == session.policy.record_after
-            return self._eager(spec, leaves, observe=entry if last_warmup else None)
+            hints = self.hints.get(spec)
+            if hints is not None:
+                entry.stage_hint, entry.copy_back_hint = set(hints.stage), set(hints.copy_back)
+                entry.observed_clean = hints.clean and hints.observed_key == key
         return self._record(entry, key, spec, leaves, paths, device)
 
     def _replay(self, entry: Entry, leaves: Sequence):
@@ -242,7 +285,7 @@ class Region:
             # the graph cannot serve these values exactly (see replay.graph): the eager run
             # gives the exact result, or the exact error
             self.session.stats_record.declined += 1
-            return self._eager(spec, leaves)
+            return self._eager(spec, leaves, entry)
         return result
 
     def _rekey(self, args: tuple, kwargs: dict):
@@ -250,11 +293,15 @@ class Region:
         self.session.stats_record.invalidations += 1
         self.drop_graphs()
         self.entries.clear()
+        self.hints.clear()
+        self.session.admission.forget(lambda counted: counted[0] is self)
         self.snapshot = None
         return self._call(args, kwargs)
 
-    def _eager(self, spec: object, leaves: Sequence, observe: Entry | None = None):
+    def _eager(self, spec: object, leaves: Sequence, entry: Entry | None = None, observe: Hints | None = None):
         self.session.stats_record.eager_runs += 1
+        if entry is not None:
+            entry.eager_runs += 1
         args, kwargs = keys.unflatten(spec, keys.plain_leaves(leaves))
         if observe is None:
             with recording.CAPTURES.shared():  # may load kernels: not while another thread captures
@@ -263,9 +310,9 @@ class Region:
         observer = TorchOpObserver([keys.byte_range(t) for _, t in tensors])
         with recording.CAPTURES.shared(), observer:
             result = self.fn(*args, **kwargs)
-        observe.stage_hint |= {tensors[w][0] for w in observer.read}
-        observe.copy_back_hint |= {tensors[w][0] for w in observer.written}
-        observe.observed_clean = not observer.read and not observer.written
+        observe.stage |= {tensors[w][0] for w in observer.read}
+        observe.copy_back |= {tensors[w][0] for w in observer.written}
+        observe.clean = not observer.read and not observer.written
         return result
 
     # --- recording -----------------------------------------------------------------------
@@ -276,11 +323,12 @@ class Region:
         with session.lock:
             if self.snapshot is None:
                 self.snapshot = jitcore.GlobalsSnapshot(self.fn, owner=f"region {self.name}", prefix="_r")
+            # Arguments that overlap each other are never staged by a first capture (a warm-up
+            # hint): staged apart, they would stop sharing memory, which is exact only once an
+            # analysis of the graph has shown that nothing writes them.
+            overlapping = set() if entry.analysed_staging else {i for pair in key[3] for i in pair}
+            started = time.perf_counter()
             try:
-                # Arguments that overlap each other are never staged by a first capture (a
-                # warm-up hint): staged apart, they would stop sharing memory, which is exact
-                # only once an analysis of the graph has shown that nothing writes them.
-                overlapping = set() if entry.analysed_staging else {i for pair in key[3] for i in pair}
                 capture = session.capture(
                     self.fn,
                     spec,
@@ -294,15 +342,18 @@ class Region:
                     observe=not entry.observed_clean,
                 )
             except jitcore.recorder.CaptureBusy:
-                return self._eager(spec, leaves)  # called inside another region's eager run
+                return self._eager(spec, leaves, entry)  # called inside another region's eager run
             except recording.CaptureAborted as aborted:
                 return self._retry_later(entry, spec, leaves, aborted)
             except recording.CaptureFailed as failure:
                 if isinstance(failure, recording.SpoiledPool):
                     session.retire_pool(device)
                 return self._give_up(entry, spec, leaves, failure.reason)
+            finally:
+                session.admission.recorded(time.perf_counter() - started)  # failed captures cost time too
             entry.capture = capture
             entry.state = PENDING
+            session.pending[entry] = None
             stats = session.stats_record
             stats.records += 1
             stats.replays += 1  # the first launch of the new graph serves this call
@@ -327,17 +378,23 @@ class Region:
         session = self.session
         with session.lock:
             capture, entry.capture = entry.capture, None
+            session.pending.pop(entry, None)
+            analysed = time.perf_counter()
             try:
                 session.analyse(capture)
                 started = time.perf_counter()
                 graph = session.build_graph(self, key, capture, spec, leaves, paths, session, len(session.lru))
                 capture.timings["build replay"] = time.perf_counter() - started
+                session.admission.recorded(time.perf_counter() - analysed)
             except recording.CaptureRetry as retry:
                 capture.graph.reset()
                 entry.state = WARMING
                 plan = retry.args[0]
                 entry.stage_hint |= plan.needs_staging
                 entry.copy_back_hint |= plan.needs_copy_back
+                hints = self.hints.setdefault(spec, Hints())
+                hints.stage |= plan.needs_staging
+                hints.copy_back |= plan.needs_copy_back
                 entry.analysed_staging = True
                 entry.retries += 1
                 session.stats_record.record_retries += 1
@@ -404,7 +461,7 @@ class Region:
             entry.later += 1
             if entry.later > 3:
                 return self._give_up(entry, spec, leaves, f"recording kept failing: {aborted}")
-        return self._eager(spec, leaves)
+        return self._eager(spec, leaves, entry)
 
     def _give_up(self, entry: Entry, spec: object, leaves: Sequence, reason: str):
         entry.state = EAGER_ONLY
@@ -414,7 +471,7 @@ class Region:
             ReplayWarning(f"region {self.name}, key {_describe_key(entry.key)}: runs eagerly from now on: {reason}"),
             stacklevel=4,
         )
-        return self._eager(spec, leaves)
+        return self._eager(spec, leaves, entry)
 
     # --- the guarded fast path -----------------------------------------------------------
     def _promote(self, entry: Entry, spec: object, leaves: Sequence) -> None:
@@ -526,7 +583,16 @@ class Session:
         self.stats_record = Stats()
         self.lock = threading.RLock()
         self.regions: list[Region] = []
-        self.lru: OrderedDict[Entry, None] = OrderedDict()
+        self.lru: OrderedDict[Entry, None] = OrderedDict()  # graphs held, least recently replayed first
+        self.admission: Admission[Entry] = Admission(
+            record_after=self.policy.record_after,
+            max_graphs=self.policy.max_graphs,
+            budget=self.policy.record_budget,
+            replays=lambda entry: entry.graph.replays if entry.graph is not None else 0,
+            clock=time.perf_counter,
+        )
+        self.compaction_rule = CompactionRule()
+        self.pending: dict[Entry, None] = {}  # recorded, not yet analysed: they take a place in the cache
         self._pools: dict[int, recording.KeptPool] = {}
         self._retired_pools: list[recording.KeptPool] = []
         self._streams: dict[int, torch.cuda.Stream] = {}
@@ -590,12 +656,15 @@ class Session:
         self.lru.move_to_end(entry)
 
     def add_graph(self, entry: Entry) -> None:
-        self.lru[entry] = None
-        self.stats_record.graphs = len(self.lru)
-        while len(self.lru) > self.policy.max_graphs:
-            oldest = next(iter(self.lru))
-            self.release(oldest)
+        """Hold ``entry``'s new graph; beyond ``max_graphs``, release the least frequently
+        replayed other graph (admission let this key in only if it was called more often)."""
+        while len(self.lru) >= self.policy.max_graphs:
+            _admit, victim = self.admission.victim((entry.region, entry.key), self.lru)
+            self.release(victim)
             self.stats_record.evictions += 1
+        self.lru[entry] = None
+        self.admission.held(entry, (entry.region, entry.key))
+        self.stats_record.graphs = len(self.lru)
 
     def retire_pool(self, device: int) -> None:
         """Record into a fresh pool from now on (a failed capture left the current one
@@ -628,8 +697,15 @@ class Session:
         again, largest inputs first, into a fresh pool, so they share one set of blocks."""
         device = capture.device
         size = self.pool_bytes(device)
+        self.compaction_rule.recorded(device, size, capture.memory - getattr(capture, "output_bytes", 0))
         others = [e for e in self.lru if e is not entry and e.graph is not None and e.graph.device == device]
-        if self.compaction and others and capture.memory >= max(1 << 20, size // 10):
+        if (
+            self.compaction
+            and others
+            and capture.memory >= max(1 << 20, size // 10)
+            and self.compaction_rule.due(device, size, len(others) + 1, self.stats_record.records)
+            and self.admission.may_record()
+        ):
             self.compact(device)
         self.stats_record.graph_memory_bytes = self.memory_bytes()
 
@@ -647,7 +723,7 @@ class Session:
             for entry in region.entries.values():  # drop them; they record again when called
                 if entry.capture is not None and entry.capture.device == device:
                     self.release(entry)
-                    entry.eager_runs = self.policy.record_after
+        started = time.perf_counter()
         before = self.pool_bytes(device)
         new_pool = recording.KeptPool(device, self.capture_stream(device))
         fresh: dict[Entry, RecordedGraph] = {}
@@ -675,7 +751,10 @@ class Session:
             torch.cuda.synchronize(device)
             torch.cuda.empty_cache()
         after = self.pool_bytes(device)
+        self.admission.recorded(time.perf_counter() - started)
+        self.compaction_rule.done(device, after, len(fresh))
         self.stats_record.compactions += 1
+        self.stats_record.recaptures += len(fresh)
         if after > 0.9 * before:
             self.compaction = False
         return True
@@ -683,6 +762,8 @@ class Session:
     def release(self, entry: Entry) -> None:
         """Drop an entry's graph; its memory returns to the pool. The key records again later."""
         self.lru.pop(entry, None)
+        self.pending.pop(entry, None)
+        self.admission.dropped(entry)
         if entry.graph is not None:
             entry.graph.release()
         entry.region._demote(entry)
@@ -692,7 +773,6 @@ class Session:
         entry.graph = None
         entry.guard = None
         entry.state = WARMING
-        entry.eager_runs = 0
         self.stats_record.graphs = len(self.lru)
 
     def invalidate(self) -> None:
@@ -708,7 +788,8 @@ class Session:
                         continue
                     if entry.capture is not None:
                         self.release(entry)
-                    entry.state, entry.eager_runs = WARMING, 0
+                    entry.state = WARMING
+            self.admission.forget(lambda counted: True)  # every key warms up again
             self.stats_record.invalidations += 1
 
     def close(self) -> None:
@@ -765,9 +846,10 @@ def _clone_tensors(value: object) -> object:
 def capture(**policy: object) -> Session:
     """A capture session (a context manager): ``with capture(record_after=1) as cap: ...``.
 
-    Policy: ``record_after`` (eager runs of a key before recording, default 1), ``max_graphs``
-    (default 64), ``clone_outputs`` (default False), ``verify_every`` (0 = off),
-    ``check_stale`` (default off, on with REPLAY_DEBUG=1).
+    Policy (replay.policy.Policy): ``record_after`` (recent calls of a key before it may be
+    recorded, default 1), ``max_graphs`` (default 64), ``record_budget`` (share of the time
+    recording may take, default 0.05), ``clone_outputs`` (default False), ``verify_every``
+    (0 = off), ``check_stale`` (default off, on with REPLAY_DEBUG=1).
     """
     return Session(**policy)
 

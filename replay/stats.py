@@ -32,6 +32,9 @@ class Stats:
     graph_memory_bytes: int = 0  # bytes the session's memory pools hold (graph outputs, intermediates)
     graphs: int = 0  # graphs currently held
     evictions: int = 0
+    refused: int = 0  # recordings not admitted: every graph held was replayed more often recently
+    deferred: int = 0  # recordings postponed: the recording budget was spent
+    recaptures: int = 0  # graphs recorded again by compactions
     compactions: int = 0  # times the graphs of a device were recorded again into a fresh pool
     invalidations: int = 0
     verifications: int = 0
@@ -50,7 +53,8 @@ def report(stats: Stats, rows: list[tuple]) -> str:
         f"records {stats.records} (retries {stats.record_retries}), eager-only keys {stats.eager_only_keys}",
         f"  node patches {stats.patches}, staged copies {stats.staged_copies}, verifications {stats.verifications}, "
         f"declined by a graph {stats.declined}",
-        f"  graphs held {stats.graphs}, evictions {stats.evictions}, compactions {stats.compactions}, "
+        f"  graphs held {stats.graphs}, evictions {stats.evictions}, not admitted {stats.refused}, "
+        f"postponed by the budget {stats.deferred}, compactions {stats.compactions} ({stats.recaptures} graphs), "
         f"invalidations {stats.invalidations}, "
         f"capture {stats.capture_seconds * 1e3:.1f} ms, graph memory {stats.graph_memory_bytes / 2**20:.1f} MiB",
     ]

@@ -166,19 +166,122 @@ def test_each_shape_is_its_own_key(session_factory):
     assert {e.state for e in step.entries.values()} == {RECORDED}
 
 
-def test_lru_bound_releases_the_least_recently_replayed(session_factory):
+def test_a_full_cache_admits_a_key_only_when_twice_as_hot_as_the_graph_it_replaces(session_factory):
     session = session_factory(record_after=0, max_graphs=2)
     step = session.region(add)
     tensors = {n: (torch.randn(n), torch.randn(n)) for n in (1, 2, 3)}
-    for n in (1, 1, 2, 2):  # record, then analyse: a graph is held from the second call
+    for n in (1, 1, 1, 2, 2):  # 1: recorded, analysed, replayed; 2: recorded, analysed
         step(*tensors[n])
-    step(*tensors[1])  # 1 is now more recent than 2
-    step(*tensors[3])
-    step(*tensors[3])  # the third graph: evicts 2
-    states = {key[keys.LEAVES_START][1][0]: entry.state for key, entry in step.entries.items()}
-    assert states == {1: RECORDED, 2: WARMING, 3: RECORDED}
+
+    def state(n):
+        return {key[keys.LEAVES_START][1][0]: e.state for key, e in step.entries.items()}.get(n, "no entry")
+
+    step(*tensors[3])  # called once: colder than both graphs (2 was called twice)
+    assert (state(3), session.stats().refused) == ("no entry", 1)
+    for _ in range(3):  # up to four times: not twice as hot as 2 (equals do not take turns)
+        step(*tensors[3])
+    assert (state(3), session.stats().refused, session.stats().evictions) == ("no entry", 4, 0)
+    step(*tensors[3])  # five times: more than twice as hot as 2: recorded
+    assert (state(1), state(2), state(3)) == (RECORDED, RECORDED, PENDING)
+    step(*tensors[3])  # its graph joins the cache: 2 goes, 1 (used most) stays
+    assert (state(1), state(2), state(3)) == (RECORDED, WARMING, RECORDED)
     assert session.stats().evictions == 1 and session.stats().graphs == 2
-    assert [g.released for g in FakeGraph.instances[-3:]] == [False, True, False]
+    for n in (1, 2, 3):  # every call is still exact, replayed or not
+        assert torch.equal(step(*tensors[n]), tensors[n][0] + tensors[n][1])
+
+
+def test_many_shapes_do_not_thrash_the_cache(session_factory):
+    # a batch size drawn uniformly from 32 sizes with room for 8 graphs: plain LRU recorded a
+    # graph on almost every miss; admission keeps the 8 it has and runs the rest eagerly
+    session = session_factory(record_after=1, max_graphs=8)
+    step = session.region(add)
+    generator = torch.Generator().manual_seed(0)
+    tensors = {n: (torch.randn(n), torch.randn(n)) for n in range(1, 33)}
+    for _ in range(2000):
+        n = int(torch.randint(1, 33, (1,), generator=generator))
+        assert torch.equal(step(*tensors[n]), tensors[n][0] + tensors[n][1])
+    stats = session.stats()
+    assert stats.records <= 16 and stats.evictions <= 8, session.report()
+    assert stats.graphs == 8 and stats.refused > 1000
+
+
+def test_a_hot_key_is_never_evicted_for_a_cold_one(session_factory):
+    session = session_factory(record_after=0, max_graphs=1)
+    step = session.region(add)
+    hot, cold = (torch.randn(4), torch.randn(4)), (torch.randn(5), torch.randn(5))
+    for _ in range(50):
+        step(*hot)
+    for _ in range(20):  # called 20 times, but the hot graph was replayed 48 times
+        step(*cold)
+    (hot_key,) = [k for k, e in step.entries.items() if e.state == RECORDED]
+    assert hot_key[keys.LEAVES_START][1] == (4,) and session.stats().evictions == 0
+
+
+def test_keys_that_never_repeat_leave_no_entry_and_run_no_observer(session_factory, monkeypatch):
+    # a prefill-like loop: hundreds of lengths, each seen once. Each call costs its eager run
+    # plus the key: no entry, no observer, no recording
+    observed = []
+    original = replay.session.TorchOpObserver.__init__
+    monkeypatch.setattr(
+        replay.session.TorchOpObserver, "__init__", lambda self, *a: observed.append(self) or original(self, *a)
+    )
+    session = session_factory(record_after=1)
+    step = session.region(add)
+    step(torch.randn(1), torch.randn(1))  # the region's first key: its warm-up is observed once
+    for n in range(2, 300):
+        x = torch.randn(n)
+        assert torch.equal(step(x, x), x + x)
+    assert len(observed) == 1 and step.entries == {} and session.stats().records == 0
+    assert session.stats().eager_runs == 299
+
+
+def test_new_keys_start_from_what_the_first_key_of_their_structure_taught(session_factory):
+    session = session_factory(record_after=1)
+    step = session.region(add)  # a torch op reads both inputs: they are staged
+    for n in (3, 3, 4, 4):
+        step(torch.randn(n), torch.randn(n))
+    (_, _, stage, _, observed), (_, _, stage2, _, observed2) = session.captures
+    assert (stage, observed) == ({0, 1}, True)
+    assert (stage2, observed2) == ({0, 1}, True)  # inherited stage hints; the capture is observed
+    keyword = session.region(lambda x, *, y: x + y, name="keyword")  # another structure: its own warm-up
+    for _ in range(2):
+        keyword(torch.randn(2), y=torch.randn(2))
+    assert session.captures[2][2] == {0, 1}
+
+
+def test_the_recording_budget_postpones_recordings_and_charges_failed_ones(session_factory, monkeypatch):
+    now = [0.0]
+    session = session_factory(record_after=0, record_budget=0.1)
+    session.admission.budget.clock = lambda: now[0]
+    step = session.region(add)
+    x = torch.randn(3)
+    assert torch.equal(step(x, x), x + x)  # the first recording: within the grace period
+    session.admission.recorded(10.0)  # as if recording had taken 10 s
+    y = torch.randn(4)
+    for _ in range(3):
+        assert torch.equal(step(y, y), y + y)
+    assert session.stats().deferred == 3 and session.stats().records == 1
+    now[0] = 100.0  # 10% of 102 s: 10.2 s allowed, 10.0 spent
+    step(y, y)
+    assert session.stats().records == 2
+    spent = session.admission.budget.spent
+    session.capture_script = [recording.CaptureFailed("no")]
+    with pytest.warns(replay.ReplayWarning):
+        step(torch.randn(5), torch.randn(5))
+    assert session.admission.budget.spent > spent  # a failed capture took time too
+
+
+def test_invalidation_makes_every_key_warm_up_again(session_factory):
+    session = session_factory(record_after=1)
+    step = session.region(add)
+    x = torch.randn(3)
+    for _ in range(3):
+        step(x, x)
+    session.invalidate()
+    step(x, x)
+    assert session.stats().records == 1  # the call after an invalidation warms up
+    step(x, x)
+    assert session.stats().records == 2
 
 
 def test_a_failed_capture_marks_the_key_eager_only_with_one_warning(session_factory):

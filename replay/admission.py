@@ -1,0 +1,224 @@
+"""Which keys get a graph, and when recording may spend time: the session's cache policy.
+
+Why a policy at all: a loop whose batch size changes every step (1..256 at random) made the
+plain rule "record a key on its second call, keep the most recently replayed ``max_graphs``"
+thrash. Every miss recorded a graph (milliseconds each) only to evict another that was just as
+likely to come back, and the loop ran several times slower than eagerly. Three rules here keep
+replay from ever costing more than it saves:
+
+- **Frequency-based admission** (after TinyLFU: Einziger, Friedman and Manes, 2017): a key is
+  recorded once it has been called ``record_after + 1`` times *recently* (counts halve every
+  ``window`` calls, so a key seen once an hour ago and once now is not "frequent"). When the
+  cache is full, a new key is admitted only if it was called ``ADMISSION_MARGIN`` times as
+  often recently as the graph it would replace, which is the least frequently replayed one
+  (the least recently replayed among equals): a hot key is never evicted for a cold one, and
+  keys of about equal frequency (a uniform mix of more shapes than graphs) do not take turns,
+  each recording paid for by nothing.
+- **A recording budget**: recording (captures and compactions alike) may take at most
+  ``record_budget`` of the session's time since its first call (with ``GRACE_SECONDS`` counted
+  as elapsed from the start, so the first recordings of a loop are not held back). A key
+  that is admitted while the budget is spent runs eagerly and records later.
+- **Compaction without storms**: re-recording every graph of a device into a fresh pool (to
+  undo fragmentation) happens only when the pool has doubled since the last compaction, and
+  only while the graphs recorded again by compactions stay within half of the graphs recorded
+  in all (plus ``RECAPTURE_ALLOWANCE``, so that the first, small compactions of a run can
+  happen): a run over N shapes records at most 1.5 N + ``RECAPTURE_ALLOWANCE`` graphs.
+
+This module is pure bookkeeping (no torch, no driver): the session asks it and obeys.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Iterable
+from typing import Generic, TypeVar
+
+import attrs
+
+#: Seconds counted as already elapsed when the budget is first consulted.
+GRACE_SECONDS = 2.0
+
+#: Counts halve every ``window`` calls, with ``window = max(MIN_WINDOW, WINDOW_PER_GRAPH * max_graphs)``:
+#: long enough for a key in a uniform mix of a few hundred shapes to be counted several times.
+MIN_WINDOW = 1024
+WINDOW_PER_GRAPH = 16
+
+#: A new key replaces a held graph only when called this many times as often recently.
+ADMISSION_MARGIN = 2
+
+#: Compaction may record again at most this fraction of the graphs recorded in all, plus
+#: ``RECAPTURE_ALLOWANCE`` graphs.
+RECAPTURE_SHARE = 0.5
+RECAPTURE_ALLOWANCE = 16
+
+Resident = TypeVar("Resident")
+
+
+@attrs.define
+class FrequencySketch:
+    """Recent call counts per key, halved every ``window`` counted calls.
+
+    Exact counts in a dict (not a count-min sketch): between two halvings it holds at most
+    ``window`` keys, and a halving drops every key counted fewer than two times, so its size
+    stays bounded whatever the number of distinct keys a loop produces."""
+
+    window: int
+    counts: dict[Hashable, int] = attrs.Factory(dict)
+    calls: int = 0
+    halvings: int = 0
+
+    def add(self, key: Hashable) -> int:
+        """Count one call of ``key``; its recent count, this call included."""
+        count = self.counts.get(key, 0) + 1
+        self.counts[key] = count
+        self.calls += 1
+        if self.calls >= self.window:
+            self.halve()
+        return count
+
+    def count(self, key: Hashable) -> int:
+        return self.counts.get(key, 0)
+
+    def forget(self, which: Callable[[Hashable], bool]) -> None:
+        self.counts = {key: count for key, count in self.counts.items() if not which(key)}
+
+    def halve(self) -> None:
+        self.counts = {key: count // 2 for key, count in self.counts.items() if count >= 2}
+        self.calls = 0
+        self.halvings += 1
+
+
+@attrs.define
+class RecordingBudget:
+    """At most ``fraction`` of the time since the first call goes to recording."""
+
+    fraction: float
+    clock: Callable[[], float]
+    started: float | None = None
+    spent: float = 0.0
+
+    def allows(self) -> bool:
+        now = self.clock()
+        if self.started is None:
+            self.started = now
+        return self.spent < self.fraction * (now - self.started + GRACE_SECONDS)
+
+    def charge(self, seconds: float) -> None:
+        self.spent += max(seconds, 0.0)
+
+
+@attrs.define
+class ResidentCount:
+    """A held graph's recent use: replays never pass through the sketch (the replay fast
+    path only bumps the graph's own counter), so each resident keeps its own aged count."""
+
+    aged: int  # the count carried over from earlier windows (halved at each halving)
+    base: int  # the graph's replay counter when ``aged`` was last brought up to date
+    halvings: int  # the sketch's halvings already applied
+
+
+class Admission(Generic[Resident]):
+    """The session's admission and eviction decisions (see the module docstring).
+
+    ``replays(resident)`` reads a held graph's replay counter; the session registers graphs
+    with :meth:`held` and :meth:`dropped`."""
+
+    def __init__(
+        self,
+        *,
+        record_after: int,
+        max_graphs: int,
+        budget: float,
+        replays: Callable[[Resident], int],
+        clock: Callable[[], float],
+    ):
+        self.record_after = record_after
+        self.max_graphs = max_graphs
+        self.sketch = FrequencySketch(window=max(MIN_WINDOW, WINDOW_PER_GRAPH * max_graphs))
+        self.budget = RecordingBudget(fraction=budget, clock=clock)
+        self._replays = replays
+        self._residents: dict[Resident, ResidentCount] = {}
+
+    # --- calls ---------------------------------------------------------------------------
+    def called(self, key: Hashable) -> int:
+        """Count a call of a key that has no graph; its recent count."""
+        return self.sketch.add(key)
+
+    def forget(self, which: Callable[[Hashable], bool]) -> None:
+        """Drop the counts of the keys ``which`` selects (their region's graphs were dropped:
+        they warm up again)."""
+        self.sketch.forget(which)
+
+    def warming(self, key: Hashable) -> bool:
+        """Whether a key still runs eagerly before it may be recorded (``record_after``)."""
+        return self.sketch.count(key) <= self.record_after
+
+    # --- graphs held -----------------------------------------------------------------------
+    def held(self, resident: Resident, key: Hashable) -> None:
+        """A graph was recorded for ``key``: it starts with the key's recent count."""
+        self._residents[resident] = ResidentCount(self.sketch.count(key), self._replays(resident), self.sketch.halvings)
+
+    def dropped(self, resident: Resident) -> None:
+        self._residents.pop(resident, None)
+
+    def frequency(self, resident: Resident) -> int:
+        """A held graph's recent use: its aged count plus its replays since."""
+        count = self._residents[resident]
+        replays = self._replays(resident)
+        missed = self.sketch.halvings - count.halvings
+        if missed:
+            count.aged = (count.aged + replays - count.base) >> missed
+            count.base, count.halvings = replays, self.sketch.halvings
+        return count.aged + replays - count.base
+
+    def victim(
+        self, key: Hashable, held_oldest_first: Iterable[Resident], pending: int = 0
+    ) -> tuple[bool, Resident | None]:
+        """(admit, victim) for recording ``key`` now, with ``pending`` recordings on their way
+        to the cache. With room left: (True, None). With the cache full: the least frequently
+        used graph (the oldest among equals), and whether ``key`` was called
+        ``ADMISSION_MARGIN`` times as often recently as it was replayed."""
+        held = list(held_oldest_first)
+        if len(held) + pending < self.max_graphs:
+            return True, None
+        if not held:
+            return False, None  # the room is taken by recordings not yet analysed
+        victim = min(held, key=self.frequency)  # min keeps the first (oldest) of equals
+        return self.sketch.count(key) > ADMISSION_MARGIN * self.frequency(victim), victim
+
+    # --- time --------------------------------------------------------------------------------
+    def may_record(self) -> bool:
+        return self.budget.allows()
+
+    def recorded(self, seconds: float) -> None:
+        self.budget.charge(seconds)
+
+
+@attrs.define
+class CompactionRule:
+    """When re-recording a device's graphs into a fresh pool is worth its cost.
+
+    A compaction leaves a pool about as large as the largest graph's own need (every graph
+    then reuses that graph's blocks). It is worth its recordings when the pool has grown to
+    at least twice that and to twice its size after the last compaction (growth by a few
+    blocks at a time does not call for one each time), and while its recordings fit the
+    share of all recordings that compactions may take."""
+
+    compacted_at: dict[int, int] = attrs.Factory(dict)  # device -> pool bytes after the last one
+    largest_need: dict[int, int] = attrs.Factory(dict)  # device -> the most one recording grew the pool
+    recaptured: int = 0  # graphs recorded again by compactions so far
+
+    def recorded(self, device: int, pool_bytes: int, grew_by: int) -> None:
+        """A recording on ``device`` grew its pool by ``grew_by`` to ``pool_bytes``."""
+        self.compacted_at.setdefault(device, pool_bytes)
+        self.largest_need[device] = max(self.largest_need.get(device, 0), grew_by)
+
+    def due(self, device: int, pool_bytes: int, graphs: int, records: int) -> bool:
+        """Whether to record ``graphs`` graphs again now, ``records`` recordings having been
+        made in all."""
+        base = max(self.compacted_at.get(device, 0), self.largest_need.get(device, 0))
+        affordable = self.recaptured + graphs <= RECAPTURE_SHARE * records + RECAPTURE_ALLOWANCE
+        return pool_bytes >= 2 * base and affordable
+
+    def done(self, device: int, pool_bytes: int, graphs: int) -> None:
+        self.compacted_at[device] = pool_bytes
+        self.recaptured += graphs
