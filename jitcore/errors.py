@@ -1,4 +1,4 @@
-"""Every error jitcore raises, so callers can catch by meaning.
+"""Every error jitcore raises, so callers can catch by meaning, and the warnings it issues.
 
 Each class also derives from the builtin exception a Python user would guess first
 (TypeError for a wrong kind of argument, ValueError for a wrong value), so generic handlers
@@ -68,3 +68,9 @@ class DriverError(JitError, RuntimeError):
 class CaptureMissError(JitError, RuntimeError):
     """A jit cache miss while a graph capture is under way: compiling would have to happen
     inside the capture, which jitcore refuses."""
+
+
+class CacheWarning(RuntimeWarning):
+    """The disk cache of compiled kernels is not used: its directory is owned by another user
+    or writable by others (or cannot be created). Issued once per directory and process;
+    kernels still compile, uncached."""

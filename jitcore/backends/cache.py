@@ -13,34 +13,168 @@ old file, the new one or none, never a torn one; a reader that finds a bad lengt
 the entry as missing (the caller recompiles and overwrites it).
 
 ``JITCORE_CACHE_DIR`` moves the cache; ``JITCORE_CACHE=0`` turns it off.
+
+A loaded entry is machine code run in this process, so the cache trusts no other user, as ssh
+does not for its keys (see :func:`cache_root` for the directory rules and :func:`load` for the
+entries); a directory it refuses costs speed (compiles run uncached), never correctness.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
+import stat
 import struct
 import tempfile
+import threading
+import time
+import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from jitcore.backends.base import CompiledBinary
+from jitcore.errors import CacheWarning
 
 MAGIC = b"JITCORE1"
+# A temporary file untouched for this long belongs to a writer that died before its rename:
+# a live write takes well under a second, and an hour also absorbs a stopped writer and the
+# clock skew between this host and a network file server (which stamps the mtime).
+STALE_TEMPORARY_SECONDS = 3600.0
+_SHARD = re.compile(r"[0-9a-f]{2}")
+
+log = logging.getLogger(__name__)
 
 
 def cache_enabled() -> bool:
     return os.environ.get("JITCORE_CACHE", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-def cache_dir() -> Path:
+def current_uid() -> int | None:
+    """The user whose files the cache trusts; None where the platform has no uids (Windows),
+    which skips every ownership and permission check (its mode bits do not describe who may
+    write: the directory's ACLs decide, and jitcore does not read them). A function, so tests
+    can pretend to be another user: making a file someone else's needs root."""
+    getuid = getattr(os, "getuid", None)
+    return None if getuid is None else getuid()
+
+
+@dataclass(frozen=True)
+class CacheRoot:
+    """The cache directory of one setting, as decided at its first use in this process.
+
+    ``setting`` is the directory as configured (``JITCORE_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/jitcore`` or ``~/.cache/jitcore``); ``path`` is it made absolute against
+    the working directory of that first use, symlinks resolved, and never re-resolved (a later
+    ``chdir`` does not move the cache, nor does a symlink retargeted afterwards); ``refusal``
+    says why the directory is not used (None: it is)."""
+
+    setting: str
+    path: Path
+    refusal: str | None
+
+
+_roots: dict[str, CacheRoot] = {}
+_roots_lock = threading.Lock()
+
+
+def _setting() -> str:
     override = os.environ.get("JITCORE_CACHE_DIR")
     if override:
-        return Path(override)
+        return override
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "jitcore"
+    return os.path.join(base, "jitcore")
+
+
+def cache_root() -> CacheRoot:
+    """The cache directory for the current setting, resolved, created and checked at its
+    first use in this process (one :class:`~jitcore.errors.CacheWarning` if refused).
+
+    Missing directories are created with mode 0700. Then, as ssh checks the path to a key,
+    every directory from ``/`` down to the cache directory must be owned by the current user
+    or root and not writable by group or others; a writable ancestor is allowed with the
+    sticky bit (``/tmp``), which keeps others from renaming or replacing what they do not
+    own. The cache directory itself and its two-character subdirectories get no such
+    allowance: anyone who can create names there can plant a subdirectory of their own.
+    Creating first and checking after closes the gap in which another user could create the
+    directory in between (in ``/tmp``, say). Checked once per setting and process: below a
+    trusted directory only its owner and root can change anything."""
+    setting = _setting()
+    with _roots_lock:
+        root = _roots.get(setting)
+        if root is not None:
+            return root
+        root = _roots[setting] = _first_use(setting)
+    if root.refusal is not None:  # outside the lock, and once: a warnings filter may raise
+        origin = "" if str(root.path) == setting else f" ({setting!r} resolved)"
+        warnings.warn(
+            f"jitcore does not use the kernel cache in {root.path}{origin}: {root.refusal}. Kernels compile, "
+            "uncached. The cache needs every directory on its path, and its own subdirectories, owned by you "
+            f"or root and not writable by group or others (`chmod -R go-w {root.path}` fixes the cache's own); "
+            "or point JITCORE_CACHE_DIR elsewhere (docs/troubleshooting.md)",
+            CacheWarning,
+            stacklevel=3,
+        )
+    return root
+
+
+def cache_dir() -> Path:
+    return cache_root().path
+
+
+def _first_use(setting: str) -> CacheRoot:
+    try:
+        path = Path(os.path.realpath(setting))
+    except OSError as exc:  # a relative setting in a working directory that was deleted
+        return CacheRoot(setting, Path(setting), f"it cannot be resolved ({exc.strerror})")
+    if not os.path.isabs(setting):
+        log.info("kernel cache directory %r is relative: resolved once, to %s", setting, path)
+    return CacheRoot(setting, path, _refusal(path, current_uid()))
+
+
+def _refusal(path: Path, uid: int | None) -> str | None:
+    """Create ``path`` if missing, then say why it may not hold ``uid``'s cache, if it may not."""
+    chain = (path, *path.parents)
+    for directory in reversed(chain):
+        if not os.path.lexists(directory):
+            try:
+                os.mkdir(directory, 0o700)
+            except FileExistsError:
+                pass  # created meanwhile: judged below like any other
+            except OSError as exc:
+                return f"{directory} cannot be created ({exc.strerror})"
+    if uid is None:
+        return None
+    try:
+        for directory in chain:
+            problem = _untrusted(os.lstat(directory), uid, sticky_allowed=directory != path)
+            if problem:
+                return f"{directory} {problem}"
+        with os.scandir(path) as entries:
+            for entry in entries:
+                if _SHARD.fullmatch(entry.name):
+                    problem = _untrusted(entry.stat(follow_symlinks=False), uid, sticky_allowed=False)
+                    if problem:
+                        return f"{entry.path} {problem}"
+    except OSError as exc:
+        return f"{exc.filename} cannot be examined ({exc.strerror})"
+    return None
+
+
+def _untrusted(status: os.stat_result, uid: int, sticky_allowed: bool) -> str | None:
+    """What makes a directory unfit to lead to, or hold, ``uid``'s cache; None if nothing."""
+    if not stat.S_ISDIR(status.st_mode):
+        return "is not a directory"
+    if status.st_uid not in (uid, 0):
+        return f"is owned by uid {status.st_uid}, neither you (uid {uid}) nor root"
+    writable = status.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+    if writable and not (sticky_allowed and status.st_mode & stat.S_ISVTX):
+        who = {stat.S_IWGRP: "its group", stat.S_IWOTH: "others"}.get(writable, "its group and others")
+        return f"is writable by {who} (mode {stat.S_IMODE(status.st_mode):#o})"
+    return None
 
 
 def entry_key(
@@ -213,22 +347,34 @@ def decode(data: bytes) -> CompiledBinary | None:
 
 
 def load(key: str) -> CompiledBinary | None:
-    if not cache_enabled():
+    """The entry for ``key``, or None: missing, damaged, in a refused directory, or not a
+    regular file owned by the current user (written by someone else, root included: it is
+    never read, and the caller's recompile replaces it)."""
+    if not cache_enabled() or cache_root().refusal is not None:
         return None
+    uid = current_uid()
     try:
-        data = entry_path(key).read_bytes()
+        with open(entry_path(key), "rb") as handle:
+            status = os.fstat(handle.fileno())  # of the file read, not of whatever the name holds later
+            if not stat.S_ISREG(status.st_mode) or (uid is not None and status.st_uid != uid):
+                return None
+            data = handle.read()
     except OSError:
         return None
     return decode(data)
 
 
 def store(key: str, binary: CompiledBinary) -> None:
-    """Write atomically; a cache that cannot be written is skipped, never fatal."""
-    if not cache_enabled():
+    """Write atomically; a cache that cannot be written is skipped, never fatal. Only the
+    subdirectory is created here: a cache directory removed after its first use stays
+    missing (uncached) for the rest of the process, since re-creating it unchecked could
+    adopt one another user made in its place."""
+    if not cache_enabled() or cache_root().refusal is not None:
         return
     path = entry_path(key)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(mode=0o700, exist_ok=True)
+        _sweep(path.parent)
         fd, temporary = tempfile.mkstemp(prefix=f".{key[:16]}.", suffix=".tmp", dir=path.parent)
         try:
             with os.fdopen(fd, "wb") as handle:
@@ -244,3 +390,19 @@ def store(key: str, binary: CompiledBinary) -> None:
             raise
     except OSError:
         return
+
+
+def _sweep(directory: Path) -> None:
+    """Remove the temporary files of writers killed before their rename (a writer that fails
+    otherwise removes its own). Only stale ones, untouched for STALE_TEMPORARY_SECONDS: a
+    younger one may be another process's write in progress. Age, not a pid check, because
+    pids mean nothing across the hosts that share a cache on a network file system."""
+    cutoff = time.time() - STALE_TEMPORARY_SECONDS
+    with os.scandir(directory) as entries:
+        for entry in entries:
+            if entry.name.startswith(".") and entry.name.endswith(".tmp"):
+                try:
+                    if entry.stat(follow_symlinks=False).st_mtime < cutoff:
+                        os.unlink(entry.path)
+                except OSError:
+                    pass  # another writer swept it first: the write goes on either way

@@ -1,14 +1,25 @@
-"""The disk cache: hits, misses, atomic writes under concurrent processes, corruption."""
+"""The disk cache: hits, misses, atomic writes under concurrent processes, corruption, and
+trusting no other user (directories, entries) nor a dead writer's leftovers."""
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
 
 import pytest
 
+from jitcore import compiler
 from jitcore.backends import cache
 from jitcore.backends.base import CompiledBinary
+from jitcore.backends.null import NullBackend
+from jitcore.errors import CacheWarning
 
 
 def binary(payload: bytes) -> CompiledBinary:
@@ -63,12 +74,14 @@ def test_disable_and_relocate(monkeypatch, tmp_path):
     assert cache.entry_path(key).is_relative_to(tmp_path / "elsewhere")
 
 
-def test_unwritable_cache_is_skipped(monkeypatch, tmp_path):
+@pytest.mark.parametrize(("below", "problem"), [("", "is not a directory"), ("sub", "cannot be created")])
+def test_unwritable_cache_is_skipped(monkeypatch, tmp_path, below, problem):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
-    monkeypatch.setenv("JITCORE_CACHE_DIR", str(blocker))
+    monkeypatch.setenv("JITCORE_CACHE_DIR", str(blocker / below))
     key = cache.entry_key("cuda", "c", "sm_90", "x", ["k"], [])
-    cache.store(key, binary(b"a"))  # no exception
+    with pytest.warns(CacheWarning, match=problem):
+        cache.store(key, binary(b"a"))  # no exception
     assert cache.load(key) is None
 
 
@@ -120,3 +133,196 @@ def test_concurrent_writers_in_two_processes_never_expose_a_torn_file(tmp_path):
     assert seen["whole"] > 0
     os.environ["JITCORE_CACHE_DIR"] = str(tmp_path)
     assert cache.load(key) is not None
+
+
+# --- trust: another user's directory or entry, a killed writer's leftovers ------------------
+# Tests that need another user's files chown them where they run as root and otherwise pretend
+# to be someone else through cache.current_uid; modes are set for real everywhere.
+posix = pytest.mark.skipif(not hasattr(os, "getuid"), reason="no uids or POSIX modes on this platform")
+ROOT = hasattr(os, "getuid") and os.getuid() == 0
+STRANGER = 4242  # neither the test's uid nor root's
+KEY = cache.entry_key("cuda", "c", "sm_90", "trust", ["k"], [])
+
+
+def attempt(monkeypatch, directory: Path | str) -> tuple[list[str], CompiledBinary | None]:
+    """Store and load one entry with the cache in ``directory``: the CacheWarnings issued,
+    and what the load found."""
+    monkeypatch.setenv("JITCORE_CACHE_DIR", str(directory))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cache.store(KEY, binary(b"a"))
+        found = cache.load(KEY)
+    return [str(w.message) for w in caught if issubclass(w.category, CacheWarning)], found
+
+
+def stranger_owns(path: Path) -> None:
+    """Make ``path`` another user's, for real: that needs root (the pretend variants cover the rest)."""
+    if not ROOT:
+        pytest.skip("chown to another user needs root; the pretend variant runs instead")
+    os.chown(path, STRANGER, STRANGER)
+
+
+@posix
+@pytest.mark.parametrize("mode", [0o777, 0o770, 0o707, 0o1777], ids=oct)
+def test_a_cache_directory_others_can_write_is_refused_once(monkeypatch, tmp_path, mode):
+    """Even with the sticky bit: another user could create a subdirectory there first."""
+    directory = tmp_path / "cache"
+    directory.mkdir()
+    os.chmod(directory, mode)
+    messages, found = attempt(monkeypatch, directory)
+    assert found is None and len(messages) == 1
+    assert f"kernel cache in {directory}: {directory} is writable by" in messages[0]
+    assert f"chmod -R go-w {directory}" in messages[0]
+    assert list(directory.iterdir()) == []
+    assert attempt(monkeypatch, directory) == ([], None)  # warned once per directory and process
+
+
+@posix
+def test_a_subdirectory_others_can_write_is_refused(monkeypatch, tmp_path):
+    directory = tmp_path / "cache"
+    (directory / "ab").mkdir(parents=True)
+    os.chmod(directory / "ab", 0o777)
+    messages, found = attempt(monkeypatch, directory)
+    assert found is None and f"{directory / 'ab'} is writable by its group and others (mode 0o777)" in messages[0]
+
+
+@posix
+def test_an_ancestor_others_can_write_is_refused_unless_sticky(monkeypatch, tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    messages, found = attempt(monkeypatch, shared / "mine" / "cache")
+    assert found is None and f"{shared} is writable by its group and others" in messages[0]
+    os.chmod(shared, 0o1777)  # as /tmp: nobody can rename or replace what is not theirs
+    assert attempt(monkeypatch, shared / "other" / "cache") == ([], binary(b"a"))
+    for created in (shared / "other", shared / "other" / "cache", cache.entry_path(KEY).parent):
+        assert os.stat(created).st_mode & 0o777 == 0o700
+
+
+@posix
+@pytest.mark.parametrize("variable", ["XDG_CACHE_HOME", "HOME"])
+def test_the_default_location_is_checked_too(monkeypatch, tmp_path, variable):
+    monkeypatch.delenv("JITCORE_CACHE_DIR")
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    below = "jitcore" if variable == "XDG_CACHE_HOME" else ".cache/jitcore"
+    loose, private = tmp_path / "loose", tmp_path / "private"
+    loose.mkdir(mode=0o700)
+    os.chmod(loose, 0o775)
+    monkeypatch.setenv(variable, str(loose))
+    with pytest.warns(CacheWarning, match=f"{loose} is writable by its group"):
+        assert cache.cache_dir() == loose / below
+    assert cache.load(KEY) is None
+    private.mkdir(mode=0o700)
+    monkeypatch.setenv(variable, str(private))
+    cache.store(KEY, binary(b"a"))
+    assert cache.cache_dir() == private / below and cache.load(KEY) == binary(b"a")
+
+
+@posix
+@pytest.mark.parametrize("how", ["chown", "pretend"])
+def test_a_directory_another_user_owns_is_refused(monkeypatch, tmp_path, how):
+    directory = tmp_path / "theirs"
+    directory.mkdir()
+    if how == "chown":
+        stranger_owns(directory)
+        owner = STRANGER
+    else:
+        if ROOT:
+            pytest.skip("root's directories are trusted whoever the test pretends to be; the chown variant runs")
+        owner = os.getuid()
+        monkeypatch.setattr(cache, "current_uid", lambda: owner + 1)
+    messages, found = attempt(monkeypatch, directory)
+    assert found is None and f"{directory} is owned by uid {owner}, neither you" in messages[0]
+
+
+@posix
+@pytest.mark.parametrize("how", ["chown", "pretend"])
+def test_an_entry_another_user_wrote_is_never_loaded(monkeypatch, how):
+    cache.store(KEY, binary(b"theirs"))
+    if how == "chown":
+        stranger_owns(cache.entry_path(KEY))
+    else:  # the directory was judged at first use, ours; now read as someone else
+        monkeypatch.setattr(cache, "current_uid", lambda: STRANGER)
+    assert cache.load(KEY) is None
+    if how == "chown":
+        cache.store(KEY, binary(b"mine"))  # the recompile's store replaces it
+        assert cache.load(KEY) == binary(b"mine")
+
+
+def test_without_uids_the_checks_are_skipped(monkeypatch, tmp_path):
+    """Windows has no os.getuid, and its mode bits do not say who may write."""
+    monkeypatch.delattr(os, "getuid", raising=False)
+    assert cache.current_uid() is None
+    directory = tmp_path / "open"
+    directory.mkdir()
+    os.chmod(directory, 0o777)
+    assert attempt(monkeypatch, directory) == ([], binary(b"a"))
+
+
+@posix
+def test_compiles_still_work_in_a_refused_directory(monkeypatch, tmp_path):
+    directory = tmp_path / "cache"
+    directory.mkdir()
+    os.chmod(directory, 0o777)
+    monkeypatch.setenv("JITCORE_CACHE_DIR", str(directory))
+    backend, calls = NullBackend(), []
+    original = backend.compile
+    monkeypatch.setattr(backend, "compile", lambda *args: calls.append(args) or original(*args))
+    with pytest.warns(CacheWarning):
+        first = compiler.compile_cached(backend, "__global__ void k() {}", ["k"], [], "sm_90")
+    assert compiler.compile_cached(backend, "__global__ void k() {}", ["k"], [], "sm_90") == first
+    assert len(calls) == 2 and list(directory.iterdir()) == []
+
+
+def test_a_relative_path_is_resolved_once_at_first_use(monkeypatch, tmp_path, caplog):
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    second.mkdir()
+    monkeypatch.chdir(first)
+    monkeypatch.setenv("JITCORE_CACHE_DIR", "relative-cache")
+    with caplog.at_level(logging.INFO, logger=cache.__name__):
+        assert cache.cache_root() == cache.CacheRoot("relative-cache", first / "relative-cache", None)
+    assert f"'relative-cache' is relative: resolved once, to {first / 'relative-cache'}" in caplog.text
+    monkeypatch.chdir(second)
+    cache.store(KEY, binary(b"a"))
+    assert cache.entry_path(KEY).is_relative_to(first / "relative-cache") and cache.load(KEY) == binary(b"a")
+    assert not (second / "relative-cache").exists()
+
+
+@posix
+def test_a_relative_path_in_a_deleted_working_directory_is_refused(monkeypatch, tmp_path):
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    monkeypatch.chdir(gone)
+    gone.rmdir()
+    monkeypatch.setenv("JITCORE_CACHE_DIR", "orphaned-cache")  # a setting this process has not resolved yet
+    with pytest.warns(CacheWarning, match="cannot be resolved"):
+        assert cache.load(KEY) is None
+
+
+KILLED_WRITER = """
+import os, signal, sys
+from jitcore.backends import cache
+from jitcore.backends.base import CompiledBinary
+os.fsync = lambda fd: os.kill(os.getpid(), signal.SIGKILL)  # dies after writing, before the rename
+cache.store(sys.argv[1], CompiledBinary(b"x" * 4096, {}, "", "sm_90", "c"))
+"""
+
+
+@posix
+def test_a_killed_writers_temporary_is_swept_by_the_next_write_once_stale():
+    package_root = Path(cache.__file__).resolve().parents[2]  # the checkout under test, not an installed copy
+    env = dict(os.environ, PYTHONPATH=str(package_root))
+    result = subprocess.run([sys.executable, "-c", KILLED_WRITER, KEY], env=env, capture_output=True, timeout=120)
+    assert result.returncode == -signal.SIGKILL, result.stderr
+    shard = cache.entry_path(KEY).parent
+    (left,) = shard.glob(".*.tmp")
+    live = shard / f".{KEY[:16]}.live.tmp"  # another writer's, in progress
+    live.write_bytes(b"partial")
+    cache.store(KEY, binary(b"a"))
+    assert left.exists() and live.exists()  # not stale yet: it could still be a live write
+    stale = time.time() - cache.STALE_TEMPORARY_SECONDS - 60
+    os.utime(left, (stale, stale))
+    cache.store(KEY, binary(b"b"))
+    assert not left.exists() and live.exists()
+    assert cache.load(KEY) == binary(b"b")
