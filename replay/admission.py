@@ -57,9 +57,10 @@ Resident = TypeVar("Resident")
 class FrequencySketch:
     """Recent call counts per key, halved every ``window`` counted calls.
 
-    Exact counts in a dict (not a count-min sketch): between two halvings it holds at most
-    ``window`` keys, and a halving drops every key counted fewer than two times, so its size
-    stays bounded whatever the number of distinct keys a loop produces."""
+    Exact counts in a dict (not a count-min sketch): a halving drops every key counted fewer
+    than two times and halves the rest, so the counts' total after a halving stays below
+    ``window`` and the dict holds at most ``2 * window`` keys, whatever the number of distinct
+    keys a loop produces."""
 
     window: int
     counts: dict[Hashable, int] = attrs.Factory(dict)
