@@ -8,7 +8,9 @@ that quotes the offending source lines.
 
 from __future__ import annotations
 
+import logging
 import re
+import time
 from collections.abc import Sequence
 
 from jitcore.backends import cache
@@ -16,6 +18,8 @@ from jitcore.backends.base import Backend, CompiledBinary
 from jitcore.errors import CompileError
 
 # "kernel.cu(12): error" (NVRTC) and "kernel.cu:12:5: error" (hiprtc / clang)
+log = logging.getLogger("jitcore")
+
 _LOCATION = re.compile(r"kernel\.cu(?:\((\d+)\)|:(\d+):\d+):\s*(?:catastrophic )?error")
 
 
@@ -68,15 +72,26 @@ def compile_cached(
     key = cache.entry_key(backend.name, compiler, arch, text, name_expressions, options, headers or "")
     binary = cache.load(key) if headers is not None else None
     if binary is not None and all(e in binary.lowered_names for e in name_expressions):
+        log.debug("%s for %s: from the disk cache", ", ".join(name_expressions), arch)
         return binary
+    started = time.perf_counter()
     try:
         binary = backend.compile(text, name_expressions, options, arch)
     except CompileError as exc:
+        log.info("%s for %s: compile failed", ", ".join(name_expressions), arch)
         excerpt = source_excerpt(source, exc.log)
         message = f"{exc}\n\n{exc.log.strip()}"
         if excerpt:
             message += f"\n\nsource:\n{excerpt}"
         raise CompileError(message, log=exc.log, source_excerpt=excerpt) from None
-    if headers is not None and cache.header_digest(text, options) == headers:
+    cached = headers is not None and cache.header_digest(text, options) == headers
+    if cached:
         cache.store(key, binary)
+    log.info(
+        "%s for %s: compiled in %.1f ms%s",
+        ", ".join(name_expressions),
+        arch,
+        (time.perf_counter() - started) * 1e3,
+        "" if cached else " (not cached: its headers could not be named, or changed while compiling)",
+    )
     return binary

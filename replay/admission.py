@@ -158,6 +158,11 @@ class Admission(Generic[Resident]):
         """A graph was recorded for ``key``: it starts with the key's recent count."""
         self._residents[resident] = ResidentCount(self.sketch.count(key), self._replays(resident), self.sketch.halvings)
 
+    def restarted(self, resident: Resident, frequency: int) -> None:
+        """A held graph was replaced by a new one (compaction) whose replay counter starts
+        again: it keeps the use it had."""
+        self._residents[resident] = ResidentCount(frequency, self._replays(resident), self.sketch.halvings)
+
     def dropped(self, resident: Resident) -> None:
         self._residents.pop(resident, None)
 

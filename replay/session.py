@@ -17,6 +17,7 @@ from then on, with one warning naming the reason.
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 import time
 import warnings
@@ -41,6 +42,14 @@ from replay.stats import InputChoice, Stats, report
 
 WARMING, PENDING, RECORDED, EAGER_ONLY = "warming", "recorded, not yet analysed", "recorded", "eager-only"
 _MISS = object()
+log = logging.getLogger("replay")
+
+#: Entries a region keeps for keys without a graph (eager-only keys, evicted ones), beyond its
+#: graphs: the least recently called go first, their counts kept in the region's totals.
+MAX_IDLE_ENTRIES = 256
+
+#: Keys listed one by one in ``Session.report()``; the rest are summed up in one row.
+REPORT_KEYS = 24
 
 
 class _RegionDrift(Exception):
@@ -76,6 +85,7 @@ class Entry:
         "rng_epoch",
         "analysed_staging",
         "later",
+        "replays_before",
         "guard",
         "key",
         "pre_key",
@@ -105,6 +115,11 @@ class Entry:
         self.rng_epoch = 0  # recording.GENERATOR_EPOCH when its graph was captured
         self.analysed_staging = False  # the staging hints come from an analysis of a graph
         self.later = 0  # recordings the analysis asked to redo later
+        self.replays_before = 0  # replays by graphs of this key released since
+
+    @property
+    def replays(self) -> int:
+        return self.replays_before + (self.graph.replays if self.graph is not None else 0)
 
 
 @attrs.define
@@ -120,6 +135,16 @@ class Hints:
     stage: set[int] = attrs.Factory(set)
     copy_back: set[int] = attrs.Factory(set)
     clean: bool = False  # the observed warm-up saw no torch op touch an input
+
+
+@attrs.define
+class _Forgotten:
+    """A region's calls that no entry holds: keys that never got one (called too rarely to be
+    recorded, or without a GPU) and entries dropped to keep the bookkeeping bounded."""
+
+    keys: int = 0  # entries dropped
+    eager_runs: int = 0
+    replays: int = 0
 
 
 def _describe_key(key: tuple, limit: int = 96) -> str:
@@ -144,7 +169,9 @@ class Region:
         self.session = session
         self.fn = fn
         self.name = name or getattr(fn, "__qualname__", type(fn).__qualname__)
-        self.entries: dict[tuple, Entry] = {}  # keys that were recorded at least once
+        # keys that were recorded at least once, least recently called first
+        self.entries: OrderedDict[tuple, Entry] = OrderedDict()
+        self.forgotten = _Forgotten()  # calls of keys that have (or kept) no entry
         self.hints: dict[object, Hints] = {}  # spec -> what its keys taught about the inputs
         self.snapshot: jitcore.GlobalsSnapshot | None = None
         # recorded keys of flat calls, by a cheap pre-key (tensor shapes, constants); each
@@ -234,6 +261,7 @@ class Region:
         key = keys.region_key(device, spec, leaves, paths)
         entry = self.entries.get(key)
         if entry is not None:
+            self.entries.move_to_end(key)
             if entry.state == RECORDED:
                 return self._replay(entry, leaves)
             if entry.state == PENDING:
@@ -241,6 +269,7 @@ class Region:
             if entry.state == EAGER_ONLY:
                 return self._eager(spec, leaves, entry)
         if not session.can_record():
+            session.say_eager_once()
             return self._eager(spec, leaves, entry)
         return self._admit(entry, key, spec, leaves, paths, device)
 
@@ -259,12 +288,15 @@ class Region:
         admitted, _victim = admission.victim((self, key), session.lru, len(session.pending))
         if not admitted:
             session.stats_record.refused += 1
+            log.debug("region %s, key %s: not recorded, every graph held is used more", self.name, _describe_key(key))
             return self._eager(spec, leaves, entry)
         if not admission.may_record():
             session.stats_record.deferred += 1
+            log.debug("region %s, key %s: recording postponed, the budget is spent", self.name, _describe_key(key))
             return self._eager(spec, leaves, entry)
         if entry is None:
             entry = self.entries[key] = Entry(self, key)
+            self._bound_entries()
             hints = self.hints.get(spec)
             if hints is not None:
                 entry.stage_hint, entry.copy_back_hint = set(hints.stage), set(hints.copy_back)
@@ -291,6 +323,7 @@ class Region:
     def _rekey(self, args: tuple, kwargs: dict):
         """The region's globals changed: its graphs were recorded against the old ones."""
         self.session.stats_record.invalidations += 1
+        log.info("region %s: its globals changed, its graphs are dropped", self.name)
         self.drop_graphs()
         self.entries.clear()
         self.hints.clear()
@@ -298,10 +331,23 @@ class Region:
         self.snapshot = None
         return self._call(args, kwargs)
 
+    def _bound_entries(self) -> None:
+        """Keep at most ``MAX_IDLE_ENTRIES`` entries without a graph (eager-only keys, evicted
+        ones): a loop over thousands of distinct keys keeps bounded bookkeeping. A forgotten
+        eager-only key is retried if it comes back (it warns again, once)."""
+        idle = [k for k, e in self.entries.items() if e.state in (WARMING, EAGER_ONLY)]
+        for key in idle[: max(len(idle) - MAX_IDLE_ENTRIES, 0)]:
+            entry = self.entries.pop(key)
+            self.forgotten.keys += 1
+            self.forgotten.eager_runs += entry.eager_runs
+            self.forgotten.replays += entry.replays_before
+
     def _eager(self, spec: object, leaves: Sequence, entry: Entry | None = None, observe: Hints | None = None):
         self.session.stats_record.eager_runs += 1
         if entry is not None:
             entry.eager_runs += 1
+        else:
+            self.forgotten.eager_runs += 1
         args, kwargs = keys.unflatten(spec, keys.plain_leaves(leaves))
         if observe is None:
             with recording.CAPTURES.shared():  # may load kernels: not while another thread captures
@@ -357,7 +403,15 @@ class Region:
             stats = session.stats_record
             stats.records += 1
             stats.replays += 1  # the first launch of the new graph serves this call
+            entry.replays_before += 1
             stats.capture_seconds += capture.seconds
+            log.info(
+                "region %s, key %s: recorded in %.2f ms, %.1f MiB",
+                self.name,
+                _describe_key(key),
+                capture.seconds * 1e3,
+                capture.memory / 2**20,
+            )
             session.stream_switch(get_backend().current_stream(device))
             generator = _cuda_generator(device)
             offset = generator.get_offset() if generator is not None else 0
@@ -457,6 +511,7 @@ class Region:
         again on its next call. Recordings the analysis turned down (``RecordLater``) are
         retried three times at most."""
         self.session.stats_record.record_retries += 1
+        log.info("region %s, key %s: recording retried later: %s", self.name, _describe_key(entry.key), aborted)
         if isinstance(aborted, recording.RecordLater):
             entry.later += 1
             if entry.later > 3:
@@ -467,6 +522,7 @@ class Region:
         entry.state = EAGER_ONLY
         entry.reason = reason
         self.session.stats_record.eager_only_keys += 1
+        log.info("region %s, key %s: runs eagerly from now on: %s", self.name, _describe_key(entry.key), reason)
         warnings.warn(
             ReplayWarning(f"region {self.name}, key {_describe_key(entry.key)}: runs eagerly from now on: {reason}"),
             stacklevel=4,
@@ -599,6 +655,7 @@ class Session:
         self.last_stream: list[int | None] = [None]
         self.closed = False
         self.compaction = True  # off for good once a compaction stops paying
+        self._said_eager = False
 
     def __enter__(self) -> Session:
         return self
@@ -623,6 +680,14 @@ class Session:
     def can_record(self) -> bool:
         """Without a GPU every call runs eagerly (the same results, no graphs)."""
         return torch.cuda.is_available()
+
+    def say_eager_once(self) -> None:
+        if not self._said_eager:
+            self._said_eager = True
+            warnings.warn(
+                ReplayWarning("no CUDA GPU: every call of this capture() session runs eagerly (the same results)"),
+                stacklevel=4,
+            )
 
     def check_open(self) -> None:
         if self.closed:
@@ -662,6 +727,12 @@ class Session:
             _admit, victim = self.admission.victim((entry.region, entry.key), self.lru)
             self.release(victim)
             self.stats_record.evictions += 1
+            log.info(
+                "region %s, key %s: graph released for key %s, used more recently",
+                victim.region.name,
+                _describe_key(victim.key),
+                _describe_key(entry.key),
+            )
         self.lru[entry] = None
         self.admission.held(entry, (entry.region, entry.key))
         self.stats_record.graphs = len(self.lru)
@@ -743,7 +814,10 @@ class Session:
             self.compaction = False
             raise
         for entry, graph in fresh.items():
+            frequency = self.admission.frequency(entry)
             old, entry.graph = entry.graph, graph
+            entry.replays_before += old.replays
+            self.admission.restarted(entry, frequency)  # its new graph counts replays from 0
             old.release()
             entry.region._refresh(entry)
         self._pools[device] = new_pool  # the old KeptPool goes, and with it the old pool
@@ -755,6 +829,13 @@ class Session:
         self.compaction_rule.done(device, after, len(fresh))
         self.stats_record.compactions += 1
         self.stats_record.recaptures += len(fresh)
+        log.info(
+            "cuda:%d: %d graphs recorded again into a fresh pool: %.1f MiB -> %.1f MiB",
+            device,
+            len(fresh),
+            before / 2**20,
+            after / 2**20,
+        )
         if after > 0.9 * before:
             self.compaction = False
         return True
@@ -765,6 +846,7 @@ class Session:
         self.pending.pop(entry, None)
         self.admission.dropped(entry)
         if entry.graph is not None:
+            entry.replays_before += entry.graph.replays
             entry.graph.release()
         entry.region._demote(entry)
         if entry.capture is not None:
@@ -791,6 +873,7 @@ class Session:
                     entry.state = WARMING
             self.admission.forget(lambda counted: True)  # every key warms up again
             self.stats_record.invalidations += 1
+            log.info("session invalidated: every graph dropped")
 
     def close(self) -> None:
         if not self.closed:
@@ -808,23 +891,48 @@ class Session:
         return stats
 
     def report(self) -> str:
-        rows = []
+        """Totals, then the most called keys (``REPORT_KEYS``) one per row, then one row per
+        region for the rest: calls of keys without an entry (never recorded, or forgotten to
+        keep the bookkeeping bounded) and keys beyond the listed ones. The rows add up to the
+        totals."""
+        keyed = []
+        rest: dict[str, list[int]] = {}  # region -> [keys, calls, replays, eager runs]
         for region in self.regions:
+            forgotten = region.forgotten
+            if forgotten.eager_runs or forgotten.replays:
+                calls = forgotten.eager_runs + forgotten.replays
+                rest[region.name] = [0, calls, forgotten.replays, forgotten.eager_runs]
             for entry in region.entries.values():
-                graph = entry.graph
-                rows.append(
-                    (
-                        region.name,
-                        _describe_key(entry.key),
-                        entry.state if not entry.reason else f"{entry.state}: {entry.reason}",
-                        (graph.replays if graph else 0) + entry.eager_runs,
-                        graph.replays if graph else 0,
-                        entry.eager_runs,
-                        f"{graph.capture.seconds * 1e3:.2f}" if graph else "-",
-                        f"{graph.memory / 2**20:.1f}" if graph else "-",
-                    )
+                keyed.append((entry.replays + entry.eager_runs, region, entry))
+        keyed.sort(key=lambda item: item[0], reverse=True)
+        rows = []
+        for calls, region, entry in keyed[:REPORT_KEYS]:
+            graph = entry.graph
+            rows.append(
+                (
+                    region.name,
+                    _describe_key(entry.key),
+                    entry.state if not entry.reason else f"{entry.state}: {entry.reason}",
+                    calls,
+                    entry.replays,
+                    entry.eager_runs,
+                    f"{graph.capture.seconds * 1e3:.2f}" if graph else "-",
+                    f"{graph.memory / 2**20:.1f}" if graph else "-",
                 )
-        return report(self.stats(), rows)
+            )
+        for calls, region, entry in keyed[REPORT_KEYS:]:
+            total = rest.setdefault(region.name, [0, 0, 0, 0])
+            total[0] += 1
+            total[1] += calls
+            total[2] += entry.replays
+            total[3] += entry.eager_runs
+        for name, (count, calls, replays, eager_runs) in rest.items():
+            described = f"({count} more keys and keys without an entry)" if count else "(keys without an entry)"
+            rows.append((name, described, "-", calls, replays, eager_runs, "-", "-"))
+        text = report(self.stats(), rows)
+        if not self.can_record():
+            text += "\n  no CUDA GPU: every call ran eagerly (the same results, no graphs)"
+        return text
 
     def dump(self) -> str:
         """The generated replay source of every graph held."""

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+import uuid
+
 import pytest
 import torch
 
@@ -142,3 +145,13 @@ def test_compiling_never_writes_into_shared_bytes_objects(cuda, arch):
     assert binary.log == ""
     assert _one_byte_objects_intact()
     assert binary.image.startswith(ELF) if arch.startswith("sm_") else b".entry" in binary.image
+
+
+def test_compiles_and_cache_hits_are_logged(cuda, caplog):
+    caplog.set_level(logging.DEBUG, logger="jitcore")
+    source = "__global__ void logged(int* x, int n) { x[0] = n; }  // " + str(uuid.uuid4())
+    jc.Kernel(source, "logged").instantiate().compile_for("sm_90")
+    jc.Kernel(source, "logged").instantiate().compile_for("sm_90")
+    messages = [r.getMessage() for r in caplog.records if r.name == "jitcore"]
+    assert any(m.startswith("logged for sm_90: compiled in") for m in messages), messages
+    assert "logged for sm_90: from the disk cache" in messages

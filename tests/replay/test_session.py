@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import warnings
 
 import attrs
@@ -557,3 +558,81 @@ def test_an_unexpected_error_in_the_analysis_leaves_the_key_recordable(session_f
     assert torch.equal(step(x, x), x + x)  # records again
     assert torch.equal(step(x, x), x + x)  # replays
     assert entry.state == RECORDED
+
+
+def _report_rows(report: str) -> list[list[str]]:
+    lines = report.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip().startswith("region")) + 2
+    rows = []
+    for line in lines[start:]:
+        if not line.strip() or line.startswith("  no CUDA") or line.strip() == "inputs:":
+            break
+        rows.append(line.split())
+    return rows
+
+
+def _row_totals(session) -> tuple[int, int, int]:
+    # columns from the right: calls, replays, eager, capture ms, MiB
+    rows = _report_rows(session.report())
+    return tuple(sum(int(row[i]) for row in rows) for i in (-5, -4, -3))
+
+
+def test_a_loop_over_thousands_of_plain_floats_keeps_bounded_bookkeeping():
+    # no GPU: the real session runs everything eagerly and says so once
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with replay.capture() as session:
+            scale = session.region(lambda x, factor: x * factor, name="scale")
+            x = torch.randn(4)
+            for number in range(2000):
+                assert torch.equal(scale(x, number + 0.5), x * (number + 0.5))
+    said = [w for w in caught if issubclass(w.category, replay.ReplayWarning)]
+    assert len(said) == 1 and "no CUDA GPU" in str(said[0].message)
+    assert scale.entries == {}
+    text = session.report()
+    assert len(text) < 2000 and "no CUDA GPU" in text
+    stats = session.stats()
+    assert _row_totals(session) == (stats.calls, stats.replays, stats.eager_runs) == (2000, 0, 2000)
+
+
+def test_eager_only_keys_are_bounded_and_the_report_adds_up(session_factory, monkeypatch):
+    monkeypatch.setattr("replay.session.MAX_IDLE_ENTRIES", 10)
+    session = session_factory(record_after=0)
+    step = session.region(add)
+    for n in (1, 1, 1):  # a recorded key, replayed
+        step(torch.randn(n), torch.randn(n))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", replay.ReplayWarning)
+        for n in range(2, 60):  # every other key fails to record: eager-only, one entry each
+            session.capture_script = [recording.CaptureFailed("no")]
+            for _ in range(2):
+                x = torch.randn(n)
+                assert torch.equal(step(x, x), x + x)
+    assert len(step.entries) == 11  # the recorded key and the 10 most recent eager-only ones
+    assert next(iter(step.entries.values())).state == RECORDED  # called long ago, but it holds a graph
+    stats = session.stats()
+    assert _row_totals(session) == (stats.calls, stats.replays, stats.eager_runs)
+    assert len(_report_rows(session.report())) <= replay.session.REPORT_KEYS + 1
+
+
+def test_recordings_evictions_invalidations_and_fallbacks_are_logged(session_factory, caplog):
+    caplog.set_level(logging.DEBUG, logger="replay")
+    session = session_factory(record_after=0, max_graphs=1)
+    step = session.region(add)
+    session.capture_script = [recording.CaptureFailed("no")]
+    with pytest.warns(replay.ReplayWarning):
+        step(torch.randn(5), torch.randn(5))
+    hot, cold = torch.randn(2), torch.randn(3)
+    step(hot, hot)
+    step(hot, hot)
+    step(cold, cold)  # refused: the held graph is used more
+    for _ in range(4):
+        step(cold, cold)
+    step(cold, cold)  # its graph replaces the other
+    session.invalidate()
+    messages = [r.getMessage() for r in caplog.records if r.name == "replay"]
+    assert any("recorded in" in m and "float32[2]" in m for m in messages)
+    assert any("not recorded, every graph held is used more" in m for m in messages)
+    assert any("graph released for key" in m for m in messages)
+    assert any("runs eagerly from now on: no" in m for m in messages)
+    assert any("session invalidated" in m for m in messages)
