@@ -13,6 +13,7 @@ new input pointers and dynamic scalars exactly; run eagerly whatever cannot be r
 See docs/replay.md for the semantics (keys, rebinding vs staging, output lifetime).
 """
 
+from replay.buckets import Padded, padded
 from replay.dynamic import Dynamic, DynamicScalar, dynamic
 from replay.errors import (
     DynamicScalarError,
@@ -31,6 +32,7 @@ __all__ = [
     "DynamicScalar",
     "DynamicScalarError",
     "InputChoice",
+    "Padded",
     "Policy",
     "Region",
     "ReplayError",
@@ -43,4 +45,5 @@ __all__ = [
     "capture",
     "dynamic",
     "graphed",
+    "padded",
 ]

@@ -22,6 +22,18 @@ def _fraction(instance, attribute, value):
         raise ValueError(f"{attribute.name} must be a number in (0, 1], got {value!r}")
 
 
+def _buckets(value: object) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    try:
+        sizes = list(value)  # type: ignore[call-overload]
+    except TypeError:
+        raise ValueError(f"buckets must be a list of ints >= 1, got {value!r}") from None
+    if not sizes or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in sizes):
+        raise ValueError(f"buckets must be a non-empty list of ints >= 1, got {value!r}")
+    return tuple(sorted(set(sizes)))
+
+
 def _bool(instance, attribute, value):
     if not isinstance(value, bool):
         raise ValueError(f"{attribute.name} must be True or False, got {value!r}")
@@ -38,6 +50,7 @@ class Policy:
     ``max_graphs``: graphs kept per session; beyond, a new key replaces the least frequently
     replayed graph only if it was called more often recently.
     ``record_budget``: the most of the session's time that recording may take (0.05: 5%).
+    ``buckets``: the sizes ``replay.padded`` arguments are padded to (see replay.buckets).
     ``clone_outputs``: return copies instead of the graph's own output buffers.
     ``verify_every``: every Nth replay of a graph is also run eagerly and compared bitwise
     (0 turns it off). ``check_stale``: outputs raise StaleOutputError when read after a later
@@ -46,6 +59,7 @@ class Policy:
     record_after: int = attrs.field(default=1, validator=_non_negative_int)
     max_graphs: int = attrs.field(default=64, validator=_positive_int)
     record_budget: float = attrs.field(default=0.05, validator=_fraction)
+    buckets: tuple[int, ...] | None = attrs.field(default=None, converter=_buckets)
     clone_outputs: bool = attrs.field(default=False, validator=_bool)
     verify_every: int = attrs.field(default=0, validator=_non_negative_int)
     check_stale: bool = attrs.field(factory=_debug_default, validator=_bool)

@@ -30,7 +30,7 @@ import torch
 import jitcore
 from jitcore.backends import get_backend
 from jitcore.errors import GlobalDriftError
-from replay import keys, observe, recording
+from replay import buckets, keys, observe, recording
 from replay.admission import Admission, CompactionRule
 from replay.dynamic import Dynamic
 from replay.errors import ReplayWarning, SessionClosedError
@@ -172,6 +172,7 @@ class Region:
         # keys that were recorded at least once, least recently called first
         self.entries: OrderedDict[tuple, Entry] = OrderedDict()
         self.forgotten = _Forgotten()  # calls of keys that have (or kept) no entry
+        self.padded_calls = 0  # calls with replay.padded arguments (for verify_every)
         self.hints: dict[object, Hints] = {}  # spec -> what its keys taught about the inputs
         self.snapshot: jitcore.GlobalsSnapshot | None = None
         # recorded keys of flat calls, by a cheap pre-key (tensor shapes, constants); each
@@ -251,6 +252,8 @@ class Region:
     def _call(self, args: tuple, kwargs: dict):
         session = self.session
         session.check_open()
+        if buckets.has_padded(args, kwargs):
+            return self._call_padded(args, kwargs)
         if self.snapshot is not None:
             try:
                 self.snapshot.check()
@@ -302,6 +305,22 @@ class Region:
                 entry.stage_hint, entry.copy_back_hint = set(hints.stage), set(hints.copy_back)
                 entry.observed_clean = hints.clean and hints.observed_key == key
         return self._record(entry, key, spec, leaves, paths, device)
+
+    def _call_padded(self, args: tuple, kwargs: dict):
+        """Pad to the bucket, call (the bucket's key replays like any other), slice back; every
+        ``verify_every``-th padded call is also run unpadded and compared (replay.buckets)."""
+        policy = self.session.policy
+        self.padded_calls += 1
+        if policy.verify_every and self.padded_calls % policy.verify_every == 0:
+            self.session.stats_record.verifications += 1
+            return buckets.verify(
+                self.fn,
+                args,
+                kwargs,
+                lambda: buckets.call(self, args, kwargs, policy.buckets, self.name)[0],
+                self.name,
+            )
+        return buckets.call(self, args, kwargs, policy.buckets, self.name)[0]
 
     def _replay(self, entry: Entry, leaves: Sequence):
         self.session.touch(entry)

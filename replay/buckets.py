@@ -1,0 +1,191 @@
+"""Bucketing: a call whose batch size varies runs the graph of the next bucket size.
+
+A region argument wrapped in :func:`padded` is filled up along one dimension to the smallest
+size in the session's ``buckets`` that holds it (the rows beyond the call's own are ``fill``),
+the region runs on the padded arguments (replaying the bucket's graph once it is recorded),
+and every tensor output whose size along that dimension is the bucket size is sliced back to
+the call's size. A loop over batch sizes 1..256 then needs nine graphs (1, 2, 4, ..., 256)
+instead of 256, each replayed often (vLLM and SGLang pad to a fixed list of captured sizes the
+same way).
+
+Padding is exact only for regions whose rows are independent: row ``i`` of every output
+depends on row ``i`` of the padded arguments alone (and on the other arguments), as in
+elementwise kernels, matmuls against weights, per-token attention over a cache. A region that
+mixes rows (a softmax or mean over the batch, a sort) gives other results when padded: say so
+by not padding it. ``verify_every`` catches it: every Nth padded call also runs the region
+unpadded, eagerly, and compares (see :func:`verify`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+
+from replay import keys
+from replay.errors import ReplayMismatchError
+
+
+class Padded:
+    """A region argument to pad to the session's bucket sizes (see :func:`padded`). Only a
+    top-level argument of a region call (positional or keyword) may be one; it is unhashable,
+    so anywhere else keying the call refuses it."""
+
+    __slots__ = ("tensor", "dim", "fill", "written")
+    __hash__ = None  # type: ignore[assignment]
+
+    def __init__(self, tensor: torch.Tensor, dim: int, fill: bool | int | float, written: bool):
+        self.tensor, self.dim, self.fill, self.written = tensor, dim, fill, written
+
+    def __repr__(self) -> str:
+        return f"padded(<{tuple(self.tensor.shape)} {self.tensor.dtype}>, dim={self.dim}, fill={self.fill!r})"
+
+
+def padded(tensor: torch.Tensor, dim: int = 0, fill: bool | int | float = 0, *, written: bool = False) -> Padded:
+    """Mark a tensor argument of a region as padded along ``dim`` to the session's buckets
+    (``capture(buckets=[...])``). ``fill``: the value of the rows added (it must be exact in
+    the tensor's dtype). ``written=True``: the region writes this argument, and the rows of
+    the call are copied back into ``tensor`` after it (without it, the region must only read
+    it: writes would land in the padded copy)."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"replay.padded() takes a tensor, got {type(tensor).__qualname__}")
+    if isinstance(dim, bool) or not isinstance(dim, int) or not -tensor.dim() <= dim < tensor.dim():
+        raise ValueError(f"replay.padded(): dim must be an int in [-{tensor.dim()}, {tensor.dim()}), got {dim!r}")
+    if not isinstance(written, bool):
+        raise TypeError(f"replay.padded(): written must be True or False, got {written!r}")
+    if not isinstance(fill, (bool, int, float)):
+        raise TypeError(f"replay.padded(): fill must be a bool, int or float, got {type(fill).__qualname__}")
+    if not _exact_in(fill, tensor.dtype):
+        raise ValueError(f"replay.padded(): fill {fill!r} is not exact in {tensor.dtype}")
+    return Padded(tensor, dim % tensor.dim(), fill, written)
+
+
+def _exact_in(fill: bool | int | float, dtype: torch.dtype) -> bool:
+    if dtype.is_complex:
+        return False
+    if isinstance(fill, float) and math.isnan(fill):
+        return dtype.is_floating_point
+    if dtype == torch.bool:
+        return fill in (0, 1)
+    try:
+        converted = torch.tensor(fill, dtype=dtype).item()
+    except (RuntimeError, OverflowError):
+        return False
+    return converted == fill and (not isinstance(fill, float) or math.copysign(1, converted) == math.copysign(1, fill))
+
+
+def has_padded(args: tuple, kwargs: dict) -> bool:
+    return any(type(a) is Padded for a in args) or any(type(v) is Padded for v in kwargs.values())
+
+
+def bucket_for(size: int, buckets: Sequence[int]) -> int | None:
+    """The smallest bucket that holds ``size`` (None beyond the largest: no padding)."""
+    for bucket in buckets:
+        if bucket >= size:
+            return bucket
+    return None
+
+
+def call(
+    run: Callable, args: tuple, kwargs: dict, buckets: Sequence[int] | None, name: str
+) -> tuple[object, int, int, list[tuple[Padded, torch.Tensor]]]:
+    """Pad, run, copy back, slice: (result, rows of the call, bucket, [(marker, padded)])."""
+    marked = [(f"args[{i}]", a) for i, a in enumerate(args) if type(a) is Padded]
+    marked += [(f"{k}=", v) for k, v in kwargs.items() if type(v) is Padded]
+    if buckets is None:
+        where = marked[0][0]
+        raise ValueError(
+            f"region {name}: argument {where} is replay.padded(), but the session has no buckets: "
+            "capture(buckets=[...]) lists the sizes to pad to"
+        )
+    sizes = {where: marker.tensor.shape[marker.dim] for where, marker in marked}
+    if len(set(sizes.values())) != 1:
+        listed = ", ".join(f"{where} {size}" for where, size in sizes.items())
+        raise ValueError(f"region {name}: padded arguments must agree on the size they pad, got {listed}")
+    rows = next(iter(sizes.values()))
+    bucket = bucket_for(rows, buckets)
+    target = rows if bucket is None else bucket
+    pads: list[tuple[Padded, torch.Tensor]] = []
+
+    def pad(value: object) -> object:
+        if type(value) is not Padded:
+            return value
+        if target == rows:
+            pads.append((value, value.tensor))
+            return value.tensor
+        shape = list(value.tensor.shape)
+        shape[value.dim] = target
+        grown = value.tensor.new_full(shape, value.fill)
+        grown.narrow(value.dim, 0, rows).copy_(value.tensor)
+        pads.append((value, grown))
+        return grown
+
+    result = run(*[pad(a) for a in args], **{k: pad(v) for k, v in kwargs.items()})
+    if target != rows:
+        for marker, grown in pads:
+            if marker.written:
+                marker.tensor.copy_(grown.narrow(marker.dim, 0, rows))
+        result = slice_outputs(result, marked[0][1].dim, target, rows)
+    return result, rows, target, pads
+
+
+def slice_outputs(result: object, dim: int, bucket: int, rows: int) -> object:
+    """Every tensor of ``result`` whose size along ``dim`` is ``bucket``, narrowed to ``rows``."""
+    spec, leaves, _ = keys.flatten((result,), {}, walk_dataclasses=True)
+    sliced = [
+        leaf.narrow(dim, 0, rows)
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > dim and leaf.shape[dim] == bucket
+        else leaf
+        for leaf in leaves
+    ]
+    return keys.unflatten(spec, sliced)[0][0]
+
+
+def verify(fn: Callable, args: tuple, kwargs: dict, padded_call: Callable[[], object], name: str) -> object:
+    """Run ``fn`` unpadded and eagerly on copies of the tensor arguments, then the padded call
+    on the real ones, and compare the outputs and every tensor argument afterwards. Equal bit
+    for bit passes; otherwise within torch's default tolerance for the dtype passes (a padded
+    matmul may use another kernel and round differently); anything else raises
+    ReplayMismatchError: the region's rows are not independent, and padding changes its
+    results."""
+
+    def plain(value: object) -> object:
+        value = value.tensor if type(value) is Padded else value
+        return value.clone() if isinstance(value, torch.Tensor) else value
+
+    copies_args = tuple(plain(a) for a in args)
+    copies_kwargs = {k: plain(v) for k, v in kwargs.items()}
+    expected = fn(*copies_args, **copies_kwargs)
+    got = padded_call()
+    _compare(name, "output", expected, got)
+    for index, (a, copy) in enumerate(zip(args, copies_args)):
+        real = a.tensor if type(a) is Padded else a
+        if isinstance(real, torch.Tensor):
+            _compare(name, f"argument args[{index}] after the call", copy, real)
+    for key, copy in copies_kwargs.items():
+        real = kwargs[key].tensor if type(kwargs[key]) is Padded else kwargs[key]
+        if isinstance(real, torch.Tensor):
+            _compare(name, f"argument {key}= after the call", copy, real)
+    return got
+
+
+def _compare(name: str, what: str, expected: object, got: object) -> None:
+    expected_spec, expected_leaves, paths = keys.flatten((expected,), {}, walk_dataclasses=True)
+    got_spec, got_leaves, _ = keys.flatten((got,), {}, walk_dataclasses=True)
+    if expected_spec != got_spec:
+        raise ReplayMismatchError(f"region {name}: the padded call's {what} has another structure than unpadded")
+    for path, want, have in zip(paths, expected_leaves, got_leaves):
+        if not isinstance(want, torch.Tensor):
+            if want != have:
+                raise ReplayMismatchError(f"region {name}: padded, {what} {path} is {have!r}, unpadded {want!r}")
+            continue
+        if want.shape == have.shape and want.dtype == have.dtype and torch.equal(want, have):
+            continue
+        try:
+            torch.testing.assert_close(have, want, equal_nan=True)
+        except AssertionError as error:
+            raise ReplayMismatchError(
+                f"region {name}: padding changed {what} {path}: its rows are not independent, so it "
+                f"must not be padded ({str(error).splitlines()[0]})"
+            ) from None

@@ -1,0 +1,127 @@
+"""Bucketing on the CPU: padding, slicing, copying back, refusals and verification, with the
+session's recording double (tests/replay/test_session.py) and with a real session, which runs
+eagerly without a GPU (the same padding path)."""
+
+from __future__ import annotations
+
+import random
+import warnings
+
+import pytest
+import torch
+
+import replay
+from replay import buckets, keys
+from replay.errors import ReplayMismatchError
+
+from .test_session import session_factory  # noqa: F401  (a fixture)
+
+BUCKETS = [1, 2, 4, 8, 16, 32, 64]
+
+
+def rowwise(x, scale):
+    return x * scale + 1, scale.sum()  # a batch-shaped output and one that is not
+
+
+def test_calls_run_the_graph_of_the_next_bucket_and_slices_come_back(session_factory):  # noqa: F811
+    session = session_factory(record_after=1, buckets=BUCKETS)
+    step = session.region(rowwise)
+    scale = torch.randn(5)
+    generator = random.Random(0)
+    for _ in range(300):
+        rows = generator.randint(1, 40)
+        x = torch.randn(rows, 5)
+        out, total = step(replay.padded(x), scale)
+        assert out.shape == (rows, 5) and torch.equal(out, x * scale + 1)
+        assert torch.equal(total, scale.sum())
+    recorded = {key[keys.LEAVES_START][1] for key in step.entries}
+    assert recorded <= {(b, 5) for b in BUCKETS}  # 1..40 needs at most the seven buckets 1, 2, ..., 64
+    assert session.stats().records == len(recorded)
+
+
+def test_padding_rows_hold_the_fill_and_sizes_beyond_the_last_bucket_are_exact(session_factory):  # noqa: F811
+    session = session_factory(record_after=0, buckets=[4, 8])
+    step = session.region(lambda x: x + 0)
+    x = torch.arange(6.0).reshape(3, 2)
+    assert torch.equal(step(replay.padded(x, fill=-7.5)), x)
+    (captured,) = session.captures[0][1]  # the leaves the region was recorded with
+    assert captured.shape == (4, 2) and torch.equal(captured[3], torch.full((2,), -7.5))
+    wide = torch.randn(11, 2)  # beyond 8: its own exact key
+    assert torch.equal(step(replay.padded(wide)), wide)
+    assert session.captures[-1][1][0].shape == (11, 2)
+
+
+def test_padding_along_another_dim_and_keyword_arguments(session_factory):  # noqa: F811
+    session = session_factory(record_after=0, buckets=[8])
+    step = session.region(lambda x, *, y: x * y)
+    x, y = torch.randn(2, 5), torch.randn(2, 5)
+    out = step(replay.padded(x, dim=-1), y=replay.padded(y, dim=1))
+    assert out.shape == (2, 5) and torch.equal(out, x * y)
+
+
+def test_written_arguments_are_copied_back_and_read_ones_left_alone(session_factory):  # noqa: F811
+    session = session_factory(record_after=0, buckets=[8])
+
+    def bump(x):
+        x.add_(1)
+        return x.sum(1)
+
+    step = session.region(bump)
+    x = torch.randn(3, 4)
+    expected = x + 1
+    assert torch.equal(step(replay.padded(x, written=True)), expected.sum(1))
+    assert torch.equal(x, expected)
+    y = torch.randn(3, 4)
+    before = y.clone()
+    step(replay.padded(y))  # not marked written: the write lands in the padded copy
+    assert torch.equal(y, before)
+
+
+def test_bad_padding_is_refused_before_anything_runs(session_factory):  # noqa: F811
+    calls = []
+    session = session_factory(record_after=0, buckets=[8])
+    step = session.region(lambda *a: calls.append(a))
+    x = torch.randn(3, 2)
+    with pytest.raises(ValueError, match=r"must agree .* args\[0\] 3, args\[1\] 4"):
+        step(replay.padded(x), replay.padded(torch.randn(4, 2)))
+    with pytest.raises(TypeError, match="unhashable Padded"):
+        step([replay.padded(x)])
+    with pytest.raises(ValueError, match="dim must be an int in"):
+        replay.padded(x, dim=2)
+    with pytest.raises(ValueError, match="not exact in torch.int32"):
+        replay.padded(torch.zeros(2, dtype=torch.int32), fill=0.5)
+    with pytest.raises(ValueError, match="not exact in torch.float16"):
+        replay.padded(torch.zeros(2, dtype=torch.float16), fill=1e-9)
+    with pytest.raises(TypeError, match="takes a tensor"):
+        replay.padded([1, 2])
+    plain = session_factory(record_after=0)
+    with pytest.raises(ValueError, match="no buckets: capture"):
+        plain.region(lambda x: x)(replay.padded(x))
+    assert calls == []
+    with pytest.raises(ValueError, match="buckets must be"):
+        replay.capture(buckets=[0, 4])
+
+
+def test_verify_every_catches_a_region_whose_rows_are_not_independent(session_factory):  # noqa: F811
+    session = session_factory(record_after=0, buckets=[8], verify_every=1)
+    centred = session.region(lambda x: x - x.mean(0), name="centred")
+    with pytest.raises(ReplayMismatchError, match="region centred: padding changed output .* not independent"):
+        centred(replay.padded(torch.randn(3, 4) + 1))
+    rows = session.region(lambda x: torch.tanh(x) * 3, name="rows")
+    for n in (3, 5, 3):
+        x = torch.randn(n, 4)
+        assert torch.equal(rows(replay.padded(x)), torch.tanh(x) * 3)
+    assert session.stats().verifications >= 4  # the padded calls (and their graphs' own checks)
+
+
+def test_a_real_session_pads_without_a_gpu():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", replay.ReplayWarning)
+        with replay.capture(buckets=[4, 16]) as session:
+            step = session.region(lambda x: (x * 2, x.shape[0]))
+            out, seen = step(replay.padded(torch.ones(3, 2)))
+    assert torch.equal(out, torch.full((3, 2), 2.0)) and seen == 4
+
+
+def test_bucket_for_picks_the_smallest_that_holds():
+    assert [buckets.bucket_for(n, [2, 4, 8]) for n in (1, 2, 3, 8, 9)] == [2, 2, 4, 8, None]
