@@ -523,7 +523,7 @@ class RecordedGraph:
             code.line("_so = _stream_object(_s)", 2)
             for line in backend.graph_launch_template.format(exec="_EXEC", stream="_so").splitlines():
                 code.line(line)
-        ns["_stats"] = self.session.stats_record
+        ns["_stats"] = self.session.counters
         ns["_entry"] = self
         policy = self.session.policy
         if policy.check_stale:

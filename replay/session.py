@@ -16,6 +16,7 @@ from then on, with one warning naming the reason.
 
 from __future__ import annotations
 
+import enum
 import functools
 import logging
 import threading
@@ -40,7 +41,17 @@ from replay.policy import Policy
 from replay.rebinding import STAGED
 from replay.stats import InputChoice, Stats, report
 
-WARMING, PENDING, RECORDED, EAGER_ONLY = "warming", "recorded, not yet analysed", "recorded", "eager-only"
+
+class EntryState(enum.Enum):
+    """Where a key stands (its value is what ``report()`` shows)."""
+
+    WARMING = "warming"  # runs eagerly until admitted (replay.admission)
+    PENDING = "recorded, not yet analysed"  # captured; its next call analyses the graph
+    RECORDED = "recorded"  # replays
+    EAGER_ONLY = "eager-only"  # its capture failed: runs eagerly from now on
+
+
+WARMING, PENDING, RECORDED, EAGER_ONLY = EntryState
 _MISS = object()
 log = logging.getLogger("replay")
 
@@ -290,11 +301,11 @@ class Region:
             return self._eager(spec, leaves, entry, observe=hints)
         admitted, _victim = admission.victim((self, key), session.lru, len(session.pending))
         if not admitted:
-            session.stats_record.refused += 1
+            session.counters.refused += 1
             log.debug("region %s, key %s: not recorded, every graph held is used more", self.name, _describe_key(key))
             return self._eager(spec, leaves, entry)
         if not admission.may_record():
-            session.stats_record.deferred += 1
+            session.counters.deferred += 1
             log.debug("region %s, key %s: recording postponed, the budget is spent", self.name, _describe_key(key))
             return self._eager(spec, leaves, entry)
         if entry is None:
@@ -312,7 +323,7 @@ class Region:
         policy = self.session.policy
         self.padded_calls += 1
         if policy.verify_every and self.padded_calls % policy.verify_every == 0:
-            self.session.stats_record.verifications += 1
+            self.session.counters.verifications += 1
             return buckets.verify(
                 self.fn,
                 args,
@@ -328,20 +339,20 @@ class Region:
         every = self.session.policy.verify_every
         spec = entry.key[1]
         if every and (graph.replays + 1) % every == 0:
-            self.session.stats_record.verifications += 1
+            self.session.counters.verifications += 1
             result = graph.verify(leaves, lambda snapshot: self._eager(spec, snapshot))
         else:
             result = graph.replay(*leaves)
         if result is MISMATCH:
             # the graph cannot serve these values exactly (see replay.graph): the eager run
             # gives the exact result, or the exact error
-            self.session.stats_record.declined += 1
+            self.session.counters.declined += 1
             return self._eager(spec, leaves, entry)
         return result
 
     def _rekey(self, args: tuple, kwargs: dict):
         """The region's globals changed: its graphs were recorded against the old ones."""
-        self.session.stats_record.invalidations += 1
+        self.session.counters.invalidations += 1
         log.info("region %s: its globals changed, its graphs are dropped", self.name)
         self.drop_graphs()
         self.entries.clear()
@@ -362,7 +373,7 @@ class Region:
             self.forgotten.replays += entry.replays_before
 
     def _eager(self, spec: object, leaves: Sequence, entry: Entry | None = None, observe: Hints | None = None):
-        self.session.stats_record.eager_runs += 1
+        self.session.counters.eager_runs += 1
         if entry is not None:
             entry.eager_runs += 1
         else:
@@ -419,7 +430,7 @@ class Region:
             entry.capture = capture
             entry.state = PENDING
             session.pending[entry] = None
-            stats = session.stats_record
+            stats = session.counters
             stats.records += 1
             stats.replays += 1  # the first launch of the new graph serves this call
             entry.replays_before += 1
@@ -470,7 +481,7 @@ class Region:
                 hints.copy_back |= plan.needs_copy_back
                 entry.analysed_staging = True
                 entry.retries += 1
-                session.stats_record.record_retries += 1
+                session.counters.record_retries += 1
                 if entry.retries > 2:
                     return self._give_up(entry, spec, leaves, "staging did not settle after three captures")
                 return self._record(entry, key, spec, leaves, paths, device)
@@ -488,7 +499,7 @@ class Region:
             entry.graph = graph
             entry.state = RECORDED
             described = _describe_key(key)
-            stats = session.stats_record
+            stats = session.counters
             for input_range in capture.inputs:
                 choice = capture.plan.choices.get(input_range.index, "unused")
                 if choice == STAGED and input_range.index in capture.copied_back:
@@ -516,7 +527,7 @@ class Region:
             stage=entry.stage_hint,
             copy_back=entry.copy_back_hint,
         )
-        session.stats_record.capture_seconds += capture.seconds
+        session.counters.capture_seconds += capture.seconds
         try:
             session.analyse(capture)
             entry.rng_epoch = recording.GENERATOR_EPOCH[0]  # registered with today's generator state
@@ -529,7 +540,7 @@ class Region:
         """This call runs eagerly (compiling what the capture could not); the key records
         again on its next call. Recordings the analysis turned down (``RecordLater``) are
         retried three times at most."""
-        self.session.stats_record.record_retries += 1
+        self.session.counters.record_retries += 1
         log.info("region %s, key %s: recording retried later: %s", self.name, _describe_key(entry.key), aborted)
         if isinstance(aborted, recording.RecordLater):
             entry.later += 1
@@ -540,7 +551,7 @@ class Region:
     def _give_up(self, entry: Entry, spec: object, leaves: Sequence, reason: str):
         entry.state = EAGER_ONLY
         entry.reason = reason
-        self.session.stats_record.eager_only_keys += 1
+        self.session.counters.eager_only_keys += 1
         log.info("region %s, key %s: runs eagerly from now on: %s", self.name, _describe_key(entry.key), reason)
         warnings.warn(
             ReplayWarning(f"region {self.name}, key {_describe_key(entry.key)}: runs eagerly from now on: {reason}"),
@@ -568,7 +579,7 @@ class Region:
         entry.pre_key = pre_key
         self._rebuild_fast()
 
-    def _refresh(self, entry: Entry) -> None:
+    def serve_new_graph(self, entry: Entry) -> None:
         """The entry has a new graph (compaction): serve it on the fast path."""
         candidates = self.fast.get(entry.pre_key) if entry.pre_key is not None else None
         if candidates and not self.session.policy.verify_every:
@@ -578,7 +589,8 @@ class Region:
     def _replay_args(self, entry: Entry, *leaves):
         return self._replay(entry, leaves)
 
-    def _demote(self, entry: Entry) -> None:
+    def withdraw(self, entry: Entry) -> None:
+        """Take a released key off the fast dispatch path."""
         candidates = self.fast.get(entry.pre_key) if entry.pre_key is not None else None
         if candidates:
             candidates[:] = [c for c in candidates if c[2] is not entry]
@@ -636,6 +648,9 @@ class Region:
         for entry in list(self.entries.values()):
             if entry.graph is not None:
                 self.session.release(entry)
+        self.clear_fast_path()
+
+    def clear_fast_path(self) -> None:
         self.fast.clear()
         self._fast = _no_fast_path
 
@@ -655,7 +670,7 @@ class Session:
     def __init__(self, **policy: object):
         self.policy = Policy(**policy)
         observe.prepare()
-        self.stats_record = Stats()
+        self.counters = Stats()
         self.lock = threading.RLock()
         self.regions: list[Region] = []
         self.lru: OrderedDict[Entry, None] = OrderedDict()  # graphs held, least recently replayed first
@@ -745,7 +760,7 @@ class Session:
         while len(self.lru) >= self.policy.max_graphs:
             _admit, victim = self.admission.victim((entry.region, entry.key), self.lru)
             self.release(victim)
-            self.stats_record.evictions += 1
+            self.counters.evictions += 1
             log.info(
                 "region %s, key %s: graph released for key %s, used more recently",
                 victim.region.name,
@@ -754,7 +769,7 @@ class Session:
             )
         self.lru[entry] = None
         self.admission.held(entry, (entry.region, entry.key))
-        self.stats_record.graphs = len(self.lru)
+        self.counters.graphs = len(self.lru)
 
     def retire_pool(self, device: int) -> None:
         """Record into a fresh pool from now on (a failed capture left the current one
@@ -793,11 +808,11 @@ class Session:
             self.compaction
             and others
             and capture.memory >= max(1 << 20, size // 10)
-            and self.compaction_rule.due(device, size, len(others) + 1, self.stats_record.records)
+            and self.compaction_rule.due(device, size, len(others) + 1, self.counters.records)
             and self.admission.may_record()
         ):
             self.compact(device)
-        self.stats_record.graph_memory_bytes = self.memory_bytes()
+        self.counters.graph_memory_bytes = self.memory_bytes()
 
     def compact(self, device: int) -> bool:
         """Record every graph of ``device`` again into a fresh pool (largest inputs first) and
@@ -838,7 +853,7 @@ class Session:
             entry.replays_before += old.replays
             self.admission.restarted(entry, frequency)  # its new graph counts replays from 0
             old.release()
-            entry.region._refresh(entry)
+            entry.region.serve_new_graph(entry)
         self._pools[device] = new_pool  # the old KeptPool goes, and with it the old pool
         with recording.CAPTURES.exclusive():  # both would break another thread's capture
             torch.cuda.synchronize(device)
@@ -846,8 +861,8 @@ class Session:
         after = self.pool_bytes(device)
         self.admission.recorded(time.perf_counter() - started)
         self.compaction_rule.done(device, after, len(fresh))
-        self.stats_record.compactions += 1
-        self.stats_record.recaptures += len(fresh)
+        self.counters.compactions += 1
+        self.counters.recaptures += len(fresh)
         log.info(
             "cuda:%d: %d graphs recorded again into a fresh pool: %.1f MiB -> %.1f MiB",
             device,
@@ -867,14 +882,14 @@ class Session:
         if entry.graph is not None:
             entry.replays_before += entry.graph.replays
             entry.graph.release()
-        entry.region._demote(entry)
+        entry.region.withdraw(entry)
         if entry.capture is not None:
             entry.capture.graph.reset()
             entry.capture = None
         entry.graph = None
         entry.guard = None
         entry.state = WARMING
-        self.stats_record.graphs = len(self.lru)
+        self.counters.graphs = len(self.lru)
 
     def invalidate(self) -> None:
         """Drop every graph of the session; keys record again after their eager runs."""
@@ -882,8 +897,7 @@ class Session:
             for entry in list(self.lru):
                 self.release(entry)
             for region in self.regions:
-                region.fast.clear()
-                region._fast = _no_fast_path
+                region.clear_fast_path()
                 for entry in region.entries.values():
                     if entry.state == EAGER_ONLY:
                         continue
@@ -891,21 +905,21 @@ class Session:
                         self.release(entry)
                     entry.state = WARMING
             self.admission.forget(lambda counted: True)  # every key warms up again
-            self.stats_record.invalidations += 1
+            self.counters.invalidations += 1
             log.info("session invalidated: every graph dropped")
 
     def close(self) -> None:
         if not self.closed:
             self.invalidate()
-            self.stats_record.invalidations -= 1  # closing is not an invalidation by the user
-            self.stats_record.graph_memory_bytes = 0
+            self.counters.invalidations -= 1  # closing is not an invalidation by the user
+            self.counters.graph_memory_bytes = 0
             self._retired_pools.clear()
             self._pools.clear()  # the pools go (memory the caller still holds stays until it is freed)
             self.closed = True
 
     # --- introspection -------------------------------------------------------------------
     def stats(self) -> Stats:
-        stats = self.stats_record.copy()
+        stats = self.counters.copy()
         stats.calls = stats.replays + stats.eager_runs  # every call either replays or runs eagerly
         return stats
 
@@ -931,7 +945,7 @@ class Session:
                 (
                     region.name,
                     _describe_key(entry.key),
-                    entry.state if not entry.reason else f"{entry.state}: {entry.reason}",
+                    entry.state.value if not entry.reason else f"{entry.state.value}: {entry.reason}",
                     calls,
                     entry.replays,
                     entry.eager_runs,

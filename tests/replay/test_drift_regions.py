@@ -44,7 +44,7 @@ class BakedGraph(FakeGraph):
     def replay(self, *leaves):
         assert not self.released
         self.replays += 1
-        self.session.stats_record.replays += 1
+        self.session.counters.replays += 1
         return self.capture.outputs
 
 

@@ -125,7 +125,7 @@ class Record:
 class FakeSession:
     def __init__(self, **policy):
         self.policy = Policy(**policy)
-        self.stats_record = Stats()
+        self.counters = Stats()
         self.last_stream = [0]
 
     def stream_switch(self, stream):

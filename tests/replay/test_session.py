@@ -48,7 +48,7 @@ class FakeGraph:
     def replay(self, *leaves):
         assert not self.released
         self.replays += 1
-        self.session.stats_record.replays += 1
+        self.session.counters.replays += 1
         args, kwargs = keys.unflatten(self.key[1], keys.plain_leaves(leaves))
         return self.region.fn(*args, **kwargs)
 
@@ -356,7 +356,7 @@ def test_a_call_the_graph_declines_runs_eagerly(session_factory, monkeypatch):
     step(x, x)
     entry = next(iter(step.entries.values()))
     monkeypatch.setattr(entry.graph, "replay", lambda *leaves: MISMATCH)
-    step._refresh(entry)
+    step.serve_new_graph(entry)
     eager_before = session.stats().eager_runs
     assert torch.equal(step(x, x), x + x)  # through the fast path
     assert session.stats().declined == 1 and session.stats().eager_runs == eager_before + 1
