@@ -86,7 +86,7 @@ class Entry:
     """One key of one region: its state and, once recorded, its graph."""
 
     __slots__ = (
-        "capture",
+        "unanalysed",
         "copy_back_hint",
         "generation",
         "observed_clean",
@@ -119,7 +119,7 @@ class Entry:
         self.reason = ""
         self.retries = 0
         self.generation = 0  # replays so far: outputs handed out remember it (check_stale)
-        self.capture = None  # a capture waiting for its analysis (state PENDING)
+        self.unanalysed = None  # its capture, waiting for the analysis (state PENDING)
         self.observed_clean = False  # the warm-up ran under the observer and no torch op touched an input
         self.pre_key: tuple | None = None
         self.uses_rng = False  # the graph advances a generator's offset (it draws random numbers)
@@ -405,7 +405,7 @@ class Region:
             overlapping = set() if entry.analysed_staging else {i for pair in key[3] for i in pair}
             started = time.perf_counter()
             try:
-                capture = session.capture(
+                capture = session.record_key(
                     self.fn,
                     spec,
                     leaves,
@@ -427,7 +427,7 @@ class Region:
                 return self._give_up(entry, spec, leaves, failure.reason)
             finally:
                 session.admission.recorded(time.perf_counter() - started)  # failed captures cost time too
-            entry.capture = capture
+            entry.unanalysed = capture
             entry.state = PENDING
             session.pending[entry] = None
             stats = session.counters
@@ -461,7 +461,7 @@ class Region:
         with more inputs staged, or give up), then replay."""
         session = self.session
         with session.lock:
-            capture, entry.capture = entry.capture, None
+            capture, entry.unanalysed = entry.unanalysed, None
             session.pending.pop(entry, None)
             analysed = time.perf_counter()
             try:
@@ -516,7 +516,7 @@ class Region:
         old = entry.graph
         leaves = old.placeholder_leaves()
         session = self.session
-        capture = session.capture(
+        capture = session.record_key(
             self.fn,
             old.spec,
             leaves,
@@ -663,7 +663,7 @@ class Session:
 
     #: How a key is captured and turned into a replayable graph; CPU tests of the session's
     #: logic replace these with doubles (the GPU tests run the real ones).
-    capture = staticmethod(recording.capture)
+    record_key = staticmethod(recording.capture)
     analyse = staticmethod(recording.analyse)
     build_graph = RecordedGraph
 
@@ -781,7 +781,7 @@ class Session:
             self._retired_pools.append(old)
         for region in self.regions:
             for entry in list(region.entries.values()):
-                held = entry.graph if entry.graph is not None else entry.capture  # recorded or pending
+                held = entry.graph if entry.graph is not None else entry.unanalysed  # recorded or pending
                 if entry.uses_rng and held is not None and held.device == device:
                     # torch registered the old state with it: its replay would advance that
                     # state (and raise, the old state being stuck in capture mode)
@@ -826,7 +826,7 @@ class Session:
         )
         for region in self.regions:  # captures still awaiting analysis live in the old pool:
             for entry in region.entries.values():  # drop them; they record again when called
-                if entry.capture is not None and entry.capture.device == device:
+                if entry.unanalysed is not None and entry.unanalysed.device == device:
                     self.release(entry)
         started = time.perf_counter()
         before = self.pool_bytes(device)
@@ -883,9 +883,9 @@ class Session:
             entry.replays_before += entry.graph.replays
             entry.graph.release()
         entry.region.withdraw(entry)
-        if entry.capture is not None:
-            entry.capture.graph.reset()
-            entry.capture = None
+        if entry.unanalysed is not None:
+            entry.unanalysed.graph.reset()
+            entry.unanalysed = None
         entry.graph = None
         entry.guard = None
         entry.state = WARMING
@@ -901,7 +901,7 @@ class Session:
                 for entry in region.entries.values():
                     if entry.state == EAGER_ONLY:
                         continue
-                    if entry.capture is not None:
+                    if entry.unanalysed is not None:
                         self.release(entry)
                     entry.state = WARMING
             self.admission.forget(lambda counted: True)  # every key warms up again

@@ -73,7 +73,7 @@ class DoubleSession(Session):
         self.analyse_script = []  # exceptions for the next analyses, in order
 
     @staticmethod
-    def capture(fn, spec, leaves, paths, *, device, pool, stream, stage, copy_back, observe=True):
+    def record_key(fn, spec, leaves, paths, *, device, pool, stream, stage, copy_back, observe=True):
         session = DoubleSession.current
         session.captures.append((spec, list(leaves), set(stage), set(copy_back), observe))
         if session.capture_script:
@@ -541,7 +541,7 @@ def test_a_spoiled_pool_is_retired_and_random_drawing_graphs_record_again(sessio
     session.capture_script = [recording.SpoiledPool("the capture could not start")]
     with pytest.warns(replay.ReplayWarning):
         session.region(lambda x: x * 3, name="third")(x)
-    assert waiting.state == WARMING and waiting.capture is None
+    assert waiting.state == WARMING and waiting.unanalysed is None
     assert torch.equal(pending(x), x + 1)
 
 
@@ -554,7 +554,7 @@ def test_an_unexpected_error_in_the_analysis_leaves_the_key_recordable(session_f
     with pytest.raises(RuntimeError, match="cuGraphGetNodes"):
         step(x, x)  # its analysis fails: the error is raised, nothing is left half-built
     (entry,) = step.entries.values()
-    assert entry.state == WARMING and entry.capture is None and session.captures[0] is not None
+    assert entry.state == WARMING and entry.unanalysed is None and session.captures[0] is not None
     assert torch.equal(step(x, x), x + x)  # records again
     assert torch.equal(step(x, x), x + x)  # replays
     assert entry.state == RECORDED
