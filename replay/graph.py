@@ -27,6 +27,7 @@ import itertools
 import os
 import re
 import struct
+import weakref
 from collections.abc import Callable, Sequence
 
 import torch
@@ -60,8 +61,10 @@ _sources = itertools.count()
 def compile_function(source: str, name: str, description: str, namespace: dict) -> Callable:
     """Compile generated source with ``namespace`` as its globals, through jitcore's one
     codegen helper (registered with ``linecache``, so tracebacks and pdb show its lines)."""
-    function = codegen.define(source, f"<{codegen.comment(description)} #{next(_sources)}>", namespace)[name]
+    filename = f"<{codegen.comment(description)} #{next(_sources)}>"
+    function = codegen.define(source, filename, namespace)[name]
     function.source = source
+    weakref.finalize(function, codegen.forget_source, filename)  # rebuilt often: linecache stays bounded
     return function
 
 

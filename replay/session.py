@@ -35,7 +35,7 @@ from replay import buckets, keys, observe, recording
 from replay.admission import Admission, CompactionRule
 from replay.dynamic import Dynamic
 from replay.errors import ReplayWarning, SessionClosedError
-from replay.graph import MISMATCH, RecordedGraph, guard_outputs
+from replay.graph import MISMATCH, RecordedGraph, compile_function, guard_outputs
 from replay.observe import TorchOpObserver
 from replay.policy import Policy
 from replay.rebinding import STAGED
@@ -249,9 +249,7 @@ class Region:
             ]
         lines.append("    return _MISS")
         source = "\n".join(lines) + "\n"
-        exec(compile(source, f"<replay dispatch of {self.name}>", "exec"), namespace)
-        self._fast = namespace["fast"]
-        self._fast.source = source
+        self._fast = compile_function(source, "fast", "replay dispatch of a region", namespace)
 
     @staticmethod
     def pre_key(leaves: Sequence) -> tuple:
@@ -638,10 +636,7 @@ class Region:
             if leaves
             else f"def guard(*args):\n    return not args and {body}\n"
         )
-        exec(compile(source, f"<replay guard of {self.name}>", "exec"), namespace)
-        guard = namespace["guard"]
-        guard.source = source
-        return guard
+        return compile_function(source, "guard", "replay guard of a key", namespace)
 
     # --- maintenance ---------------------------------------------------------------------
     def drop_graphs(self) -> None:
