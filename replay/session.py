@@ -300,11 +300,13 @@ class Region:
         admitted, _victim = admission.victim((self, key), session.lru, len(session.pending))
         if not admitted:
             session.counters.refused += 1
-            log.debug("region %s, key %s: not recorded, every graph held is used more", self.name, _describe_key(key))
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("region %s, key %s: not recorded, graphs held are used more", self.name, _describe_key(key))
             return self._eager(spec, leaves, entry)
         if not admission.may_record():
             session.counters.deferred += 1
-            log.debug("region %s, key %s: recording postponed, the budget is spent", self.name, _describe_key(key))
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("region %s, key %s: recording postponed, the budget is spent", self.name, _describe_key(key))
             return self._eager(spec, leaves, entry)
         if entry is None:
             entry = self.entries[key] = Entry(self, key)
