@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from replay import keys
+from replay.dynamic import Dynamic
 from replay.errors import ReplayMismatchError
 
 
@@ -99,6 +100,12 @@ def call(
             f"region {name}: argument {where} is replay.padded(), but the session has no buckets: "
             "capture(buckets=[...]) lists the sizes to pad to"
         )
+    dims = {where: marker.dim for where, marker in marked}
+    if len(set(dims.values())) != 1:
+        listed = ", ".join(f"{where} dim {dim}" for where, dim in dims.items())
+        raise ValueError(
+            f"region {name}: padded arguments must pad the same dimension (outputs are sliced along it), got {listed}"
+        )
     sizes = {where: marker.tensor.shape[marker.dim] for where, marker in marked}
     if len(set(sizes.values())) != 1:
         listed = ", ".join(f"{where} {size}" for where, size in sizes.items())
@@ -152,6 +159,8 @@ def verify(fn: Callable, args: tuple, kwargs: dict, padded_call: Callable[[], ob
 
     def plain(value: object) -> object:
         value = value.tensor if type(value) is Padded else value
+        if isinstance(value, Dynamic):
+            return value.value  # what the region receives in an eager call
         return value.clone() if isinstance(value, torch.Tensor) else value
 
     copies_args = tuple(plain(a) for a in args)

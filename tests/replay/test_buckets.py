@@ -84,6 +84,8 @@ def test_bad_padding_is_refused_before_anything_runs(session_factory):  # noqa: 
     x = torch.randn(3, 2)
     with pytest.raises(ValueError, match=r"must agree .* args\[0\] 3, args\[1\] 4"):
         step(replay.padded(x), replay.padded(torch.randn(4, 2)))
+    with pytest.raises(ValueError, match=r"must pad the same dimension .* args\[0\] dim 0, args\[1\] dim 1"):
+        step(replay.padded(x), replay.padded(torch.randn(2, 3), dim=1))
     with pytest.raises(TypeError, match="unhashable Padded"):
         step([replay.padded(x)])
     with pytest.raises(ValueError, match="dim must be an int in"):
@@ -112,6 +114,9 @@ def test_verify_every_catches_a_region_whose_rows_are_not_independent(session_fa
         x = torch.randn(n, 4)
         assert torch.equal(rows(replay.padded(x)), torch.tanh(x) * 3)
     assert session.stats().verifications >= 4  # the padded calls (and their graphs' own checks)
+    scaled = session.region(lambda x, factor: x * factor, name="scaled")  # a dynamic argument too
+    x = torch.randn(3, 4)
+    assert torch.equal(scaled(replay.padded(x), replay.dynamic(0.5)), x * 0.5)
 
 
 def test_a_real_session_pads_without_a_gpu():
