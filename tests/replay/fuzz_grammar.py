@@ -34,7 +34,20 @@ every input buffer afterwards (inputs may be written in place) and every held ou
 - ``rng-sequence``: random ops; the whole sequence of calls runs eagerly first from one generator
   state (outputs saved), the state is reset with ``set_rng_state``, then the same sequence runs
   through the session and each call is compared with its eager twin: a sequence of replays must
-  draw the numbers the eager sequence draws.
+  draw the numbers the eager sequence draws;
+- ``padded`` (only when asked for: ``--family padded``, ``run(family=PADDED)``; never drawn or
+  cycled, so the seeds of the three families above keep their cases): bucketing. The session gets
+  ``buckets=[...]`` (a random small list), every row-shaped argument is passed as
+  ``replay.padded(x, dim, fill, written)`` (fills other than 0 too, NaN and infinities among
+  them; ``written=True`` for every argument the region writes, and now and then for one it only
+  reads), and each call draws its own batch size (the rows), some equal to a bucket, some beyond
+  the largest one (unpadded). The grammar keeps only row-wise building blocks there (see
+  :class:`_PaddedRegionBuilder`), since padding is exact only for regions whose rows are
+  independent. The bit-for-bit reference is the eager run of the *same padded* computation
+  (:func:`padded_reference`: pad the same way, run the function, copy the written rows back,
+  slice the same outputs), because a matmul of another height may round differently; every call
+  is also compared with the unpadded eager run with ``torch.testing.assert_close`` (which
+  catches the reference and replay agreeing on a wrong padding).
 
 A call that falls back to eager with a :class:`replay.ReplayWarning` is fine (refused loudly:
 counted by reason); a silent difference is a :class:`Mismatch`, reported with the case seed, the
@@ -51,6 +64,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 import linecache
 import math
 import random
@@ -99,12 +113,24 @@ __global__ void fz_shift_add(const float* a, const float* b, float* out, long lo
 }
 """
 
+# the padded family's per-row write (its own source, so the kernels above keep their module)
+PADDED_KERNEL_SOURCE = r"""
+__global__ void fz_copy_rows(const float* src, float* dst, long long cols, long long dst_stride, long long n) {
+    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (i < n) {
+        long long r = i / cols;
+        dst[r * dst_stride + (i - r * cols)] = src[i];
+    }
+}
+"""
+
 _AXPB = jc.Kernel(KERNEL_SOURCE, "fz_axpb")
 _ADD_SCALAR = jc.Kernel(KERNEL_SOURCE, "fz_add_scalar")
 _COPY = jc.Kernel(KERNEL_SOURCE, "fz_copy")
 _PREFIX = jc.Kernel(KERNEL_SOURCE, "fz_prefix")
 _ROW_SUM = jc.Kernel(KERNEL_SOURCE, "fz_row_sum")
 _SHIFT_ADD = jc.Kernel(KERNEL_SOURCE, "fz_shift_add")
+_COPY_ROWS = jc.Kernel(PADDED_KERNEL_SOURCE, "fz_copy_rows")
 
 
 @jc.jit
@@ -150,6 +176,17 @@ def shift_add(x, out):
     _SHIFT_ADD[jc.cdiv(n, 128), 128](x, below, out, below.numel(), n)
 
 
+@jc.jit
+def copy_rows(src, cache, pos):
+    """cache[:, pos] = src for a batch-major cache [R, P, C]: row r of src goes to slot pos of
+    row r (a per-row write, as a decode step writes each sequence's new token into its own
+    cache row; its rows stay independent, so it may be padded). The view's pointer is offset by
+    pos (a runtime scalar) times the slot stride, its row stride is P * C."""
+    slot = cache[:, pos]
+    n = src.numel()
+    _COPY_ROWS[jc.cdiv(n, 128), 128](src, slot, src.shape[1], slot.stride(0), n)
+
+
 LAUNCHERS: dict[str, Callable] = {
     "axpb": axpb,
     "add_scalar_": add_scalar_,
@@ -157,6 +194,7 @@ LAUNCHERS: dict[str, Callable] = {
     "prefix": prefix,
     "row_sum": row_sum,
     "shift_add": shift_add,
+    "copy_rows": copy_rows,
 }
 
 
@@ -187,6 +225,10 @@ def _ref_shift_add(x, out):
     out.view(-1).copy_(flat)
 
 
+def _ref_copy_rows(src, cache, pos):
+    cache[:, pos].copy_(src)
+
+
 #: torch stand-ins for the launchers (same semantics, any device): the harness's own CPU tests.
 REFERENCE_LAUNCHERS: dict[str, Callable] = {
     "axpb": _ref_axpb,
@@ -195,6 +237,7 @@ REFERENCE_LAUNCHERS: dict[str, Callable] = {
     "prefix": _ref_prefix,
     "row_sum": _ref_row_sum,
     "shift_add": _ref_shift_add,
+    "copy_rows": _ref_copy_rows,
 }
 
 # result containers regions may return (replay must rebuild them with the new outputs)
@@ -212,7 +255,26 @@ class OutDC:
 # The grammar
 # --------------------------------------------------------------------------------------------
 
-FAMILIES = ("plain", "rng-sequence", "rng-reseed")
+FAMILIES = ("plain", "rng-sequence", "rng-reseed")  # drawn per case, or cycled through
+RNG_FAMILIES = ("rng-sequence", "rng-reseed")
+PADDED = "padded"  # bucketing: only when asked for (see the module docstring)
+ALL_FAMILIES = (*FAMILIES, PADDED)
+BUCKET_SIZES = (1, 2, 3, 4, 5, 6, 8, 12, 16)  # what a padded case's buckets are drawn from
+# fills of padded rows (each exact in float32); 0 is the common one, the others show whether
+# anything of the added rows leaks into the call's rows (NaN and infinities loudest)
+# (a tuple of pairs: 0, 0.0 and -0.0 are one key of a dict)
+FILLS = (
+    (0, 3),
+    (0.0, 2),
+    (-0.0, 1),
+    (1.0, 1),
+    (-7.5, 1),
+    (3, 1),
+    (1e4, 1),
+    (math.inf, 1),
+    (-math.inf, 1),
+    (math.nan, 1),
+)
 ROWS = (1, 2, 3, 4, 5, 7, 8, 12, 16)
 COLS = (16, 32, 48, 64, 96, 128)
 MODES = ("plain", "autocast", "tf32", "no_grad")
@@ -236,14 +298,14 @@ class Slot:
     """One argument of a region."""
 
     name: str
-    kind: str  # rc | w | cache | dyn_float | dyn_count | dyn_pos | static_float
+    kind: str  # rc | w | cache | bcache | dyn_float | dyn_count | dyn_pos | static_float
     role: str = "in"  # rc: "in" (random data) or "out" (a poisoned preallocated buffer)
     written: bool = False  # the region writes it (in place)
     menu: tuple = ()  # static_float: the values calls pick from
 
     @property
     def is_tensor(self) -> bool:
-        return self.kind in ("rc", "w", "cache")
+        return self.kind in ("rc", "w", "cache", "bcache")
 
     @property
     def is_dynamic(self) -> bool:
@@ -255,7 +317,7 @@ class Value:
     """A name bound in the region body: an argument tensor or an intermediate."""
 
     name: str
-    kind: str  # rc ([R, C] float32, contiguous) | r ([R]) | cache ([P, R, C]) | w ([C, C])
+    kind: str  # rc ([R, C] float32, contiguous) | r ([R]) | cache ([P, R, C]) | bcache ([R, P, C]) | w ([C, C])
     slot: int | None = None  # the argument it is (None: an intermediate made inside the region)
     ready: bool = True  # holds defined data (a poisoned output slot is not ready until written)
 
@@ -315,6 +377,16 @@ class OutLeaf:
     value: str | None = None  # the Value it is (feedable leaves), to never feed one tensor twice
 
 
+@dataclasses.dataclass(frozen=True)
+class PadSpec:
+    """How the padded family passes one argument: ``replay.padded(x, dim, fill, written)`` with
+    this dim (0 or its negative spelling: every padded argument pads its rows) and written flag;
+    the fill is drawn per call."""
+
+    dim: int
+    written: bool
+
+
 @dataclasses.dataclass
 class Region:
     index: int
@@ -331,9 +403,14 @@ class Region:
     uses_rng: bool = False
     has_matmul: bool = False
     refusal: str | None = None
+    # the padded family: slot -> how it is padded; the parameters from this index on are passed
+    # by keyword; a matmul runs in bfloat16 whatever the mode (the unpadded check's tolerance)
+    padded: dict[int, PadSpec] = dataclasses.field(default_factory=dict)
+    keyword_from: int | None = None
+    reduced_precision: bool = False
 
-    @property
-    def source(self) -> str:
+    def _signature(self) -> tuple[list[str], list[str]]:
+        """The parameter names and the lines unpacking grouped parameters."""
         names = []
         unpack = []
         for entry in self.params:
@@ -347,10 +424,24 @@ class Region:
                     unpack.append(f"{', '.join(members)}{',' if len(members) == 1 else ''} = {group}")
                 else:
                     unpack.extend(f"{m} = {group}[{m!r}]" for m in members)
+        return names, unpack
+
+    @property
+    def source(self) -> str:
+        names, unpack = self._signature()
         lines = [f"def {self.name}({', '.join(names)}):"]
         lines += [f"    {line}" for line in unpack + self.body]
         lines.append(f"    return {self.ret}")
         return "\n".join(lines) + "\n"
+
+    def split_arguments(self, args: list) -> tuple[list, dict]:
+        """Positional and keyword arguments of a call (``keyword_from``: replay.padded may be a
+        keyword argument too)."""
+        if self.keyword_from is None:
+            return args, {}
+        names = self._signature()[0]
+        cut = self.keyword_from
+        return args[:cut], dict(zip(names[cut:], args[cut:]))
 
     def feedable_slots(self, pattern: Pattern) -> list[int]:
         """rc input slots the region only reads and that share memory with no other argument:
@@ -374,6 +465,16 @@ class Region:
         ]
         if self.refusal:
             lines.append(f"  refusal step (replay must warn and run eagerly): {self.refusal}")
+        if self.padded:
+            padded = ", ".join(
+                f"{self.slots[i].name} dim={p.dim}" + (" written" if p.written else "") for i, p in self.padded.items()
+            )
+            names = self._signature()[0]
+            keywords = names[self.keyword_from :] if self.keyword_from is not None else []
+            lines.append(
+                f"  padded: {padded}; by keyword: {', '.join(keywords) or 'none'}"
+                + ("; a matmul in bfloat16" if self.reduced_precision else "")
+            )
         lines += ["  " + line for line in self.source.splitlines()]
         return "\n".join(lines)
 
@@ -387,10 +488,19 @@ class Case:
     policy: dict
     weights: list[float]
     steps: int
+    # the padded family: the session's buckets (also in policy), and the most rows a call draws
+    buckets: tuple[int, ...] = ()
+    max_rows: int = 0
 
     def describe(self) -> str:
+        if self.buckets:
+            shapes = (
+                f"rows 1..{self.max_rows} (unpadded beyond {self.buckets[-1]}) x cols {[c for _, c in self.shapes]}"
+            )
+        else:
+            shapes = f"shapes {self.shapes}"
         lines = [
-            f"case seed {self.seed}, family {self.family}, {self.steps} calls, shapes {self.shapes}, "
+            f"case seed {self.seed}, family {self.family}, {self.steps} calls, {shapes}, "
             f"policy {self.policy}, region weights {self.weights}"
         ]
         lines += [r.describe() for r in self.regions]
@@ -412,6 +522,7 @@ class _RegionBuilder:
         self.temps = 0
         self.uses_rng = False
         self.has_matmul = False
+        self.reduced_precision = False  # a matmul in bfloat16 whatever the mode
         self.last: Value | None = None
 
     # --- slots and values ------------------------------------------------------------------
@@ -637,7 +748,7 @@ class _RegionBuilder:
         a = self.pick()
         w = self.slot_value("w")
         v = self.temp("rc")
-        form = self.rng.choice(("plain", "plain", "autocast", "autocast_off", "gram"))
+        form = self.rng.choice(self.matmul_forms())
         if form == "plain":
             self.body.append(f"{v.name} = ({a.name} @ {w.name}).float()")
         elif form == "autocast":
@@ -655,8 +766,13 @@ class _RegionBuilder:
             self.body.append(f"{v.name} = (({a.name} @ {a.name}.t()) @ {a.name} * 0.125).float()")
         self.produce(v)
         self.has_matmul = True
+        self.reduced_precision |= form == "autocast"
         self.steps.append(f"torch matmul ({form.replace('_', ' ')})")
         return True
+
+    def matmul_forms(self) -> tuple[str, ...]:
+        """The matmuls drawn from (one per entry; "gram" is x @ x.t() @ x)."""
+        return ("plain", "plain", "autocast", "autocast_off", "gram")
 
     def step_row_scale(self) -> bool:
         r = self.pick("r")
@@ -734,6 +850,10 @@ class _RegionBuilder:
             form = self.rng.choice(("{x}[1:]", "{x}[:-1]", "{x}.view(-1)", "{x}.t()", "{x}[:, 1:]", "{x}[0]"))
         return OutLeaf(form.format(x=base.name), "tensor")
 
+    def output_values(self) -> list[Value]:
+        """The values a region may return as a whole."""
+        return [v for v in self.values if v.ready]
+
     def scalar_leaf(self) -> OutLeaf:
         dynamic = [s.name for s in self.slots if s.is_dynamic]
         if dynamic and self.rng.random() < 0.7:
@@ -748,7 +868,7 @@ class _RegionBuilder:
         for _ in range(rng.choice((0, 0, 1, 1, 2, 3))):
             roll = rng.random()
             if roll < 0.4:
-                leaves.append(self.tensor_leaf(rng.choice([v for v in self.values if v.ready])))
+                leaves.append(self.tensor_leaf(rng.choice(self.output_values())))
             elif roll < 0.75:
                 leaves.append(self.view_leaf())
             else:
@@ -785,6 +905,39 @@ class _RegionBuilder:
         return leaves, ret
 
     # --- the whole region ------------------------------------------------------------------
+    def step_table(self) -> list[tuple[Callable[[], bool], int]]:
+        """The building blocks and their weights."""
+        return [
+            (self.step_axpb, 5),
+            (self.step_add_scalar, 3),
+            (self.step_copy_row, 3),
+            (self.step_prefix, 4),
+            (self.step_row_sum, 2),
+            (self.step_shift_add, 2),
+            (self.step_binary, 4),
+            (self.step_unary, 3),
+            (self.step_inplace, 3),
+            (self.step_out, 3),
+            (self.step_matmul, 4),
+            (self.step_row_scale, 2),
+            (self.step_cache_read, 2),
+        ]
+
+    def parameters(self, order: list[int]) -> list[tuple]:
+        """The region's parameters in this order, some of them grouped in a list or a dict."""
+        rng = self.rng
+        params: list[tuple] = [("slot", i) for i in order]
+        if len(order) >= 3 and rng.random() < 0.25:
+            start = rng.randrange(len(order) - 1)
+            size = rng.randint(2, min(3, len(order) - start))
+            members = order[start : start + size]
+            params = (
+                [("slot", i) for i in order[:start]]
+                + [(rng.choice(("list", "dict")), members)]
+                + [("slot", i) for i in order[start + size :]]
+            )
+        return params
+
     def build(self) -> Region:
         rng = self.rng
         count = rng.choice((1, 1, 2, 2, 3))
@@ -804,24 +957,9 @@ class _RegionBuilder:
             if pattern not in self.patterns:
                 self.patterns.append(pattern)
 
-        steps = [
-            (self.step_axpb, 5),
-            (self.step_add_scalar, 3),
-            (self.step_copy_row, 3),
-            (self.step_prefix, 4),
-            (self.step_row_sum, 2),
-            (self.step_shift_add, 2),
-            (self.step_binary, 4),
-            (self.step_unary, 3),
-            (self.step_inplace, 3),
-            (self.step_out, 3),
-            (self.step_matmul, 4),
-            (self.step_row_scale, 2),
-            (self.step_cache_read, 2),
-        ]
-        functions, weights = zip(*steps)
+        functions, weights = zip(*self.step_table())
         n_steps = rng.randint(2, 7)
-        random_at = rng.randrange(n_steps) if self.family != "plain" else -1
+        random_at = rng.randrange(n_steps) if self.family in RNG_FAMILIES else -1
         self.refusal = None
         if rng.random() < 0.07:
             self.refusal = rng.choice(("host sync", "dynamic scalar passed to torch", "typed view output"))
@@ -846,16 +984,7 @@ class _RegionBuilder:
 
         order = list(range(len(self.slots)))
         rng.shuffle(order)
-        params: list[tuple] = [("slot", i) for i in order]
-        if len(order) >= 3 and rng.random() < 0.25:
-            start = rng.randrange(len(order) - 1)
-            size = rng.randint(2, min(3, len(order) - start))
-            members = order[start : start + size]
-            params = (
-                [("slot", i) for i in order[:start]]
-                + [(rng.choice(("list", "dict")), members)]
-                + [("slot", i) for i in order[start + size :]]
-            )
+        params = self.parameters(order)
         return Region(
             index=self.index,
             name=self.name,
@@ -874,8 +1003,145 @@ class _RegionBuilder:
         )
 
 
+class _PaddedRegionBuilder(_RegionBuilder):
+    """The grammar of the padded family. Every row-shaped argument (the [R, C] ones and a
+    batch-major cache [R, P, C]) is padded along its rows, so every building block must keep
+    row i of each result a function of row i of those arguments (and of the weight and the
+    scalars) alone: anything else differs padded by design, and the fuzzer would blame replay
+    for what the region does.
+
+    Kept: the elementwise jit kernels (axpb, the in-place add, the first-n prefix with n at
+    most the call's own elements), the jit reduction over columns, torch elementwise ops and
+    softmax over columns, in-place and ``out=`` writes (the written arguments are passed with
+    ``written=True``), matmuls against the fixed weight, a row vector broadcast over columns,
+    per-row writes into and reads of the batch-major cache (:func:`copy_rows` at a dynamic
+    slot, torch at a constant one). Left out: the shifted view x[1:] (row i reads row i+1), the
+    Gram matrix x @ x.t() (mixes rows), the [P, R, C] cache (its rows are dim 1: every padded
+    argument here pads dim 0, so the dim outputs are sliced along is unambiguous), random
+    numbers (what a row draws depends on its position in the whole padded tensor), a host sync
+    over the padded rows (it reads row 0 only). Outputs are batch-shaped, their size along dim 0
+    the call's rows, since replay slices exactly those back (a row x[0] or a transpose would be
+    sliced by accident or not at all, as the docs warn)."""
+
+    def slot_value(self, kind: str) -> Value:
+        for value in self.values:
+            if value.kind == kind and value.slot is not None:
+                return value
+        prefix = {"w": "w", "bcache": "c"}[kind]
+        self.add_slot(Slot(f"{prefix}0", kind), kind)
+        return self.values[-1]
+
+    def matmul_forms(self) -> tuple[str, ...]:
+        return ("plain", "plain", "autocast", "autocast_off")
+
+    def step_bcache_write(self) -> bool:
+        src = self.pick()
+        cache = self.slot_value("bcache")
+        if self.rng.random() < 0.6:
+            self.body.append(f"copy_rows({src.name}, {cache.name}, {self.pos_expr()})")
+            self.steps.append("jit per-row write into cache[:, pos] (offset from a dynamic scalar)")
+        else:
+            slot = self.rng.randrange(self.cache_rows)
+            form = self.rng.choice(("{c}[:, {k}].copy_({x})", "{c}[:, {k}] += {x}"))
+            self.body.append(form.format(c=cache.name, k=slot, x=src.name))
+            self.steps.append("torch per-row write into cache[:, k]")
+        self.wrote(cache)
+        return True
+
+    def step_bcache_read(self) -> bool:
+        cache = self.slot_value("bcache")
+        v = self.temp("rc")
+        if self.rng.random() < 0.5:
+            self.body.append(f"{v.name} = {cache.name}.sum(1)")  # over the slots, not the rows
+        else:
+            a = self.pick()
+            self.body.append(f"{v.name} = {cache.name}[:, {self.rng.randrange(self.cache_rows)}] * {a.name}")
+        self.produce(v)
+        self.steps.append("torch reads the cache per row")
+        return True
+
+    def step_refusal(self, kind: str) -> bool:
+        if kind != "host sync":
+            return super().step_refusal(kind)
+        a = self.pick()
+        v = self.temp("rc")
+        self.body.append(f"{v.name} = {a.name} * (2.0 if float({a.name}[0].abs().sum()) > 1e30 else 1.0)")
+        self.produce(v)
+        self.steps.append(f"refused: {kind}")
+        return True
+
+    def step_table(self) -> list[tuple[Callable[[], bool], int]]:
+        return [
+            (self.step_axpb, 5),
+            (self.step_add_scalar, 3),
+            (self.step_bcache_write, 3),
+            (self.step_prefix, 4),
+            (self.step_row_sum, 2),
+            (self.step_binary, 4),
+            (self.step_unary, 3),
+            (self.step_inplace, 3),
+            (self.step_out, 3),
+            (self.step_matmul, 4),
+            (self.step_row_scale, 2),
+            (self.step_bcache_read, 2),
+        ]
+
+    def output_values(self) -> list[Value]:
+        return [v for v in self.values if v.ready and v.kind in ("rc", "r", "bcache")]
+
+    def view_leaf(self) -> OutLeaf:
+        rng = self.rng
+        rc_args = [v for v in self.values if v.kind == "rc" and v.slot is not None]
+        base = rng.choice(rc_args) if rc_args and rng.random() < 0.6 else rng.choice(self.output_values())
+        if base.kind == "bcache":
+            form = rng.choice(("{x}[:, 0]", "{x}[:, 1:]", "{x}.view({x}.shape[0], -1)"))
+        elif base.kind == "r":
+            form = rng.choice(("{x}[:, None]", "{x}.unsqueeze(1)"))
+        else:
+            form = rng.choice(("{x}[:, 1:]", "{x}[:, :-1]", "{x}[:, ::2]", "{x}.view({x}.shape[0], -1, 16)"))
+        return OutLeaf(form.format(x=base.name), "tensor")
+
+    def parameters(self, order: list[int]) -> list[tuple]:
+        """As the base's, but replay.padded may only be a top-level argument: only the other
+        slots (scalars, the weight) are grouped; and from a random parameter on, the call passes
+        them by keyword."""
+        rng = self.rng
+        params: list[tuple] = [("slot", i) for i in order]
+        loose = [i for i in order if self.slots[i].kind not in ("rc", "bcache")]
+        if len(loose) >= 2 and rng.random() < 0.25:
+            members = sorted(rng.sample(loose, rng.randint(2, min(3, len(loose)))), key=order.index)
+            params = [("slot", i) for i in order if i not in members]
+            at = sum(1 for i in order[: order.index(members[0])] if i not in members)
+            params.insert(at, (rng.choice(("list", "dict")), members))
+        self.keyword_from = rng.randrange(len(params)) if rng.random() < 0.3 else None
+        return params
+
+    def build(self) -> Region:
+        self.keyword_from = None
+        region = super().build()
+        rng = self.rng
+        # arguments sharing memory stop sharing it once padded (each gets its own copy): that
+        # changes nothing while the region only reads them, so patterns where it writes one of
+        # them are dropped (the first pattern, all distinct, always stays)
+        region.patterns = [
+            p for p in region.patterns if not any(self.slots[s].written for pair in p.overlapping_pairs() for s in pair)
+        ]
+        region.padded = {
+            i: PadSpec(
+                dim=rng.choice((0, -2 if slot.kind == "rc" else -3)),
+                written=slot.written or rng.random() < 0.15,  # copying back unchanged rows is harmless
+            )
+            for i, slot in enumerate(self.slots)
+            if slot.kind in ("rc", "bcache")
+        }
+        region.keyword_from = self.keyword_from
+        region.reduced_precision = self.reduced_precision
+        return region
+
+
 def generate_region(rng: random.Random, index: int, name: str, family: str) -> Region:
-    return _RegionBuilder(rng, index, name, family).build()
+    builder = _PaddedRegionBuilder if family == PADDED else _RegionBuilder
+    return builder(rng, index, name, family).build()
 
 
 def generate_case(seed: int, *, steps_per_region: int = 200, family: str | None = None) -> Case:
@@ -884,8 +1150,10 @@ def generate_case(seed: int, *, steps_per_region: int = 200, family: str | None 
     rng = random.Random(seed)
     drawn = rng.choices(FAMILIES, weights=(55, 25, 20))[0]
     family = family or drawn
-    if family not in FAMILIES:
-        raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
+    if family not in ALL_FAMILIES:
+        raise ValueError(f"family must be one of {ALL_FAMILIES}, got {family!r}")
+    if family == PADDED:
+        return _generate_padded_case(rng, seed, steps_per_region)
     n_regions = rng.choices((1, 2, 3), weights=(50, 35, 15))[0]
     shapes = sorted({(rng.choice(ROWS), rng.choice(COLS)) for _ in range(rng.choice((2, 3, 4)))})
     policy: dict = {
@@ -904,6 +1172,54 @@ def generate_case(seed: int, *, steps_per_region: int = 200, family: str | None 
     regions = [generate_region(rng, i, f"fz{seed}_r{i}", family) for i in range(n_regions)]
     weights = [1.0] if n_regions == 1 else [1.0] + [3.0] * (n_regions - 1)
     return Case(seed, family, regions, shapes, policy, weights, steps_per_region * n_regions)
+
+
+def _generate_padded_case(rng: random.Random, seed: int, steps_per_region: int) -> Case:
+    """A case of the padded family: a small random list of buckets, calls of 1 to a few rows
+    beyond the largest bucket, one or two column counts; the policy as the other families draw
+    it, but ``verify_every`` (which compares each padded call with an unpadded eager run within
+    torch's default tolerance) only for regions without a matmul, whose other heights may round
+    differently, and without a typed view output (an int32 view of floats that differ in the
+    last bit differs by one, beyond any tolerance for ints)."""
+    n_regions = rng.choices((1, 2, 3), weights=(50, 35, 15))[0]
+    buckets = tuple(sorted(rng.sample(BUCKET_SIZES, rng.choice((1, 2, 3, 3, 4)))))
+    max_rows = buckets[-1] + rng.choice((1, 2, 4))
+    cols = sorted(rng.sample(COLS, rng.choice((1, 2))))
+    policy: dict = {
+        "record_after": rng.choices((0, 1, 2), weights=(25, 60, 15))[0],
+        "clone_outputs": False,
+        "check_stale": False,
+        "buckets": list(buckets),
+    }
+    if rng.random() < 0.15:
+        policy["max_graphs"] = rng.choice((2, 3, 4))
+    if rng.random() < 0.15:
+        policy["clone_outputs"] = True
+    elif rng.random() < 0.12:
+        policy["check_stale"] = True
+    regions = [generate_region(rng, i, f"fz{seed}_r{i}", PADDED) for i in range(n_regions)]
+    exact = not any(r.has_matmul or r.refusal == "typed view output" for r in regions)
+    if exact and rng.random() < 0.25:
+        policy["verify_every"] = rng.choice((2, 3, 5))
+    weights = [1.0] if n_regions == 1 else [1.0] + [3.0] * (n_regions - 1)
+    shapes = [(max_rows, c) for c in cols]
+    return Case(seed, PADDED, regions, shapes, policy, weights, steps_per_region * n_regions, buckets, max_rows)
+
+
+def bucket_for(rows: int, buckets: tuple[int, ...]) -> int:
+    """The rows a call of ``rows`` runs with: the smallest bucket that holds them, or the rows
+    themselves beyond the largest (replay does not pad those)."""
+    return min((b for b in buckets if b >= rows), default=rows)
+
+
+def _padded_shape(rng: random.Random, case: Case) -> tuple[int, int]:
+    """A call's shape in the padded family: rows up to the largest bucket mostly, beyond it one
+    call in five (those run unpadded, each on its own key)."""
+    cols = rng.choice(case.shapes)[1]
+    top = case.buckets[-1]
+    if case.max_rows > top and rng.random() < 0.2:
+        return rng.randint(top + 1, case.max_rows), cols
+    return rng.randint(1, top), cols
 
 
 # --------------------------------------------------------------------------------------------
@@ -934,6 +1250,11 @@ class Call:
     hold: int | None  # keep this call's outputs as held entry number ...
     checks: tuple[int, ...]  # held entries to compare after this call
     sig: tuple
+    # the padded family: slot -> the fill of its added rows, the rows the call runs with, and
+    # how: "padded", "exact bucket" (no copy) or "beyond the buckets" (unpadded, its own key)
+    fills: dict[int, object] | None = None
+    bucket: int | None = None
+    padding: str | None = None
 
     def describe(self, case: Case) -> str:
         region = case.regions[self.region]
@@ -946,8 +1267,12 @@ class Call:
             + (" (feedback: the same region and key)" if f.feedback else "")
             for i, f in sorted(self.feeds.items())
         )
+        padding = ""
+        if self.fills is not None:
+            fills = ", ".join(f"{region.slots[i].name}={v!r}" for i, v in sorted(self.fills.items()))
+            padding = f"rows {self.shape[0]} -> {self.bucket} ({self.padding}; fills {fills}), "
         return (
-            f"call {self.index}: region {self.region}, shape {self.shape}, "
+            f"call {self.index}: region {self.region}, shape {self.shape}, {padding}"
             f"aliasing: {region.patterns[self.pattern].describe(region.slots)}, mode {self.mode}, "
             f"scalars: {scalars or 'none'}, poison {self.poison!r}, feeds: {feeds or 'none'}, "
             f"holds #{self.hold}, checks held {list(self.checks)}, data seed {self.data_seed}, "
@@ -982,7 +1307,9 @@ def plan_calls(case: Case, *, feedback: bool = True) -> list[Call]:
     whether it holds its outputs, and which held outputs to check after it. Held outputs of a
     region are dropped when that region is called again with the same shape, mode, static
     scalars and overlap pattern (the same graph: it overwrites them, as documented), unless
-    the session clones outputs."""
+    the session clones outputs. In the padded family the graph is the bucket's: a call of 3
+    rows and one of 4 share the graph of bucket 4, so the bucket stands for the rows there (and
+    the overlap pattern is left out, which only drops more held outputs than needed)."""
     rng = random.Random(case.seed * 7919 + 17)
     live: collections.OrderedDict[int, dict] = collections.OrderedDict()
     next_held = 0
@@ -991,7 +1318,7 @@ def plan_calls(case: Case, *, feedback: bool = True) -> list[Call]:
     for index in range(case.steps):
         r = rng.choices(range(len(case.regions)), weights=case.weights)[0]
         region = case.regions[r]
-        shape = rng.choice(case.shapes)
+        shape = _padded_shape(rng, case) if case.buckets else rng.choice(case.shapes)
         p = rng.randrange(len(region.patterns))
         pattern = region.patterns[p]
         mode = region.modes[0] if rng.random() < 0.6 else rng.choice(region.modes)
@@ -999,7 +1326,18 @@ def plan_calls(case: Case, *, feedback: bool = True) -> list[Call]:
             i: _scalar_value(rng, s, shape, region.cache_rows) for i, s in enumerate(region.slots) if not s.is_tensor
         }
         statics = tuple(sorted((i, v) for i, v in scalars.items() if region.slots[i].kind == "static_float"))
-        sig = (r, shape, mode, statics, pattern.overlapping_pairs(shape[0]))
+        fills, bucket, padding = None, None, None
+        if case.buckets:
+            values, weights = zip(*FILLS)
+            fills = {i: rng.choices(values, weights=weights)[0] for i in sorted(region.padded)}
+            bucket = bucket_for(shape[0], case.buckets)
+            if bucket > shape[0]:
+                padding = "padded"
+            else:
+                padding = "exact bucket" if bucket in case.buckets else "beyond the buckets"
+            sig = (r, (bucket, shape[1]), mode, statics, ())
+        else:
+            sig = (r, shape, mode, statics, pattern.overlapping_pairs(shape[0]))
         feeds: dict[int, Feed] = {}
         if feeding:
             used: set[tuple[int, str]] = set()
@@ -1058,6 +1396,9 @@ def plan_calls(case: Case, *, feedback: bool = True) -> list[Call]:
                 hold=hold,
                 checks=checks,
                 sig=sig,
+                fills=fills,
+                bucket=bucket,
+                padding=padding,
             )
         )
     return calls
@@ -1087,6 +1428,74 @@ def build_function(region: Region, launchers: dict[str, Callable] | None = None,
     return namespace[region.name]
 
 
+def padded_reference(fn: Callable, args: tuple | list, kwargs: dict, buckets: list[int] | tuple[int, ...]) -> object:
+    """The eager run of a padded call, the padded family's bit-for-bit reference: every
+    ``replay.padded(x, dim, fill, written)`` argument is filled up along ``dim`` to the smallest
+    bucket that holds its rows (a new tensor, the added rows ``fill``; beyond the largest bucket,
+    or at a bucket's exact size, ``x`` itself), ``fn`` runs eagerly, the rows of every ``written``
+    argument are copied back, and every tensor of the result whose size along ``dim`` is the
+    bucket is narrowed to the call's rows (a view, as replay returns it).
+
+    Why not compare with the unpadded run bit for bit: a matmul of another height may round
+    differently (another kernel); the replay of a padded call must equal *this* exactly. Written
+    here from the documented semantics rather than with replay.buckets, so that a mistake there
+    is not mirrored in the reference. Every padded argument must pad the same dim (the fuzzer
+    only pads rows): with several dims, which one outputs are sliced along is not specified."""
+    marks = [a for a in (*args, *kwargs.values()) if isinstance(a, replay.Padded)]
+    if not marks:
+        return fn(*args, **kwargs)
+    dims = {m.dim % m.tensor.dim() for m in marks}
+    if len(dims) != 1:
+        raise ValueError(f"padded_reference: every padded argument must pad one dim, got dims {sorted(dims)}")
+    dim = dims.pop()
+    sizes = {m.tensor.shape[dim] for m in marks}
+    if len(sizes) != 1:
+        raise ValueError(f"padded_reference: padded arguments of different sizes {sorted(sizes)}")
+    rows = sizes.pop()
+    bucket = min((b for b in buckets if b >= rows), default=rows)
+    grown: list[tuple[replay.Padded, torch.Tensor]] = []
+
+    def pad(value: object) -> object:
+        if not isinstance(value, replay.Padded):
+            return value
+        if bucket == rows:
+            return value.tensor
+        shape = list(value.tensor.shape)
+        shape[dim] = bucket
+        tensor = torch.full(shape, value.fill, dtype=value.tensor.dtype, device=value.tensor.device)
+        tensor.narrow(dim, 0, rows).copy_(value.tensor)
+        grown.append((value, tensor))
+        return tensor
+
+    result = fn(*[pad(a) for a in args], **{k: pad(v) for k, v in kwargs.items()})
+    if bucket == rows:
+        return result
+    for mark, tensor in grown:
+        if mark.written:
+            mark.tensor.copy_(tensor.narrow(dim, 0, rows))
+    return _slice_rows(result, dim, bucket, rows)
+
+
+def _slice_rows(value: object, dim: int, bucket: int, rows: int) -> object:
+    """``value`` with every tensor whose size along ``dim`` is ``bucket`` narrowed to ``rows``,
+    through tuples, named tuples, lists, dicts and dataclasses (rebuilt, as replay rebuilds
+    them)."""
+    if isinstance(value, torch.Tensor):
+        return value.narrow(dim, 0, rows) if value.dim() > dim and value.shape[dim] == bucket else value
+    if isinstance(value, tuple) and hasattr(type(value), "_fields"):
+        return type(value)(*(_slice_rows(v, dim, bucket, rows) for v in value))
+    if isinstance(value, tuple):
+        return tuple(_slice_rows(v, dim, bucket, rows) for v in value)
+    if isinstance(value, list):
+        return [_slice_rows(v, dim, bucket, rows) for v in value]
+    if isinstance(value, dict):
+        return {k: _slice_rows(v, dim, bucket, rows) for k, v in value.items()}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = {f.name: _slice_rows(getattr(value, f.name), dim, bucket, rows) for f in dataclasses.fields(value)}
+        return dataclasses.replace(value, **fields)
+    return value
+
+
 def base_shapes(region: Region, pattern: Pattern, shape: tuple[int, int]) -> list[tuple[str, tuple, str]]:
     """(label, shape, fill) of every buffer a call allocates: one per aliasing group of rc
     arguments, then the w and cache arguments. fill: randn | poison | w."""
@@ -1110,6 +1519,8 @@ def base_shapes(region: Region, pattern: Pattern, shape: tuple[int, int]) -> lis
             out.append((slot.name, (cols, cols), "w"))
         elif slot.kind == "cache":
             out.append((slot.name, (region.cache_rows, rows, cols), "randn"))
+        elif slot.kind == "bcache":
+            out.append((slot.name, (rows, region.cache_rows, cols), "randn"))
     return out
 
 
@@ -1179,6 +1590,7 @@ class CaseResult:
     held_checks: int = 0
     stats: dict = dataclasses.field(default_factory=dict)
     seconds: float = 0.0
+    padding: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # padded family
 
     def line(self) -> str:
         s = self.stats
@@ -1189,7 +1601,9 @@ class CaseResult:
             f"replays={s.get('replays', '?')} eager={s.get('eager_runs', '?')} records={s.get('records', '?')} "
             f"declined={s.get('declined', '?')} eager_only_keys={s.get('eager_only_keys', '?')} "
             f"fallbacks={fallbacks} feeds={self.feeds} held_checks={self.held_checks} "
-            f"{self.seconds:.1f}s {status}" + (f" reasons={dict(self.fallbacks)}" if fallbacks else "")
+            f"{self.seconds:.1f}s {status}"
+            + (f" padding={dict(self.padding)}" if self.padding else "")
+            + (f" reasons={dict(self.fallbacks)}" if fallbacks else "")
         )
 
 
@@ -1306,8 +1720,12 @@ class EagerSession:
         return None
 
     def region(self, fn: Callable) -> Callable:
-        def call(*args):
-            return fn(*(_plain(a) for a in args))
+        buckets = self.policy.get("buckets") or ()
+
+        def call(*args, **kwargs):
+            args = [_plain(a) for a in args]
+            kwargs = {k: _plain(v) for k, v in kwargs.items()}
+            return padded_reference(fn, args, kwargs, buckets)  # fn(*args, **kwargs) unless padded
 
         return call
 
@@ -1349,6 +1767,37 @@ def torch_mode(mode: str, device: str):
 
 class _Stop(Exception):
     pass
+
+
+def _padded_call(fn: Callable, buckets: tuple[int, ...], *args, **kwargs) -> object:
+    return padded_reference(fn, args, kwargs, buckets)
+
+
+def unpadded_tolerance(region: Region, mode: str) -> dict:
+    """assert_close's tolerance between a padded call and the unpadded eager run: torch's
+    default for float32 where the region has no matmul (its row-wise ops give each row the same
+    result whatever the height, up to a last bit where a reduction or a vectorized loop splits
+    otherwise); 1e-4 with a float32 matmul (a kernel for another height may sum in another
+    order); 0.1 with a matmul in bfloat16 or TF32 (summed in another order, a bfloat16 result
+    may round to its neighbour, 0.4% off, which a softmax or a product downstream amplifies;
+    TF32 is closer, but the mode is per call, not per matmul). A padding
+    mistake (a fill leaking into a call's row, a row lost, a write not copied back) is off by
+    far more; the bit-for-bit comparison with the padded reference stays exact in every case."""
+    if not region.has_matmul:
+        return {}
+    if region.reduced_precision or mode in ("autocast", "tf32"):
+        return {"rtol": 0.1, "atol": 0.1}
+    return {"rtol": 1e-4, "atol": 1e-4}
+
+
+def _comparable(t: torch.Tensor) -> torch.Tensor:
+    """A plain float tensor for assert_close: an int32 view of floats (the typed view output)
+    compared as the floats it holds (a last-bit difference of the float is no tolerance away
+    as an int)."""
+    t = t.as_subclass(torch.Tensor) if type(t) is not torch.Tensor else t
+    if not t.dtype.is_floating_point and not t.dtype.is_complex and t.element_size() == 4:
+        t = t.view(torch.float32)
+    return t
 
 
 class Harness:
@@ -1400,9 +1849,11 @@ class Harness:
             buffers.append(t)
         return buffers
 
-    def build_args(self, case: Case, call: Call, buffers: list, fed: dict, dynamic: bool):
+    def build_args(self, case: Case, call: Call, buffers: list, fed: dict, dynamic: bool, padded: bool = False):
         """The call's arguments built on ``buffers`` (fed slots take the held tensors), and the
-        (label, tensor, compare) list of everything the region may have written."""
+        (label, tensor, compare) list of everything the region may have written. ``padded``: the
+        padded family's arguments wrapped in ``replay.padded`` (for the session and for
+        :func:`padded_reference`; the unpadded run takes them plain)."""
         region = case.regions[call.region]
         pattern = region.patterns[call.pattern]
         values: dict[int, object] = {}
@@ -1426,13 +1877,16 @@ class Harness:
                 values[slot] = view
             after.append((label, base, True))
         for i, slot in enumerate(region.slots):
-            if slot.kind in ("w", "cache"):
+            if slot.kind in ("w", "cache", "bcache"):
                 values[i] = buffers[position]
                 after.append((slot.name, buffers[position], True))
                 position += 1
             elif not slot.is_tensor:
                 value = call.scalars[i]
                 values[i] = replay.dynamic(value) if dynamic and slot.is_dynamic else value
+        if padded and call.fills is not None:
+            for i, spec in region.padded.items():
+                values[i] = replay.padded(values[i], spec.dim, call.fills[i], written=spec.written)
         args = []
         for entry in region.params:
             if entry[0] == "slot":
@@ -1462,7 +1916,7 @@ class Harness:
         return fed
 
     # --- running ---------------------------------------------------------------------------
-    def _run(self, fn: Callable, args: list, call: Call, reseed: bool) -> Outcome:
+    def _run(self, fn: Callable, args: list, call: Call, reseed: bool, kwargs: dict | None = None) -> Outcome:
         outcome = Outcome()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -1470,7 +1924,7 @@ class Harness:
                 if reseed:
                     torch.manual_seed(call.torch_seed)
                 try:
-                    outcome.result = fn(*args)
+                    outcome.result = fn(*args, **(kwargs or {}))
                 except Exception as error:
                     outcome.error = error
         outcome.warnings = list(caught)
@@ -1481,8 +1935,9 @@ class Harness:
     def _eager(self, case: Case, call: Call, fn: Callable, state: dict, buffers: list, reseed: bool) -> Outcome:
         fed = self._fed(case, call, state["eager_held"])
         state["fed"][call.index] = set(fed)
-        args, after = self.build_args(case, call, buffers, fed, dynamic=False)
-        outcome = self._run(fn, args, call, reseed)
+        args, after = self.build_args(case, call, buffers, fed, dynamic=False, padded=True)
+        args, kwargs = case.regions[call.region].split_arguments(args)
+        outcome = self._run(fn, args, call, reseed, kwargs)
         outcome.buffers = after
         if call.hold is not None and outcome.error is None:
             state["eager_held"][call.hold] = list(outcome.leaves)
@@ -1493,10 +1948,63 @@ class Harness:
         fed = {s: t for s, t in self._fed(case, call, state["replay_held"]).items() if s in allowed}
         if set(fed) != allowed:
             return None, "a held output the eager run took as an input is missing from the replay run"
-        args, after = self.build_args(case, call, buffers, fed, dynamic=True)
-        outcome = self._run(region_fn, args, call, reseed)
+        args, after = self.build_args(case, call, buffers, fed, dynamic=True, padded=True)
+        args, kwargs = case.regions[call.region].split_arguments(args)
+        outcome = self._run(region_fn, args, call, reseed, kwargs)
         outcome.buffers = after
         return outcome, None
+
+    def _unpadded(self, case: Case, call: Call, fn: Callable, state: dict, buffers: list) -> Outcome:
+        """The padded family's second reference: the same call eagerly without padding (the
+        held outputs the padded reference took as inputs, the same buffers' values)."""
+        allowed = state["fed"][call.index]
+        fed = {s: t for s, t in self._fed(case, call, state["eager_held"]).items() if s in allowed}
+        args, after = self.build_args(case, call, buffers, fed, dynamic=False)
+        args, kwargs = case.regions[call.region].split_arguments(args)
+        outcome = self._run(fn, args, call, True, kwargs)
+        outcome.buffers = after
+        return outcome
+
+    def _compare_unpadded(self, case: Case, call: Call, plain: Outcome, got: Outcome) -> str | None:
+        """None, or how the padded replay differs from the unpadded eager run beyond
+        :func:`unpadded_tolerance` (structure, shapes, dtypes and scalars exactly). Errors are
+        left to the bit-for-bit comparison, except the unpadded run raising alone."""
+        if got.error is not None:
+            return None
+        if plain.error is not None:
+            return (
+                f"the unpadded eager run raised {type(plain.error).__name__}: {plain.error}; the padded ones returned"
+            )
+        if plain.structure != got.structure:
+            return f"result structure differs: unpadded {plain.structure!r}, padded replay {got.structure!r}"
+        region = case.regions[call.region]
+        pending = []
+        for number, (e, g) in enumerate(zip(plain.leaves, got.leaves)):
+            label = f"output leaf {number}"
+            if len(region.outputs) == len(plain.leaves):
+                label += f" ({region.outputs[number].expr})"
+            if isinstance(e, torch.Tensor) != isinstance(g, torch.Tensor):
+                return f"{label}: unpadded {type(e).__name__}, padded replay {type(g).__name__}"
+            if not isinstance(e, torch.Tensor):
+                if not _same_scalar(e, g):
+                    return f"{label}: unpadded {e!r}, padded replay {g!r}"
+                continue
+            if e.dtype != g.dtype or e.shape != g.shape:
+                return f"{label}: unpadded {e.dtype} {tuple(e.shape)}, padded replay {g.dtype} {tuple(g.shape)}"
+            pending.append((label, e, g))
+        for (label, e, compare), (_, g, _) in zip(plain.buffers, got.buffers):
+            if compare:
+                pending.append((f"input {label} after the call", e, g))
+        tolerance = unpadded_tolerance(region, call.mode)
+        for label, e, g in pending:
+            try:
+                torch.testing.assert_close(
+                    _comparable(g), _comparable(e), equal_nan=True, check_stride=False, **tolerance
+                )
+            except AssertionError as error:
+                detail = " ".join(line.strip() for line in str(error).splitlines()[:4])
+                return f"{label}: {detail} (tolerance {tolerance or 'torch default'})"
+        return None
 
     def _compare(self, case: Case, call: Call, expected: Outcome, got: Outcome, state: dict, result: CaseResult):
         """None, or what differs."""
@@ -1587,6 +2095,7 @@ class Harness:
         if calls is not None:
             plan = plan[:calls]
         fns = [build_function(r, self.launchers, self.device) for r in case.regions]
+        references = [functools.partial(_padded_call, fn, case.buckets) for fn in fns]
         result = CaseResult(case.seed, case.family, len(case.regions), len(plan))
         state = {"eager_held": {}, "replay_held": {}, "fed": {}, "held_at": {}}
         started = time.perf_counter()
@@ -1601,6 +2110,15 @@ class Harness:
             )
             raise _Stop
 
+        def count_padding(call: Call) -> None:
+            result.padding[call.padding] += 1
+            if call.padding == "padded":
+                specs = case.regions[call.region].padded
+                if any(spec.written for spec in specs.values()):
+                    result.padding["written copied back"] += 1
+                if any(not fill == 0 for fill in call.fills.values()):  # NaN too
+                    result.padding["fill not 0"] += 1
+
         def account(call: Call, got: Outcome) -> None:
             result.calls += 1
             result.feeds += len(call.feeds)
@@ -1610,7 +2128,7 @@ class Harness:
                 else:
                     result.other_warnings[f"{w.category.__name__}: {str(w.message)[:80]}"] += 1
 
-        def replay_and_check(call: Call, expected: Outcome, buffers: list, reseed: bool) -> None:
+        def replay_and_check(call: Call, expected: Outcome, buffers: list, reseed: bool, plain=None) -> None:
             got, problem = self._replay(case, call, regions[call.region], state, buffers, reseed)
             if problem:
                 fail(call, problem)
@@ -1618,6 +2136,14 @@ class Harness:
             what = self._compare(case, call, expected, got, state, result)
             if what:
                 fail(call, what)
+            if plain is not None:
+                what = self._compare_unpadded(case, call, plain, got)
+                if what:
+                    fail(
+                        call,
+                        f"the padded replay differs from the UNPADDED eager run (padding changed the result):\n{what}",
+                    )
+                count_padding(call)
             if call.hold is not None and got.error is None and call.hold in state["eager_held"]:
                 state["replay_held"][call.hold] = list(got.leaves)
                 state["held_at"][call.hold] = call.index
@@ -1637,6 +2163,15 @@ class Harness:
                     self._set_rng(start)
                     for call, outcome in zip(plan, expected):
                         replay_and_check(call, outcome, self.make_buffers(case, call), False)
+                elif case.buckets:
+                    # the reference is the eager run of the same padded call (bit for bit), and
+                    # the unpadded eager run too (within a tolerance); no random numbers here
+                    for call in plan:
+                        buffers = self.make_buffers(case, call)
+                        padded_copies, plain_copies = [b.clone() for b in buffers], [b.clone() for b in buffers]
+                        outcome = self._eager(case, call, references[call.region], state, padded_copies, True)
+                        plain = self._unpadded(case, call, fns[call.region], state, plain_copies)
+                        replay_and_check(call, outcome, buffers, True, plain)
                 else:
                     reseed = True  # torch.manual_seed(s) right before each of the two runs
                     for call in plan:
@@ -1684,6 +2219,7 @@ class RunSummary:
     feeds: int = 0
     held_checks: int = 0
     seconds: float = 0.0
+    padding: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # padded family
 
     def add(self, case: Case, result: CaseResult) -> None:
         self.seed_end = case.seed
@@ -1697,6 +2233,7 @@ class RunSummary:
         self.stats.update(result.stats)
         self.feeds += result.feeds
         self.held_checks += result.held_checks
+        self.padding.update(result.padding)
         if result.mismatch is not None:
             self.mismatches.append(result.mismatch)
 
@@ -1708,6 +2245,7 @@ class RunSummary:
             f"{self.regions} regions, {len(self.mismatches)} mismatches, {sum(self.fallbacks.values())} fallbacks "
             f"({len(self.fallbacks)} reasons), replays {replays}/{calls} calls, {self.feeds} fed inputs, "
             f"{self.held_checks} held-output checks, {self.seconds:.1f} s"
+            + (f", padding {dict(self.padding)}" if self.padding else "")
         )
 
     def as_dict(self) -> dict:
@@ -1726,6 +2264,7 @@ class RunSummary:
             "fed_inputs": self.feeds,
             "held_output_checks": self.held_checks,
             "seconds": round(self.seconds, 2),
+            **({"padding": dict(self.padding)} if self.padding else {}),
         }
 
 
@@ -1745,7 +2284,8 @@ def run(
 ) -> RunSummary:
     """Cases of seeds seed_start, seed_start+1, ... until ``steps`` calls, ``min_regions``
     regions or ``cases`` cases are done (whichever is given and reached first), or
-    ``max_seconds`` passed. ``cycle_families`` gives case i the family FAMILIES[i % 3]."""
+    ``max_seconds`` passed. ``cycle_families`` gives case i the family FAMILIES[i % 3]; the
+    padded family runs only when ``family=PADDED``."""
     summary = RunSummary(seed_start)
     started = time.perf_counter()
     seed = seed_start

@@ -12,6 +12,12 @@ after every case (so a run cut short still leaves its numbers), prints one line 
 
 Several processes with disjoint seed ranges can run side by side (one per GPU with
 CUDA_VISIBLE_DEVICES); add their "steps" and "mismatches".
+
+Bucketing (``replay.padded`` arguments, ``capture(buckets=...)``) is the ``padded`` family. It
+runs only when asked for, so the seeds of a run without --family keep drawing the three other
+families as before; give it a process (and seed range) of its own:
+
+    python -m tests.replay.fuzz_long --family padded --steps 100000 --seed-start 500000 --out fuzz-padded.json
 """
 
 from __future__ import annotations
@@ -34,7 +40,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed-start", type=int, default=0, help="the first case seed")
     parser.add_argument("--cases", type=int, default=None, help="stop after this many cases")
     parser.add_argument("--steps-per-region", type=int, default=200, help="calls per region of a case")
-    parser.add_argument("--family", choices=fz.FAMILIES, default=None, help="force one family")
+    parser.add_argument(
+        "--family",
+        choices=fz.ALL_FAMILIES,
+        default=None,
+        help=f"force one family (default: drawn per case from {', '.join(fz.FAMILIES)}; {fz.PADDED} only when forced)",
+    )
     parser.add_argument("--max-seconds", type=float, default=None, help="start no case after this")
     parser.add_argument("--out", default=None, help="write the results here (JSON)")
     parser.add_argument("--no-feedback", action="store_true", help="never pass an output back to its own graph")

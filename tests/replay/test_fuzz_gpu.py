@@ -8,13 +8,24 @@ GPU (marked ``gpu``, skipped without one):
   ``REPLAY_FUZZ_FEEDBACK=0`` stops passing an output back into its own graph (``h = step(h)``);
 - ``test_fuzz_harness_finds_nothing_comparing_eager_with_eager``: the same harness with an eager
   stand-in for the session, on the GPU: the kernels and torch ops of the grammar are
-  deterministic, so a failure of ``test_fuzz_regions`` is replay's.
+  deterministic, so a failure of ``test_fuzz_regions`` is replay's;
+- ``test_fuzz_padded_regions``: the padded family (bucketing: ``capture(buckets=...)``,
+  ``replay.padded`` arguments, calls of varying rows, some beyond the largest bucket, written
+  arguments, fills other than 0), at least ``REPLAY_FUZZ_PADDED_REGIONS`` (default 12) regions x
+  ``REPLAY_FUZZ_STEPS`` calls, each compared bit for bit with the eager run of the same padded
+  call and within a tolerance with the unpadded one;
+- ``test_fuzz_padded_harness_finds_nothing_comparing_eager_with_eager``: the padded family's
+  harness with the eager stand-in: on the GPU's kernels (cuBLAS picks another kernel for another
+  height) the grammar's regions stay row-independent within the unpadded check's tolerance, so
+  a failure of ``test_fuzz_padded_regions`` is replay's.
 
 CPU: the grammar is deterministic per seed and describes every region; the harness finds nothing
 when "replay" is eager and catches deliberately broken replays (a baked dynamic scalar, repeated
 random numbers, output buffers shared across calls, aliasing dropped).
 
-The long run: ``python -m tests.replay.fuzz_long --steps 100000 --seed-start N --out FILE.json``.
+The long run: ``python -m tests.replay.fuzz_long --steps 100000 --seed-start N --out FILE.json``
+(add ``--family padded`` for bucketing). The padded family's CPU tests are in
+tests/replay/test_fuzz_padded.py.
 """
 
 from __future__ import annotations
@@ -76,6 +87,46 @@ def test_fuzz_harness_finds_nothing_comparing_eager_with_eager():
     seed = int(os.environ.get("REPLAY_FUZZ_SEED", DEFAULT_SEED))
     summary = fz.run(harness, seed_start=seed, cases=6, steps_per_region=40, cycle_families=True)
     assert not summary.mismatches, _summary_text(summary, seed)
+
+
+@pytest.mark.gpu
+def test_fuzz_padded_regions():
+    seed = int(os.environ.get("REPLAY_FUZZ_SEED", DEFAULT_SEED))
+    regions = int(os.environ.get("REPLAY_FUZZ_PADDED_REGIONS", 12))
+    steps = int(os.environ.get("REPLAY_FUZZ_STEPS", 200))
+    feedback = os.environ.get("REPLAY_FUZZ_FEEDBACK", "1").strip() not in ("", "0")
+    print(f"replay fuzz, padded: REPLAY_FUZZ_SEED={seed}, {regions} regions x {steps} calls, feedback {feedback}")
+    harness = fz.Harness(feedback=feedback, log=print)
+    summary = fz.run(
+        harness,
+        seed_start=seed,
+        min_regions=regions,
+        steps_per_region=steps,
+        family=fz.PADDED,
+        stop_on_mismatch=True,
+    )
+    print(summary.line())
+    if summary.fallbacks:
+        print("fallbacks (ReplayWarning, eager) by reason:")
+        for reason, count in summary.fallbacks.most_common():
+            print(f"  {count:5d}  {reason}")
+    assert not summary.mismatches, _summary_text(summary, seed)
+    assert summary.regions >= regions and summary.steps >= regions * steps
+    # every way a padded call can go happened: padded, exactly a bucket, beyond the largest
+    # bucket (unpadded), a written argument copied back, a fill other than 0
+    for what in ("padded", "exact bucket", "beyond the buckets", "written copied back", "fill not 0"):
+        assert summary.padding[what] > 0, (what, dict(summary.padding))
+    calls, replays = summary.stats.get("calls", 0), summary.stats.get("replays", 0)
+    assert replays >= 0.2 * calls, f"only {replays} of {calls} calls were replayed\n{_summary_text(summary, seed)}"
+
+
+@pytest.mark.gpu
+def test_fuzz_padded_harness_finds_nothing_comparing_eager_with_eager():
+    harness = fz.Harness(session_factory=fz.EagerSession)
+    seed = int(os.environ.get("REPLAY_FUZZ_SEED", DEFAULT_SEED))
+    summary = fz.run(harness, seed_start=seed, cases=12, steps_per_region=40, family=fz.PADDED)
+    assert not summary.mismatches, _summary_text(summary, seed)
+    assert summary.padding["padded"] > 0
 
 
 # --- CPU: the grammar and the harness itself ---------------------------------------------------
