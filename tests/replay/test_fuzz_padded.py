@@ -266,28 +266,15 @@ def test_the_unpadded_comparison_catches_a_region_whose_rows_are_not_independent
     assert caught == 4
 
 
-def _without_verify(**policy):
-    """replay.capture without verify_every, which crashes padded calls with dynamic scalars (the
-    xfail test below); once replay is fixed, pass replay.capture itself."""
-    policy.pop("verify_every", None)
-    return replay.capture(**policy)
-
-
 def test_a_real_session_pads_like_the_reference_on_the_cpu():
     """The real session, eager for want of a GPU, but through replay.buckets' padding, copying
-    back and slicing: the fuzzer's CPU check of replay's own padding path."""
-    summary = _cpu_run(_without_verify, cases=16)
+    back, slicing and verification: the fuzzer's CPU check of replay's own padding path."""
+    summary = _cpu_run(replay.capture, cases=16)
     assert not summary.mismatches, summary.mismatches[0].report()
     assert all(reason.startswith("no CUDA GPU") for reason in summary.fallbacks), summary.fallbacks
     assert summary.padding["padded"] > 0 and summary.padding["written copied back"] > 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="replay bug: with verify_every, buckets.verify() calls the region function with the "
-    "replay.dynamic arguments as they are (not their values): TypeError in the region",
-)
 def test_a_real_session_verifies_padded_calls_with_dynamic_scalars():
     case = fz.generate_case(9, steps_per_region=30, family=fz.PADDED)
     assert case.policy.get("verify_every") and any(s.is_dynamic for r in case.regions for s in r.slots)
