@@ -143,6 +143,22 @@ HIP_TYPE_NAMES = {
     "float8_e5m2fnuz": "__hip_fp8_e5m2_fnuz",
 }
 
+# Fixed-width integer typedefs, the start of every vendor prelude (kernels compile without the
+# C library's headers). hiprtc compiles with -nogpuinc and its builtin header
+# (hiprtc_runtime.h, built from hip_runtime.h with __HIPCC_RTC__) already declares uint32_t,
+# uint64_t, int32_t and int64_t as unsigned int, unsigned long long, signed int and signed long
+# long: C++ accepts a typedef redeclared to the same type, so each line below must name exactly
+# those types.
+INTEGER_TYPEDEFS = """\
+#ifndef JITCORE_STDINT
+#define JITCORE_STDINT
+typedef signed char int8_t; typedef unsigned char uint8_t;
+typedef short int16_t; typedef unsigned short uint16_t;
+typedef int int32_t; typedef unsigned int uint32_t;
+typedef long long int64_t; typedef unsigned long long uint64_t;
+#endif
+"""
+
 _QUALIFIERS = re.compile(r"\b(const|volatile|__restrict__|__restrict|restrict|struct|__grid_constant__)\b")
 
 

@@ -11,17 +11,11 @@ import ctypes
 import threading
 from collections.abc import Sequence
 
-from jitcore.backends.abi import CUDA_TYPE_NAMES, PackedParams, ParamLayout
-from jitcore.backends.base import (
-    Backend,
-    CompiledBinary,
-    DeviceLimits,
-    GraphNode,
-    LoadedFunction,
-    NodeUpdater,
-)
+from jitcore.backends.abi import CUDA_TYPE_NAMES, INTEGER_TYPEDEFS, PackedParams, ParamLayout
+from jitcore.backends.base import Backend, CompiledBinary, DeviceLimits, GraphNode, LoadedFunction, NodeUpdater
+from jitcore.backends.vendor import RuntimeCompiler, StatusCheck
 from jitcore.dtypes import DType
-from jitcore.errors import BackendUnavailableError, CompileError, DriverError
+from jitcore.errors import BackendUnavailableError, DriverError
 
 try:
     from cuda.bindings import driver, nvrtc
@@ -31,43 +25,24 @@ except ImportError as exc:  # pragma: no cover - exercised by the backend-select
     ) from exc
 
 
-_INTEGER_TYPEDEFS = """\
-#ifndef JITCORE_STDINT
-#define JITCORE_STDINT
-typedef signed char int8_t; typedef unsigned char uint8_t;
-typedef short int16_t; typedef unsigned short uint16_t;
-typedef int int32_t; typedef unsigned int uint32_t;
-typedef long long int64_t; typedef unsigned long long uint64_t;
-#endif
-"""
+def _error_string(status: object) -> str:
+    err, text = driver.cuGetErrorString(status)
+    if int(err) or not text:
+        return ""
+    return text.decode() if isinstance(text, bytes) else str(text)
 
 
-def _result_name(code: object) -> str:
-    try:
-        return driver.CUresult(int(code)).name
-    except ValueError:
-        return f"CUresult {int(code)}"
+#: Unpacks a driver call's result tuple, raising DriverError on a non-success status.
+_check = StatusCheck(driver.CUresult, _error_string)
 
 
-def _check(result: tuple, call: str) -> object:
-    """Unpack a cuda-bindings result tuple, raising DriverError on a non-success status."""
-    status = result[0]
-    if int(status):
-        detail = ""
-        err, text = driver.cuGetErrorString(status)
-        if not int(err) and text:
-            detail = text.decode() if isinstance(text, bytes) else str(text)
-        raise DriverError(call, int(status), _result_name(status), detail)
-    if len(result) == 1:
-        return None
-    return result[1] if len(result) == 2 else result[1:]
+class _Nvrtc(RuntimeCompiler):
+    prefix = "nvrtc"
+    title = "NVRTC"
+    arch_option = "--gpu-architecture"
 
-
-def _nvrtc_check(result: tuple, call: str) -> object:
-    status = result[0]
-    if int(status):
-        raise DriverError(call, int(status), nvrtc.nvrtcResult(int(status)).name)
-    return None if len(result) == 1 else (result[1] if len(result) == 2 else result[1:])
+    def code_kind(self, arch: str) -> str:
+        return "CUBIN" if arch.startswith("sm_") else "PTX"  # compute_XX: PTX for the driver to JIT
 
 
 def _device_attribute(device: object, name: str) -> int:
@@ -81,7 +56,7 @@ def _function_attribute(function: object, name: str) -> int:
 
 
 def _launch_failed(status: object, label: str) -> None:
-    raise DriverError(f"cuLaunchKernel({label})", int(status), _result_name(status))
+    raise _check.error(f"cuLaunchKernel({label})", status, with_detail=False)
 
 
 def _header_include_dir() -> str | None:
@@ -153,7 +128,7 @@ class CudaBackend(Backend):
         self._contexts: dict[int, object] = {}
         self._limits: dict[int, DeviceLimits] = {}
         self._streams: dict[int, object] = {}
-        self._include_dir = _header_include_dir()
+        self._compiler = _Nvrtc(nvrtc, StatusCheck(nvrtc.nvrtcResult), _header_include_dir())
         self.raw_launch = driver.cuLaunchKernel
         self.hot_namespace = {
             "_cuLaunchKernel": driver.cuLaunchKernel,
@@ -216,12 +191,11 @@ class CudaBackend(Backend):
         return stream
 
     def _graph_launch_failed(self, status: object) -> None:
-        raise DriverError("cuGraphLaunch", int(status), _result_name(status))
+        raise _check.error("cuGraphLaunch", status, with_detail=False)
 
     # --- compilation ---------------------------------------------------------------------
     def compiler_version(self) -> str:
-        major, minor = _nvrtc_check(nvrtc.nvrtcVersion(), "nvrtcVersion")
-        return f"nvrtc-{major}.{minor}"
+        return self._compiler.version()
 
     def device_arch(self, device: int) -> str:
         self._ensure_init()
@@ -238,7 +212,7 @@ class CudaBackend(Backend):
 
     def prelude(self, source: str, type_names: Sequence[str]) -> str:
         text = source + " " + " ".join(type_names)
-        lines = [_INTEGER_TYPEDEFS]
+        lines = [INTEGER_TYPEDEFS]
         if "__half" in text or "half" in text:
             lines.append("#include <cuda_fp16.h>")
         if "bfloat16" in text:
@@ -252,42 +226,7 @@ class CudaBackend(Backend):
     def compile(
         self, source: str, name_expressions: Sequence[str], options: Sequence[str], arch: str
     ) -> CompiledBinary:
-        program = _nvrtc_check(nvrtc.nvrtcCreateProgram(source.encode(), b"kernel.cu", 0, [], []), "nvrtcCreateProgram")
-        try:
-            for expression in name_expressions:
-                _nvrtc_check(nvrtc.nvrtcAddNameExpression(program, expression.encode()), "nvrtcAddNameExpression")
-            flags = [f"--gpu-architecture={arch}", "-std=c++17"]
-            if self._include_dir:
-                flags.append(f"-I{self._include_dir}")
-            flags += list(options)
-            encoded = [flag.encode() for flag in flags]
-            status = nvrtc.nvrtcCompileProgram(program, len(encoded), encoded)[0]
-            size = _nvrtc_check(nvrtc.nvrtcGetProgramLogSize(program), "nvrtcGetProgramLogSize")
-            # NVRTC writes into these buffers: they must be writable objects of our own, never
-            # bytes (``b" " * 1`` is CPython's shared one-byte ``b" "``, which an empty log's
-            # terminator would overwrite for the whole process)
-            log_buffer = bytearray(size)
-            _nvrtc_check(nvrtc.nvrtcGetProgramLog(program, log_buffer), "nvrtcGetProgramLog")
-            log = bytes(log_buffer).rstrip(b"\0 ").decode(errors="replace")
-            if int(status):
-                raise CompileError(f"NVRTC could not compile {', '.join(name_expressions)} for {arch}", log=log)
-            lowered = {}
-            for expression in name_expressions:
-                name = _nvrtc_check(nvrtc.nvrtcGetLoweredName(program, expression.encode()), "nvrtcGetLoweredName")
-                lowered[expression] = name.decode() if isinstance(name, bytes) else str(name)
-            if arch.startswith("sm_"):
-                size = _nvrtc_check(nvrtc.nvrtcGetCUBINSize(program), "nvrtcGetCUBINSize")
-                image = bytearray(size)
-                _nvrtc_check(nvrtc.nvrtcGetCUBIN(program, image), "nvrtcGetCUBIN")
-            else:
-                size = _nvrtc_check(nvrtc.nvrtcGetPTXSize(program), "nvrtcGetPTXSize")
-                image = bytearray(size)
-                _nvrtc_check(nvrtc.nvrtcGetPTX(program, image), "nvrtcGetPTX")
-            return CompiledBinary(
-                image=bytes(image), lowered_names=lowered, log=log, arch=arch, compiler=self.compiler_version()
-            )
-        finally:
-            nvrtc.nvrtcDestroyProgram(program)
+        return self._compiler.compile(source, name_expressions, options, arch)
 
     # --- modules and launches ------------------------------------------------------------
     def load(self, binary: CompiledBinary, name_expression: str, device: int) -> LoadedFunction:

@@ -29,16 +29,10 @@ from collections.abc import Iterator, Sequence
 
 from jitcore.backends import hip_abi
 from jitcore.backends.abi import PackedParams, ParamLayout
-from jitcore.backends.base import (
-    Backend,
-    CompiledBinary,
-    DeviceLimits,
-    GraphNode,
-    LoadedFunction,
-    NodeUpdater,
-)
+from jitcore.backends.base import Backend, CompiledBinary, DeviceLimits, GraphNode, LoadedFunction, NodeUpdater
+from jitcore.backends.vendor import RuntimeCompiler, StatusCheck
 from jitcore.dtypes import DType
-from jitcore.errors import BackendUnavailableError, CompileError, DriverError
+from jitcore.errors import BackendUnavailableError, DriverError
 
 try:
     from hip import hip, hiprtc
@@ -46,13 +40,6 @@ except ImportError as exc:  # pragma: no cover - exercised by the backend-select
     raise BackendUnavailableError(
         f"the HIP backend needs hip-python and a ROCm runtime: pip install 'jitreplay[rocm]' ({exc})"
     ) from exc
-
-
-def _status_name(code: object) -> str:
-    try:
-        return hip.hipError_t(int(code)).name
-    except ValueError:
-        return f"hipError_t {int(code)}"
 
 
 def _status_detail(code: object) -> str:
@@ -63,26 +50,27 @@ def _status_detail(code: object) -> str:
     return bytes(text).decode(errors="replace") if text is not None else ""
 
 
-def _check(result: tuple, call: str) -> object:
-    """Unpack a hip-python result tuple (or a ctypes ``(status,)``), raising DriverError on a
-    non-success status."""
-    status = result[0]
-    if int(status):
-        raise DriverError(call, int(status), _status_name(status), _status_detail(status))
-    if len(result) == 1:
-        return None
-    return result[1] if len(result) == 2 else result[1:]
+#: Unpacks a hip-python result tuple (or a ctypes ``(status,)``), raising DriverError on a
+#: non-success status.
+_check = StatusCheck(hip.hipError_t, _status_detail)
 
 
-def _hiprtc_check(result: tuple, call: str) -> object:
-    status = result[0]
-    if int(status):
-        try:
-            name = hiprtc.hiprtcResult(int(status)).name
-        except ValueError:
-            name = f"hiprtcResult {int(status)}"
-        raise DriverError(call, int(status), name)
-    return None if len(result) == 1 else (result[1] if len(result) == 2 else result[1:])
+class _Hiprtc(RuntimeCompiler):
+    prefix = "hiprtc"
+    title = "hiprtc"
+    arch_option = "--offload-arch"
+
+    def destroy(self, program: object) -> None:
+        # hiprtcDestroyProgram takes a hiprtcProgram*: hip-python wants a reference to the handle
+        hiprtc.hiprtcDestroyProgram(program.createRef())
+
+    def failure_hint(self, log: str) -> str:
+        if "file not found" in log and not self.include_dir:
+            return " (no ROCm include directory found for the vendor headers: set ROCM_PATH)"
+        return ""
+
+    def library_missing(self, exc: RuntimeError) -> Exception:
+        return _library_missing(exc, "hiprtc (libhiprtc)")
 
 
 def _device_attribute(device: int, name: str) -> int:
@@ -96,7 +84,7 @@ def _function_attribute(function: object, name: str) -> int:
 
 
 def _launch_failed(status: object, label: str) -> None:
-    raise DriverError(f"hipModuleLaunchKernel({label})", int(status), _status_name(status), _status_detail(status))
+    raise _check.error(f"hipModuleLaunchKernel({label})", status)
 
 
 def _library_missing(exc: Exception, what: str) -> BackendUnavailableError:
@@ -191,7 +179,7 @@ class HipBackend(Backend):
         self._runtime: ctypes.CDLL | None = None
         self._limits: dict[int, DeviceLimits] = {}
         self._streams = _StreamCache()
-        self._include_dir = _header_include_dir()
+        self._compiler = _Hiprtc(hiprtc, StatusCheck(hiprtc.hiprtcResult), _header_include_dir())
         self.raw_launch = hip.hipModuleLaunchKernel
         self.hot_namespace = {
             "_hipModuleLaunchKernel": hip.hipModuleLaunchKernel,
@@ -261,17 +249,11 @@ class HipBackend(Backend):
         return self._streams[raw_stream]
 
     def _graph_launch_failed(self, status: object) -> None:
-        raise DriverError("hipGraphLaunch", int(status), _status_name(status), _status_detail(status))
+        raise _check.error("hipGraphLaunch", status)
 
     # --- compilation ---------------------------------------------------------------------
     def compiler_version(self) -> str:
-        try:
-            major, minor = _hiprtc_check(hiprtc.hiprtcVersion(), "hiprtcVersion")
-        except DriverError:
-            raise
-        except RuntimeError as exc:
-            raise _library_missing(exc, "hiprtc (libhiprtc)") from exc
-        return f"hiprtc-{major}.{minor}"
+        return self._compiler.version()
 
     def device_arch(self, device: int) -> str:
         self._ensure_init()
@@ -286,48 +268,7 @@ class HipBackend(Backend):
     def compile(
         self, source: str, name_expressions: Sequence[str], options: Sequence[str], arch: str
     ) -> CompiledBinary:
-        try:
-            program = _hiprtc_check(
-                hiprtc.hiprtcCreateProgram(source.encode(), b"kernel.cu", 0, [], []), "hiprtcCreateProgram"
-            )
-        except DriverError:
-            raise
-        except RuntimeError as exc:
-            raise _library_missing(exc, "hiprtc (libhiprtc)") from exc
-        try:
-            for expression in name_expressions:
-                _hiprtc_check(hiprtc.hiprtcAddNameExpression(program, expression.encode()), "hiprtcAddNameExpression")
-            flags = [f"--offload-arch={arch}", "-std=c++17"]
-            if self._include_dir:
-                flags.append(f"-I{self._include_dir}")
-            flags += list(options)
-            encoded = [flag.encode() for flag in flags]
-            status = hiprtc.hiprtcCompileProgram(program, len(encoded), encoded)[0]
-            size = _hiprtc_check(hiprtc.hiprtcGetProgramLogSize(program), "hiprtcGetProgramLogSize")
-            log = ""
-            if size > 1:
-                log_buffer = bytearray(size)
-                _hiprtc_check(hiprtc.hiprtcGetProgramLog(program, log_buffer), "hiprtcGetProgramLog")
-                log = bytes(log_buffer).rstrip(b"\0 ").decode(errors="replace")
-            if int(status):
-                message = f"hiprtc could not compile {', '.join(name_expressions)} for {arch}"
-                if "file not found" in log and not self._include_dir:
-                    message += " (no ROCm include directory found for the vendor headers: set ROCM_PATH)"
-                raise CompileError(message, log=log)
-            lowered = {}
-            for expression in name_expressions:
-                name = _hiprtc_check(hiprtc.hiprtcGetLoweredName(program, expression.encode()), "hiprtcGetLoweredName")
-                # the runtime owns the string until the program is destroyed: copy it now
-                lowered[expression] = bytes(name).decode() if name is not None else expression
-            size = _hiprtc_check(hiprtc.hiprtcGetCodeSize(program), "hiprtcGetCodeSize")
-            image = bytearray(size)
-            _hiprtc_check(hiprtc.hiprtcGetCode(program, image), "hiprtcGetCode")
-            return CompiledBinary(
-                image=bytes(image), lowered_names=lowered, log=log, arch=arch, compiler=self.compiler_version()
-            )
-        finally:
-            # hiprtcDestroyProgram takes a hiprtcProgram*: hip-python wants a reference to the handle
-            hiprtc.hiprtcDestroyProgram(program.createRef())
+        return self._compiler.compile(source, name_expressions, options, arch)
 
     # --- modules and launches ------------------------------------------------------------
     def load(self, binary: CompiledBinary, name_expression: str, device: int) -> LoadedFunction:

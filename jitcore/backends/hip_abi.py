@@ -17,7 +17,7 @@ import os
 import re
 from collections.abc import Sequence
 
-from jitcore.backends.abi import HIP_TYPE_NAMES
+from jitcore.backends.abi import HIP_TYPE_NAMES, INTEGER_TYPEDEFS
 
 #: The HIP runtime hip-python opens (``DLL = b"libamdhip64.so"`` in its generated chip.pyx).
 HIP_LIBRARY = "libamdhip64.so"
@@ -32,21 +32,6 @@ HIP_LAUNCH_PARAM_END = 0
 HIP_LAUNCH_PARAM_BUFFER_POINTER = 1
 HIP_LAUNCH_PARAM_BUFFER_SIZE = 2
 
-# Fixed-width integer typedefs, the same text as the CUDA backend's. hiprtc compiles with
-# -nogpuinc and its builtin header (hiprtc_runtime.h, built from hip_runtime.h with
-# __HIPCC_RTC__) already declares uint32_t, uint64_t, int32_t and int64_t as unsigned int,
-# unsigned long long, signed int and signed long long: C++ accepts a typedef redeclared to the
-# same type, so each line below must name exactly those types.
-INTEGER_TYPEDEFS = """\
-#ifndef JITCORE_STDINT
-#define JITCORE_STDINT
-typedef signed char int8_t; typedef unsigned char uint8_t;
-typedef short int16_t; typedef unsigned short uint16_t;
-typedef int int32_t; typedef unsigned int uint32_t;
-typedef long long int64_t; typedef unsigned long long uint64_t;
-#endif
-"""
-
 
 def type_name(dtype_name: str) -> str:
     """The HIP C type a template argument of this dtype becomes."""
@@ -57,7 +42,8 @@ def type_name(dtype_name: str) -> str:
 
 
 def prelude(source: str, type_names: Sequence[str]) -> str:
-    """Integer typedefs, and the vendor headers for the reduced-precision types in use.
+    """Integer typedefs (:data:`jitcore.backends.abi.INTEGER_TYPEDEFS`, which hiprtc's builtins
+    accept), and the vendor headers for the reduced-precision types in use.
 
     No ``#include <hip/hip_runtime.h>``: hiprtc force-includes its builtin runtime header
     (hiprtc_runtime.h) and compiles with -nogpuinc, so every other header must be found

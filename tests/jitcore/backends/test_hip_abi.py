@@ -121,7 +121,8 @@ def test_integer_typedefs_match_hiprtcs_builtins():
 
 def test_integer_typedefs_are_the_cuda_backends():
     cuda = pytest.importorskip("jitcore.backends.cuda", exc_type=ImportError)
-    assert hip_abi.INTEGER_TYPEDEFS == cuda._INTEGER_TYPEDEFS
+    assert hip_abi.INTEGER_TYPEDEFS is abi.INTEGER_TYPEDEFS
+    assert cuda.CudaBackend().prelude("__global__ void k(int* x) {}", []).startswith(abi.INTEGER_TYPEDEFS)
 
 
 # --- architecture names ------------------------------------------------------------------------

@@ -1,0 +1,186 @@
+"""What the CUDA and HIP backends do alike around their bindings, written once.
+
+cuda-bindings and hip-python wrap their C APIs the same way: every call returns a tuple
+``(status, *values)`` whose status is an enum member, and hiprtc is NVRTC's twin under another
+prefix (``hiprtcCompileProgram`` for ``nvrtcCompileProgram``, ...). So checking a result and
+driving a runtime compiler from source to code object are the same steps for both vendors;
+only the calls differ. Those steps live here and take the vendor calls as arguments (the
+status enum, the error-string call, the compiler's binding module) or as overridden methods.
+This module imports no binding: :mod:`jitcore.backends.cuda` and :mod:`jitcore.backends.hip`
+stay the only modules that do. Nothing here is on a hot path (generated code tests a launch's
+status itself and only calls a backend's error builder when it failed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from types import ModuleType
+
+from jitcore.backends.base import CompiledBinary
+from jitcore.errors import CompileError, DriverError
+
+
+def status_name(enum: type, status: object) -> str:
+    """The name of a status code (``CUDA_ERROR_INVALID_VALUE``), or ``"<enum> <code>"`` for a
+    code the binding's enum does not know (a driver newer than its binding)."""
+    try:
+        return enum(int(status)).name
+    except ValueError:
+        return f"{enum.__name__} {int(status)}"
+
+
+def unpack(result: tuple) -> object:
+    """The values a binding call returned after its status: None, the one value, or a tuple."""
+    if len(result) == 1:
+        return None
+    return result[1] if len(result) == 2 else result[1:]
+
+
+def _no_detail(status: object) -> str:
+    return ""
+
+
+class StatusCheck:
+    """Checks one vendor API's result tuples: calling it returns the values after the status
+    (see :func:`unpack`) or raises :class:`~jitcore.errors.DriverError` naming the call.
+
+    ``enum`` is the binding's status enum (``CUresult``, ``hipError_t``, ``nvrtcResult``,
+    ...), ``detail(status)`` the driver's sentence for a status ("" where it has none).
+    :meth:`error` builds the same error for a status tested elsewhere (a failed launch, which
+    generated code tests itself).
+    """
+
+    __slots__ = ("enum", "detail")
+
+    def __init__(self, enum: type, detail: Callable[[object], str] = _no_detail):
+        self.enum = enum
+        self.detail = detail
+
+    def error(self, call: str, status: object, *, with_detail: bool = True) -> DriverError:
+        """The DriverError for ``call`` having returned the non-success ``status``."""
+        detail = self.detail(status) if with_detail else ""
+        return DriverError(call, int(status), status_name(self.enum, status), detail)
+
+    def __call__(self, result: tuple, call: str) -> object:
+        status = result[0]
+        if int(status):
+            raise self.error(call, status)
+        return unpack(result)
+
+
+def _text(value: object, default: str) -> str:
+    """A string a binding returned: bytes (cuda-bindings), a runtime-owned C string that
+    ``bytes()`` copies (hip-python), or already a str; ``default`` for a NULL."""
+    if value is None:
+        return default
+    return value if isinstance(value, str) else bytes(value).decode()
+
+
+class RuntimeCompiler:
+    """NVRTC or hiprtc, driven from C++ source to a code object and its lowered names.
+
+    Both compilers have one C API under two prefixes, bound alike, so each step is written
+    once and each call is looked up as ``prefix + name`` on ``binding`` (``nvrtc`` or
+    ``hiprtc``). A backend subclasses it for what differs: the class attributes below, and the
+    methods :meth:`code_kind`, :meth:`destroy`, :meth:`failure_hint` and
+    :meth:`library_missing`.
+    """
+
+    #: The prefix of every call and of the version string ("nvrtc", "hiprtc").
+    prefix: str
+    #: The compiler's name in messages ("NVRTC", "hiprtc").
+    title: str
+    #: The option naming the target architecture ("--gpu-architecture", "--offload-arch").
+    arch_option: str
+
+    def __init__(self, binding: ModuleType, check: StatusCheck, include_dir: str | None):
+        self.binding = binding
+        self.check = check
+        self.include_dir = include_dir  # where the vendor headers the prelude includes are
+
+    # --- what a vendor overrides ---------------------------------------------------------
+    def code_kind(self, arch: str) -> str:
+        """Which code object to read: the ``X`` of ``GetXSize``/``GetX`` ("Code", "CUBIN", ...)."""
+        return "Code"
+
+    def destroy(self, program: object) -> None:
+        """Free the program (its result is not checked: this runs on the way out of errors)."""
+        self._function("DestroyProgram")(program)
+
+    def failure_hint(self, log: str) -> str:
+        """Text appended to a compile error's message (a likely cause the log shows)."""
+        return ""
+
+    def library_missing(self, exc: RuntimeError) -> Exception | None:
+        """The error to raise where the binding could not open the compiler's library (its
+        first call raised ``exc``), or None to let ``exc`` through."""
+        return None
+
+    # --- the steps -----------------------------------------------------------------------
+    def _function(self, name: str) -> Callable:
+        return getattr(self.binding, self.prefix + name)
+
+    def _call(self, name: str, *args: object) -> object:
+        return self.check(self._function(name)(*args), self.prefix + name)
+
+    def _first_call(self, name: str, *args: object) -> object:
+        """A call that opens the library: a failure to open it becomes :meth:`library_missing`'s
+        error (a failed call is a DriverError, itself a RuntimeError, and passes through)."""
+        try:
+            return self._call(name, *args)
+        except DriverError:
+            raise
+        except RuntimeError as exc:
+            error = self.library_missing(exc)
+            if error is None:
+                raise
+            raise error from exc
+
+    def version(self) -> str:
+        major, minor = self._first_call("Version")
+        return f"{self.prefix}-{major}.{minor}"
+
+    def compile(
+        self, source: str, name_expressions: Sequence[str], options: Sequence[str], arch: str
+    ) -> CompiledBinary:
+        program = self._first_call("CreateProgram", source.encode(), b"kernel.cu", 0, [], [])
+        try:
+            for expression in name_expressions:
+                self._call("AddNameExpression", program, expression.encode())
+            flags = [f"{self.arch_option}={arch}", "-std=c++17"]
+            if self.include_dir:
+                flags.append(f"-I{self.include_dir}")
+            flags += list(options)
+            encoded = [flag.encode() for flag in flags]
+            status = self._function("CompileProgram")(program, len(encoded), encoded)[0]
+            log = self._log(program)
+            if int(status):
+                message = f"{self.title} could not compile {', '.join(name_expressions)} for {arch}"
+                raise CompileError(message + self.failure_hint(log), log=log)
+            lowered = {}
+            for expression in name_expressions:
+                # the compiler owns the string until the program is destroyed: copy it now
+                name = self._call("GetLoweredName", program, expression.encode())
+                lowered[expression] = _text(name, expression)
+            kind = self.code_kind(arch)
+            # the compiler writes into the log and image buffers: they must be writable objects
+            # of our own, never bytes (``b" " * 1`` is CPython's shared one-byte ``b" "``, which
+            # an empty log's terminator would overwrite for the whole process)
+            image = bytearray(self._call(f"Get{kind}Size", program))
+            self._call(f"Get{kind}", program, image)
+            return CompiledBinary(
+                image=bytes(image), lowered_names=lowered, log=log, arch=arch, compiler=self.version()
+            )
+        finally:
+            self.destroy(program)
+
+    def _log(self, program: object) -> str:
+        size = self._call("GetProgramLogSize", program)
+        if size <= 1:  # the terminating NUL alone
+            return ""
+        buffer = bytearray(size)
+        self._call("GetProgramLog", program, buffer)
+        return bytes(buffer).rstrip(b"\0 ").decode(errors="replace")
+
+
+__all__ = ["RuntimeCompiler", "StatusCheck", "status_name", "unpack"]
