@@ -56,6 +56,10 @@ def is_constexpr_annotation(annotation: object) -> bool:
     return False
 
 
+#: The Python and numpy number types (bool included), as ``isinstance`` tests them: what a
+#: runtime scalar may be (replay's dynamic arguments and the constants arithmetic on them takes).
+NUMBERS: tuple[type, ...] = (int, float, bool, np.integer, np.floating, np.bool_)
+
 SCALAR_SIGNATURES: dict[type, str] = {bool: "bool", int: "int", float: "float"}
 for _np_type in (
     np.bool_,

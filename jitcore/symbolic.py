@@ -6,11 +6,15 @@ builds an expression; the call state later evaluates that expression as generate
 it must never be turned into a concrete value during tracing. Asking for one (``bool()``,
 ``int()``, a comparison, use as an index) raises :class:`~jitcore.errors.SymbolicValueError`
 naming the expression and how to make it static.
+
+Those refusing and arithmetic dunders belong to :class:`DeferredScalar`, the public base that
+replay's dynamic scalars (``replay.dynamic.DynamicScalar``) share with :class:`Sym`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NoReturn
 
 from jitcore.errors import SymbolicValueError
 
@@ -21,7 +25,104 @@ _ADVICE = (
 )
 
 
-class Sym:
+class DeferredScalar:
+    """The dunders of a number whose value must not be used while it is traced or recorded:
+    :class:`Sym` here, and replay's ``DynamicScalar`` (public for it, so both refuse and
+    compute alike without replay reaching into this module's internals).
+
+    Turning it into a Python value (``bool()``, ``int()``, ``float()``, use as an index, a
+    comparison) would bake one call's value into code that must work for every call, so those
+    raise ``self._refuse(what)``; a subclass decides the error and the advice. Arithmetic
+    (``+ - * / // %``, reflected too) builds another deferred value through
+    ``self._arithmetic(op, other, reflected)`` (``other op self`` when ``reflected``). A
+    subclass implements those two and ``__neg__``, and may refuse more (hashing, iteration,
+    formatting). Defining ``__eq__`` here leaves ``__hash__`` to each subclass.
+    """
+
+    __slots__ = ()
+
+    #: How :meth:`__index__` names the use it refuses.
+    _INDEX_USE = "use as an index"
+
+    def _refuse(self, what: str) -> NoReturn:
+        raise NotImplementedError
+
+    def _arithmetic(self, op: str, other: object, reflected: bool) -> object:
+        raise NotImplementedError
+
+    # --- refusing to be concrete ---------------------------------------------------------
+    def __bool__(self) -> bool:
+        self._refuse("bool()")
+
+    def __int__(self) -> int:
+        self._refuse("int()")
+
+    def __float__(self) -> float:
+        self._refuse("float()")
+
+    def __index__(self) -> int:
+        self._refuse(self._INDEX_USE)
+
+    def __eq__(self, other: object) -> bool:
+        self._refuse("comparison (==)")
+
+    def __ne__(self, other: object) -> bool:
+        self._refuse("comparison (!=)")
+
+    def __lt__(self, other: object) -> bool:
+        self._refuse("comparison (<)")
+
+    def __le__(self, other: object) -> bool:
+        self._refuse("comparison (<=)")
+
+    def __gt__(self, other: object) -> bool:
+        self._refuse("comparison (>)")
+
+    def __ge__(self, other: object) -> bool:
+        self._refuse("comparison (>=)")
+
+    # --- arithmetic builds expressions ---------------------------------------------------
+    def __add__(self, other: object) -> object:
+        return self._arithmetic("+", other, False)
+
+    def __radd__(self, other: object) -> object:
+        return self._arithmetic("+", other, True)
+
+    def __sub__(self, other: object) -> object:
+        return self._arithmetic("-", other, False)
+
+    def __rsub__(self, other: object) -> object:
+        return self._arithmetic("-", other, True)
+
+    def __mul__(self, other: object) -> object:
+        return self._arithmetic("*", other, False)
+
+    def __rmul__(self, other: object) -> object:
+        return self._arithmetic("*", other, True)
+
+    def __floordiv__(self, other: object) -> object:
+        return self._arithmetic("//", other, False)
+
+    def __rfloordiv__(self, other: object) -> object:
+        return self._arithmetic("//", other, True)
+
+    def __mod__(self, other: object) -> object:
+        return self._arithmetic("%", other, False)
+
+    def __rmod__(self, other: object) -> object:
+        return self._arithmetic("%", other, True)
+
+    def __truediv__(self, other: object) -> object:
+        return self._arithmetic("/", other, False)
+
+    def __rtruediv__(self, other: object) -> object:
+        return self._arithmetic("/", other, True)
+
+    def __pos__(self) -> DeferredScalar:
+        return self
+
+
+class Sym(DeferredScalar):
     """An expression over call-time values. ``op`` is "leaf" or an operator name."""
 
     __slots__ = ("op", "args", "is_float", "_source", "label")
@@ -83,88 +184,23 @@ class Sym:
     def __repr__(self) -> str:
         return f"Sym({self.describe()})"
 
-    # --- refusing to be concrete ---------------------------------------------------------
-    def _refuse(self, what: str):
+    # --- DeferredScalar ------------------------------------------------------------------
+    _INDEX_USE = "use as an index (int)"
+
+    def _refuse(self, what: str) -> NoReturn:
         raise SymbolicValueError(f"{what} of the symbolic value {self.describe()}: {_ADVICE}")
 
-    def __bool__(self):
-        self._refuse("bool()")
-
-    def __int__(self):
-        self._refuse("int()")
-
-    def __float__(self):
-        self._refuse("float()")
-
-    def __index__(self):
-        self._refuse("use as an index (int)")
+    def _arithmetic(self, op: str, other: object, reflected: bool) -> Sym | int | float:
+        return _binary(op, other, self) if reflected else _binary(op, self, other)
 
     def __hash__(self) -> int:
         return id(self)
 
-    def __eq__(self, other):
-        self._refuse("comparison (==)")
-
-    def __ne__(self, other):
-        self._refuse("comparison (!=)")
-
-    def __lt__(self, other):
-        self._refuse("comparison (<)")
-
-    def __le__(self, other):
-        self._refuse("comparison (<=)")
-
-    def __gt__(self, other):
-        self._refuse("comparison (>)")
-
-    def __ge__(self, other):
-        self._refuse("comparison (>=)")
-
     def __iter__(self):
         self._refuse("iteration")
 
-    # --- arithmetic ----------------------------------------------------------------------
-    def __add__(self, other):
-        return _binary("+", self, other)
-
-    def __radd__(self, other):
-        return _binary("+", other, self)
-
-    def __sub__(self, other):
-        return _binary("-", self, other)
-
-    def __rsub__(self, other):
-        return _binary("-", other, self)
-
-    def __mul__(self, other):
-        return _binary("*", self, other)
-
-    def __rmul__(self, other):
-        return _binary("*", other, self)
-
-    def __floordiv__(self, other):
-        return _binary("//", self, other)
-
-    def __rfloordiv__(self, other):
-        return _binary("//", other, self)
-
-    def __mod__(self, other):
-        return _binary("%", self, other)
-
-    def __rmod__(self, other):
-        return _binary("%", other, self)
-
-    def __truediv__(self, other):
-        return _binary("/", self, other)
-
-    def __rtruediv__(self, other):
-        return _binary("/", other, self)
-
-    def __neg__(self):
+    def __neg__(self) -> Sym:
         return Sym("neg", (self,), self.is_float)
-
-    def __pos__(self):
-        return self
 
 
 def _check_operand(value: object, op: str) -> None:
@@ -189,13 +225,9 @@ def _binary(op: str, left: object, right: object) -> Sym | int | float:
     return Sym(op, (left, right), left_float or right_float or op == "/")
 
 
-def _is_symbolic(value: object) -> bool:
-    return isinstance(value, Sym)
-
-
 def cdiv(a, b):
     """Ceiling division, for ints and symbolic values alike."""
-    if not _is_symbolic(a) and not _is_symbolic(b):
+    if not isinstance(a, Sym) and not isinstance(b, Sym):
         return -(-a // b)
     _check_operand(a, "cdiv")
     _check_operand(b, "cdiv")
@@ -205,7 +237,7 @@ def cdiv(a, b):
 def minimum(*values):
     """``min`` that also works on symbolic values (Python's builtin compares, which a symbolic
     value refuses)."""
-    if not any(_is_symbolic(v) for v in values):
+    if not any(isinstance(v, Sym) for v in values):
         return min(values)
     for v in values:
         _check_operand(v, "min")
@@ -214,7 +246,7 @@ def minimum(*values):
 
 def maximum(*values):
     """``max`` that also works on symbolic values."""
-    if not any(_is_symbolic(v) for v in values):
+    if not any(isinstance(v, Sym) for v in values):
         return max(values)
     for v in values:
         _check_operand(v, "max")
@@ -306,7 +338,7 @@ def slice_index(value, size):
     positive step: a negative bound counts from the end, then the result is clamped to
     ``[0, size]``. Symbolic when either is (the call state computes it on every call, since a
     runtime bound's sign is only known then); ``size`` must be >= 0."""
-    if not _is_symbolic(value):  # the sign is known: plain min/max read better
+    if not isinstance(value, Sym):  # the sign is known: plain min/max read better
         return minimum(value, size) if value >= 0 else maximum(size - -value, 0)
     _check_operand(value, "slice_index")
     _check_operand(size, "slice_index")
@@ -317,7 +349,7 @@ def wrap_index(value, size):
     """An integer index with a negative value counted from the end (``value + size`` if
     ``value < 0``), as torch's select does after its bounds check; the caller checks
     ``-size <= value < size`` separately (see jitcore.tracing.IndexCheck)."""
-    if not _is_symbolic(value):
+    if not isinstance(value, Sym):
         return size - -value if value < 0 else value
     _check_operand(value, "wrap_index")
     _check_operand(size, "wrap_index")

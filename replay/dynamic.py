@@ -12,12 +12,11 @@ recording; the key then runs eagerly, with a warning that names the use.
 from __future__ import annotations
 
 import itertools
+from typing import NoReturn
 
-import numpy as np
-
+from jitcore.keys import NUMBERS
+from jitcore.symbolic import DeferredScalar
 from replay.errors import DynamicScalarError
-
-_NUMBERS = (int, float, bool, np.integer, np.floating, np.bool_)
 
 
 class Dynamic:
@@ -28,7 +27,7 @@ class Dynamic:
     def __init__(self, value: object):
         if isinstance(value, Dynamic):
             value = value.value
-        if not isinstance(value, _NUMBERS):
+        if not isinstance(value, NUMBERS):
             raise TypeError(
                 f"replay.dynamic() takes an int, float or bool (or numpy scalar), got {type(value).__qualname__}"
             )
@@ -53,7 +52,7 @@ _ADVICE = (
 _constant_names = itertools.count()
 
 
-class DynamicScalar:
+class DynamicScalar(DeferredScalar):
     """What a region sees in place of a dynamic argument while it is being recorded.
 
     ``source`` is Python source over the dynamic leaves (``_d2``) and named constants
@@ -79,21 +78,9 @@ class DynamicScalar:
     def __repr__(self) -> str:
         return f"DynamicScalar({self.name} = {self.value!r})"
 
-    # --- refusing to become a constant ---------------------------------------------------
-    def _refuse(self, what: str):
+    # --- DeferredScalar: refusing to become a constant, arithmetic building expressions ----
+    def _refuse(self, what: str) -> NoReturn:
         raise DynamicScalarError(f"{what} of dynamic scalar {self.name} inside a recorded region: {_ADVICE}")
-
-    def __bool__(self):
-        self._refuse("bool()")
-
-    def __int__(self):
-        self._refuse("int()")
-
-    def __float__(self):
-        self._refuse("float()")
-
-    def __index__(self):
-        self._refuse("use as an index")
 
     def __complex__(self):
         self._refuse("complex()")
@@ -101,34 +88,15 @@ class DynamicScalar:
     def __hash__(self):
         self._refuse("hash()")
 
-    def __eq__(self, other):
-        self._refuse("comparison (==)")
-
-    def __ne__(self, other):
-        self._refuse("comparison (!=)")
-
-    def __lt__(self, other):
-        self._refuse("comparison (<)")
-
-    def __le__(self, other):
-        self._refuse("comparison (<=)")
-
-    def __gt__(self, other):
-        self._refuse("comparison (>)")
-
-    def __ge__(self, other):
-        self._refuse("comparison (>=)")
-
     def __format__(self, spec):
         self._refuse("formatting")
 
-    # --- arithmetic builds expressions ---------------------------------------------------
-    def _binary(self, op: str, other: object, reflected: bool):
+    def _arithmetic(self, op: str, other: object, reflected: bool) -> DynamicScalar:
         constants = dict(self.constants)
         if isinstance(other, DynamicScalar):
             other_source, other_value = other.source, other.value
             constants.update(other.constants)
-        elif isinstance(other, _NUMBERS):
+        elif isinstance(other, NUMBERS):
             other_source, other_value = f"_k{next(_constant_names)}", other
             constants[other_source] = other
         else:
@@ -138,47 +106,8 @@ class DynamicScalar:
         value = _OPS[op](lv, rv)
         return DynamicScalar(f"({left} {op} {right})", value, f"({self.name} {op} ...)", constants)
 
-    def __add__(self, o):
-        return self._binary("+", o, False)
-
-    def __radd__(self, o):
-        return self._binary("+", o, True)
-
-    def __sub__(self, o):
-        return self._binary("-", o, False)
-
-    def __rsub__(self, o):
-        return self._binary("-", o, True)
-
-    def __mul__(self, o):
-        return self._binary("*", o, False)
-
-    def __rmul__(self, o):
-        return self._binary("*", o, True)
-
-    def __truediv__(self, o):
-        return self._binary("/", o, False)
-
-    def __rtruediv__(self, o):
-        return self._binary("/", o, True)
-
-    def __floordiv__(self, o):
-        return self._binary("//", o, False)
-
-    def __rfloordiv__(self, o):
-        return self._binary("//", o, True)
-
-    def __mod__(self, o):
-        return self._binary("%", o, False)
-
-    def __rmod__(self, o):
-        return self._binary("%", o, True)
-
-    def __neg__(self):
+    def __neg__(self) -> DynamicScalar:
         return DynamicScalar(f"(-{self.source})", -self.value, f"(-{self.name})", self.constants)
-
-    def __pos__(self):
-        return self
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
