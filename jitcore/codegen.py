@@ -125,8 +125,16 @@ def rename_parameters(code: types.CodeType, names: Sequence[str]) -> types.CodeT
     return code.replace(co_varnames=tuple(varnames))
 
 
-def dump_enabled() -> bool:
-    return os.environ.get("JITCORE_DUMP", "").strip() not in ("", "0")
+def dump_enabled(variable: str = "JITCORE_DUMP") -> bool:
+    """Whether the environment asks for generated source to be printed: ``variable`` set to
+    anything but empty or 0 (jitcore reads ``JITCORE_DUMP``, replay ``REPLAY_DUMP``)."""
+    return os.environ.get(variable, "").strip() not in ("", "0")
+
+
+def never(*args: object) -> bool:
+    """A guard that matches no call: the placeholder in a dispatch slot that holds nothing
+    (calling it costs what calling a guard costs, so the dispatch code needs no None test)."""
+    return False
 
 
 def stream_handle(stream: object) -> int:
@@ -249,7 +257,6 @@ class CallState:
                 "_check_grid": self._check_grid,
                 "_grow_shared": self._grow_shared,
                 "_index_failed": self._index_failed,
-                "_bf16": abi.float_to_bfloat16_bits,
                 "_current_hook": recorder.current,
                 "_report": self._report,
             }
@@ -461,14 +468,16 @@ class CallState:
             return f"{pointer} + {symbolic.render(offset, bind)}"
         text = symbolic.render(source.value, bind)
         if self._packs_exactly(param, source.value):
-            return f"_bf16({text})" if param.kind == "bfloat16" else text
+            convert = abi.pack_conversion(param)
+            return text if convert is None else f"{bind(convert)}({text})"
         # checked conversion: an integer for a floating parameter must convert exactly, a
         # numpy bool for an integer parameter is its int, ...
         return f"{bind(functools.partial(abi.scalar_value, param))}({text})"
 
     def _packs_exactly(self, param: abi.ParamType, value: object) -> bool:
-        """Whether struct (or _bf16) packing the raw value is exactly :func:`abi.scalar_value`
-        (so the hot path needs no conversion call): range errors are struct's to raise."""
+        """Whether struct packing the raw value (after :func:`abi.pack_conversion`) is exactly
+        :func:`abi.scalar_value` (so the hot path needs no checked conversion call): range
+        errors are struct's to raise."""
         if not isinstance(value, Sym):
             return False
         import numpy as np
@@ -630,7 +639,7 @@ class CallState:
                         evaluate=evaluator,
                         encode=item.encoder,
                         expression=expression,
-                        convert=abi.float_to_bfloat16_bits if item.param.kind == "bfloat16" else None,
+                        convert=abi.pack_conversion(item.param),
                         **item.common,
                     )
                 )

@@ -34,7 +34,7 @@ import torch
 
 from jitcore import codegen, guards, keys, recorder, tensors
 from jitcore.backends import Backend, get_backend
-from jitcore.codegen import CallState, dump_enabled
+from jitcore.codegen import CallState, dump_enabled, never
 from jitcore.drift import GlobalsSnapshot
 from jitcore.errors import ArgumentError, CaptureMissError, DeviceError
 from jitcore.symbolic import Sym
@@ -42,10 +42,6 @@ from jitcore.tracing import Trace, TracedTensor
 
 DEFAULT_CACHE_SIZE = 4096
 _UNBUILT = object()
-
-
-def _never(*args: object) -> bool:
-    return False
 
 
 @attrs.frozen
@@ -79,7 +75,7 @@ class JitFunction:
         self._lock = threading.RLock()
         self.namespace: dict[str, object] = dict(self.plan.namespace)
         # The most recently used state and its guard, swapped as one tuple (atomic under the GIL).
-        self.mru: list[tuple[Callable, Callable | None]] = [(_never, None)]
+        self.mru: list[tuple[Callable, Callable | None]] = [(never, None)]
         self.namespace.update(
             {
                 "_STATES": self.states,
@@ -143,7 +139,7 @@ class JitFunction:
         guard = getattr(state, "guard", _UNBUILT)
         if guard is _UNBUILT:
             guard = state.guard = self._make_guard(key, args)
-        self.mru[0] = (guard or _never, run)
+        self.mru[0] = (guard or never, run)
 
     def _make_guard(self, key: tuple, args: tuple) -> Callable | None:
         """A generated ``guard(*args) -> bool`` accepting exactly arguments this state was
@@ -284,7 +280,7 @@ class JitFunction:
                 _key, evicted = self.states.popitem(last=False)
                 self.evictions += 1
                 if self.mru[0][1] is evicted:
-                    self.mru[0] = (_never, None)
+                    self.mru[0] = (never, None)
             if dump_enabled():
                 print(f"# jitcore call state\n{state.source}")
         return state
@@ -318,7 +314,7 @@ class JitFunction:
     def cache_clear(self) -> None:
         with self._lock:
             self.states.clear()
-            self.mru[0] = (_never, None)
+            self.mru[0] = (never, None)
 
 
 def _unwrap_scalar(value: object) -> object:

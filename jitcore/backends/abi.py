@@ -13,7 +13,7 @@ import ctypes
 import math
 import re
 import struct
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import attrs
 
@@ -433,6 +433,14 @@ def float_to_bfloat16_bits(value: float) -> int:
     return result
 
 
+def pack_conversion(param: ParamType) -> Callable[[float], int] | None:
+    """What a by-value parameter's number goes through before ``struct`` packs it with
+    ``param.fmt``, or None where struct packs the number itself. bfloat16 has no struct format:
+    it is packed as its bits (``H``), from :func:`float_to_bfloat16_bits`. Call states, the
+    records replay patches graphs from and :func:`scalar_value` all convert through it."""
+    return float_to_bfloat16_bits if param.kind == "bfloat16" else None
+
+
 def bfloat16_bits_to_float(bits: int) -> float:
     """The value of bfloat16 ``bits`` as a Python float."""
     return struct.unpack("<f", struct.pack("<I", (bits & 0xFFFF) << 16))[0]
@@ -453,8 +461,9 @@ def c_type_name(param: ParamType) -> str:
 
 def _narrow(param: ParamType, value: float) -> tuple[float, object]:
     """(the value the parameter holds, what struct packs) for a float, or OverflowError."""
-    if param.kind == "bfloat16":
-        bits = float_to_bfloat16_bits(value)
+    convert = pack_conversion(param)
+    if convert is not None:  # bfloat16: held as the float its bits encode
+        bits = convert(value)
         return bfloat16_bits_to_float(bits), bits
     if param.size == 8:
         return value, value
