@@ -182,51 +182,32 @@ class LaunchConfig:
 
 
 def launch_direct(config: LaunchConfig, args: Sequence[object]) -> None:
-    """Launch outside any jit launcher: check everything, pack every slot, launch on the
-    current torch stream of the current device (a grid dimension of 0 launches nothing)."""
+    """Launch outside any jit launcher: check everything (with the checks tracing makes),
+    pack every slot, launch on the current torch stream of the current device (a grid
+    dimension of 0 launches nothing)."""
     kernel = config.kernel
     backend = get_backend()
     device = backend.current_device()
     device_name = backend.device_name(device)
     label = kernel.name_expression
     params = kernel.param_types
-    if len(args) != len(params):
-        listing = ", ".join(p.describe() for p in params)
-        raise ArgumentError(f"{label} takes {len(params)} arguments ({listing}), got {len(args)}")
+    tracing.check_argument_count(kernel, args)
     values = []
     for index, (param, value) in enumerate(zip(params, args)):
-        where = f"argument {index} ({param.describe()}) of {label}"
+        where = tracing.argument_place(index, param, label)
         if isinstance(value, torch.Tensor):
             from jitcore.tensors import describe_torch_tensor
             from jitcore.tensors import device_name as tensor_device
 
-            dtype = describe_torch_tensor(value)
-            if not param.is_pointer:
-                raise ArgumentError(f"{where}: got a tensor for a parameter passed by value")
-            if not param.accepts_dtype(dtype.name):
-                raise ArgumentError(f"{where}: tensor dtype {dtype.name} cannot be passed as {param.pointee}*")
+            tracing.check_tensor_argument(where, param, describe_torch_tensor(value).name, "tensor")
             if tensor_device(value.device) != device_name:
                 raise DeviceError(
                     f"{where}: tensor is on {tensor_device(value.device)}, the current device is {device_name}"
                 )
             values.append(value.data_ptr())
-        elif value is None and param.is_pointer:
-            values.append(0)
-        elif param.is_pointer:
-            raise ArgumentError(f"{where}: expects a tensor, got {type(value).__qualname__}")
         else:
-            try:
-                values.append(abi.scalar_value(param, value))
-            except abi.ScalarError as exc:
-                raise ArgumentError(
-                    f"{where}: cannot take the {type(value).__qualname__} {value!r} without a lossy cast: {exc}"
-                ) from None
-    grid = tracing._dims(config.grid, "grid", label)
-    block = tracing._dims(config.block, "block", label)
-    shared = config.shared
-    if isinstance(shared, bool) or not isinstance(shared, int):
-        raise LaunchConfigError(f"{label}: shared memory must be an int number of bytes, got {shared!r}")
-    shared = int(shared)
+            values.append(tracing.plain_argument(where, param, value))
+    grid, block, shared = tracing.launch_dims(config.grid, config.block, config.shared, label)
     function = kernel.function(device)
     tracing.check_static_config(label, grid, block, shared, backend.device_limits(device), function)
     if tracing.is_empty_grid(grid):

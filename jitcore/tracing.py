@@ -162,34 +162,21 @@ class Trace:
 
     # --- launches ------------------------------------------------------------------------
     def record_launch(self, kernel, grid, block, shared, args: Sequence[object]) -> None:
-        params = kernel.param_types
         label = kernel.name_expression
-        if len(args) != len(params):
-            listing = ", ".join(p.describe() for p in params)
-            raise ArgumentError(f"{label} takes {len(params)} arguments ({listing}), got {len(args)}")
-        sources = [self._source(kernel, index, param, value) for index, (param, value) in enumerate(zip(params, args))]
-        grid3 = _dims(grid, "grid", label)
-        block3 = _dims(block, "block", label)
-        if isinstance(shared, bool) or not isinstance(shared, (int, Sym)):
-            raise LaunchConfigError(f"{label}: shared memory must be an int number of bytes, got {shared!r}")
-        if isinstance(shared, Sym) and shared.is_float:
-            raise LaunchConfigError(f"{label}: shared memory size {shared.describe()} is not an integer")
-        if isinstance(shared, int):
-            shared = operator.index(shared)  # an IntEnum member or other int subclass: its plain int
+        check_argument_count(kernel, args)
+        sources = [
+            self._source(kernel, index, param, value)
+            for index, (param, value) in enumerate(zip(kernel.param_types, args))
+        ]
+        grid3, block3, shared = launch_dims(grid, block, shared, label)
         function = self.loader(kernel)
         check_static_config(label, grid3, block3, shared, self.limits, function)
         self.launches.append(TraceLaunch(kernel, function, grid3, block3, shared, sources))
 
     def _source(self, kernel, index: int, param: abi.ParamType, value: object) -> ParamSource:
-        where = f"{self.owner}: argument {index} ({param.describe()}) of {kernel.name_expression}"
+        where = f"{self.owner}: {argument_place(index, param, kernel.name_expression)}"
         if isinstance(value, TracedTensor):
-            if not param.is_pointer:
-                raise ArgumentError(f"{where}: got a tensor for a parameter passed by value")
-            if not param.accepts_dtype(value.jdtype.name):
-                raise ArgumentError(
-                    f"{where}: tensor {value.arg_name!r} has dtype {value.jdtype.name}, which "
-                    f"a {param.pointee}* cannot take"
-                )
+            check_tensor_argument(where, param, value.jdtype.name, f"tensor {value.arg_name!r}")
             return ParamSource("pointer", value.arg_index, value.offset, value.jdtype.itemsize)
         if isinstance(value, torch.Tensor) or hasattr(value, "__dlpack__") or hasattr(value, "__cache_signature__"):
             raise ArgumentError(
@@ -197,10 +184,6 @@ class Trace:
                 "kernel uses as a launcher argument (a tensor read at trace time would be baked "
                 "into the call state)"
             )
-        if value is None:
-            if not param.is_pointer:
-                raise ArgumentError(f"{where}: None is only accepted for pointer parameters (nullptr)")
-            return ParamSource("constant", value=0)
         if isinstance(value, Sym):
             if param.is_pointer:
                 raise ArgumentError(f"{where}: expects a tensor, got the value {value.describe()}")
@@ -214,17 +197,67 @@ class Trace:
                         "(pass a bool, or compare in the kernel)"
                     )
             return ParamSource("value", value=value)
-        if param.is_pointer:
-            raise ArgumentError(f"{where}: expects a tensor, got {type(value).__qualname__}")
-        try:
-            abi.scalar_value(param, value)
-        except abi.ScalarError as exc:
-            raise ArgumentError(
-                f"{where}: cannot take the {type(value).__qualname__} {value!r} without a lossy cast: {exc}"
-            ) from None
+        packed = plain_argument(where, param, value)
+        if value is None:
+            return ParamSource("constant", value=packed)  # nullptr
         if isinstance(value, np.generic):
             value = value.item()
         return ParamSource("constant", value=value)
+
+
+# --- checks of one launch, shared by tracing and kernel.launch_direct ---------------------------
+def check_argument_count(kernel, args: Sequence[object]) -> None:
+    """Refuse a launch whose argument count is not the kernel's parameter count."""
+    params = kernel.param_types
+    if len(args) != len(params):
+        listing = ", ".join(p.describe() for p in params)
+        raise ArgumentError(f"{kernel.name_expression} takes {len(params)} arguments ({listing}), got {len(args)}")
+
+
+def argument_place(index: int, param: abi.ParamType, label: str) -> str:
+    """How messages name one kernel argument: ``argument 1 (const float* x) of axpy<float>``."""
+    return f"argument {index} ({param.describe()}) of {label}"
+
+
+def check_tensor_argument(where: str, param: abi.ParamType, dtype: str, tensor: str) -> None:
+    """Refuse a tensor (of element type ``dtype``, named ``tensor`` in messages) for ``param``
+    unless it is a pointer whose pointee takes that dtype."""
+    if not param.is_pointer:
+        raise ArgumentError(f"{where}: got a tensor for a parameter passed by value")
+    if not param.accepts_dtype(dtype):
+        raise ArgumentError(f"{where}: {tensor} has dtype {dtype}, which a {param.pointee}* cannot take")
+
+
+def plain_argument(where: str, param: abi.ParamType, value: object) -> object:
+    """What ``struct`` packs for an argument that is neither a tensor nor symbolic: 0 for None
+    given to a pointer (nullptr), a scalar checked by :func:`abi.scalar_value` for a by-value
+    parameter; an ArgumentError for anything else."""
+    if value is None:
+        if not param.is_pointer:
+            raise ArgumentError(f"{where}: None is only accepted for pointer parameters (nullptr)")
+        return 0
+    if param.is_pointer:
+        raise ArgumentError(f"{where}: expects a tensor, got {type(value).__qualname__}")
+    try:
+        return abi.scalar_value(param, value)
+    except abi.ScalarError as exc:
+        raise ArgumentError(
+            f"{where}: cannot take the {type(value).__qualname__} {value!r} without a lossy cast: {exc}"
+        ) from None
+
+
+def launch_dims(grid: object, block: object, shared: object, label: str) -> tuple[tuple, tuple, object]:
+    """``kernel[grid, block, shared]`` checked and normalized: grid and block as three
+    dimensions each, shared memory as an int (or an integer :class:`Sym` while tracing)."""
+    grid3 = _dims(grid, "grid", label)
+    block3 = _dims(block, "block", label)
+    if isinstance(shared, bool) or not isinstance(shared, (int, Sym)):
+        raise LaunchConfigError(f"{label}: shared memory must be an int number of bytes, got {shared!r}")
+    if isinstance(shared, Sym) and shared.is_float:
+        raise LaunchConfigError(f"{label}: shared memory size {shared.describe()} is not an integer")
+    if isinstance(shared, int):
+        shared = operator.index(shared)  # an IntEnum member or other int subclass: its plain int
+    return grid3, block3, shared
 
 
 def is_empty_grid(grid: tuple) -> bool:
