@@ -25,6 +25,20 @@ _ADVICE = (
 )
 
 
+def _refusal(what: str) -> Callable[..., NoReturn]:
+    def refuse(self: DeferredScalar, *args: object) -> NoReturn:
+        self._refuse(what)
+
+    return refuse
+
+
+def _operation(op: str, reflected: bool) -> Callable[[DeferredScalar, object], object]:
+    def apply(self: DeferredScalar, other: object) -> object:
+        return self._arithmetic(op, other, reflected)
+
+    return apply
+
+
 class DeferredScalar:
     """The dunders of a number whose value must not be used while it is traced or recorded:
     :class:`Sym` here, and replay's ``DynamicScalar`` (public for it, so both refuse and
@@ -35,14 +49,15 @@ class DeferredScalar:
     raise ``self._refuse(what)``; a subclass decides the error and the advice. Arithmetic
     (``+ - * / // %``, reflected too) builds another deferred value through
     ``self._arithmetic(op, other, reflected)`` (``other op self`` when ``reflected``). A
-    subclass implements those two and ``__neg__``, and may refuse more (hashing, iteration,
-    formatting). Defining ``__eq__`` here leaves ``__hash__`` to each subclass.
+    subclass implements those two and ``__neg__``, and may refuse more uses with
+    :meth:`refusal` (hashing, iteration, formatting). Defining ``__eq__`` here leaves
+    ``__hash__`` to each subclass.
     """
 
     __slots__ = ()
 
-    #: How :meth:`__index__` names the use it refuses.
-    _INDEX_USE = "use as an index"
+    #: ``refusal(what)``: a dunder (any arguments) that raises ``self._refuse(what)``.
+    refusal = staticmethod(_refusal)
 
     def _refuse(self, what: str) -> NoReturn:
         raise NotImplementedError
@@ -50,73 +65,23 @@ class DeferredScalar:
     def _arithmetic(self, op: str, other: object, reflected: bool) -> object:
         raise NotImplementedError
 
-    # --- refusing to be concrete ---------------------------------------------------------
-    def __bool__(self) -> bool:
-        self._refuse("bool()")
+    __bool__ = _refusal("bool()")
+    __int__ = _refusal("int()")
+    __float__ = _refusal("float()")
+    __index__ = _refusal("use as an index")
+    __eq__ = _refusal("comparison (==)")
+    __ne__ = _refusal("comparison (!=)")
+    __lt__ = _refusal("comparison (<)")
+    __le__ = _refusal("comparison (<=)")
+    __gt__ = _refusal("comparison (>)")
+    __ge__ = _refusal("comparison (>=)")
 
-    def __int__(self) -> int:
-        self._refuse("int()")
-
-    def __float__(self) -> float:
-        self._refuse("float()")
-
-    def __index__(self) -> int:
-        self._refuse(self._INDEX_USE)
-
-    def __eq__(self, other: object) -> bool:
-        self._refuse("comparison (==)")
-
-    def __ne__(self, other: object) -> bool:
-        self._refuse("comparison (!=)")
-
-    def __lt__(self, other: object) -> bool:
-        self._refuse("comparison (<)")
-
-    def __le__(self, other: object) -> bool:
-        self._refuse("comparison (<=)")
-
-    def __gt__(self, other: object) -> bool:
-        self._refuse("comparison (>)")
-
-    def __ge__(self, other: object) -> bool:
-        self._refuse("comparison (>=)")
-
-    # --- arithmetic builds expressions ---------------------------------------------------
-    def __add__(self, other: object) -> object:
-        return self._arithmetic("+", other, False)
-
-    def __radd__(self, other: object) -> object:
-        return self._arithmetic("+", other, True)
-
-    def __sub__(self, other: object) -> object:
-        return self._arithmetic("-", other, False)
-
-    def __rsub__(self, other: object) -> object:
-        return self._arithmetic("-", other, True)
-
-    def __mul__(self, other: object) -> object:
-        return self._arithmetic("*", other, False)
-
-    def __rmul__(self, other: object) -> object:
-        return self._arithmetic("*", other, True)
-
-    def __floordiv__(self, other: object) -> object:
-        return self._arithmetic("//", other, False)
-
-    def __rfloordiv__(self, other: object) -> object:
-        return self._arithmetic("//", other, True)
-
-    def __mod__(self, other: object) -> object:
-        return self._arithmetic("%", other, False)
-
-    def __rmod__(self, other: object) -> object:
-        return self._arithmetic("%", other, True)
-
-    def __truediv__(self, other: object) -> object:
-        return self._arithmetic("/", other, False)
-
-    def __rtruediv__(self, other: object) -> object:
-        return self._arithmetic("/", other, True)
+    __add__, __radd__ = _operation("+", False), _operation("+", True)
+    __sub__, __rsub__ = _operation("-", False), _operation("-", True)
+    __mul__, __rmul__ = _operation("*", False), _operation("*", True)
+    __floordiv__, __rfloordiv__ = _operation("//", False), _operation("//", True)
+    __mod__, __rmod__ = _operation("%", False), _operation("%", True)
+    __truediv__, __rtruediv__ = _operation("/", False), _operation("/", True)
 
     def __pos__(self) -> DeferredScalar:
         return self
@@ -185,7 +150,8 @@ class Sym(DeferredScalar):
         return f"Sym({self.describe()})"
 
     # --- DeferredScalar ------------------------------------------------------------------
-    _INDEX_USE = "use as an index (int)"
+    __index__ = _refusal("use as an index (int)")
+    __iter__ = _refusal("iteration")
 
     def _refuse(self, what: str) -> NoReturn:
         raise SymbolicValueError(f"{what} of the symbolic value {self.describe()}: {_ADVICE}")
@@ -195,9 +161,6 @@ class Sym(DeferredScalar):
 
     def __hash__(self) -> int:
         return id(self)
-
-    def __iter__(self):
-        self._refuse("iteration")
 
     def __neg__(self) -> Sym:
         return Sym("neg", (self,), self.is_float)

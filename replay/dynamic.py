@@ -82,14 +82,9 @@ class DynamicScalar(DeferredScalar):
     def _refuse(self, what: str) -> NoReturn:
         raise DynamicScalarError(f"{what} of dynamic scalar {self.name} inside a recorded region: {_ADVICE}")
 
-    def __complex__(self):
-        self._refuse("complex()")
-
-    def __hash__(self):
-        self._refuse("hash()")
-
-    def __format__(self, spec):
-        self._refuse("formatting")
+    __complex__ = DeferredScalar.refusal("complex()")
+    __hash__ = DeferredScalar.refusal("hash()")
+    __format__ = DeferredScalar.refusal("formatting")
 
     def _arithmetic(self, op: str, other: object, reflected: bool) -> DynamicScalar:
         constants = dict(self.constants)

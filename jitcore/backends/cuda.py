@@ -37,10 +37,6 @@ _check = StatusCheck(driver.CUresult, _error_string)
 
 
 class _Nvrtc(RuntimeCompiler):
-    prefix = "nvrtc"
-    title = "NVRTC"
-    arch_option = "--gpu-architecture"
-
     def code_kind(self, arch: str) -> str:
         return "CUBIN" if arch.startswith("sm_") else "PTX"  # compute_XX: PTX for the driver to JIT
 
@@ -128,7 +124,7 @@ class CudaBackend(Backend):
         self._contexts: dict[int, object] = {}
         self._limits: dict[int, DeviceLimits] = {}
         self._streams: dict[int, object] = {}
-        self._compiler = _Nvrtc(nvrtc, StatusCheck(nvrtc.nvrtcResult), _header_include_dir())
+        self._compiler = _Nvrtc(nvrtc, "nvrtc", "NVRTC", "--gpu-architecture", _header_include_dir())
         self.raw_launch = driver.cuLaunchKernel
         self.hot_namespace = {
             "_cuLaunchKernel": driver.cuLaunchKernel,

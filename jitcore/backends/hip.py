@@ -56,10 +56,6 @@ _check = StatusCheck(hip.hipError_t, _status_detail)
 
 
 class _Hiprtc(RuntimeCompiler):
-    prefix = "hiprtc"
-    title = "hiprtc"
-    arch_option = "--offload-arch"
-
     def destroy(self, program: object) -> None:
         # hiprtcDestroyProgram takes a hiprtcProgram*: hip-python wants a reference to the handle
         hiprtc.hiprtcDestroyProgram(program.createRef())
@@ -179,7 +175,7 @@ class HipBackend(Backend):
         self._runtime: ctypes.CDLL | None = None
         self._limits: dict[int, DeviceLimits] = {}
         self._streams = _StreamCache()
-        self._compiler = _Hiprtc(hiprtc, StatusCheck(hiprtc.hiprtcResult), _header_include_dir())
+        self._compiler = _Hiprtc(hiprtc, "hiprtc", "hiprtc", "--offload-arch", _header_include_dir())
         self.raw_launch = hip.hipModuleLaunchKernel
         self.hot_namespace = {
             "_hipModuleLaunchKernel": hip.hipModuleLaunchKernel,

@@ -80,23 +80,19 @@ class RuntimeCompiler:
     """NVRTC or hiprtc, driven from C++ source to a code object and its lowered names.
 
     Both compilers have one C API under two prefixes, bound alike, so each step is written
-    once and each call is looked up as ``prefix + name`` on ``binding`` (``nvrtc`` or
-    ``hiprtc``). A backend subclasses it for what differs: the class attributes below, and the
-    methods :meth:`code_kind`, :meth:`destroy`, :meth:`failure_hint` and
-    :meth:`library_missing`.
+    once and each call and the status enum (``nvrtcCompileProgram``, ``nvrtcResult``) are
+    looked up as ``prefix + name`` on ``binding`` (the ``nvrtc`` or ``hiprtc`` module). A
+    backend subclasses it where its compiler differs: :meth:`code_kind`, :meth:`destroy`,
+    :meth:`failure_hint` and :meth:`library_missing`.
     """
 
-    #: The prefix of every call and of the version string ("nvrtc", "hiprtc").
-    prefix: str
-    #: The compiler's name in messages ("NVRTC", "hiprtc").
-    title: str
-    #: The option naming the target architecture ("--gpu-architecture", "--offload-arch").
-    arch_option: str
-
-    def __init__(self, binding: ModuleType, check: StatusCheck, include_dir: str | None):
+    def __init__(self, binding: ModuleType, prefix: str, title: str, arch_option: str, include_dir: str | None):
         self.binding = binding
-        self.check = check
+        self.prefix = prefix  # of every call, of the status enum and of the version ("nvrtc", "hiprtc")
+        self.title = title  # the compiler's name in messages ("NVRTC", "hiprtc")
+        self.arch_option = arch_option  # names the target ("--gpu-architecture", "--offload-arch")
         self.include_dir = include_dir  # where the vendor headers the prelude includes are
+        self.check = StatusCheck(getattr(binding, prefix + "Result"))
 
     # --- what a vendor overrides ---------------------------------------------------------
     def code_kind(self, arch: str) -> str:
