@@ -159,6 +159,16 @@ typedef long long int64_t; typedef unsigned long long uint64_t;
 #endif
 """
 
+
+def prelude(source: str, type_names: Sequence[str], headers: Sequence[tuple[str, str]]) -> str:
+    """The source prepended to a kernel: :data:`INTEGER_TYPEDEFS`, then each vendor header
+    ``(marker, include)`` whose marker (a type name's fragment, e.g. ``"bfloat16"``) appears in
+    the kernel's source or its template arguments, so a kernel pays only for the headers its
+    types need."""
+    text = source + " " + " ".join(type_names)
+    return "\n".join([INTEGER_TYPEDEFS, *(include for marker, include in headers if marker in text)]) + "\n"
+
+
 _QUALIFIERS = re.compile(r"\b(const|volatile|__restrict__|__restrict|restrict|struct|__grid_constant__)\b")
 
 

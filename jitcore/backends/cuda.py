@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import threading
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 
-from jitcore.backends.abi import CUDA_TYPE_NAMES, INTEGER_TYPEDEFS, PackedParams, ParamLayout
-from jitcore.backends.base import Backend, CompiledBinary, DeviceLimits, GraphNode, LoadedFunction, NodeUpdater
-from jitcore.backends.vendor import RuntimeCompiler, StatusCheck
+from jitcore.backends.abi import CUDA_TYPE_NAMES, PackedParams, ParamLayout, prelude
+from jitcore.backends.base import CompiledBinary, GraphNode, LoadedFunction, NodeUpdater
+from jitcore.backends.vendor import DriverBackend, RuntimeCompiler, StatusCheck
 from jitcore.dtypes import DType
 from jitcore.errors import BackendUnavailableError, DriverError
 
@@ -51,10 +51,6 @@ def _function_attribute(function: object, name: str) -> int:
     return int(_check(driver.cuFuncGetAttribute(attribute, function), f"cuFuncGetAttribute({name})"))
 
 
-def _launch_failed(status: object, label: str) -> None:
-    raise _check.error(f"cuLaunchKernel({label})", status, with_detail=False)
-
-
 def _header_include_dir() -> str | None:
     """Where cuda_fp16.h and friends are (the nvidia-cuda-runtime wheel or CUDA_HOME)."""
     try:
@@ -75,6 +71,15 @@ def _header_include_dir() -> str | None:
         return "/usr/local/cuda/include"
     return None
 
+
+# The headers of the reduced-precision types, each where its marker is in a kernel or its
+# template arguments ("half" also matches __half).
+_HEADERS = (
+    ("half", "#include <cuda_fp16.h>"),
+    ("bfloat16", "#include <cuda_bf16.h>"),
+    ("__nv_fp8", "#include <cuda_fp8.h>"),
+    ("__nv_fp4", "#include <cuda_fp4.h>"),
+)
 
 _DIMENSION_FIELDS = {
     "grid_x": "gridDimX",
@@ -115,48 +120,38 @@ class _CudaNodeUpdater(NodeUpdater):
         return tuple(getattr(self.node_params, _DIMENSION_FIELDS[f]) for f in self.DIMENSIONS)
 
 
-class CudaBackend(Backend):
+class CudaBackend(DriverBackend):
     name = "cuda"
+    limit_attributes = (
+        "MAX_BLOCK_DIM_X",
+        "MAX_BLOCK_DIM_Y",
+        "MAX_BLOCK_DIM_Z",
+        "MAX_THREADS_PER_BLOCK",
+        "MAX_GRID_DIM_X",
+        "MAX_GRID_DIM_Y",
+        "MAX_GRID_DIM_Z",
+        "MAX_SHARED_MEMORY_PER_BLOCK",
+        "MAX_SHARED_MEMORY_PER_BLOCK_OPTIN",
+    )
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._initialized = False
+        super().__init__(driver.cuLaunchKernel, driver.cuGraphLaunch, 0, _check, {}, launch_detail=False)
         self._contexts: dict[int, object] = {}
-        self._limits: dict[int, DeviceLimits] = {}
-        self._streams: dict[int, object] = {}
         self._compiler = _Nvrtc(nvrtc, "nvrtc", "NVRTC", "--gpu-architecture", _header_include_dir())
-        self.raw_launch = driver.cuLaunchKernel
-        self.hot_namespace = {
-            "_cuLaunchKernel": driver.cuLaunchKernel,
-            "_cuGraphLaunch": driver.cuGraphLaunch,
-            "_STREAMS": self._streams,
-            "_stream_object": self.stream_object,
-            "_launch_failed": _launch_failed,
-            "_graph_launch_failed": self._graph_launch_failed,
-            **self.torch_hot_namespace(),
-        }
-        self.launch_template = (
-            "_r = _cuLaunchKernel({function}, {gx}, {gy}, {gz}, {bx}, {by}, {bz}, {shared}, {stream}, {params}, 0)\n"
-            "if _r[0]: _launch_failed(_r[0], {label})"
-        )
-        self.graph_launch_template = "_r = _cuGraphLaunch({exec}, {stream})\nif _r[0]: _graph_launch_failed(_r[0])"
 
     # --- driver state --------------------------------------------------------------------
-    def _ensure_init(self) -> None:
-        if self._initialized:
-            return
-        with self._lock:
-            if self._initialized:
-                return
-            try:
-                _check(driver.cuInit(0), "cuInit")
-            except DriverError:
-                raise
-            except Exception as exc:  # the driver library itself is missing
-                raise BackendUnavailableError(
-                    f"the NVIDIA driver could not be loaded ({exc}); a GPU is needed to launch kernels"
-                ) from exc
-            self._initialized = True
+    def _start_driver(self) -> None:
+        try:
+            _check(driver.cuInit(0), "cuInit")
+        except DriverError:
+            raise
+        except Exception as exc:  # the driver library itself is missing
+            raise BackendUnavailableError(
+                f"the NVIDIA driver could not be loaded ({exc}); a GPU is needed to launch kernels"
+            ) from exc
+
+    def _device_attributes(self, device: int) -> Callable[[str], int]:
+        return functools.partial(_device_attribute, _check(driver.cuDeviceGet(device), "cuDeviceGet"))
 
     def _context(self, device: int) -> object:
         """The device's primary context (the one torch uses), retained once."""
@@ -186,9 +181,6 @@ class CudaBackend(Backend):
             stream = self._streams[raw_stream] = driver.CUstream(raw_stream)
         return stream
 
-    def _graph_launch_failed(self, status: object) -> None:
-        raise _check.error("cuGraphLaunch", status, with_detail=False)
-
     # --- compilation ---------------------------------------------------------------------
     def compiler_version(self) -> str:
         return self._compiler.version()
@@ -207,17 +199,7 @@ class CudaBackend(Backend):
             raise TypeError(f"dtype {dtype.name} has no CUDA C type for a template argument") from None
 
     def prelude(self, source: str, type_names: Sequence[str]) -> str:
-        text = source + " " + " ".join(type_names)
-        lines = [INTEGER_TYPEDEFS]
-        if "__half" in text or "half" in text:
-            lines.append("#include <cuda_fp16.h>")
-        if "bfloat16" in text:
-            lines.append("#include <cuda_bf16.h>")
-        if "__nv_fp8" in text:
-            lines.append("#include <cuda_fp8.h>")
-        if "__nv_fp4" in text:
-            lines.append("#include <cuda_fp4.h>")
-        return "\n".join(lines) + "\n"
+        return prelude(source, type_names, _HEADERS)
 
     def compile(
         self, source: str, name_expressions: Sequence[str], options: Sequence[str], arch: str
@@ -242,25 +224,6 @@ class CudaBackend(Backend):
             )
         return loaded
 
-    def device_limits(self, device: int) -> DeviceLimits:
-        limits = self._limits.get(device)
-        if limits is None:
-            self._ensure_init()
-            handle = _check(driver.cuDeviceGet(device), "cuDeviceGet")
-
-            def get(name: str) -> int:
-                return _device_attribute(handle, name)
-
-            limits = DeviceLimits(
-                max_block=(get("MAX_BLOCK_DIM_X"), get("MAX_BLOCK_DIM_Y"), get("MAX_BLOCK_DIM_Z")),
-                max_threads_per_block=get("MAX_THREADS_PER_BLOCK"),
-                max_grid=(get("MAX_GRID_DIM_X"), get("MAX_GRID_DIM_Y"), get("MAX_GRID_DIM_Z")),
-                max_shared_per_block=get("MAX_SHARED_MEMORY_PER_BLOCK"),
-                max_shared_per_block_optin=get("MAX_SHARED_MEMORY_PER_BLOCK_OPTIN"),
-            )
-            self._limits[device] = limits
-        return limits
-
     def set_dynamic_shared_limit(self, function: LoadedFunction, nbytes: int) -> None:
         with self._in_context(function.device):
             _check(
@@ -272,13 +235,6 @@ class CudaBackend(Backend):
                 "cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)",
             )
         function.dynamic_shared_limit = int(nbytes)
-
-    def launch(self, function, grid, block, shared_bytes, stream, params) -> None:
-        result = driver.cuLaunchKernel(
-            function.handle, *grid, *block, shared_bytes, self.stream_object(stream), params.address, 0
-        )
-        if int(result[0]):
-            _launch_failed(result[0], function.name)
 
     def synchronize(self, device: int) -> None:
         with self._in_context(device):
@@ -366,8 +322,3 @@ class CudaBackend(Backend):
 
     def graph_exec_object(self, raw_exec: int) -> object:
         return driver.CUgraphExec(raw_exec)
-
-    def graph_launch(self, raw_exec: int, stream: int) -> None:
-        result = driver.cuGraphLaunch(driver.CUgraphExec(raw_exec), self.stream_object(stream))
-        if int(result[0]):
-            self._graph_launch_failed(result[0])

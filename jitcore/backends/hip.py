@@ -23,14 +23,14 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import os
-import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from jitcore.backends import hip_abi
 from jitcore.backends.abi import PackedParams, ParamLayout
-from jitcore.backends.base import Backend, CompiledBinary, DeviceLimits, GraphNode, LoadedFunction, NodeUpdater
-from jitcore.backends.vendor import RuntimeCompiler, StatusCheck
+from jitcore.backends.base import CompiledBinary, GraphNode, LoadedFunction, NodeUpdater
+from jitcore.backends.vendor import DriverBackend, RuntimeCompiler, StatusCheck
 from jitcore.dtypes import DType
 from jitcore.errors import BackendUnavailableError, DriverError
 
@@ -77,10 +77,6 @@ def _device_attribute(device: int, name: str) -> int:
 def _function_attribute(function: object, name: str) -> int:
     attribute = getattr(hip.hipFunction_attribute, f"HIP_FUNC_ATTRIBUTE_{name}")
     return int(_check(hip.hipFuncGetAttribute(attribute, function), f"hipFuncGetAttribute({name})"))
-
-
-def _launch_failed(status: object, label: str) -> None:
-    raise _check.error(f"hipModuleLaunchKernel({label})", status)
 
 
 def _library_missing(exc: Exception, what: str) -> BackendUnavailableError:
@@ -166,54 +162,43 @@ class _HipNodeUpdater(NodeUpdater):
         return (p.gridDim.x, p.gridDim.y, p.gridDim.z, p.blockDim.x, p.blockDim.y, p.blockDim.z, p.sharedMemBytes)
 
 
-class HipBackend(Backend):
+class HipBackend(DriverBackend):
     name = "hip"
+    limit_attributes = (
+        "MaxBlockDimX",
+        "MaxBlockDimY",
+        "MaxBlockDimZ",
+        "MaxThreadsPerBlock",
+        "MaxGridDimX",
+        "MaxGridDimY",
+        "MaxGridDimZ",
+        "MaxSharedMemoryPerBlock",
+        "SharedMemPerBlockOptin",
+    )
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._initialized = False
+        super().__init__(hip.hipModuleLaunchKernel, hip.hipGraphLaunch, None, _check, _StreamCache())
         self._runtime: ctypes.CDLL | None = None
-        self._limits: dict[int, DeviceLimits] = {}
-        self._streams = _StreamCache()
         self._compiler = _Hiprtc(hiprtc, "hiprtc", "hiprtc", "--offload-arch", _header_include_dir())
-        self.raw_launch = hip.hipModuleLaunchKernel
-        self.hot_namespace = {
-            "_hipModuleLaunchKernel": hip.hipModuleLaunchKernel,
-            "_hipGraphLaunch": hip.hipGraphLaunch,
-            "_STREAMS": self._streams,
-            "_stream_object": self.stream_object,
-            "_launch_failed": _launch_failed,
-            "_graph_launch_failed": self._graph_launch_failed,
-            **self.torch_hot_namespace(),
-        }
-        self.launch_template = (
-            "_r = _hipModuleLaunchKernel({function}, {gx}, {gy}, {gz}, {bx}, {by}, {bz}, {shared}, "
-            "{stream}, {params}, None)\n"
-            "if _r[0]: _launch_failed(_r[0], {label})"
-        )
-        self.graph_launch_template = "_r = _hipGraphLaunch({exec}, {stream})\nif _r[0]: _graph_launch_failed(_r[0])"
 
     # --- runtime state -------------------------------------------------------------------
-    def _ensure_init(self) -> None:
-        if self._initialized:
-            return
-        with self._lock:
-            if self._initialized:
-                return
-            try:
-                _check(hip.hipInit(0), "hipInit")
-            except DriverError:
-                raise
-            except Exception as exc:  # libamdhip64 itself is missing
-                raise _library_missing(exc, "the HIP runtime (libamdhip64)") from exc
-            runtimes = _loaded_runtimes()
-            if len(runtimes) > 1:
-                raise BackendUnavailableError(
-                    f"two HIP runtimes are loaded in this process ({', '.join(runtimes)}), most likely "
-                    "torch's and the one hip-python opened; handles from one are invalid in the other. "
-                    "Make hip-python load torch's libamdhip64 (ROCM_PATH / LD_LIBRARY_PATH)."
-                )
-            self._initialized = True
+    def _start_driver(self) -> None:
+        try:
+            _check(hip.hipInit(0), "hipInit")
+        except DriverError:
+            raise
+        except Exception as exc:  # libamdhip64 itself is missing
+            raise _library_missing(exc, "the HIP runtime (libamdhip64)") from exc
+        runtimes = _loaded_runtimes()
+        if len(runtimes) > 1:
+            raise BackendUnavailableError(
+                f"two HIP runtimes are loaded in this process ({', '.join(runtimes)}), most likely "
+                "torch's and the one hip-python opened; handles from one are invalid in the other. "
+                "Make hip-python load torch's libamdhip64 (ROCM_PATH / LD_LIBRARY_PATH)."
+            )
+
+    def _device_attributes(self, device: int) -> Callable[[str], int]:
+        return functools.partial(_device_attribute, device)
 
     def _graph_api(self) -> ctypes.CDLL:
         """libamdhip64 through ctypes: the copy already loaded (torch's and hip-python's)."""
@@ -243,9 +228,6 @@ class HipBackend(Backend):
 
     def stream_object(self, raw_stream: int) -> object:
         return self._streams[raw_stream]
-
-    def _graph_launch_failed(self, status: object) -> None:
-        raise _check.error("hipGraphLaunch", status)
 
     # --- compilation ---------------------------------------------------------------------
     def compiler_version(self) -> str:
@@ -288,24 +270,6 @@ class HipBackend(Backend):
             )
         return loaded
 
-    def device_limits(self, device: int) -> DeviceLimits:
-        limits = self._limits.get(device)
-        if limits is None:
-            self._ensure_init()
-
-            def get(name: str) -> int:
-                return _device_attribute(device, name)
-
-            limits = DeviceLimits(
-                max_block=(get("MaxBlockDimX"), get("MaxBlockDimY"), get("MaxBlockDimZ")),
-                max_threads_per_block=get("MaxThreadsPerBlock"),
-                max_grid=(get("MaxGridDimX"), get("MaxGridDimY"), get("MaxGridDimZ")),
-                max_shared_per_block=get("MaxSharedMemoryPerBlock"),
-                max_shared_per_block_optin=get("SharedMemPerBlockOptin"),
-            )
-            self._limits[device] = limits
-        return limits
-
     def set_dynamic_shared_limit(self, function: LoadedFunction, nbytes: int) -> None:
         # Nothing to opt into on AMD GPUs, and hipFuncSetAttribute does not accept a module
         # function: check the request against what the kernel can use and record it.
@@ -320,13 +284,6 @@ class HipBackend(Backend):
                 f"{function.name} asks for {int(nbytes)} bytes of dynamic shared memory; it can use {available}",
             )
         function.dynamic_shared_limit = int(nbytes)
-
-    def launch(self, function, grid, block, shared_bytes, stream, params) -> None:
-        result = hip.hipModuleLaunchKernel(
-            function.handle, *grid, *block, shared_bytes, self.stream_object(stream), params.address, None
-        )
-        if int(result[0]):
-            _launch_failed(result[0], function.name)
 
     def synchronize(self, device: int) -> None:
         with self._on_device(device):
@@ -445,11 +402,6 @@ class HipBackend(Backend):
 
     def graph_exec_object(self, raw_exec: int) -> object:
         return hip.hipGraphExec.fromObj(raw_exec)
-
-    def graph_launch(self, raw_exec: int, stream: int) -> None:
-        result = hip.hipGraphLaunch(hip.hipGraphExec.fromObj(raw_exec), self.stream_object(stream))
-        if int(result[0]):
-            self._graph_launch_failed(result[0])
 
 
 def _loaded_runtimes() -> list[str]:

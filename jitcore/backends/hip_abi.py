@@ -17,6 +17,7 @@ import os
 import re
 from collections.abc import Sequence
 
+from jitcore.backends import abi
 from jitcore.backends.abi import HIP_TYPE_NAMES, INTEGER_TYPEDEFS
 
 #: The HIP runtime hip-python opens (``DLL = b"libamdhip64.so"`` in its generated chip.pyx).
@@ -41,6 +42,15 @@ def type_name(dtype_name: str) -> str:
         raise TypeError(f"dtype {dtype_name} has no HIP C type for a template argument") from None
 
 
+_HEADERS = (
+    # hiprtc's builtins already declare __half (amd_hip_fp16.h is part of them): the header is
+    # only included where the ROCm include directory is on the search path.
+    ("half", "#if __has_include(<hip/hip_fp16.h>)\n#include <hip/hip_fp16.h>\n#endif"),
+    ("bfloat16", "#include <hip/hip_bf16.h>"),
+    ("__hip_fp8", "#include <hip/hip_fp8.h>"),
+)
+
+
 def prelude(source: str, type_names: Sequence[str]) -> str:
     """Integer typedefs (:data:`jitcore.backends.abi.INTEGER_TYPEDEFS`, which hiprtc's builtins
     accept), and the vendor headers for the reduced-precision types in use.
@@ -52,17 +62,7 @@ def prelude(source: str, type_names: Sequence[str]) -> str:
     is the older ``hip_bfloat16`` class, already part of hiprtc's builtins); the fp8 types
     (``__hip_fp8_e4m3``, ``__hip_fp8_e5m2`` and the ``_fnuz`` pair) come from ``<hip/hip_fp8.h>``.
     """
-    text = source + " " + " ".join(type_names)
-    lines = [INTEGER_TYPEDEFS]
-    if "half" in text:
-        # hiprtc's builtins already declare __half (amd_hip_fp16.h is part of them): the header
-        # is only included where the ROCm include directory is on the search path.
-        lines.append("#if __has_include(<hip/hip_fp16.h>)\n#include <hip/hip_fp16.h>\n#endif")
-    if "bfloat16" in text:
-        lines.append("#include <hip/hip_bf16.h>")
-    if "__hip_fp8" in text:
-        lines.append("#include <hip/hip_fp8.h>")
-    return "\n".join(lines) + "\n"
+    return abi.prelude(source, type_names, _HEADERS)
 
 
 _ARCH = re.compile(r"^gfx[0-9a-z]+(?:-[0-9a-z]+)*$")

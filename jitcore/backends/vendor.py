@@ -13,10 +13,13 @@ status itself and only calls a backend's error builder when it failed).
 
 from __future__ import annotations
 
+import abc
+import threading
 from collections.abc import Callable, Sequence
 from types import ModuleType
+from typing import NoReturn
 
-from jitcore.backends.base import CompiledBinary
+from jitcore.backends.base import Backend, CompiledBinary, DeviceLimits
 from jitcore.errors import CompileError, DriverError
 
 
@@ -179,4 +182,111 @@ class RuntimeCompiler:
         return bytes(buffer).rstrip(b"\0 ").decode(errors="replace")
 
 
-__all__ = ["RuntimeCompiler", "StatusCheck", "status_name", "unpack"]
+class DriverBackend(Backend):
+    """A vendor backend's driver side, where CUDA's and HIP's take the same steps over other
+    calls: the hot namespace and launch templates of generated code, starting the driver once
+    per process, reading a device's limits once, and the checked launch and graph launch of
+    slow paths and tests.
+
+    A subclass passes its launch calls to ``__init__``, names :class:`DeviceLimits`' device
+    attributes in ``limit_attributes`` and implements :meth:`_start_driver` and
+    :meth:`_device_attributes`.
+    """
+
+    #: The vendor's names of the device attributes :class:`DeviceLimits` holds, in its field
+    #: order: block x, y, z; threads per block; grid x, y, z; shared memory per block, without
+    #: and with opting in.
+    limit_attributes: tuple[str, ...]
+
+    def __init__(
+        self,
+        launch: Callable[..., tuple],
+        graph_launch: Callable[..., tuple],
+        no_extra: object,
+        check: StatusCheck,
+        streams: dict[int, object],
+        *,
+        launch_detail: bool = True,
+    ) -> None:
+        """``launch`` and ``graph_launch`` are the vendor calls (generated code calls them as
+        ``_<their name>``), ``no_extra`` what the launch takes for its unused ``extra`` argument,
+        ``check`` the driver's result check, ``streams`` the raw-handle -> stream-object cache
+        generated code reads as ``_STREAMS``. ``launch_detail``: whether a failed launch's error
+        carries the driver's sentence for its status."""
+        self._lock = threading.Lock()
+        self._initialized = False
+        self._limits: dict[int, DeviceLimits] = {}
+        self._streams = streams
+        self._driver_check = check
+        self._launch_detail = launch_detail
+        self._launch_name = launch.__name__
+        self._graph_launch_name = graph_launch.__name__
+        self._no_extra = no_extra
+        self._raw_graph_launch = graph_launch
+        self.raw_launch = launch
+        self.hot_namespace = {
+            f"_{self._launch_name}": launch,
+            f"_{self._graph_launch_name}": graph_launch,
+            "_STREAMS": streams,
+            "_stream_object": self.stream_object,
+            "_launch_failed": self._launch_failed,
+            "_graph_launch_failed": self._graph_launch_failed,
+            **self.torch_hot_namespace(),
+        }
+        self.launch_template = (
+            f"_r = _{self._launch_name}({{function}}, {{gx}}, {{gy}}, {{gz}}, {{bx}}, {{by}}, {{bz}}, {{shared}}, "
+            f"{{stream}}, {{params}}, {no_extra!r})\n"
+            "if _r[0]: _launch_failed(_r[0], {label})"
+        )
+        self.graph_launch_template = (
+            f"_r = _{self._graph_launch_name}({{exec}}, {{stream}})\nif _r[0]: _graph_launch_failed(_r[0])"
+        )
+
+    # --- what a vendor implements --------------------------------------------------------
+    @abc.abstractmethod
+    def _start_driver(self) -> None:
+        """Initialise the driver: called once per process, under a lock, by :meth:`_ensure_init`."""
+
+    @abc.abstractmethod
+    def _device_attributes(self, device: int) -> Callable[[str], int]:
+        """A reader of ``device``'s attributes by vendor name (after :meth:`_ensure_init`)."""
+
+    # --- the steps -----------------------------------------------------------------------
+    def _ensure_init(self) -> None:
+        if self._initialized:
+            return
+        with self._lock:
+            if self._initialized:
+                return
+            self._start_driver()
+            self._initialized = True
+
+    def device_limits(self, device: int) -> DeviceLimits:
+        limits = self._limits.get(device)
+        if limits is None:
+            self._ensure_init()
+            get = self._device_attributes(device)
+            bx, by, bz, threads, gx, gy, gz, shared, optin = (get(name) for name in self.limit_attributes)
+            limits = self._limits[device] = DeviceLimits((bx, by, bz), threads, (gx, gy, gz), shared, optin)
+        return limits
+
+    def _launch_failed(self, status: object, label: str) -> NoReturn:
+        raise self._driver_check.error(f"{self._launch_name}({label})", status, with_detail=self._launch_detail)
+
+    def _graph_launch_failed(self, status: object) -> NoReturn:
+        raise self._driver_check.error(self._graph_launch_name, status, with_detail=self._launch_detail)
+
+    def launch(self, function, grid, block, shared_bytes, stream, params) -> None:  # Backend.launch's types
+        result = self.raw_launch(
+            function.handle, *grid, *block, shared_bytes, self.stream_object(stream), params.address, self._no_extra
+        )
+        if int(result[0]):
+            self._launch_failed(result[0], function.name)
+
+    def graph_launch(self, raw_exec: int, stream: int) -> None:
+        result = self._raw_graph_launch(self.graph_exec_object(raw_exec), self.stream_object(stream))
+        if int(result[0]):
+            self._graph_launch_failed(result[0])
+
+
+__all__ = ["DriverBackend", "RuntimeCompiler", "StatusCheck", "status_name", "unpack"]
