@@ -12,7 +12,7 @@ import functools
 from collections.abc import Callable, Sequence
 
 from jitcore.backends.abi import CUDA_TYPE_NAMES, PackedParams, ParamLayout, prelude
-from jitcore.backends.base import CompiledBinary, GraphNode, LoadedFunction, NodeUpdater
+from jitcore.backends.base import GraphNode, LoadedFunction, NodeUpdater
 from jitcore.backends.vendor import DriverBackend, RuntimeCompiler, StatusCheck
 from jitcore.dtypes import DType
 from jitcore.errors import BackendUnavailableError, DriverError
@@ -135,9 +135,9 @@ class CudaBackend(DriverBackend):
     )
 
     def __init__(self) -> None:
-        super().__init__(driver.cuLaunchKernel, driver.cuGraphLaunch, 0, _check, {}, launch_detail=False)
+        compiler = _Nvrtc(nvrtc, "nvrtc", "NVRTC", "--gpu-architecture", _header_include_dir())
+        super().__init__(compiler, driver.cuLaunchKernel, driver.cuGraphLaunch, 0, _check, {}, launch_detail=False)
         self._contexts: dict[int, object] = {}
-        self._compiler = _Nvrtc(nvrtc, "nvrtc", "NVRTC", "--gpu-architecture", _header_include_dir())
 
     # --- driver state --------------------------------------------------------------------
     def _start_driver(self) -> None:
@@ -163,7 +163,7 @@ class CudaBackend(DriverBackend):
             self._contexts[device] = context
         return context
 
-    def _in_context(self, device: int):
+    def _on_device(self, device: int) -> contextlib.AbstractContextManager:
         backend = self
 
         class _Scope:
@@ -175,6 +175,13 @@ class CudaBackend(DriverBackend):
 
         return _Scope()
 
+    def _load_function(self, image: bytes, lowered: str) -> tuple[object, object]:
+        module = _check(driver.cuModuleLoadData(image), "cuModuleLoadData")
+        return _check(driver.cuModuleGetFunction(module, lowered.encode()), "cuModuleGetFunction"), module
+
+    def _function_attribute(self, function: object, name: str) -> int:
+        return _function_attribute(function, name)
+
     def stream_object(self, raw_stream: int) -> object:
         stream = self._streams.get(raw_stream)
         if stream is None:
@@ -182,9 +189,6 @@ class CudaBackend(DriverBackend):
         return stream
 
     # --- compilation ---------------------------------------------------------------------
-    def compiler_version(self) -> str:
-        return self._compiler.version()
-
     def device_arch(self, device: int) -> str:
         self._ensure_init()
         handle = _check(driver.cuDeviceGet(device), "cuDeviceGet")
@@ -201,31 +205,9 @@ class CudaBackend(DriverBackend):
     def prelude(self, source: str, type_names: Sequence[str]) -> str:
         return prelude(source, type_names, _HEADERS)
 
-    def compile(
-        self, source: str, name_expressions: Sequence[str], options: Sequence[str], arch: str
-    ) -> CompiledBinary:
-        return self._compiler.compile(source, name_expressions, options, arch)
-
     # --- modules and launches ------------------------------------------------------------
-    def load(self, binary: CompiledBinary, name_expression: str, device: int) -> LoadedFunction:
-        lowered = binary.lowered_names[name_expression]
-        with self._in_context(device):
-            module = _check(driver.cuModuleLoadData(binary.image), "cuModuleLoadData")
-            function = _check(driver.cuModuleGetFunction(module, lowered.encode()), "cuModuleGetFunction")
-            loaded = LoadedFunction(
-                handle=function,
-                address=int(function),
-                device=device,
-                name=name_expression,
-                max_threads_per_block=_function_attribute(function, "MAX_THREADS_PER_BLOCK"),
-                static_shared_bytes=_function_attribute(function, "SHARED_SIZE_BYTES"),
-                dynamic_shared_limit=_function_attribute(function, "MAX_DYNAMIC_SHARED_SIZE_BYTES"),
-                owner=module,
-            )
-        return loaded
-
     def set_dynamic_shared_limit(self, function: LoadedFunction, nbytes: int) -> None:
-        with self._in_context(function.device):
+        with self._on_device(function.device):
             _check(
                 driver.cuFuncSetAttribute(
                     function.handle,
@@ -237,7 +219,7 @@ class CudaBackend(DriverBackend):
         function.dynamic_shared_limit = int(nbytes)
 
     def synchronize(self, device: int) -> None:
-        with self._in_context(device):
+        with self._on_device(device):
             _check(driver.cuCtxSynchronize(), "cuCtxSynchronize")
 
     # --- graphs --------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 from jitcore.backends import hip_abi
 from jitcore.backends.abi import PackedParams, ParamLayout
-from jitcore.backends.base import CompiledBinary, GraphNode, LoadedFunction, NodeUpdater
+from jitcore.backends.base import GraphNode, LoadedFunction, NodeUpdater
 from jitcore.backends.vendor import DriverBackend, RuntimeCompiler, StatusCheck
 from jitcore.dtypes import DType
 from jitcore.errors import BackendUnavailableError, DriverError
@@ -177,9 +177,9 @@ class HipBackend(DriverBackend):
     )
 
     def __init__(self) -> None:
-        super().__init__(hip.hipModuleLaunchKernel, hip.hipGraphLaunch, None, _check, _StreamCache())
+        compiler = _Hiprtc(hiprtc, "hiprtc", "hiprtc", "--offload-arch", _header_include_dir())
+        super().__init__(compiler, hip.hipModuleLaunchKernel, hip.hipGraphLaunch, None, _check, _StreamCache())
         self._runtime: ctypes.CDLL | None = None
-        self._compiler = _Hiprtc(hiprtc, "hiprtc", "hiprtc", "--offload-arch", _header_include_dir())
 
     # --- runtime state -------------------------------------------------------------------
     def _start_driver(self) -> None:
@@ -226,13 +226,22 @@ class HipBackend(DriverBackend):
             if previous != device:
                 _check(hip.hipSetDevice(previous), "hipSetDevice")
 
+    def _load_function(self, image: bytes, lowered: str) -> tuple[object, object]:
+        module = _check(hip.hipModuleLoadData(image), "hipModuleLoadData")
+        function = _check(hip.hipModuleGetFunction(module, lowered.encode()), "hipModuleGetFunction")
+        # clr's FatBinaryInfo keeps a pointer to the image (no copy) and may read it again
+        # later, for another device: the image lives as long as the module.
+        return function, (module, image)
+
+    def _function_attribute(self, function: object, name: str) -> int:
+        # MAX_DYNAMIC_SHARED_SIZE_BYTES is all the LDS the kernel does not use statically: AMD
+        # GPUs have no opt-in limit
+        return _function_attribute(function, name)
+
     def stream_object(self, raw_stream: int) -> object:
         return self._streams[raw_stream]
 
     # --- compilation ---------------------------------------------------------------------
-    def compiler_version(self) -> str:
-        return self._compiler.version()
-
     def device_arch(self, device: int) -> str:
         self._ensure_init()
         return hip_abi.parse_arch(_device_properties(device).gcnArchName)
@@ -243,33 +252,7 @@ class HipBackend(DriverBackend):
     def prelude(self, source: str, type_names: Sequence[str]) -> str:
         return hip_abi.prelude(source, type_names)
 
-    def compile(
-        self, source: str, name_expressions: Sequence[str], options: Sequence[str], arch: str
-    ) -> CompiledBinary:
-        return self._compiler.compile(source, name_expressions, options, arch)
-
     # --- modules and launches ------------------------------------------------------------
-    def load(self, binary: CompiledBinary, name_expression: str, device: int) -> LoadedFunction:
-        lowered = binary.lowered_names[name_expression]
-        image = binary.image
-        with self._on_device(device):
-            module = _check(hip.hipModuleLoadData(image), "hipModuleLoadData")
-            function = _check(hip.hipModuleGetFunction(module, lowered.encode()), "hipModuleGetFunction")
-            loaded = LoadedFunction(
-                handle=function,
-                address=int(function),
-                device=device,
-                name=name_expression,
-                max_threads_per_block=_function_attribute(function, "MAX_THREADS_PER_BLOCK"),
-                static_shared_bytes=_function_attribute(function, "SHARED_SIZE_BYTES"),
-                # all the LDS the kernel does not use statically: AMD GPUs have no opt-in limit
-                dynamic_shared_limit=_function_attribute(function, "MAX_DYNAMIC_SHARED_SIZE_BYTES"),
-                # clr's FatBinaryInfo keeps a pointer to the image (no copy) and may read it
-                # again later, for another device: the image lives as long as the module.
-                owner=(module, image),
-            )
-        return loaded
-
     def set_dynamic_shared_limit(self, function: LoadedFunction, nbytes: int) -> None:
         # Nothing to opt into on AMD GPUs, and hipFuncSetAttribute does not accept a module
         # function: check the request against what the kernel can use and record it.

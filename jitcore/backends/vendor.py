@@ -14,12 +14,13 @@ status itself and only calls a backend's error builder when it failed).
 from __future__ import annotations
 
 import abc
+import contextlib
 import threading
 from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import NoReturn
 
-from jitcore.backends.base import Backend, CompiledBinary, DeviceLimits
+from jitcore.backends.base import Backend, CompiledBinary, DeviceLimits, LoadedFunction
 from jitcore.errors import CompileError, DriverError
 
 
@@ -200,6 +201,7 @@ class DriverBackend(Backend):
 
     def __init__(
         self,
+        compiler: RuntimeCompiler,
         launch: Callable[..., tuple],
         graph_launch: Callable[..., tuple],
         no_extra: object,
@@ -208,11 +210,13 @@ class DriverBackend(Backend):
         *,
         launch_detail: bool = True,
     ) -> None:
-        """``launch`` and ``graph_launch`` are the vendor calls (generated code calls them as
-        ``_<their name>``), ``no_extra`` what the launch takes for its unused ``extra`` argument,
-        ``check`` the driver's result check, ``streams`` the raw-handle -> stream-object cache
-        generated code reads as ``_STREAMS``. ``launch_detail``: whether a failed launch's error
-        carries the driver's sentence for its status."""
+        """``compiler`` compiles for this vendor; ``launch`` and ``graph_launch`` are the vendor
+        calls (generated code calls them as ``_<their name>``), ``no_extra`` what the launch takes
+        for its unused ``extra`` argument, ``check`` the driver's result check, ``streams`` the
+        raw-handle -> stream-object cache generated code reads as ``_STREAMS``.
+        ``launch_detail``: whether a failed launch's error carries the driver's sentence for its
+        status."""
+        self._compiler = compiler
         self._lock = threading.Lock()
         self._initialized = False
         self._limits: dict[int, DeviceLimits] = {}
@@ -251,6 +255,20 @@ class DriverBackend(Backend):
     def _device_attributes(self, device: int) -> Callable[[str], int]:
         """A reader of ``device``'s attributes by vendor name (after :meth:`_ensure_init`)."""
 
+    @abc.abstractmethod
+    def _on_device(self, device: int) -> contextlib.AbstractContextManager:
+        """A context in which driver calls act on ``device`` (CUDA: its primary context pushed;
+        HIP: it made current)."""
+
+    @abc.abstractmethod
+    def _load_function(self, image: bytes, lowered: str) -> tuple[object, object]:
+        """(function, owner): ``image`` loaded as a module and its function ``lowered``; the
+        owner is what must stay alive as long as the function (the module, ...)."""
+
+    @abc.abstractmethod
+    def _function_attribute(self, function: object, name: str) -> int:
+        """A function attribute by its name without the vendor prefix (``SHARED_SIZE_BYTES``)."""
+
     # --- the steps -----------------------------------------------------------------------
     def _ensure_init(self) -> None:
         if self._initialized:
@@ -269,6 +287,29 @@ class DriverBackend(Backend):
             bx, by, bz, threads, gx, gy, gz, shared, optin = (get(name) for name in self.limit_attributes)
             limits = self._limits[device] = DeviceLimits((bx, by, bz), threads, (gx, gy, gz), shared, optin)
         return limits
+
+    def compiler_version(self) -> str:
+        return self._compiler.version()
+
+    def compile(
+        self, source: str, name_expressions: Sequence[str], options: Sequence[str], arch: str
+    ) -> CompiledBinary:
+        return self._compiler.compile(source, name_expressions, options, arch)
+
+    def load(self, binary: CompiledBinary, name_expression: str, device: int) -> LoadedFunction:
+        lowered = binary.lowered_names[name_expression]
+        with self._on_device(device):
+            function, owner = self._load_function(binary.image, lowered)
+            return LoadedFunction(
+                handle=function,
+                address=int(function),
+                device=device,
+                name=name_expression,
+                max_threads_per_block=self._function_attribute(function, "MAX_THREADS_PER_BLOCK"),
+                static_shared_bytes=self._function_attribute(function, "SHARED_SIZE_BYTES"),
+                dynamic_shared_limit=self._function_attribute(function, "MAX_DYNAMIC_SHARED_SIZE_BYTES"),
+                owner=owner,
+            )
 
     def _launch_failed(self, status: object, label: str) -> NoReturn:
         raise self._driver_check.error(f"{self._launch_name}({label})", status, with_detail=self._launch_detail)
