@@ -139,7 +139,8 @@ def declare_graph_api(library: object) -> object:
     """Give the graph functions of a ``ctypes.CDLL`` of libamdhip64 their C prototypes.
 
     Each returns a one-tuple ``(status,)`` like every hip-python call, so generated code and
-    :func:`jitcore.backends.hip._check` treat both the same way.
+    the backend's result check (:class:`jitcore.backends.vendor.StatusCheck`) treat both the
+    same way.
     """
     for name, argtypes in _GRAPH_PROTOTYPES.items():
         function = getattr(library, name)
