@@ -30,6 +30,7 @@ import torch
 
 import jitcore
 from jitcore.backends import get_backend
+from jitcore.codegen import never
 from jitcore.errors import GlobalDriftError
 from replay import buckets, keys, observe, recording
 from replay.admission import Admission, CompactionRule
@@ -76,10 +77,6 @@ def _no_fast_path(args: tuple) -> object:
 
 
 _DYNAMIC_MARK = ("replay.dynamic",)
-
-
-def _never(*args: object) -> bool:
-    return False
 
 
 class Entry:
@@ -563,8 +560,8 @@ class Region:
     def _promote(self, entry: Entry, spec: object, leaves: Sequence) -> None:
         """Put a recorded key of a flat call on the fast dispatch path."""
         if entry.guard is None:
-            entry.guard = self._make_guard(entry, spec, leaves) or _never
-        if entry.guard is _never:
+            entry.guard = self._make_guard(entry, spec, leaves) or never
+        if entry.guard is never:
             return
         try:
             pre_key = self.pre_key(leaves)
