@@ -729,6 +729,6 @@ class _Encoder:
 
 def _pack_one(packed: PackedParams, launch: TraceLaunch, index: int, value: object) -> None:
     param = launch.kernel.param_types[index]
-    struct.pack_into(
-        "<" + param.fmt, packed.buffer, launch.kernel.layout.offsets[index], abi.scalar_value(param, value)
-    )
+    # a constant pointer is the null pointer of a left-out optional tensor (tracing packs it as 0)
+    packed_value = value if param.is_pointer else abi.scalar_value(param, value)
+    struct.pack_into("<" + param.fmt, packed.buffer, launch.kernel.layout.offsets[index], packed_value)

@@ -286,8 +286,8 @@ class JitFunction:
         return state
 
     def _traced(self, trace: Trace, index: int, param: keys.Parameter, arg: object, signature: object) -> object:
-        if param.constexpr:
-            return arg
+        if param.constexpr or arg is None:
+            return arg  # static for this call state (None: a left-out optional tensor, a null pointer)
         if isinstance(arg, torch.Tensor) or isinstance(arg, tensors.TensorAdaptor):
             return _traced_tensor(trace, index, arg, signature.signature)
         if hasattr(arg, "__cache_signature__"):

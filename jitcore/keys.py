@@ -60,7 +60,9 @@ def is_constexpr_annotation(annotation: object) -> bool:
 #: runtime scalar may be (replay's dynamic arguments and the constants arithmetic on them takes).
 NUMBERS: tuple[type, ...] = (int, float, bool, np.integer, np.floating, np.bool_)
 
-SCALAR_SIGNATURES: dict[type, str] = {bool: "bool", int: "int", float: "float"}
+# Keyed by class alone (their values reach call states at run time). None is here too: an
+# optional tensor left out (a null pointer) selects its own call state, apart from tensors.
+SCALAR_SIGNATURES: dict[type, str] = {bool: "bool", int: "int", float: "float", type(None): "None"}
 for _np_type in (
     np.bool_,
     np.int8,

@@ -761,3 +761,30 @@ def test_hit_path_parts_check_the_launchers_globals(backend, monkeypatch):
 def test_hit_path_parts_needs_a_jit_launcher():
     with pytest.raises(TypeError, match="expects a @jit launcher"):
         jc.hit_path_parts(lambda x: None, 1)
+
+
+BIASED = jc.Kernel("__global__ void biased(const float* x, const float* bias, float* out, long long n) {}", "biased")
+
+
+def test_none_for_a_pointer_is_a_null_pointer_with_its_own_call_state(backend):
+    @jc.jit
+    def launch(x, bias, out):
+        BIASED[1, 32](x, bias, out, x.numel())
+
+    track_layouts(backend, BIASED.instantiate())
+    x, bias, out = torch.randn(8), torch.randn(8), torch.empty(8)
+    for passed in (None, bias, None, None, bias, bias, None):  # the MRU guard flips between both
+        backend.calls.clear()
+        launch(x, passed, out)
+        (call,) = backend.calls
+        params = call[7]
+        assert unpack("Q", params[0]) == x.data_ptr() and unpack("Q", params[2]) == out.data_ptr()
+        assert unpack("Q", params[1]) == (0 if passed is None else bias.data_ptr())
+    assert launch.cache_info().compiles == 2  # None and a tensor: two call states
+    with pytest.raises(ArgumentError, match=r"argument 3 \(long long n\).*None is only accepted for pointer"):
+
+        @jc.jit
+        def sized(x, n, out):
+            BIASED[1, 32](x, x, out, n)
+
+        sized(x, None, out)

@@ -389,3 +389,40 @@ def test_verify_every_catches_padding_of_a_region_that_mixes_rows():
         centred = session.region(lambda x: x - x.mean(0, keepdim=True), name="centred")
         with pytest.raises(replay.ReplayMismatchError, match="not independent"):
             centred(replay.padded(torch.randn(3, DIM, device="cuda") + 1))
+
+
+add_bias_kernel = jc.Kernel(
+    r"""
+__global__ void add_bias(const float* __restrict__ x, const float* __restrict__ bias, float* __restrict__ y,
+                         int cols, long long n) {
+    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (i < n) y[i] = x[i] * 2.f + (bias ? bias[i % cols] : 0.f);
+}
+""",
+    "add_bias",
+)
+
+
+@jc.jit
+def add_bias(x, bias, y):
+    n = x.numel()
+    add_bias_kernel[jc.cdiv(n, 256), 256](x, bias, y, x.shape[1], n)
+
+
+def optional_bias_step(x, bias):
+    y = torch.empty_like(x)
+    add_bias(x, bias, y)
+    return y
+
+
+def test_an_optional_tensor_left_out_is_its_own_key_and_replays_exactly():
+    with replay.capture() as session:
+        step = session.region(optional_bias_step)
+        for number in range(12):
+            x = torch.randn(4, 32, device="cuda")
+            bias = torch.randn(32, device="cuda") if number % 3 else None
+            expected = x * 2 + (bias if bias is not None else 0)
+            got = step(x, bias)
+            assert torch.equal(got, expected), f"call {number}, bias {'given' if bias is not None else 'None'}"
+        stats = session.stats()
+    assert stats.records == 2 and stats.replays >= 8, session.report()
