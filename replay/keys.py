@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import itertools
 import struct
 from collections.abc import Callable, Sequence
 
@@ -182,7 +183,19 @@ def tensor_ranges(leaves: Sequence) -> list[tuple[int, int, int]]:
 def alias_pattern(leaves: Sequence) -> tuple[tuple[int, int], ...]:
     """The pairs of tensor leaves whose bytes overlap (the same tensor twice, overlapping
     views). A graph recorded for one pattern must never serve another: a region that writes
-    one argument and reads the other gives different results when they share memory."""
+    one argument and reads the other gives different results when they share memory.
+
+    Most calls pass tensors of distinct allocations: when the storages' byte spans are
+    disjoint, no two tensors can overlap and the exact element ranges are not computed."""
+    tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+    if len(tensors) < 2:
+        return ()
+    try:
+        spans = sorted((s.data_ptr(), s.nbytes()) for s in (t.untyped_storage() for t in tensors))
+    except (RuntimeError, NotImplementedError):  # a tensor without a plain storage
+        spans = None
+    if spans is not None and all(lo + size <= next_lo for (lo, size), (next_lo, _) in itertools.pairwise(spans)):
+        return ()
     return pattern_of(tensor_ranges(leaves))
 
 

@@ -6,8 +6,10 @@ import collections
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from replay import dynamic
+from replay import dynamic, keys
 from replay.keys import FLAT, extent_bytes, flatten, leaf_key, plain_leaves, region_key, unflatten
 
 Pair = collections.namedtuple("Pair", "a b")
@@ -72,3 +74,21 @@ def test_extent():
     assert extent_bytes(torch.empty(4, 6)[:, :2]) == (3 * 6 + 1 + 1) * 4
     assert extent_bytes(torch.empty(1, 5).expand(3, 5)) == 20
     assert extent_bytes(torch.empty(0, 5)) == 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_the_alias_pattern_shortcut_equals_the_exact_ranges(data):
+    # views of two storages, and a storage aliased by another (a DLPack re-export): the
+    # shortcut for disjoint storages must never hide an overlap
+    base, other = torch.arange(64.0), torch.arange(32.0)
+    aliased = torch.from_dlpack(base[8:40])  # a second storage over part of base's bytes
+    sources = [base, other, aliased]
+    leaves = []
+    for _ in range(data.draw(st.integers(2, 5))):
+        source = sources[data.draw(st.integers(0, 2))]
+        start = data.draw(st.integers(0, source.numel() - 1))
+        stop = data.draw(st.integers(start, source.numel()))
+        step = data.draw(st.integers(1, 3))
+        leaves.append(source[start:stop:step])
+    assert keys.alias_pattern(leaves) == keys.pattern_of(keys.tensor_ranges(leaves))
