@@ -30,6 +30,7 @@ import struct
 import weakref
 from collections.abc import Callable, Sequence
 
+import attrs
 import torch
 
 from jitcore import codegen
@@ -181,6 +182,90 @@ class _Source:
         return "\n".join(self.lines) + "\n"
 
 
+@attrs.frozen
+class _Slot:
+    """One value a replay may write into a kernel node; ``_last[index]`` in the generated
+    code is what the node holds now."""
+
+    index: int
+    value: str  # the expression of what this call needs the node to hold
+    writes: list[str]  # the statements writing it into the node's buffer or dimensions
+
+    @property
+    def changed(self) -> str:
+        """The generated name of whether this call's value differs from the node's."""
+        return f"_c{self.index}"
+
+
+@attrs.define
+class _Patches:
+    """What phase 1 of a replay computed for the nodes, and phase 2 may write into them."""
+
+    slots: dict[int, list[_Slot]] = attrs.Factory(dict)  # node index -> its slots
+    last: list[object] = attrs.Factory(list)  # per slot, what its node holds now: ``_last``
+    zero_grids: dict[int, list[str]] = attrs.Factory(dict)  # node -> conditions of a grid of 0
+
+    def add(self, node: int, value: str, writes: list[str], *, held: object) -> None:
+        """A slot of ``node`` whose node holds ``held`` now (the recorded value)."""
+        self.slots.setdefault(node, []).append(_Slot(len(self.last), value, writes))
+        self.last.append(held)
+
+
+@attrs.frozen
+class TensorTemplate:
+    """A recorded tensor argument's layout: a placeholder like it records the key again."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@attrs.frozen(eq=False)
+class ValueTemplate:
+    """A recorded argument that is not a tensor, passed again as it was."""
+
+    value: object
+
+
+# What each output leaf of a graph is (:meth:`RecordedGraph._classify_outputs`); compared by
+# identity (``eq=False``) where they hold tensors or arbitrary values.
+
+
+@attrs.frozen(eq=False)
+class OwnedOutput:
+    """A tensor in memory the graph owns: every replay writes it again."""
+
+    tensor: torch.Tensor
+
+
+@attrs.frozen
+class InputView:
+    """A view of an input (or of its staged buffer, which has the input's layout): rebuilt
+    on the caller's input at every replay."""
+
+    input: int  # leaf index
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    delta: int  # in elements, from the input's first element
+    whole: bool  # the input itself: returned as is
+
+
+@attrs.frozen(eq=False)
+class ConstantOutput:
+    """Anything else the region returned (a number, a string, None): returned as it was."""
+
+    value: object
+
+
+@attrs.frozen(eq=False)
+class DynamicOutput:
+    """A value computed from dynamic scalars: recomputed from each call's values."""
+
+    scalar: DynamicScalar
+
+
+Output = OwnedOutput | InputView | ConstantOutput | DynamicOutput
+
 _ARITHMETIC_ERRORS = (struct.error, OverflowError, TypeError, ValueError, ArithmeticError)
 
 
@@ -230,9 +315,9 @@ class RecordedGraph:
         self.spec = spec
         # what the leaves looked like, to record this key again without the caller's tensors
         self.template = [
-            ("tensor", tuple(leaf.shape), tuple(leaf.stride()), leaf.dtype)
+            TensorTemplate(tuple(leaf.shape), tuple(leaf.stride()), leaf.dtype)
             if isinstance(leaf, torch.Tensor)
-            else ("leaf", leaf)
+            else ValueTemplate(leaf)
             for leaf in leaves
         ]
         self.input_bytes = sum(keys.extent_bytes(leaf) for leaf in leaves if isinstance(leaf, torch.Tensor))
@@ -267,17 +352,16 @@ class RecordedGraph:
             print(f"# replay graph\n{self.source}")
 
     # --- outputs -------------------------------------------------------------------------
-    def _classify_outputs(self, output_leaves: list) -> list[tuple]:
-        """Each output leaf: ("tensor", t) memory the graph owns; ("alias", leaf, size,
-        stride, delta, whole) a view of an input, rebuilt on the caller's input (``whole``:
-        the input itself); ("const", v); ("dynamic", scalar). Addresses are the capture's."""
-        classified = []
+    def _classify_outputs(self, output_leaves: list) -> list[Output]:
+        """What each output leaf is, and so how a replay returns it (addresses are the
+        capture's)."""
+        classified: list[Output] = []
         for value in output_leaves:
             if isinstance(value, DynamicScalar):
-                classified.append(("dynamic", value))
+                classified.append(DynamicOutput(value))
                 continue
             if not isinstance(value, torch.Tensor):
-                classified.append(("const", value))
+                classified.append(ConstantOutput(value))
                 continue
             address, owner, base = value.data_ptr(), None, 0
             for input_range in self.capture.inputs:
@@ -294,7 +378,7 @@ class RecordedGraph:
                     owner, base = i, lo
                     break
             if owner is None:
-                classified.append(("tensor", value))
+                classified.append(OwnedOutput(value))
                 continue
             if value.dtype != self.capture.input_dtypes[owner]:
                 raise CaptureFailed(f"an output is a view of input {self.paths[owner]} with another dtype")
@@ -302,16 +386,15 @@ class RecordedGraph:
             if remainder:
                 raise CaptureFailed(f"an output is a misaligned view of input {self.paths[owner]}")
             template = self.template[owner]
-            whole = delta == 0 and tuple(value.shape) == template[1] and tuple(value.stride()) == template[2]
-            classified.append(("alias", owner, tuple(value.shape), tuple(value.stride()), delta, whole))
+            whole = delta == 0 and tuple(value.shape) == template.shape and tuple(value.stride()) == template.stride
+            classified.append(InputView(owner, tuple(value.shape), tuple(value.stride()), delta, whole))
         return classified
 
     def _output_expressions(self, code: _Source, clone: bool, guard: bool) -> list[str]:
         expressions = []
         for item in self.outputs:
-            kind = item[0]
-            if kind == "tensor":
-                name = code.bind(item[1], "_out")
+            if isinstance(item, OwnedOutput):
+                name = code.bind(item.tensor, "_out")
                 if clone:
                     expressions.append(f"{name}.clone()")
                 elif guard:
@@ -319,21 +402,22 @@ class RecordedGraph:
                     expressions.append(f"_stale_guard({name}, _owner)")
                 else:
                     expressions.append(name)
-            elif kind == "alias":
-                _, owner, size, stride, delta, whole = item
-                if whole:
+            elif isinstance(item, InputView):
+                owner = item.input
+                if item.whole:
                     expressions.append(f"l{owner}")
                 else:
                     code.namespace["_as_strided"] = torch.as_strided
-                    size_name, stride_name = code.bind(size, "_size"), code.bind(stride, "_stride")
+                    size_name, stride_name = code.bind(item.size, "_size"), code.bind(item.stride, "_stride")
                     expressions.append(
-                        f"_as_strided(l{owner}, {size_name}, {stride_name}, l{owner}.storage_offset() + {int(delta)})"
+                        f"_as_strided(l{owner}, {size_name}, {stride_name}, "
+                        f"l{owner}.storage_offset() + {int(item.delta)})"
                     )
-            elif kind == "dynamic":
-                code.namespace.update(item[1].constants)
-                expressions.append(item[1].source)
+            elif isinstance(item, DynamicOutput):
+                code.namespace.update(item.scalar.constants)
+                expressions.append(item.scalar.source)
             else:
-                expressions.append(code.bind(item[1], "_const"))
+                expressions.append(code.bind(item.value, "_const"))
         return expressions
 
     def _container(self, code: _Source, spec: object, leaves: list[str]) -> str:
@@ -359,10 +443,28 @@ class RecordedGraph:
 
     # --- generation ----------------------------------------------------------------------
     def _generate(self, backend, leaves: Sequence) -> str:
-        ns = self.namespace
-        code = _Source(ns)
-        plan = self.plan
-        count = len(leaves)
+        """The replay function's source, step by step in the order its lines run."""
+        code = _Source(self.namespace)
+        self._emit_guards(code, len(leaves))
+        self._alias_checks(code, leaves)
+        self._own_output_checks(code, leaves)
+        # --- phase 1: compute, change nothing ---
+        self._read_dynamic_values(code)
+        patches = self._compute_new_values(code, backend, leaves)
+        disabled = self._decide_which_nodes_change(code, patches)
+        # --- phase 2: patch, remembering only what the driver took ---
+        self._patch_nodes(code, patches, disabled)
+        # --- launch ---
+        self._launch(code, backend)
+        self._count_replay(code)
+        self._return_outputs(code)
+        return code.text()
+
+    def _emit_guards(self, code: _Source, count: int) -> None:
+        """The signature, then what must hold for any call: the region's globals unchanged,
+        the torch modes of the recording, and (drawing random numbers) the generator state
+        the graph was registered with."""
+        ns = code.namespace
         params = ", ".join(f"l{i}" for i in range(count))
         code.lines.append(f"def {self.name}({params}):")
         code.line(f"# a recorded graph: {count} arguments, {len(self.updaters)} patchable kernel nodes")
@@ -376,34 +478,58 @@ class RecordedGraph:
             ns["_GENERATOR_EPOCH"] = recording.GENERATOR_EPOCH
             code.line(f"if _GENERATOR_EPOCH[0] != {int(getattr(self.entry, 'rng_epoch', 0))}:")
             code.line("return _MISMATCH", 2)
-        self._alias_checks(code, leaves)
-        self._own_output_checks(code, leaves)
 
-        # --- phase 1: compute, change nothing ---
-        sources = [s for text in plan.arguments.values() for s in text if s]
-        sources += [item[1].source for item in self.outputs if item[0] == "dynamic"]
+    def _read_dynamic_values(self, code: _Source) -> None:
+        """Read the value of each dynamic argument that a recomputed jit argument or a
+        dynamic output uses (``_d{i}``), once per call."""
+        sources = [s for text in self.plan.arguments.values() for s in text if s]
+        sources += [item.scalar.source for item in self.outputs if isinstance(item, DynamicOutput)]
         for i in sorted({int(m) for source in sources for m in re.findall(r"\b_d(\d+)\b", source)}):
             code.line(f"_d{i} = l{i}.value")
-        ns.update(plan.constants)
-        if plan.arguments or plan.scalars or plan.configs:
+        code.namespace.update(self.plan.constants)
+
+    def _compute_new_values(self, code: _Source, backend, leaves: Sequence) -> _Patches:
+        """Phase 1: the jit arguments, index checks and every value the nodes may need, inside
+        one ``try`` where anything is computed (an arithmetic error declines the call: the
+        eager run raises the exact error, or computes)."""
+        plan = self.plan
+        computes = bool(plan.arguments or plan.scalars or plan.configs)
+        if computes:
             code.line("try:")
-            for launch, sources in sorted(plan.arguments.items()):
-                values = "".join(f"{s if s is not None else 'None'}, " for s in sources)
-                code.line(f"_a{launch} = ({values})", 2)
-            for check in plan.checks:  # the launcher's index checks: eager raises IndexError
-                value, size = code.bind(check.value, "_index"), code.bind(check.size, "_extent")
-                code.line(f"_i = {value}(_a{check.launch})", 2)
-                code.line(f"_n = {size}(_a{check.launch})", 2)
-                code.line("if not -_n <= _i < _n:", 2)
-                code.line("return _MISMATCH", 3)
-        slots: dict[int, list[tuple[str, str, list[str]]]] = {}  # node -> [(changed, value, packs)]
-        last: list[object] = []
-        ns["_last"] = last
-        ns["_pack_Q"] = struct.Struct("<Q").pack_into
+            self._recompute_arguments(code)
+        patches = _Patches()
+        code.namespace["_last"] = patches.last
+        code.namespace["_pack_Q"] = struct.Struct("<Q").pack_into
+        self._compute_pointers(code, leaves, patches)
+        self._compute_scalars(code, patches)
+        self._compute_grids(code, backend, patches)
+        if computes:
+            code.namespace["_ARITHMETIC_ERRORS"] = _ARITHMETIC_ERRORS
+            code.line("except _ARITHMETIC_ERRORS:")
+            code.line("return _MISMATCH", 2)
+        return patches
+
+    def _recompute_arguments(self, code: _Source) -> None:
+        """Each launch's jit arguments that replay follows (``_a{launch}``), then the
+        launcher's index checks over them: where eager would raise IndexError, decline."""
+        for launch, sources in sorted(self.plan.arguments.items()):
+            values = "".join(f"{s if s is not None else 'None'}, " for s in sources)
+            code.line(f"_a{launch} = ({values})", 2)
+        for check in self.plan.checks:
+            value, size = code.bind(check.value, "_index"), code.bind(check.size, "_extent")
+            code.line(f"_i = {value}(_a{check.launch})", 2)
+            code.line(f"_n = {size}(_a{check.launch})", 2)
+            code.line("if not -_n <= _i < _n:", 2)
+            code.line("return _MISMATCH", 3)
+
+    def _compute_pointers(self, code: _Source, leaves: Sequence, patches: _Patches) -> None:
+        """New pointers: an input's pointer plus the recorded delta. A view offset computed
+        from a dynamic scalar is recomputed and must stay inside its input; the fixed pointers
+        into one input in one node share one remembered value, the input's pointer."""
         extents = {i: keys.extent_bytes(leaf) for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)}
         recorded_pointer = {r.index: r.lo for r in self.capture.inputs}
         static: dict[tuple[int, int], list] = {}
-        for number, binding in enumerate(plan.pointers):
+        for number, binding in enumerate(self.plan.pointers):
             buffer = code.bind(self.updaters[binding.node].params.buffer, "_buf")
             if not binding.dynamic:
                 static.setdefault((binding.input, binding.node), []).append((buffer, binding))
@@ -417,16 +543,20 @@ class RecordedGraph:
             )
             code.line(f"if not _p{binding.input} <= {value} <= _p{binding.input} + {extents[binding.input]}:", 2)
             code.line("return _MISMATCH", 3)
-            recorded = recorded_pointer[binding.input] + binding.delta
-            slots.setdefault(binding.node, []).append(
-                (f"_c{len(last)}", value, [f"_pack_Q({buffer}, {binding.offset}, {value})"])
+            patches.add(
+                binding.node,
+                value,
+                [f"_pack_Q({buffer}, {binding.offset}, {value})"],
+                held=recorded_pointer[binding.input] + binding.delta,
             )
-            last.append(recorded)
         for (input_index, node), bound in sorted(static.items()):
-            packs = [f"_pack_Q({buffer}, {b.offset}, _p{input_index} + {int(b.delta)})" for buffer, b in bound]
-            slots.setdefault(node, []).append((f"_c{len(last)}", f"_p{input_index}", packs))
-            last.append(recorded_pointer[input_index])
-        for number, binding in enumerate(plan.scalars):
+            writes = [f"_pack_Q({buffer}, {b.offset}, _p{input_index} + {int(b.delta)})" for buffer, b in bound]
+            patches.add(node, f"_p{input_index}", writes, held=recorded_pointer[input_index])
+
+    def _compute_scalars(self, code: _Source, patches: _Patches) -> None:
+        """Scalar parameters computed from dynamic scalars, packed to their exact bytes (a
+        value that does not fit its C type raises, and the call is declined)."""
+        for number, binding in enumerate(self.plan.scalars):
             state = self.node_states[binding.node]
             size = struct.calcsize("<" + binding.fmt)
             packer = code.bind(struct.Struct("<" + binding.fmt).pack, "_packer")
@@ -436,13 +566,18 @@ class RecordedGraph:
                 computed = f"{code.bind(binding.convert, '_convert')}({computed})"
             code.line(f"_v{number} = {packer}({computed})", 2)
             buffer = code.bind(self.updaters[binding.node].params.buffer, "_buf")
-            slots.setdefault(binding.node, []).append(
-                (f"_c{len(last)}", f"_v{number}", [f"{buffer}[{binding.offset}:{binding.offset + size}] = _v{number}"])
+            patches.add(
+                binding.node,
+                f"_v{number}",
+                [f"{buffer}[{binding.offset}:{binding.offset + size}] = _v{number}"],
+                held=state.held[binding.offset : binding.offset + size],
             )
-            last.append(state.held[binding.offset : binding.offset + size])
-        zero_checks: dict[int, list[str]] = {}
-        limits = backend.device_limits(self.device) if plan.configs else None
-        for number, binding in enumerate(plan.configs):
+
+    def _compute_grids(self, code: _Source, backend, patches: _Patches) -> None:
+        """Grid sizes computed from dynamic scalars: declined beyond the device's limits; a
+        grid of 0 means the node must not run at all."""
+        limits = backend.device_limits(self.device) if self.plan.configs else None
+        for number, binding in enumerate(self.plan.configs):
             evaluate = code.bind(binding.evaluate, "_size")
             axis = "xyz".index(binding.field[-1])
             code.line(f"_g{number} = {evaluate}(_a{binding.launch})", 2)
@@ -450,64 +585,77 @@ class RecordedGraph:
             code.line("return _MISMATCH", 3)
             dimension = code.bind(self.updaters[binding.node].set_dimension, "_dimension")
             field = code.bind(binding.field, "_field")
-            slots.setdefault(binding.node, []).append(
-                (f"_c{len(last)}", f"_g{number}", [f"{dimension}({field}, _g{number})"])
-            )
             updater = self.updaters[binding.node]
-            last.append(updater.dimensions()[updater.DIMENSIONS.index(binding.field)])
-            zero_checks.setdefault(binding.node, []).append(f"_g{number} == 0")
-        if plan.arguments or plan.scalars or plan.configs:
-            ns["_ARITHMETIC_ERRORS"] = _ARITHMETIC_ERRORS
-            code.line("except _ARITHMETIC_ERRORS:")
-            code.line("return _MISMATCH", 2)  # the eager run raises the exact error, or computes
-        ns["_disabled"] = disabled = {}
-        for node, checks in zero_checks.items():
+            patches.add(
+                binding.node,
+                f"_g{number}",
+                [f"{dimension}({field}, _g{number})"],
+                held=updater.dimensions()[updater.DIMENSIONS.index(binding.field)],
+            )
+            patches.zero_grids.setdefault(binding.node, []).append(f"_g{number} == 0")
+
+    def _decide_which_nodes_change(self, code: _Source, patches: _Patches) -> dict[int, bool | None]:
+        """Still changing nothing: which nodes are disabled (a grid of 0; where the backend
+        cannot disable a node, the call is declined), which values differ from what their
+        node holds (``_c``), and which nodes must be updated (``_u``). Returns the nodes that
+        can be disabled, with what each is now (the generated code's ``_disabled``)."""
+        code.namespace["_disabled"] = disabled = {}
+        for node, checks in patches.zero_grids.items():
             if self.updaters[node].enable_call is None:
                 code.line(f"if {' or '.join(checks)}:")  # cannot disable the node: run eagerly
                 code.line("return _MISMATCH", 2)
             else:
                 code.line(f"_z{node} = {' or '.join(checks)}")  # a grid of 0: disable the node
                 disabled[node] = False
-        for node, node_slots in slots.items():
-            for changed, value, _ in node_slots:
-                code.line(f"{changed} = {value} != _last[{changed[2:]}]")
-            dirty = " or ".join(changed for changed, _, _ in node_slots)
+        for node, slots in patches.slots.items():
+            for slot in slots:
+                code.line(f"{slot.changed} = {slot.value} != _last[{slot.index}]")
+            dirty = " or ".join(slot.changed for slot in slots)
             code.line(f"_u{node} = {f'not _z{node} and ' if node in disabled else ''}({dirty})")
+        return disabled
 
-        # --- phase 2: patch, remembering only what the driver took ---
-        if slots or disabled:
-            any_change = " or ".join([f"_u{n}" for n in slots] + [f"_z{n} is not _disabled[{n}]" for n in disabled])
-            ns["_rollback"] = self._interrupted
-            ns["_set_failed"] = self._set_failed
-            code.line(f"if {any_change}:")
-            code.line("try:", 2)
-            for node, node_slots in slots.items():
-                updater = self.updaters[node]
-                state = code.bind(self.node_states[node], "_node")
-                set_call, set_args = code.bind(updater.set_call, "_set"), code.bind(updater.set_args, "_set_args")
-                code.line(f"if _u{node}:", 3)
-                for changed, _, packs in node_slots:
-                    code.line(f"if {changed}:", 4)
-                    for pack in packs:
-                        code.line(pack, 5)
-                code.line(f"_r = {set_call}(*{set_args})", 4)
-                code.line(f"if _r[0]: _set_failed(_r[0], {node})", 4)
-                for changed, value, _ in node_slots:
-                    code.line(f"if {changed}: _last[{changed[2:]}] = {value}", 4)
-                code.line(f"{state}.commit()", 4)
-                code.line("_stats.patches += 1", 4)
-            for node in disabled:
-                updater = self.updaters[node]
-                enable, args = code.bind(updater.enable_call, "_enable"), code.bind(updater.enable_args, "_enable_args")
-                code.line(f"if _z{node} is not _disabled[{node}]:", 3)
-                code.line(f"_r = {enable}(*{args}, 0 if _z{node} else 1)", 4)
-                code.line(f"if _r[0]: _set_failed(_r[0], {node})", 4)
-                code.line(f"_disabled[{node}] = _z{node}", 4)
-            code.line("except BaseException:", 2)
-            code.line("_rollback()", 3)
-            code.line("raise", 3)
+    def _patch_nodes(self, code: _Source, patches: _Patches, disabled: dict[int, bool | None]) -> None:
+        """Phase 2: write each changed value and push each dirty node to the exec, then
+        enable or disable the nodes whose grid became or stopped being 0. What a node holds
+        is remembered only once the driver took it; any exception rolls every buffer back."""
+        if not (patches.slots or disabled):
+            return
+        ns = code.namespace
+        any_change = " or ".join([f"_u{n}" for n in patches.slots] + [f"_z{n} is not _disabled[{n}]" for n in disabled])
+        ns["_rollback"] = self._interrupted
+        ns["_set_failed"] = self._set_failed
+        code.line(f"if {any_change}:")
+        code.line("try:", 2)
+        for node, slots in patches.slots.items():
+            updater = self.updaters[node]
+            state = code.bind(self.node_states[node], "_node")
+            set_call, set_args = code.bind(updater.set_call, "_set"), code.bind(updater.set_args, "_set_args")
+            code.line(f"if _u{node}:", 3)
+            for slot in slots:
+                code.line(f"if {slot.changed}:", 4)
+                for write in slot.writes:
+                    code.line(write, 5)
+            code.line(f"_r = {set_call}(*{set_args})", 4)
+            code.line(f"if _r[0]: _set_failed(_r[0], {node})", 4)
+            for slot in slots:
+                code.line(f"if {slot.changed}: _last[{slot.index}] = {slot.value}", 4)
+            code.line(f"{state}.commit()", 4)
+            code.line("_stats.patches += 1", 4)
+        for node in disabled:
+            updater = self.updaters[node]
+            enable, args = code.bind(updater.enable_call, "_enable"), code.bind(updater.enable_args, "_enable_args")
+            code.line(f"if _z{node} is not _disabled[{node}]:", 3)
+            code.line(f"_r = {enable}(*{args}, 0 if _z{node} else 1)", 4)
+            code.line(f"if _r[0]: _set_failed(_r[0], {node})", 4)
+            code.line(f"_disabled[{node}] = _z{node}", 4)
+        code.line("except BaseException:", 2)
+        code.line("_rollback()", 3)
+        code.line("raise", 3)
 
-        # --- launch ---
+    def _launch(self, code: _Source, backend) -> None:
+        """Launch the graph once on the current stream (telling the session when the stream
+        changed)."""
+        ns = code.namespace
         ns["_current_stream"] = backend.hot_namespace["_current_stream"]
         ns["_stream_switch"] = self.session.stream_switch
         ns["_LAST_STREAM"] = self.session.last_stream
@@ -526,10 +674,14 @@ class RecordedGraph:
             code.line("_so = _stream_object(_s)", 2)
             for line in backend.graph_launch_template.format(exec="_EXEC", stream="_so").splitlines():
                 code.line(line)
+
+    def _count_replay(self, code: _Source) -> None:
+        """Count the replay: the entry's generation (which outputs handed out remember, in
+        ``check_stale`` mode), its replays and the session's counters."""
+        ns = code.namespace
         ns["_stats"] = self.session.counters
         ns["_entry"] = self
-        policy = self.session.policy
-        if policy.check_stale:
+        if self.session.policy.check_stale:
             ns["_owner"] = self.entry
             code.line("_owner.generation += 1")
         code.line("_entry.replays += 1")
@@ -537,9 +689,12 @@ class RecordedGraph:
         staged_copies = len(self.staged) + len(self.copied_back)
         if staged_copies:
             code.line(f"_stats.staged_copies += {staged_copies}")
+
+    def _return_outputs(self, code: _Source) -> None:
+        """Return the outputs in the region's structure, a fresh container every call."""
+        policy = self.session.policy
         expressions = self._output_expressions(code, policy.clone_outputs, policy.check_stale)
         code.line(f"return {self._container(code, self.output_spec[0][0], expressions)}")
-        return code.text()
 
     def _alias_checks(self, code: _Source, leaves: Sequence) -> None:
         """Read every tensor argument's pointer and return MISMATCH unless the arguments
@@ -570,8 +725,8 @@ class RecordedGraph:
         buffers = {}
         owned = getattr(self.capture, "owned_outputs", set())
         for item in self.outputs:
-            if item[0] == "tensor" and item[1].numel():
-                storage = item[1].untyped_storage()
+            if isinstance(item, OwnedOutput) and item.tensor.numel():
+                storage = item.tensor.untyped_storage()
                 if storage.data_ptr() in owned:  # the graph's own output memory (not a global's)
                     buffers[storage.data_ptr()] = storage.nbytes()
         for i, leaf in enumerate(leaves):
@@ -647,11 +802,12 @@ class RecordedGraph:
         """Leaves like the recorded ones (fresh tensors of the same layout, same constants)."""
         leaves = []
         for item in self.template:
-            if item[0] == "tensor":
-                _, shape, stride, dtype = item
-                leaves.append(torch.empty_strided(shape, stride, dtype=dtype, device=f"cuda:{self.device}"))
+            if isinstance(item, TensorTemplate):
+                leaves.append(
+                    torch.empty_strided(item.shape, item.stride, dtype=item.dtype, device=f"cuda:{self.device}")
+                )
             else:
-                leaves.append(item[1])
+                leaves.append(item.value)
         return leaves
 
     def release(self) -> None:

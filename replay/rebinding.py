@@ -270,6 +270,267 @@ def _arguments_source(launch: LaunchView, needed: set[int]) -> tuple[str | None,
     return tuple(launch.scalar_sources.get(k) for k in range(count))
 
 
+class _Refused(Exception):
+    """The capture cannot be used at all: ``reason`` becomes :attr:`Plan.failure`."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def _skipped_with_a_dynamic_grid(launches: Sequence[LaunchView]) -> str | None:
+    """Why the capture must wait for a later one: a launch whose grid, computed from a dynamic
+    scalar, was 0 while recording left no node to patch when the grid grows."""
+    for launch in launches:
+        if not launch.launched and any(set(c.scalar_args) & launch.dynamic_args for c in launch.config):
+            return (
+                f"{launch.kernel} was skipped while recording (a grid size computed from a dynamic scalar was 0), "
+                "so the graph has no node for it"
+            )
+    return None
+
+
+def _addresses_in(node: NodeView) -> list[int] | None:
+    """Every address a foreign node may reach an input through (None: they cannot be read)."""
+    if node.kind == "kernel":
+        return None if node.params is None else [w for p in node.params for w in _pointer_words(p)]
+    if node.pointers is None or (node.kind == "memcpy" and not node.pointers):
+        return None  # a copy moves bytes somewhere: no address read means none could be
+    return list(node.pointers)
+
+
+@attrs.define
+class _Planner:
+    """One :func:`build_plan` in progress: the plan it fills and what its steps share.
+
+    A step that finds the capture unusable raises :class:`_Refused`; the plan keeps what the
+    steps before had filled in."""
+
+    plan: Plan
+    inputs: Sequence[InputRange]
+    launches: Sequence[LaunchView]
+    staged: set[int]  # inputs staged in this capture
+    copied_back: set[int]  # inputs copied back in this capture
+    by_index: dict[int, InputRange] = attrs.field(init=False)
+    overlaps: dict[int, set[int]] = attrs.field(init=False)
+    written_by_jit: set[int] = attrs.Factory(set)  # inputs a jit launch writes through a pointer
+
+    def __attrs_post_init__(self) -> None:
+        self.by_index = {r.index: r for r in self.inputs}
+        self.overlaps = overlapping_inputs(self.inputs)
+
+    # --- what replay must do besides patching ---------------------------------------------
+    def require_staging(self, index: int, reason: str, copy_back: bool = False) -> None:
+        """Input ``index`` cannot be patched: it must be staged (and copied back when written)
+        in the next capture, where this one did not already."""
+        self.plan.reasons.setdefault(index, []).append(reason)
+        if index not in self.staged:
+            self.plan.needs_staging.add(index)
+        if copy_back and index not in self.copied_back:
+            self.plan.needs_copy_back.add(index)
+
+    def require_staging_of_every_input(self, reason: str) -> None:
+        for owner in self.inputs:
+            self.require_staging(owner.index, reason, copy_back=True)
+
+    def depends_on_dynamic(self, launch: LaunchView, args: Sequence[int], what: str) -> bool:
+        """Whether a value computed from jit arguments ``args`` changes from replay to replay
+        (it depends on a dynamic scalar): refused where replay cannot recompute it."""
+        if not set(args) & launch.dynamic_args:
+            return False  # depends on constants only: fixed for this graph
+        missing = [k for k in args if k not in launch.scalar_sources]
+        if missing:
+            raise _Refused(f"{launch.kernel}: {what} depends on arguments {missing} whose values replay cannot follow")
+        return True
+
+    def recompute_arguments(self, launch_number: int, launch: LaunchView, needed: set[int]) -> None:
+        """Replay rebuilds the jit arguments ``needed`` of a launch from the dynamic leaves."""
+        self.plan.arguments[launch_number] = _arguments_source(launch, needed)
+        self.plan.constants.update(launch.constants)
+
+    # --- the jit launches: what to patch in each node -------------------------------------
+    def bind_launch(self, launch_number: int, node_index: int) -> None:
+        """Bind the pointers, scalars and grid sizes of a jit launch to its graph node."""
+        launch = self.launches[launch_number]
+        needed: set[int] = set()
+        for param in launch.params:
+            if param.kind == "pointer":
+                needed |= self.bind_pointer(launch, launch_number, node_index, param)
+            elif param.kind == "scalar" and param.evaluate is not None:
+                needed |= self.bind_scalar(launch, launch_number, node_index, param)
+        for config in launch.config:
+            needed |= self.bind_grid(launch, launch_number, node_index, config)
+        if needed:
+            self.recompute_arguments(launch_number, launch, needed)
+
+    def pointer_owners(self, launch: LaunchView, address: int) -> tuple[list[InputRange], bool]:
+        """The inputs a pointer points into, and whether it is replay's own staging copy of
+        its launch's input (bound to that input, overlaps or not)."""
+        owners = _owners(self.inputs, address)
+        own = self.by_index.get(launch.staging_input) if launch.staging_input is not None else None
+        staging_copy = own is not None and address == own.lo
+        if staging_copy:
+            owners = [own]  # our own copy of this very input: bound to it, overlaps or not
+        return owners, staging_copy
+
+    def bind_pointer(self, launch: LaunchView, launch_number: int, node_index: int, param: ParamView) -> set[int]:
+        """Rebind a pointer into exactly one input; stage the inputs it may point into where
+        that is ambiguous. Returns the jit arguments its offset is recomputed from."""
+        raw = launch.param_bytes[param.offset : param.offset + param.size]
+        (address,) = struct.unpack("<Q", raw)
+        owners, staging_copy = self.pointer_owners(launch, address)
+        dynamic = self.depends_on_dynamic(launch, param.offset_scalar_args, f"the offset of pointer {param.index}")
+        if dynamic and not owners:
+            raise _Refused(
+                f"{launch.kernel}: pointer parameter {param.index} points into memory the region allocated, "
+                "at an offset computed from a dynamic scalar; replay rebinds only region inputs"
+            )
+        if len(owners) == 1 and (owners[0].index not in self.overlaps or staging_copy):
+            # (a staged input's own memory is reached only by our staging copies,
+            # whose pointers must follow the input like any other)
+            owner = owners[0]
+            self.plan.pointers.append(
+                PointerBinding(
+                    node_index,
+                    launch_number,
+                    param.index,
+                    param.offset,
+                    owner.index,
+                    address - owner.lo,
+                    dynamic=dynamic,
+                    recorded_offset=param.byte_offset,
+                    offset_evaluate=param.offset_evaluate if dynamic else None,
+                )
+            )
+            if not param.read_only:
+                self.written_by_jit.add(owner.index)
+            return set(param.offset_scalar_args) if dynamic else set()
+        if owners:
+            if dynamic:
+                raise _Refused(
+                    f"{launch.kernel}: pointer parameter {param.index} points into overlapping inputs at an "
+                    "offset computed from a dynamic scalar"
+                )
+            for owner in owners:
+                self.require_staging(
+                    owner.index,
+                    f"it overlaps another input and {launch.kernel} points into it",
+                    copy_back=not param.read_only,
+                )
+                if not param.read_only:
+                    self.written_by_jit.add(owner.index)
+        return set()
+
+    def bind_scalar(self, launch: LaunchView, launch_number: int, node_index: int, param: ParamView) -> set[int]:
+        """Recompute a scalar parameter computed from dynamic scalars. Returns the jit
+        arguments it is recomputed from."""
+        if not self.depends_on_dynamic(launch, param.scalar_args, f"scalar parameter {param.index}"):
+            return set()
+        self.plan.scalars.append(
+            ScalarBinding(
+                node_index,
+                launch_number,
+                param.index,
+                param.offset,
+                param.fmt,
+                param.evaluate,
+                param.convert,
+                param.expression or "",
+            )
+        )
+        return set(param.scalar_args)
+
+    def bind_grid(self, launch: LaunchView, launch_number: int, node_index: int, config: ConfigView) -> set[int]:
+        """Recompute a grid size computed from dynamic scalars (other launch dimensions
+        cannot be patched). Returns the jit arguments it is recomputed from."""
+        if not self.depends_on_dynamic(launch, config.scalar_args, f"launch dimension {config.field}"):
+            return set()
+        if not config.field.startswith("grid"):
+            raise _Refused(
+                f"{launch.kernel}: its {config.field.replace('_', ' ')} size is computed from a dynamic scalar; "
+                "replay patches grid sizes only (pass that value as a plain argument: one graph per value)"
+            )
+        self.plan.configs.append(
+            ConfigBinding(node_index, launch_number, config.field, config.evaluate, config.expression)
+        )
+        return set(config.scalar_args)
+
+    def bind_index_checks(self, launch_number: int) -> None:
+        """Check, every replay, the launch's index bounds computed from dynamic scalars (the
+        call state's checks, launched or not)."""
+        launch = self.launches[launch_number]
+        needed: set[int] = set()
+        for check in launch.checks:
+            if not self.depends_on_dynamic(launch, check.scalar_args, "an index"):
+                continue
+            needed |= set(check.scalar_args)
+            self.plan.checks.append(CheckBinding(launch_number, check.value, check.size))
+        if needed:
+            needed |= {k for k, s in enumerate(self.plan.arguments.get(launch_number, ())) if s is not None}
+            self.recompute_arguments(launch_number, launch, needed)
+
+    # --- everything else: what must be staged ---------------------------------------------
+    def stage_inputs_foreign_nodes_touch(self, nodes: Sequence[NodeView], scanned: bool) -> None:
+        """Stage every input a node other than a jit launch's may reach (every input, where
+        a node's addresses cannot be read)."""
+        jit_nodes = {node for _, node in self.plan.matches}
+        unknown_kernel = False
+        for node in nodes:
+            if node.index in jit_nodes or node.kind not in ("kernel", "memcpy", "memset"):
+                continue
+            words = _addresses_in(node)
+            if words is None:
+                if node.kind == "kernel":
+                    unknown_kernel = True
+                else:
+                    self.require_staging_of_every_input(
+                        f"a {node.kind} node whose addresses cannot be read may touch it"
+                    )
+                continue
+            for word in words:
+                for owner in _owners(self.inputs, word):
+                    if owner.index not in self.staged:
+                        self.require_staging(
+                            owner.index, f"a non-jit {node.kind} node reads or writes it", copy_back=True
+                        )
+        if unknown_kernel or not scanned:
+            self.require_staging_of_every_input("a kernel node whose parameters cannot be read may touch it")
+
+    def stage_inputs_torch_touches(self, torch_read: set[int], torch_written: set[int]) -> None:
+        """Stage the inputs torch ops read or write: their kernels are not ours to patch."""
+        for index in torch_read:
+            if index in self.by_index:
+                self.require_staging(index, "a torch op reads it", copy_back=index in torch_written)
+        for index in torch_written:
+            if index in self.by_index:
+                self.require_staging(index, "a torch op writes it", copy_back=True)
+
+    def copy_back_what_jit_writes(self) -> None:
+        """An input to be staged that a jit launch writes must be copied back too."""
+        for index in self.written_by_jit & self.plan.needs_staging:
+            if index not in self.copied_back:
+                self.plan.needs_copy_back.add(index)
+
+    def refuse_written_overlaps(self, torch_written: set[int]) -> None:
+        """Staged buffers are separate copies: they keep overlapping inputs apart, which is
+        exact only while nothing writes them. Refuse before any graph of that kind is
+        launched (the plan's other decisions are still made)."""
+        written = torch_written | self.written_by_jit | self.copied_back | self.plan.needs_copy_back
+        for index, partners in self.overlaps.items():
+            if index in written and partners:
+                self.plan.failure = (
+                    f"input {self.by_index[index].path} overlaps "
+                    f"{', '.join(self.by_index[p].path for p in sorted(partners))} "
+                    "and is written: its aliasing cannot be reproduced by a graph"
+                )
+
+    def choose(self) -> None:
+        """What each input became in this capture: staged, rebound, or not reached at all."""
+        bound = {b.input for b in self.plan.pointers}
+        for r in self.inputs:
+            self.plan.choices[r.index] = STAGED if r.index in self.staged else REBOUND if r.index in bound else UNUSED
+
+
 def build_plan(
     inputs: Sequence[InputRange],
     launches: Sequence[LaunchView],
@@ -288,191 +549,26 @@ def build_plan(
     ``scanned``: whether every foreign kernel's parameters could be read (False on HIP).
     """
     plan = Plan()
-    by_index = {r.index: r for r in inputs}
-    overlaps = overlapping_inputs(inputs)
-
-    for launch in launches:
-        if not launch.launched and any(set(c.scalar_args) & launch.dynamic_args for c in launch.config):
-            plan.retry_later = (
-                f"{launch.kernel} was skipped while recording (a grid size computed from a dynamic scalar was 0), "
-                "so the graph has no node for it"
-            )
-            return plan
+    plan.retry_later = _skipped_with_a_dynamic_grid(launches)
+    if plan.retry_later:
+        return plan
     plan.matches, plan.failure = match_launches(launches, nodes)
     if plan.failure:
         return plan
-
-    def need(index: int, reason: str, copy_back: bool = False) -> None:
-        plan.reasons.setdefault(index, []).append(reason)
-        if index not in staged:
-            plan.needs_staging.add(index)
-        if copy_back and index not in copied_back:
-            plan.needs_copy_back.add(index)
-
-    def depends_on_dynamic(launch: LaunchView, args: Sequence[int], what: str) -> bool:
-        if not set(args) & launch.dynamic_args:
-            return False  # depends on constants only: fixed for this graph
-        missing = [k for k in args if k not in launch.scalar_sources]
-        if missing:
-            plan.failure = f"{launch.kernel}: {what} depends on arguments {missing} whose values replay cannot follow"
-        return True
-
-    jit_nodes = {node for _, node in plan.matches}
-    written_by_jit: set[int] = set()
-    for launch_number, node_index in plan.matches:
-        launch = launches[launch_number]
-        needed: set[int] = set()
-        for param in launch.params:
-            raw = launch.param_bytes[param.offset : param.offset + param.size]
-            if param.kind == "pointer":
-                (address,) = struct.unpack("<Q", raw)
-                owners = _owners(inputs, address)
-                own = by_index.get(launch.staging_input) if launch.staging_input is not None else None
-                staging_copy = own is not None and address == own.lo
-                if staging_copy:
-                    owners = [own]  # our own copy of this very input: bound to it, overlaps or not
-                dynamic = depends_on_dynamic(launch, param.offset_scalar_args, f"the offset of pointer {param.index}")
-                if plan.failure:
-                    return plan
-                if dynamic and not owners:
-                    plan.failure = (
-                        f"{launch.kernel}: pointer parameter {param.index} points into memory the region allocated, "
-                        "at an offset computed from a dynamic scalar; replay rebinds only region inputs"
-                    )
-                    return plan
-                if len(owners) == 1 and (owners[0].index not in overlaps or staging_copy):
-                    # (a staged input's own memory is reached only by our staging copies,
-                    # whose pointers must follow the input like any other)
-                    owner = owners[0]
-                    if dynamic:
-                        needed |= set(param.offset_scalar_args)
-                    plan.pointers.append(
-                        PointerBinding(
-                            node_index,
-                            launch_number,
-                            param.index,
-                            param.offset,
-                            owner.index,
-                            address - owner.lo,
-                            dynamic=dynamic,
-                            recorded_offset=param.byte_offset,
-                            offset_evaluate=param.offset_evaluate if dynamic else None,
-                        )
-                    )
-                    if not param.read_only:
-                        written_by_jit.add(owner.index)
-                elif owners:
-                    if dynamic:
-                        plan.failure = (
-                            f"{launch.kernel}: pointer parameter {param.index} points into overlapping inputs at an "
-                            "offset computed from a dynamic scalar"
-                        )
-                        return plan
-                    for owner in owners:
-                        need(
-                            owner.index,
-                            f"it overlaps another input and {launch.kernel} points into it",
-                            copy_back=not param.read_only,
-                        )
-                        if not param.read_only:
-                            written_by_jit.add(owner.index)
-            elif param.kind == "scalar" and param.evaluate is not None:
-                if not depends_on_dynamic(launch, param.scalar_args, f"scalar parameter {param.index}"):
-                    continue
-                if plan.failure:
-                    return plan
-                needed |= set(param.scalar_args)
-                plan.scalars.append(
-                    ScalarBinding(
-                        node_index,
-                        launch_number,
-                        param.index,
-                        param.offset,
-                        param.fmt,
-                        param.evaluate,
-                        param.convert,
-                        param.expression or "",
-                    )
-                )
-        for config in launch.config:
-            if not depends_on_dynamic(launch, config.scalar_args, f"launch dimension {config.field}"):
-                continue
-            if plan.failure:
-                return plan
-            if not config.field.startswith("grid"):
-                plan.failure = (
-                    f"{launch.kernel}: its {config.field.replace('_', ' ')} size is computed from a dynamic scalar; "
-                    "replay patches grid sizes only (pass that value as a plain argument: one graph per value)"
-                )
-                return plan
-            needed |= set(config.scalar_args)
-            plan.configs.append(
-                ConfigBinding(node_index, launch_number, config.field, config.evaluate, config.expression)
-            )
-        if needed:
-            plan.arguments[launch_number] = _arguments_source(launch, needed)
-            plan.constants.update(launch.constants)
-    for launch_number, launch in enumerate(launches):  # launched or not: the call state checked
-        needed = set()
-        for check in launch.checks:
-            if not depends_on_dynamic(launch, check.scalar_args, "an index"):
-                continue
-            if plan.failure:
-                return plan
-            needed |= set(check.scalar_args)
-            plan.checks.append(CheckBinding(launch_number, check.value, check.size))
-        if needed:
-            needed |= {k for k, s in enumerate(plan.arguments.get(launch_number, ())) if s is not None}
-            plan.arguments[launch_number] = _arguments_source(launch, needed)
-            plan.constants.update(launch.constants)
-    unknown_kernel = False
-    for node in nodes:
-        if node.index in jit_nodes:
-            continue
-        words: list[int] | None
-        if node.kind == "kernel":
-            words = None if node.params is None else [w for p in node.params for w in _pointer_words(p)]
-            unknown_kernel |= words is None
-        elif node.kind in ("memcpy", "memset"):
-            words = (
-                None if node.pointers is None or (node.kind == "memcpy" and not node.pointers) else list(node.pointers)
-            )
-            if words is None:
-                for owner in inputs:
-                    need(owner.index, f"a {node.kind} node whose addresses cannot be read may touch it", copy_back=True)
-                continue
-        else:
-            continue
-        if words is None:
-            continue
-        for word in words:
-            for owner in _owners(inputs, word):
-                if owner.index not in staged:
-                    need(owner.index, f"a non-jit {node.kind} node reads or writes it", copy_back=True)
-    if unknown_kernel or not scanned:
-        for owner in inputs:
-            need(owner.index, "a kernel node whose parameters cannot be read may touch it", copy_back=True)
-    for index in torch_read:
-        if index in by_index:
-            need(index, "a torch op reads it", copy_back=index in torch_written)
-    for index in torch_written:
-        if index in by_index:
-            need(index, "a torch op writes it", copy_back=True)
-    for index in written_by_jit & plan.needs_staging:
-        if index not in copied_back:
-            plan.needs_copy_back.add(index)
-    # Staged buffers are separate copies: they keep overlapping inputs apart, which is exact
-    # only while nothing writes them. Refuse before any graph of that kind is launched.
-    written = torch_written | written_by_jit | copied_back | plan.needs_copy_back
-    for index, partners in overlaps.items():
-        if index in written and partners:
-            plan.failure = (
-                f"input {by_index[index].path} overlaps {', '.join(by_index[p].path for p in sorted(partners))} "
-                "and is written: its aliasing cannot be reproduced by a graph"
-            )
+    planner = _Planner(plan, inputs, launches, staged, copied_back)
+    try:
+        for launch_number, node_index in plan.matches:
+            planner.bind_launch(launch_number, node_index)
+        for launch_number in range(len(launches)):  # launched or not: the call state checked
+            planner.bind_index_checks(launch_number)
+    except _Refused as refused:
+        plan.failure = refused.reason
+        return plan
+    planner.stage_inputs_foreign_nodes_touch(nodes, scanned)
+    planner.stage_inputs_torch_touches(torch_read, torch_written)
+    planner.copy_back_what_jit_writes()
+    planner.refuse_written_overlaps(torch_written)
     if plan.needs_staging or plan.needs_copy_back:
         return plan  # the caller re-records with these staged; choices come from that capture
-    bound = {b.input for b in plan.pointers}
-    for r in inputs:
-        plan.choices[r.index] = STAGED if r.index in staged else REBOUND if r.index in bound else UNUSED
+    planner.choose()
     return plan

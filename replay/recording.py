@@ -19,7 +19,7 @@ import enum
 import itertools
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import attrs
 import numpy as np
@@ -311,6 +311,226 @@ def node_views(backend, nodes: Sequence, records: Sequence) -> tuple[list[rebind
     return views, scanned
 
 
+@attrs.frozen
+class _CaptureInputs:
+    """The region's tensor inputs as one capture uses them, prepared before it starts."""
+
+    tensors: dict[int, torch.Tensor]  # leaf index -> the caller's tensor
+    inputs: list[rebinding.InputRange]
+    staged: dict[int, torch.Tensor]  # leaf index -> the graph's own buffer for that input
+    # the byte ranges the torch-op observer watches (the inputs, then the staged buffers),
+    # and the leaf index of each
+    watched: list[tuple[int, int]]
+    watched_index: list[int]
+
+    def leaves_seen(self, watched_numbers: Iterable[int]) -> set[int]:
+        """The inputs behind the watched ranges the observer saw touched, staged ones left
+        out (their staging copies, not the region, touch the caller's memory)."""
+        return {self.watched_index[w] for w in watched_numbers if self.watched_index[w] not in self.staged}
+
+
+@attrs.define
+class _Recorded:
+    """What the capture itself produced besides the graph."""
+
+    # what the region returned (tensors in the pool, constants, dynamic scalars), until its
+    # tensors are given memory of their own (the pool's then return to the pool)
+    outputs: object
+    observation: object  # what torch ops read and wrote (indices into the watched ranges)
+    staging_launches: dict[int, int]  # record index -> the input a staging copy reads or writes
+    copied_back: set[int]
+
+
+def _prepare_inputs(leaves: Sequence, paths: Sequence[str], *, device: int, stage: set[int]) -> _CaptureInputs:
+    """Check the tensor inputs are on the capture's device and make the staged inputs'
+    buffers (refusing inputs that cannot be staged). Raises CaptureFailed."""
+    tensors = {i: leaf for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)}
+    for i, tensor in tensors.items():
+        if tensor.device.type != "cuda" or tensor.device.index != device:
+            raise CaptureFailed(f"input {paths[i]} is on {tensor.device}, the current device is cuda:{device}")
+    inputs = [rebinding.InputRange(i, paths[i], *byte_range(t)) for i, t in tensors.items()]
+    staged: dict[int, torch.Tensor] = {}
+    for i in sorted(stage):
+        reason = staging.unsupported_reason(tensors[i])
+        if reason:
+            raise CaptureFailed(f"input {paths[i]} must be staged but {reason}")
+        staged[i] = staging.staged_buffer(tensors[i])
+        staging.prepare(tensors[i], staged[i])
+        staging.prepare(staged[i], tensors[i])
+    watched = [(r.lo, r.hi) for r in inputs] + [byte_range(b) for b in staged.values()]
+    watched_index = [r.index for r in inputs] + list(staged)
+    return _CaptureInputs(tensors, inputs, staged, watched, watched_index)
+
+
+def _region_arguments(spec: object, leaves: Sequence, paths: Sequence[str], staged: dict) -> tuple[tuple, dict]:
+    """The arguments the region is called with while capturing: each staged input replaced
+    by its buffer, each dynamic scalar by a :class:`DynamicScalar` that jit launches report."""
+    capture_leaves = list(leaves)
+    for i, leaf in enumerate(leaves):
+        if i in staged:
+            capture_leaves[i] = staged[i]
+        elif isinstance(leaf, Dynamic):
+            capture_leaves[i] = DynamicScalar(f"_d{i}", leaf.value, paths[i])
+    return unflatten(spec, capture_leaves)
+
+
+def _copy_staged_in(prepared: _CaptureInputs, recorder: _Recorder, staging_launches: dict[int, int]) -> None:
+    """Captured first: copy each staged input into its buffer (remembering which launch
+    records are these copies, for the plan)."""
+    for i, buffer in prepared.staged.items():
+        staging_launches[len(recorder.records)] = i
+        staging.copy(prepared.tensors[i], buffer)
+
+
+def _inputs_written(prepared: _CaptureInputs, observation: object, region_records: Sequence) -> set[int]:
+    """The inputs the region wrote: those torch ops wrote, and the staged inputs whose buffer
+    a jit launch of the region writes through a pointer."""
+    written = {prepared.watched_index[w] for w in observation.written}
+    for record in region_records:
+        for param in record.params:
+            if param.kind == "pointer" and not param.read_only:
+                address = int.from_bytes(record.param_bytes[param.offset : param.offset + 8], "little")
+                for i, buffer in prepared.staged.items():
+                    if buffer.data_ptr() <= address < buffer.data_ptr() + max(extent_bytes(buffer), 1):
+                        written.add(i)
+    return written
+
+
+def _copy_staged_back(
+    prepared: _CaptureInputs,
+    recorder: _Recorder,
+    written: set[int],
+    copy_back: set[int],
+    staging_launches: dict[int, int],
+    copied_back: set[int],
+) -> None:
+    """Captured last: copy each staged input the region wrote (or the caller asked for) from
+    its buffer back into the input."""
+    for i, buffer in prepared.staged.items():
+        if i in written or i in copy_back:
+            staging_launches[len(recorder.records)] = i
+            staging.copy(buffer, prepared.tensors[i])
+            copied_back.add(i)
+
+
+def _record(
+    fn,
+    args: tuple,
+    kwargs: dict,
+    prepared: _CaptureInputs,
+    recorder: _Recorder,
+    observer,
+    graph: torch.cuda.CUDAGraph,
+    *,
+    device: int,
+    pool: tuple,
+    copy_back: set[int],
+) -> _Recorded:
+    """The capture itself, on the current stream: the staging copies in, the region, the
+    copies back, between ``capture_begin`` and ``capture_end``.
+
+    On any error no capture is left running, and the exception says what the session does
+    next: CaptureAborted (a jit miss: compile eagerly, record later), CaptureFailed (run this
+    key eagerly), SpoiledPool (as CaptureFailed, and the pool cannot be captured into
+    again)."""
+    copied_back: set[int] = set()
+    staging_launches: dict[int, int] = {}  # record index -> the input a staging copy reads or writes
+    try:
+        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+    except Exception as exc:
+        # capture_begin puts the generator in capture mode before it can fail: repaired
+        # with a new state, as after a spoiled capture (and handled the same way)
+        _repair_generator(device)
+        raise SpoiledPool(f"the capture could not start: {_first_line(exc)}") from exc
+    try:
+        with jitcore.recorder.recording(recorder), observer as observation:
+            _copy_staged_in(prepared, recorder, staging_launches)
+            first_region_launch = len(recorder.records)
+            outputs = fn(*args, **kwargs)
+            written = _inputs_written(prepared, observation, recorder.records[first_region_launch:])
+            _copy_staged_back(prepared, recorder, written, copy_back, staging_launches, copied_back)
+            _refuse_written_overlaps(prepared.inputs, prepared.staged, written | copied_back)
+    except CaptureMissError as exc:
+        if _end_capture_after_error(graph, device, pool):
+            raise SpoiledPool(str(exc)) from exc
+        raise CaptureAborted(str(exc)) from exc
+    except (DynamicScalarError, CaptureFailed) as exc:
+        failed = SpoiledPool if _end_capture_after_error(graph, device, pool) else CaptureFailed
+        raise failed(str(exc)) from exc
+    except Exception as exc:
+        failed = SpoiledPool if _end_capture_after_error(graph, device, pool) else CaptureFailed
+        raise failed(f"{type(exc).__name__} while capturing: {_first_line(exc)}") from exc
+    try:
+        graph.capture_end()
+    except Exception as exc:
+        _end_capture_after_error(graph, device, pool)
+        raise SpoiledPool(f"the capture was invalidated: {_first_line(exc)}") from exc
+    return _Recorded(outputs, observation, staging_launches, copied_back)
+
+
+def _give_outputs_their_own_memory(
+    outputs: object, watched: Sequence[tuple[int, int]], graph, *, device: int, pool: tuple, backend, stream
+) -> tuple[object, int, set[int]]:
+    """:func:`own_outputs` for a capture that just ended; on failure the graph is reset and
+    the error is a CaptureFailed."""
+    try:
+        return own_outputs(outputs, watched, device, backend, graph, stream, pool_ranges(device, pool))
+    except Exception as exc:
+        graph.reset()
+        if isinstance(exc, CaptureFailed):
+            raise
+        raise CaptureFailed(
+            f"{type(exc).__name__} while giving the outputs their own memory: {_first_line(exc)}"
+        ) from exc
+
+
+def _instantiate(graph: torch.cuda.CUDAGraph) -> None:
+    """Make the graph launchable; on failure it is reset and the error is a CaptureFailed."""
+    try:
+        graph.instantiate()
+    except Exception as exc:
+        graph.reset()
+        raise CaptureFailed(f"the graph could not be instantiated: {_first_line(exc)}") from exc
+
+
+def _capture_record(
+    *,
+    graph: torch.cuda.CUDAGraph,
+    device: int,
+    leaves: Sequence,
+    prepared: _CaptureInputs,
+    recorded: _Recorded,
+    recorder: _Recorder,
+    records: list,
+    output_bytes: int,
+    owned: set[int],
+    seconds: float,
+    memory: int,
+    timings: dict,
+) -> Capture:
+    """The Capture: the graph, with what analysis and replay need to know of its recording."""
+    return Capture(
+        graph=graph,
+        device=device,
+        outputs=recorded.outputs,
+        records=records,
+        launch_nodes=list(recorder.nodes),
+        staging_launches=recorded.staging_launches,
+        output_bytes=output_bytes,
+        owned_outputs=owned,
+        inputs=prepared.inputs,
+        input_dtypes={i: t.dtype for i, t in prepared.tensors.items()},
+        dynamic_values={i: leaf.value for i, leaf in enumerate(leaves) if isinstance(leaf, Dynamic)},
+        staged=prepared.staged,
+        copied_back=recorded.copied_back,
+        torch_read=prepared.leaves_seen(recorded.observation.read),
+        torch_written=prepared.leaves_seen(recorded.observation.written),
+        seconds=seconds,
+        memory=memory,
+        timings=timings,
+    )
+
+
 def capture(
     fn,
     spec: object,
@@ -329,32 +549,16 @@ def capture(
     ``observe=False`` skips the torch-op observer during the capture (it costs tens of
     microseconds per torch op): the session passes it when the eager warm-up of this key ran
     under the observer and saw no torch op touch an input. The node scan after capture still
-    catches foreign kernels and copies that reach an input."""
+    catches foreign kernels and copies that reach an input.
+
+    The steps: prepare the inputs; then, holding :data:`CAPTURES` exclusively from capture
+    begin to instantiate: record the region, give its outputs memory of their own,
+    instantiate the graph, and build the :class:`Capture`."""
     clock = time.perf_counter
     timings = {"start": clock()}
-    tensors = {i: leaf for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)}
-    for i, tensor in tensors.items():
-        if tensor.device.type != "cuda" or tensor.device.index != device:
-            raise CaptureFailed(f"input {paths[i]} is on {tensor.device}, the current device is cuda:{device}")
-    inputs = [rebinding.InputRange(i, paths[i], *byte_range(t)) for i, t in tensors.items()]
-    staged: dict[int, torch.Tensor] = {}
-    for i in sorted(stage):
-        reason = staging.unsupported_reason(tensors[i])
-        if reason:
-            raise CaptureFailed(f"input {paths[i]} must be staged but {reason}")
-        staged[i] = staging.staged_buffer(tensors[i])
-        staging.prepare(tensors[i], staged[i])
-        staging.prepare(staged[i], tensors[i])
-    capture_leaves = list(leaves)
-    for i, leaf in enumerate(leaves):
-        if i in staged:
-            capture_leaves[i] = staged[i]
-        elif isinstance(leaf, Dynamic):
-            capture_leaves[i] = DynamicScalar(f"_d{i}", leaf.value, paths[i])
-    args, kwargs = unflatten(spec, capture_leaves)
-    watched = [(r.lo, r.hi) for r in inputs] + [byte_range(b) for b in staged.values()]
-    watched_index = [r.index for r in inputs] + list(staged)
-    observer = TorchOpObserver(watched) if observe else contextlib.nullcontext(_NoObservation())
+    prepared = _prepare_inputs(leaves, paths, device=device, stage=stage)
+    args, kwargs = _region_arguments(spec, leaves, paths, prepared.staged)
+    observer = TorchOpObserver(prepared.watched) if observe else contextlib.nullcontext(_NoObservation())
     with CAPTURES.exclusive():  # no other thread's work may break this capture
         backend = get_backend()
         recorder = _Recorder(backend)
@@ -362,94 +566,34 @@ def capture(
         pool_before = pool_bytes(device, pool)
         timings["prepare"] = clock() - timings.pop("start")
         started = clock()
-        copied_back: set[int] = set()
-        staging_launches: dict[int, int] = {}  # record index -> the input a staging copy reads or writes
         with torch.cuda.stream(stream):
-            try:
-                graph.capture_begin(pool=pool, capture_error_mode="thread_local")
-            except Exception as exc:
-                # capture_begin puts the generator in capture mode before it can fail: repaired
-                # with a new state, as after a spoiled capture (and handled the same way)
-                _repair_generator(device)
-                raise SpoiledPool(f"the capture could not start: {_first_line(exc)}") from exc
-            try:
-                with jitcore.recorder.recording(recorder), observer as observer:
-                    for i, buffer in staged.items():
-                        staging_launches[len(recorder.records)] = i
-                        staging.copy(tensors[i], buffer)
-                    first_region_launch = len(recorder.records)
-                    outputs = fn(*args, **kwargs)
-                    written = {watched_index[w] for w in observer.written}
-                    for record in recorder.records[first_region_launch:]:
-                        for param in record.params:
-                            if param.kind == "pointer" and not param.read_only:
-                                address = int.from_bytes(record.param_bytes[param.offset : param.offset + 8], "little")
-                                for i, buffer in staged.items():
-                                    if buffer.data_ptr() <= address < buffer.data_ptr() + max(extent_bytes(buffer), 1):
-                                        written.add(i)
-                    for i, buffer in staged.items():
-                        if i in written or i in copy_back:
-                            staging_launches[len(recorder.records)] = i
-                            staging.copy(buffer, tensors[i])
-                            copied_back.add(i)
-                    _refuse_written_overlaps(inputs, staged, written | copied_back)
-            except CaptureMissError as exc:
-                if _end_capture_after_error(graph, device, pool):
-                    raise SpoiledPool(str(exc)) from exc
-                raise CaptureAborted(str(exc)) from exc
-            except (DynamicScalarError, CaptureFailed) as exc:
-                failed = SpoiledPool if _end_capture_after_error(graph, device, pool) else CaptureFailed
-                raise failed(str(exc)) from exc
-            except Exception as exc:
-                failed = SpoiledPool if _end_capture_after_error(graph, device, pool) else CaptureFailed
-                raise failed(f"{type(exc).__name__} while capturing: {_first_line(exc)}") from exc
-            try:
-                graph.capture_end()
-            except Exception as exc:
-                _end_capture_after_error(graph, device, pool)
-                raise SpoiledPool(f"the capture was invalidated: {_first_line(exc)}") from exc
-            try:
-                outputs, output_bytes, owned = own_outputs(
-                    outputs, watched, device, backend, graph, stream, pool_ranges(device, pool)
-                )
-            except Exception as exc:
-                graph.reset()
-                if isinstance(exc, CaptureFailed):
-                    raise
-                raise CaptureFailed(
-                    f"{type(exc).__name__} while giving the outputs their own memory: {_first_line(exc)}"
-                ) from exc
+            recorded = _record(
+                fn, args, kwargs, prepared, recorder, observer, graph, device=device, pool=pool, copy_back=copy_back
+            )
+            recorded.outputs, output_bytes, owned = _give_outputs_their_own_memory(
+                recorded.outputs, prepared.watched, graph, device=device, pool=pool, backend=backend, stream=stream
+            )
         timings["capture"] = clock() - started
         # Records must not keep the capture's tensors alive: intermediates freed now return to
         # the pool, where the next graph recorded into it reuses them.
         records = [attrs.evolve(r, args=tuple(_scalar_or_none(a) for a in r.args)) for r in recorder.records]
         del args, kwargs
-        try:
-            graph.instantiate()
-        except Exception as exc:
-            graph.reset()
-            raise CaptureFailed(f"the graph could not be instantiated: {_first_line(exc)}") from exc
+        _instantiate(graph)
         seconds = clock() - started
         timings["instantiate"] = seconds - timings["capture"]
         measured = clock()
         memory = max(pool_bytes(device, pool) - pool_before, 0) + output_bytes
         timings["pool size"] = clock() - measured
-        return Capture(
+        return _capture_record(
             graph=graph,
             device=device,
-            outputs=outputs,
+            leaves=leaves,
+            prepared=prepared,
+            recorded=recorded,
+            recorder=recorder,
             records=records,
-            launch_nodes=list(recorder.nodes),
-            staging_launches=staging_launches,
             output_bytes=output_bytes,
-            owned_outputs=owned,
-            inputs=inputs,
-            input_dtypes={i: t.dtype for i, t in tensors.items()},
-            dynamic_values={i: leaf.value for i, leaf in enumerate(leaves) if isinstance(leaf, Dynamic)},
-            staged=staged,
-            copied_back=copied_back,
-            torch_read={watched_index[w] for w in observer.read if watched_index[w] not in staged},
-            torch_written={watched_index[w] for w in observer.written if watched_index[w] not in staged},
+            owned=owned,
             seconds=seconds,
             memory=memory,
             timings=timings,
