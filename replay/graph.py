@@ -24,7 +24,6 @@ through torch's own ``CUDAGraph.replay()``, which advances the generators' offse
 from __future__ import annotations
 
 import itertools
-import os
 import re
 import struct
 import weakref
@@ -39,10 +38,6 @@ from replay import keys, recording
 from replay.dynamic import DynamicScalar
 from replay.errors import ReplayMismatchError, StaleOutputError
 from replay.recording import Capture, CaptureFailed
-
-
-def dump_enabled() -> bool:
-    return os.environ.get("REPLAY_DUMP", "").strip() not in ("", "0")
 
 
 class _Mismatch:
@@ -348,7 +343,7 @@ class RecordedGraph:
         self.replay = compile_function(
             self.source, self.name, f"replay graph {number} of region {region.name}", self.namespace
         )
-        if dump_enabled():
+        if codegen.dump_enabled("REPLAY_DUMP"):
             print(f"# replay graph\n{self.source}")
 
     # --- outputs -------------------------------------------------------------------------
