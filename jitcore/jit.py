@@ -146,46 +146,31 @@ class JitFunction:
         compiled for (stricter than the key, never looser), or None when some argument
         cannot be guarded (adaptors, subclasses, unusual constexpr types)."""
         device, elements = key[0], key[1:]
-        names = [f"_a{i}" for i in range(len(self.parameters))]  # never the user's names
-        namespace: dict[str, object] = {"_Tensor": torch.Tensor, "_device": self.namespace["_device"]}
-        checks, guarded, sizes, strides = [], [], [], []
-        for index, (param, element, arg) in enumerate(zip(self.parameters, elements, args)):
-            name = names[index]
+        checks = []
+        for param, element, arg in zip(self.parameters, elements, args):
             if param.constexpr:
                 if type(arg) is float and (arg != arg or arg == 0.0):
                     return None  # NaN and the two zeros: == cannot tell them apart, the key can
                 if type(arg) not in keys._CONSTEXPR_TYPE_NAMES and type(arg) is not float:
                     return None
-                namespace[f"_c{index}"], namespace[f"_v{index}"] = type(arg), arg
-                checks.append(f"{name}.__class__ is _c{index} and {name} == _v{index}")
+                checks.append(guards.ArgumentCheck.equal(arg))
             elif isinstance(element, tensors.SignatureToken):
                 if type(arg) is not torch.Tensor:
                     return None
                 _dtype, shape_spec, stride_spec, *_ = element.signature
-                checks.append(f"{name}.__class__ is _Tensor")
-                guarded.append(name)
-                sizes.append([s if isinstance(s, int) else None for s in shape_spec])
-                strides.append([s if isinstance(s, int) else None for s in stride_spec])
+                sizes = [s if isinstance(s, int) else None for s in shape_spec]
+                strides = [s if isinstance(s, int) else None for s in stride_spec]
+                checks.append(guards.ArgumentCheck.tensor(arg, sizes, strides))
             elif isinstance(element, str) and type(arg) in keys.SCALAR_SIGNATURES:
-                namespace[f"_c{index}"] = type(arg)
-                checks.append(f"{name}.__class__ is _c{index}")
+                checks.append(guards.ArgumentCheck.of_class(type(arg)))
             else:
                 return None
-        # One guard per tensor parameter: torch's evaluator refuses the same tensor passed
-        # twice in one check, and callers do pass one tensor as several arguments.
-        for number, (name, size, stride) in enumerate(zip(guarded, sizes, strides)):
-            check = guards.tensor_guard([args[names.index(name)]], [size], [stride])
-            if check is None:
-                return None
-            namespace[f"_tensor_guard{number}"] = check
-            checks.append(f"_tensor_guard{number}({name})")
-        checks.append(f"_device() == {int(device)}")
-        source = f"def guard({', '.join(names)}):\n    return " + " and ".join(checks) + "\n"
-        filename = codegen.source_filename(f"guard of {self.name}")
-        guard = codegen.define(source, filename, namespace)["guard"]
-        weakref.finalize(guard, codegen.forget_source, filename)
-        guard.source = source
-        return guard
+        return guards.make_guard(
+            checks,
+            device=device,
+            current_device=self.namespace["_device"],
+            description=f"guard of {self.name}",
+        )
 
     def _compile_dispatcher(self, source: str) -> Callable:
         """The dispatcher function of ``source``, its parameters renamed to the user's."""

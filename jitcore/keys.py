@@ -205,11 +205,7 @@ class KeyPlan:
         self.names = tuple(p.name for p in self.parameters)
         self.namespace: dict[str, object] = {
             "_NAMES": self.names,
-            "_Tensor": torch.Tensor,
-            "_LEAN": tensors._lean_tokens,
-            "_lean": tensors.lean_token,
-            "_last_unit": tensors.last_unit_axis,
-            "_strided": torch.strided,
+            **tensors.LEAN_NAMESPACE,
             "_SCALAR": SCALAR_SIGNATURES,
             "_CONSTEXPR": _CONSTEXPR_TYPE_NAMES,
             "_generic": argument_signature,
@@ -231,8 +227,10 @@ class KeyPlan:
     def key_lines(self, *, hit_path: bool = False, leading: str = "") -> list[str]:
         """Statements that leave the lean key in ``_key``, reading the arguments as ``_a0``, ...
         The jit dispatcher inlines them (``hit_path=True``), so the hit path makes no extra
-        call for them; there, dynamic scalars (``__jit_scalar__``) raise LookupError so the
-        call takes the miss path, which unwraps them."""
+        call for them; a tensor's are :func:`~jitcore.tensors.lean_token_lines`, the lines
+        :func:`~jitcore.tensors.lean_token` is generated from, so the inline key and the
+        Python one are one definition. There, dynamic scalars (``__jit_scalar__``) raise
+        LookupError so the call takes the miss path, which unwraps them."""
         generic = "_generic_hit" if hit_path else "_generic"
         lines = []
         for index, param in enumerate(self.parameters):
@@ -246,15 +244,7 @@ class KeyPlan:
                 continue
             lines += [
                 f"if {value}.__class__ is _Tensor:",
-                "    try:",
-                f"        _s = {value}.stride()",
-                "        _n = len(_s)",
-                f"        _d = {value}.get_device()",
-                f"        {element} = _LEAN[({value}.dtype, _n, _n - 1 if _s[-1] == 1 else _last_unit(_s), _d)]",
-                f"        if {value}.is_neg() or _d < 0 and ({value}.is_meta or {value}.layout is not _strided):",
-                f"            {element} = _lean({value})",
-                "    except (KeyError, IndexError, RuntimeError):",
-                f"        {element} = _lean({value})",
+                *["    " + line for line in tensors.lean_token_lines(value, element)],
                 "else:",
                 f"    {element} = _SCALAR.get({value}.__class__) or {generic}({value}, {name}, full=False)",
             ]

@@ -20,11 +20,11 @@ from __future__ import annotations
 import sys
 import threading
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
-from jitcore import dlpack, dtypes
+from jitcore import codegen, dlpack, dtypes
 from jitcore.errors import ArgumentError, LayoutError, UnsupportedTensorError
 
 DYNAMIC = "?"
@@ -175,23 +175,61 @@ def _lean_slow(tensor: torch.Tensor) -> SignatureToken:
     return token
 
 
-def lean_token(tensor: torch.Tensor) -> SignatureToken:
-    """The key token of a raw torch tensor's layout-dynamic signature, without DLPack."""
-    if type(tensor) is torch.Tensor:
-        try:
-            strides = tensor.stride()
-            ndim = len(strides)
-            unit = ndim - 1 if strides[-1] == 1 else last_unit_axis(strides)
-            device = tensor.get_device()
-            token = _lean_tokens[(tensor.dtype, ndim, unit, device)]
-            if device < 0 and (tensor.is_meta or tensor.layout is not _strided):
-                raise KeyError
-            if tensor.is_neg():
-                raise KeyError
-            return token
-        except (KeyError, IndexError, RuntimeError):
-            pass
-    return _lean_slow(tensor)
+#: What the lean lookup's statements (:func:`lean_token_lines`) read, under these names: the
+#: namespace of every function they are compiled into includes it.
+LEAN_NAMESPACE: dict[str, object] = {
+    "_Tensor": torch.Tensor,
+    "_LEAN": _lean_tokens,
+    "_last_unit": last_unit_axis,
+    "_strided": _strided,
+    "_lean_slow": _lean_slow,
+}
+
+
+def lean_token_lines(value: str, result: str) -> list[str]:
+    """Statements that leave in ``result`` the lean token of ``value``, a tensor whose class is
+    exactly ``torch.Tensor``, reading the names of :data:`LEAN_NAMESPACE` (and using ``_s``,
+    ``_n`` and ``_d`` as scratch locals).
+
+    The one definition of the lean fast path: :func:`lean_token` is generated from these lines
+    and the jit dispatcher inlines them once per tensor parameter
+    (:meth:`~jitcore.keys.KeyPlan.key_lines`), so the two cannot drift apart and the hit path
+    makes no call for them. A hit is one dict lookup on (dtype, ndim, unit axis, device
+    index); everything else (a key never validated, 0-d, negative bit, meta or non-strided
+    CPU-side tensors, a stride() that raises) falls back to the validating slow path."""
+    return [
+        "try:",
+        f"    _s = {value}.stride()",
+        "    _n = len(_s)",
+        f"    _d = {value}.get_device()",
+        f"    {result} = _LEAN[({value}.dtype, _n, _n - 1 if _s[-1] == 1 else _last_unit(_s), _d)]",
+        f"    if {value}.is_neg() or _d < 0 and ({value}.is_meta or {value}.layout is not _strided):",
+        f"        {result} = _lean_slow({value})",
+        "except (KeyError, IndexError, RuntimeError):",
+        f"    {result} = _lean_slow({value})",
+    ]
+
+
+def _define_lean_token() -> Callable[[torch.Tensor], SignatureToken]:
+    """:func:`lean_token`, generated from :func:`lean_token_lines` (the lines the dispatcher
+    inlines), so the Python function and the inline key are one definition."""
+    body = "".join(f"        {line}\n" for line in lean_token_lines("tensor", "_token"))
+    source = (
+        "def lean_token(tensor):\n"
+        "    if type(tensor) is _Tensor:\n"
+        f"{body}"
+        "        return _token\n"
+        "    return _lean_slow(tensor)\n"
+    )
+    namespace: dict[str, object] = dict(LEAN_NAMESPACE)
+    function = codegen.define(source, codegen.source_filename("lean token"), namespace)["lean_token"]
+    function.__doc__ = "The key token of a raw torch tensor's layout-dynamic signature, without DLPack."
+    function.__module__ = __name__
+    function.source = source
+    return function
+
+
+lean_token: Callable[[torch.Tensor], SignatureToken] = _define_lean_token()
 
 
 def lean_cache_signature(tensor: torch.Tensor) -> Signature:

@@ -32,6 +32,7 @@ import jitcore
 from jitcore.backends import get_backend
 from jitcore.codegen import never
 from jitcore.errors import GlobalDriftError
+from jitcore.guards import ArgumentCheck, make_guard
 from replay import buckets, keys, observe, recording
 from replay.admission import Admission, CompactionRule
 from replay.dynamic import Dynamic
@@ -599,43 +600,25 @@ class Region:
         """``guard(*args) -> bool``: exactly this key, for calls with positional leaves only."""
         if spec[0] != keys.FLAT:
             return None
-        device = entry.key[0]
-        namespace: dict[str, object] = {
-            "_Tensor": torch.Tensor,
-            "_Dynamic": Dynamic,
-            "_device": get_backend().hot_namespace["_current_device"],
-        }
-        names = [f"a{i}" for i in range(len(leaves))]
         checks = []
-        for i, leaf in enumerate(leaves):
-            name = names[i]
+        for leaf in leaves:
             if type(leaf) is torch.Tensor:
-                check = jitcore.tensor_guard([leaf], [list(leaf.shape)], [list(leaf.stride())])
-                if check is None:
-                    return None
-                namespace[f"_g{i}"] = check
-                checks.append(f"{name}.__class__ is _Tensor and _g{i}({name})")
+                checks.append(ArgumentCheck.tensor(leaf, list(leaf.shape), list(leaf.stride())))
             elif isinstance(leaf, Dynamic):
-                namespace[f"_c{i}"] = type(leaf.value)
-                checks.append(f"{name}.__class__ is _Dynamic and {name}.value.__class__ is _c{i}")
+                checks.append(ArgumentCheck.wrapping(Dynamic, "value", type(leaf.value)))
             elif isinstance(leaf, float):  # by bits: -0.0 is not 0.0, a NaN is itself
-                namespace[f"_c{i}"], namespace[f"_v{i}"] = type(leaf), keys.float_bits(leaf)
-                namespace["_float_bits"] = keys.float_bits
-                checks.append(f"{name}.__class__ is _c{i} and _float_bits({name}) == _v{i}")
+                checks.append(ArgumentCheck.equal_through(leaf, keys.float_bits))
             elif isinstance(leaf, (bool, int, str, type(None))):
-                namespace[f"_c{i}"], namespace[f"_v{i}"] = type(leaf), leaf
-                checks.append(f"{name}.__class__ is _c{i} and {name} == _v{i}")
+                checks.append(ArgumentCheck.equal(leaf))
             else:
                 return None
-        checks.append(f"_device() == {device}")
-        body = " and ".join(checks)
-        source = (
-            f"def guard(*args):\n    if len(args) != {len(leaves)}:\n        return False\n"
-            f"    {', '.join(names)}{',' if len(names) == 1 else ''} = args\n    return {body}\n"
-            if leaves
-            else f"def guard(*args):\n    return not args and {body}\n"
+        return make_guard(
+            checks,
+            device=entry.key[0],
+            current_device=get_backend().hot_namespace["_current_device"],
+            description="replay guard of a key",
+            packed=True,
         )
-        return compile_function(source, "guard", "replay guard of a key", namespace)
 
     # --- maintenance ---------------------------------------------------------------------
     def drop_graphs(self) -> None:

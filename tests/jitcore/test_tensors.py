@@ -9,8 +9,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import jitcore as jc
-from jitcore import dtypes
+from jitcore import codegen, dtypes, keys, tensors
 from jitcore.errors import LayoutError, UnsupportedTensorError
+from jitcore.keys import KeyPlan, Parameter
 from jitcore.tensors import TensorAdaptor, lean_cache_signature, lean_static_signature
 
 
@@ -290,3 +291,86 @@ def test_property_any_strided_layout(tensor):
 @given(viewed_tensors())
 def test_property_user_views(tensor):
     assert_parity(tensor)
+
+
+# --- the dispatcher's inline key and the Python lean token: one definition, one answer --------
+def _inline_token():
+    """The key element the @jit dispatcher computes inline for a tensor parameter: the
+    hit-path lines of a one-parameter key plan, compiled as the dispatcher compiles them."""
+    plan = KeyPlan([Parameter("t")])
+    body = "".join(f"    {line}\n" for line in plan.key_lines(hit_path=True))
+    source = f"def inline(_a0):\n{body}    return _key[0]\n"
+    return codegen.define(source, codegen.source_filename("test inline key"), dict(plan.namespace))["inline"]
+
+
+_INLINE = _inline_token()
+
+
+class _Plain(torch.Tensor):
+    """A subclass without its own dispatch: keyed like its data, through the generic path."""
+
+
+def _unusual(tensor, how):
+    if how == "negative bit":
+        return torch._neg_view(tensor)
+    if how == "conjugate bit":
+        return tensor.to(torch.complex64).conj()
+    if how == "imag of a conjugate":  # a negative-bit real view
+        return tensor.to(torch.complex64).conj().imag
+    if how == "meta":
+        return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="meta")
+    if how == "sparse":
+        return tensor.to_sparse() if tensor.dtype in (torch.float32, torch.int32, torch.bool) else tensor
+    if how in ("requires grad", "parameter"):
+        tensor = torch.empty_strided(tensor.shape, tensor.stride(), dtype=torch.float32)
+        return tensor.requires_grad_() if how == "requires grad" else torch.nn.Parameter(tensor)
+    if how == "subclass":
+        return tensor.as_subclass(_Plain)
+    return tensor
+
+
+_UNUSUAL = [
+    "none",
+    "negative bit",
+    "conjugate bit",
+    "imag of a conjugate",
+    "meta",
+    "sparse",
+    "requires grad",
+    "parameter",
+    "subclass",
+]
+
+
+def assert_one_lean_key(tensor):
+    """The inline key, the Python lean token and the full (DLPack) path agree, before and
+    after a valid twin (same dtype, rank, unit axis, device) has filled the fast path."""
+    full = outcome(lambda t: keys.argument_signature(t, "t", full=True), tensor)
+    for _ in range(2):
+        assert outcome(_INLINE, tensor) == outcome(tensors.lean_token, tensor) == full
+        twin_strides = tensor.stride() if tensor.layout is torch.strided and not tensor.is_nested else None
+        if twin_strides and tensor.dtype in dtypes.BY_TORCH and 1 in twin_strides:
+            twin = torch.empty_strided(tensor.shape, twin_strides, dtype=tensor.dtype)
+            if tensors.last_unit_axis(twin.stride()) == tensors.last_unit_axis(twin_strides):
+                tensors.lean_token(twin)
+
+
+@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.one_of(strided_tensors(), viewed_tensors()), st.sampled_from(_UNUSUAL))
+def test_property_inline_key_equals_python_lean_token(tensor, how):
+    assert_one_lean_key(_unusual(tensor, how))
+
+
+@pytest.mark.parametrize("name", [*named_layouts(), *refused_tensors()])
+def test_inline_key_equals_python_lean_token_on_named_tensors(name):
+    tensor = {**named_layouts(), **refused_tensors()}[name]
+    assert_one_lean_key(tensor)
+
+
+def test_lean_token_is_generated_from_the_inlined_lines():
+    inlined = [line.strip() for line in KeyPlan([Parameter("t")]).key_lines()]
+    generated = [line.strip() for line in tensors.lean_token.source.splitlines()]
+    for line in tensors.lean_token_lines("_a0", "_k0"):
+        assert line.strip() in inlined
+    for line in tensors.lean_token_lines("tensor", "_token"):
+        assert line.strip() in generated

@@ -1,0 +1,138 @@
+"""The one guard generator (jitcore.guards.make_guard) behind @jit's and replay's fast paths."""
+
+from __future__ import annotations
+
+import linecache
+import math
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+import jitcore as jc
+from jitcore.guards import ArgumentCheck, make_guard
+
+GUARDS = jc.tensor_guard([torch.zeros(1)], [[1]], [[1]]) is not None
+needs_guards = pytest.mark.skipif(not GUARDS, reason="torch has no C++ tensor guard evaluator")
+
+
+class Device:
+    """A current-device reader the test can switch."""
+
+    def __init__(self, index: int = 0) -> None:
+        self.index = index
+
+    def __call__(self) -> int:
+        return self.index
+
+
+class Box:
+    def __init__(self, value: object) -> None:
+        self.value = value
+
+
+def bits(value: float) -> bytes:
+    return struct.pack("<d", value)
+
+
+def test_class_and_value_checks_are_exact():
+    guard = make_guard(
+        [ArgumentCheck.of_class(float), ArgumentCheck.equal(3), ArgumentCheck.equal("s")],
+        device=0,
+        current_device=Device(),
+        description="test guard",
+    )
+    assert guard(1.5, 3, "s") and guard(-2.0, 3, "s")
+    assert not guard(1, 3, "s")  # an int is not a float
+    assert not guard(np.float64(1.5), 3, "s")  # nor is a subclass
+    assert not guard(1.5, 4, "s") and not guard(1.5, True, "s") and not guard(1.5, 3.0, "s")
+    assert not guard(1.5, 3, "t")
+
+
+def test_floats_through_their_bits():
+    check = ArgumentCheck.equal_through
+    guard = make_guard(
+        [check(0.0, bits), check(math.nan, bits)], device=0, current_device=Device(), description="test guard"
+    )
+    assert guard(0.0, math.nan)
+    assert not guard(-0.0, math.nan)  # == would say yes
+    assert not guard(0.0, 0.0)
+
+
+def test_an_attributes_class():
+    guard = make_guard(
+        [ArgumentCheck.wrapping(Box, "value", int)], device=0, current_device=Device(), description="test guard"
+    )
+    assert guard(Box(1)) and guard(Box(7))
+    assert not guard(Box(1.0)) and not guard(Box(True)) and not guard(1)
+    with pytest.raises(ValueError):
+        ArgumentCheck.wrapping(Box, "value.x", int)
+
+
+def test_the_device_is_checked_last():
+    device = Device(1)
+    guard = make_guard([ArgumentCheck.of_class(int)], device=1, current_device=device, description="test guard")
+    assert guard(5)
+    device.index = 0
+    assert not guard(5)
+
+
+def test_positional_and_packed_signatures():
+    checks = [ArgumentCheck.of_class(int), ArgumentCheck.of_class(str)]
+    positional = make_guard(checks, device=0, current_device=Device(), description="test guard")
+    packed = make_guard(checks, device=0, current_device=Device(), description="test guard", packed=True)
+    assert positional.source.startswith("def guard(_a0, _a1):")
+    assert positional(1, "a") and packed(1, "a")
+    assert not packed(1) and not packed(1, "a", 2)  # the arity check, not a TypeError
+    with pytest.raises(TypeError):
+        positional(1)
+    one = make_guard(checks[:1], device=0, current_device=Device(), description="test guard", packed=True)
+    assert one(1) and not one("a") and not one()
+    none = make_guard([], device=0, current_device=Device(), description="test guard", packed=True)
+    assert none() and not none(1)
+    assert make_guard([], device=0, current_device=Device(), description="test guard")()
+
+
+def test_source_goes_through_codegen():
+    guard = make_guard([ArgumentCheck.equal(2)], device=0, current_device=Device(), description="test guard")
+    filename = guard.__code__.co_filename
+    assert filename.startswith("<jitcore test guard")
+    assert "".join(linecache.getlines(filename)) == guard.source
+    assert "_a0 == _v0" in guard.source  # values reach it by name, not by repr
+
+
+@needs_guards
+def test_tensors_by_the_c_plus_plus_guard():
+    x = torch.randn(4, 6)
+    static = ArgumentCheck.tensor(x, [4, 6], [6, 1])
+    dynamic = ArgumentCheck.tensor(x, [None, None], [None, 1])
+    guard = make_guard([static, dynamic], device=0, current_device=Device(), description="test guard")
+    assert guard(x, x)  # one tensor as two arguments: one C++ guard each
+    assert guard(torch.randn(4, 6), torch.randn(9, 3))
+    assert not guard(torch.randn(4, 7), x)  # a static size
+    assert not guard(x, torch.randn(6, 4).t())  # the unit stride
+    assert not guard(x, x.double()) and not guard(x, x.to(torch.float16))
+    assert not guard(torch.nn.Parameter(x), x)  # class exactly torch.Tensor
+    assert not guard(torch._neg_view(x), x)
+    assert not guard(x, 1.0)
+    assert "_tensor_guard0(_a0)" in guard.source and "_tensor_guard1(_a1)" in guard.source
+
+
+@needs_guards
+def test_class_checks_come_before_the_tensor_guards():
+    x = torch.randn(3)
+    guard = make_guard(
+        [ArgumentCheck.tensor(x, [3], [1]), ArgumentCheck.of_class(int)],
+        device=0,
+        current_device=Device(),
+        description="test guard",
+    )
+    body = guard.source.split("return ", 1)[1]
+    assert body.index("_a1.__class__") < body.index("_tensor_guard0(") < body.index("_device()")
+
+
+def test_no_guard_where_torch_cannot_guard_a_tensor():
+    nested = torch.nested.nested_tensor([torch.randn(2, 3), torch.randn(4, 3)])
+    check = ArgumentCheck.tensor(nested, [None, None], [None, None])
+    assert make_guard([check], device=0, current_device=Device(), description="test guard") is None
