@@ -187,11 +187,18 @@ class CaptureExclusion:
         self._readers = 0
         self._owner: int | None = None
         self._depth = 0
-        self._local = threading.local()  # this thread's shared depth
+        self._local = threading.local()  # this thread's shared depth, and per shared block its kind
+        self._shared = _Shared(self)
 
-    @contextlib.contextmanager
-    def shared(self) -> Iterator[None]:
+    def shared(self) -> _Shared:
+        """Hold the exclusion shared for a ``with`` block (reentrant; a no-op in the thread that
+        holds it exclusively). A plain context object, not a generator: region calls take it
+        on every eager run."""
+        return self._shared
+
+    def _enter_shared(self) -> None:
         me = threading.get_ident()
+        local = self._local
         with self._condition:
             if self._owner == me:
                 owner = True
@@ -200,16 +207,18 @@ class CaptureExclusion:
                 while self._owner is not None:
                     self._condition.wait()
                 self._readers += 1
-        self._local.depth = getattr(self._local, "depth", 0) + (not owner)
-        try:
-            yield
-        finally:
-            if not owner:
-                self._local.depth -= 1
-                with self._condition:
-                    self._readers -= 1
-                    if not self._readers:
-                        self._condition.notify_all()
+        stack = local.__dict__.setdefault("owners", [])
+        stack.append(owner)
+        local.depth = getattr(local, "depth", 0) + (not owner)
+
+    def _exit_shared(self) -> None:
+        local = self._local
+        if not local.owners.pop():
+            local.depth -= 1
+            with self._condition:
+                self._readers -= 1
+                if not self._readers:
+                    self._condition.notify_all()
 
     def holds_shared(self) -> bool:
         """Whether this thread holds the exclusion shared (so it cannot take it exclusively)."""
@@ -234,6 +243,21 @@ class CaptureExclusion:
                 if not self._depth:
                     self._owner = None
                     self._condition.notify_all()
+
+
+class _Shared:
+    """``with exclusion.shared():`` (see :meth:`CaptureExclusion.shared`)."""
+
+    __slots__ = ("_exclusion",)
+
+    def __init__(self, exclusion: CaptureExclusion):
+        self._exclusion = exclusion
+
+    def __enter__(self) -> None:
+        self._exclusion._enter_shared()
+
+    def __exit__(self, *exc: object) -> None:
+        self._exclusion._exit_shared()
 
 
 #: The process's one capture exclusion (see :class:`CaptureExclusion`).
