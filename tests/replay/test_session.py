@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import collections
 import logging
+import random
 import warnings
 
 import attrs
@@ -636,3 +638,24 @@ def test_recordings_evictions_invalidations_and_fallbacks_are_logged(session_fac
     assert any("graph released for key" in m for m in messages)
     assert any("runs eagerly from now on: no" in m for m in messages)
     assert any("session invalidated" in m for m in messages)
+
+
+def test_under_a_skewed_mix_the_hottest_keys_hold_the_graphs(session_factory):
+    # batch sizes 1..128 drawn with Zipf-like weights, room for 12 graphs: the held graphs end
+    # up being the most called keys, recorded about once each
+    session = session_factory(record_after=1, max_graphs=12)
+    step = session.region(add)
+    generator = random.Random(3)
+    sizes = list(range(1, 129))
+    generator.shuffle(sizes)
+    weights = [1 / rank**1.2 for rank in range(1, 129)]
+    tensors = {n: (torch.randn(n), torch.randn(n)) for n in sizes}
+    calls = collections.Counter()
+    for n in generator.choices(sizes, weights=weights, k=6000):
+        calls[n] += 1
+        assert torch.equal(step(*tensors[n]), tensors[n][0] + tensors[n][1])
+    held = {key[keys.LEAVES_START][1][0] for key, e in step.entries.items() if e.state == RECORDED}
+    hottest = {n for n, _ in calls.most_common(12)}
+    assert len(held & hottest) >= 10, (sorted(held), sorted(hottest))
+    stats = session.stats()
+    assert stats.records <= 24 and stats.replays >= 0.6 * 6000, session.report()
