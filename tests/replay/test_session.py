@@ -274,19 +274,6 @@ def test_the_recording_budget_postpones_recordings_and_charges_failed_ones(sessi
     assert session.admission.budget.spent > spent  # a failed capture took time too
 
 
-def test_invalidation_makes_every_key_warm_up_again(session_factory):
-    session = session_factory(record_after=1)
-    step = session.region(add)
-    x = torch.randn(3)
-    for _ in range(3):
-        step(x, x)
-    session.invalidate()
-    step(x, x)
-    assert session.stats().records == 1  # the call after an invalidation warms up
-    step(x, x)
-    assert session.stats().records == 2
-
-
 def test_a_failed_capture_marks_the_key_eager_only_with_one_warning(session_factory):
     session = session_factory(record_after=0)
     session.capture_script = [recording.CaptureFailed("RuntimeError while capturing: operation not permitted")]
