@@ -24,8 +24,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from replay import keys
-from replay.dynamic import Dynamic
 from replay.errors import ReplayMismatchError
+from replay.graph import bitwise_equal, clone_preserving_sharing
 
 
 class Padded:
@@ -113,6 +113,8 @@ def call(
     rows = next(iter(sizes.values()))
     bucket = bucket_for(rows, buckets)
     target = rows if bucket is None else bucket
+    if target != rows:
+        _refuse_shared_memory(name, args, kwargs)
     pads: list[tuple[Padded, torch.Tensor]] = []
 
     def pad(value: object) -> object:
@@ -137,6 +139,27 @@ def call(
     return result, rows, target, pads
 
 
+def _refuse_shared_memory(name: str, args: tuple, kwargs: dict) -> None:
+    """A padded argument is copied: memory it shares with another argument (the same tensor
+    passed twice, a view of it) would stop being shared, and the region would see writes
+    through one but not the other. Refused, before anything runs."""
+    _spec, leaves, paths = keys.flatten(args, kwargs)  # a Padded marker is a leaf of its own
+    tensors = []  # (path, tensor, padded)
+    for path, leaf in zip(paths, leaves):
+        if type(leaf) is Padded:
+            tensors.append((path, leaf.tensor, True))
+        elif isinstance(leaf, torch.Tensor):
+            tensors.append((path, leaf, False))
+    for i, j in keys.pattern_of([(n, *keys.byte_range(t)) for n, (_, t, _) in enumerate(tensors)]):
+        if tensors[j][2] and not tensors[i][2]:
+            i, j = j, i
+        if tensors[i][2]:
+            raise ValueError(
+                f"region {name}: padded argument {tensors[i][0]} shares memory with {tensors[j][0]}; a padded "
+                "argument is copied, so that sharing would be lost (pass separate tensors, or do not pad it)"
+            )
+
+
 def slice_outputs(result: object, dim: int, bucket: int, rows: int) -> object:
     """Every tensor of ``result`` whose size along ``dim`` is ``bucket``, narrowed to ``rows``."""
     spec, leaves, _ = keys.flatten((result,), {}, walk_dataclasses=True)
@@ -150,32 +173,24 @@ def slice_outputs(result: object, dim: int, bucket: int, rows: int) -> object:
 
 
 def verify(fn: Callable, args: tuple, kwargs: dict, padded_call: Callable[[], object], name: str) -> object:
-    """Run ``fn`` unpadded and eagerly on copies of the tensor arguments, then the padded call
-    on the real ones, and compare the outputs and every tensor argument afterwards. Equal bit
-    for bit passes; otherwise within torch's default tolerance for the dtype passes (a padded
+    """Run ``fn`` unpadded and eagerly on copies of the arguments (every tensor, nested ones
+    too, copied so that arguments sharing memory still share it), then the padded call on the
+    real ones, and compare the outputs and every tensor argument afterwards. Equal bit for
+    bit passes; otherwise within torch's default tolerance for the dtype passes (a padded
     matmul may use another kernel and round differently); anything else raises
     ReplayMismatchError: the region's rows are not independent, and padding changes its
     results."""
-
-    def plain(value: object) -> object:
-        value = value.tensor if type(value) is Padded else value
-        if isinstance(value, Dynamic):
-            return value.value  # what the region receives in an eager call
-        return value.clone() if isinstance(value, torch.Tensor) else value
-
-    copies_args = tuple(plain(a) for a in args)
-    copies_kwargs = {k: plain(v) for k, v in kwargs.items()}
-    expected = fn(*copies_args, **copies_kwargs)
+    unwrapped = tuple(a.tensor if type(a) is Padded else a for a in args)
+    unwrapped_kwargs = {k: v.tensor if type(v) is Padded else v for k, v in kwargs.items()}
+    spec, leaves, paths = keys.flatten(unwrapped, unwrapped_kwargs)
+    copies = clone_preserving_sharing(keys.plain_leaves(leaves))
+    copy_args, copy_kwargs = keys.unflatten(spec, copies)
+    expected = fn(*copy_args, **copy_kwargs)
     got = padded_call()
     _compare(name, "output", expected, got)
-    for index, (a, copy) in enumerate(zip(args, copies_args)):
-        real = a.tensor if type(a) is Padded else a
+    for path, real, copy in zip(paths, leaves, copies):
         if isinstance(real, torch.Tensor):
-            _compare(name, f"argument args[{index}] after the call", copy, real)
-    for key, copy in copies_kwargs.items():
-        real = kwargs[key].tensor if type(kwargs[key]) is Padded else kwargs[key]
-        if isinstance(real, torch.Tensor):
-            _compare(name, f"argument {key}= after the call", copy, real)
+            _compare(name, f"argument {path} after the call", copy, real)
     return got
 
 
@@ -185,12 +200,10 @@ def _compare(name: str, what: str, expected: object, got: object) -> None:
     if expected_spec != got_spec:
         raise ReplayMismatchError(f"region {name}: the padded call's {what} has another structure than unpadded")
     for path, want, have in zip(paths, expected_leaves, got_leaves):
+        if bitwise_equal(want, have):
+            continue
         if not isinstance(want, torch.Tensor):
-            if want != have:
-                raise ReplayMismatchError(f"region {name}: padded, {what} {path} is {have!r}, unpadded {want!r}")
-            continue
-        if want.shape == have.shape and want.dtype == have.dtype and torch.equal(want, have):
-            continue
+            raise ReplayMismatchError(f"region {name}: padded, {what} {path} is {have!r}, unpadded {want!r}")
         try:
             torch.testing.assert_close(have, want, equal_nan=True)
         except AssertionError as error:

@@ -99,7 +99,9 @@ class StaleGuardTensor(torch.Tensor):
             return func(*args, **kwargs)
 
 
-def _bitwise_equal(a: object, b: object) -> bool:
+def bitwise_equal(a: object, b: object) -> bool:
+    """Equal bit for bit: tensors of one shape and dtype with the same bytes (NaNs and -0.0
+    included), floats by their bits, anything else by type and ==."""
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
         if a.shape != b.shape or a.dtype != b.dtype:
             return False
@@ -780,10 +782,10 @@ class RecordedGraph:
         if len(replayed) != len(expected_leaves):
             problems.append("a different number of outputs")
         for number, (a, b) in enumerate(zip(replayed, expected_leaves)):
-            if not _bitwise_equal(a, b):
+            if not bitwise_equal(a, b):
                 problems.append(f"output {number}")
         for i, (leaf, snapshot) in enumerate(zip(leaves, snapshots)):
-            if isinstance(leaf, torch.Tensor) and not _bitwise_equal(leaf, snapshot):
+            if isinstance(leaf, torch.Tensor) and not bitwise_equal(leaf, snapshot):
                 problems.append(f"input {self.paths[i]} after the call")
         if problems:
             raise ReplayMismatchError(

@@ -1428,6 +1428,34 @@ def build_function(region: Region, launchers: dict[str, Callable] | None = None,
     return namespace[region.name]
 
 
+def _tensors_in(value: object) -> list[tuple[torch.Tensor, bool]]:
+    """(tensor, padded) for every tensor in a call argument, containers walked."""
+    if isinstance(value, replay.Padded):
+        return [(value.tensor, True)]
+    if isinstance(value, torch.Tensor):
+        return [(value, False)]
+    if isinstance(value, (list, tuple)):
+        return [item for v in value for item in _tensors_in(v)]
+    if isinstance(value, dict):
+        return [item for v in value.values() for item in _tensors_in(v)]
+    return []
+
+
+def _refuse_padded_sharing(args: tuple | list, kwargs: dict) -> None:
+    """The documented refusal: an argument that is copied to pad it may share no memory with
+    another argument (that sharing would be lost). Raised as replay raises it: ValueError."""
+    found = [item for a in (*args, *kwargs.values()) for item in _tensors_in(a)]
+    spans = []
+    for tensor, padded in found:
+        start = tensor.data_ptr()
+        reach = sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride())) + 1 if tensor.numel() else 0
+        spans.append((start, start + reach * tensor.element_size(), padded))
+    for n, (lo, hi, padded) in enumerate(spans):
+        for other_lo, other_hi, other_padded in spans[n + 1 :]:
+            if (padded or other_padded) and lo < other_hi and other_lo < hi:
+                raise ValueError("padded_reference: a padded argument shares memory with another argument")
+
+
 def padded_reference(fn: Callable, args: tuple | list, kwargs: dict, buckets: list[int] | tuple[int, ...]) -> object:
     """The eager run of a padded call, the padded family's bit-for-bit reference: every
     ``replay.padded(x, dim, fill, written)`` argument is filled up along ``dim`` to the smallest
@@ -1453,6 +1481,8 @@ def padded_reference(fn: Callable, args: tuple | list, kwargs: dict, buckets: li
         raise ValueError(f"padded_reference: padded arguments of different sizes {sorted(sizes)}")
     rows = sizes.pop()
     bucket = min((b for b in buckets if b >= rows), default=rows)
+    if bucket != rows:
+        _refuse_padded_sharing(args, kwargs)
     grown: list[tuple[replay.Padded, torch.Tensor]] = []
 
     def pad(value: object) -> object:

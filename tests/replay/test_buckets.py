@@ -119,6 +119,43 @@ def test_verify_every_catches_a_region_whose_rows_are_not_independent(session_fa
     assert torch.equal(scaled(replay.padded(x), replay.dynamic(0.5)), x * 0.5)
 
 
+def test_verification_copies_nested_and_aliased_arguments_as_the_call_sees_them(session_factory):  # noqa: F811
+    # the unpadded reference run must not touch the caller's tensors (a cache in a list), and
+    # arguments that share memory must still share it in its copies
+    session = session_factory(record_after=0, buckets=[8], verify_every=1)
+
+    def step(x, caches, a, b):
+        caches[0][: x.shape[0]] += x  # a nested tensor written
+        a.mul_(2)  # b is a view of a: the reference's copies must keep that
+        return x + caches[0][: x.shape[0]] + b.sum()
+
+    region = session.region(step, name="nested")
+    x, cache, a = torch.randn(3, 4), torch.randn(8, 4), torch.randn(5)
+    b = a[1:3]
+    x_before, cache_before, a_before = x.clone(), cache.clone(), a.clone()
+    out = region(replay.padded(x), [cache], a, b)
+    expected_cache = cache_before.clone()
+    expected_cache[:3] += x_before
+    assert torch.equal(cache, expected_cache)  # written once, by the real call only
+    assert torch.equal(a, a_before * 2)
+    assert torch.equal(out, x_before + expected_cache[:3] + (a_before[1:3] * 2).sum())
+
+
+def test_a_padded_argument_sharing_memory_with_another_is_refused(session_factory):  # noqa: F811
+    calls = []
+    session = session_factory(record_after=0, buckets=[8])
+    step = session.region(lambda x, y: calls.append(1) or x + y[0])
+    x = torch.randn(3, 4)
+    with pytest.raises(ValueError, match=r"padded argument args\[0\] shares memory with args\[1\]\[0\]"):
+        step(replay.padded(x), [x[0]])  # the copy would not see writes through x[0]
+    with pytest.raises(ValueError, match="shares memory"):
+        step(replay.padded(x), replay.padded(x))  # the same tensor padded twice: two copies
+    assert torch.equal(step(replay.padded(x), [torch.zeros(4)]), x)  # separate memory: fine
+    full = torch.randn(8, 4)
+    assert torch.equal(step(replay.padded(full), [full[0]]), full + full[0])  # a full bucket is not copied
+    assert calls == [1, 1]
+
+
 def test_a_real_session_pads_without_a_gpu():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", replay.ReplayWarning)

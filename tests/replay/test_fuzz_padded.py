@@ -296,6 +296,8 @@ class _BrokenPadding(fz.EagerSession):
             marks = [a for a in (*args, *kwargs.values()) if isinstance(a, replay.Padded)]
             rows = marks[0].tensor.shape[marks[0].dim]
             bucket = fz.bucket_for(rows, buckets)
+            if bucket != rows:
+                fz._refuse_padded_sharing(args, kwargs)  # the documented refusal: no fault there
             grown = []
 
             def pad(position, value):
