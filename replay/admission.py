@@ -29,7 +29,7 @@ This module is pure bookkeeping (no torch, no driver): the session asks it and o
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Collection, Hashable, Iterable
 from typing import Generic, TypeVar
 
 import attrs
@@ -138,6 +138,10 @@ class Admission(Generic[Resident]):
         self.budget = RecordingBudget(fraction=budget, clock=clock)
         self._replays = replays
         self._residents: dict[Resident, ResidentCount] = {}
+        # a lower bound of the held graphs' least use, valid until a graph is held (or starts
+        # over) or the counts halve: use only grows in between, and dropping a graph cannot
+        # lower the least of the others (see admits)
+        self._floor: tuple[int, int] | None = None  # (bound, halvings it was taken at)
 
     # --- calls ---------------------------------------------------------------------------
     def called(self, key: Hashable) -> int:
@@ -156,12 +160,13 @@ class Admission(Generic[Resident]):
     # --- graphs held -----------------------------------------------------------------------
     def held(self, resident: Resident, key: Hashable) -> None:
         """A graph was recorded for ``key``: it starts with the key's recent count."""
-        self._residents[resident] = ResidentCount(self.sketch.count(key), self._replays(resident), self.sketch.halvings)
+        self.restarted(resident, self.sketch.count(key))
 
     def restarted(self, resident: Resident, frequency: int) -> None:
-        """A held graph was replaced by a new one (compaction) whose replay counter starts
-        again: it keeps the use it had."""
+        """A held graph starts (or, replaced by a new one in a compaction, starts again with
+        its replay counter at 0) with ``frequency`` as its use so far."""
         self._residents[resident] = ResidentCount(frequency, self._replays(resident), self.sketch.halvings)
+        self._floor = None
 
     def dropped(self, resident: Resident) -> None:
         self._residents.pop(resident, None)
@@ -189,7 +194,20 @@ class Admission(Generic[Resident]):
         if not held:
             return False, None  # the room is taken by recordings not yet analysed
         victim = min(held, key=self.frequency)  # min keeps the first (oldest) of equals
-        return self.sketch.count(key) > ADMISSION_MARGIN * self.frequency(victim), victim
+        least = self.frequency(victim)
+        self._floor = (least, self.sketch.halvings)
+        return self.sketch.count(key) > ADMISSION_MARGIN * least, victim
+
+    def admits(self, key: Hashable, held: Collection[Resident], pending: int = 0) -> bool:
+        """:meth:`victim`'s first answer, without going over every held graph when a lower
+        bound of their least use, remembered from the last time, already refuses ``key``: a
+        key that is not admitted is asked again on each of its calls, which then cost what
+        eager costs."""
+        floor = self._floor
+        if floor is not None and floor[1] == self.sketch.halvings and len(held) + pending >= self.max_graphs:
+            if held and self.sketch.count(key) <= ADMISSION_MARGIN * floor[0]:
+                return False
+        return self.victim(key, held, pending)[0]
 
     # --- time --------------------------------------------------------------------------------
     def may_record(self) -> bool:

@@ -295,8 +295,7 @@ class Region:
             if count == session.policy.record_after and spec not in self.hints:
                 hints = self.hints[spec] = Hints(observed_key=key)  # the spec's first key: observe it
             return self._eager(spec, leaves, entry, observe=hints)
-        admitted, _victim = admission.victim((self, key), session.lru, len(session.pending))
-        if not admitted:
+        if not admission.admits((self, key), session.lru, len(session.pending)):
             session.counters.refused += 1
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("region %s, key %s: not recorded, graphs held are used more", self.name, _describe_key(key))

@@ -135,3 +135,34 @@ def test_compaction_waits_for_the_pool_to_double():
     rule.recorded(0, 400, grew_by=250)  # one graph needs 250: a pool of 400 is no waste
     assert not rule.due(0, 499, graphs=1, records=10) and rule.due(0, 500, graphs=1, records=10)
     assert not rule.due(0, 10_000, graphs=30, records=10)  # 1 + 30 > half of 10 recordings + 16
+
+
+def test_admits_answers_as_victim_does_whatever_happened_since_its_bound():
+    # random calls, replays, halvings, graphs held and dropped: the shortcut never changes a
+    # decision
+    rng = random.Random(7)
+    replays: dict[str, int] = {}
+    policy = Admission(record_after=0, max_graphs=4, budget=1.0, replays=lambda r: replays[r], clock=lambda: 0.0)
+    held: list[str] = []
+    asked = 0
+    for step in range(5000):
+        action = rng.random()
+        key = f"k{rng.randint(0, 30)}"
+        if action < 0.5:
+            policy.called(key)
+        elif action < 0.75 and held:
+            replays[rng.choice(held)] += rng.randint(1, 3)
+        elif action < 0.8:
+            policy.sketch.halve()
+        elif action < 0.9 and len(held) < 4:
+            name = f"g{step}"
+            replays[name] = 0
+            held.append(name)
+            policy.held(name, key)
+        elif held:
+            gone = held.pop(rng.randrange(len(held)))
+            policy.dropped(gone)
+        pending = rng.randint(0, 1)
+        assert policy.admits(key, held, pending) == policy.victim(key, held, pending)[0]
+        asked += 1
+    assert asked == 5000
