@@ -49,13 +49,22 @@ def affine(x, y, a, b):
     affine_kernel[jc.cdiv(n, 256), 256](x, y, a, b, n)
 
 
-def region(x):
-    h = x
-    for k in range(KERNELS):
-        y = torch.empty_like(h)
-        affine(h, y, 1.0 + k * 1e-3, 1e-3)
-        h = y
-    return h
+def chain(length: int):
+    """A region of ``length`` affine kernels, each reading the last one's output."""
+
+    def region(x):
+        h = x
+        for k in range(length):
+            y = torch.empty_like(h)
+            affine(h, y, 1.0 + k * 1e-3, 1e-3)
+            h = y
+        return h
+
+    region.__qualname__ = f"chain{length}"
+    return region
+
+
+region = chain(KERNELS)
 
 
 def graph_launcher(graph: torch.cuda.CUDAGraph):

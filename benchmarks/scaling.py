@@ -14,20 +14,7 @@ import torch
 
 import replay
 from benchmarks import common
-from benchmarks.replay import WIDTH, affine, loop
-
-
-def chain(length: int):
-    def region(x):
-        h = x
-        for k in range(length):
-            y = torch.empty_like(h)
-            affine(h, y, 1.0 + k * 1e-3, 1e-3)
-            h = y
-        return h
-
-    region.__qualname__ = f"chain{length}"
-    return region
+from benchmarks.replay import WIDTH, chain, loop
 
 
 def measure(region, shapes: list[int], steps: int, repeats: int) -> dict[str, dict[str, float]]:

@@ -20,13 +20,13 @@ Shape-polymorphic replay (one graph serving smaller sizes) is not implemented ye
 from __future__ import annotations
 
 import random
-import time
 
 import torch
 
 import jitcore as jc
 import replay
 from benchmarks import common
+from benchmarks.replay import loop
 
 SOURCE = r"""
 __global__ void bias_scale(const float* __restrict__ x, const float* __restrict__ bias, float* __restrict__ y,
@@ -96,16 +96,9 @@ def padding(region):
 
 def run(step, sizes: list[int], inputs: dict[int, list[torch.Tensor]]) -> tuple[float, float]:
     """Microseconds per step over the first and the second half, end to end."""
-    halves = []
-    for part in (sizes[: len(sizes) // 2], sizes[len(sizes) // 2 :]):
-        torch.cuda.synchronize()
-        started = time.perf_counter()
-        for number, size in enumerate(part):
-            pool = inputs[size]
-            step(pool[number % len(pool)])
-        torch.cuda.synchronize()
-        halves.append((time.perf_counter() - started) / len(part) * 1e6)
-    return halves[0], halves[1]
+    half = len(sizes) // 2
+    first, second = (loop(lambda _size, x: step(x), inputs, part)[1] for part in (sizes[:half], sizes[half:]))
+    return first, second
 
 
 def measure(distribution: str, steps: int) -> dict[str, dict[str, float]]:
