@@ -9,11 +9,14 @@ kernel, a ReLU jit kernel) whose batch size is drawn every step from:
 - prefill: hundreds of lengths, each seen once (the bookkeeping and warm-up cost of keys that
   never repeat).
 
-Per distribution, in one process and on the same draws: eager, replay with the default policy,
-and replay with bucketing (``capture(buckets=[1, 2, 4, ..., 256])`` and ``replay.padded``; the
-region's rows are independent). Reported per step: the first and the second half of the run
-(end to end: the GPU synchronised at each half's end), the ratio to eager, records, evictions,
-keys not admitted, recordings postponed by the budget, compactions and graph memory.
+Per distribution, in one process and on the same draws, taking turns every 100 steps: eager,
+replay with the default policy, and replay with bucketing (``capture(buckets=[1, 2, 4, ...,
+256])`` and ``replay.padded``; the region's rows are independent). Reported per step: the first
+and the second half of the run (end to end: the GPU synchronised at each block's end), the
+ratio to eager, records, evictions, keys not admitted, recordings postponed by the budget,
+compactions and graph memory. One-time costs are paid before timing on both sides: every jit
+call state is compiled, and a throwaway session records two shapes (replay's own kernels, the
+first capture).
 Shape-polymorphic replay (one graph serving smaller sizes) is not implemented yet: no row.
 """
 
@@ -94,44 +97,64 @@ def padding(region):
     return lambda x: region(replay.padded(x))
 
 
-def run(step, sizes: list[int], inputs: dict[int, list[torch.Tensor]]) -> tuple[float, float]:
-    """Microseconds per step over the first and the second half, end to end."""
-    half = len(sizes) // 2
-    first, second = (loop(lambda _size, x: step(x), inputs, part)[1] for part in (sizes[:half], sizes[half:]))
-    return first, second
+#: Steps per block: the three paths take turns, block by block, on the same draws (see measure).
+BLOCK = 100
 
 
 def measure(distribution: str, steps: int) -> dict[str, dict[str, float]]:
+    """The paths take turns every ``BLOCK`` steps (each block's order rotated), so a drift of
+    the machine's speed during the run (we saw eager alone vary by 30% between two halves of
+    one run) falls on all of them alike; each session sees every step of the run in order."""
     region = make_region()
     sizes = draws(distribution, steps, random.Random(1))
     inputs = {n: [torch.randn(n, DIM, device="cuda") for _ in range(2)] for n in set(sizes)}
     for n in set(sizes):  # compile every jit call state before any timing
         region(inputs[n][0])
+    with replay.capture(record_after=0, record_budget=1.0) as warm:
+        # replay's one-time costs (its own copy kernels compiled, the first capture) are paid
+        # before timing too, as eager's compiles are: a throwaway session records two shapes
+        warmed = warm.region(region)
+        for n in sorted(set(sizes))[:2]:
+            for _ in range(3):
+                warmed(inputs[n][0])
     torch.cuda.synchronize()
+    sessions = {"replay": replay.capture(), "bucketed": replay.capture(buckets=BUCKETS)}
+    paths = {
+        "eager": region,
+        "replay": sessions["replay"].region(region),
+        "bucketed": padding(sessions["bucketed"].region(region)),
+    }
+    half = len(sizes) // 2
+    spent = {path: [0.0, 0.0] for path in paths}  # microseconds in the first and second half
+    for number, start in enumerate(range(0, len(sizes), BLOCK)):
+        names = list(paths)
+        names = names[number % len(names) :] + names[: number % len(names)]
+        for name in names:
+            # a block that straddles the middle is split at it
+            for part, (begin, end) in enumerate(((start, min(start + BLOCK, half)), (max(start, half), start + BLOCK))):
+                block = sizes[begin:end]
+                if block:
+                    step = paths[name]
+                    spent[name][part] += loop(lambda _size, x, step=step: step(x), inputs, block)[1] * len(block)
+    counts = (half, len(sizes) - half)
     results: dict[str, dict[str, float]] = {}
-    first, second = run(region, sizes, inputs)
-    results["eager"] = {"first_us": first, "second_us": second}
-    for policy in ("replay", "bucketed"):
-        session = replay.capture(buckets=BUCKETS) if policy == "bucketed" else replay.capture()
-        replayed = session.region(region)
-        step = padding(replayed) if policy == "bucketed" else replayed
-        first, second = run(step, sizes, inputs)
+    for name in paths:
+        results[name] = {"first_us": spent[name][0] / counts[0], "second_us": spent[name][1] / counts[1]}
+    for name, session in sessions.items():
         stats = session.stats()
-        results[policy] = {
-            "first_us": first,
-            "second_us": second,
-            "records": stats.records,
-            "evictions": stats.evictions,
-            "not_admitted": stats.refused,
-            "postponed": stats.deferred,
-            "compactions": stats.compactions,
-            "recaptures": stats.recaptures,
-            "graph_mib": stats.graph_memory_bytes / 2**20,
-        }
+        results[name].update(
+            records=stats.records,
+            evictions=stats.evictions,
+            not_admitted=stats.refused,
+            postponed=stats.deferred,
+            compactions=stats.compactions,
+            recaptures=stats.recaptures,
+            graph_mib=stats.graph_memory_bytes / 2**20,
+        )
         session.close()
-    eager_total = results["eager"]["first_us"] + results["eager"]["second_us"]
-    for row in results.values():
-        row["whole_run_vs_eager"] = (row["first_us"] + row["second_us"]) / eager_total
+    eager_total = spent["eager"][0] + spent["eager"][1]
+    for row, name in zip(results.values(), paths):
+        row["whole_run_vs_eager"] = (spent[name][0] + spent[name][1]) / eager_total
         row["second_half_speedup"] = results["eager"]["second_us"] / row["second_us"]
     return results
 
@@ -140,7 +163,7 @@ def main() -> None:
     args = common.parser(__doc__.splitlines()[0]).parse_args()
     steps = 600 if args.quick else 6000
     results = {d: measure(d, steps) for d in ("uniform", "zipf", "fixed")}
-    results["prefill"] = measure("prefill", 100 if args.quick else 400)
+    results["prefill"] = measure("prefill", 100 if args.quick else 1000)
     headers = (
         "distribution",
         "path",

@@ -207,9 +207,12 @@ class CaptureExclusion:
                 while self._owner is not None:
                     self._condition.wait()
                 self._readers += 1
-        stack = local.__dict__.setdefault("owners", [])
-        stack.append(owner)
-        local.depth = getattr(local, "depth", 0) + (not owner)
+        try:
+            local.owners.append(owner)
+        except AttributeError:  # this thread's first shared block
+            local.owners, local.depth = [owner], 0
+        if not owner:
+            local.depth += 1
 
     def _exit_shared(self) -> None:
         local = self._local

@@ -77,7 +77,7 @@ def _exact_in(fill: bool | int | float, dtype: torch.dtype) -> bool:
 
 
 def has_padded(args: tuple, kwargs: dict) -> bool:
-    return any(type(a) is Padded for a in args) or any(type(v) is Padded for v in kwargs.values())
+    return Padded in map(type, args) or (bool(kwargs) and Padded in map(type, kwargs.values()))
 
 
 def bucket_for(size: int, buckets: Sequence[int]) -> int | None:
@@ -89,9 +89,21 @@ def bucket_for(size: int, buckets: Sequence[int]) -> int | None:
 
 
 def call(
-    run: Callable, args: tuple, kwargs: dict, buckets: Sequence[int] | None, name: str
+    run: Callable,
+    args: tuple,
+    kwargs: dict,
+    buckets: Sequence[int] | None,
+    name: str,
+    *,
+    run_eagerly: Callable | None = None,
+    replay_writes: Callable[[torch.Tensor], bool] | None = None,
 ) -> tuple[object, int, int, list[tuple[Padded, torch.Tensor]]]:
-    """Pad, run, copy back, slice: (result, rows of the call, bucket, [(marker, padded)])."""
+    """Pad, run, copy back, slice: (result, rows of the call, bucket, [(marker, padded)]).
+
+    A padded argument that is copied is not what the graph sees, so the graph cannot tell
+    that it lies in memory its replay writes (``replay_writes``: a previous output of the
+    region fed back, ``h = step(replay.padded(h))``); the replay would overwrite it and hand
+    out outputs sharing its memory. Such a call is run by ``run_eagerly`` instead."""
     marked = [(f"args[{i}]", a) for i, a in enumerate(args) if type(a) is Padded]
     marked += [(f"{k}=", v) for k, v in kwargs.items() if type(v) is Padded]
     if buckets is None:
@@ -130,6 +142,9 @@ def call(
         pads.append((value, grown))
         return grown
 
+    if target != rows and replay_writes is not None and run_eagerly is not None:
+        if any(replay_writes(marker.tensor) for _, marker in marked):
+            run = run_eagerly
     result = run(*[pad(a) for a in args], **{k: pad(v) for k, v in kwargs.items()})
     if target != rows:
         for marker, grown in pads:

@@ -340,6 +340,7 @@ class RecordedGraph:
                 self.checks.append(record.check_globals)
         self.output_spec, output_leaves, _ = keys.flatten((capture.outputs,), {}, walk_dataclasses=True)
         self.outputs = self._classify_outputs(output_leaves)
+        self.output_memory = recording.owned_output_memory(capture)  # what each replay writes
         self.namespace: dict[str, object] = dict(backend.hot_namespace)
         self.source = self._generate(backend, leaves)
         self.replay = compile_function(
@@ -719,13 +720,7 @@ class RecordedGraph:
         """Decline a call whose tensor argument lies in this graph's own output memory (its
         previous output passed back in, ``h = step(h)``): the replay would overwrite that
         argument with the new output, where an eager call leaves it as it was."""
-        buffers = {}
-        owned = getattr(self.capture, "owned_outputs", set())
-        for item in self.outputs:
-            if isinstance(item, OwnedOutput) and item.tensor.numel():
-                storage = item.tensor.untyped_storage()
-                if storage.data_ptr() in owned:  # the graph's own output memory (not a global's)
-                    buffers[storage.data_ptr()] = storage.nbytes()
+        buffers = self.output_memory
         for i, leaf in enumerate(leaves):
             if not isinstance(leaf, torch.Tensor) or not keys.extent_bytes(leaf):
                 continue
@@ -811,6 +806,7 @@ class RecordedGraph:
         self.updaters.clear()
         self.node_states.clear()
         self.outputs = []
+        self.output_memory = {}
         self.namespace.clear()
         self.staged = {}
         self.graph.reset()

@@ -66,12 +66,24 @@ def _flatten_into(value: object, leaves: list, path: str, paths: list, walk_data
     return None
 
 
+#: The paths of flat calls, by argument count (shared: callers never change ``paths``).
+_FLAT_PATHS: dict[int, list[str]] = {}
+
+
 def flatten(args: tuple, kwargs: dict, *, walk_dataclasses: bool = False) -> tuple[object, list, list[str]]:
     """(spec, leaves, paths): nested tuples, lists and dicts are walked (and dataclass
     instances, for outputs); everything else is a leaf. ``paths`` name each leaf for messages
-    (``args[1]['kv']``)."""
-    if not kwargs and not any(isinstance(a, (tuple, list, dict)) for a in args) and not walk_dataclasses:
-        return (FLAT, len(args)), list(args), [f"args[{i}]" for i in range(len(args))]
+    (``args[1]['kv']``); callers read them and never change them (flat calls share theirs)."""
+    if not kwargs and not walk_dataclasses:
+        for a in args:
+            if isinstance(a, (tuple, list, dict)):
+                break
+        else:
+            count = len(args)
+            paths = _FLAT_PATHS.get(count)
+            if paths is None:
+                paths = _FLAT_PATHS[count] = [f"args[{i}]" for i in range(count)]
+            return (FLAT, count), list(args), paths
     leaves: list = []
     paths: list[str] = []
     spec = (

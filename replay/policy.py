@@ -49,7 +49,9 @@ class Policy:
     recently (its first calls run eagerly and compile what it needs); see replay.admission.
     ``max_graphs``: graphs kept per session; beyond, a new key replaces the least frequently
     replayed graph only if it was called more often recently.
-    ``record_budget``: the most of the session's time that recording may take (0.05: 5%).
+    ``record_budget``: the most of the session's time that recording may take (0.03: 3%;
+    with the calls that run eagerly, a loop whose shapes never repeat often enough stays
+    within 5% of eager; see docs/benchmarks/shapes.md).
     ``buckets``: the sizes ``replay.padded`` arguments are padded to (see replay.buckets).
     ``clone_outputs``: return copies instead of the graph's own output buffers.
     ``verify_every``: every Nth replay of a graph is also run eagerly and compared bitwise
@@ -58,7 +60,7 @@ class Policy:
 
     record_after: int = attrs.field(default=1, validator=_non_negative_int)
     max_graphs: int = attrs.field(default=64, validator=_positive_int)
-    record_budget: float = attrs.field(default=0.05, validator=_fraction)
+    record_budget: float = attrs.field(default=0.03, validator=_fraction)
     buckets: tuple[int, ...] | None = attrs.field(default=None, converter=_buckets)
     clone_outputs: bool = attrs.field(default=False, validator=_bool)
     verify_every: int = attrs.field(default=0, validator=_non_negative_int)

@@ -760,6 +760,20 @@ def own_outputs(
     return unflatten(spec, new_leaves)[0][0], total, owned
 
 
+def owned_output_memory(capture: Capture) -> dict[int, int]:
+    """``{start: bytes}`` of the output buffers a capture owns (outside the pool: see
+    :func:`own_outputs`), which its first launch and every replay write."""
+    _spec, leaves, _ = flatten((capture.outputs,), {}, walk_dataclasses=True)
+    owned = getattr(capture, "owned_outputs", set())
+    memory = {}
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor) and leaf.numel():
+            storage = leaf.untyped_storage()
+            if storage.data_ptr() in owned:
+                memory[storage.data_ptr()] = storage.nbytes()
+    return memory
+
+
 def first_outputs(capture: Capture, inputs: Sequence) -> object:
     """What the first launch of a fresh capture returns: the capture's own outputs, with
     dynamic scalars turned into their recorded values and views of a staged buffer turned

@@ -54,6 +54,19 @@ class EntryState(enum.Enum):
 
 
 WARMING, PENDING, RECORDED, EAGER_ONLY = EntryState
+
+
+class _Decision(enum.Enum):
+    """What admission lets a call of a key without a graph do."""
+
+    WARM = "runs eagerly, warming up"
+    OBSERVE = "runs eagerly, warming up, observed"
+    REFUSED = "runs eagerly, not admitted"
+    DEFERRED = "runs eagerly, the recording budget is spent"
+    RECORD = "is recorded"
+
+
+_WARM, _OBSERVE, _REFUSED, _DEFERRED, _RECORD = _Decision
 _MISS = object()
 log = logging.getLogger("replay")
 
@@ -98,6 +111,7 @@ class Entry:
         "guard",
         "key",
         "pre_key",
+        "counted",
         "reason",
         "region",
         "retries",
@@ -105,9 +119,10 @@ class Entry:
         "state",
     )
 
-    def __init__(self, region: Region, key: tuple):
+    def __init__(self, region: Region, key: tuple, counted: tuple):
         self.region = region
         self.key = key
+        self.counted = counted  # what admission counts its calls under (see Region._counted)
         self.state = WARMING
         self.eager_runs = 0
         self.graph: RecordedGraph | None = None
@@ -183,6 +198,7 @@ class Region:
         self.forgotten = _Forgotten()  # calls of keys that have (or kept) no entry
         self.padded_calls = 0  # calls with replay.padded arguments (for verify_every)
         self.hints: dict[object, Hints] = {}  # spec -> what its keys taught about the inputs
+        self.entry_shapes: dict[tuple, int] = {}  # Region._counted shapes -> entries that have them
         self.snapshot: jitcore.GlobalsSnapshot | None = None
         # recorded keys of flat calls, by a cheap pre-key (tensor shapes, constants); each
         # candidate's guard then checks everything the key holds
@@ -261,12 +277,24 @@ class Region:
         session.check_open()
         if buckets.has_padded(args, kwargs):
             return self._call_padded(args, kwargs)
+        spec, leaves, paths = keys.flatten(args, kwargs)
+        if not session.can_record():
+            session.say_eager_once()
+            return self._eager(spec, leaves)
+        counted = self._counted(spec, leaves, paths)
+        decision = None
+        if counted[1] not in self.entry_shapes:
+            # No key with these shapes has an entry, so whatever this call's full key is, it
+            # has no graph: admission decides before the key (and the globals' drift check)
+            # is computed, and a call that runs eagerly costs what eager costs.
+            decision = self._decide(counted, spec)
+            if decision is not _RECORD:
+                return self._run_eagerly(decision, spec, leaves, paths)
         if self.snapshot is not None:
             try:
                 self.snapshot.check()
             except GlobalDriftError:
                 return self._rekey(args, kwargs)
-        spec, leaves, paths = keys.flatten(args, kwargs)
         device = session.current_device()
         key = keys.region_key(device, spec, leaves, paths)
         entry = self.entries.get(key)
@@ -278,35 +306,13 @@ class Region:
                 return self._finish(entry, key, spec, leaves, paths, device)
             if entry.state == EAGER_ONLY:
                 return self._eager(spec, leaves, entry)
-        if not session.can_record():
-            session.say_eager_once()
-            return self._eager(spec, leaves, entry)
-        return self._admit(entry, key, spec, leaves, paths, device)
-
-    def _admit(self, entry: Entry | None, key: tuple, spec: object, leaves: list, paths: list, device: int):
-        """A key without a graph: run it eagerly until it has been called often enough
-        recently, then record it if the cache and the recording budget let it in (see
-        replay.admission). Keys that never get that far leave no entry behind."""
-        session = self.session
-        admission = session.admission
-        count = admission.called((self, key))
-        if admission.warming((self, key)):
-            hints = None
-            if count == session.policy.record_after and spec not in self.hints:
-                hints = self.hints[spec] = Hints(observed_key=key)  # the spec's first key: observe it
-            return self._eager(spec, leaves, entry, observe=hints)
-        if not admission.admits((self, key), session.lru, len(session.pending)):
-            session.counters.refused += 1
-            if log.isEnabledFor(logging.DEBUG):
-                log.debug("region %s, key %s: not recorded, graphs held are used more", self.name, _describe_key(key))
-            return self._eager(spec, leaves, entry)
-        if not admission.may_record():
-            session.counters.deferred += 1
-            if log.isEnabledFor(logging.DEBUG):
-                log.debug("region %s, key %s: recording postponed, the budget is spent", self.name, _describe_key(key))
-            return self._eager(spec, leaves, entry)
+        if decision is None:
+            decision = self._decide(counted, spec)
+            if decision is not _RECORD:
+                return self._run_eagerly(decision, spec, leaves, paths, entry, key)
         if entry is None:
-            entry = self.entries[key] = Entry(self, key)
+            entry = self.entries[key] = Entry(self, key, counted)
+            self.entry_shapes[counted[1]] = self.entry_shapes.get(counted[1], 0) + 1
             self._bound_entries()
             hints = self.hints.get(spec)
             if hints is not None:
@@ -314,21 +320,112 @@ class Region:
                 entry.observed_clean = hints.clean and hints.observed_key == key
         return self._record(entry, key, spec, leaves, paths, device)
 
+    def _counted(self, spec: object, leaves: Sequence, paths: list) -> tuple:
+        """What admission counts a call under: ``(region, shapes)``, the call's structure with
+        each tensor's shape and each constant (cheap, about a microsecond). Calls of one full
+        key always share it (the full key holds all of it), so its count bounds the key's from
+        above: a call it leaves warming or refuses needs no full key at all. Keys that share
+        shapes but differ otherwise (dtypes, strides, aliasing, torch modes) share a count,
+        which can only make them record sooner. Unhashable constants: the full key."""
+        try:
+            shapes = (
+                spec,
+                tuple(
+                    leaf.shape
+                    if isinstance(leaf, torch.Tensor)
+                    else (_DYNAMIC_MARK if isinstance(leaf, Dynamic) else leaf)
+                    for leaf in leaves
+                ),
+            )
+            hash(shapes)
+        except TypeError:
+            shapes = (spec, keys.region_key(self.session.current_device(), spec, leaves, paths))
+        return (self, shapes)
+
+    def _decide(self, counted: tuple, spec: object) -> _Decision:
+        """Count a call of a key without a graph and say what it does (see replay.admission)."""
+        session = self.session
+        admission = session.admission
+        count = admission.called(counted)
+        if count <= admission.record_after:  # admission.warming, from the count just taken
+            if count == admission.record_after and spec not in self.hints:
+                return _OBSERVE  # the first key of its argument structure: its warm-up is observed
+            return _WARM
+        if not admission.admits(counted, session.lru, len(session.pending)):
+            return _REFUSED
+        if not admission.may_record():
+            return _DEFERRED
+        return _RECORD
+
+    def _run_eagerly(
+        self,
+        decision: _Decision,
+        spec: object,
+        leaves: Sequence,
+        paths: list,
+        entry: Entry | None = None,
+        key: tuple | None = None,
+    ):
+        """A call that admission keeps from recording (still warming, refused, or the budget
+        spent) runs eagerly; the first warm-up of an argument structure is observed."""
+        hints = None
+        if decision is _OBSERVE:
+            if key is None:
+                key = keys.region_key(self.session.current_device(), spec, leaves, paths)
+            hints = self.hints[spec] = Hints(observed_key=key)
+        elif decision is _REFUSED:
+            self.session.counters.refused += 1
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("region %s, shapes %s: not recorded, graphs held are used more", self.name, spec)
+        elif decision is _DEFERRED:
+            self.session.counters.deferred += 1
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("region %s, shapes %s: recording postponed, the budget is spent", self.name, spec)
+        return self._eager(spec, leaves, entry, observe=hints)
+
     def _call_padded(self, args: tuple, kwargs: dict):
         """Pad to the bucket, call (the bucket's key replays like any other), slice back; every
         ``verify_every``-th padded call is also run unpadded and compared (replay.buckets)."""
         policy = self.session.policy
         self.padded_calls += 1
-        if policy.verify_every and self.padded_calls % policy.verify_every == 0:
-            self.session.counters.verifications += 1
-            return buckets.verify(
-                self.fn,
+
+        def padded_call():
+            return buckets.call(
+                self,
                 args,
                 kwargs,
-                lambda: buckets.call(self, args, kwargs, policy.buckets, self.name)[0],
+                policy.buckets,
                 self.name,
-            )
-        return buckets.call(self, args, kwargs, policy.buckets, self.name)[0]
+                run_eagerly=self._eager_declined,
+                replay_writes=self._replay_writes,
+            )[0]
+
+        if policy.verify_every and self.padded_calls % policy.verify_every == 0:
+            self.session.counters.verifications += 1
+            return buckets.verify(self.fn, args, kwargs, padded_call, self.name)
+        return padded_call()
+
+    def _replay_writes(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` overlaps the output memory of one of this region's graphs."""
+        lo, hi = keys.byte_range(tensor)
+        if hi <= lo:
+            return False
+        for entry in self.entries.values():
+            if entry.graph is not None:
+                memory = entry.graph.output_memory
+            elif entry.unanalysed is not None:  # its next call analyses it, then replays
+                memory = recording.owned_output_memory(entry.unanalysed)
+            else:
+                continue
+            if any(lo < start + size and start < hi for start, size in memory.items()):
+                return True
+        return False
+
+    def _eager_declined(self, *args, **kwargs):
+        """A call no graph may serve exactly (see buckets.call): eagerly, counted as declined."""
+        self.session.counters.declined += 1
+        spec, leaves, _paths = keys.flatten(args, kwargs)
+        return self._eager(spec, leaves)
 
     def _replay(self, entry: Entry, leaves: Sequence):
         self.session.touch(entry)
@@ -353,6 +450,7 @@ class Region:
         log.info("region %s: its globals changed, its graphs are dropped", self.name)
         self.drop_graphs()
         self.entries.clear()
+        self.entry_shapes.clear()
         self.hints.clear()
         self.session.admission.forget(lambda counted: counted[0] is self)
         self.snapshot = None
@@ -365,6 +463,10 @@ class Region:
         idle = [k for k, e in self.entries.items() if e.state in (WARMING, EAGER_ONLY)]
         for key in idle[: max(len(idle) - MAX_IDLE_ENTRIES, 0)]:
             entry = self.entries.pop(key)
+            shapes = entry.counted[1]
+            self.entry_shapes[shapes] -= 1
+            if not self.entry_shapes[shapes]:
+                del self.entry_shapes[shapes]
             self.forgotten.keys += 1
             self.forgotten.eager_runs += entry.eager_runs
             self.forgotten.replays += entry.replays_before
@@ -666,6 +768,7 @@ class Session:
         self.closed = False
         self.compaction = True  # off for good once a compaction stops paying
         self._said_eager = False
+        self._gpu = torch.cuda.is_available()  # asked once: it costs a microsecond per call
 
     def __enter__(self) -> Session:
         return self
@@ -685,11 +788,11 @@ class Session:
 
     def current_device(self) -> int:
         """The device graphs are recorded for (-1 without a GPU)."""
-        return get_backend().current_device() if torch.cuda.is_available() else -1
+        return get_backend().current_device() if self._gpu else -1
 
     def can_record(self) -> bool:
         """Without a GPU every call runs eagerly (the same results, no graphs)."""
-        return torch.cuda.is_available()
+        return self._gpu
 
     def say_eager_once(self) -> None:
         if not self._said_eager:
@@ -734,7 +837,7 @@ class Session:
         """Hold ``entry``'s new graph; beyond ``max_graphs``, release the least frequently
         replayed other graph (admission let this key in only if it was called more often)."""
         while len(self.lru) >= self.policy.max_graphs:
-            _admit, victim = self.admission.victim((entry.region, entry.key), self.lru)
+            _admit, victim = self.admission.victim(entry.counted, self.lru)
             self.release(victim)
             self.counters.evictions += 1
             log.info(
@@ -744,7 +847,7 @@ class Session:
                 _describe_key(entry.key),
             )
         self.lru[entry] = None
-        self.admission.held(entry, (entry.region, entry.key))
+        self.admission.held(entry, entry.counted)
         self.counters.graphs = len(self.lru)
 
     def retire_pool(self, device: int) -> None:
@@ -965,7 +1068,7 @@ def capture(**policy: object) -> Session:
 
     Policy (replay.policy.Policy): ``record_after`` (recent calls of a key before it may be
     recorded, default 1), ``max_graphs`` (default 64), ``record_budget`` (share of the time
-    recording may take, default 0.05), ``clone_outputs`` (default False), ``verify_every``
+    recording may take, default 0.03), ``clone_outputs`` (default False), ``verify_every``
     (0 = off), ``check_stale`` (default off, on with REPLAY_DEBUG=1).
     """
     return Session(**policy)

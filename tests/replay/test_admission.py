@@ -125,15 +125,15 @@ def test_compaction_stays_proportional_to_the_shapes_and_keeps_the_pool_small():
     assert compactions >= 3 and recordings <= 1.5 * 256 + admission.RECAPTURE_ALLOWANCE
 
 
-def test_compaction_waits_for_the_pool_to_double():
+def test_compaction_waits_for_the_pool_to_grow_by_half():
     rule = CompactionRule()
     rule.recorded(0, 100, grew_by=100)
-    assert not rule.due(0, 199, graphs=1, records=10)
-    assert rule.due(0, 200, graphs=1, records=10)
-    rule.done(0, 150, graphs=1)
-    assert not rule.due(0, 299, graphs=1, records=10) and rule.due(0, 300, graphs=1, records=10)
-    rule.recorded(0, 400, grew_by=250)  # one graph needs 250: a pool of 400 is no waste
-    assert not rule.due(0, 499, graphs=1, records=10) and rule.due(0, 500, graphs=1, records=10)
+    assert not rule.due(0, 149, graphs=1, records=10)
+    assert rule.due(0, 150, graphs=1, records=10)
+    rule.done(0, 120, graphs=1)
+    assert not rule.due(0, 179, graphs=1, records=10) and rule.due(0, 180, graphs=1, records=10)
+    rule.recorded(0, 400, grew_by=250)  # one graph needs 250: a pool of 374 is no waste
+    assert not rule.due(0, 374, graphs=1, records=10) and rule.due(0, 375, graphs=1, records=10)
     assert not rule.due(0, 10_000, graphs=30, records=10)  # 1 + 30 > half of 10 recordings + 16
 
 

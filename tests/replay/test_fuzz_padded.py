@@ -210,9 +210,10 @@ def test_the_padded_reference_refuses_what_is_not_specified():
         fz.padded_reference(lambda a, b: a, (replay.padded(x), replay.padded(torch.zeros(2, 2))), {}, [4])
 
 
-def test_the_padded_reference_agrees_with_a_real_session_on_the_cpu():
+def test_the_padded_reference_agrees_with_a_real_session_on_the_cpu(monkeypatch):
     """replay.capture() without a GPU runs every call eagerly through the same padding path as
     on the GPU (replay.buckets): the same results, bit for bit, as the fuzzer's reference."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # on a GPU machine too
 
     def fn(x, c):
         c[:, 1].copy_(torch.tanh(x))
@@ -266,9 +267,10 @@ def test_the_unpadded_comparison_catches_a_region_whose_rows_are_not_independent
     assert caught == 4
 
 
-def test_a_real_session_pads_like_the_reference_on_the_cpu():
+def test_a_real_session_pads_like_the_reference_on_the_cpu(monkeypatch):
     """The real session, eager for want of a GPU, but through replay.buckets' padding, copying
     back, slicing and verification: the fuzzer's CPU check of replay's own padding path."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # on a GPU machine too
     summary = _cpu_run(replay.capture, cases=16)
     assert not summary.mismatches, summary.mismatches[0].report()
     assert all(reason.startswith("no CUDA GPU") for reason in summary.fallbacks), summary.fallbacks

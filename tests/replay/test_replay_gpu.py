@@ -275,22 +275,25 @@ def test_memory_of_eight_shapes_is_close_to_the_largest_alone():
         step(x)
         step(x)
         largest = alone.stats().graph_memory_bytes
-    with replay.capture(record_after=0) as session:
-        step = session.region(big_intermediates)
-        for batch in [3, 8, 1, 6, 2, 7, 4, 5]:  # not largest-first: the pool must be compacted
-            for _ in range(2):  # recorded, then analysed
+    assert largest >= 8 * WIDE * 4
+    # any order within 1.5x of the largest alone (replay.admission.COMPACTION_GROWTH); shapes
+    # that keep growing fragment the pool and are compacted (recorded again, largest first)
+    for order, compacted in (([3, 8, 1, 6, 2, 7, 4, 5], False), ([1, 2, 4, 8], True)):
+        with replay.capture(record_after=0, record_budget=1.0) as session:
+            step = session.region(big_intermediates)
+            for batch in order:
+                for _ in range(2):  # recorded, then analysed
+                    x = torch.randn(batch, device="cuda")
+                    expected = (x[:, None] * (torch.arange(WIDE, device="cuda") % 7).float()).sum(1)
+                    torch.testing.assert_close(step(x), expected, rtol=2e-3, atol=1e-1)
+            for batch in order[::-1]:  # still right after any compaction
                 x = torch.randn(batch, device="cuda")
                 expected = (x[:, None] * (torch.arange(WIDE, device="cuda") % 7).float()).sum(1)
                 torch.testing.assert_close(step(x), expected, rtol=2e-3, atol=1e-1)
-        for batch in [5, 3, 8]:  # still right after the compactions
-            x = torch.randn(batch, device="cuda")
-            expected = (x[:, None] * (torch.arange(WIDE, device="cuda") % 7).float()).sum(1)
-            torch.testing.assert_close(step(x), expected, rtol=2e-3, atol=1e-1)
-        total = session.stats().graph_memory_bytes
-        compactions = session.stats().compactions
-    assert largest >= 8 * WIDE * 4
-    assert total <= 1.2 * largest, f"{total / 2**20:.1f} MiB for 8 shapes vs {largest / 2**20:.1f} MiB alone"
-    assert compactions >= 1
+            stats = session.stats()
+        total = stats.graph_memory_bytes
+        assert total <= 1.5 * largest, f"{order}: {total / 2**20:.1f} MiB vs {largest / 2**20:.1f} MiB alone"
+        assert stats.replays >= len(order) and (stats.compactions >= 1 or not compacted), session.report()
 
 
 def test_verify_every_catches_a_stale_graph():
@@ -379,7 +382,8 @@ def test_bucketed_replay_equals_eager_on_the_padded_rows_bit_for_bit():
             expected = rows_step(padded_tokens, padded_extra, number)[:batch]
             got = step(replay.padded(tokens), replay.padded(extra), dynamic(number))
             assert got.shape == (batch, DIM) and torch.equal(got, expected), f"step {number}, batch {batch}"
-            torch.testing.assert_close(got, rows_step(tokens, extra, number))  # and close to unpadded
+            # and close to the unpadded run: cuBLAS may pick another algorithm for another height
+            torch.testing.assert_close(got, rows_step(tokens, extra, number), rtol=1e-3, atol=1e-3)
         stats = session.stats()
     assert stats.records <= 7 and stats.replays >= 380, session.report()
 
@@ -426,3 +430,29 @@ def test_an_optional_tensor_left_out_is_its_own_key_and_replays_exactly():
             assert torch.equal(got, expected), f"call {number}, bias {'given' if bias is not None else 'None'}"
         stats = session.stats()
     assert stats.records == 2 and stats.replays >= 8, session.report()
+
+
+def test_an_output_fed_back_padded_is_left_as_eager_leaves_it():
+    # h = step(replay.padded(h)): the graph reads a padded copy of h, and h is its previous
+    # output, which the replay would overwrite; the region runs such a call eagerly
+    def scaled(h):
+        return torch.tanh(h) * 2
+
+    def bumped(h):
+        h.add_(1)
+        return h * 2
+
+    for fn, written in ((scaled, False), (bumped, True)):
+        with replay.capture(record_after=0, buckets=[4, 8]) as session:
+            step = session.region(fn)
+            h = torch.randn(3, 16, device="cuda")
+            for number in range(8):
+                before = h.clone()
+                expected_h = before.clone()
+                expected = fn(expected_h)
+                out = step(replay.padded(h, written=written))
+                assert torch.equal(out, expected), (fn.__name__, number)
+                assert torch.equal(h, expected_h), (fn.__name__, number)  # as eager left it
+                assert out.untyped_storage().data_ptr() != h.untyped_storage().data_ptr()
+                h = out if number % 2 else torch.randn(3, 16, device="cuda")
+            assert session.stats().replays >= 2 and session.stats().declined >= 1, session.report()

@@ -42,6 +42,7 @@ class FakeGraph:
         self.device = capture.device
         self.replays = self.generation = 0
         self.memory = 0
+        self.output_memory = {}  # {start: bytes} its replays write
         self.released = False
         self.verified = 0
         self.source = f"# fake graph {number}"
@@ -236,6 +237,73 @@ def test_keys_that_never_repeat_leave_no_entry_and_run_no_observer(session_facto
         assert torch.equal(step(x, x), x + x)
     assert len(observed) == 1 and step.entries == {} and session.stats().records == 0
     assert session.stats().eager_runs == 299
+
+
+def test_calls_of_shapes_without_an_entry_compute_no_full_key_and_no_drift_check(session_factory, monkeypatch):
+    # the eager path of a key that admission keeps warming (or refuses, or postpones) costs
+    # what eager costs: no region key (about 6 us) and no check of the region's globals
+    computed = []
+    original_key = keys.region_key
+    monkeypatch.setattr(keys, "region_key", lambda *a: computed.append(a) or original_key(*a))
+    session = session_factory(record_after=2, max_graphs=1)
+    scale = [2.0]
+    step = session.region(lambda x, y: x * scale[0] + y, name="scaled")
+    x = torch.randn(3)
+    for _ in range(4):  # two warm-up runs (the first observed: its key is computed), record, analyse
+        assert torch.equal(step(x, x), x * 2 + x)
+    assert session.stats().records == 1 and len(computed) == 3
+    drifts = []
+    snapshot_check = step.snapshot.check
+    monkeypatch.setattr(step.snapshot, "check", lambda: drifts.append(1) or snapshot_check())
+    computed.clear()
+    for n in range(4, 200):  # one call each: they stay warming
+        y = torch.randn(n)
+        assert torch.equal(step(y, y), y * 2 + y)
+    for _ in range(5):  # called often enough, but the one graph held is used more: refused
+        z = torch.randn(200)
+        assert torch.equal(step(z, z), z * 2 + z)
+    assert computed == [] and drifts == []
+    assert session.stats().refused >= 1 and session.stats().records == 1
+    strided = torch.randn(3, 2)[:, 0]  # the recorded key's shapes, other strides: the full path
+    assert torch.equal(step(strided, strided), strided * 2 + strided)
+    assert len(computed) == 1 and drifts == [1]
+
+
+def test_a_padded_argument_in_a_graphs_output_memory_runs_eagerly(session_factory):
+    # h = step(replay.padded(h)) with h a previous output: the graph sees only the padded copy,
+    # so the region itself must keep the replay from writing (and returning) h's memory
+    session = session_factory(record_after=0, buckets=[4])
+    step = session.region(lambda h: h * 2, name="double")
+    h = torch.randn(3, 2)
+    for _ in range(2):  # recorded, analysed
+        assert torch.equal(step(replay.padded(h)), h * 2)
+    (graph,) = [e.graph for e in step.entries.values() if e.graph is not None]
+    replays = graph.replays
+    graph.output_memory = {h.data_ptr(): h.untyped_storage().nbytes()}  # as if h were its output
+    assert torch.equal(step(replay.padded(h)), h * 2)
+    assert graph.replays == replays and session.stats().declined == 1
+    other = torch.randn(3, 2)
+    assert torch.equal(step(replay.padded(other)), other * 2) and graph.replays == replays + 1
+    # the same for a capture still awaiting its analysis (the next call would analyse and replay it)
+    increment = session.region(lambda h: h + 1, name="increment")
+    g = torch.randn(3, 2)
+    increment(replay.padded(g))  # recorded; its first launch served the call
+    (entry,) = increment.entries.values()
+    assert entry.state == PENDING
+    entry.unanalysed.outputs, entry.unanalysed.owned_outputs = g, {g.untyped_storage().data_ptr()}
+    assert torch.equal(increment(replay.padded(g)), g + 1)
+    assert session.stats().declined == 2 and entry.state == PENDING
+
+
+def test_keys_that_share_shapes_share_a_count_and_stay_exact(session_factory):
+    # admission counts calls by shapes (Region._counted): a float16 key after two float32 calls of
+    # the same shape is recorded on its first call, which is exact (record_after=0 does the same)
+    session = session_factory(record_after=1)
+    step = session.region(add)
+    for dtype in (torch.float32, torch.float32, torch.float16, torch.float16, torch.float32):
+        x = torch.randn(5).to(dtype)
+        assert torch.equal(step(x, x), x + x) and step(x, x).dtype == dtype
+    assert [capture[1][0].dtype for capture in session.captures] == [torch.float32, torch.float16]
 
 
 def test_new_keys_start_from_what_the_first_key_of_their_structure_taught(session_factory):
@@ -566,8 +634,9 @@ def _row_totals(session) -> tuple[int, int, int]:
     return tuple(sum(int(row[i]) for row in rows) for i in (-5, -4, -3))
 
 
-def test_a_loop_over_thousands_of_plain_floats_keeps_bounded_bookkeeping():
-    # no GPU: the real session runs everything eagerly and says so once
+def test_a_loop_over_thousands_of_plain_floats_keeps_bounded_bookkeeping(monkeypatch):
+    # no GPU (on a GPU machine too): the real session runs everything eagerly and says so once
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with replay.capture() as session:
