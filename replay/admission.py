@@ -16,8 +16,9 @@ replay from ever costing more than it saves:
   each recording paid for by nothing.
 - **A recording budget**: recording (captures and compactions alike) may take at most
   ``record_budget`` of the session's time since its first call (with ``GRACE_SECONDS`` counted
-  as elapsed from the start, so the first recordings of a loop are not held back). A key
-  that is admitted while the budget is spent runs eagerly and records later.
+  as elapsed from the start, so the first recordings of a loop are not held back, and
+  one-time costs of a recording charged only up to a few times a usual one). A key that is
+  admitted while the budget is spent runs eagerly and records later.
 - **Compaction without storms**: re-recording every graph of a device into a fresh pool (to
   undo fragmentation) happens only when the pool has grown by half since the last compaction
   (``COMPACTION_GROWTH``), and
@@ -38,6 +39,12 @@ import attrs
 #: Seconds counted as already elapsed when the budget is first consulted: with the default
 #: ``record_budget`` of 3%, the first 15 ms of recording (a few graphs) are not held back.
 GRACE_SECONDS = 0.5
+
+#: A recording is charged at most this many times the median of the last ``RECENT_CHARGES``
+#: charges, and the first one at most ``FIRST_CHARGE_CAP`` seconds (see RecordingBudget).
+SPIKE_FACTOR = 3
+RECENT_CHARGES = 16
+FIRST_CHARGE_CAP = 0.02
 
 #: Counts halve every ``window`` calls, with ``window = max(MIN_WINDOW, WINDOW_PER_GRAPH * max_graphs)``:
 #: long enough for a key in a uniform mix of a few hundred shapes to be counted several times.
@@ -98,12 +105,20 @@ class FrequencySketch:
 
 @attrs.define
 class RecordingBudget:
-    """At most ``fraction`` of the time since the first call goes to recording."""
+    """At most ``fraction`` of the time since the first call goes to recording.
+
+    A recording is charged at most ``SPIKE_FACTOR`` times the median of the recent charges
+    (``FIRST_CHARGE_CAP`` before there are any): the first recordings of a process also pay
+    one-time costs (replay's own copy kernels compiled, the capture machinery and a
+    collective's first capture initialised: tens to hundreds of milliseconds), which would
+    otherwise hold every recording back for seconds. What the budget is for, a storm of
+    recordings of about equal cost, is charged in full."""
 
     fraction: float
     clock: Callable[[], float]
     started: float | None = None
     spent: float = 0.0
+    recent: list[float] = attrs.Factory(list)  # the last charges, for their median
 
     def allows(self) -> bool:
         now = self.clock()
@@ -112,7 +127,15 @@ class RecordingBudget:
         return self.spent < self.fraction * (now - self.started + GRACE_SECONDS)
 
     def charge(self, seconds: float) -> None:
-        self.spent += max(seconds, 0.0)
+        seconds = max(seconds, 0.0)
+        if self.recent:
+            ordered = sorted(self.recent)
+            cap = SPIKE_FACTOR * ordered[len(ordered) // 2]
+        else:
+            cap = FIRST_CHARGE_CAP
+        charged = min(seconds, cap)
+        self.spent += charged
+        self.recent = [*self.recent[-(RECENT_CHARGES - 1) :], charged]
 
 
 @attrs.define

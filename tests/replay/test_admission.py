@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -73,12 +74,28 @@ def test_the_budget_is_a_share_of_the_time_since_the_first_call():
     now = [50.0]
     budget = RecordingBudget(fraction=0.1, clock=lambda: now[0])
     assert budget.allows()  # the first call starts the clock
-    budget.charge(admission.GRACE_SECONDS * 0.1)
+    for _ in range(3):
+        budget.charge(0.02)  # 0.06 s, more than 10% of the grace
     assert not budget.allows()
     now[0] += 10.0
     assert budget.allows()  # 0.1 * (10 + grace) > spent
-    budget.charge(1.5)
+    for _ in range(60):
+        budget.charge(0.02)
     assert not budget.allows()
+
+
+def test_one_time_costs_are_charged_up_to_three_times_a_usual_recording():
+    budget = RecordingBudget(fraction=0.1, clock=lambda: 0.0)
+    budget.charge(0.5)  # the process's first recording: compiles, the capture machinery
+    assert budget.spent == admission.FIRST_CHARGE_CAP
+    for _ in range(5):
+        budget.charge(0.004)
+    budget.charge(1.0)  # a one-off spike: three times the median (0.004)
+    assert budget.spent == pytest.approx(0.02 + 5 * 0.004 + 3 * 0.004)
+    steady = RecordingBudget(fraction=0.1, clock=lambda: 0.0)
+    for _ in range(10):  # a region whose every recording takes 50 ms is charged in full
+        steady.charge(0.05)
+    assert steady.spent == pytest.approx(0.02 + 9 * 0.05)
 
 
 def simulate_shapes(order: list[int], rule: CompactionRule | None) -> tuple[int, int, int, int]:

@@ -130,7 +130,7 @@ def _worker(rank: int, port: int, scenario: str, steps: int, queue) -> None:
         rng = random.Random(7)  # the same batch sizes on both ranks
         generator = torch.Generator(device="cuda").manual_seed(100 + rank)
         mismatches = 0
-        with warnings.catch_warnings(record=True) as caught, replay.capture() as session:
+        with warnings.catch_warnings(record=True) as caught, replay.capture(record_budget=1.0) as session:
             warnings.simplefilter("always")
             step = session.region(fn)
             for number in range(steps):

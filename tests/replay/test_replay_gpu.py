@@ -111,7 +111,7 @@ def test_differential_2000_steps_over_8_shapes_fresh_inputs_and_a_changing_dynam
     generator = torch.Generator(device="cuda").manual_seed(random.randrange(1 << 30))
     shapes = [1, 2, 3, 4, 5, 8, 13, 16]
     order = random.Random(1).choices(shapes, k=2000)
-    with replay.capture() as session:
+    with replay.capture(record_budget=1.0) as session:  # each shape records on its second call
         step = session.region(decode_step)
         for number, batch in enumerate(order):
             tokens, extra, cache = fresh_inputs(batch, generator)
@@ -269,7 +269,7 @@ def big_intermediates(x):
 
 def test_memory_of_eight_shapes_is_close_to_the_largest_alone():
     torch.cuda.synchronize()
-    with replay.capture(record_after=0) as alone:
+    with replay.capture(record_after=0, record_budget=1.0) as alone:
         x = torch.randn(8, device="cuda")
         step = alone.region(big_intermediates)
         step(x)
