@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from replay import keys
+from replay import region_keys
 from replay.errors import ReplayMismatchError
 from replay.graph import bitwise_equal, clone_preserving_sharing
 
@@ -158,14 +158,14 @@ def _refuse_shared_memory(name: str, args: tuple, kwargs: dict) -> None:
     """A padded argument is copied: memory it shares with another argument (the same tensor
     passed twice, a view of it) would stop being shared, and the region would see writes
     through one but not the other. Refused, before anything runs."""
-    _spec, leaves, paths = keys.flatten(args, kwargs)  # a Padded marker is a leaf of its own
+    _spec, leaves, paths = region_keys.flatten(args, kwargs)  # a Padded marker is a leaf of its own
     tensors = []  # (path, tensor, padded)
     for path, leaf in zip(paths, leaves):
         if type(leaf) is Padded:
             tensors.append((path, leaf.tensor, True))
         elif isinstance(leaf, torch.Tensor):
             tensors.append((path, leaf, False))
-    for i, j in keys.pattern_of([(n, *keys.byte_range(t)) for n, (_, t, _) in enumerate(tensors)]):
+    for i, j in region_keys.pattern_of([(n, *region_keys.byte_range(t)) for n, (_, t, _) in enumerate(tensors)]):
         if tensors[j][2] and not tensors[i][2]:
             i, j = j, i
         if tensors[i][2]:
@@ -177,14 +177,14 @@ def _refuse_shared_memory(name: str, args: tuple, kwargs: dict) -> None:
 
 def slice_outputs(result: object, dim: int, bucket: int, rows: int) -> object:
     """Every tensor of ``result`` whose size along ``dim`` is ``bucket``, narrowed to ``rows``."""
-    spec, leaves, _ = keys.flatten((result,), {}, walk_dataclasses=True)
+    spec, leaves, _ = region_keys.flatten((result,), {}, walk_dataclasses=True)
     sliced = [
         leaf.narrow(dim, 0, rows)
         if isinstance(leaf, torch.Tensor) and leaf.dim() > dim and leaf.shape[dim] == bucket
         else leaf
         for leaf in leaves
     ]
-    return keys.unflatten(spec, sliced)[0][0]
+    return region_keys.unflatten(spec, sliced)[0][0]
 
 
 def verify(fn: Callable, args: tuple, kwargs: dict, padded_call: Callable[[], object], name: str) -> object:
@@ -197,9 +197,9 @@ def verify(fn: Callable, args: tuple, kwargs: dict, padded_call: Callable[[], ob
     results."""
     unwrapped = tuple(a.tensor if type(a) is Padded else a for a in args)
     unwrapped_kwargs = {k: v.tensor if type(v) is Padded else v for k, v in kwargs.items()}
-    spec, leaves, paths = keys.flatten(unwrapped, unwrapped_kwargs)
-    copies = clone_preserving_sharing(keys.plain_leaves(leaves))
-    copy_args, copy_kwargs = keys.unflatten(spec, copies)
+    spec, leaves, paths = region_keys.flatten(unwrapped, unwrapped_kwargs)
+    copies = clone_preserving_sharing(region_keys.plain_leaves(leaves))
+    copy_args, copy_kwargs = region_keys.unflatten(spec, copies)
     expected = fn(*copy_args, **copy_kwargs)
     got = padded_call()
     _compare(name, "output", expected, got)
@@ -210,8 +210,8 @@ def verify(fn: Callable, args: tuple, kwargs: dict, padded_call: Callable[[], ob
 
 
 def _compare(name: str, what: str, expected: object, got: object) -> None:
-    expected_spec, expected_leaves, paths = keys.flatten((expected,), {}, walk_dataclasses=True)
-    got_spec, got_leaves, _ = keys.flatten((got,), {}, walk_dataclasses=True)
+    expected_spec, expected_leaves, paths = region_keys.flatten((expected,), {}, walk_dataclasses=True)
+    got_spec, got_leaves, _ = region_keys.flatten((got,), {}, walk_dataclasses=True)
     if expected_spec != got_spec:
         raise ReplayMismatchError(f"region {name}: the padded call's {what} has another structure than unpadded")
     for path, want, have in zip(paths, expected_leaves, got_leaves):

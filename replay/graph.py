@@ -34,7 +34,7 @@ import torch
 
 from jitcore import codegen
 from jitcore.backends import get_backend
-from replay import keys, recording
+from replay import recording, region_keys
 from replay.dynamic import DynamicScalar
 from replay.errors import ReplayMismatchError, StaleOutputError
 from replay.recording import Capture, CaptureFailed
@@ -66,8 +66,8 @@ def compile_function(source: str, name: str, description: str, namespace: dict) 
 
 def guard_outputs(value: object, owner) -> object:
     """Hand out tensors that raise once ``owner`` (an entry) has been replayed again."""
-    spec, leaves, _ = keys.flatten((value,), {}, walk_dataclasses=True)
-    return keys.unflatten(spec, [_stale_guard(leaf, owner) for leaf in leaves])[0][0]
+    spec, leaves, _ = region_keys.flatten((value,), {}, walk_dataclasses=True)
+    return region_keys.unflatten(spec, [_stale_guard(leaf, owner) for leaf in leaves])[0][0]
 
 
 def _stale_guard(leaf: object, owner) -> object:
@@ -107,7 +107,7 @@ def bitwise_equal(a: object, b: object) -> bool:
             return False
         return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
     if isinstance(a, float) and isinstance(b, float):
-        return keys.float_bits(a) == keys.float_bits(b)
+        return region_keys.float_bits(a) == region_keys.float_bits(b)
     return type(a) is type(b) and a == b
 
 
@@ -317,7 +317,7 @@ class RecordedGraph:
             else ValueTemplate(leaf)
             for leaf in leaves
         ]
-        self.input_bytes = sum(keys.extent_bytes(leaf) for leaf in leaves if isinstance(leaf, torch.Tensor))
+        self.input_bytes = sum(region_keys.extent_bytes(leaf) for leaf in leaves if isinstance(leaf, torch.Tensor))
         self.session = session
         self.uses_rng = bool(getattr(self.entry, "uses_rng", False))
         self.generation = 0
@@ -338,7 +338,7 @@ class RecordedGraph:
         for record in capture.records:
             if record.check_globals is not None and record.check_globals not in self.checks:
                 self.checks.append(record.check_globals)
-        self.output_spec, output_leaves, _ = keys.flatten((capture.outputs,), {}, walk_dataclasses=True)
+        self.output_spec, output_leaves, _ = region_keys.flatten((capture.outputs,), {}, walk_dataclasses=True)
         self.outputs = self._classify_outputs(output_leaves)
         self.output_memory = recording.owned_output_memory(capture)  # what each replay writes
         self.namespace: dict[str, object] = dict(backend.hot_namespace)
@@ -370,7 +370,7 @@ class RecordedGraph:
                 extent = input_range.hi - input_range.lo
                 if (
                     lo <= address
-                    and address + keys.extent_bytes(value) <= lo + extent
+                    and address + region_keys.extent_bytes(value) <= lo + extent
                     and (extent or value.numel() == 0)
                 ):
                     owner, base = i, lo
@@ -429,7 +429,7 @@ class RecordedGraph:
             )
             return "{" + items + "}"
         if kind == "dataclass":
-            code.namespace["_make_dataclass"] = keys.make_dataclass_instance
+            code.namespace["_make_dataclass"] = region_keys.make_dataclass_instance
             values = "".join(f"{self._container(code, s, leaves)}, " for s in spec[3])
             return f"_make_dataclass({code.bind(spec[1], '_type')}, {code.bind(spec[2], '_fields')}, ({values}))"
         items = "".join(f"{self._container(code, s, leaves)}, " for s in spec[1])
@@ -469,7 +469,7 @@ class RecordedGraph:
         ns["_MISMATCH"] = MISMATCH
         for check in self.checks:
             code.line(f"{code.bind(check, '_check')}()")
-        ns["_modes"], ns["_MODES"] = keys.torch_modes, self.key[2]
+        ns["_modes"], ns["_MODES"] = region_keys.torch_modes, self.key[2]
         code.line("if _modes() != _MODES:")
         code.line("return _MISMATCH", 2)
         if self.uses_rng:  # registered with the generator state of its recording (see recording)
@@ -524,7 +524,7 @@ class RecordedGraph:
         """New pointers: an input's pointer plus the recorded delta. A view offset computed
         from a dynamic scalar is recomputed and must stay inside its input; the fixed pointers
         into one input in one node share one remembered value, the input's pointer."""
-        extents = {i: keys.extent_bytes(leaf) for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)}
+        extents = {i: region_keys.extent_bytes(leaf) for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)}
         recorded_pointer = {r.index: r.lo for r in self.capture.inputs}
         static: dict[tuple[int, int], list] = {}
         for number, binding in enumerate(self.plan.pointers):
@@ -697,12 +697,14 @@ class RecordedGraph:
     def _alias_checks(self, code: _Source, leaves: Sequence) -> None:
         """Read every tensor argument's pointer and return MISMATCH unless the arguments
         overlap exactly as they did when the graph was recorded (the key's pattern)."""
-        tensors = [(i, keys.extent_bytes(leaf)) for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+        tensors = [
+            (i, region_keys.extent_bytes(leaf)) for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)
+        ]
         for i, _ in tensors:
             code.line(f"_p{i} = l{i}.data_ptr()")
         pattern = set(self.key[3])
         if len(tensors) > 8:  # one sort instead of n^2/2 comparisons
-            code.namespace["_pattern_of"] = keys.pattern_of
+            code.namespace["_pattern_of"] = region_keys.pattern_of
             code.namespace["_PATTERN"] = self.key[3]
             ranges = "".join(f"({i}, _p{i}, _p{i} + {extent}), " for i, extent in tensors)
             code.line(f"if _pattern_of([{ranges}]) != _PATTERN:")
@@ -722,10 +724,10 @@ class RecordedGraph:
         argument with the new output, where an eager call leaves it as it was."""
         buffers = self.output_memory
         for i, leaf in enumerate(leaves):
-            if not isinstance(leaf, torch.Tensor) or not keys.extent_bytes(leaf):
+            if not isinstance(leaf, torch.Tensor) or not region_keys.extent_bytes(leaf):
                 continue
             for lo, size in buffers.items():
-                code.line(f"if _p{i} < {lo + size} and {lo} < _p{i} + {keys.extent_bytes(leaf)}:")
+                code.line(f"if _p{i} < {lo + size} and {lo} < _p{i} + {region_keys.extent_bytes(leaf)}:")
                 code.line("return _MISMATCH", 2)
 
     def _interrupted(self) -> None:
@@ -761,7 +763,7 @@ class RecordedGraph:
             return result
         replayed = [
             t.clone() if isinstance(t, torch.Tensor) else t
-            for t in keys.flatten((result,), {}, walk_dataclasses=True)[1]
+            for t in region_keys.flatten((result,), {}, walk_dataclasses=True)[1]
         ]
         if before is not None:  # the reference draws the numbers the replay drew, and the
             after = torch.cuda.get_rng_state(self.device)  # sequence goes on from the replay's
@@ -772,7 +774,7 @@ class RecordedGraph:
                 torch.cuda.set_rng_state(after, self.device)
         else:
             expected = eager(snapshots)
-        expected_leaves = keys.flatten((expected,), {}, walk_dataclasses=True)[1]
+        expected_leaves = region_keys.flatten((expected,), {}, walk_dataclasses=True)[1]
         problems = []
         if len(replayed) != len(expected_leaves):
             problems.append("a different number of outputs")

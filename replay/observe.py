@@ -20,7 +20,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from replay.keys import byte_range
+from replay.region_keys import byte_range
 
 _aten = torch.ops.aten
 # Ops that take a tensor for its metadata (shape, dtype, device) and never read its data.

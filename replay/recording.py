@@ -31,8 +31,8 @@ from jitcore.errors import CaptureMissError
 from replay import rebinding, staging
 from replay.dynamic import Dynamic, DynamicScalar
 from replay.errors import DynamicScalarError
-from replay.keys import byte_range, extent_bytes, flatten, unflatten
 from replay.observe import TorchOpObserver
+from replay.region_keys import byte_range, extent_bytes, flatten, unflatten
 
 _NUMBERS = (int, float, bool)
 

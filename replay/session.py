@@ -33,7 +33,7 @@ from jitcore.backends import get_backend
 from jitcore.codegen import never
 from jitcore.errors import GlobalDriftError
 from jitcore.guards import ArgumentCheck, make_guard
-from replay import buckets, keys, observe, recording
+from replay import buckets, observe, recording, region_keys
 from replay.admission import Admission, CompactionRule
 from replay.dynamic import Dynamic
 from replay.errors import ReplayWarning, SessionClosedError
@@ -173,7 +173,7 @@ class _Forgotten:
 
 def _describe_key(key: tuple, limit: int = 96) -> str:
     parts = []
-    for element in key[keys.LEAVES_START :]:
+    for element in key[region_keys.LEAVES_START :]:
         if isinstance(element, tuple) and len(element) == 6 and isinstance(element[1], tuple):
             parts.append(f"{element[0]}[{','.join(map(str, element[1]))}]")
         elif isinstance(element, tuple) and element and element[0] == "dynamic":
@@ -277,7 +277,7 @@ class Region:
         session.check_open()
         if buckets.has_padded(args, kwargs):
             return self._call_padded(args, kwargs)
-        spec, leaves, paths = keys.flatten(args, kwargs)
+        spec, leaves, paths = region_keys.flatten(args, kwargs)
         if not session.can_record():
             session.say_eager_once()
             return self._eager(spec, leaves)
@@ -296,7 +296,7 @@ class Region:
             except GlobalDriftError:
                 return self._rekey(args, kwargs)
         device = session.current_device()
-        key = keys.region_key(device, spec, leaves, paths)
+        key = region_keys.region_key(device, spec, leaves, paths)
         entry = self.entries.get(key)
         if entry is not None:
             self.entries.move_to_end(key)
@@ -339,7 +339,7 @@ class Region:
             )
             hash(shapes)
         except TypeError:
-            shapes = (spec, keys.region_key(self.session.current_device(), spec, leaves, paths))
+            shapes = (spec, region_keys.region_key(self.session.current_device(), spec, leaves, paths))
         return (self, shapes)
 
     def _decide(self, counted: tuple, spec: object) -> _Decision:
@@ -371,7 +371,7 @@ class Region:
         hints = None
         if decision is _OBSERVE:
             if key is None:
-                key = keys.region_key(self.session.current_device(), spec, leaves, paths)
+                key = region_keys.region_key(self.session.current_device(), spec, leaves, paths)
             hints = self.hints[spec] = Hints(observed_key=key)
         elif decision is _REFUSED:
             self.session.counters.refused += 1
@@ -407,7 +407,7 @@ class Region:
 
     def _replay_writes(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` overlaps the output memory of one of this region's graphs."""
-        lo, hi = keys.byte_range(tensor)
+        lo, hi = region_keys.byte_range(tensor)
         if hi <= lo:
             return False
         for entry in self.entries.values():
@@ -424,7 +424,7 @@ class Region:
     def _eager_declined(self, *args, **kwargs):
         """A call no graph may serve exactly (see buckets.call): eagerly, counted as declined."""
         self.session.counters.declined += 1
-        spec, leaves, _paths = keys.flatten(args, kwargs)
+        spec, leaves, _paths = region_keys.flatten(args, kwargs)
         return self._eager(spec, leaves)
 
     def _replay(self, entry: Entry, leaves: Sequence):
@@ -477,12 +477,12 @@ class Region:
             entry.eager_runs += 1
         else:
             self.forgotten.eager_runs += 1
-        args, kwargs = keys.unflatten(spec, keys.plain_leaves(leaves))
+        args, kwargs = region_keys.unflatten(spec, region_keys.plain_leaves(leaves))
         if observe is None:
             with recording.CAPTURES.shared():  # may load kernels: not while another thread captures
                 return self.fn(*args, **kwargs)
         tensors = [(i, leaf) for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-        observer = TorchOpObserver([keys.byte_range(t) for _, t in tensors])
+        observer = TorchOpObserver([region_keys.byte_range(t) for _, t in tensors])
         with recording.CAPTURES.shared(), observer:
             result = self.fn(*args, **kwargs)
         observe.stage |= {tensors[w][0] for w in observer.read}
@@ -699,7 +699,7 @@ class Region:
 
     def _make_guard(self, entry: Entry, spec: object, leaves: Sequence) -> Callable | None:
         """``guard(*args) -> bool``: exactly this key, for calls with positional leaves only."""
-        if spec[0] != keys.FLAT:
+        if spec[0] != region_keys.FLAT:
             return None
         checks = []
         for leaf in leaves:
@@ -708,7 +708,7 @@ class Region:
             elif isinstance(leaf, Dynamic):
                 checks.append(ArgumentCheck.wrapping(Dynamic, "value", type(leaf.value)))
             elif isinstance(leaf, float):  # by bits: -0.0 is not 0.0, a NaN is itself
-                checks.append(ArgumentCheck.equal_through(leaf, keys.float_bits))
+                checks.append(ArgumentCheck.equal_through(leaf, region_keys.float_bits))
             elif isinstance(leaf, (bool, int, str, type(None))):
                 checks.append(ArgumentCheck.equal(leaf))
             else:
@@ -1059,8 +1059,10 @@ def _cuda_generator(device: int):
 
 
 def _clone_tensors(value: object) -> object:
-    spec, leaves, _ = keys.flatten((value,), {}, walk_dataclasses=True)
-    return keys.unflatten(spec, [leaf.clone() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves])[0][0]
+    spec, leaves, _ = region_keys.flatten((value,), {}, walk_dataclasses=True)
+    return region_keys.unflatten(spec, [leaf.clone() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves])[
+        0
+    ][0]
 
 
 def capture(**policy: object) -> Session:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import replay
-from replay import buckets, keys
+from replay import buckets, region_keys
 from replay.errors import ReplayMismatchError
 
 from .test_session import session_factory  # noqa: F401  (a fixture)
@@ -34,7 +34,7 @@ def test_calls_run_the_graph_of_the_next_bucket_and_slices_come_back(session_fac
         out, total = step(replay.padded(x), scale)
         assert out.shape == (rows, 5) and torch.equal(out, x * scale + 1)
         assert torch.equal(total, scale.sum())
-    recorded = {key[keys.LEAVES_START][1] for key in step.entries}
+    recorded = {key[region_keys.LEAVES_START][1] for key in step.entries}
     assert recorded <= {(b, 5) for b in BUCKETS}  # 1..40 needs at most the seven buckets 1, 2, ..., 64
     assert session.stats().records == len(recorded)
 

@@ -18,7 +18,7 @@ from jitcore.backends.abi import ParamLayout, parse_param
 from jitcore.backends.base import GraphNode, NodeUpdater
 from jitcore.backends.null import NullBackend
 from jitcore.errors import DriverError
-from replay import keys
+from replay import region_keys
 from replay.dynamic import Dynamic, DynamicScalar
 from replay.graph import MISMATCH, RecordedGraph, clone_preserving_sharing
 from replay.policy import Policy
@@ -144,8 +144,8 @@ LAYOUT = ParamLayout.of([parse_param("float* x"), parse_param("float s"), parse_
 
 def build(leaves, plan, *, outputs=None, sim=None, grid=(4, 1, 1), **policy):
     sim = sim or SimExec()
-    spec, flat, paths = keys.flatten(tuple(leaves), {})
-    key = keys.region_key(-1, spec, flat, paths)
+    spec, flat, paths = region_keys.flatten(tuple(leaves), {})
+    key = region_keys.region_key(-1, spec, flat, paths)
     tensors = [(i, leaf) for i, leaf in enumerate(flat) if isinstance(leaf, torch.Tensor)]
     initial = struct.pack("<Qfxxxxq", tensors[0][1].data_ptr() if tensors else 0, 1.0, 7)
     capture = attrs.make_class(
@@ -174,7 +174,7 @@ def build(leaves, plan, *, outputs=None, sim=None, grid=(4, 1, 1), **policy):
         [GraphNode(0, None, "kernel", 0xF, grid, (64, 1, 1), 0)],
         [Record(LAYOUT, initial)],
         outputs,
-        [InputRange(i, paths[i], t.data_ptr(), t.data_ptr() + keys.extent_bytes(t)) for i, t in tensors],
+        [InputRange(i, paths[i], t.data_ptr(), t.data_ptr() + region_keys.extent_bytes(t)) for i, t in tensors],
         {i: t.dtype for i, t in tensors},
         {},
     )

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from replay.keys import byte_range
 from replay.observe import TorchOpObserver
+from replay.region_keys import byte_range
 
 
 def watch(*tensors):

@@ -14,7 +14,7 @@ import torch
 import replay
 from jitcore.backends import use_backend
 from jitcore.backends.null import NullBackend
-from replay import keys, recording
+from replay import recording, region_keys
 from replay.graph import MISMATCH
 from replay.rebinding import REBOUND, InputRange, Plan
 from replay.session import EAGER_ONLY, PENDING, RECORDED, WARMING, Session
@@ -52,7 +52,7 @@ class FakeGraph:
         assert not self.released
         self.replays += 1
         self.session.counters.replays += 1
-        args, kwargs = keys.unflatten(self.key[1], keys.plain_leaves(leaves))
+        args, kwargs = region_keys.unflatten(self.key[1], region_keys.plain_leaves(leaves))
         return self.region.fn(*args, **kwargs)
 
     def verify(self, leaves, eager):
@@ -81,7 +81,7 @@ class DoubleSession(Session):
         session.captures.append((spec, list(leaves), set(stage), set(copy_back), observe))
         if session.capture_script:
             raise session.capture_script.pop(0)
-        args, kwargs = keys.unflatten(spec, keys.plain_leaves(leaves))
+        args, kwargs = region_keys.unflatten(spec, region_keys.plain_leaves(leaves))
         outputs = fn(*args, **kwargs)
         inputs = [InputRange(i, paths[i], 0, 0) for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
         return recording.Capture(
@@ -178,7 +178,7 @@ def test_a_full_cache_admits_a_key_only_when_twice_as_hot_as_the_graph_it_replac
         step(*tensors[n])
 
     def state(n):
-        return {key[keys.LEAVES_START][1][0]: e.state for key, e in step.entries.items()}.get(n, "no entry")
+        return {key[region_keys.LEAVES_START][1][0]: e.state for key, e in step.entries.items()}.get(n, "no entry")
 
     step(*tensors[3])  # called once: colder than both graphs (2 was called twice)
     assert (state(3), session.stats().refused) == ("no entry", 1)
@@ -218,7 +218,7 @@ def test_a_hot_key_is_never_evicted_for_a_cold_one(session_factory):
     for _ in range(20):  # called 20 times, but the hot graph was replayed 48 times
         step(*cold)
     (hot_key,) = [k for k, e in step.entries.items() if e.state == RECORDED]
-    assert hot_key[keys.LEAVES_START][1] == (4,) and session.stats().evictions == 0
+    assert hot_key[region_keys.LEAVES_START][1] == (4,) and session.stats().evictions == 0
 
 
 def test_keys_that_never_repeat_leave_no_entry_and_run_no_observer(session_factory, monkeypatch):
@@ -243,8 +243,8 @@ def test_calls_of_shapes_without_an_entry_compute_no_full_key_and_no_drift_check
     # the eager path of a key that admission keeps warming (or refuses, or postpones) costs
     # what eager costs: no region key (about 6 us) and no check of the region's globals
     computed = []
-    original_key = keys.region_key
-    monkeypatch.setattr(keys, "region_key", lambda *a: computed.append(a) or original_key(*a))
+    original_key = region_keys.region_key
+    monkeypatch.setattr(region_keys, "region_key", lambda *a: computed.append(a) or original_key(*a))
     session = session_factory(record_after=2, max_graphs=1)
     scale = [2.0]
     step = session.region(lambda x, y: x * scale[0] + y, name="scaled")
@@ -710,7 +710,7 @@ def test_under_a_skewed_mix_the_hottest_keys_hold_the_graphs(session_factory):
     for n in generator.choices(sizes, weights=weights, k=6000):
         calls[n] += 1
         assert torch.equal(step(*tensors[n]), tensors[n][0] + tensors[n][1])
-    held = {key[keys.LEAVES_START][1][0] for key, e in step.entries.items() if e.state == RECORDED}
+    held = {key[region_keys.LEAVES_START][1][0] for key, e in step.entries.items() if e.state == RECORDED}
     hottest = {n for n, _ in calls.most_common(12)}
     assert len(held & hottest) >= 10, (sorted(held), sorted(hottest))
     stats = session.stats()

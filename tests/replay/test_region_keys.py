@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from replay import dynamic, keys
-from replay.keys import FLAT, extent_bytes, flatten, leaf_key, plain_leaves, region_key, unflatten
+from replay import dynamic, region_keys
+from replay.region_keys import FLAT, extent_bytes, flatten, leaf_key, plain_leaves, region_key, unflatten
 
 Pair = collections.namedtuple("Pair", "a b")
 
@@ -91,4 +91,4 @@ def test_the_alias_pattern_shortcut_equals_the_exact_ranges(data):
         stop = data.draw(st.integers(start, source.numel()))
         step = data.draw(st.integers(1, 3))
         leaves.append(source[start:stop:step])
-    assert keys.alias_pattern(leaves) == keys.pattern_of(keys.tensor_ranges(leaves))
+    assert region_keys.alias_pattern(leaves) == region_keys.pattern_of(region_keys.tensor_ranges(leaves))
