@@ -13,11 +13,11 @@ launch directly, once per recorded kernel launch. Print one with ``JITCORE_DUMP=
             return _recording((_a0, _a1, _a2, _a3), (_a0, _a1, _a2, _a3), stream)
         ...
         _a0_numel = _a0.numel()
-        _g0x = (-(-_a0_numel // 256))
-        if not 0 < _g0x <= 2147483647: _check_grid(0, (_g0x, 1, 1))
+        _grid0x = (-(-_a0_numel // 256))
+        if not 0 < _grid0x <= 2147483647: _check_grid(0, (_grid0x, 1, 1))
         _pack0_0(_b[0], 0, _a0_ptr, _a1_ptr, _a2_ptr, _a3, _a0_numel)
-        if _g0x:
-            _r = _cuLaunchKernel(_f0, _g0x, 1, 1, 256, 1, 1, 0, ...)
+        if _grid0x:
+            _r = _cuLaunchKernel(_f0, _grid0x, 1, 1, 256, 1, 1, 0, ...)
 
 Rules every generated function here follows (see :func:`define`):
 
@@ -398,9 +398,9 @@ class CallState:
             lines.append(f"{name} = {expr.source(bind)}")
             return name
 
-        grid = [local(g, f"_g{number}{'xyz'[i]}") for i, g in enumerate(launch.grid)]
-        block = [local(b, f"_b{number}{'xyz'[i]}") for i, b in enumerate(launch.block)]
-        shared = local(launch.shared, f"_s{number}")
+        grid = [local(g, f"_grid{number}{'xyz'[i]}") for i, g in enumerate(launch.grid)]
+        block = [local(b, f"_block{number}{'xyz'[i]}") for i, b in enumerate(launch.block)]
+        shared = local(launch.shared, f"_shared{number}")
         grid_t, block_t = f"({', '.join(grid)})", f"({', '.join(block)})"
         self._config_sources[number] = (grid_t, block_t, shared)
         dynamic_axes = [axis for axis, g in enumerate(launch.grid) if not symbolic.is_static(g)]

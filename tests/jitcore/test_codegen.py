@@ -49,7 +49,7 @@ GENERATED_NAMES = [
     "x_numel", "x_ptr", "x_size0", "x_stride0", "x_shape", "x_strides", "key", "min", "max", "int",
     "len", "_s", "_b", "_m", "_n", "_d", "_t", "_e", "_r", "_so", "_hook", "_original", "_state",
     "_MRU", "_STATES", "_miss", "_touch", "_promote", "_device", "_default0", "_default1", "_Tensor",
-    "_NAMES", "_LEAN", "_SCALAR", "_k0", "_k1", "_a0", "_a1", "_a1_ptr", "_f0", "_g0x", "_pack0_0",
+    "_NAMES", "_LEAN", "_SCALAR", "_k0", "_k1", "_a0", "_a1", "_a1_ptr", "_f0", "_grid0x", "_block0x", "_pack0_0",
     "_tls", "_ACTIVE", "_pack_failed", "_c0", "_v0", "_dg", "_dv", "_ds0", "guard", "lean_key", "k",
 ]  # fmt: skip
 
