@@ -29,7 +29,9 @@ Rules every generated function here follows (see :func:`define`):
   :class:`~jitcore.symbolic.Binder`), never by their ``repr``; only exact ``int`` constants
   are written as literals;
 - each source is registered with :mod:`linecache` under a descriptive filename, so tracebacks
-  show the generated line and pdb can list and step through it.
+  show the generated line and pdb can list and step through it;
+- an expression evaluated from Python (a symbolic size, a dynamic scalar) is compiled once into
+  a generated function of the names it reads (:class:`Expression`), never ``eval``-ed.
 
 A grid with a dimension of 0 is a launch over no work: it is skipped (and reported to a
 recorder with ``launched=False``). Each thread gets its own buffers, so concurrent hits never
@@ -48,7 +50,7 @@ import struct
 import threading
 import types
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import attrs
 
@@ -105,6 +107,36 @@ def define(source: str, filename: str, namespace: dict[str, object]) -> dict[str
     defined: dict[str, object] = {}
     exec(builtins.compile(source, filename, "exec"), namespace, defined)
     return defined
+
+
+class Expression:
+    """An expression compiled once into a generated function whose parameters are the names it
+    reads (``def evaluate(_a0, _a0_size1): return ...``), so evaluating it again costs a call,
+    not a parse and a compile. Constants it names live in ``namespace`` (under mangled names:
+    ``_k0``), which is also where its builtins come from (``{"__builtins__": {...}}`` restricts
+    them). ``expression(values)`` reads ``values[name]`` for each parameter and ignores other
+    entries; a missing one is the ``NameError`` that ``eval`` would raise."""
+
+    __slots__ = ("function", "parameters", "source", "filename", "__weakref__")
+
+    def __init__(self, expression: str, parameters: Sequence[str], namespace: dict[str, object], description: str):
+        if "\n" in expression or "\r" in expression:
+            raise ValueError(f"a generated expression is one line: {expression!r}")
+        for name in parameters:
+            if not name.isidentifier() or keyword.iskeyword(name):
+                raise ValueError(f"not a parameter name: {name!r}")
+        self.parameters = tuple(parameters)
+        self.source = f"def evaluate({', '.join(self.parameters)}):\n    return {expression}\n"
+        self.filename = source_filename(description)
+        self.function = define(self.source, self.filename, namespace)["evaluate"]
+        weakref.finalize(self, forget_source, self.filename)
+
+    def __call__(self, values: Mapping[str, object]) -> object:
+        try:
+            arguments = [values[name] for name in self.parameters]
+        except KeyError as missing:
+            raise NameError(f"name {missing.args[0]!r} is not defined") from None
+        return self.function(*arguments)
 
 
 def rename_parameters(code: types.CodeType, names: Sequence[str]) -> types.CodeType:
@@ -691,7 +723,8 @@ class _Evaluator:
     """Recompute a value from new runtime-scalar arguments, sizes and strides fixed as
     recorded: ``evaluate(scalars)``, where ``scalars[k]`` is the value of jit argument ``k``
     (a list, a tuple or a dict; only the indices the value depends on are read). Compiled
-    once into a lambda whose constants are bound in its namespace (see :class:`Binder`)."""
+    once (an :class:`Expression` of ``_s``) with its constants bound in its namespace (see
+    :class:`Binder`)."""
 
     def __init__(self, expr: object, leaves: tuple, fixed: dict[str, object], description: str):
         namespace: dict[str, object] = {"__builtins__": {"min": min, "max": max}}
@@ -706,11 +739,9 @@ class _Evaluator:
             body = expr.render_with(substitutions, bind=binder.bind)
         else:
             body = symbolic.render(expr, binder.bind)
-        self.source = f"lambda _s: {body}"
-        self.filename = source_filename(description)
-        register_source(self.filename, self.source + "\n")
-        weakref.finalize(self, forget_source, self.filename)
-        self._function = eval(builtins.compile(self.source, self.filename, "eval"), namespace)
+        self._expression = Expression(body, ["_s"], namespace, description)
+        self.source = self._expression.source
+        self._function = self._expression.function
 
     def __call__(self, scalars: Sequence[object] | dict[int, object]) -> object:
         return self._function(scalars)

@@ -10,7 +10,10 @@ closure cell is baked into that call state (a replay region's graph bakes them i
 - scalars (int, float, str, ...) are compared by type and value, so rebinding to an equal
   value is not drift;
 - containers (list, tuple, dict, set) are compared by a frozen deep copy, so in-place mutation
-  is caught.
+  is caught; one of up to :data:`MAX_UNROLLED` values without sets is compared by generated
+  straight-line tests that mean the same (its class, its length, each element by identity or,
+  for a scalar, by type and value), so a closure over a list of weights costs a few hundred
+  nanoseconds per call instead of a deep copy.
 
 What is followed beyond the function's own bytecode:
 
@@ -61,8 +64,11 @@ argument):
 
 The check is generated Python that callers inline (:attr:`GlobalsSnapshot.check_lines`, whose
 names all start with ``prefix`` and resolve in :attr:`GlobalsSnapshot.namespace`): one ``is``
-(plus an ``==`` for a scalar rebound to a new object) per snapshotted value, a frozen-copy
-comparison per container.
+(plus an ``==`` for a scalar rebound to a new object) per snapshotted value, the unrolled tests
+or a frozen-copy comparison per container. Like all generated code it names no user's global,
+attribute or builtin: each such name is a string in the namespace (``_n0``), so the check
+reads ``_g.get(_n0, _MISSING)``; :meth:`GlobalsSnapshot.check` runs the lines on their own
+(compiled through :func:`jitcore.codegen.define`, so tracebacks and pdb show them).
 """
 
 from __future__ import annotations
@@ -82,6 +88,7 @@ from collections.abc import Callable
 import attrs
 import torch
 
+from jitcore import codegen
 from jitcore.errors import GlobalDriftError
 
 _MISSING = object()
@@ -195,6 +202,104 @@ def _rebuild(kind: type, items: object, fallback: object, star: bool = False) ->
 
 def _same_scalar(current: object, snapshot: object) -> bool:
     return type(current) is type(snapshot) and current == snapshot
+
+
+#: A container of at most this many values in all (elements, dict keys, nested containers) is
+#: checked by straight-line generated tests; a larger one (or one holding a set) by comparing
+#: frozen copies, which costs a deep copy on every call.
+MAX_UNROLLED = 64
+# builtin classes the generated tests name as they are (any other class is bound)
+_BUILTIN_CLASSES = {kind: kind.__name__ for kind in (list, tuple, dict, int, float, complex, str, bytes)}
+# what freeze() reads of a list or tuple by iterating, and the unrolled tests read by indexing
+_SEQUENCE_PROTOCOL = ("__iter__", "__len__", "__getitem__")
+
+
+class _NotUnrolled(Exception):
+    pass
+
+
+class _Unrolled:
+    """The straight-line form of ``freeze(current) == freeze(value)`` for a container ``value``:
+    the class by identity and the length before any element is read (so a value that became
+    another type or a shorter list fails a test instead of raising), then each element in the
+    order freeze() compares them: a scalar by identity, else by exact type and ``==`` (freeze's
+    tuple comparison tries identity first, so -0.0 equals 0.0 and a NaN only itself), anything
+    else by identity, a nested list, tuple or dict the same way through a local, a dict by its
+    items in order.
+
+    Passing the tests implies that the frozen copies compare equal; failing them need not imply
+    the converse (a metaclass could make two classes compare equal), so callers confirm a
+    failure with the frozen comparison. Values that freeze() reads in ways indexing could miss
+    (sets, a list or tuple subclass with its own iteration) and containers over
+    :data:`MAX_UNROLLED` values are not unrolled."""
+
+    def __init__(self, namespace: dict[str, object], slot: str, prefix: str):
+        self.namespace = namespace
+        self.slot = slot
+        self.prefix = prefix
+        self.bound: dict[str, object] = {}
+        self.values = 0
+        self.locals = 0
+
+    def tests(self, subject: str, value: object) -> list[str] | None:
+        """Tests (to be joined with ``and``) of the local ``subject``, or None when ``value``
+        is not unrolled; the values they name are bound into the namespace."""
+        try:
+            tests = self._tests(subject, subject, value)
+        except _NotUnrolled:
+            return None
+        self.namespace.update(self.bound)
+        return tests
+
+    def _tests(self, subject: str, first: str, value: object) -> list[str]:
+        """``first`` is ``subject`` or, for a nested container, ``local := expression``."""
+        self.values += 1
+        if self.values > MAX_UNROLLED:
+            raise _NotUnrolled
+        if isinstance(value, _SCALAR_TYPES):
+            name = self._bind(value)
+            if value is None or type(value) is bool:
+                return [f"{subject} is {name}"]  # the only value of its type equal to it
+            return [f"({subject} is {name} or type({subject}) is {self._class(type(value))} and {subject} == {name})"]
+        if isinstance(value, (list, tuple)):
+            kind, base = type(value), list if isinstance(value, list) else tuple
+            if any(getattr(kind, method) is not getattr(base, method) for method in _SEQUENCE_PROTOCOL):
+                raise _NotUnrolled
+            tests = [f"type({first}) is {self._class(kind)}", f"len({subject}) == {len(value)}"]
+            for index, item in enumerate(value):
+                tests += self._item(f"{subject}[{index}]", item)
+            return tests
+        if isinstance(value, dict):
+            items, pairs = self._local(), tuple(value.items())
+            tests = [
+                f"type({first}) is {self._class(type(value))}",
+                f"len({items} := tuple({subject}.items())) == {len(pairs)}",
+            ]
+            for index, (key, item) in enumerate(pairs):
+                tests += self._item(f"{items}[{index}][0]", key)
+                tests += self._item(f"{items}[{index}][1]", item)
+            return tests
+        if isinstance(value, (set, frozenset)):
+            raise _NotUnrolled
+        return [f"{subject} is {self._bind(value)}"]
+
+    def _item(self, expression: str, value: object) -> list[str]:
+        if isinstance(value, (list, tuple, dict)):
+            local = self._local()  # read once: its class, length and elements are all tested
+            return self._tests(local, f"{local} := {expression}", value)
+        return self._tests(expression, expression, value)
+
+    def _bind(self, value: object) -> str:
+        name = f"{self.slot}_{len(self.bound)}"
+        self.bound[name] = value
+        return name
+
+    def _class(self, kind: type) -> str:
+        return _BUILTIN_CLASSES.get(kind) or self._bind(kind)
+
+    def _local(self) -> str:
+        self.locals += 1
+        return f"{self.prefix}v{self.locals}"
 
 
 def _nested_codes(code: types.CodeType) -> list[types.CodeType]:
@@ -416,7 +521,8 @@ class GlobalsSnapshot:
 
     def __init__(self, fn: Callable, *, owner: str | None = None, prefix: str = "_"):
         """``prefix`` starts every name the check lines use, so callers can inline them into
-        generated code of their own without clashes."""
+        generated code of their own without clashes. A statement may continue over several
+        lines (inside parentheses): callers indent every line alike."""
         self.fn = fn
         self.owner = owner or getattr(fn, "__qualname__", repr(fn))
         self.prefix = prefix
@@ -449,8 +555,10 @@ class GlobalsSnapshot:
             )
         body = "\n".join("    " + line for line in self.check_lines) or "    pass"
         self.source = f"def check():\n{body}\n"
-        exec(compile(self.source, f"<jitcore drift check of {self.owner}>", "exec"), self.namespace)
-        self.check: Callable[[], None] = self.namespace["check"]  # type: ignore[assignment]
+        self.filename = codegen.source_filename(f"drift check of {self.owner}")
+        defined = codegen.define(self.source, self.filename, self.namespace)
+        self.check: Callable[[], None] = defined["check"]  # type: ignore[assignment]
+        weakref.finalize(self, codegen.forget_source, self.filename)
 
     # --- building ------------------------------------------------------------------------
     def _build(self, root: types.FunctionType | None, target: types.FunctionType | None, state: frozenset) -> None:
@@ -466,6 +574,7 @@ class GlobalsSnapshot:
         self.unchecked = []
         self._state = state
         self._sources: dict[int, str] = {}  # id(dict or cell) -> its name in the namespace
+        self._names: dict[str, str] = {}  # a global's or attribute's name -> where the namespace holds it
         self._keys: set[tuple[int, object]] = set()  # (id(dict or cell), key) already checked
         self._functions: dict[int, types.FunctionType] = {}
         self._builtins: dict[int, tuple[dict, dict[str, str]]] = {}  # id(globals) -> (globals, {name: reader})
@@ -489,12 +598,21 @@ class GlobalsSnapshot:
             index = len(self.entries)
             self._append(Entry("builtin", ", ".join(group), "", "absent", group, None, ("dict", mapping, None)))
             if len(group) == 1:
-                self.check_lines.append(f"if {next(iter(group))!r} in {table}: {p}drift({index})")
+                self.check_lines.append(f"if {self._key(next(iter(group)))} in {table}: {p}drift({index})")
             else:
                 names = f"{p}s{index}"
                 self.namespace[names] = frozenset(group)
                 self.namespace[f"{names}k"] = mapping.keys()
                 self.check_lines.append(f"if not {names}k.isdisjoint({names}): {p}drift({index})")
+
+    def _key(self, name: str) -> str:
+        """Where the namespace holds the string ``name`` (``_n0``): a user's name never enters
+        the generated source, so no name can break it or show up as code in a traceback."""
+        bound = self._names.get(name)
+        if bound is None:
+            bound = self._names[name] = f"{self.prefix}n{len(self._names)}"
+            self.namespace[bound] = name
+        return bound
 
     def _name(self, source: object, root: bool = False) -> str:
         name = self._sources.get(id(source))
@@ -529,7 +647,9 @@ class GlobalsSnapshot:
                 if not root and _own_state(self._state, fn_globals, name, value):
                     continue
                 path = name if root or not isinstance(module, str) else f"{module}.{name}"
-                self._add("global", path, reader, value, ("dict", fn_globals, name), f"{table}.get({name!r}, {{m}})")
+                self._add(
+                    "global", path, reader, value, ("dict", fn_globals, name), f"{table}.get({self._key(name)}, {{m}})"
+                )
                 self._descend(value, path, reads.chains.get(name, ()), reader, inner, depth)
             elif hasattr(builtins, name):
                 # A builtin: drift is a new global shadowing it (checked per module, at the end).
@@ -562,7 +682,7 @@ class GlobalsSnapshot:
                     if _own_state(self._state, mapping, attribute, mapping[attribute]):
                         break
                     current, current_path = mapping[attribute], f"{current_path}.{attribute}"
-                    read = f"{self._name(mapping)}.get({attribute!r}, {{m}})"
+                    read = f"{self._name(mapping)}.get({self._key(attribute)}, {{m}})"
                     self._add("module attribute", current_path, reader, current, ("dict", mapping, attribute), read)
                     if not _followed_module(current):
                         self._follow(current, callers, depth)
@@ -592,7 +712,15 @@ class GlobalsSnapshot:
         snapshot = freeze(value) if mode == "container" else value
         self._append(Entry(where, path, reader, mode, value, snapshot, source))
         self.namespace[slot] = snapshot
-        if mode == "container":
+        unrolled = _Unrolled(self.namespace, slot, p).tests(f"{p}v", value) if mode == "container" else None
+        if unrolled is not None:
+            # the frozen comparison stays, behind the unrolled one: it decides whenever that
+            # one fails, so the check means exactly what freeze() comparison means
+            self.check_lines.append(f"{p}v = {read}")
+            self.check_lines.append("if not (")
+            self.check_lines += [f"    {test}" if i == 0 else f"    and {test}" for i, test in enumerate(unrolled)]
+            self.check_lines.append(f") and {p}freeze({p}v) != {slot}: {p}drift({index})")
+        elif mode == "container":
             self.check_lines.append(f"if {p}freeze({read}) != {slot}: {p}drift({index})")
         elif mode == "scalar":
             self.check_lines.append(f"{p}v = {read}")

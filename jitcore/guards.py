@@ -88,8 +88,9 @@ def _screened(raw: Callable[..., bool], count: int) -> Callable[..., bool]:
         f"    return _raw({params})\n"
     )
     namespace: dict[str, object] = {"_raw": raw}
-    exec(compile(source, "<jitcore tensor guard>", "exec"), namespace)
-    check = namespace["check"]
+    filename = codegen.source_filename(f"screen of a tensor guard of {count} tensor{'' if count == 1 else 's'}")
+    check = codegen.define(source, filename, namespace)["check"]
+    weakref.finalize(check, codegen.forget_source, filename)  # made per guard: linecache stays bounded
     check.raw = raw
     return check
 

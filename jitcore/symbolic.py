@@ -14,9 +14,12 @@ replay's dynamic scalars (``replay.dynamic.DynamicScalar``) share with :class:`S
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from jitcore.errors import SymbolicValueError
+
+if TYPE_CHECKING:  # codegen imports this module
+    from jitcore.codegen import Expression
 
 _ADVICE = (
     "it is only known when the call state runs. To branch on it, make it static: wrap the "
@@ -90,13 +93,14 @@ class DeferredScalar:
 class Sym(DeferredScalar):
     """An expression over call-time values. ``op`` is "leaf" or an operator name."""
 
-    __slots__ = ("op", "args", "is_float", "_source", "label")
+    __slots__ = ("op", "args", "is_float", "_source", "label", "_expression")
 
     def __init__(self, op: str, args: tuple, is_float: bool = False, label: str | None = None):
         self.op = op
         self.args = args
         self.is_float = is_float
         self._source: str | None = None
+        self._expression: Expression | None = None  # made by the first evaluate()
         self.label = label  # human name of a leaf, e.g. "x.shape[0]"
 
     # --- leaves --------------------------------------------------------------------------
@@ -142,9 +146,28 @@ class Sym(DeferredScalar):
         return _render(self, label=False, substitutions=substitutions, bind=bind)
 
     def evaluate(self, values: dict[str, object]) -> object:
-        """Evaluate with ``values`` mapping leaf variables to concrete values."""
+        """Evaluate with ``values`` mapping leaf variables to concrete values (other entries are
+        ignored). Compiled on first use, like all generated code, through :mod:`jitcore.codegen`
+        into a function of the leaves (:class:`jitcore.codegen.Expression`): a traceback shows
+        its line, and the slow paths that evaluate one expression call after call (a packing
+        error, an index check) pay for a call, not for a parse and a compile."""
+        if self._expression is None:
+            self._expression = self._compile()
+        return self._expression(values)
+
+    def _compile(self) -> Expression:
+        from jitcore import codegen  # codegen imports this module
+
+        leaves = list(dict.fromkeys(leaf.args[0] for leaf in self.leaves()))
+        # min/max are what the rendered source calls; nothing else is reachable from it
         namespace: dict[str, object] = {"__builtins__": {"min": min, "max": max}}
-        return eval(self.source(Binder(namespace).bind), namespace, dict(values))
+        namespace.update(dict.fromkeys(leaves))  # held while binding: no constant takes a leaf's name
+        body = self.source(Binder(namespace).bind)
+        for leaf in leaves:
+            del namespace[leaf]
+        shown = self.describe()
+        shown = shown if len(shown) <= 80 else shown[:77] + "..."
+        return codegen.Expression(body, leaves, namespace, f"evaluation of {shown}")
 
     def __repr__(self) -> str:
         return f"Sym({self.describe()})"

@@ -11,9 +11,11 @@ recording; the key then runs eagerly, with a warning that names the use.
 
 from __future__ import annotations
 
+import ast
 import itertools
 from typing import NoReturn
 
+from jitcore import codegen
 from jitcore.keys import NUMBERS
 from jitcore.symbolic import DeferredScalar
 from replay.errors import DynamicScalarError
@@ -60,17 +62,35 @@ class DynamicScalar(DeferredScalar):
     scalars and enum members have none that evaluates back to them); it is bound under its
     name in ``constants``, which whoever evaluates the source puts in the namespace."""
 
-    __slots__ = ("constants", "name", "source", "value")
+    __slots__ = ("constants", "name", "source", "value", "_expression")
 
     def __init__(self, source: str, value: object, name: str, constants: dict | None = None):
         self.source = source  # e.g. "(_d2 + _k0)"
         self.value = value
         self.name = name  # for messages: the argument path, or the expression
         self.constants: dict[str, object] = constants or {}
+        self._expression: codegen.Expression | None = None
 
     def evaluate(self, dynamic_values: dict[str, object]) -> object:
-        """This expression for other values of the dynamic leaves (``{"_d2": 5}``)."""
-        return eval(self.source, {"__builtins__": {}}, {**self.constants, **dynamic_values})
+        """This expression for other values of the dynamic leaves (``{"_d2": 5}``; other
+        entries are ignored). Compiled on first use, through :mod:`jitcore.codegen` like all
+        generated code, into a function of the leaves (a traceback shows its line; evaluating
+        again costs a call, not a compile); its constants are bound as they are then, and it
+        has no builtins, so the source computes nothing but what it names."""
+        if self._expression is None:
+            self._expression = self._compile()
+        return self._expression(dynamic_values)
+
+    def _compile(self) -> codegen.Expression:
+        # names that are not constants are leaves; the generated function takes them as parameters
+        tree = ast.parse(self.source.strip(), mode="eval")
+        if any(isinstance(node, (ast.Yield, ast.YieldFrom, ast.Await)) for node in ast.walk(tree)):
+            raise SyntaxError(f"not an expression over dynamic scalars: {self.source!r}")
+        names = [node.id for node in ast.walk(tree) if isinstance(node, ast.Name)]
+        leaves = [name for name in dict.fromkeys(names) if name not in self.constants]
+        namespace: dict[str, object] = {"__builtins__": {}, **self.constants}
+        text = self.source.strip() if len(self.source.strip().splitlines()) == 1 else ast.unparse(tree)
+        return codegen.Expression(text, leaves, namespace, f"dynamic scalar {self.name}")
 
     def __jit_scalar__(self) -> object:
         return self.value

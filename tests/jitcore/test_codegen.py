@@ -3,10 +3,12 @@ into source by its repr, generated source shows in tracebacks, empty grids launc
 
 from __future__ import annotations
 
+import ast
 import enum
 import io
 import linecache
 import math
+import pathlib
 import struct
 import token
 import tokenize
@@ -17,7 +19,8 @@ import pytest
 import torch
 
 import jitcore as jc
-from jitcore import symbolic
+import replay
+from jitcore import codegen, symbolic
 from jitcore.backends import use_backend
 from jitcore.errors import ArgumentError, LaunchConfigError
 
@@ -202,6 +205,62 @@ def test_symbolic_source_refuses_unbound_constants():
     assert namespace == {"_k0": np.float64(2.0)}
     assert expr.evaluate({"_a0": 3.0}) == 7.0
     assert "2.0" in expr.describe()  # messages show the repr
+
+
+def test_symbolic_evaluate_compiles_once_through_codegen(monkeypatch):
+    defined = []
+    define = codegen.define
+    monkeypatch.setattr(codegen, "define", lambda *args: defined.append(args[1]) or define(*args))
+    n, size = symbolic.Sym.leaf("_a1", "n"), symbolic.Sym.leaf("_a0_size0", "x.shape[0]")
+    expr = symbolic.maximum(n * np.float64(2.5), size) // size
+    assert [expr.evaluate({"_a1": v, "_a0_size0": 2, "other": None}) for v in (1, 4)] == [1.0, 5.0]
+    assert len(defined) == 1 and defined[0].startswith("<jitcore evaluation of (max((n * np.float64(2.5)), x.shape[0])")
+    source = "".join(linecache.getlines(defined[0]))
+    assert source.startswith("def evaluate(_a0_size0, _a1):") and "2.5" not in source
+    with pytest.raises(NameError, match="'_a0_size0'"):  # what eval said of a missing leaf
+        expr.evaluate({"_a1": 1})
+    assert len(defined) == 1
+    with pytest.raises(ZeroDivisionError) as info:
+        symbolic.cdiv(n, size).evaluate({"_a1": 1, "_a0_size0": 0})
+    frame = traceback.extract_tb(info.tb)[-1]
+    assert frame.filename == defined[1] and frame.line == "return (-(-_a1 // _a0_size0))"  # the generated line
+
+
+def test_symbolic_evaluate_sees_min_and_max_only_and_no_constant_takes_a_leafs_name():
+    leaf = symbolic.Sym.leaf("_k0", "k")  # the name a bound constant would get first
+    expr = symbolic.minimum(leaf * np.float64(3.0), 10.5)
+    assert expr.evaluate({"_k0": 2.0}) == 6.0 and expr.evaluate({"_k0": 5.0}) == 10.5
+    namespace = expr._expression.function.__globals__
+    assert namespace["__builtins__"] == {"min": min, "max": max}
+
+
+def test_generated_code_is_compiled_only_by_codegen_define():
+    """The one compile path: every exec/eval (and builtins.compile) in the packages is the one
+    in codegen.define, which registers the source with linecache."""
+    found = []
+    for package in (jc, replay):
+        root = pathlib.Path(package.__file__).parent
+        for path in sorted(root.rglob("*.py")):
+            tree = ast.parse(path.read_text(), str(path))
+            functions = [node for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
+            scopes = {
+                id(node): function.name for function in functions for node in ast.walk(function)
+            }  # innermost last
+            for node in ast.walk(tree):
+                if not isinstance(node, ast.Call):
+                    continue
+                func = node.func
+                if isinstance(func, ast.Name) and func.id in ("exec", "eval"):
+                    called = func.id
+                elif (
+                    isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == "builtins"
+                ):
+                    called = func.attr if func.attr in ("exec", "eval", "compile") else None
+                else:
+                    called = None
+                if called:
+                    found.append((path.relative_to(root.parent).as_posix(), scopes.get(id(node)), called))
+    assert sorted(found) == [("jitcore/codegen.py", "define", "compile"), ("jitcore/codegen.py", "define", "exec")]
 
 
 def test_generated_source_shows_in_tracebacks(backend):

@@ -4,15 +4,24 @@ reads followed beyond the function: helpers' globals, module attributes."""
 from __future__ import annotations
 
 import collections
+import enum
 import functools
+import io
+import linecache
 import math
 import re
+import struct
 import textwrap
+import token
+import tokenize
+import traceback
 import types
 
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import jitcore as jc
 from jitcore import drift
@@ -594,3 +603,272 @@ def test_a_jit_launchers_drift_error_shows_the_compiled_value_and_the_current_on
         with pytest.raises(GlobalDriftError, match=message):
             launch(*args)
     assert launch.cache_info().compiles == 1
+
+
+# --- the generated check: through codegen, no user names, containers unrolled --------------------
+
+
+def closure_over(value):
+    def read():
+        return value
+
+    return read
+
+
+class FreezeSpy:
+    """Stands in for freeze() in a check's namespace, counting the calls: the unrolled tests
+    must decide without it while nothing changed."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, value):
+        self.calls += 1
+        return freeze(value)
+
+
+def spied(snapshot: GlobalsSnapshot) -> FreezeSpy:
+    spy = snapshot.namespace[f"{snapshot.prefix}freeze"] = FreezeSpy()  # the check's globals
+    return spy
+
+
+def test_the_check_names_no_user_global_attribute_or_builtin_and_shows_in_tracebacks():
+    settings_module = types.ModuleType("some_user_settings_xyz")
+    settings_module.some_user_attribute_xyz = 3
+    fn = exec_function(
+        """
+        def fn():
+            return some_user_global_xyz + some_user_settings_xyz.some_user_attribute_xyz + len(some_user_list_xyz)
+        """,
+        some_user_global_xyz=7,
+        some_user_settings_xyz=settings_module,
+        some_user_list_xyz=[1, 2],
+    )
+    snapshot = GlobalsSnapshot(fn)
+    source = "".join(linecache.getlines(snapshot.filename))
+    assert source == snapshot.source and snapshot.check.__code__.co_filename == snapshot.filename
+    for text in (source, "\n".join(snapshot.check_lines)):
+        assert "some_user" not in text and "_xyz" not in text
+    tokens = list(tokenize.generate_tokens(io.StringIO(source).readline))
+    assert not [t for t in tokens if t.type == token.STRING]  # no name by repr, not even a builtin's
+    snapshot.check()
+    fn.__globals__["some_user_global_xyz"] = 8
+    with pytest.raises(GlobalDriftError, match="global 'some_user_global_xyz' read by") as info:
+        snapshot.check()
+    generated = [frame for frame in traceback.extract_tb(info.tb) if frame.filename == snapshot.filename]
+    assert generated and "drift(" in generated[-1].line
+
+
+def test_a_jit_dispatcher_inlines_the_check_without_user_names(backend):
+    axpy = jc.Kernel(AXPY, "axpy")
+    table = {"n": 1}
+    source = """
+        def launch(x, y, out, alpha):
+            axpy.instantiate(x.dtype)[some_user_table_xyz["n"], 32](x, y, out, alpha, x.numel())
+    """
+    launch = jc.jit(exec_function(source, axpy=axpy, some_user_table_xyz=table))
+    x = torch.randn(64)
+    launch(x, x, x, 1.0)
+    launch(x, x, x, 1.0)
+    assert "_dv" in launch.jit.source and "some_user" not in launch.jit.source
+    table["n"] = 2
+    with pytest.raises(GlobalDriftError, match="global 'some_user_table_xyz'") as info:
+        launch(x, x, x, 1.0)
+    assert any(
+        frame.filename == launch.jit.filename and "drift(" in frame.line for frame in traceback.extract_tb(info.tb)
+    )
+
+
+class Unequal(int):
+    def __eq__(self, other):
+        raise ValueError("no comparing")
+
+    __hash__ = int.__hash__
+
+
+def test_an_exception_inside_the_check_shows_the_generated_line():
+    fn = closure_over({"a": Unequal(1)})
+    snapshot = GlobalsSnapshot(fn)
+    snapshot.check()
+    fn.__closure__[0].cell_contents = {"a": Unequal(1)}  # another object of the same class: compared
+    with pytest.raises(ValueError, match="no comparing") as info:
+        snapshot.check()
+    frames = [frame for frame in traceback.extract_tb(info.tb) if frame.filename == snapshot.filename]
+    assert frames and "==" in frames[0].line
+
+
+def test_containers_of_tensors_are_checked_without_freezing():
+    weights, biases = [torch.zeros(1) for _ in range(6)], [torch.ones(1) for _ in range(6)]
+
+    def fn():
+        return weights[0] + biases[0]
+
+    snapshot = GlobalsSnapshot(fn, prefix="_r")
+    assert not any("freeze(_rcell" in line for line in snapshot.check_lines)  # unrolled, not frozen
+    spy = spied(snapshot)
+    for _ in range(3):
+        snapshot.check()
+    assert spy.calls == 0
+    original = weights[2]
+    weights[2] = torch.zeros(1)  # same values, another tensor
+    with pytest.raises(GlobalDriftError, match="closure 'weights'.*it was .*tensor"):
+        snapshot.check()
+    weights[2] = original
+    snapshot.check()
+
+
+@pytest.mark.parametrize(
+    "new",
+    [3, None, [], (1,), "ab", {"a": 1}, {1, 2}],
+    ids=["int", "None", "empty", "tuple", "str", "dict", "set"],
+)
+def test_a_container_that_became_something_else_is_drift_naming_both(new):
+    items = [torch.zeros(1), 2.5, {"k": (1, 2)}]
+    fn = closure_over(items)
+    snapshot = GlobalsSnapshot(fn)
+    fn.__closure__[0].cell_contents = new
+    with pytest.raises(GlobalDriftError) as info:
+        snapshot.check()
+    message = str(info.value)
+    assert "it was [tensor([0.]), 2.5, {'k': (1, 2)}] when first compiled" in message
+    assert f"now {drift._short.repr(new)};" in message
+
+
+class Backwards(tuple):
+    def __iter__(self):
+        return reversed(tuple(tuple.__iter__(self)))
+
+
+def test_sets_large_containers_and_their_own_iteration_are_compared_frozen():
+    for value in ({1, 2}, [{1}], list(range(drift.MAX_UNROLLED)), {"a": frozenset()}, [Backwards((1, 2))]):
+        snapshot = GlobalsSnapshot(closure_over(value))
+        assert any(line.startswith("if _freeze(_cell") for line in snapshot.check_lines)
+        snapshot.check()
+    snapshot = GlobalsSnapshot(closure_over(list(range(drift.MAX_UNROLLED - 1))))  # the list and its items
+    assert not any(line.startswith("if _freeze(") for line in snapshot.check_lines)
+
+
+class Pair(collections.namedtuple("Pair", "first second")):
+    __slots__ = ()
+
+
+class Color(enum.IntEnum):
+    RED = 1
+    GREEN = 2
+
+
+POOL = [torch.zeros(1), torch.zeros(1), object(), np.float64(1.0), Color.RED, Color.GREEN, torch.float32]
+SCALARS = st.one_of(
+    st.integers(-2, 2),
+    st.integers(2**70, 2**70 + 2),  # big: an equal int is another object
+    st.floats(allow_nan=True, allow_infinity=True, width=16),
+    st.sampled_from([0.0, -0.0, math.nan, 1.0]),
+    st.booleans(),
+    st.none(),
+    st.text(max_size=2),
+    st.binary(max_size=1),
+    st.complex_numbers(max_magnitude=2, allow_nan=False, allow_infinity=False),
+    st.sampled_from(POOL),
+)
+KEYS = st.one_of(
+    st.integers(-2, 2), st.booleans(), st.none(), st.text(max_size=2), st.sampled_from([0.0, -0.0, 1.0, Color.RED])
+)
+
+
+SETS = st.one_of(st.sets(KEYS, max_size=2), st.frozensets(KEYS, max_size=2))
+
+
+def containers(children):
+    lists = st.lists(children, max_size=4)
+    pairs = st.tuples(children, children).map(lambda items: Pair(*items))
+    return st.one_of(lists, lists.map(tuple), pairs, st.dictionaries(KEYS, children, max_size=3))
+
+
+VALUES = st.recursive(SCALARS, containers, max_leaves=16)
+# a set anywhere is compared frozen: a few of those, mostly containers the check unrolls
+TOP = st.one_of(*[containers(VALUES)] * 4, SETS, st.lists(st.one_of(VALUES, SETS), max_size=3))
+
+
+def fresh(value):
+    """An equal value that is another object (where Python makes one)."""
+    if type(value) is float:
+        return struct.unpack("<d", struct.pack("<d", value))[0]
+    if type(value) is int:
+        return int(str(value))
+    if type(value) is str:
+        return "".join(list(value)) + ""
+    return value
+
+
+def twin(value):
+    """A value that == compares equal to ``value`` (or nearly), of another type or sign."""
+    if isinstance(value, bool):
+        return int(value)
+    if type(value) is int:
+        return float(value) if value not in (0, 1) else bool(value)
+    if type(value) is float:
+        return -value if value == 0 else (int(value) if value.is_integer() else fresh(value))
+    if isinstance(value, Color):
+        return int(value)
+    return value
+
+
+def mutated(draw, value, top=False):
+    """``value`` changed in one of the ways drift checks must tell apart (or not): the same
+    object, an equal copy, an equal twin of another type, a container rebuilt with mutated
+    items, reordered, shortened, grown, or turned into another kind of container."""
+    ways = (
+        ["rebuild", "rebuild", "reshape", "other"] if top else ["same", "fresh", "twin", "other", "rebuild", "reshape"]
+    )
+    how = draw(st.sampled_from(ways))
+    if how == "same":
+        return value
+    if how == "fresh":
+        return fresh(value)
+    if how == "twin":
+        return twin(value)
+    if how == "other":
+        return draw(VALUES)
+    if isinstance(value, dict):
+        items = [(key if draw(st.booleans()) else twin(key), mutated(draw, item)) for key, item in value.items()]
+        if how == "reshape":
+            items = draw(st.sampled_from([items[::-1], items[1:], items + [("new", 1)]]))
+        return dict(items)
+    if isinstance(value, (list, tuple)):
+        items = [mutated(draw, item) for item in value]
+        if how == "reshape":
+            items = draw(st.sampled_from([items[::-1], items[:-1], items + [items[0] if items else 0]]))
+            kind = draw(st.sampled_from([list, tuple, Pair] if len(items) == 2 else [list, tuple]))
+            return kind(*items) if kind is Pair else kind(items)
+        return Pair(*items) if type(value) is Pair else type(value)(items)
+    if isinstance(value, (set, frozenset)):
+        return type(value)(twin(item) for item in value) if how == "rebuild" else set(value) ^ {draw(KEYS)}
+    return value
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(original=TOP, data=st.data(), in_place=st.booleans(), prefix=st.sampled_from(["_", "_r", "_d"]))
+def test_unrolled_checks_mean_exactly_what_comparing_frozen_copies_means(original, data, in_place, prefix):
+    fn = closure_over(original)
+    snapshot = GlobalsSnapshot(fn, prefix=prefix)
+    frozen = freeze(original)
+    unrolled = any(line == "if not (" for line in snapshot.check_lines)
+    spy = spied(snapshot)
+    snapshot.check()
+    assert spy.calls == (0 if unrolled else 1)
+    current = mutated(data.draw, original, top=True)
+    if in_place and current is not original and type(current) is type(original) and type(original) in (list, dict):
+        original.clear()  # mutated in place: the cell still holds the same object
+        (original.update if isinstance(original, dict) else original.extend)(current)
+        current = original
+    fn.__closure__[0].cell_contents = current
+    spy.calls = 0
+    if freeze(current) != frozen:
+        with pytest.raises(
+            GlobalDriftError,
+            match=f"closure 'value' read by .* changed: it was {re.escape(drift._short.repr(thaw(frozen)))} when",
+        ):
+            snapshot.check()
+    else:
+        snapshot.check()
+        assert spy.calls == (0 if unrolled else 1)  # the unrolled tests alone accept every unchanged value

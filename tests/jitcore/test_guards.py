@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import jitcore as jc
+from jitcore import guards
 from jitcore.guards import ArgumentCheck, make_guard
 
 GUARDS = jc.tensor_guard([torch.zeros(1)], [[1]], [[1]]) is not None
@@ -100,6 +101,16 @@ def test_source_goes_through_codegen():
     assert filename.startswith("<jitcore test guard")
     assert "".join(linecache.getlines(filename)) == guard.source
     assert "_a0 == _v0" in guard.source  # values reach it by name, not by repr
+
+
+def test_the_nested_tensor_screen_goes_through_codegen():
+    check = guards._screened(lambda *tensors: True, 2)
+    filename = check.__code__.co_filename
+    assert filename.startswith("<jitcore screen of a tensor guard of 2 tensors")
+    assert "".join(linecache.getlines(filename)).startswith("def check(t0, t1, /):")
+    assert check(torch.zeros(1), torch.zeros(2)) and not check(torch.zeros(1), 3)
+    nested = torch.nested.nested_tensor([torch.randn(2, 3), torch.randn(4, 3)])
+    assert not check(torch.zeros(1), nested)
 
 
 @needs_guards

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import enum
+import linecache
 import math
+import traceback
 
 import numpy as np
 import pytest
 import torch
 
+from jitcore import codegen
 from replay import DynamicScalarError, dynamic
 from replay.dynamic import DynamicScalar
 
@@ -48,6 +51,25 @@ def test_constants_reach_the_source_by_name_never_by_repr(constant):
 def test_nan_constant_evaluates_to_nan():
     expr = DynamicScalar("_d0", 1.0, "args[0]") + math.nan
     assert math.isnan(expr.evaluate({"_d0": 2.0}))
+
+
+def test_evaluate_compiles_once_through_codegen_without_builtins(monkeypatch):
+    defined = []
+    define = codegen.define
+    monkeypatch.setattr(codegen, "define", lambda *args: defined.append(args[1]) or define(*args))
+    pos = DynamicScalar("_d2", 7, "args[2]")
+    expr = pos * np.float64(0.5) + pos // 2
+    assert [expr.evaluate({"_d2": v, "_d9": None}) for v in (4, 8)] == [4.0, 8.0]
+    assert len(defined) == 1 and defined[0].startswith("<jitcore dynamic scalar (")
+    assert "".join(linecache.getlines(defined[0])) == f"def evaluate(_d2):\n    return {expr.source}\n"
+    with pytest.raises(NameError, match="'_d2'"):  # a missing leaf: what eval said
+        expr.evaluate({})
+    with pytest.raises(NameError, match="'abs'"):  # no builtins
+        DynamicScalar("abs(_d0)", 1, "args[0]").evaluate({"_d0": -1})
+    with pytest.raises(ZeroDivisionError) as info:
+        (1 // pos).evaluate({"_d2": 0})
+    frame = traceback.extract_tb(info.tb)[-1]
+    assert frame.filename == defined[-1] and frame.line.endswith("// _d2)")  # the generated line shows
 
 
 @pytest.mark.parametrize(
