@@ -187,6 +187,7 @@ class CaptureExclusion:
         self._readers = 0
         self._owner: int | None = None
         self._depth = 0
+        self._waiting = 0  # threads waiting to take it exclusively (only they need a wake-up)
         self._local = threading.local()  # this thread's shared depth, and per shared block its kind
         self._shared = _Shared(self)
 
@@ -220,7 +221,7 @@ class CaptureExclusion:
             local.depth -= 1
             with self._condition:
                 self._readers -= 1
-                if not self._readers:
+                if not self._readers and self._waiting:
                     self._condition.notify_all()
 
     def holds_shared(self) -> bool:
@@ -235,7 +236,11 @@ class CaptureExclusion:
         with self._condition:
             if self._owner != me:
                 while self._owner is not None or self._readers:
-                    self._condition.wait()
+                    self._waiting += 1
+                    try:
+                        self._condition.wait()
+                    finally:
+                        self._waiting -= 1
                 self._owner = me
             self._depth += 1
         try:
