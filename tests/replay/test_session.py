@@ -10,6 +10,8 @@ import warnings
 import attrs
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import replay
 from jitcore.backends import use_backend
@@ -715,3 +717,60 @@ def test_under_a_skewed_mix_the_hottest_keys_hold_the_graphs(session_factory):
     assert len(held & hottest) >= 10, (sorted(held), sorted(hottest))
     stats = session.stats()
     assert stats.records <= 24 and stats.replays >= 0.6 * 6000, session.report()
+
+
+_SCALE = [1.0]  # a global the region below reads: changing it is drift
+
+
+def _scaled_add(x, y, *, bias=0.0):
+    return x * _SCALE[0] + y + bias
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    record_after=st.integers(0, 2),
+    max_graphs=st.integers(1, 3),
+    calls=st.lists(
+        st.tuples(
+            st.sampled_from(["call", "call", "call", "keyword", "fail", "invalidate", "drift"]),
+            st.integers(1, 5),
+            st.sampled_from([torch.float32, torch.float64]),
+        ),
+        max_size=40,
+    ),
+)
+def test_property_admission_by_shapes_keeps_its_index_and_every_result_exact(record_after, max_graphs, calls):
+    # whatever the calls (new shapes, other dtypes under the same shapes, keyword calls, failed
+    # captures, invalidations, drift of the region's globals, entries dropped to stay bounded),
+    # the index of the shapes that have entries matches the entries, and every call is exact
+    original = replay.session.MAX_IDLE_ENTRIES
+    replay.session.MAX_IDLE_ENTRIES = 3
+    _SCALE[0] = 1.0
+    try:
+        with use_backend(NullBackend()), warnings.catch_warnings():
+            warnings.simplefilter("ignore", replay.ReplayWarning)
+            session = DoubleSession(record_after=record_after, max_graphs=max_graphs)
+            DoubleSession.current = session
+            step = session.region(_scaled_add)
+            for what, n, dtype in calls:
+                if what == "invalidate":
+                    session.invalidate()
+                    continue
+                if what == "drift":
+                    _SCALE[0] += 1.0
+                    continue
+                if what == "fail":
+                    session.capture_script = [recording.CaptureFailed("scripted")]
+                x, y = torch.randn(n).to(dtype), torch.randn(n).to(dtype)
+                expected = _scaled_add(x, y, bias=0.5) if what == "keyword" else _scaled_add(x, y)
+                got = step(x, y, bias=0.5) if what == "keyword" else step(x, y)
+                assert got.dtype == dtype and torch.equal(got, expected)
+                session.capture_script = []
+                held = collections.Counter(entry.counted[1] for entry in step.entries.values())
+                assert step.entry_shapes == dict(held)
+                assert all(entry.counted[0] is step for entry in step.entries.values())
+            stats = session.stats()
+            assert stats.calls == stats.replays + stats.eager_runs
+    finally:
+        replay.session.MAX_IDLE_ENTRIES = original
+        _SCALE[0] = 1.0
