@@ -53,21 +53,18 @@ def _summary_text(summary: fz.RunSummary, seed: int) -> str:
     )
 
 
-@pytest.mark.gpu
-def test_fuzz_regions():
+def _run_from_environment(label: str, regions_variable: str, default_regions: int, **run_options):
+    """The GPU fuzz run the environment sizes (seed, regions, calls per region, feedback), its
+    summary printed with the fallbacks by reason; asserts no mismatch and the size reached.
+    Returns (summary, seed)."""
     seed = int(os.environ.get("REPLAY_FUZZ_SEED", DEFAULT_SEED))
-    regions = int(os.environ.get("REPLAY_FUZZ_REGIONS", 24))
+    regions = int(os.environ.get(regions_variable, default_regions))
     steps = int(os.environ.get("REPLAY_FUZZ_STEPS", 200))
     feedback = os.environ.get("REPLAY_FUZZ_FEEDBACK", "1").strip() not in ("", "0")
-    print(f"replay fuzz: REPLAY_FUZZ_SEED={seed}, {regions} regions x {steps} calls, feedback {feedback}")
+    print(f"{label}: REPLAY_FUZZ_SEED={seed}, {regions} regions x {steps} calls, feedback {feedback}")
     harness = fz.Harness(feedback=feedback, log=print)
     summary = fz.run(
-        harness,
-        seed_start=seed,
-        min_regions=regions,
-        steps_per_region=steps,
-        cycle_families=True,  # every family, whatever the seed
-        stop_on_mismatch=True,
+        harness, seed_start=seed, min_regions=regions, steps_per_region=steps, stop_on_mismatch=True, **run_options
     )
     print(summary.line())
     if summary.fallbacks:
@@ -76,9 +73,20 @@ def test_fuzz_regions():
             print(f"  {count:5d}  {reason}")
     assert not summary.mismatches, _summary_text(summary, seed)
     assert summary.regions >= regions and summary.steps >= regions * steps
-    # a fuzzer that silently ran everything eagerly would test nothing
+    return summary, seed
+
+
+def _assert_mostly_replayed(summary: fz.RunSummary, seed: int) -> None:
+    """A fuzzer that silently ran everything eagerly would test nothing."""
     calls, replays = summary.stats.get("calls", 0), summary.stats.get("replays", 0)
     assert replays >= 0.2 * calls, f"only {replays} of {calls} calls were replayed\n{_summary_text(summary, seed)}"
+
+
+@pytest.mark.gpu
+def test_fuzz_regions():
+    # cycle_families: every family, whatever the seed
+    summary, seed = _run_from_environment("replay fuzz", "REPLAY_FUZZ_REGIONS", 24, cycle_families=True)
+    _assert_mostly_replayed(summary, seed)
 
 
 @pytest.mark.gpu
@@ -91,33 +99,12 @@ def test_fuzz_harness_finds_nothing_comparing_eager_with_eager():
 
 @pytest.mark.gpu
 def test_fuzz_padded_regions():
-    seed = int(os.environ.get("REPLAY_FUZZ_SEED", DEFAULT_SEED))
-    regions = int(os.environ.get("REPLAY_FUZZ_PADDED_REGIONS", 12))
-    steps = int(os.environ.get("REPLAY_FUZZ_STEPS", 200))
-    feedback = os.environ.get("REPLAY_FUZZ_FEEDBACK", "1").strip() not in ("", "0")
-    print(f"replay fuzz, padded: REPLAY_FUZZ_SEED={seed}, {regions} regions x {steps} calls, feedback {feedback}")
-    harness = fz.Harness(feedback=feedback, log=print)
-    summary = fz.run(
-        harness,
-        seed_start=seed,
-        min_regions=regions,
-        steps_per_region=steps,
-        family=fz.PADDED,
-        stop_on_mismatch=True,
-    )
-    print(summary.line())
-    if summary.fallbacks:
-        print("fallbacks (ReplayWarning, eager) by reason:")
-        for reason, count in summary.fallbacks.most_common():
-            print(f"  {count:5d}  {reason}")
-    assert not summary.mismatches, _summary_text(summary, seed)
-    assert summary.regions >= regions and summary.steps >= regions * steps
+    summary, seed = _run_from_environment("replay fuzz, padded", "REPLAY_FUZZ_PADDED_REGIONS", 12, family=fz.PADDED)
     # every way a padded call can go happened: padded, exactly a bucket, beyond the largest
     # bucket (unpadded), a written argument copied back, a fill other than 0
     for what in ("padded", "exact bucket", "beyond the buckets", "written copied back", "fill not 0"):
         assert summary.padding[what] > 0, (what, dict(summary.padding))
-    calls, replays = summary.stats.get("calls", 0), summary.stats.get("replays", 0)
-    assert replays >= 0.2 * calls, f"only {replays} of {calls} calls were replayed\n{_summary_text(summary, seed)}"
+    _assert_mostly_replayed(summary, seed)
 
 
 @pytest.mark.gpu
