@@ -184,10 +184,6 @@ class Admission(Generic[Resident]):
         they warm up again)."""
         self.sketch.forget(which)
 
-    def warming(self, key: Hashable) -> bool:
-        """Whether a key still runs eagerly before it may be recorded (``record_after``)."""
-        return self.sketch.count(key) <= self.record_after
-
     # --- graphs held -----------------------------------------------------------------------
     def held(self, resident: Resident, key: Hashable) -> None:
         """A graph was recorded for ``key``: it starts with the key's recent count."""

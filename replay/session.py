@@ -347,7 +347,7 @@ class Region:
         session = self.session
         admission = session.admission
         count = admission.called(counted)
-        if count <= admission.record_after:  # admission.warming, from the count just taken
+        if count <= admission.record_after:  # still warming (replay.admission: record_after)
             if count == admission.record_after and spec not in self.hints:
                 return _OBSERVE  # the first key of its argument structure: its warm-up is observed
             return _WARM
