@@ -250,7 +250,8 @@ class Region:
                 f"        {joined}{',' if count == 1 else ''} = args" if count else "        pass",
                 "        try:",
                 f"            candidates = _FAST.get(({parts}))",
-                "        except TypeError:",
+                # unhashable constants; a strided nested tensor, whose .shape raises
+                "        except (TypeError, RuntimeError):",
                 "            return _MISS",
                 "        if candidates is not None:",
                 "            for guard, run, entry in candidates:",
@@ -326,7 +327,8 @@ class Region:
         key always share it (the full key holds all of it), so its count bounds the key's from
         above: a call it leaves warming or refuses needs no full key at all. Keys that share
         shapes but differ otherwise (dtypes, strides, aliasing, torch modes) share a count,
-        which can only make them record sooner. Unhashable constants: the full key."""
+        which can only make them record sooner. Unhashable constants, and tensors without a
+        shape (a strided nested tensor), take the full key, which refuses those loudly."""
         try:
             shapes = (
                 spec,
@@ -338,7 +340,7 @@ class Region:
                 ),
             )
             hash(shapes)
-        except TypeError:
+        except (TypeError, RuntimeError):  # unhashable constants; a nested tensor's .shape raises
             shapes = (spec, region_keys.region_key(self.session.current_device(), spec, leaves, paths))
         return (self, shapes)
 

@@ -452,6 +452,22 @@ def test_a_host_tensor_argument_runs_eagerly_with_a_warning():
         assert session.stats().replays == 0
 
 
+def test_a_nested_tensor_after_a_replayed_key_is_refused_cleanly():
+    """A strided nested tensor's ``.shape`` raises torch's internal error; the replay fast
+    path and the admission count must leave it to the key, which refuses it."""
+    with replay.capture() as session:
+        step = session.region(torch_and_jit)
+        for _ in range(4):
+            differential(step, torch_and_jit, torch.randn(100, device="cuda"), torch.randn(100, device="cuda"))
+        assert session.stats().replays >= 1
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # torch: nested tensors are a prototype
+            nested = torch.nested.nested_tensor([torch.randn(2, 3), torch.randn(4, 3)], device="cuda")
+        with pytest.raises(jc.UnsupportedTensorError):
+            step(nested, torch.randn(100, device="cuda"))
+        differential(step, torch_and_jit, torch.randn(100, device="cuda"), torch.randn(100, device="cuda"))
+
+
 @dataclasses.dataclass(frozen=True)
 class Result:
     y: torch.Tensor

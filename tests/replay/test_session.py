@@ -13,6 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import jitcore
 import replay
 from jitcore.backends import use_backend
 from jitcore.backends.null import NullBackend
@@ -501,6 +502,33 @@ def test_report_lists_keys_and_input_choices(session_factory):
     step(torch.randn(2, 3), torch.randn(2, 3))
     text = session.report()
     assert "decode" in text and "float32[2,3]" in text and "args[0]: rebound" in text
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.nested.nested_tensor([torch.randn(2, 3), torch.randn(4, 3)]),
+        lambda: torch.nested.nested_tensor([torch.randn(2, 3)], layout=torch.jagged),
+        lambda: torch.randn(2, 3).to_sparse(),
+    ],
+    ids=["nested", "nested_jagged", "sparse"],
+)
+@pytest.mark.parametrize("after_a_recorded_key", [False, True])
+def test_unusual_tensors_are_refused_cleanly_on_the_fast_and_slow_paths(session_factory, make, after_a_recorded_key):
+    """A strided nested tensor's ``.shape`` raises torch's internal error: the fast path and
+    the admission count must hand it to the key, which refuses it with jitcore's error."""
+    session = session_factory(record_after=0)
+    step = session.region(lambda x: x * 2)
+    if after_a_recorded_key:
+        for _ in range(3):
+            step(torch.ones(2, 3))
+        assert [entry.state for entry in step.entries.values()] == [RECORDED]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch: nested tensors are a prototype
+        unusual = make()
+    with pytest.raises(jitcore.UnsupportedTensorError):
+        step(unusual)
+    assert session.stats().calls == (3 if after_a_recorded_key else 0)
 
 
 def test_nested_arguments_and_dynamic_scalars(session_factory):
