@@ -469,8 +469,8 @@ class RecordedGraph:
         ns["_MISMATCH"] = MISMATCH
         for check in self.checks:
             code.line(f"{code.bind(check, '_check')}()")
-        ns["_modes"], ns["_MODES"] = region_keys.torch_modes, self.key[2]
-        code.line("if _modes() != _MODES:")
+        ns["_modes_changed"] = region_keys.modes_changed(self.key[2])
+        code.line("if _modes_changed():")
         code.line("return _MISMATCH", 2)
         if self.uses_rng:  # registered with the generator state of its recording (see recording)
             ns["_GENERATOR_EPOCH"] = recording.GENERATOR_EPOCH

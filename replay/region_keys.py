@@ -15,6 +15,7 @@ import itertools
 import struct
 from collections.abc import Callable, Sequence
 
+import attrs
 import numpy as np
 import torch
 
@@ -224,8 +225,23 @@ def pattern_of(ranges: Sequence[tuple[int, int, int]]) -> tuple[tuple[int, int],
     return tuple(sorted(pairs))
 
 
-def _mode_readers() -> list[tuple[str, Callable[[], object]]]:
-    """(what, reader) for every global torch setting that changes what a region's torch ops
+@attrs.frozen
+class _ModeReader:
+    """One global torch setting: the function that reads it and its arguments. A reader
+    returning a list is keyed as a tuple (keys hold hashable values)."""
+
+    what: str
+    function: Callable
+    args: tuple
+    returns_list: bool
+
+    def read(self) -> object:
+        value = self.function(*self.args)
+        return tuple(value) if self.returns_list else value
+
+
+def _mode_readers() -> list[_ModeReader]:
+    """A reader for every global torch setting that changes what a region's torch ops
     compute. A graph bakes in the kernels chosen under the settings in force when it was
     recorded, so these are part of every region key. Readers missing from the installed
     torch are skipped."""
@@ -265,30 +281,74 @@ def _mode_readers() -> list[tuple[str, Callable[[], object]]]:
         if function is None:
             continue
         try:
-            function(*args)
+            value = function(*args)
         except Exception:
             continue
-        if isinstance(function(*args), list):  # keys hold hashable values
-            readers.append((what, lambda f=function, a=args: tuple(f(*a))))
-        else:
-            readers.append((what, function if not args else (lambda f=function, a=args: f(*a))))
+        readers.append(_ModeReader(what, function, args, isinstance(value, list)))
     return readers
 
 
 _MODE_READERS = _mode_readers()
-MODE_NAMES = tuple(what for what, _ in _MODE_READERS)
+MODE_NAMES = tuple(reader.what for reader in _MODE_READERS)
+
+
+def _call_source(number: int, reader: _ModeReader, namespace: dict) -> str:
+    """``_m3(_m3_arg0)``: the reader called with its arguments bound by name."""
+    namespace[f"_m{number}"] = reader.function
+    names = []
+    for position, value in enumerate(reader.args):
+        namespace[f"_m{number}_arg{position}"] = value
+        names.append(f"_m{number}_arg{position}")
+    return f"_m{number}({', '.join(names)})"
 
 
 def _make_torch_modes() -> Callable[[], tuple]:
     """One generated function reading every mode into a tuple (a call per setting, no loop)."""
-    namespace = {f"_m{i}": reader for i, (_, reader) in enumerate(_MODE_READERS)}
-    calls = "".join(f"_m{i}(), " for i in range(len(_MODE_READERS)))
-    source = f"def torch_modes():\n    return ({calls})\n"
+    namespace: dict[str, object] = {"_tuple": tuple}
+    calls = []
+    for number, reader in enumerate(_MODE_READERS):
+        call = _call_source(number, reader, namespace)
+        calls.append(f"_tuple({call}), " if reader.returns_list else f"{call}, ")
+    source = f"def torch_modes():\n    return ({''.join(calls)})\n"
     return codegen.define(source, "<replay torch modes>", namespace)["torch_modes"]
 
 
 torch_modes: Callable[[], tuple] = _make_torch_modes()
 torch_modes.__doc__ = "The global torch settings in force now, in MODE_NAMES order (see _mode_readers)."
+
+#: Values a reader returns as the same object whenever the setting is the same (bools, None,
+#: torch's dtype singletons): compared by identity, the cheapest check there is.
+_SINGLETON_TYPES = (bool, type(None), torch.dtype)
+_modes_changed_cache: dict[tuple, Callable[[], bool]] = {}
+
+
+def modes_changed(recorded: tuple) -> Callable[[], bool]:
+    """A function telling whether any torch setting differs from ``recorded`` (a
+    ``torch_modes()`` tuple), for replay's per-call check. It reads the same settings as
+    ``torch_modes`` but builds no tuple and compares each value the cheapest exact way:
+    singletons by identity, lists as lists, others (strings, pybind enums) by equality;
+    the first difference ends it. Generated once per distinct recorded tuple."""
+    check = _modes_changed_cache.get(recorded)
+    if check is not None:
+        return check
+    namespace: dict[str, object] = {}
+    tests = []
+    for number, (reader, value) in enumerate(zip(_MODE_READERS, recorded, strict=True)):
+        call = _call_source(number, reader, namespace)
+        if reader.returns_list:
+            namespace[f"_v{number}"] = list(value)
+            tests.append(f"{call} != _v{number}")
+        elif isinstance(value, _SINGLETON_TYPES):
+            namespace[f"_v{number}"] = value
+            tests.append(f"{call} is not _v{number}")
+        else:
+            namespace[f"_v{number}"] = value
+            tests.append(f"{call} != _v{number}")
+    body = "\n        or ".join(tests) or "False"
+    source = f"def modes_changed():\n    return (\n        {body}\n    )\n"
+    check = codegen.define(source, "<replay torch modes check>", namespace)["modes_changed"]
+    _modes_changed_cache[recorded] = check
+    return check
 
 
 def describe_mode_change(recorded: tuple, now: tuple) -> str:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import collections
+import contextlib
+import warnings
 
 import pytest
 import torch
@@ -92,3 +94,126 @@ def test_the_alias_pattern_shortcut_equals_the_exact_ranges(data):
         step = data.draw(st.integers(1, 3))
         leaves.append(source[start:stop:step])
     assert region_keys.alias_pattern(leaves) == region_keys.pattern_of(region_keys.tensor_ranges(leaves))
+
+
+# --- torch modes: every setting read by the key is seen by replay's per-call check -------------
+def _flipped(getter, setter, other=lambda value: not value):
+    """A context that sets a global torch setting to another value and restores it."""
+
+    @contextlib.contextmanager
+    def change():
+        before = getter()
+        try:
+            setter(other(before))  # may fail half-way (torch sets the linalg backend, then raises)
+            yield
+        finally:
+            setter(before)
+
+    return change
+
+
+_C = torch._C
+_matmul = torch.backends.cuda.matmul
+_BLAS = getattr(_C, "_BlasBackend", None)
+_LINALG = getattr(_C, "_LinalgBackend", None)
+#: For each setting the key holds, a context that changes it (explicit: a new reader needs one).
+MODE_CHANGES = {
+    "grad mode": torch.no_grad,
+    "inference mode": torch.inference_mode,
+    "autocast (cuda)": lambda: torch.autocast("cuda", dtype=torch.float16),
+    "autocast dtype (cuda)": _flipped(
+        lambda: torch.get_autocast_dtype("cuda"),
+        lambda d: torch.set_autocast_dtype("cuda", d),
+        lambda d: torch.bfloat16 if d != torch.bfloat16 else torch.float16,
+    ),
+    "autocast (cpu)": lambda: torch.autocast("cpu", dtype=torch.bfloat16),
+    "autocast dtype (cpu)": _flipped(
+        lambda: torch.get_autocast_dtype("cpu"),
+        lambda d: torch.set_autocast_dtype("cpu", d),
+        lambda d: torch.float16 if d != torch.float16 else torch.bfloat16,
+    ),
+    "autocast cache": _flipped(torch.is_autocast_cache_enabled, torch.set_autocast_cache_enabled),
+    "default dtype": _flipped(
+        torch.get_default_dtype,
+        torch.set_default_dtype,
+        lambda d: torch.float64 if d != torch.float64 else torch.float32,
+    ),
+    "deterministic algorithms": _flipped(
+        torch.are_deterministic_algorithms_enabled, torch.use_deterministic_algorithms
+    ),
+    "deterministic algorithms (warn only)": _flipped(
+        _C._get_deterministic_algorithms_warn_only,
+        lambda v: _C._set_deterministic_algorithms(_C._get_deterministic_algorithms(), warn_only=v),
+    ),
+    "float32 matmul precision": _flipped(
+        torch.get_float32_matmul_precision,
+        torch.set_float32_matmul_precision,
+        lambda p: "medium" if p != "medium" else "highest",
+    ),
+    "cuBLAS TF32": _flipped(_C._get_cublas_allow_tf32, _C._set_cublas_allow_tf32),
+    "cuBLAS fp16 reduced precision": _flipped(
+        lambda: _matmul.allow_fp16_reduced_precision_reduction,
+        lambda v: setattr(_matmul, "allow_fp16_reduced_precision_reduction", v),
+    ),
+    "cuBLAS bf16 reduced precision": _flipped(
+        lambda: _matmul.allow_bf16_reduced_precision_reduction,
+        lambda v: setattr(_matmul, "allow_bf16_reduced_precision_reduction", v),
+    ),
+    "cuBLAS fp16 accumulation": _flipped(
+        lambda: _matmul.allow_fp16_accumulation, lambda v: setattr(_matmul, "allow_fp16_accumulation", v)
+    ),
+    "cuDNN TF32": _flipped(_C._get_cudnn_allow_tf32, _C._set_cudnn_allow_tf32),
+    "cuDNN enabled": _flipped(_C._get_cudnn_enabled, _C._set_cudnn_enabled),
+    "cuDNN benchmark": _flipped(_C._get_cudnn_benchmark, _C._set_cudnn_benchmark),
+    "cuDNN deterministic": _flipped(_C._get_cudnn_deterministic, _C._set_cudnn_deterministic),
+    "SDPA flash": _flipped(_C._get_flash_sdp_enabled, _C._set_sdp_use_flash),
+    "SDPA memory-efficient": _flipped(_C._get_mem_efficient_sdp_enabled, _C._set_sdp_use_mem_efficient),
+    "SDPA math": _flipped(_C._get_math_sdp_enabled, _C._set_sdp_use_math),
+    "SDPA cuDNN": _flipped(_C._get_cudnn_sdp_enabled, _C._set_sdp_use_cudnn),
+    "SDPA math fp16/bf16 reduction": _flipped(
+        _C._get_math_sdp_allow_fp16_bf16_reduction, _C._set_math_sdp_allow_fp16_bf16_reduction
+    ),
+    "SDPA priority order": _flipped(
+        _C._get_sdp_priority_order, _C._set_sdp_priority_order, lambda order: list(reversed(order))
+    ),
+    "preferred BLAS library": _flipped(
+        _C._get_blas_preferred_backend,
+        _C._set_blas_preferred_backend,
+        lambda b: next(m for m in _BLAS.__members__.values() if m != b),
+    ),
+    "preferred linalg library": _flipped(
+        _C._get_linalg_preferred_backend,
+        _C._set_linalg_preferred_backend,
+        lambda b: next(m for m in _LINALG.__members__.values() if m != b),
+    ),
+}
+
+
+def test_every_mode_the_key_holds_has_a_change_in_this_test():
+    assert set(region_keys.MODE_NAMES) <= set(MODE_CHANGES)
+
+
+@pytest.mark.parametrize("name", region_keys.MODE_NAMES)
+def test_every_mode_the_key_holds_is_seen_by_the_replay_check(name):
+    """Change one setting: the key's tuple changes and the generated per-call check says so;
+    back: the check passes again."""
+    number = region_keys.MODE_NAMES.index(name)
+    recorded = region_keys.torch_modes()
+    changed = region_keys.modes_changed(recorded)
+    assert changed() is False
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # deprecations (MAGMA), CPU autocast dtypes
+            with MODE_CHANGES[name]():
+                now = region_keys.torch_modes()
+                if now == recorded:
+                    pytest.skip(f"this torch build cannot change {name}")
+                assert now[number] != recorded[number]
+                assert changed() is True
+    except RuntimeError as error:  # a backend this torch build lacks (cuBLASLt on a CPU build)
+        if "compiled with" not in str(error) and "not available" not in str(error):
+            raise
+        if region_keys.torch_modes() == recorded:
+            pytest.skip(f"this torch build cannot change {name}: {error}")
+    assert region_keys.torch_modes() == recorded
+    assert changed() is False
