@@ -23,11 +23,12 @@ through torch's own ``CUDAGraph.replay()``, which advances the generators' offse
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import re
 import struct
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import attrs
 import torch
@@ -153,6 +154,34 @@ class _NodeState:
         buffer[: len(self.held)] = self.held
         for field, value in zip(self.updater.DIMENSIONS, self.dimensions):
             self.updater.set_dimension(field, value)
+
+
+#: What ``measure_without_checks`` swaps in: each check reports "nothing changed".
+def _unchanged() -> bool:
+    return False
+
+
+def _no_check() -> None:
+    return None
+
+
+@contextlib.contextmanager
+def measure_without_checks(graphs: Sequence[RecordedGraph]) -> Iterator[None]:
+    """Benchmarks only: while the context lasts, ``graphs`` skip the per-call checks that
+    guard exactness beyond the key (the torch settings, the jit launchers' globals), so a
+    benchmark can time their cost as a difference (docs/benchmarks/replay.md). Calls made
+    inside it are not protected: never use it around calls whose results matter."""
+    saved = []
+    for graph in graphs:
+        names = ["_modes_changed", *(name for name in graph.namespace if re.fullmatch(r"_check\d+", name))]
+        saved.append((graph, {name: graph.namespace[name] for name in names}))
+        for name in names:
+            graph.namespace[name] = _unchanged if name == "_modes_changed" else _no_check
+    try:
+        yield
+    finally:
+        for graph, values in saved:
+            graph.namespace.update(values)
 
 
 class _Source:

@@ -37,7 +37,7 @@ from replay import buckets, observe, recording, region_keys
 from replay.admission import Admission, CompactionRule
 from replay.dynamic import Dynamic
 from replay.errors import ReplayWarning, SessionClosedError
-from replay.graph import MISMATCH, RecordedGraph, compile_function, guard_outputs
+from replay.graph import MISMATCH, RecordedGraph, compile_function, guard_outputs, measure_without_checks
 from replay.observe import TorchOpObserver
 from replay.policy import Policy
 from replay.rebinding import STAGED
@@ -733,6 +733,12 @@ class Region:
     def clear_fast_path(self) -> None:
         self.fast.clear()
         self._fast = _no_fast_path
+
+    def measure_without_checks(self):
+        """Benchmarks only (see :func:`replay.graph.measure_without_checks`): this region's
+        graphs held now skip the torch-settings and launcher-globals checks inside the
+        context."""
+        return measure_without_checks([e.graph for e in self.entries.values() if e.graph is not None])
 
     def __repr__(self) -> str:
         return f"<replay region {self.name}: {len(self.entries)} keys>"

@@ -20,7 +20,7 @@ from jitcore.backends.null import NullBackend
 from jitcore.errors import DriverError
 from replay import region_keys
 from replay.dynamic import Dynamic, DynamicScalar
-from replay.graph import MISMATCH, RecordedGraph, clone_preserving_sharing
+from replay.graph import MISMATCH, RecordedGraph, clone_preserving_sharing, measure_without_checks
 from replay.policy import Policy
 from replay.rebinding import (
     ConfigBinding,
@@ -283,6 +283,16 @@ def test_a_graph_never_serves_other_torch_modes():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert graph.replay(x) is MISMATCH
     assert graph.replay(x) is not MISMATCH
+
+
+def test_checks_are_skipped_only_inside_the_measurement_hook_and_restored_after():
+    x = torch.randn(8)
+    graph, _ = build([x], Plan())
+    with torch.no_grad():
+        assert graph.replay(x) is MISMATCH
+        with measure_without_checks([graph]):
+            assert graph.replay(x) is not MISMATCH  # the benchmark's view: the check is gone
+        assert graph.replay(x) is MISMATCH
 
 
 def test_pointer_offsets_from_dynamic_scalars_follow_the_scalar():
