@@ -15,6 +15,7 @@ holds the runs that located the rise of 2026-11-30 (issue "Generated code you ca
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import statistics
@@ -88,7 +89,7 @@ def main() -> None:
         for name in list(paths) if rep % 2 else list(paths)[::-1]:
             samples[name].append(loop_host(paths[name]))
     res = {k: round(statistics.median(v), 3) for k, v in samples.items()}
-    res["tree"] = os.path.dirname(jc.__file__)
+    res["tree"] = os.path.dirname(importlib.util.find_spec("jitcore").origin)
     res["stats"] = {k: getattr(session.stats(), k) for k in ("replays", "eager_runs", "records", "patches")}
     print(json.dumps(res))
 
