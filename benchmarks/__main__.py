@@ -4,7 +4,8 @@
 
 Writes <name>.json, <name>.md and PNG plots for: launch (host cost of each dispatch path),
 jit (cache-hit cost against peers), keys (lean vs full keys), replay (the 32-kernel region),
-scaling (per-step time against region length and distinct shapes), shapes (replay under
+scaling (per-step time against region length and distinct shapes; replay host time against
+tensor arguments and patched nodes), shapes (replay under
 shape distributions: uniform, Zipf, fixed, prefill), decode_loop.md (the
 sample's output) and, with two GPUs, decode_loop_tp2.md (the tensor-parallel sample). These
 need a GPU (keys runs on CPU tensors without one) and are the default; jit_cpu (the jit's

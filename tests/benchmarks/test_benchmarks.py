@@ -87,3 +87,71 @@ def test_the_committed_results_name_the_runner():
     lines = [line for path in results.glob("*.md") for line in path.read_text().splitlines()]
     commands += [line for line in lines if line.startswith("Command:")]
     assert commands and all("python -m benchmarks " in command for command in commands)
+
+
+class _Launches:
+    """A jit recorder that keeps every launch record."""
+
+    def __init__(self):
+        self.records = []
+
+    def launch(self, record):
+        self.records.append(record)
+
+    def miss(self, description):
+        pass
+
+
+@pytest.mark.parametrize(("arguments", "patched"), [(4, 8), (16, 8), (64, 1), (4, 0), (1, 32)])
+def test_scaling_grid_cells_read_the_arguments_their_plan_says(arguments, patched):
+    """A cell of the argument x patched-node table, built and run on the CPU under the null
+    backend (nothing compiles or launches): 32 jit kernels, kernels 0 to P-1 reading region
+    arguments as planned (each argument by one kernel when A >= P), the others only the
+    previous kernel's output."""
+    from benchmarks import scaling
+    from jitcore.backends import use_backend
+    from jitcore.backends.null import NullBackend
+
+    cell = scaling.Cell(arguments, patched)
+    assert len(cell.reads) == scaling.KERNELS_PER_CELL == 32
+    assert all(cell.reads[k] for k in range(patched)) and not any(cell.reads[patched:])
+    if arguments >= patched > 0:  # every argument feeds exactly one node
+        assert sorted(i for read in cell.reads for i in read) == list(range(arguments))
+    assert cell.rebound_pointers == (max(arguments, patched) if patched else 0)
+    launches = _Launches()
+    with use_backend(NullBackend()):
+        xs = cell.inputs("cpu")
+        cell.region(*xs)  # the jit's misses, outside the recorder
+        with jitcore.recorder.recording(launches):
+            out = cell.region(*xs)
+    assert len(launches.records) == 32
+    previous = None
+    for k, record in enumerate(launches.records):
+        read = [record.args[p.arg_index] for p in record.params if p.kind == "pointer" and p.read_only]
+        written = [record.args[p.arg_index] for p in record.params if p.kind == "pointer" and not p.read_only]
+        chained = read[:1] if k else []
+        assert [t is previous for t in chained] == [True] * len(chained)
+        arguments_read = [next(i for i, x in enumerate(xs) if x is t) for t in read[len(chained) :]]
+        assert tuple(arguments_read) == cell.reads[k], k
+        assert len(written) == 1 and not any(written[0] is x for x in xs)
+        previous = written[0]
+    assert out is previous
+
+
+def test_scaling_grid_report_reads_slopes_from_the_numbers():
+    from benchmarks import scaling
+
+    def cell(a, p):
+        paths = {"replay": 5 + 0.25 * a + 0.5 * p, "torch CUDAGraph.replay": 2.0, "raw graph launch": 1.5}
+        result = {name: {"host_us": host, "end_to_end_us": 40.0} for name, host in paths.items()}
+        return {**result, "patches_per_step": float(p), "rebound_pointers": max(a, p) if p else 0}
+
+    grid = {a: {p: cell(a, p) for p in scaling.PATCHED} for a in scaling.ARGUMENTS}
+    body, summary = scaling.grid_report(grid)
+    assert summary["us_per_argument_at_patched"] == pytest.approx({p: 0.25 for p in scaling.PATCHED})
+    assert summary["us_per_patched_node_at_arguments"] == pytest.approx({a: 0.5 for a in scaling.ARGUMENTS})
+    assert "| 64 | 21.000 | 21.500 | 25.000 | 37.000 |" in body  # host us/step, row A=64
+    assert "| 1 | 2.625 |" in body  # the ratio to torch's replay
+    assert "grows most with arguments" in body
+    with pytest.raises(ValueError):
+        scaling.plan(0, 1)
