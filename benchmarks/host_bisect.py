@@ -5,8 +5,8 @@ commit since 2026-11-29 has (``jc.Kernel``, ``@jc.jit``, ``replay.capture(record
 so the same file measures an old tree checked out beside the current one::
 
     git worktree add /tmp/old 3c298b5
-    PYTHONPATH=/tmp/old:. python benchmarks/host_bisect.py   # prints one JSON line
-    PYTHONPATH=. python benchmarks/host_bisect.py
+    PYTHONPATH=/tmp/old:. python -m benchmarks.host_bisect   # prints one JSON line
+    PYTHONPATH=. python -m benchmarks.host_bisect
 
 Each run prints replay's host us/step and torch's ``CUDAGraph.replay()`` of the same region
 (medians of 15 interleaved loops) and the tree it imported. docs/benchmarks/host_bisect.md

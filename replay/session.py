@@ -68,6 +68,9 @@ class _Decision(enum.Enum):
 
 _WARM, _OBSERVE, _REFUSED, _DEFERRED, _RECORD = _Decision
 _MISS = object()
+#: Argument types a flat call may hold for :meth:`Region._eager_flat`: constants that are
+#: leaves of the key as they are (hashable, compared by value).
+_PLAIN_CONSTANTS = frozenset({int, float, bool, type(None), str, torch.dtype, torch.device})
 log = logging.getLogger("replay")
 
 #: Entries a region keeps for keys without a graph (eager-only keys, evicted ones), beyond its
@@ -215,7 +218,50 @@ class Region:
                 return self._rekey(args, kwargs)
             if result is not _MISS:
                 return result
+            result = self._eager_flat(args)
+            if result is not _MISS:
+                return result
         return self._call(args, kwargs)
+
+    def _eager_flat(self, args: tuple) -> object:
+        """The call that most often runs eagerly (positional tensors and plain constants, with
+        shapes no key has an entry for: a warm-up, a refused or postponed key, a length seen
+        once) decided and run without flattening, without ``Dynamic`` or padded handling and
+        without rebuilding the arguments, so it costs little more than eager. Anything else,
+        and a call admission lets record or observe, takes the full path (``_MISS``, or
+        :meth:`_keyed_call` with the decision already counted). Same decisions, same counts
+        as :meth:`_call`."""
+        session = self.session
+        if session.closed or not session.can_record():
+            return _MISS  # the full path raises, or says once that everything runs eagerly
+        pre = []
+        try:
+            for arg in args:
+                kind = arg.__class__
+                if kind is torch.Tensor:
+                    pre.append(arg.shape)  # a strided nested tensor raises: the full path refuses it
+                elif kind in _PLAIN_CONSTANTS:
+                    pre.append(arg)
+                else:
+                    return _MISS
+        except RuntimeError:
+            return _MISS
+        spec = (region_keys.FLAT, len(args))
+        shapes = (spec, tuple(pre))
+        if shapes in self.entry_shapes:
+            return _MISS  # a key with these shapes has an entry: its full key decides
+        counted = (self, shapes)
+        decision = self._decide(counted, spec)
+        if decision is _RECORD or decision is _OBSERVE:
+            spec, leaves, paths = region_keys.flatten(args, {})
+            if decision is _OBSERVE:
+                return self._run_eagerly(decision, spec, leaves, paths)
+            return self._keyed_call(args, {}, spec, leaves, paths, counted, decision)
+        self._count_postponement(decision, spec)
+        session.counters.eager_runs += 1
+        self.forgotten.eager_runs += 1
+        with recording.CAPTURES.shared():  # may load kernels: not while another thread captures
+            return self.fn(*args)
 
     def _rebuild_fast(self) -> None:
         """Generate ``_fast(args)``: for each arity with recorded keys, compute the pre-key,
@@ -291,6 +337,21 @@ class Region:
             decision = self._decide(counted, spec)
             if decision is not _RECORD:
                 return self._run_eagerly(decision, spec, leaves, paths)
+        return self._keyed_call(args, kwargs, spec, leaves, paths, counted, decision)
+
+    def _keyed_call(
+        self,
+        args: tuple,
+        kwargs: dict,
+        spec: object,
+        leaves: list,
+        paths: list,
+        counted: tuple,
+        decision: _Decision | None,
+    ):
+        """A call that needs its full key: one with an entry, or one admission lets record
+        (``decision``, already counted; None when the shapes have an entry)."""
+        session = self.session
         if self.snapshot is not None:
             try:
                 self.snapshot.check()
@@ -375,7 +436,13 @@ class Region:
             if key is None:
                 key = region_keys.region_key(self.session.current_device(), spec, leaves, paths)
             hints = self.hints[spec] = Hints(observed_key=key)
-        elif decision is _REFUSED:
+        else:
+            self._count_postponement(decision, spec)
+        return self._eager(spec, leaves, entry, observe=hints)
+
+    def _count_postponement(self, decision: _Decision, spec: object) -> None:
+        """Count (and log) a call that admission refused or the budget postponed."""
+        if decision is _REFUSED:
             self.session.counters.refused += 1
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("region %s, shapes %s: not recorded, graphs held are used more", self.name, spec)
@@ -383,7 +450,6 @@ class Region:
             self.session.counters.deferred += 1
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("region %s, shapes %s: recording postponed, the budget is spent", self.name, spec)
-        return self._eager(spec, leaves, entry, observe=hints)
 
     def _call_padded(self, args: tuple, kwargs: dict):
         """Pad to the bucket, call (the bucket's key replays like any other), slice back; every
