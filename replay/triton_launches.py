@@ -51,6 +51,14 @@ from replay.errors import DynamicScalarError
 #: (benchmarks compare both).
 ENABLED = [True]
 
+
+def record_triton_launches(enabled: bool) -> bool:
+    """Whether captures record Triton launches (the default) or leave them foreign, their
+    inputs staged (for comparisons). Returns the previous setting."""
+    previous, ENABLED[0] = ENABLED[0], bool(enabled)
+    return previous
+
+
 _local = threading.local()
 _install_lock = threading.Lock()
 _installed: list = []  # [(JITFunction class, the original run)] while a capture is on
@@ -238,6 +246,8 @@ def map_launch(fn, kernel, args: Sequence, kwargs: dict, specialization: Sequenc
         if ty.startswith("tensordesc") or ty == "nvTmaDesc":
             raise Unmappable(f"tensor descriptor parameter {name!r}")
         ptype = _param_type(ty)
+        if dynamic and ty in ("fp16", "bf16"):
+            raise Unmappable(f"a dynamic scalar packed to {ty} (its rounding is Triton's own)")
         index = len(types)
         types.append(ptype)
         if ptype.is_pointer:
