@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import replay
-from replay import dynamic, triton_launches
+from replay import dynamic
 
 pytestmark = pytest.mark.gpu
 triton = pytest.importorskip("triton")
@@ -89,7 +89,7 @@ def test_a_region_of_triton_kernels_replays_exactly_with_its_inputs_rebound():
 
 
 def test_with_the_hook_off_the_same_region_stages_its_inputs():
-    triton_launches.ENABLED[0] = False
+    replay.record_triton_launches(False)
     try:
         with replay.capture(record_budget=1.0) as session:
             step = session.region(three_kernels)
@@ -100,7 +100,7 @@ def test_with_the_hook_off_the_same_region_stages_its_inputs():
                     assert torch.equal(a, b)
             stats = session.stats()
     finally:
-        triton_launches.ENABLED[0] = True
+        replay.record_triton_launches(True)
     assert stats.replays >= 2
     assert {c.input for c in stats.inputs} == {"args[0]", "args[1]"}
     assert all(c.choice.startswith("staged") for c in stats.inputs), stats.inputs
