@@ -190,3 +190,63 @@ def test_without_a_capture_triton_launches_are_untouched():
             assert triton.runtime.jit.JITFunction.run is original
     finally:
         triton_launches.ENABLED[0] = True
+
+
+def test_a_launch_is_reported_with_its_dynamic_scalars_grid_and_checks(monkeypatch):
+    """The wrapper's path without a GPU: Triton's driver and the launch stood in for, the rest
+    (binding, Triton's binder and signature, the mapping, the record) real."""
+    from triton.runtime import driver as triton_driver
+
+    from jitcore.backends import use_backend
+    from jitcore.backends.null import NullBackend
+    from replay.recording import launch_views
+
+    class FakeDriver:
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device):
+            return 1234
+
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+    class Backend(NullBackend):
+        name = "cuda"
+
+        def kernel_param_sizes(self, function):
+            return [8, 8, 8, 4, 4, 8, 8]
+
+    launched = {}
+
+    def original(fn, *args, grid, warmup, **kwargs):
+        kernel, _ = compiled(fn, list(args), kwargs)
+        launched.update(args=args, grid=grid)
+        metadata = attrs.make_class("M", ["num_ctas", "num_warps", "shared"])(1, 4, 0)
+        return attrs.make_class("K", ["src", "metadata", "function"])(kernel.src, metadata, 99)
+
+    class Recorder:
+        records: list = []
+
+        def launch(self, record):
+            self.records.append(record)
+
+    monkeypatch.setattr(triton_driver, "_active", FakeDriver())
+    x, recorder = torch.zeros(64), Recorder()
+    n, m = dyn(48, 2), dyn(5, 3)
+    with use_backend(Backend()):
+        triton_launches._record_launch(
+            recorder, original, scaled_add, (x, x, x, n, 2.5), {"BLOCK": 64}, lambda _: (m * 2,)
+        )
+    assert launched["grid"] == (10, 1, 1) and launched["args"][3] == 48  # Triton got the values
+    (record,) = recorder.records
+    assert record.function == 99 and record.stream == 1234 and record.launched and record.grid == (10, 1, 1)
+    (config,) = record.dynamic_config
+    assert config.field == "grid_x" and config.evaluate([None] * 6 + [10]) == 10
+    view = launch_views([record])[0]
+    assert view.scalar_sources[3] == "_d2" and view.scalar_sources[config.scalar_args[0]].startswith("(_d3 *")
+    assert view.dynamic_args == {3, config.scalar_args[0]}
+    with use_backend(Backend()), pytest.raises(DynamicScalarError, match="launch option"):
+        triton_launches._record_launch(
+            recorder, original, scaled_add, (x, x, x, 48, 2.5), {"BLOCK": 64, "num_warps": m}, (1,)
+        )
