@@ -5,8 +5,9 @@
 Writes <name>.json, <name>.md and PNG plots for: launch (host cost of each dispatch path),
 jit (cache-hit cost against peers), keys (lean vs full keys), replay (the 32-kernel region),
 scaling (per-step time against region length and distinct shapes; replay host time against
-tensor arguments and patched nodes), shapes (replay under
-shape distributions: uniform, Zipf, fixed, prefill), decode_loop.md (the
+tensor arguments and patched nodes), shapes (replay under shape distributions: uniform, Zipf,
+fixed, prefill), triton_region (triton.md: Triton kernels rebound against staged and eager;
+skipped without Triton), decode_loop.md (the
 sample's output) and, with two GPUs, decode_loop_tp2.md (the tensor-parallel sample). These
 need a GPU (keys runs on CPU tensors without one) and are the default; jit_cpu (the jit's
 Python-side cost with the driver call a no-op) runs on any machine, with ``--only jit_cpu``.
@@ -25,7 +26,7 @@ import torch
 
 from benchmarks import common
 
-GPU_BENCHMARKS = ["launch", "jit", "keys", "replay", "scaling", "shapes"]
+GPU_BENCHMARKS = ["launch", "jit", "keys", "replay", "scaling", "shapes", "triton_region"]
 CPU_BENCHMARKS = ["jit_cpu"]
 SAMPLE = "decode_loop"
 

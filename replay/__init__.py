@@ -26,6 +26,7 @@ from replay.errors import (
 from replay.policy import Policy
 from replay.session import Region, Session, capture, graphed
 from replay.stats import InputChoice, Stats
+from replay.triton_launches import record_triton_launches
 
 __all__ = [
     "Dynamic",
@@ -46,4 +47,5 @@ __all__ = [
     "dynamic",
     "graphed",
     "padded",
+    "record_triton_launches",
 ]

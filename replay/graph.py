@@ -475,6 +475,7 @@ class RecordedGraph:
         self._emit_guards(code, len(leaves))
         self._alias_checks(code, leaves)
         self._own_output_checks(code, leaves)
+        self._alignment_checks(code)
         # --- phase 1: compute, change nothing ---
         self._read_dynamic_values(code)
         patches = self._compute_new_values(code, backend, leaves)
@@ -758,6 +759,22 @@ class RecordedGraph:
             for lo, size in buffers.items():
                 code.line(f"if _p{i} < {lo + size} and {lo} < _p{i} + {region_keys.extent_bytes(leaf)}:")
                 code.line("return _MISMATCH", 2)
+
+    def _alignment_checks(self, code: _Source) -> None:
+        """Decline a call whose rebound pointer would lose (or gain) the 16-byte alignment a
+        kernel was specialized on when recorded (Triton's ``tt.divisibility``): the eager run
+        picks the binary compiled for the new alignment."""
+        seen = set()
+        for binding in self.plan.pointers:
+            if binding.aligned is None:
+                continue
+            key = (binding.input, binding.delta % 16, binding.aligned)
+            if key in seen:
+                continue
+            seen.add(key)
+            test = "==" if binding.aligned else "!="
+            code.line(f"if not (((_p{binding.input} + {int(binding.delta)}) & 15) {test} 0):")
+            code.line("return _MISMATCH", 2)
 
     def _interrupted(self) -> None:
         """A patch was interrupted (a failed node update, an exception, KeyboardInterrupt).

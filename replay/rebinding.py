@@ -64,6 +64,9 @@ class ParamView:
     byte_offset: int = 0  # pointers: the address minus the tensor argument's data pointer
     offset_scalar_args: tuple[int, ...] = ()
     offset_evaluate: Callable | None = None
+    # pointers: whether the kernel was specialized on the address being 16-byte aligned
+    # (Triton): True/False must hold on every replay; None: no assumption
+    aligned: bool | None = None
 
 
 @attrs.frozen
@@ -127,6 +130,7 @@ class PointerBinding:
     dynamic: bool = False  # the view offset depends on dynamic scalars (recomputed each replay)
     recorded_offset: int = 0  # dynamic: the byte offset the recording used
     offset_evaluate: Callable | None = None
+    aligned: bool | None = None  # the address's 16-byte divisibility every replay must keep
 
 
 @attrs.frozen
@@ -385,6 +389,11 @@ class _Planner:
                 f"{launch.kernel}: pointer parameter {param.index} points into memory the region allocated, "
                 "at an offset computed from a dynamic scalar; replay rebinds only region inputs"
             )
+        if dynamic and param.aligned is not None:
+            raise _Refused(
+                f"{launch.kernel}: pointer parameter {param.index} was specialized on its alignment and its "
+                "offset is computed from a dynamic scalar"
+            )
         if len(owners) == 1 and (owners[0].index not in self.overlaps or staging_copy):
             # (a staged input's own memory is reached only by our staging copies,
             # whose pointers must follow the input like any other)
@@ -400,6 +409,7 @@ class _Planner:
                     dynamic=dynamic,
                     recorded_offset=param.byte_offset,
                     offset_evaluate=param.offset_evaluate if dynamic else None,
+                    aligned=param.aligned,
                 )
             )
             if not param.read_only:

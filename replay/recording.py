@@ -28,7 +28,7 @@ import torch
 import jitcore
 from jitcore.backends import get_backend
 from jitcore.errors import CaptureMissError
-from replay import rebinding, staging
+from replay import rebinding, staging, triton_launches
 from replay.dynamic import Dynamic, DynamicScalar
 from replay.errors import DynamicScalarError
 from replay.observe import TorchOpObserver
@@ -238,6 +238,7 @@ def _launch_view(record, node: int | None, staging_input: int | None = None) -> 
             byte_offset=p.byte_offset,
             offset_scalar_args=getattr(p, "offset_scalar_args", ()),
             offset_evaluate=getattr(p, "offset_evaluate", None),
+            aligned=getattr(p, "aligned", None),
         )
         for p in record.params
     )
@@ -443,7 +444,7 @@ def _record(
         _repair_generator(device)
         raise SpoiledPool(f"the capture could not start: {_first_line(exc)}") from exc
     try:
-        with jitcore.recorder.recording(recorder), observer as observation:
+        with jitcore.recorder.recording(recorder), triton_launches.recording(recorder), observer as observation:
             _copy_staged_in(prepared, recorder, staging_launches)
             first_region_launch = len(recorder.records)
             outputs = fn(*args, **kwargs)
