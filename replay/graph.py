@@ -31,6 +31,7 @@ import weakref
 from collections.abc import Callable, Iterator, Sequence
 
 import attrs
+import numpy as np
 import torch
 
 from jitcore import codegen
@@ -133,9 +134,16 @@ def clone_preserving_sharing(leaves: Sequence) -> list:
     return result
 
 
+#: Above this many non-empty tensor arguments recorded apart, replay checks that they are still
+#: apart with numpy (about 5 us for 16, 8 us for 64 on the CPU box, against 6 and 27 for the
+#: general pattern).
+_NUMPY_DISJOINT_FROM = 12
+
+
 class _NodeState:
-    """What a kernel node of the graph exec holds now: its parameter bytes and launch
-    dimensions, restored into the updater's buffers when a replay is interrupted."""
+    """A kernel node's parameter bytes and launch dimensions as recorded, put back into the
+    updater's buffers when a replay is interrupted (see RecordedGraph._interrupted: after
+    that every patchable value is written again, so what stays is exactly the recording's)."""
 
     __slots__ = ("updater", "held", "dimensions")
 
@@ -143,11 +151,6 @@ class _NodeState:
         self.updater = updater
         self.held = bytes(updater.params.buffer)
         self.dimensions = updater.dimensions() if hasattr(updater, "dimensions") else ()
-
-    def commit(self) -> None:
-        self.held = bytes(self.updater.params.buffer)
-        if self.dimensions:
-            self.dimensions = self.updater.dimensions()
 
     def rollback(self) -> None:
         buffer = self.updater.params.buffer
@@ -656,7 +659,6 @@ class RecordedGraph:
         code.line("try:", 2)
         for node, slots in patches.slots.items():
             updater = self.updaters[node]
-            state = code.bind(self.node_states[node], "_node")
             set_call, set_args = code.bind(updater.set_call, "_set"), code.bind(updater.set_args, "_set_args")
             code.line(f"if _u{node}:", 3)
             for slot in slots:
@@ -667,7 +669,6 @@ class RecordedGraph:
             code.line(f"if _r[0]: _set_failed(_r[0], {node})", 4)
             for slot in slots:
                 code.line(f"if {slot.changed}: _last[{slot.index}] = {slot.value}", 4)
-            code.line(f"{state}.commit()", 4)
             code.line("_stats.patches += 1", 4)
         for node in disabled:
             updater = self.updaters[node]
@@ -733,6 +734,19 @@ class RecordedGraph:
         for i, _ in tensors:
             code.line(f"_p{i} = l{i}.data_ptr()")
         pattern = set(self.key[3])
+        ranges = [(i, extent) for i, extent in tensors if extent]  # an empty tensor overlaps nothing
+        if not pattern and len(ranges) > _NUMPY_DISJOINT_FROM:
+            # recorded all apart, and still so: sorted by first byte, each range ends at or
+            # before the next begins (numpy: a few calls for any count, where the general
+            # pattern is a Python loop)
+            ns = code.namespace
+            ns["_np_array"], ns["_np_int64"] = np.array, np.int64
+            ns["_EXTENTS"] = np.array([extent for _, extent in ranges], dtype=np.int64)
+            code.line(f"_a = _np_array([{', '.join(f'_p{i}' for i, _ in ranges)}], _np_int64)")
+            code.line("_o = _a.argsort()")
+            code.line("if ((_a + _EXTENTS)[_o[:-1]] > _a[_o[1:]]).any():")
+            code.line("return _MISMATCH", 2)
+            return
         if len(tensors) > 8:  # one sort instead of n^2/2 comparisons
             code.namespace["_pattern_of"] = region_keys.pattern_of
             code.namespace["_PATTERN"] = self.key[3]
@@ -778,10 +792,10 @@ class RecordedGraph:
 
     def _interrupted(self) -> None:
         """A patch was interrupted (a failed node update, an exception, KeyboardInterrupt).
-        What each node holds is now known only where its update was committed: put every
-        buffer back to its committed bytes and forget every remembered value, so the next
-        replay pushes all of them again (an update the driver took just before the
-        interruption is then simply repeated)."""
+        What each node holds is now unknown: put every buffer back to its recorded bytes and
+        forget every remembered value, so the next replay writes every patchable value again
+        and pushes every node (an update the driver took just before the interruption is
+        then simply repeated). Nothing is copied on the way of a replay that succeeds."""
         for state in self.node_states.values():
             state.rollback()
         last = self.namespace.get("_last")

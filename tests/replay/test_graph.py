@@ -12,6 +12,8 @@ import struct
 import attrs
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from jitcore.backends import use_backend
 from jitcore.backends.abi import ParamLayout, parse_param
@@ -267,6 +269,26 @@ def test_many_tensor_arguments_check_aliasing_with_one_sort():
     assert "_pattern_of" in graph.source
     assert graph.replay(*tensors) is not MISMATCH
     assert graph.replay(*tensors[:9], tensors[0]) is MISMATCH
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_many_arguments_recorded_apart_are_checked_apart_like_the_general_pattern(data):
+    """Above replay.graph._NUMPY_DISJOINT_FROM tensors recorded apart, replay checks with numpy:
+    it must decline exactly when the general pattern finds an overlap (views of one buffer at
+    random offsets)."""
+    count = data.draw(st.integers(13, 24))
+    base = torch.zeros(4096)
+    recorded = [base[64 * i : 64 * i + 16] for i in range(count)]
+    graph, _ = build(recorded, Plan())
+    assert "_np_array" in graph.source and "_pattern_of" not in graph.source
+    assert graph.replay(*recorded) is not MISMATCH
+    views = []
+    for _ in range(count):
+        start = data.draw(st.integers(0, 4096 - 16))
+        views.append(base[start : start + 16])
+    apart = region_keys.pattern_of(region_keys.tensor_ranges(views)) == ()
+    assert (graph.replay(*views) is not MISMATCH) == apart
 
 
 def test_a_graph_never_serves_other_torch_modes():
