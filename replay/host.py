@@ -154,37 +154,58 @@ def _dense_same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.stride() == b.stride() and is_dense(a)
 
 
-def host_use_refusal(func, named: dict, hits: dict[str, int], result: object, describe) -> str | None:
-    """Why a torch op touching a staged host buffer would bake host values into the graph
-    (None: it is a plain copy from the buffer to a device tensor, captured as a memcpy node).
+class HostInputRefused(Exception):
+    """Raised inside a capture by the observer, before a torch op would use a host input's
+    values on the CPU: the capture ends and the key runs eagerly (recording turns it into a
+    ``CaptureFailed`` with this message)."""
 
-    ``named``: the op's arguments by schema name; ``hits``: argument name -> the host input it
-    touches; ``result``: what the op returned; ``describe(i)``: the input's path."""
+
+_NOT_RUN = object()
+
+
+def host_use_refusal(func, named: dict, hits: dict[str, int], describe, result: object = _NOT_RUN) -> str | None:
+    """Why a torch op touching a staged host buffer would bake host values into the graph
+    (None: it is a plain copy from the buffer to a device tensor, captured as one memcpy node).
+
+    Asked before the op runs (``result`` left out: anything the op would do on the CPU must not
+    run inside a capture) and again with what it returned. ``named``: the op's arguments by
+    schema name; ``hits``: argument name -> the host input it touches; ``describe(i)``: the
+    input's path."""
     name = getattr(func, "__name__", str(func))
     first = describe(next(iter(hits.values())))
     packet = getattr(func, "overloadpacket", None)
+    converts = (
+        f"{name} of host input {first} converts its dtype or layout, which torch does on the CPU at capture "
+        "time (copy a dense host tensor to the device as it is, then convert there)"
+    )
+    if packet is _aten.copy_ and "self" in hits:
+        return f"{name} writes host input {describe(hits['self'])}: a graph cannot copy it back exactly"
     if packet is _aten._to_copy and set(hits) == {"self"}:
         source = named.get("self")
-        if isinstance(result, torch.Tensor) and result.device.type != "cpu":
-            if _dense_same_layout(source, result):
-                return None
-            return (
-                f"{name} of host input {first} converts its dtype or layout, which torch does on the CPU "
-                "at capture time (copy it to the device as it is, then convert)"
+        device = named.get("device")
+        if device is None or torch.device(device).type == "cpu":
+            return _reads(name, first)
+        if result is _NOT_RUN:
+            dtype, memory_format = named.get("dtype"), named.get("memory_format")
+            plain_format = memory_format in (None, torch.preserve_format) or (
+                memory_format is torch.contiguous_format and source.is_contiguous()
             )
+            if dtype not in (None, source.dtype) or not plain_format or not is_dense(source):
+                return converts
+            return None
+        if isinstance(result, torch.Tensor) and result.device.type != "cpu" and _dense_same_layout(source, result):
+            return None
+        return converts
     if packet is _aten.copy_ and set(hits) == {"src"}:
         destination, source = named.get("self"), named.get("src")
         if isinstance(destination, torch.Tensor) and destination.device.type != "cpu":
-            if _dense_same_layout(source, destination):
-                return None
-            return (
-                f"{name} from host input {first} converts its dtype or layout, which torch does on the CPU "
-                "at capture time (copy it to the device as it is, then convert)"
-            )
-    if packet is _aten.copy_ and "self" in hits:
-        return f"{name} writes host input {describe(hits['self'])}: a graph cannot copy it back exactly"
+            return None if _dense_same_layout(source, destination) else converts
+    return _reads(name, first)
+
+
+def _reads(name: str, path: str) -> str:
     return (
-        f"{name} reads host input {first} on the CPU: its values would be baked into the graph "
+        f"{name} reads host input {path} on the CPU: its values would be baked into the graph "
         "(only copies of it to the device are replayed)"
     )
 

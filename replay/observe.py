@@ -60,8 +60,9 @@ class TorchOpObserver(TorchDispatchMode):
 
     ``host``: (leaf index, byte range) of the pinned buffers that stand in for host tensor
     arguments during a capture. An op touching one that is not a plain copy to a device
-    tensor is noted in ``host_refusals`` (see :func:`replay.host.host_use_refusal`); with
-    ``rewrite_blocking``, such copies run non-blocking (see :func:`replay.host.blocking_rewrite`)."""
+    tensor is noted in ``host_refusals`` (see :func:`replay.host.host_use_refusal`). With
+    ``rewrite_blocking`` (a capture), such an op raises ``HostInputRefused`` before it runs,
+    and the copies allowed run non-blocking (see :func:`replay.host.blocking_rewrite`)."""
 
     def __init__(
         self,
@@ -115,14 +116,21 @@ class TorchOpObserver(TorchDispatchMode):
         if arguments and self.host:
             named, hits = self._host_hits(arguments, args, kwargs)
             if hits:
+                self._refuse(host_inputs.host_use_refusal(func, named, hits, self.describe))
                 if self.rewrite_blocking:
                     args, kwargs = host_inputs.blocking_rewrite(func, args, kwargs)
                 result = self._observed(func, arguments, args, kwargs)
-                refusal = host_inputs.host_use_refusal(func, named, hits, result, self.describe)
-                if refusal is not None:
-                    self.host_refusals.append(refusal)
+                self._refuse(host_inputs.host_use_refusal(func, named, hits, self.describe, result))
                 return result
         return self._observed(func, arguments, args, kwargs)
+
+    def _refuse(self, refusal: str | None) -> None:
+        """Note a refusal; inside a capture (``rewrite_blocking``) also stop the region there,
+        before the op runs on the CPU (a region that catches it is refused all the same)."""
+        if refusal is not None:
+            self.host_refusals.append(refusal)
+            if self.rewrite_blocking:
+                raise host_inputs.HostInputRefused(refusal)
 
     def _observed(self, func, arguments: tuple, args: tuple, kwargs: dict):
         if arguments and self.ranges:

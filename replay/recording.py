@@ -498,7 +498,7 @@ def _record(
         if _end_capture_after_error(graph, device, pool):
             raise SpoiledPool(str(exc)) from exc
         raise CaptureAborted(str(exc)) from exc
-    except (DynamicScalarError, CaptureFailed) as exc:
+    except (DynamicScalarError, CaptureFailed, host_inputs.HostInputRefused) as exc:
         failed = SpoiledPool if _end_capture_after_error(graph, device, pool) else CaptureFailed
         raise failed(str(exc)) from exc
     except Exception as exc:

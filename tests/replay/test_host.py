@@ -4,6 +4,7 @@ checks. The GPU tests (test_hazards_gpu.py, test_replay_gpu.py) capture for real
 
 from __future__ import annotations
 
+import re
 import struct
 import types
 
@@ -76,6 +77,26 @@ def test_reading_host_values_on_the_cpu_or_writing_them_is_refused(name):
     assert observer.host_refusals and message in observer.host_refusals[0]
 
 
+@pytest.mark.parametrize(
+    "name", ["written in place", "a non-dense slice copied", "a conversion on the way", "int(host[0])"]
+)
+def test_inside_a_capture_a_refused_op_raises_before_it_runs(name):
+    body, message = REFUSED[name]
+    host = torch.arange(12, dtype=torch.int64).reshape(3, 4)
+    ran = []
+
+    class Spy(TorchOpObserver):
+        def _observed(self, func, arguments, args, kwargs):
+            ran.append(func)
+            return super()._observed(func, arguments, args, kwargs)
+
+    with pytest.raises(host_inputs.HostInputRefused, match=re.escape(message)):
+        with Spy([], [(3, region_keys.byte_range(host))], {3: "args[3]"}.get, True):
+            body(host)
+    assert not [f for f in ran if not f.is_view]  # nothing that reads or writes the host ran
+    assert torch.equal(host, torch.arange(12).reshape(3, 4))
+
+
 def test_ops_on_other_tensors_are_not_refused_and_device_inputs_are_still_watched():
     host = torch.arange(8)
     other = torch.randn(8)
@@ -108,7 +129,7 @@ def test_blocking_copies_are_made_non_blocking_only_when_asked():
 
 def test_host_use_refusal_names_the_op_and_the_input():
     host = torch.arange(4)
-    message = host_use_refusal(aten.sum.default, {"self": host}, {"self": 2}, host.sum(), lambda i: f"leaf{i}")
+    message = host_use_refusal(aten.sum.default, {"self": host}, {"self": 2}, lambda i: f"leaf{i}", host.sum())
     assert "sum" in message and "leaf2" in message
 
 
