@@ -42,6 +42,10 @@ MEMMOVE_BYTES = 1 << 16
 
 _memmove = ctypes.memmove
 
+#: Buffers and events of HostInputs collected while a stream captured (a synchronize there would
+#: break the capture): released by the next HostInputs made, after their last launch is done.
+_DEFERRED: list = []
+
 
 def unsupported_reason(tensor: torch.Tensor) -> str | None:
     """Why a CPU tensor argument cannot be staged through a pinned buffer (None: it can)."""
@@ -83,6 +87,7 @@ class HostInputs:
     """The pinned buffers of one graph's host inputs, and the event of its last launch."""
 
     def __init__(self, tensors: dict[int, torch.Tensor], paths: dict[int, str]):
+        release_deferred()
         self.paths = paths
         self.buffers: dict[int, torch.Tensor] = {}
         for i, tensor in tensors.items():
@@ -139,9 +144,19 @@ class HostInputs:
     def __del__(self) -> None:
         # the buffers go with this object: not while a launch may still read them
         try:
+            if self.launches and torch.cuda.is_current_stream_capturing():
+                _DEFERRED.append((self.event, self.buffers))
+                return
             self.wait()
         except Exception:
             pass
+
+
+def release_deferred() -> None:
+    """Free the buffers of HostInputs collected during a capture, once their launches are done."""
+    while _DEFERRED:
+        event, _buffers = _DEFERRED.pop()
+        event.synchronize()
 
 
 def _dense_same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:

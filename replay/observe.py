@@ -50,6 +50,7 @@ _METADATA_ONLY = {
         "sym_storage_offset",
         "is_contiguous",
         "is_same_size",
+        "is_pinned",  # so ids.pin_memory() on a host input's (pinned) buffer is just the buffer
     )
     if hasattr(_aten, name)
 }

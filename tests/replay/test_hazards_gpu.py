@@ -475,6 +475,10 @@ def test_host_tensor_arguments_are_staged_through_a_pinned_buffer_and_replayed()
     assert {c.input: c.choice for c in stats.inputs}["args[1]"] == "staged"
 
 
+def pins_then_copies(x, host):
+    return x + host.pin_memory().to("cuda", non_blocking=True)  # pinning the pinned buffer: itself
+
+
 def test_pinned_host_tensors_from_the_caller_are_replayed_too():
     with warnings.catch_warnings():
         warnings.simplefilter("error", replay.ReplayWarning)
@@ -483,6 +487,9 @@ def test_pinned_host_tensors_from_the_caller_are_replayed_too():
             host_differential(step, with_host_tensor, 6, lambda: torch.randn(16), pinned=True)
             host_differential(step, with_host_tensor, 6, lambda: torch.randn(16))  # the same key, unpinned
             assert session.stats().replays >= 9
+            pinning = session.region(pins_then_copies)
+            host_differential(pinning, pins_then_copies, 6, lambda: torch.randn(16))
+            assert session.stats().replays >= 13
 
 
 def test_blocking_host_copies_inside_a_region_are_replayed_exactly():

@@ -42,7 +42,7 @@ ALLOWED = {
     "a transposed dense host tensor": lambda h: h.t().to("meta"),
     "copy_ into a device tensor": lambda h: torch.empty(h.shape, dtype=h.dtype, device="meta").copy_(h),
     "a view of it copied": lambda h: h[1:].to("meta"),
-    "metadata only": lambda h: (torch.empty_like(h), h.view(-1), h.shape, h.stride()),
+    "metadata only": lambda h: (torch.empty_like(h), h.view(-1), h.shape, h.stride(), h.is_pinned()),
 }
 
 
