@@ -14,6 +14,11 @@ every step. Per step, host time (issuing the step) and end-to-end time (until th
   generated replays run it, nothing else (the floor for any graph-based path; it does not
   rebind, so it reads a stale input).
 
+Also a host input: the same region taking an extra small host (CPU) tensor of token ids that it
+copies to the GPU (``ids.to("cuda", non_blocking=True)``), staged through a pinned buffer the
+graph owns: per step, replay with and without it in the loop, and the host cost of the staging
+alone (wait for the previous launch, memmove, event record) measured with the GPU idle.
+
 Also the first-capture cost: our recording (capture, instantiate; the session's
 ``capture_seconds`` counts these two) against a raw ``torch.cuda.graph`` capture plus
 instantiate of the same region, and the key's second call (node analysis, code generation,
@@ -90,6 +95,11 @@ def scaled_chain(length: int):
 
 
 scaled_region = scaled_chain(KERNELS)
+
+
+def with_host_ids(x, ids):
+    """The chain, plus a host tensor of ids the region copies to the GPU itself."""
+    return region(x), ids.to("cuda", non_blocking=True)
 
 
 def graph_launcher(graph: torch.cuda.CUDAGraph):
@@ -213,12 +223,26 @@ def main() -> None:
         # floor" holds replay's host time to
         graphs[b].replay()
 
+    host_session = replay.capture(record_after=0, record_budget=1.0)
+    host_region = host_session.region(with_host_ids)
+    ids = {b: [torch.randint(0, 50_000, (b,)) for _ in range(16)] for b in SHAPES}
+    pairs = {b: list(zip(inputs[b], ids[b])) for b in SHAPES}
+    for b in SHAPES:
+        for pair in pairs[b][:3]:
+            host_region(*pair)
+
+    def replayed_host(b, pair):
+        return host_region(*pair)
+
     # correctness of the paths being compared, on fresh data
     for b in SHAPES:
         x = torch.randn(b, WIDTH, device="cuda")
         reference = region(x)
         assert torch.equal(replayed(b, x), reference)
         assert torch.equal(static_copy(b, x), reference)
+        fresh_ids = torch.randint(0, 50_000, (b,))
+        got, got_ids = replayed_host(b, (x, fresh_ids))
+        assert torch.equal(got, reference) and torch.equal(got_ids.cpu(), fresh_ids)
 
     def replayed_with_scalar(b, x):
         return scaled_step(x, next_slope())
@@ -235,6 +259,8 @@ def main() -> None:
     samples = {name: ([], []) for name in paths}
     patches_before = session.stats().patches
     replays_before = session.stats().replays
+    host_path = "replay + a host input (pinned buffer)"
+    samples[host_path] = ([], [])
     for _ in range(repeats):
         for name, step in paths.items():
             measured = step_region.measure_without_checks() if name == WITHOUT_CHECKS else contextlib.nullcontext()
@@ -242,6 +268,21 @@ def main() -> None:
                 host, total = loop(step, inputs, order)
             samples[name][0].append(host)
             samples[name][1].append(total)
+        host, total = loop(replayed_host, pairs, order)
+        samples[host_path][0].append(host)
+        samples[host_path][1].append(total)
+    # the host cost of staging alone: each step issued with the GPU idle (the wait for the
+    # previous launch returns at once), with and without the host input
+    idle = {"replay": [], host_path: []}
+    for number, batch in enumerate(order):
+        pair = pairs[batch][number % len(pairs[batch])]
+        for name, call, arguments in (("replay", step_region, pair[:1]), (host_path, host_region, pair)):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            call(*arguments)
+            idle[name].append((time.perf_counter() - start) * 1e6)
+    torch.cuda.synchronize()
+    idle_us = {name: statistics.median(values) for name, values in idle.items()}
     patched_per_step = (session.stats().patches - patches_before) / max(session.stats().replays - replays_before, 1)
     results = {
         name: {"host_us": statistics.median(h), "end_to_end_us": statistics.median(e), "host_min_us": min(h)}
@@ -272,6 +313,11 @@ def main() -> None:
         f"The per-call exactness checks beyond the key (torch settings, launchers' globals) cost "
         f"{results['replay']['host_us'] - results[WITHOUT_CHECKS]['host_us']:.2f} us per step "
         f"(replay with them skipped: {results[WITHOUT_CHECKS]['host_us']:.2f} us).\n\n"
+        f"A host input (int64 ids, 8 bytes a row, staged through a pinned buffer): issued with the GPU idle, "
+        f"a replay costs {idle_us[host_path]:.2f} us against {idle_us['replay']:.2f} us without it: "
+        f"**{idle_us[host_path] - idle_us['replay']:.2f} us** for the staged byte range (wait for the previous "
+        f"launch, memmove, event record). In the loop above its host time includes waiting for the previous "
+        f"launch of the same graph before the buffer is written again (one replay in flight per graph).\n\n"
         f"First capture (median over the 8 shapes): our whole recording call "
         f"{statistics.median(first.values()):.0f} us (capture + instantiate alone {capture_only:.0f} us) against "
         f"raw torch.cuda.graph capture + instantiate {statistics.median(raw_capture.values()):.0f} us: "
@@ -306,6 +352,8 @@ def main() -> None:
         first_record_phases_us=phases,
         second_call_us=second,
         record_all_us=record_all,
+        host_input_idle_us=idle_us,
+        host_input_report=host_session.report(),
         report=session.report(),
     )
     common.write(

@@ -36,6 +36,7 @@ import torch
 
 from jitcore import codegen
 from jitcore.backends import get_backend
+from replay import host as host_inputs
 from replay import recording, region_keys
 from replay.dynamic import DynamicScalar
 from replay.errors import ReplayMismatchError, StaleOutputError
@@ -247,6 +248,7 @@ class TensorTemplate:
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     dtype: torch.dtype
+    host: bool = False  # a host (CPU) tensor input
 
 
 @attrs.frozen(eq=False)
@@ -340,11 +342,12 @@ class RecordedGraph:
         self.plan = capture.plan
         self.staged = capture.staged
         self.copied_back = capture.copied_back
+        self.host = getattr(capture, "host", None)  # host inputs' pinned buffers (replay.host)
         self.paths = list(paths)
         self.spec = spec
         # what the leaves looked like, to record this key again without the caller's tensors
         self.template = [
-            TensorTemplate(tuple(leaf.shape), tuple(leaf.stride()), leaf.dtype)
+            TensorTemplate(tuple(leaf.shape), tuple(leaf.stride()), leaf.dtype, leaf.device.type == "cpu")
             if isinstance(leaf, torch.Tensor)
             else ValueTemplate(leaf)
             for leaf in leaves
@@ -394,12 +397,13 @@ class RecordedGraph:
                 classified.append(ConstantOutput(value))
                 continue
             address, owner, base = value.data_ptr(), None, 0
-            for input_range in self.capture.inputs:
-                i = input_range.index
-                # a staged input's buffer has the input's exact layout: a view of it is the
-                # same view of the input
-                lo = self.staged[i].data_ptr() if i in self.staged else input_range.lo
-                extent = input_range.hi - input_range.lo
+            host_ranges = [(i, *region_keys.byte_range(b)) for i, b in self.host.buffers.items()] if self.host else []
+            for i, lo, extent in [(r.index, r.lo, r.hi - r.lo) for r in self.capture.inputs] + [
+                (i, lo, hi - lo) for i, lo, hi in host_ranges
+            ]:
+                # a staged input's buffer (a host input's pinned buffer) has the input's exact
+                # layout: a view of it is the same view of the input
+                lo = self.staged[i].data_ptr() if i in self.staged else lo
                 if (
                     lo <= address
                     and address + region_keys.extent_bytes(value) <= lo + extent
@@ -485,8 +489,10 @@ class RecordedGraph:
         disabled = self._decide_which_nodes_change(code, patches)
         # --- phase 2: patch, remembering only what the driver took ---
         self._patch_nodes(code, patches, disabled)
+        self._fill_host_buffers(code)
         # --- launch ---
         self._launch(code, backend)
+        self._after_host_launch(code)
         self._count_replay(code)
         self._return_outputs(code)
         return code.text()
@@ -704,6 +710,27 @@ class RecordedGraph:
             for line in backend.graph_launch_template.format(exec="_EXEC", stream="_so").splitlines():
                 code.line(line)
 
+    def _fill_host_buffers(self, code: _Source) -> None:
+        """Host inputs (replay.host): wait until the last launch of this graph is done with
+        their pinned buffers, then copy each caller's tensor into its buffer (a memmove over
+        the byte extent, the layouts being equal; torch's strided copy for sparse layouts).
+        Last before the launch: nothing after it declines the call."""
+        if self.host is None:
+            return
+        code.line(f"{code.bind(self.host.wait, '_host_wait')}()")
+        for i in sorted(self.host.buffers):
+            kind, target, extent = self.host.copier(i)
+            if kind == "memmove":
+                code.namespace["_memmove"] = host_inputs._memmove
+                code.line(f"_memmove({int(target)}, _p{i}, {int(extent)})")
+            elif kind == "copy":
+                code.line(f"{code.bind(target, '_host_copy')}(l{i})")
+
+    def _after_host_launch(self, code: _Source) -> None:
+        """Host inputs: the launch just enqueued reads their buffers until it is done."""
+        if self.host is not None:
+            code.line(f"{code.bind(self.host.launched, '_host_launched')}()")
+
     def _count_replay(self, code: _Source) -> None:
         """Count the replay: the entry's generation (which outputs handed out remember, in
         ``check_stale`` mode), its replays and the session's counters."""
@@ -715,7 +742,7 @@ class RecordedGraph:
             code.line("_owner.generation += 1")
         code.line("_entry.replays += 1")
         code.line("_stats.replays += 1")
-        staged_copies = len(self.staged) + len(self.copied_back)
+        staged_copies = len(self.staged) + len(self.copied_back) + (len(self.host.buffers) if self.host else 0)
         if staged_copies:
             code.line(f"_stats.staged_copies += {staged_copies}")
 
@@ -857,9 +884,8 @@ class RecordedGraph:
         leaves = []
         for item in self.template:
             if isinstance(item, TensorTemplate):
-                leaves.append(
-                    torch.empty_strided(item.shape, item.stride, dtype=item.dtype, device=f"cuda:{self.device}")
-                )
+                device = "cpu" if item.host else f"cuda:{self.device}"
+                leaves.append(torch.empty_strided(item.shape, item.stride, dtype=item.dtype, device=device))
             else:
                 leaves.append(item.value)
         return leaves

@@ -20,6 +20,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from replay import host as host_inputs
 from replay.region_keys import byte_range
 
 _aten = torch.ops.aten
@@ -49,19 +50,36 @@ _METADATA_ONLY = {
         "sym_storage_offset",
         "is_contiguous",
         "is_same_size",
+        "is_pinned",  # so ids.pin_memory() on a host input's (pinned) buffer is just the buffer
     )
     if hasattr(_aten, name)
 }
 
 
 class TorchOpObserver(TorchDispatchMode):
-    """Records, per watched range, whether a torch op read it and whether one wrote it."""
+    """Records, per watched range, whether a torch op read it and whether one wrote it.
 
-    def __init__(self, ranges: Sequence[tuple[int, int]]):
+    ``host``: (leaf index, byte range) of the pinned buffers that stand in for host tensor
+    arguments during a capture. An op touching one that is not a plain copy to a device
+    tensor is noted in ``host_refusals`` (see :func:`replay.host.host_use_refusal`). With
+    ``rewrite_blocking`` (a capture), such an op raises ``HostInputRefused`` before it runs,
+    and the copies allowed run non-blocking (see :func:`replay.host.blocking_rewrite`)."""
+
+    def __init__(
+        self,
+        ranges: Sequence[tuple[int, int]],
+        host: Sequence[tuple[int, tuple[int, int]]] = (),
+        describe=str,
+        rewrite_blocking: bool = False,
+    ):
         super().__init__()
         self.ranges = list(ranges)
         self.read: set[int] = set()
         self.written: set[int] = set()
+        self.host = list(host)
+        self.describe = describe
+        self.rewrite_blocking = rewrite_blocking
+        self.host_refusals: list[str] = []
 
     def _hits(self, tensor: torch.Tensor) -> list[int]:
         if tensor.device.type == "meta" or tensor.layout is not torch.strided:
@@ -71,9 +89,51 @@ class TorchOpObserver(TorchDispatchMode):
             return []
         return [i for i, (a, b) in enumerate(self.ranges) if a < hi and lo < b]
 
+    def _host_hits(self, arguments: tuple, args: tuple, kwargs: dict) -> tuple[dict, dict]:
+        """The op's arguments by name, and which of them touch a host buffer (name -> input)."""
+        named, hits = {}, {}
+        for index, (name, _written) in enumerate(arguments):
+            value = args[index] if index < len(args) else kwargs.get(name)
+            named[name] = value
+            if value is None or isinstance(value, (int, float, bool, str)):
+                continue
+            tensors = (
+                [value]
+                if isinstance(value, torch.Tensor)
+                else [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+            )
+            for tensor in tensors:
+                if tensor.device.type != "cpu" or tensor.layout is not torch.strided:
+                    continue
+                lo, hi = byte_range(tensor)
+                for i, (a, b) in self.host:
+                    if (a < hi and lo < b) or (lo == hi and a <= lo < max(b, a + 1)):
+                        hits.setdefault(name, i)
+        return named, hits
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         arguments = _schema_arguments(func)
+        if arguments and self.host:
+            named, hits = self._host_hits(arguments, args, kwargs)
+            if hits:
+                self._refuse(host_inputs.host_use_refusal(func, named, hits, self.describe))
+                if self.rewrite_blocking:
+                    args, kwargs = host_inputs.blocking_rewrite(func, args, kwargs)
+                result = self._observed(func, arguments, args, kwargs)
+                self._refuse(host_inputs.host_use_refusal(func, named, hits, self.describe, result))
+                return result
+        return self._observed(func, arguments, args, kwargs)
+
+    def _refuse(self, refusal: str | None) -> None:
+        """Note a refusal; inside a capture (``rewrite_blocking``) also stop the region there,
+        before the op runs on the CPU (a region that catches it is refused all the same)."""
+        if refusal is not None:
+            self.host_refusals.append(refusal)
+            if self.rewrite_blocking:
+                raise host_inputs.HostInputRefused(refusal)
+
+    def _observed(self, func, arguments: tuple, args: tuple, kwargs: dict):
         if arguments and self.ranges:
             for index, (name, written) in enumerate(arguments):
                 value = args[index] if index < len(args) else kwargs.get(name)

@@ -303,6 +303,9 @@ def _addresses_in(node: NodeView) -> list[int] | None:
     return list(node.pointers)
 
 
+addresses_in = _addresses_in
+
+
 @attrs.define
 class _Planner:
     """One :func:`build_plan` in progress: the plan it fills and what its steps share.

@@ -28,6 +28,7 @@ import torch
 import jitcore
 from jitcore.backends import get_backend
 from jitcore.errors import CaptureMissError
+from replay import host as host_inputs
 from replay import rebinding, staging, triton_launches
 from replay.dynamic import Dynamic, DynamicScalar
 from replay.errors import DynamicScalarError
@@ -40,6 +41,7 @@ _NUMBERS = (int, float, bool)
 class _NoObservation:
     read: frozenset = frozenset()
     written: frozenset = frozenset()
+    host_refusals: tuple = ()
 
 
 class CaptureAborted(Exception):
@@ -115,6 +117,9 @@ class Capture:
     launch_nodes: list = attrs.Factory(list)  # per record: the graph node it became (raw handle) or None
     nodes: list = attrs.Factory(list)
     plan: rebinding.Plan | None = None
+    # host (CPU) tensor inputs: their pinned buffers and the event of the last launch
+    # (replay.host); None without any. Not in ``inputs``: the graph never sees their memory.
+    host: host_inputs.HostInputs | None = None
 
 
 class KeptPool:
@@ -316,13 +321,17 @@ def node_views(backend, nodes: Sequence, records: Sequence) -> tuple[list[rebind
 class _CaptureInputs:
     """The region's tensor inputs as one capture uses them, prepared before it starts."""
 
-    tensors: dict[int, torch.Tensor]  # leaf index -> the caller's tensor
+    tensors: dict[int, torch.Tensor]  # leaf index -> the caller's tensor (device ones)
     inputs: list[rebinding.InputRange]
     staged: dict[int, torch.Tensor]  # leaf index -> the graph's own buffer for that input
     # the byte ranges the torch-op observer watches (the inputs, then the staged buffers),
     # and the leaf index of each
     watched: list[tuple[int, int]]
     watched_index: list[int]
+    host: host_inputs.HostInputs | None = None  # host tensor inputs, staged through pinned buffers
+
+    def host_ranges(self) -> list[tuple[int, int]]:
+        return [r for _, r in self.host.ranges()] if self.host is not None else []
 
     def leaves_seen(self, watched_numbers: Iterable[int]) -> set[int]:
         """The inputs behind the watched ranges the observer saw touched, staged ones left
@@ -346,9 +355,17 @@ def _prepare_inputs(leaves: Sequence, paths: Sequence[str], *, device: int, stag
     """Check the tensor inputs are on the capture's device and make the staged inputs'
     buffers (refusing inputs that cannot be staged). Raises CaptureFailed."""
     tensors = {i: leaf for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)}
+    on_host = {i: t for i, t in tensors.items() if t.device.type == "cpu"}
+    for i, tensor in on_host.items():
+        reason = host_inputs.unsupported_reason(tensor)
+        if reason:
+            raise CaptureFailed(f"host input {paths[i]} cannot be staged: {reason}")
+    tensors = {i: t for i, t in tensors.items() if i not in on_host}
     for i, tensor in tensors.items():
         if tensor.device.type != "cuda" or tensor.device.index != device:
             raise CaptureFailed(f"input {paths[i]} is on {tensor.device}, the current device is cuda:{device}")
+    stage = set(stage) - set(on_host)  # a warm-up saw torch read them: they are staged apart
+    host = host_inputs.HostInputs(on_host, {i: paths[i] for i in on_host}) if on_host else None
     inputs = [rebinding.InputRange(i, paths[i], *byte_range(t)) for i, t in tensors.items()]
     staged: dict[int, torch.Tensor] = {}
     for i in sorted(stage):
@@ -360,16 +377,22 @@ def _prepare_inputs(leaves: Sequence, paths: Sequence[str], *, device: int, stag
         staging.prepare(staged[i], tensors[i])
     watched = [(r.lo, r.hi) for r in inputs] + [byte_range(b) for b in staged.values()]
     watched_index = [r.index for r in inputs] + list(staged)
-    return _CaptureInputs(tensors, inputs, staged, watched, watched_index)
+    return _CaptureInputs(tensors, inputs, staged, watched, watched_index, host)
 
 
-def _region_arguments(spec: object, leaves: Sequence, paths: Sequence[str], staged: dict) -> tuple[tuple, dict]:
+def _region_arguments(
+    spec: object, leaves: Sequence, paths: Sequence[str], staged: dict, host: dict | None = None
+) -> tuple[tuple, dict]:
     """The arguments the region is called with while capturing: each staged input replaced
-    by its buffer, each dynamic scalar by a :class:`DynamicScalar` that jit launches report."""
+    by its buffer (a host input by its pinned buffer), each dynamic scalar by a
+    :class:`DynamicScalar` that jit launches report."""
     capture_leaves = list(leaves)
+    host = host or {}
     for i, leaf in enumerate(leaves):
         if i in staged:
             capture_leaves[i] = staged[i]
+        elif i in host:
+            capture_leaves[i] = host[i]
         elif isinstance(leaf, Dynamic):
             capture_leaves[i] = DynamicScalar(f"_d{i}", leaf.value, paths[i])
     return unflatten(spec, capture_leaves)
@@ -395,6 +418,26 @@ def _inputs_written(prepared: _CaptureInputs, observation: object, region_record
                     if buffer.data_ptr() <= address < buffer.data_ptr() + max(extent_bytes(buffer), 1):
                         written.add(i)
     return written
+
+
+def _refuse_host_misuse(prepared: _CaptureInputs, observation: object, region_records: Sequence) -> None:
+    """Inside the capture, before the graph is ever launched: a torch op used a host input's
+    values on the CPU (or wrote it), or a jit launch writes its pinned buffer."""
+    refusals = list(getattr(observation, "host_refusals", ()))
+    if refusals:
+        raise CaptureFailed(refusals[0])
+    if prepared.host is None:
+        return
+    for record in region_records:
+        for param in record.params:
+            if param.kind == "pointer" and not param.read_only:
+                address = int.from_bytes(record.param_bytes[param.offset : param.offset + 8], "little")
+                owner = prepared.host.owner(address)
+                if owner is not None:
+                    raise CaptureFailed(
+                        f"{record.kernel} writes host input {prepared.host.paths[owner]}: "
+                        "a graph cannot copy it back exactly"
+                    )
 
 
 def _copy_staged_back(
@@ -448,6 +491,7 @@ def _record(
             _copy_staged_in(prepared, recorder, staging_launches)
             first_region_launch = len(recorder.records)
             outputs = fn(*args, **kwargs)
+            _refuse_host_misuse(prepared, observation, recorder.records[first_region_launch:])
             written = _inputs_written(prepared, observation, recorder.records[first_region_launch:])
             _copy_staged_back(prepared, recorder, written, copy_back, staging_launches, copied_back)
             _refuse_written_overlaps(prepared.inputs, prepared.staged, written | copied_back)
@@ -455,7 +499,7 @@ def _record(
         if _end_capture_after_error(graph, device, pool):
             raise SpoiledPool(str(exc)) from exc
         raise CaptureAborted(str(exc)) from exc
-    except (DynamicScalarError, CaptureFailed) as exc:
+    except (DynamicScalarError, CaptureFailed, host_inputs.HostInputRefused) as exc:
         failed = SpoiledPool if _end_capture_after_error(graph, device, pool) else CaptureFailed
         raise failed(str(exc)) from exc
     except Exception as exc:
@@ -520,7 +564,10 @@ def _capture_record(
         output_bytes=output_bytes,
         owned_outputs=owned,
         inputs=prepared.inputs,
-        input_dtypes={i: t.dtype for i, t in prepared.tensors.items()},
+        input_dtypes={
+            **{i: t.dtype for i, t in prepared.tensors.items()},
+            **({i: b.dtype for i, b in prepared.host.buffers.items()} if prepared.host else {}),
+        },
         dynamic_values={i: leaf.value for i, leaf in enumerate(leaves) if isinstance(leaf, Dynamic)},
         staged=prepared.staged,
         copied_back=recorded.copied_back,
@@ -529,6 +576,7 @@ def _capture_record(
         seconds=seconds,
         memory=memory,
         timings=timings,
+        host=prepared.host,
     )
 
 
@@ -558,8 +606,14 @@ def capture(
     clock = time.perf_counter
     timings = {"start": clock()}
     prepared = _prepare_inputs(leaves, paths, device=device, stage=stage)
-    args, kwargs = _region_arguments(spec, leaves, paths, prepared.staged)
-    observer = TorchOpObserver(prepared.watched) if observe else contextlib.nullcontext(_NoObservation())
+    host = prepared.host
+    args, kwargs = _region_arguments(spec, leaves, paths, prepared.staged, host.buffers if host else None)
+    if host is not None:  # always observed: a torch op reading host values would bake them in
+        observer = TorchOpObserver(prepared.watched, host.ranges(), host.paths.get, rewrite_blocking=True)
+    elif observe:
+        observer = TorchOpObserver(prepared.watched)
+    else:
+        observer = contextlib.nullcontext(_NoObservation())
     with CAPTURES.exclusive():  # no other thread's work may break this capture
         backend = get_backend()
         recorder = _Recorder(backend)
@@ -572,7 +626,13 @@ def capture(
                 fn, args, kwargs, prepared, recorder, observer, graph, device=device, pool=pool, copy_back=copy_back
             )
             recorded.outputs, output_bytes, owned = _give_outputs_their_own_memory(
-                recorded.outputs, prepared.watched, graph, device=device, pool=pool, backend=backend, stream=stream
+                recorded.outputs,
+                prepared.watched + prepared.host_ranges(),
+                graph,
+                device=device,
+                pool=pool,
+                backend=backend,
+                stream=stream,
             )
         timings["capture"] = clock() - started
         # Records must not keep the capture's tensors alive: intermediates freed now return to
@@ -622,11 +682,44 @@ def analyse(capture: Capture) -> None:
     capture.timings["analyse"] = time.perf_counter() - started
     if plan.failure:
         raise CaptureFailed(plan.failure)
+    if capture.host is not None:
+        _refuse_host_nodes(capture.host, views, {node for _, node in plan.matches})
     if plan.retry_later:
         raise RecordLater(plan.retry_later)
     if plan.needs_staging or plan.needs_copy_back:
         raise CaptureRetry(plan)
     capture.plan = plan
+
+
+def _refuse_host_nodes(host: host_inputs.HostInputs, nodes: Sequence[rebinding.NodeView], jit_nodes: set) -> None:
+    """A host input's pinned buffer may only be the source of copies (the region's own
+    host-to-device copies). A copy into it, a copy whose addresses cannot be read, or a
+    kernel other than a jit launch reaching it is refused (jit launches that write it were
+    refused while capturing)."""
+    for node in nodes:
+        if node.kind == "memcpy":
+            if not node.pointers:
+                raise CaptureFailed("a copy node whose addresses cannot be read may write a host input's buffer")
+            destination = node.pointers[-1]
+            owner = host.owner(destination)
+            if owner is not None:
+                raise CaptureFailed(
+                    f"a copy writes host input {host.paths[owner]}: a graph cannot copy it back exactly"
+                )
+        elif node.kind == "memset" and node.pointers:
+            owner = host.owner(node.pointers[0])
+            if owner is not None:
+                raise CaptureFailed(f"a memset writes host input {host.paths[owner]}")
+        elif node.kind == "kernel" and node.index not in jit_nodes:
+            words = rebinding.addresses_in(node)
+            if words is None:
+                raise CaptureFailed("a kernel whose parameters cannot be read may reach a host input's buffer")
+            for word in words:
+                owner = host.owner(word)
+                if owner is not None:
+                    raise CaptureFailed(
+                        f"a kernel other than a jit launch reaches host input {host.paths[owner]}'s memory"
+                    )
 
 
 def _overlapping_staged(inputs: Sequence[rebinding.InputRange], staged: dict) -> set[int]:
@@ -786,7 +879,8 @@ def first_outputs(capture: Capture, inputs: Sequence) -> object:
         if isinstance(leaf, DynamicScalar):
             leaf = leaf.value
         elif isinstance(leaf, torch.Tensor):
-            for i, buffer in capture.staged.items():
+            host = capture.host.buffers if getattr(capture, "host", None) is not None else {}
+            for i, buffer in {**capture.staged, **host}.items():
                 lo = buffer.data_ptr()
                 if lo <= leaf.data_ptr() and leaf.data_ptr() + extent_bytes(leaf) <= lo + extent_bytes(buffer):
                     # the same view (dtype included) of the caller's memory

@@ -613,6 +613,8 @@ class Region:
             generator = _cuda_generator(device)
             offset = generator.get_offset() if generator is not None else 0
             capture.graph.replay()  # torch's replay: it advances the generators the graph draws from
+            if getattr(capture, "host", None) is not None:
+                capture.host.launched()  # it reads the host inputs' pinned buffers until done
             entry.uses_rng = generator is not None and generator.get_offset() != offset
             entry.rng_epoch = recording.GENERATOR_EPOCH[0]
             stats.graph_memory_bytes = session.memory_bytes()
@@ -673,6 +675,11 @@ class Region:
                     choice = "staged+copied back"
                 reason = "; ".join(capture.plan.reasons.get(input_range.index, []))
                 stats.inputs.append(InputChoice(self.name, described, input_range.path, choice, reason))
+            host = getattr(capture, "host", None)
+            for i in sorted(host.buffers) if host is not None else ():
+                stats.inputs.append(
+                    InputChoice(self.name, described, host.paths[i], STAGED, "a host tensor: through a pinned buffer")
+                )
             session.add_graph(entry)
             session.after_record(entry, capture)
             self._promote(entry, spec, leaves)

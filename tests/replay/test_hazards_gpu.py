@@ -19,7 +19,7 @@ import torch
 import jitcore as jc
 import replay
 from jitcore.errors import ArgumentError
-from replay import dynamic
+from replay import dynamic, recording
 from replay.graph import clone_preserving_sharing
 
 pytestmark = pytest.mark.gpu
@@ -436,20 +436,264 @@ def test_launches_with_equal_bytes_are_told_apart():
         assert session.stats().replays >= 4
 
 
-# --- host tensors and other outputs --------------------------------------------------------------
+# --- host tensors (staged through pinned buffers) and other outputs ------------------------------
 def with_host_tensor(x, host):
     y = torch.empty_like(x)
     scaled(x, y, 2.0)
-    return y + host.to("cuda", non_blocking=False)
+    return y + host.to("cuda", non_blocking=True)
 
 
-def test_a_host_tensor_argument_runs_eagerly_with_a_warning():
+def with_blocking_host_copy(x, host):
+    y = torch.empty_like(x)
+    scaled(x, y, 2.0)
+    device = torch.empty(host.shape, dtype=host.dtype, device="cuda")
+    device.copy_(host)  # non_blocking=False
+    return y + host.to("cuda") * device  # .to() blocking too
+
+
+def host_differential(step, fn, calls, make_host, *, poison=True, pinned=False):
+    """``calls`` calls with fresh device and host inputs, each against eager; the returned
+    output (the graph's own buffer once replayed) is poisoned after each comparison, so a
+    replay that skipped writing it would be caught."""
+    for _ in range(calls):
+        host = make_host()
+        if pinned:
+            host = host.pin_memory()
+        got = differential(step, fn, torch.randn(*host.shape, device="cuda"), host)
+        if poison:
+            got.fill_(float("nan"))
+
+
+def test_host_tensor_arguments_are_staged_through_a_pinned_buffer_and_replayed():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", replay.ReplayWarning)
+        with replay.capture() as session:
+            step = session.region(with_host_tensor)
+            host_differential(step, with_host_tensor, 12, lambda: torch.randn(16))
+            stats = session.stats()
+    assert stats.replays >= 10 and stats.eager_only_keys == 0
+    assert {c.input: c.choice for c in stats.inputs}["args[1]"] == "staged"
+
+
+def pins_then_copies(x, host):
+    return x + host.pin_memory().to("cuda", non_blocking=True)  # pinning the pinned buffer: itself
+
+
+def test_pinned_host_tensors_from_the_caller_are_replayed_too():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", replay.ReplayWarning)
+        with replay.capture() as session:
+            step = session.region(with_host_tensor)
+            host_differential(step, with_host_tensor, 6, lambda: torch.randn(16), pinned=True)
+            host_differential(step, with_host_tensor, 6, lambda: torch.randn(16))  # the same key, unpinned
+            assert session.stats().replays >= 9
+            pinning = session.region(pins_then_copies)
+            host_differential(pinning, pins_then_copies, 6, lambda: torch.randn(16))
+            assert session.stats().replays >= 13
+
+
+def test_blocking_host_copies_inside_a_region_are_replayed_exactly():
+    """torch's blocking copy synchronizes the stream, which a capture cannot; replay captures
+    copies from a host buffer as non-blocking (exact: the host waits for the launch before
+    writing the buffer again)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", replay.ReplayWarning)
+        with replay.capture() as session:
+            step = session.region(with_blocking_host_copy)
+            host_differential(step, with_blocking_host_copy, 10, lambda: torch.randn(64))
+            assert session.stats().replays >= 8
+
+
+def test_torch_itself_cannot_capture_a_blocking_host_copy():
+    """What the rewrite above is for: torch's blocking copy synchronizes the capturing stream
+    (``memcpy_and_sync``), which fails the capture. If torch learns to capture it, this fails:
+    then the rewrite can go."""
+    host = torch.randn(64).pin_memory()
+    device = torch.cuda.current_device()
+    pool = torch.cuda.graph_pool_handle()
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(torch.cuda.Stream()):
+        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+        try:
+            with pytest.raises(RuntimeError):
+                host.to("cuda", non_blocking=False)
+        finally:
+            recording._end_capture_after_error(graph, device, pool)  # no capture left running
+    torch.cuda.synchronize()
+    torch.rand(4, device="cuda")  # the generator is not left capturing
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.float16, torch.bool])
+def test_host_tensors_of_every_dtype_are_replayed_bit_for_bit(dtype):
+    def region(x, host):
+        device = host.to("cuda", non_blocking=True)
+        y = torch.empty_like(x)
+        scaled(x, y, 3.0)
+        return y, device, device.to(torch.float32) * y
+
+    def make():
+        if dtype is torch.bool:
+            return torch.rand(8, 32) > 0.5
+        if dtype.is_floating_point:
+            return torch.randn(8, 32).to(dtype)
+        return torch.randint(-(2**30), 2**30, (8, 32)).to(dtype)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", replay.ReplayWarning)
+        with replay.capture() as session:
+            step = session.region(region)
+            for _ in range(8):
+                host = make()
+                got = differential(step, region, torch.randn(8, 32, device="cuda"), host)
+                for tensor in got:
+                    tensor.zero_()  # poisoned: the next replay must write them all again
+            assert session.stats().replays >= 6
+
+
+def test_a_transposed_host_tensor_is_replayed_one_with_gaps_runs_eagerly():
+    def region(x, host):
+        return x + host.to("cuda", non_blocking=True)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", replay.ReplayWarning)
+        with replay.capture() as session:
+            step = session.region(region)
+            for _ in range(6):
+                differential(step, region, torch.randn(32, 16, device="cuda"), torch.randn(16, 32).t())
+            assert session.stats().replays >= 4
     with replay.capture() as session:
-        step = session.region(with_host_tensor)
-        with pytest.warns(replay.ReplayWarning):
-            for _ in range(3):
-                differential(step, with_host_tensor, torch.randn(16, device="cuda"), torch.randn(16))
+        step = session.region(region)
+        with pytest.warns(replay.ReplayWarning, match="converts its dtype or layout"):
+            for _ in range(6):
+                differential(step, region, torch.randn(16, 16, device="cuda"), torch.randn(16, 32)[:, ::2])
         assert session.stats().replays == 0
+
+
+def uses_first_id_as_a_scale(x, host):
+    y = torch.empty_like(x)
+    scaled(x, y, float(host[0]))  # read on the CPU: would be baked
+    return y
+
+
+def sums_on_the_cpu(x, host):
+    return x * host.sum().to("cuda")
+
+
+def branches_on_the_cpu(x, host):
+    return x + 1 if host.any() else x - 1
+
+
+def uses_item(x, host):
+    y = torch.empty_like(x)
+    store_int(y, int(host[1].item()))
+    return y
+
+
+def writes_its_host_argument(x, host):
+    y = torch.empty_like(x)
+    scaled(x, y, 2.0)
+    host.copy_(y, non_blocking=True)  # a copy into the host tensor
+    return y
+
+
+@pytest.mark.parametrize(
+    "fn, message",
+    [
+        (uses_first_id_as_a_scale, "reads host input args\\[1\\] on the CPU"),
+        (sums_on_the_cpu, "reads host input"),
+        (branches_on_the_cpu, "reads host input"),
+        (uses_item, "reads host input"),
+        (writes_its_host_argument, "writes host input"),
+    ],
+)
+def test_host_values_read_or_written_on_the_cpu_make_the_key_eager_only(fn, message):
+    with replay.capture() as session:
+        step = session.region(fn)
+        with pytest.warns(replay.ReplayWarning, match=message):
+            for number in range(6):
+                host = torch.randint(0, 5, (16,)).to(torch.float32)
+                host[0] = number  # another scale, branch, sum, stored value each call
+                if fn is writes_its_host_argument:
+                    x = torch.randn(16, device="cuda")
+                    expected = fn(x.clone(), host.clone())
+                    got = step(x, host)
+                    torch.cuda.synchronize()  # the eager run's non-blocking copy into the host
+                    assert same(got, expected) and same(host, expected.cpu())
+                else:
+                    differential(step, fn, torch.randn(16, device="cuda"), host)
+        stats = session.stats()
+        assert stats.replays == 0 and stats.eager_only_keys == 1
+
+
+def reads_host_through_numpy(x, host):
+    y = torch.empty_like(x)
+    scaled(x, y, float(host.numpy()[0]))  # .numpy() bypasses torch's dispatcher: not seen
+    return y
+
+
+def test_verify_every_catches_a_host_read_the_observer_cannot_see():
+    with replay.capture(verify_every=1) as session:
+        step = session.region(reads_host_through_numpy)
+        with pytest.raises(replay.ReplayMismatchError):
+            for number in range(8):
+                step(torch.randn(16, device="cuda"), torch.full((4,), float(number + 1)))
+        assert session.stats().verifications >= 1
+
+
+def test_host_arguments_that_alias_each_other_are_replayed_exactly():
+    def region(x, a, b):
+        return x + a.to("cuda", non_blocking=True) * 2 - b.to("cuda", non_blocking=True)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", replay.ReplayWarning)
+        with replay.capture() as session:
+            step = session.region(region)
+            for _ in range(5):  # the same tensor twice
+                ids = torch.randn(16)
+                differential(step, region, torch.randn(16, device="cuda"), ids, ids)
+            for _ in range(5):  # overlapping views
+                base = torch.randn(24)
+                differential(step, region, torch.randn(16, device="cuda"), base[:16], base[8:])
+            for _ in range(5):  # apart
+                differential(step, region, torch.randn(16, device="cuda"), torch.randn(16), torch.randn(16))
+            assert session.stats().replays >= 9
+
+
+SPIN = r"""
+__global__ void spin(float* y, long long cycles) {
+    long long start = clock64();
+    while (clock64() - start < cycles) {}
+    y[threadIdx.x] += 1.f;
+}
+"""
+spin_kernel = jc.Kernel(SPIN, "spin")
+
+
+@jc.jit
+def spin(y, cycles):
+    spin_kernel[1, 32](y, cycles)
+
+
+def slow_then_host(x, host):
+    y = x.clone()
+    spin(y, 20_000_000)  # about 10 ms before the graph copies the host buffer
+    return y + host.to("cuda", non_blocking=True)
+
+
+def test_the_host_never_overwrites_a_buffer_a_launch_still_reads():
+    """Replays enqueued back to back without a synchronize: each launch must copy its own
+    call's host values, though the host is already filling the buffer for the next."""
+    with replay.capture() as session:
+        step = session.region(slow_then_host)
+        x = torch.zeros(32, device="cuda")
+        for _ in range(3):
+            step(x, torch.randn(32))
+        hosts = [torch.full((32,), float(n)) for n in range(8)]
+        got = [step(x, h).clone() for h in hosts]  # no synchronize in between
+        torch.cuda.synchronize()
+        assert all(same(g, slow_then_host(x, h)) for g, h in zip(got, hosts))
+        assert session.stats().replays >= 9
 
 
 def test_a_nested_tensor_after_a_replayed_key_is_refused_cleanly():

@@ -128,6 +128,47 @@ def test_differential_2000_steps_over_8_shapes_fresh_inputs_and_a_changing_dynam
     assert choices == {"args[0]": "rebound", "args[1]": "rebound", "args[2]": "rebound"}
 
 
+def host_ids_step(ids, extra, cache, pos):
+    """A decode step that takes its token ids on the host: copied to the GPU by the region,
+    an embedding lookup (torch), a gather (jit), then jit kernels with a dynamic position."""
+    tokens = ids.to("cuda", non_blocking=True)
+    embedded = torch.nn.functional.embedding(tokens, TABLE)
+    h = torch.empty_like(embedded)
+    gather(tokens, TABLE, extra, h)
+    y = torch.empty_like(h)
+    scaled(h + embedded, y, pos * 0.5 + 1.0)
+    write(y, cache, pos % ROWS)
+    return y, tokens
+
+
+def test_a_decode_step_taking_host_token_ids_replays_600_steps_bit_for_bit():
+    seed = random.randrange(1 << 30)
+    host_generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    order = random.Random(seed).choices([1, 4, 16], k=600)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", replay.ReplayWarning)
+        with replay.capture(record_budget=1.0) as session:
+            step = session.region(host_ids_step)
+            for number, batch in enumerate(order):
+                ids = torch.randint(0, VOCAB, (batch,), generator=host_generator)
+                if number % 3 == 0:
+                    ids = ids.pin_memory()
+                _, extra, cache = fresh_inputs(batch, generator)
+                expected_cache = cache.clone()
+                expected = host_ids_step(ids.clone(), extra.clone(), expected_cache, number)
+                got = step(ids, extra, cache, dynamic(number))
+                where = f"step {number}, batch {batch}, seed {seed}"
+                assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1]), where
+                assert torch.equal(cache, expected_cache), f"{where}: cache"
+                got[0].fill_(float("nan"))  # poisoned: the next replay must write it again
+                got[1].fill_(-1)
+            stats = session.stats()
+    assert stats.records == 3 and stats.eager_only_keys == 0
+    assert stats.replays + stats.eager_runs == 600 and stats.eager_runs == 3
+    assert {c.input: c.choice for c in stats.inputs}["args[0]"] == "staged"
+
+
 def test_outputs_are_overwritten_clone_outputs_copies_and_stale_reads_are_caught():
     with replay.capture(record_after=0) as session:
         step = session.region(decode_step)
