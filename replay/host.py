@@ -41,6 +41,12 @@ MEMMOVE_SLACK = 4
 MEMMOVE_BYTES = 1 << 16
 
 _memmove = ctypes.memmove
+#: torch's event methods themselves (torch.cuda.Event wraps them in Python, and ``record``
+#: without a stream looks the current one up); absent from CPU-only builds of torch
+_EVENT_BASE = getattr(torch._C, "_CudaEventBase", None)
+_record = getattr(_EVENT_BASE, "record", None)
+_query = getattr(_EVENT_BASE, "query", None)
+_synchronize = getattr(_EVENT_BASE, "synchronize", None)
 
 #: Buffers and events of HostInputs collected while a stream captured (a synchronize there would
 #: break the capture): released by the next HostInputs made, after their last launch is done.
@@ -94,6 +100,7 @@ class HostInputs:
             self.buffers[i] = pinned_buffer(tensor)
             self.fill(i, tensor)  # the values of the recording call, which the first launch reads
         self.event = torch.cuda.Event()
+        self._streams: dict[int, object] = {}
         self.launches = 0
 
     def ranges(self) -> list[tuple[int, tuple[int, int]]]:
@@ -113,10 +120,28 @@ class HostInputs:
         self.event.record()
         self.launches += 1
 
+    def launched_on(self, stream: int) -> None:
+        """:meth:`launched`, for generated replays, which know the stream's handle: torch's
+        event entry points without ``Event.record``'s lookup of the current stream (a few
+        microseconds; the stream object is made once per handle)."""
+        self._record_on(stream)
+        self.launches += 1
+
     def wait(self) -> None:
         """Until the last launch is done with the buffers (immediate before the first)."""
         if self.launches:
-            self.event.synchronize()
+            self._wait_for_event()
+
+    # the event itself (a test double replaces these two)
+    def _record_on(self, stream: int) -> None:
+        handle = self._streams.get(stream)
+        if handle is None:
+            handle = self._streams[stream] = torch.cuda.ExternalStream(stream)
+        _record(self.event, handle)
+
+    def _wait_for_event(self) -> None:
+        if not _query(self.event):
+            _synchronize(self.event)
 
     def fill(self, i: int, tensor: torch.Tensor) -> None:
         """Copy ``tensor`` (the buffer's layout) into input ``i``'s buffer, as a replay does."""

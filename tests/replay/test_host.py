@@ -163,6 +163,12 @@ class FakeHost(HostInputs):
         self.event = FakeEvent(log, self)
         self.launches = 0
 
+    def _record_on(self, stream: int) -> None:
+        self.event.record()
+
+    def _wait_for_event(self) -> None:
+        self.event.synchronize()
+
 
 class LoggingExec(SimExec):
     def __init__(self, log: list) -> None:
