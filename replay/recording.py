@@ -19,6 +19,7 @@ import enum
 import itertools
 import time
 import warnings
+import weakref
 from collections.abc import Iterable, Sequence
 
 import attrs
@@ -133,6 +134,7 @@ class KeptPool:
     def __init__(self, device: int, stream: torch.cuda.Stream):
         with torch.cuda.device(device):
             self.id = torch.cuda.graph_pool_handle()
+        weakref.finalize(self, _forget_pool, device, tuple(self.id))
         self.device = device
         self.keeper = torch.cuda.CUDAGraph()
         # a capture like any other: thread-local mode, and never beside another thread's
@@ -143,18 +145,42 @@ class KeptPool:
                 self.keeper.capture_end()
 
 
-def pool_bytes(device: int, pool: tuple) -> int:
-    """Bytes reserved by a private memory pool (its segments), from the allocator's snapshot."""
+#: The size of each private pool as last measured, by (device, pool id): what the pool held
+#: before a recording, for the recording's memory figure, and what stats and the compaction
+#: rule read, without a snapshot of the allocator (milliseconds once it holds many blocks;
+#: several of them a recording were most of a recording's cost). Only captures grow a pool,
+#: and every capture measures it again.
+_KNOWN_POOL_BYTES: dict[tuple[int, tuple], int] = {}
+
+
+def _forget_pool(device: int, pool: tuple) -> None:
+    _KNOWN_POOL_BYTES.pop((device, pool), None)
+
+
+def pool_segments(device: int, pool: tuple) -> list[tuple[int, int]]:
+    """(address, bytes) of each segment of a private memory pool, from the allocator's
+    snapshot (which also updates :func:`known_pool_bytes`)."""
     try:
         segments = torch.cuda.memory_snapshot(mempool_id=pool, include_traces=False)
-        return sum(s["total_size"] for s in segments if s.get("device", device) == device)
+        found = [(s["address"], s["total_size"]) for s in segments if s.get("device", device) == device]
     except TypeError:  # older torch: no per-pool snapshot
-        segments = torch.cuda.memory_snapshot()
-        return sum(
-            s["total_size"]
-            for s in segments
+        found = [
+            (s["address"], s["total_size"])
+            for s in torch.cuda.memory_snapshot()
             if s.get("device") == device and tuple(s.get("segment_pool_id", ())) == tuple(pool)
-        )
+        ]
+    _KNOWN_POOL_BYTES[(device, tuple(pool))] = sum(size for _, size in found)
+    return found
+
+
+def pool_bytes(device: int, pool: tuple) -> int:
+    """Bytes reserved by a private memory pool (its segments), measured now."""
+    return sum(size for _, size in pool_segments(device, pool))
+
+
+def known_pool_bytes(device: int, pool: tuple) -> int | None:
+    """:func:`pool_bytes` as last measured (None if never)."""
+    return _KNOWN_POOL_BYTES.get((device, tuple(pool)))
 
 
 def _end_capture_after_error(graph: torch.cuda.CUDAGraph, device: int, pool: tuple) -> bool:
@@ -514,12 +540,19 @@ def _record(
 
 
 def _give_outputs_their_own_memory(
-    outputs: object, watched: Sequence[tuple[int, int]], graph, *, device: int, pool: tuple, backend, stream
+    outputs: object,
+    watched: Sequence[tuple[int, int]],
+    graph,
+    *,
+    pool_memory: Sequence[tuple[int, int]],
+    backend,
+    stream,
+    device: int,
 ) -> tuple[object, int, set[int]]:
     """:func:`own_outputs` for a capture that just ended; on failure the graph is reset and
     the error is a CaptureFailed."""
     try:
-        return own_outputs(outputs, watched, device, backend, graph, stream, pool_ranges(device, pool))
+        return own_outputs(outputs, watched, device, backend, graph, stream, pool_memory)
     except Exception as exc:
         graph.reset()
         if isinstance(exc, CaptureFailed):
@@ -618,21 +651,24 @@ def capture(
         backend = get_backend()
         recorder = _Recorder(backend)
         graph = torch.cuda.CUDAGraph(keep_graph=True)
-        pool_before = pool_bytes(device, pool)
+        pool_before = known_pool_bytes(device, pool)
+        if pool_before is None:
+            pool_before = pool_bytes(device, pool)
         timings["prepare"] = clock() - timings.pop("start")
         started = clock()
         with torch.cuda.stream(stream):
             recorded = _record(
                 fn, args, kwargs, prepared, recorder, observer, graph, device=device, pool=pool, copy_back=copy_back
             )
+            segments = pool_segments(device, pool)  # the one snapshot of the recording
             recorded.outputs, output_bytes, owned = _give_outputs_their_own_memory(
                 recorded.outputs,
                 prepared.watched + prepared.host_ranges(),
                 graph,
-                device=device,
-                pool=pool,
+                pool_memory=[(address, address + size) for address, size in segments],
                 backend=backend,
                 stream=stream,
+                device=device,
             )
         timings["capture"] = clock() - started
         # Records must not keep the capture's tensors alive: intermediates freed now return to
@@ -642,9 +678,7 @@ def capture(
         _instantiate(graph)
         seconds = clock() - started
         timings["instantiate"] = seconds - timings["capture"]
-        measured = clock()
-        memory = max(pool_bytes(device, pool) - pool_before, 0) + output_bytes
-        timings["pool size"] = clock() - measured
+        memory = max(sum(size for _, size in segments) - pool_before, 0) + output_bytes
         return _capture_record(
             graph=graph,
             device=device,
@@ -756,15 +790,6 @@ _CONSTANT_OUTPUTS = (
     enum.Enum,
     np.generic,
 )
-
-
-def pool_ranges(device: int, pool: tuple) -> list[tuple[int, int]]:
-    """The address ranges of a private memory pool's segments (what a capture allocated)."""
-    try:
-        segments = torch.cuda.memory_snapshot(mempool_id=pool, include_traces=False)
-    except TypeError:  # older torch: no per-pool snapshot
-        segments = [s for s in torch.cuda.memory_snapshot() if tuple(s.get("segment_pool_id", ())) == tuple(pool)]
-    return [(s["address"], s["address"] + s["total_size"]) for s in segments if s.get("device", device) == device]
 
 
 def own_outputs(

@@ -948,20 +948,32 @@ class Session:
                     self.release(entry)
 
     def pool_bytes(self, device: int) -> int:
+        """The device's pool size, measured now (compaction compares before and after)."""
         return recording.pool_bytes(device, self.pool(device))
 
     def memory_bytes(self) -> int:
-        """The pools' size plus the graphs' own output buffers."""
+        """The pools' size (as each recording last measured it) plus the graphs' own output
+        buffers."""
         outputs = sum(getattr(e.graph.capture, "output_bytes", 0) for e in self.lru if e.graph is not None)
-        retired = sum(recording.pool_bytes(p.device, p.id) for p in self._retired_pools)
-        return sum(self.pool_bytes(device) for device in self._pools) + retired + outputs
+        retired = sum(self.known_pool_bytes(p.device, p.id) for p in self._retired_pools)
+        pools = sum(self.known_pool_bytes(device) for device in self._pools)
+        return pools + retired + outputs
+
+    def known_pool_bytes(self, device: int, pool: tuple | None = None) -> int:
+        """A pool's size as its last recording measured it (recording.known_pool_bytes),
+        measured now if never: no allocator snapshot after every recording."""
+        pool = self.pool(device) if pool is None else pool
+        known = recording.known_pool_bytes(device, pool)
+        if known is not None:
+            return known
+        return self.pool_bytes(device) if pool == self.pool(device) else recording.pool_bytes(device, pool)
 
     def after_record(self, entry: Entry, capture) -> None:
         """A recording that grew the pool substantially may have fragmented it (a bigger shape
         cannot reuse the blocks smaller shapes were recorded into): record the device's graphs
         again, largest inputs first, into a fresh pool, so they share one set of blocks."""
         device = capture.device
-        size = self.pool_bytes(device)
+        size = self.known_pool_bytes(device)  # measured by the recording
         self.compaction_rule.recorded(device, size, capture.memory - getattr(capture, "output_bytes", 0))
         others = [e for e in self.lru if e is not entry and e.graph is not None and e.graph.device == device]
         if (
