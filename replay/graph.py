@@ -729,7 +729,7 @@ class RecordedGraph:
     def _after_host_launch(self, code: _Source) -> None:
         """Host inputs: the launch just enqueued reads their buffers until it is done."""
         if self.host is not None:
-            code.line(f"{code.bind(self.host.launched_on, '_host_launched')}(_s)")
+            code.line(f"{code.bind(self.host.launched_on, '_host_launched')}(_s, {int(self.device)})")
 
     def _count_replay(self, code: _Source) -> None:
         """Count the replay: the entry's generation (which outputs handed out remember, in

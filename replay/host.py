@@ -120,11 +120,11 @@ class HostInputs:
         self.event.record()
         self.launches += 1
 
-    def launched_on(self, stream: int) -> None:
-        """:meth:`launched`, for generated replays, which know the stream's handle: torch's
-        event entry points without ``Event.record``'s lookup of the current stream (a few
-        microseconds; the stream object is made once per handle)."""
-        self._record_on(stream)
+    def launched_on(self, stream: int, device: int) -> None:
+        """:meth:`launched`, for generated replays, which know the current stream's handle:
+        torch's event entry points without ``Event.record``'s lookup of the current stream (a
+        few microseconds); the stream object is looked up once per handle."""
+        self._record_on(stream, device)
         self.launches += 1
 
     def wait(self) -> None:
@@ -133,10 +133,15 @@ class HostInputs:
             self._wait_for_event()
 
     # the event itself (a test double replaces these two)
-    def _record_on(self, stream: int) -> None:
+    def _record_on(self, stream: int, device: int) -> None:
         handle = self._streams.get(stream)
         if handle is None:
-            handle = self._streams[stream] = torch.cuda.ExternalStream(stream)
+            # the current stream, whose handle the replay just read (not ExternalStream: a
+            # handle of 0, the default stream, would make it a new stream of torch's pool)
+            handle = torch.cuda.current_stream(device)
+            if handle.cuda_stream != stream:
+                raise RuntimeError(f"the current stream of device {device} is not the one the replay launched on")
+            self._streams[stream] = handle
         _record(self.event, handle)
 
     def _wait_for_event(self) -> None:

@@ -163,7 +163,7 @@ class FakeHost(HostInputs):
         self.event = FakeEvent(log, self)
         self.launches = 0
 
-    def _record_on(self, stream: int) -> None:
+    def _record_on(self, stream: int, device: int) -> None:
         self.event.record()
 
     def _wait_for_event(self) -> None:
