@@ -5,7 +5,7 @@ commit since 2026-11-29 has (``jc.Kernel``, ``@jc.jit``, ``replay.capture(record
 so the same file measures an old tree checked out beside the current one::
 
     git worktree add /tmp/old 3c298b5
-    PYTHONPATH=/tmp/old:. python -m benchmarks.host_bisect   # prints one JSON line
+    PYTHONPATH=/tmp/old:. python -P -m benchmarks.host_bisect   # -P: the old tree, not ./jitcore
     PYTHONPATH=. python -m benchmarks.host_bisect
 
 Each run prints replay's host us/step and torch's ``CUDAGraph.replay()`` of the same region
