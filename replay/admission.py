@@ -17,15 +17,11 @@ replay from ever costing more than it saves:
 - **A recording budget**: recording (captures and compactions alike) may take at most
   ``record_budget`` of the session's time since its first call (with ``GRACE_SECONDS`` counted
   as elapsed from the start, so the first recordings of a loop are not held back, and
-  one-time costs of a recording charged only up to a few times a usual one). Beyond that
-  share, a key may still record while the replays so far have saved more than all
-  recording took (an estimate: each replay saves its region's usual eager time less
-  ``REPLAY_SECONDS``) and its own recent calls, replayed, would repay a usual recording
-  (a capture and an analysis: twice the median of the recent charges): the buckets of a
-  bucketed loop, the hot shapes of a skewed mix are not held back, while a mix of more
-  shapes than ever repay a recording (a uniform 1..256, the tail of a Zipf mix) stays
-  within the share. A key that is admitted
-  while the budget is spent runs eagerly and records later.
+  one-time costs of a recording charged only up to a few times a usual one), or more while
+  the replays so far have saved at least all the time recording took (an estimate: each
+  replay saves its region's usual eager time less ``REPLAY_SECONDS``): recordings that pay
+  for themselves are not held back, and the session is never slower for them. A key that
+  is admitted while the budget is spent runs eagerly and records later.
 - **Compaction without storms**: re-recording every graph of a device into a fresh pool (to
   undo fragmentation) happens only when the pool has grown by half since the last compaction
   (``COMPACTION_GROWTH``), and
@@ -116,10 +112,6 @@ class FrequencySketch:
         self.halvings += 1
 
 
-def _median(values: list[float]) -> float:
-    return sorted(values)[len(values) // 2]
-
-
 @attrs.define
 class RecordingBudget:
     """At most ``fraction`` of the time since the first call goes to recording.
@@ -139,17 +131,12 @@ class RecordingBudget:
     recent: list[float] = attrs.Factory(list)  # the last charges, for their median
     _saved_at: tuple[float, float] | None = None  # (when, the estimate then)
 
-    def allows(self, repays: float = 0.0) -> bool:
-        """Whether a recording may start now; ``repays`` is what the key's recent calls,
-        replayed, would save (seconds): beyond the share, it must cover a usual recording."""
+    def allows(self) -> bool:
         now = self.clock()
         if self.started is None:
             self.started = now
         if self.spent < self.fraction * (now - self.started + GRACE_SECONDS):
             return True
-        # a key's recording is charged twice (the capture, then the analysis on its next call)
-        if not self.recent or repays < 2 * _median(self.recent):
-            return False
         # beyond the share only while replays have repaid every recording so far
         if self._saved_at is None or now - self._saved_at[0] >= SAVED_REFRESH_SECONDS:
             self._saved_at = (now, self.saved())
@@ -158,7 +145,8 @@ class RecordingBudget:
     def charge(self, seconds: float) -> None:
         seconds = max(seconds, 0.0)
         if self.recent:
-            cap = SPIKE_FACTOR * _median(self.recent)
+            ordered = sorted(self.recent)
+            cap = SPIKE_FACTOR * ordered[len(ordered) // 2]
         else:
             cap = FIRST_CHARGE_CAP
         charged = min(seconds, cap)
@@ -266,11 +254,8 @@ class Admission(Generic[Resident]):
         return self.victim(key, held, pending)[0]
 
     # --- time --------------------------------------------------------------------------------
-    def may_record(self, key: Hashable | None = None, gain: float = 0.0) -> bool:
-        """Whether ``key`` (None: a compaction) may record now, a replay of it saving about
-        ``gain`` seconds (see RecordingBudget.allows)."""
-        repays = self.sketch.count(key) * gain if key is not None else 0.0
-        return self.budget.allows(repays)
+    def may_record(self) -> bool:
+        return self.budget.allows()
 
     def recorded(self, seconds: float) -> None:
         self.budget.charge(seconds)

@@ -426,7 +426,7 @@ class Region:
             return _WARM
         if not admission.admits(counted, session.lru, len(session.pending)):
             return _REFUSED
-        if not admission.may_record(counted, self.eager_seconds - REPLAY_SECONDS):
+        if not admission.may_record():
             return _DEFERRED
         return _RECORD
 

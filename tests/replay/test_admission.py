@@ -87,18 +87,16 @@ def test_beyond_its_share_the_budget_allows_recording_only_while_replays_have_re
     budget = RecordingBudget(fraction=0.1, clock=lambda: now[0], saved=savings)
     assert budget.allows() and asked == []  # within the share: savings are not even asked
     budget.charge(0.02)
-    budget.charge(0.05)  # the median charge is now 0.05 s: a key's recording, 0.1 s
+    budget.charge(0.05)
     assert budget.spent > 0.1 * GRACE_SECONDS
-    assert not budget.allows(repays=1.0)  # nothing saved yet
+    assert not budget.allows()  # nothing saved yet
     saved[0] = budget.spent  # replays saved exactly what recording took: not more
     now[0] += SAVED_REFRESH_SECONDS
-    assert not budget.allows(repays=1.0)
+    assert not budget.allows()
     saved[0] = budget.spent + 0.001
-    assert not budget.allows(repays=1.0)  # the estimate is read again only after SAVED_REFRESH_SECONDS
+    assert not budget.allows()  # the estimate is read again only after SAVED_REFRESH_SECONDS
     now[0] += SAVED_REFRESH_SECONDS
-    assert budget.allows(repays=1.0)
-    assert not budget.allows(repays=0.099)  # a key whose calls would not repay its recording
-    assert budget.allows(repays=0.1)
+    assert budget.allows()
     assert asked == [0.0, SAVED_REFRESH_SECONDS, 2 * SAVED_REFRESH_SECONDS]
 
 
