@@ -17,11 +17,8 @@ replay from ever costing more than it saves:
 - **A recording budget**: recording (captures and compactions alike) may take at most
   ``record_budget`` of the session's time since its first call (with ``GRACE_SECONDS`` counted
   as elapsed from the start, so the first recordings of a loop are not held back, and
-  one-time costs of a recording charged only up to a few times a usual one), or more while
-  the replays so far have saved at least all the time recording took (an estimate: each
-  replay saves its region's usual eager time less ``REPLAY_SECONDS``): recordings that pay
-  for themselves are not held back, and the session is never slower for them. A key that
-  is admitted while the budget is spent runs eagerly and records later.
+  one-time costs of a recording charged only up to a few times a usual one). A key that is
+  admitted while the budget is spent runs eagerly and records later.
 - **Compaction without storms**: re-recording every graph of a device into a fresh pool (to
   undo fragmentation) happens only when the pool has grown by half since the last compaction
   (``COMPACTION_GROWTH``), and
@@ -48,12 +45,6 @@ GRACE_SECONDS = 0.5
 SPIKE_FACTOR = 3
 RECENT_CHARGES = 16
 FIRST_CHARGE_CAP = 0.02
-
-#: What a replay is taken to cost on the host when estimating what replays saved (an upper
-#: estimate: a replay of one pointer costs about 10 us on the H200's host), and how often that
-#: estimate is computed again (it goes over every held graph).
-REPLAY_SECONDS = 20e-6
-SAVED_REFRESH_SECONDS = 0.05
 
 #: Counts halve every ``window`` calls, with ``window = max(MIN_WINDOW, WINDOW_PER_GRAPH * max_graphs)``:
 #: long enough for a key in a uniform mix of a few hundred shapes to be counted several times.
@@ -125,22 +116,15 @@ class RecordingBudget:
 
     fraction: float
     clock: Callable[[], float]
-    saved: Callable[[], float] = lambda: 0.0  # an estimate of the time replays saved so far
     started: float | None = None
     spent: float = 0.0
     recent: list[float] = attrs.Factory(list)  # the last charges, for their median
-    _saved_at: tuple[float, float] | None = None  # (when, the estimate then)
 
     def allows(self) -> bool:
         now = self.clock()
         if self.started is None:
             self.started = now
-        if self.spent < self.fraction * (now - self.started + GRACE_SECONDS):
-            return True
-        # beyond the share only while replays have repaid every recording so far
-        if self._saved_at is None or now - self._saved_at[0] >= SAVED_REFRESH_SECONDS:
-            self._saved_at = (now, self.saved())
-        return self.spent < self._saved_at[1]
+        return self.spent < self.fraction * (now - self.started + GRACE_SECONDS)
 
     def charge(self, seconds: float) -> None:
         seconds = max(seconds, 0.0)
@@ -178,12 +162,11 @@ class Admission(Generic[Resident]):
         budget: float,
         replays: Callable[[Resident], int],
         clock: Callable[[], float],
-        saved: Callable[[], float] = lambda: 0.0,
     ):
         self.record_after = record_after
         self.max_graphs = max_graphs
         self.sketch = FrequencySketch(window=max(MIN_WINDOW, WINDOW_PER_GRAPH * max_graphs))
-        self.budget = RecordingBudget(fraction=budget, clock=clock, saved=saved)
+        self.budget = RecordingBudget(fraction=budget, clock=clock)
         self._replays = replays
         self._residents: dict[Resident, ResidentCount] = {}
         # a lower bound of the held graphs' least use, valid until a graph is held (or starts

@@ -34,7 +34,7 @@ from jitcore.codegen import never
 from jitcore.errors import GlobalDriftError
 from jitcore.guards import ArgumentCheck, make_guard
 from replay import buckets, observe, recording, region_keys
-from replay.admission import REPLAY_SECONDS, Admission, CompactionRule
+from replay.admission import Admission, CompactionRule
 from replay.dynamic import Dynamic
 from replay.errors import ReplayWarning, SessionClosedError
 from replay.graph import MISMATCH, RecordedGraph, compile_function, guard_outputs, measure_without_checks
@@ -68,7 +68,6 @@ class _Decision(enum.Enum):
 
 _WARM, _OBSERVE, _REFUSED, _DEFERRED, _RECORD = _Decision
 _MISS = object()
-_clock = time.perf_counter
 #: Argument types a flat call may hold for :meth:`Region._eager_flat`: constants that are
 #: leaves of the key as they are (hashable, compared by value).
 _PLAIN_CONSTANTS = frozenset({int, float, bool, type(None), str, torch.dtype, torch.device})
@@ -201,7 +200,6 @@ class Region:
         self.entries: OrderedDict[tuple, Entry] = OrderedDict()
         self.forgotten = _Forgotten()  # calls of keys that have (or kept) no entry
         self.padded_calls = 0  # calls with replay.padded arguments (for verify_every)
-        self.eager_seconds = 0.0  # the usual host time of an eager call (a moving average)
         self.hints: dict[object, Hints] = {}  # spec -> what its keys taught about the inputs
         self.entry_shapes: dict[tuple, int] = {}  # Region._counted shapes -> entries that have them
         self.snapshot: jitcore.GlobalsSnapshot | None = None
@@ -262,16 +260,8 @@ class Region:
         self._count_postponement(decision, spec)
         session.counters.eager_runs += 1
         self.forgotten.eager_runs += 1
-        started = _clock()
         with recording.CAPTURES.shared():  # may load kernels: not while another thread captures
-            result = self.fn(*args)
-        self._eager_took(_clock() - started)
-        return result
-
-    def _eager_took(self, seconds: float) -> None:
-        """Fold an eager call's host time into the region's moving average (what a replay
-        of the region is taken to save, see Session.replay_savings)."""
-        self.eager_seconds += (seconds - self.eager_seconds) * (1.0 if not self.eager_seconds else 0.125)
+            return self.fn(*args)
 
     def _rebuild_fast(self) -> None:
         """Generate ``_fast(args)``: for each arity with recorded keys, compute the pre-key,
@@ -557,11 +547,8 @@ class Region:
             self.forgotten.eager_runs += 1
         args, kwargs = region_keys.unflatten(spec, region_keys.plain_leaves(leaves))
         if observe is None:
-            started = _clock()
             with recording.CAPTURES.shared():  # may load kernels: not while another thread captures
-                result = self.fn(*args, **kwargs)
-            self._eager_took(_clock() - started)
-            return result
+                return self.fn(*args, **kwargs)
         tensors = [(i, leaf) for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
         observer = TorchOpObserver([region_keys.byte_range(t) for _, t in tensors])
         with recording.CAPTURES.shared(), observer:
@@ -852,7 +839,6 @@ class Session:
             budget=self.policy.record_budget,
             replays=lambda entry: entry.graph.replays if entry.graph is not None else 0,
             clock=time.perf_counter,
-            saved=self.replay_savings,
         )
         self.compaction_rule = CompactionRule()
         self.pending: dict[Entry, None] = {}  # recorded, not yet analysed: they take a place in the cache
@@ -972,18 +958,6 @@ class Session:
         retired = sum(self.known_pool_bytes(p.device, p.id) for p in self._retired_pools)
         pools = sum(self.known_pool_bytes(device) for device in self._pools)
         return pools + retired + outputs
-
-    def replay_savings(self) -> float:
-        """An estimate of the time the replays so far saved against running eagerly: each
-        replay of a region's graph saves the region's usual eager host time less
-        ``admission.REPLAY_SECONDS`` (for the recording budget; graphs dropped since are not
-        counted, which only underestimates)."""
-        saved = 0.0
-        for region in self.regions:
-            gain = region.eager_seconds - REPLAY_SECONDS
-            if gain > 0:
-                saved += gain * sum(entry.replays for entry in region.entries.values())
-        return saved
 
     def known_pool_bytes(self, device: int, pool: tuple | None = None) -> int:
         """A pool's size as its last recording measured it (recording.known_pool_bytes),

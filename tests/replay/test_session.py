@@ -18,7 +18,6 @@ import replay
 from jitcore.backends import use_backend
 from jitcore.backends.null import NullBackend
 from replay import recording, region_keys
-from replay import session as session_module
 from replay.graph import MISMATCH
 from replay.rebinding import REBOUND, InputRange, Plan
 from replay.session import EAGER_ONLY, PENDING, RECORDED, WARMING, Session
@@ -344,35 +343,6 @@ def test_the_recording_budget_postpones_recordings_and_charges_failed_ones(sessi
     with pytest.warns(replay.ReplayWarning):
         step(torch.randn(5), torch.randn(5))
     assert session.admission.budget.spent > spent  # a failed capture took time too
-
-
-def test_recordings_that_replays_have_paid_for_are_not_held_back_by_the_budget(session_factory, monkeypatch):
-    """Beyond its share, the budget lets a key record once the replays so far have saved more
-    than all recording took (each replay saves the region's usual eager time)."""
-    now = [0.0]
-    clock = iter(float(t) / 100 for t in range(10**6))  # every eager call takes 10 ms
-    monkeypatch.setattr(session_module, "_clock", lambda: next(clock))
-    session = session_factory(record_after=0, record_budget=0.1)
-    session.admission.budget.clock = lambda: now[0]
-    step = session.region(add)
-    x, y = torch.randn(3), torch.randn(4)
-    step(x, x)
-    step(x, x)  # recorded, analysed
-    session.admission.budget.spent += 1.0  # as if recording had taken a second
-    step(y, y)
-    assert session.stats().deferred == 1 and session.stats().records == 1
-    step(y, y)  # still postponed: replays saved nothing yet
-    assert step.eager_seconds == pytest.approx(0.01) and session.stats().records == 1
-    for _ in range(97):  # with the first two, 99 replays of 10 ms eager calls: 0.99 s saved, 1 s spent
-        step(x, x)
-    now[0] += 1.0
-    step(y, y)
-    assert session.stats().records == 1 and session.stats().deferred == 3
-    for _ in range(3):
-        step(x, x)
-    now[0] += 1.0  # the savings estimate is read again
-    step(y, y)
-    assert session.stats().records == 2, session.stats()
 
 
 def test_a_failed_capture_marks_the_key_eager_only_with_one_warning(session_factory):
