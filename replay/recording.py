@@ -772,7 +772,7 @@ def _refuse_written_overlaps(inputs, staged: dict, written: set[int]) -> None:
 
 
 def _first_line(exc: BaseException) -> str:
-    """The first line of an exception's message ("" when it has none)."""
+    """The first line of an exception's message (its type's name when it has none)."""
     lines = str(exc).strip().splitlines()
     return lines[0] if lines else type(exc).__name__
 
