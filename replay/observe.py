@@ -92,16 +92,8 @@ class TorchOpObserver(TorchDispatchMode):
     def _host_hits(self, arguments: tuple, args: tuple, kwargs: dict) -> tuple[dict, dict]:
         """The op's arguments by name, and which of them touch a host buffer (name -> input)."""
         named, hits = {}, {}
-        for index, (name, _written) in enumerate(arguments):
-            value = args[index] if index < len(args) else kwargs.get(name)
+        for name, _written, value, tensors in _arguments_and_tensors(arguments, args, kwargs):
             named[name] = value
-            if value is None or isinstance(value, (int, float, bool, str)):
-                continue
-            tensors = (
-                [value]
-                if isinstance(value, torch.Tensor)
-                else [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
-            )
             for tensor in tensors:
                 if tensor.device.type != "cpu" or tensor.layout is not torch.strided:
                     continue
@@ -135,21 +127,27 @@ class TorchOpObserver(TorchDispatchMode):
 
     def _observed(self, func, arguments: tuple, args: tuple, kwargs: dict):
         if arguments and self.ranges:
-            for index, (name, written) in enumerate(arguments):
-                value = args[index] if index < len(args) else kwargs.get(name)
-                if value is None or isinstance(value, (int, float, bool, str)):
-                    continue
-                tensors = (
-                    [value]
-                    if isinstance(value, torch.Tensor)
-                    else [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
-                )
+            for _name, written, _value, tensors in _arguments_and_tensors(arguments, args, kwargs):
                 for tensor in tensors:
                     for hit in self._hits(tensor):
                         self.read.add(hit)
                         if written:
                             self.written.add(hit)
         return func(*args, **kwargs)
+
+
+def _arguments_and_tensors(arguments: tuple, args: tuple, kwargs: dict):
+    """(name, written, value, the tensors in it) for each argument of an op's schema, as the
+    call passed it (positionally or by keyword); no tensors for scalars and None."""
+    for index, (name, written) in enumerate(arguments):
+        value = args[index] if index < len(args) else kwargs.get(name)
+        if value is None or isinstance(value, (int, float, bool, str)):
+            tensors = []
+        elif isinstance(value, torch.Tensor):
+            tensors = [value]
+        else:
+            tensors = [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+        yield name, written, value, tensors
 
 
 _ARGUMENTS: dict = {}
