@@ -2,9 +2,10 @@
 
 While a region is captured, ``triton.runtime.jit.JITFunction.run`` is wrapped (installed for
 the capture only, passing through on every other thread): each Triton launch of the capturing
-thread is reported to the capture's recorder as a :class:`TritonLaunchRecord`, with the same
-provenance a jit launch reports, so its pointers are rebound and its ``dynamic(...)`` scalars
-and grid sizes recomputed instead of its inputs being staged.
+thread is reported to the capture's recorder as a :class:`jitcore.recorder.LaunchRecord` (the
+record jit launches make), with the same provenance a jit launch reports, so its pointers are
+rebound and its ``dynamic(...)`` scalars and grid sizes recomputed instead of its inputs being
+staged.
 
 How a Python call maps to the kernel's C parameters (Triton 3.x, the NVIDIA launcher): the
 compiled signature (``kernel.src.signature``, one type per Triton parameter) drops every
@@ -43,7 +44,7 @@ from collections.abc import Iterator, Sequence
 import attrs
 
 from jitcore.backends.abi import ParamLayout, ParamType
-from jitcore.recorder import ConfigRecord, ParamRecord
+from jitcore.recorder import CheckRecord, ConfigRecord, LaunchRecord, ParamRecord
 from replay.dynamic import DynamicScalar
 from replay.errors import DynamicScalarError
 
@@ -97,30 +98,6 @@ class TritonParamRecord(ParamRecord):
 
 
 @attrs.frozen
-class TritonLaunchRecord:
-    """One Triton launch, shaped like :class:`jitcore.recorder.LaunchRecord` (the fields a
-    recording reads). ``args`` holds the Triton parameters' values in order (dynamic scalars
-    as they were passed), then the grid's dynamic sizes (``dynamic_config`` names them)."""
-
-    jit_function: str
-    kernel: str
-    function: int
-    device: int
-    grid: tuple[int, int, int]
-    block: tuple[int, int, int]
-    shared_bytes: int
-    layout: ParamLayout
-    param_bytes: bytes
-    params: tuple[ParamRecord, ...]
-    args: tuple
-    stream: int
-    check_globals: object = None
-    launched: bool = True
-    dynamic_config: tuple[ConfigRecord, ...] = ()
-    checks: tuple = ()
-
-
-@attrs.frozen
 class _Arg:
     """``scalars[k]``: the value of a launch's argument ``k`` (an evaluator, no source)."""
 
@@ -168,16 +145,6 @@ class SpecializationCheck:
             return 1 if tuple(self.spec(scalars[self.k])) == self.recorded else 0
         except Exception:  # a value Triton cannot specialize: eager raises its error
             return 0
-
-
-@attrs.frozen
-class TritonCheckRecord:
-    """A :class:`jitcore.recorder.CheckRecord`-shaped specialization check."""
-
-    scalar_args: tuple[int, ...]
-    value: object
-    size: object
-    expression: str = ""
 
 
 def _value(arg):
@@ -240,7 +207,7 @@ def map_launch(fn, kernel, args: Sequence, kwargs: dict, specialization: Sequenc
             if tuple(spec(value.value)) != recorded:
                 raise Unmappable(f"parameter {name!r}: the specialization could not be reproduced")
             check = SpecializationCheck(k, spec, recorded)
-            checks.append(TritonCheckRecord((k,), check.value, check.size, f"specialization of {{{k}}}"))
+            checks.append(CheckRecord((k,), check.value, check.size, f"specialization of {{{k}}}"))
         if ty == "constexpr":
             continue  # specialized away (an int equal to 1): checked above when dynamic
         if ty.startswith("tensordesc") or ty == "nvTmaDesc":
@@ -353,7 +320,7 @@ def _record_launch(recorder, original, fn, args, kwargs, grid):
             extra.append(size)
     metadata = kernel.metadata
     recorder.launch(
-        TritonLaunchRecord(
+        LaunchRecord(
             jit_function=f"triton:{fn.__name__}",
             kernel=f"{fn.__name__} (Triton)",
             function=int(kernel.function),
