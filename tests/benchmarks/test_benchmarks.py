@@ -19,6 +19,7 @@ import torch
 
 import jitcore
 import replay
+from tests.jitcore.fakes import ListRecorder
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 MODULES = sorted((ROOT / "benchmarks").glob("*.py"))
@@ -89,19 +90,6 @@ def test_the_committed_results_name_the_runner():
     assert commands and all("python -m benchmarks " in command for command in commands)
 
 
-class _Launches:
-    """A jit recorder that keeps every launch record."""
-
-    def __init__(self):
-        self.records = []
-
-    def launch(self, record):
-        self.records.append(record)
-
-    def miss(self, description):
-        pass
-
-
 @pytest.mark.parametrize(("arguments", "patched"), [(4, 8), (16, 8), (64, 1), (4, 0), (1, 32)])
 def test_scaling_grid_cells_read_the_arguments_their_plan_says(arguments, patched):
     """A cell of the argument x patched-node table, built and run on the CPU under the null
@@ -118,7 +106,7 @@ def test_scaling_grid_cells_read_the_arguments_their_plan_says(arguments, patche
     if arguments >= patched > 0:  # every argument feeds exactly one node
         assert sorted(i for read in cell.reads for i in read) == list(range(arguments))
     assert cell.rebound_pointers == (max(arguments, patched) if patched else 0)
-    launches = _Launches()
+    launches = ListRecorder()
     with use_backend(NullBackend()):
         xs = cell.inputs("cpu")
         cell.region(*xs)  # the jit's misses, outside the recorder

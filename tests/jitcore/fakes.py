@@ -6,6 +6,7 @@ import ctypes
 import threading
 
 from jitcore.backends.null import NullBackend
+from jitcore.errors import CaptureMissError
 
 
 class CountingBackend(NullBackend):
@@ -74,3 +75,21 @@ def track_layouts(backend: CountingBackend, *specializations) -> None:
     for spec in specializations:
         function = spec.function(backend.current_device())
         backend.layout_of[function.handle] = spec.layout
+
+
+class ListRecorder:
+    """A jit recorder hook (``jitcore.recorder``) that keeps every launch record and every
+    miss; with ``refuse_miss`` a miss raises, as a capture's recorder does."""
+
+    def __init__(self, refuse_miss: bool = False):
+        self.records = []
+        self.misses = []
+        self.refuse_miss = refuse_miss
+
+    def launch(self, record):
+        self.records.append(record)
+
+    def miss(self, description):
+        self.misses.append(description)
+        if self.refuse_miss:
+            raise CaptureMissError(description)

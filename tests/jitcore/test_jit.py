@@ -26,7 +26,7 @@ from jitcore.errors import (
     UnsupportedTensorError,
 )
 
-from .fakes import CountingBackend, track_layouts
+from .fakes import CountingBackend, ListRecorder, track_layouts
 
 AXPY = r"""
 template <typename T>
@@ -462,22 +462,7 @@ def test_overflowing_scalar_names_the_parameter(backend):
         launch_n(x, 2**33)
 
 
-# --- the recorder hook ------------------------------------------------------------------------
-class ListRecorder:
-    def __init__(self, refuse_miss: bool = False):
-        self.records = []
-        self.misses = []
-        self.refuse_miss = refuse_miss
-
-    def launch(self, record):
-        self.records.append(record)
-
-    def miss(self, description):
-        self.misses.append(description)
-        if self.refuse_miss:
-            raise CaptureMissError(description)
-
-
+# --- the recorder hook (tests/jitcore/fakes.ListRecorder) -----------------------------------------
 class Dynamic:
     """A stand-in for replay.dynamic: carries a runtime scalar."""
 

@@ -15,18 +15,7 @@ import jitcore as jc
 from jitcore import recorder
 from jitcore.backends import use_backend
 
-from .fakes import CountingBackend, track_layouts
-
-
-class ListRecorder:
-    def __init__(self):
-        self.records = []
-
-    def launch(self, record):
-        self.records.append(record)
-
-    def miss(self, description):
-        pass
+from .fakes import CountingBackend, ListRecorder, track_layouts
 
 
 @pytest.fixture
