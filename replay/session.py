@@ -258,8 +258,7 @@ class Region:
                 return self._run_eagerly(decision, spec, leaves, paths)
             return self._keyed_call(args, {}, spec, leaves, paths, counted, decision)
         self._count_postponement(decision, spec)
-        session.counters.eager_runs += 1
-        self.forgotten.eager_runs += 1
+        self._count_eager(None)
         with recording.CAPTURES.shared():  # may load kernels: not while another thread captures
             return self.fn(*args)
 
@@ -539,12 +538,17 @@ class Region:
             self.forgotten.eager_runs += entry.eager_runs
             self.forgotten.replays += entry.replays_before
 
-    def _eager(self, spec: object, leaves: Sequence, entry: Entry | None = None, observe: Hints | None = None):
+    def _count_eager(self, entry: Entry | None) -> None:
+        """Count an eager run: the session's, and the key's (in the region's aggregate for a
+        key without an entry)."""
         self.session.counters.eager_runs += 1
         if entry is not None:
             entry.eager_runs += 1
         else:
             self.forgotten.eager_runs += 1
+
+    def _eager(self, spec: object, leaves: Sequence, entry: Entry | None = None, observe: Hints | None = None):
+        self._count_eager(entry)
         args, kwargs = region_keys.unflatten(spec, region_keys.plain_leaves(leaves))
         if observe is None:
             with recording.CAPTURES.shared():  # may load kernels: not while another thread captures
