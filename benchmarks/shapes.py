@@ -14,10 +14,11 @@ replay with the default policy, and replay with bucketing (``capture(buckets=[1,
 256])`` and ``replay.padded``; the region's rows are independent). Reported per step: the first
 and the second half of the run (end to end: the GPU synchronised at each block's end), the
 ratio to eager, records, evictions, keys not admitted, recordings postponed by the budget,
-compactions and graph memory. Each session's recording budget runs on the clock of its own
-blocks (see LoopClock). One-time costs are paid before timing on both sides: every jit
-call state is compiled, and a throwaway session records two shapes (replay's own kernels, the
-first capture).
+calls of keys too rare to pay for a recording, compactions and graph memory. Each session's
+recording budget runs on the clock of its own blocks (see LoopClock). One-time costs are paid
+before timing on both sides: every jit call state is compiled, and a throwaway session records
+two shapes (replay's own kernels, the first capture).
+A second table times the eager path of a session against the direct call (see eager_path).
 Shape-polymorphic replay (one graph serving smaller sizes) is not implemented yet: no row.
 """
 
@@ -175,6 +176,7 @@ def measure(distribution: str, steps: int) -> dict[str, dict[str, float]]:
             evictions=stats.evictions,
             not_admitted=stats.refused,
             postponed=stats.deferred,
+            too_rare=stats.too_rare,
             compactions=stats.compactions,
             recaptures=stats.recaptures,
             graph_mib=stats.graph_memory_bytes / 2**20,
@@ -187,11 +189,51 @@ def measure(distribution: str, steps: int) -> dict[str, dict[str, float]]:
     return results
 
 
+def trivial(x):
+    return x
+
+
+def eager_path(steps: int) -> dict[str, dict[str, float]]:
+    """What a call that runs eagerly costs a session beyond the direct call, alone (a region
+    that returns its argument) and inside this benchmark's loop (the 6-layer region, whose own
+    Python crowds the CPU's caches): still warming (``record_after`` never reached), and too
+    rare to pay back (the grace spent, a recording made to cost 2 s). Interleaved
+    blocks of 100 calls over the uniform draws, microseconds per call over the direct call."""
+    sizes = draws("uniform", steps, random.Random(1))
+    inputs = {n: [torch.randn(n, DIM, device="cuda")] for n in set(sizes)}
+    results = {}
+    for label, fn in (("trivial region", trivial), ("6-layer region", make_region())):
+        for n in set(sizes):
+            fn(inputs[n][0])
+        warming = replay.capture(record_after=10**9)
+        rare = replay.capture(record_after=0)
+        rare.admission.budget.spent = 1.0  # past the grace,
+        rare.admission.budget.recent = [1.0]  # and a recording costs 2 s: every key too rare
+        paths = {"direct": fn, "warming": warming.region(fn), "too_rare": rare.region(fn)}
+        spent = dict.fromkeys(paths, 0.0)
+        for number, start in enumerate(range(0, len(sizes), BLOCK)):
+            names = list(paths)
+            names = names[number % len(names) :] + names[: number % len(names)]
+            for name in names:
+                block = sizes[start : start + BLOCK]
+                spent[name] += loop(lambda _size, x, step=paths[name]: step(x), inputs, block)[1] * len(block)
+        assert rare.stats().records == 0 and warming.stats().records == 0
+        warming.close()
+        rare.close()
+        direct = spent["direct"] / len(sizes)
+        results[label] = {"direct_us": direct}
+        results[label].update(
+            {f"{name}_over_direct_us": spent[name] / len(sizes) - direct for name in paths if name != "direct"}
+        )
+    return results
+
+
 def main() -> None:
     args = common.parser(__doc__.splitlines()[0]).parse_args()
     steps = 600 if args.quick else 6000
     results = {d: measure(d, steps) for d in ("uniform", "zipf", "fixed")}
     results["prefill"] = measure("prefill", 100 if args.quick else 1000)
+    overhead = eager_path(steps)
     headers = (
         "distribution",
         "path",
@@ -203,6 +245,7 @@ def main() -> None:
         "evictions",
         "not admitted",
         "postponed",
+        "too rare",
         "compactions (graphs)",
         "graph MiB",
     )
@@ -221,11 +264,18 @@ def main() -> None:
                     r.get("evictions", "-"),
                     r.get("not_admitted", "-"),
                     r.get("postponed", "-"),
+                    r.get("too_rare", "-"),
                     f"{r['compactions']} ({r['recaptures']})" if "compactions" in r else "-",
                     r.get("graph_mib", "-"),
                 )
             )
     body = common.markdown_table(headers, rows)
+    body += "\n\nThe eager path of a session (us per call, interleaved with the direct call):\n\n"
+    body += common.markdown_table(
+        ("region", "direct call us", "warming: over direct", "too rare: over direct"),
+        [(k, v["direct_us"], v["warming_over_direct_us"], v["too_rare_over_direct_us"]) for k, v in overhead.items()],
+    )
+    results["eager_path"] = overhead
     notes = (
         f"{steps} steps per distribution (prefill: each length once), batch sizes 1..{LARGEST}, "
         f"{LAYERS} layers of a {DIM}x{DIM} matmul and two jit kernels. Targets (issue 12): the "

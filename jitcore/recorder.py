@@ -183,7 +183,8 @@ class CaptureExclusion:
     """
 
     def __init__(self) -> None:
-        self._condition = threading.Condition(threading.Lock())
+        self._lock = threading.Lock()
+        self._condition = threading.Condition(self._lock)  # the same mutex, for the waits
         self._readers = 0
         self._owner: int | None = None
         self._depth = 0
@@ -196,33 +197,6 @@ class CaptureExclusion:
         holds it exclusively). A plain context object, not a generator: region calls take it
         on every eager run."""
         return self._shared
-
-    def _enter_shared(self) -> None:
-        me = threading.get_ident()
-        local = self._local
-        with self._condition:
-            if self._owner == me:
-                owner = True
-            else:
-                owner = False
-                while self._owner is not None:
-                    self._condition.wait()
-                self._readers += 1
-        try:
-            local.owners.append(owner)
-        except AttributeError:  # this thread's first shared block
-            local.owners, local.depth = [owner], 0
-        if not owner:
-            local.depth += 1
-
-    def _exit_shared(self) -> None:
-        local = self._local
-        if not local.owners.pop():
-            local.depth -= 1
-            with self._condition:
-                self._readers -= 1
-                if not self._readers and self._waiting:
-                    self._condition.notify_all()
 
     def holds_shared(self) -> bool:
         """Whether this thread holds the exclusion shared (so it cannot take it exclusively)."""
@@ -254,7 +228,9 @@ class CaptureExclusion:
 
 
 class _Shared:
-    """``with exclusion.shared():`` (see :meth:`CaptureExclusion.shared`)."""
+    """``with exclusion.shared():`` (see :meth:`CaptureExclusion.shared`). The holding and
+    releasing live here, in the context methods themselves: every eager run of a region
+    takes it, and the usual case (no capture under way) costs one plain lock."""
 
     __slots__ = ("_exclusion",)
 
@@ -262,10 +238,49 @@ class _Shared:
         self._exclusion = exclusion
 
     def __enter__(self) -> None:
-        self._exclusion._enter_shared()
+        exclusion = self._exclusion
+        local = exclusion._local
+        try:
+            owners = local.owners
+        except AttributeError:  # this thread's first shared block
+            owners = local.owners = []
+            local.depth = 0
+        lock = exclusion._lock
+        lock.acquire()
+        if exclusion._owner is None:
+            exclusion._readers += 1
+            lock.release()
+            owners.append(False)
+            local.depth += 1
+            return
+        lock.release()
+        me = threading.get_ident()
+        condition = exclusion._condition
+        with condition:
+            if exclusion._owner == me:
+                owner = True
+            else:
+                owner = False
+                while exclusion._owner is not None:
+                    condition.wait()
+                exclusion._readers += 1
+        owners.append(owner)
+        if not owner:
+            local.depth += 1
 
     def __exit__(self, *exc: object) -> None:
-        self._exclusion._exit_shared()
+        exclusion = self._exclusion
+        local = exclusion._local
+        if not local.owners.pop():
+            local.depth -= 1
+            lock = exclusion._lock
+            lock.acquire()
+            exclusion._readers -= 1
+            wake = not exclusion._readers and exclusion._waiting
+            lock.release()
+            if wake:
+                with exclusion._condition:
+                    exclusion._condition.notify_all()
 
 
 #: The process's one capture exclusion (see :class:`CaptureExclusion`).

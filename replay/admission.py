@@ -19,6 +19,12 @@ replay from ever costing more than it saves:
   as elapsed from the start, so the first recordings of a loop are not held back, and
   one-time costs of a recording charged only up to a few times a usual one). A key that is
   admitted while the budget is spent runs eagerly and records later.
+- **Recordings that pay back** (ski rental): once the budget's grace is spent, a key is
+  recorded only when its recent calls, ``PAYBACK_HORIZON`` times over, would have saved more
+  eager time than a recording usually costs. A uniform mix of hundreds of shapes, each back a
+  few times per window, spent the whole budget on recordings that were never repaid (1.11x
+  eager's time over 6,000 steps on the H200); its keys now run eagerly, and frequent keys
+  still record at once.
 - **Compaction without storms**: re-recording every graph of a device into a fresh pool (to
   undo fragmentation) happens only when the pool has grown by half since the last compaction
   (``COMPACTION_GROWTH``), and
@@ -45,6 +51,16 @@ GRACE_SECONDS = 0.5
 SPIKE_FACTOR = 3
 RECENT_CHARGES = 16
 FIRST_CHARGE_CAP = 0.02
+
+#: After the grace, a key is recorded only when its recent count times this many, times what
+#: a replay saves over an eager call, reaches what a recording usually costs: it pays back if
+#: it keeps being called for a few more windows as it was in the last ones.
+PAYBACK_HORIZON = 1
+
+#: The host time a replay is taken to cost, subtracted from an eager call's time to give what
+#: one replay saves (about 5 to 15 us on the H200 machine for regions of a few to a few dozen
+#: kernels: docs/benchmarks/replay.md, scaling.md).
+REPLAY_SECONDS_GUESS = 15e-6
 
 #: Counts halve every ``window`` calls, with ``window = max(MIN_WINDOW, WINDOW_PER_GRAPH * max_graphs)``:
 #: long enough for a key in a uniform mix of a few hundred shapes to be counted several times.
@@ -119,12 +135,26 @@ class RecordingBudget:
     started: float | None = None
     spent: float = 0.0
     recent: list[float] = attrs.Factory(list)  # the last charges, for their median
+    # usual_recording's answer, and the list of charges it was computed from (a new list
+    # after each charge): asked on every call of a key past its warm-up, sorted only anew
+    _usual: float = attrs.field(default=0.0, init=False)
+    _usual_of: list[float] | None = attrs.field(default=None, init=False)
 
     def allows(self) -> bool:
         now = self.clock()
         if self.started is None:
             self.started = now
         return self.spent < self.fraction * (now - self.started + GRACE_SECONDS)
+
+    def usual_recording(self) -> float:
+        """What recording a key usually costs: its capture and its analysis are charged
+        separately, each about the median of the recent charges."""
+        recent = self.recent
+        if self._usual_of is not recent:
+            ordered = sorted(recent)
+            self._usual = 2 * ordered[len(ordered) // 2] if ordered else 0.0
+            self._usual_of = recent
+        return self._usual
 
     def charge(self, seconds: float) -> None:
         seconds = max(seconds, 0.0)
@@ -167,6 +197,9 @@ class Admission(Generic[Resident]):
         self.max_graphs = max_graphs
         self.sketch = FrequencySketch(window=max(MIN_WINDOW, WINDOW_PER_GRAPH * max_graphs))
         self.budget = RecordingBudget(fraction=budget, clock=clock)
+        #: ``called(key) -> int``: count a call of a key that has no graph; its recent count.
+        #: The sketch's own method, not a wrapper: every call that runs eagerly asks it.
+        self.called: Callable[[Hashable], int] = self.sketch.add
         self._replays = replays
         self._residents: dict[Resident, ResidentCount] = {}
         # a lower bound of the held graphs' least use, valid until a graph is held (or starts
@@ -175,10 +208,6 @@ class Admission(Generic[Resident]):
         self._floor: tuple[int, int] | None = None  # (bound, halvings it was taken at)
 
     # --- calls ---------------------------------------------------------------------------
-    def called(self, key: Hashable) -> int:
-        """Count a call of a key that has no graph; its recent count."""
-        return self.sketch.add(key)
-
     def forget(self, which: Callable[[Hashable], bool]) -> None:
         """Drop the counts of the keys ``which`` selects (their region's graphs were dropped:
         they warm up again)."""
@@ -237,6 +266,15 @@ class Admission(Generic[Resident]):
         return self.victim(key, held, pending)[0]
 
     # --- time --------------------------------------------------------------------------------
+    def pays_back(self, count: int, eager_seconds: float) -> bool:
+        """Whether a key called ``count`` times recently, each eager call taking
+        ``eager_seconds``, is worth recording (always, during the budget's grace)."""
+        budget = self.budget
+        if budget.spent < budget.fraction * GRACE_SECONDS or budget.fraction >= 1:
+            return True  # the grace: the first recordings of a session, made as soon as admitted
+        saving = eager_seconds - REPLAY_SECONDS_GUESS
+        return saving > 0 and count * PAYBACK_HORIZON * saving >= budget.usual_recording()
+
     def may_record(self) -> bool:
         return self.budget.allows()
 

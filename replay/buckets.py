@@ -18,6 +18,7 @@ unpadded, eagerly, and compares (see :func:`verify`).
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Callable, Sequence
 
@@ -62,16 +63,32 @@ def padded(tensor: torch.Tensor, dim: int = 0, fill: bool | int | float = 0, *, 
     return Padded(tensor, dim % tensor.dim(), fill, written)
 
 
+#: ``_exact_in`` answers by (fill's type, fill, its sign, dtype): ``padded()`` is called on
+#: every call of a bucketed loop, and converting the fill through a tensor costs microseconds.
+_EXACT: dict[tuple, bool] = {}
+
+
 def _exact_in(fill: bool | int | float, dtype: torch.dtype) -> bool:
+    if isinstance(fill, float):
+        if math.isnan(fill):
+            return dtype.is_floating_point  # NaN is not a dictionary key (it equals nothing)
+        key: tuple = (float, fill, math.copysign(1, fill), dtype)  # -0.0 and 0.0 apart
+    else:
+        key = (fill.__class__, fill, dtype)  # 1 and True apart
+    exact = _EXACT.get(key)
+    if exact is None:
+        exact = _EXACT[key] = _converts_exactly(fill, dtype)
+    return exact
+
+
+def _converts_exactly(fill: bool | int | float, dtype: torch.dtype) -> bool:
     if dtype.is_complex:
         return False
-    if isinstance(fill, float) and math.isnan(fill):
-        return dtype.is_floating_point
     if dtype == torch.bool:
         return fill in (0, 1)
     try:
         converted = torch.tensor(fill, dtype=dtype).item()
-    except (RuntimeError, OverflowError):
+    except (RuntimeError, OverflowError, ValueError):  # torch says "Overflow when unpacking long long"
         return False
     return converted == fill and (not isinstance(fill, float) or math.copysign(1, converted) == math.copysign(1, fill))
 
@@ -81,11 +98,10 @@ def has_padded(args: tuple, kwargs: dict) -> bool:
 
 
 def bucket_for(size: int, buckets: Sequence[int]) -> int | None:
-    """The smallest bucket that holds ``size`` (None beyond the largest: no padding)."""
-    for bucket in buckets:
-        if bucket >= size:
-            return bucket
-    return None
+    """The smallest bucket that holds ``size`` (None beyond the largest: no padding); the
+    buckets are sorted (the policy sorts them)."""
+    at = bisect.bisect_left(buckets, size)
+    return buckets[at] if at < len(buckets) else None
 
 
 def call(
@@ -104,54 +120,78 @@ def call(
     that it lies in memory its replay writes (``replay_writes``: a previous output of the
     region fed back, ``h = step(replay.padded(h))``); the replay would overwrite it and hand
     out outputs sharing its memory. Such a call is run by ``run_eagerly`` instead."""
-    marked = [(f"args[{i}]", a) for i, a in enumerate(args) if type(a) is Padded]
-    marked += [(f"{k}=", v) for k, v in kwargs.items() if type(v) is Padded]
+    markers = [a for a in args if a.__class__ is Padded]
+    if kwargs:
+        markers += [v for v in kwargs.values() if v.__class__ is Padded]
     if buckets is None:
-        where = marked[0][0]
         raise ValueError(
-            f"region {name}: argument {where} is replay.padded(), but the session has no buckets: "
-            "capture(buckets=[...]) lists the sizes to pad to"
+            f"region {name}: argument {_where(args, kwargs)[0]} is replay.padded(), but the session has no "
+            "buckets: capture(buckets=[...]) lists the sizes to pad to"
         )
-    dims = {where: marker.dim for where, marker in marked}
-    if len(set(dims.values())) != 1:
-        listed = ", ".join(f"{where} dim {dim}" for where, dim in dims.items())
-        raise ValueError(
-            f"region {name}: padded arguments must pad the same dimension (outputs are sliced along it), got {listed}"
-        )
-    sizes = {where: marker.tensor.shape[marker.dim] for where, marker in marked}
-    if len(set(sizes.values())) != 1:
-        listed = ", ".join(f"{where} {size}" for where, size in sizes.items())
-        raise ValueError(f"region {name}: padded arguments must agree on the size they pad, got {listed}")
-    rows = next(iter(sizes.values()))
+    first = markers[0]
+    dim = first.dim
+    rows = first.tensor.shape[dim]
+    for marker in markers[1:]:
+        if marker.dim != dim:
+            listed = ", ".join(f"{where} dim {m.dim}" for where, m in zip(_where(args, kwargs), markers))
+            raise ValueError(
+                f"region {name}: padded arguments must pad the same dimension (outputs are sliced along it), "
+                f"got {listed}"
+            )
+        if marker.tensor.shape[dim] != rows:
+            listed = ", ".join(f"{where} {m.tensor.shape[m.dim]}" for where, m in zip(_where(args, kwargs), markers))
+            raise ValueError(f"region {name}: padded arguments must agree on the size they pad, got {listed}")
     bucket = bucket_for(rows, buckets)
     target = rows if bucket is None else bucket
-    if target != rows:
+    if target == rows:
+        result = run(*[_unwrapped(a) for a in args], **{k: _unwrapped(v) for k, v in kwargs.items()})
+        return result, rows, target, [(marker, marker.tensor) for marker in markers]
+    if _may_share_memory(args, kwargs):
         _refuse_shared_memory(name, args, kwargs)
+    if replay_writes is not None and run_eagerly is not None:
+        if any(replay_writes(marker.tensor) for marker in markers):
+            run = run_eagerly
     pads: list[tuple[Padded, torch.Tensor]] = []
 
     def pad(value: object) -> object:
-        if type(value) is not Padded:
+        if value.__class__ is not Padded:
             return value
-        if target == rows:
-            pads.append((value, value.tensor))
-            return value.tensor
-        shape = list(value.tensor.shape)
-        shape[value.dim] = target
-        grown = value.tensor.new_full(shape, value.fill)
-        grown.narrow(value.dim, 0, rows).copy_(value.tensor)
+        tensor = value.tensor
+        # (before, after) pairs from the last dimension back to the padded one
+        widths = [0, 0] * (tensor.dim() - 1 - dim) + [0, target - rows]
+        grown = torch.constant_pad_nd(tensor, widths, value.fill)
         pads.append((value, grown))
         return grown
 
-    if target != rows and replay_writes is not None and run_eagerly is not None:
-        if any(replay_writes(marker.tensor) for _, marker in marked):
-            run = run_eagerly
     result = run(*[pad(a) for a in args], **{k: pad(v) for k, v in kwargs.items()})
-    if target != rows:
-        for marker, grown in pads:
-            if marker.written:
-                marker.tensor.copy_(grown.narrow(marker.dim, 0, rows))
-        result = slice_outputs(result, marked[0][1].dim, target, rows)
-    return result, rows, target, pads
+    for marker, grown in pads:
+        if marker.written:
+            marker.tensor.copy_(grown.narrow(dim, 0, rows))
+    return slice_outputs(result, dim, target, rows), rows, target, pads
+
+
+def _unwrapped(value: object) -> object:
+    return value.tensor if value.__class__ is Padded else value
+
+
+def _where(args: tuple, kwargs: dict) -> list[str]:
+    """Where each padded argument is, in the order :func:`call` lists them (for errors)."""
+    return [f"args[{i}]" for i, a in enumerate(args) if a.__class__ is Padded] + [
+        f"{k}=" for k, v in kwargs.items() if v.__class__ is Padded
+    ]
+
+
+def _may_share_memory(args: tuple, kwargs: dict) -> bool:
+    """Whether the call holds a tensor besides one padded argument (or a container that may
+    hold one): only then can a padded argument share memory with another."""
+    tensors = 0
+    for value in (*args, *kwargs.values()):
+        kind = value.__class__
+        if kind is Padded or kind is torch.Tensor:
+            tensors += 1
+        elif kind not in region_keys.PLAIN_CONSTANTS:
+            return True
+    return tensors > 1
 
 
 def _refuse_shared_memory(name: str, args: tuple, kwargs: dict) -> None:
@@ -177,6 +217,8 @@ def _refuse_shared_memory(name: str, args: tuple, kwargs: dict) -> None:
 
 def slice_outputs(result: object, dim: int, bucket: int, rows: int) -> object:
     """Every tensor of ``result`` whose size along ``dim`` is ``bucket``, narrowed to ``rows``."""
+    if result.__class__ is torch.Tensor:  # the usual result, without a walk of a container
+        return result.narrow(dim, 0, rows) if result.dim() > dim and result.shape[dim] == bucket else result
     spec, leaves, _ = region_keys.flatten((result,), {}, walk_dataclasses=True)
     sliced = [
         leaf.narrow(dim, 0, rows)

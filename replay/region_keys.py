@@ -9,11 +9,12 @@ device, since graphs are recorded and replayed per device.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import enum
 import itertools
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import attrs
 import numpy as np
@@ -210,6 +211,36 @@ def alias_pattern(leaves: Sequence) -> tuple[tuple[int, int], ...]:
     if spans is not None and all(lo + size <= next_lo for (lo, size), (next_lo, _) in itertools.pairwise(spans)):
         return ()
     return pattern_of(tensor_ranges(leaves))
+
+
+#: Argument types that hold no tensor and are keyed by value as they are.
+PLAIN_CONSTANTS = frozenset({int, float, bool, type(None), str, torch.dtype, torch.device})
+
+
+class MergedRanges:
+    """Byte ranges merged into disjoint, sorted spans, for asking many times whether a range
+    overlaps any of them (a binary search instead of a walk over every range)."""
+
+    __slots__ = ("_starts", "_ends")
+
+    def __init__(self, ranges: Iterable[tuple[int, int]]):
+        starts: list[int] = []
+        ends: list[int] = []
+        for lo, hi in sorted(r for r in ranges if r[0] < r[1]):
+            if ends and lo <= ends[-1]:
+                ends[-1] = max(ends[-1], hi)
+            else:
+                starts.append(lo)
+                ends.append(hi)
+        self._starts, self._ends = starts, ends
+
+    def overlaps(self, lo: int, hi: int) -> bool:
+        """Whether ``[lo, hi)`` shares a byte with a span (an empty range shares none). Spans
+        are disjoint and sorted, so the last one starting before ``hi`` reaches furthest."""
+        if hi <= lo:
+            return False
+        last = bisect.bisect_left(self._starts, hi) - 1
+        return last >= 0 and self._ends[last] > lo
 
 
 def pattern_of(ranges: Sequence[tuple[int, int, int]]) -> tuple[tuple[int, int], ...]:

@@ -62,16 +62,21 @@ class _Decision(enum.Enum):
     WARM = "runs eagerly, warming up"
     OBSERVE = "runs eagerly, warming up, observed"
     REFUSED = "runs eagerly, not admitted"
+    TOO_RARE = "runs eagerly, its recent calls would not pay for a recording"
     DEFERRED = "runs eagerly, the recording budget is spent"
     RECORD = "is recorded"
 
 
-_WARM, _OBSERVE, _REFUSED, _DEFERRED, _RECORD = _Decision
+_WARM, _OBSERVE, _REFUSED, _TOO_RARE, _DEFERRED, _RECORD = _Decision
 _MISS = object()
 #: Argument types a flat call may hold for :meth:`Region._eager_flat`: constants that are
 #: leaves of the key as they are (hashable, compared by value).
-_PLAIN_CONSTANTS = frozenset({int, float, bool, type(None), str, torch.dtype, torch.device})
+_PLAIN_CONSTANTS = region_keys.PLAIN_CONSTANTS
 log = logging.getLogger("replay")
+
+#: The flat eager path times one call in ``EAGER_TIMING_MASK + 1`` (admission's payback rule
+#: needs what an eager call usually costs, not every call's time).
+EAGER_TIMING_MASK = 7
 
 #: Entries a region keeps for keys without a graph (eager-only keys, evicted ones), beyond its
 #: graphs: the least recently called go first, their counts kept in the region's totals.
@@ -200,6 +205,8 @@ class Region:
         self.entries: OrderedDict[tuple, Entry] = OrderedDict()
         self.forgotten = _Forgotten()  # calls of keys that have (or kept) no entry
         self.padded_calls = 0  # calls with replay.padded arguments (for verify_every)
+        self.eager_seconds = 0.0  # what an eager call usually takes, 0 until known (see _eager_took)
+        self.eager_sample = 0.0  # the same, from the first timed call on
         self.hints: dict[object, Hints] = {}  # spec -> what its keys taught about the inputs
         self.entry_shapes: dict[tuple, int] = {}  # Region._counted shapes -> entries that have them
         self.snapshot: jitcore.GlobalsSnapshot | None = None
@@ -207,6 +214,9 @@ class Region:
         # candidate's guard then checks everything the key holds
         self.fast: dict[tuple, list[tuple]] = {}  # pre-key -> [(guard, replay, entry)]
         self._fast: Callable = _no_fast_path
+        # the output memory of this region's graphs and unanalysed captures, merged
+        # (see _replay_writes); None when a graph or capture came or went since it was built
+        self._output_ranges: region_keys.MergedRanges | None = None
         functools.update_wrapper(self, fn)
 
     # --- the call ------------------------------------------------------------------------
@@ -257,10 +267,19 @@ class Region:
             if decision is _OBSERVE:
                 return self._run_eagerly(decision, spec, leaves, paths)
             return self._keyed_call(args, {}, spec, leaves, paths, counted, decision)
-        self._count_postponement(decision, spec)
-        self._count_eager(None)
-        with recording.CAPTURES.shared():  # may load kernels: not while another thread captures
-            return self.fn(*args)
+        if decision is not _WARM:
+            self._count_postponement(decision, spec)
+        self.session.counters.eager_runs += 1  # what _count_eager(None) counts, one call less
+        forgotten = self.forgotten
+        forgotten.eager_runs += 1
+        if forgotten.eager_runs & EAGER_TIMING_MASK:
+            with recording.CAPTURES.shared():  # may load kernels: not while another thread captures
+                return self.fn(*args)
+        with recording.CAPTURES.shared():
+            started = time.perf_counter()
+            result = self.fn(*args)
+        self._eager_took(time.perf_counter() - started)
+        return result
 
     def _rebuild_fast(self) -> None:
         """Generate ``_fast(args)``: for each arity with recorded keys, compute the pre-key,
@@ -413,6 +432,8 @@ class Region:
             if count == admission.record_after and spec not in self.hints:
                 return _OBSERVE  # the first key of its argument structure: its warm-up is observed
             return _WARM
+        if not admission.pays_back(count, self.eager_seconds):
+            return _TOO_RARE
         if not admission.admits(counted, session.lru, len(session.pending)):
             return _REFUSED
         if not admission.may_record():
@@ -449,6 +470,10 @@ class Region:
             self.session.counters.deferred += 1
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("region %s, shapes %s: recording postponed, the budget is spent", self.name, spec)
+        elif decision is _TOO_RARE:
+            self.session.counters.too_rare += 1
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("region %s, shapes %s: not recorded, too rare to pay for a recording", self.name, spec)
 
     def _call_padded(self, args: tuple, kwargs: dict):
         """Pad to the bucket, call (the bucket's key replays like any other), slice back; every
@@ -473,20 +498,26 @@ class Region:
         return padded_call()
 
     def _replay_writes(self, tensor: torch.Tensor) -> bool:
-        """Whether ``tensor`` overlaps the output memory of one of this region's graphs."""
-        lo, hi = region_keys.byte_range(tensor)
-        if hi <= lo:
-            return False
-        for entry in self.entries.values():
-            if entry.graph is not None:
-                memory = entry.graph.output_memory
-            elif entry.unanalysed is not None:  # its next call analyses it, then replays
-                memory = recording.owned_output_memory(entry.unanalysed)
-            else:
-                continue
-            if any(lo < start + size and start < hi for start, size in memory.items()):
-                return True
-        return False
+        """Whether ``tensor`` overlaps the output memory of one of this region's graphs (asked
+        on every padded call that copies an argument: a search of the merged ranges, rebuilt
+        only when a graph or a capture of the region came or went)."""
+        ranges = self._output_ranges
+        if ranges is None:
+            spans = []
+            for entry in self.entries.values():
+                if entry.graph is not None:
+                    memory = entry.graph.output_memory
+                elif entry.unanalysed is not None:  # its next call analyses it, then replays
+                    memory = recording.owned_output_memory(entry.unanalysed)
+                else:
+                    continue
+                spans += [(start, start + size) for start, size in memory.items()]
+            ranges = self._output_ranges = region_keys.MergedRanges(spans)
+        return ranges.overlaps(*region_keys.byte_range(tensor))
+
+    def outputs_changed(self) -> None:
+        """A graph or capture of this region came or went: its output memory is looked up afresh."""
+        self._output_ranges = None
 
     def _eager_declined(self, *args, **kwargs):
         """A call no graph may serve exactly (see buckets.call): eagerly, counted as declined."""
@@ -547,12 +578,26 @@ class Region:
         else:
             self.forgotten.eager_runs += 1
 
+    def _eager_took(self, seconds: float) -> None:
+        """Track what an eager call of this region costs (what a replay would save, for
+        admission's payback rule): a drop is taken at once, a rise an eighth at a time, so a
+        call that compiled or waited for the GPU does not make recordings look cheap. The
+        first call is not trusted at all (it loads kernels, allocates): until a second one
+        is timed, the estimate stays 0 and no key pays back."""
+        usual = self.eager_sample
+        self.eager_sample = seconds if seconds < usual or not usual else usual + (seconds - usual) / 8
+        if usual:
+            self.eager_seconds = self.eager_sample
+
     def _eager(self, spec: object, leaves: Sequence, entry: Entry | None = None, observe: Hints | None = None):
         self._count_eager(entry)
         args, kwargs = region_keys.unflatten(spec, region_keys.plain_leaves(leaves))
         if observe is None:
             with recording.CAPTURES.shared():  # may load kernels: not while another thread captures
-                return self.fn(*args, **kwargs)
+                started = time.perf_counter()
+                result = self.fn(*args, **kwargs)
+            self._eager_took(time.perf_counter() - started)  # rarer than the flat path's: every call
+            return result
         tensors = [(i, leaf) for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
         observer = TorchOpObserver([region_keys.byte_range(t) for _, t in tensors])
         with recording.CAPTURES.shared(), observer:
@@ -599,6 +644,7 @@ class Region:
             finally:
                 session.admission.recorded(time.perf_counter() - started)  # failed captures cost time too
             entry.unanalysed = capture
+            self.outputs_changed()
             entry.state = PENDING
             session.pending[entry] = None
             stats = session.counters
@@ -635,6 +681,7 @@ class Region:
         session = self.session
         with session.lock:
             capture, entry.unanalysed = entry.unanalysed, None
+            self.outputs_changed()
             session.pending.pop(entry, None)
             analysed = time.perf_counter()
             try:
@@ -670,6 +717,7 @@ class Region:
                 entry.state = WARMING
                 raise
             entry.graph = graph
+            self.outputs_changed()
             entry.state = RECORDED
             described = _describe_key(key)
             stats = session.counters
@@ -759,6 +807,7 @@ class Region:
 
     def serve_new_graph(self, entry: Entry) -> None:
         """The entry has a new graph (compaction): serve it on the fast path."""
+        self.outputs_changed()
         candidates = self.fast.get(entry.pre_key) if entry.pre_key is not None else None
         if candidates and not self.session.policy.verify_every:
             candidates[:] = [(g, entry.graph.replay, e) if e is entry else (g, r, e) for g, r, e in candidates]
@@ -769,6 +818,7 @@ class Region:
 
     def withdraw(self, entry: Entry) -> None:
         """Take a released key off the fast dispatch path."""
+        self.outputs_changed()
         candidates = self.fast.get(entry.pre_key) if entry.pre_key is not None else None
         if candidates:
             candidates[:] = [c for c in candidates if c[2] is not entry]
@@ -1063,6 +1113,7 @@ class Session:
             entry.unanalysed.graph.reset()
             entry.unanalysed = None
         entry.graph = None
+        entry.region.outputs_changed()
         entry.guard = None
         entry.state = WARMING
         self.counters.graphs = len(self.lru)

@@ -34,6 +34,7 @@ class Stats:
     evictions: int = 0
     refused: int = 0  # recordings not admitted: every graph held was replayed more often recently
     deferred: int = 0  # recordings postponed: the recording budget was spent
+    too_rare: int = 0  # recordings not made: the key's recent calls would not pay for one
     recaptures: int = 0  # graphs recorded again by compactions
     compactions: int = 0  # times the graphs of a device were recorded again into a fresh pool
     invalidations: int = 0
@@ -54,7 +55,8 @@ def report(stats: Stats, rows: list[tuple]) -> str:
         f"  node patches {stats.patches}, staged copies {stats.staged_copies}, verifications {stats.verifications}, "
         f"declined by a graph {stats.declined}",
         f"  graphs held {stats.graphs}, evictions {stats.evictions}, not admitted {stats.refused}, "
-        f"postponed by the budget {stats.deferred}, compactions {stats.compactions} ({stats.recaptures} graphs), "
+        f"postponed by the budget {stats.deferred}, too rare to pay back {stats.too_rare}, "
+        f"compactions {stats.compactions} ({stats.recaptures} graphs), "
         f"invalidations {stats.invalidations}, "
         f"capture {stats.capture_seconds * 1e3:.1f} ms, graph memory {stats.graph_memory_bytes / 2**20:.1f} MiB",
     ]

@@ -703,6 +703,49 @@ def test_capture_exclusion_keeps_shared_work_out_of_a_capture():
     assert got == ["exclusive"]
 
 
+def test_capture_exclusion_never_lets_shared_and_exclusive_overlap_under_contention():
+    # four threads take it shared in a tight loop while two take it exclusively: no shared
+    # holder is ever inside during an exclusive section, and everything finishes
+    import threading
+    import time
+
+    from jitcore.recorder import CaptureExclusion
+
+    exclusion = CaptureExclusion()
+    inside = [0]
+    count_lock = threading.Lock()
+    overlaps = []
+
+    def share():
+        for _ in range(1500):
+            with exclusion.shared():
+                with count_lock:
+                    inside[0] += 1
+                time.sleep(0)  # let another thread run while inside
+                with count_lock:
+                    inside[0] -= 1
+            time.sleep(0.0001)  # and leave gaps for the exclusive sections to start in
+
+    def capture():
+        for _ in range(200):
+            with exclusion.exclusive():
+                for _ in range(3):  # long enough for a shared holder that got in to be seen
+                    with count_lock:
+                        if inside[0]:
+                            overlaps.append(inside[0])
+                    time.sleep(0.0002)
+                with exclusion.shared():  # the owner itself takes it shared: no wait
+                    pass
+
+    threads = [threading.Thread(target=share) for _ in range(4)] + [threading.Thread(target=capture) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads) and overlaps == []
+    assert exclusion._readers == 0 and exclusion._owner is None
+
+
 def test_capture_exclusion_refuses_exclusive_inside_shared_instead_of_hanging():
     from jitcore.recorder import CaptureBusy, CaptureExclusion
 

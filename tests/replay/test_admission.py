@@ -183,3 +183,19 @@ def test_admits_answers_as_victim_does_whatever_happened_since_its_bound():
         assert policy.admits(key, held, pending) == policy.victim(key, held, pending)[0]
         asked += 1
     assert asked == 5000
+
+
+def test_a_key_pays_back_when_its_recent_calls_save_what_a_recording_costs(monkeypatch):
+    monkeypatch.setattr(admission, "REPLAY_SECONDS_GUESS", 0.0)
+    monkeypatch.setattr(admission, "PAYBACK_HORIZON", 4)
+    policy = Admission(record_after=0, max_graphs=4, budget=0.1, replays=lambda r: 0, clock=lambda: 0.0)
+    assert policy.pays_back(1, 0.0)  # within the grace everything pays back
+    policy.budget.spent = 0.1 * admission.GRACE_SECONDS
+    policy.budget.recent = [0.004, 0.001, 0.002]  # usual: twice the median, 4 ms
+    assert [policy.pays_back(count, 1e-3) for count in (0, 1, 2)] == [False, True, True]
+    assert not policy.pays_back(10**6, 0.0)  # a replay that saves nothing never pays back
+    monkeypatch.setattr(admission, "REPLAY_SECONDS_GUESS", 0.5e-3)
+    assert [policy.pays_back(count, 1e-3) for count in (1, 2)] == [False, True]  # 0.5 ms saved a call
+    free = Admission(record_after=0, max_graphs=4, budget=1.0, replays=lambda r: 0, clock=lambda: 0.0)
+    free.budget.spent = 1e9
+    assert free.pays_back(1, 0.0)  # record_budget=1: no budget, no payback rule

@@ -4,11 +4,14 @@ eagerly without a GPU (the same padding path)."""
 
 from __future__ import annotations
 
+import math
 import random
 import warnings
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import replay
 from replay import buckets, region_keys
@@ -167,3 +170,76 @@ def test_a_real_session_pads_without_a_gpu():
 
 def test_bucket_for_picks_the_smallest_that_holds():
     assert [buckets.bucket_for(n, [2, 4, 8]) for n in (1, 2, 3, 8, 9)] == [2, 2, 4, 8, None]
+
+
+_DTYPES = [
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+    torch.bool,
+]
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_padding_equals_a_filled_tensor_with_the_rows_copied_in(data):
+    # every dtype, dimension, layout (contiguous, transposed, strided) and exact fill: the
+    # padded argument is the call's rows followed by rows of fill, and nothing else
+    dtype = data.draw(st.sampled_from(_DTYPES), label="dtype")
+    shape = data.draw(st.lists(st.integers(0, 5), min_size=1, max_size=4), label="shape")
+    dim = data.draw(st.integers(-len(shape), len(shape) - 1), label="dim")
+    layout = data.draw(st.sampled_from(["contiguous", "transposed", "strided"]), label="layout")
+    if dtype == torch.bool:
+        fill = data.draw(st.sampled_from([False, True, 0, 1]), label="fill")
+    elif dtype.is_floating_point:
+        fill = data.draw(st.sampled_from([0, 0.0, -0.0, 1.5, -7, math.inf, math.nan]), label="fill")
+    else:
+        fill = data.draw(st.sampled_from([0, 3, 1.0, True]), label="fill")
+    base = (torch.randn(*shape) * 50).to(dtype)
+    if layout == "transposed" and len(shape) > 1:
+        base = base.transpose(0, -1).contiguous().transpose(0, -1)
+    elif layout == "strided":
+        base = torch.repeat_interleave(base, 2, dim=-1).to(dtype)[..., ::2]
+    rows = base.shape[dim]
+    seen = []
+    result, got_rows, bucket, _ = buckets.call(
+        lambda x: seen.append(x) or x, (replay.padded(base, dim=dim, fill=fill),), {}, [rows + 3], "r"
+    )
+    (grown,) = seen
+    expected_shape = list(base.shape)
+    expected_shape[dim] = rows + 3
+    expected = torch.full(expected_shape, fill, dtype=dtype)
+    expected.narrow(dim, 0, rows).copy_(base)
+    assert (got_rows, bucket) == (rows, rows + 3)
+    assert grown.dtype == dtype and grown.shape == expected.shape
+    assert torch.equal(grown.view(torch.uint8) if dtype == torch.bool else grown, expected) or (
+        dtype.is_floating_point
+        and torch.equal(grown.isnan(), expected.isnan())
+        and torch.equal(grown.nan_to_num(), expected.nan_to_num())
+    )
+    if dtype.is_floating_point:  # -0.0 keeps its sign
+        assert torch.equal(torch.signbit(grown), torch.signbit(expected))
+    assert result.shape == base.shape and torch.equal(result, grown.narrow(dim % base.dim(), 0, rows))
+
+
+def test_the_same_fill_is_judged_by_its_type_and_sign_each_time():
+    # the exactness answers are cached: 0.0 and -0.0, 1 and 1.0 and True must stay apart
+    x = torch.zeros(2, dtype=torch.int32)
+    for _ in range(2):
+        replay.padded(x, fill=0.0)
+        with pytest.raises(ValueError, match="not exact"):
+            replay.padded(x, fill=-0.0)
+        with pytest.raises(ValueError, match="not exact"):
+            replay.padded(torch.zeros(2, dtype=torch.uint8), fill=-1)
+        replay.padded(torch.zeros(2, dtype=torch.float16), fill=-0.0)
+        with pytest.raises(ValueError, match="not exact"):
+            replay.padded(torch.zeros(2, dtype=torch.float16), fill=0.1)
+        replay.padded(torch.zeros(2, dtype=torch.float16), fill=math.nan)
+        with pytest.raises(ValueError, match="not exact"):
+            replay.padded(x, fill=math.nan)
+        with pytest.raises(ValueError, match="not exact"):
+            replay.padded(x, fill=10**400)  # beyond any float: no overflow escapes

@@ -217,3 +217,15 @@ def test_every_mode_the_key_holds_is_seen_by_the_replay_check(name):
             pytest.skip(f"this torch build cannot change {name}: {error}")
     assert region_keys.torch_modes() == recorded
     assert changed() is False
+
+
+_SPAN = st.tuples(st.integers(0, 200), st.integers(0, 40)).map(lambda t: (t[0], t[0] + t[1]))
+
+
+@settings(max_examples=300, deadline=None)
+@given(spans=st.lists(_SPAN, max_size=12), asked=_SPAN)
+def test_merged_ranges_answer_as_a_walk_over_every_range_would(spans, asked):
+    # overlapping, touching, nested, empty and repeated spans, in any order
+    lo, hi = asked
+    walk = any(a < b and lo < hi and lo < b and a < hi for a, b in spans)
+    assert region_keys.MergedRanges(spans).overlaps(lo, hi) == walk

@@ -297,6 +297,45 @@ def test_eviction_on_the_gpu_keeps_hot_graphs_and_stays_exact():
     assert stats.graphs == 2 and stats.evictions == 1 and stats.refused >= 1, session.report()
 
 
+def forty_launches(x):
+    h = x
+    for _ in range(20):
+        y = torch.empty_like(h)
+        scaled(h, y, 0.5)
+        h = torch.empty_like(y)
+        relu(y, h)
+    return h
+
+
+def test_after_the_grace_rare_shapes_run_eagerly_and_a_frequent_one_is_recorded(monkeypatch):
+    # the payback rule on the GPU, with the real costs: a recording of 40 launches costs
+    # milliseconds, an eager call a few hundred microseconds; shapes seen once never repay a
+    # recording, the one called 150 times does
+    from replay import admission
+
+    monkeypatch.setattr(admission, "GRACE_SECONDS", 0.5)  # the GPU tests' hour of grace, undone
+    with replay.capture(record_after=0, record_budget=0.5) as session:  # a budget that never postpones here
+        step = session.region(forty_launches)
+        for rows in (1, 2):  # within the grace: recorded at once, and the recording costs measured
+            x = torch.randn(rows, 256, device="cuda")
+            assert torch.equal(step(x), forty_launches(x)) and torch.equal(step(x), forty_launches(x))
+        assert session.stats().records == 2
+        session.admission.budget.spent = 0.5 * 0.5  # the grace is spent
+        for rows in range(3, 40):
+            x = torch.randn(rows, 256, device="cuda")
+            assert torch.equal(step(x), forty_launches(x))
+        assert session.stats().records == 2 and session.stats().too_rare == 37, session.report()
+        x = torch.randn(64, 256, device="cuda")
+        for _ in range(150):
+            x.normal_()
+            expected = forty_launches(x)
+            out = torch.full_like(expected, float("nan"))
+            out.copy_(step(x))
+            assert torch.equal(out, expected)
+        stats = session.stats()
+    assert stats.records == 3 and stats.replays >= 50, session.report()
+
+
 WIDE = 1 << 20
 
 

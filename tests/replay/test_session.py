@@ -17,7 +17,7 @@ import jitcore
 import replay
 from jitcore.backends import use_backend
 from jitcore.backends.null import NullBackend
-from replay import recording, region_keys
+from replay import admission, recording, region_keys
 from replay.graph import MISMATCH
 from replay.rebinding import REBOUND, InputRange, Plan
 from replay.session import EAGER_ONLY, PENDING, RECORDED, WARMING, Session
@@ -298,6 +298,25 @@ def test_a_padded_argument_in_a_graphs_output_memory_runs_eagerly(session_factor
     assert session.stats().declined == 2 and entry.state == PENDING
 
 
+def test_the_output_memory_a_padded_call_is_checked_against_follows_graphs_coming_and_going(session_factory):
+    # the region keeps its graphs' output memory merged for the padded calls' check; a graph
+    # recorded, released or replaced must show in the next call's answer
+    session = session_factory(record_after=0, buckets=[4])
+    step = session.region(lambda h: h * 2, name="double")
+    h = torch.randn(3, 2)
+    for _ in range(2):  # recorded, analysed
+        step(replay.padded(h))
+    (entry,) = [e for e in step.entries.values() if e.graph is not None]
+    entry.graph.output_memory = {h.data_ptr(): h.untyped_storage().nbytes()}  # as if h were its output
+    step.outputs_changed()  # what the region's own bookkeeping does when a graph comes
+    assert torch.equal(step(replay.padded(h)), h * 2) and session.stats().declined == 1
+    session.release(entry)  # its memory is no longer written by a replay: no reason to decline
+    assert torch.equal(step(replay.padded(h)), h * 2) and session.stats().declined == 1
+    for _ in range(2):  # recorded again, analysed: the new graph's memory is not h's
+        step(replay.padded(h))
+    assert session.stats().declined == 1
+
+
 def test_keys_that_share_shapes_share_a_count_and_stay_exact(session_factory):
     # admission counts calls by shapes (Region._counted): a float16 key after two float32 calls of
     # the same shape is recorded on its first call, which is exact (record_after=0 does the same)
@@ -324,6 +343,7 @@ def test_new_keys_start_from_what_the_first_key_of_their_structure_taught(sessio
 
 
 def test_the_recording_budget_postpones_recordings_and_charges_failed_ones(session_factory, monkeypatch):
+    monkeypatch.setattr(admission, "REPLAY_SECONDS_GUESS", -1.0)  # every key pays back: the budget alone decides
     now = [0.0]
     session = session_factory(record_after=0, record_budget=0.1)
     session.admission.budget.clock = lambda: now[0]
@@ -343,6 +363,45 @@ def test_the_recording_budget_postpones_recordings_and_charges_failed_ones(sessi
     with pytest.warns(replay.ReplayWarning):
         step(torch.randn(5), torch.randn(5))
     assert session.admission.budget.spent > spent  # a failed capture took time too
+
+
+def test_after_the_grace_only_keys_whose_calls_pay_for_a_recording_record(session_factory, monkeypatch):
+    # ski rental: a recording (here 2.5 ms, as usual) is made once the key's recent calls
+    # would have saved that much eager time (here about 1 ms a call: an eager call of a few
+    # microseconds, and a replay taken to cost 1 ms less)
+    monkeypatch.setattr(admission, "PAYBACK_HORIZON", 1)
+    monkeypatch.setattr(admission, "REPLAY_SECONDS_GUESS", -1e-3)
+    session = session_factory(record_after=0, record_budget=0.1)
+    budget = session.admission.budget
+    step = session.region(add)
+    x = torch.zeros(1)
+    assert torch.equal(step(x, x), x + x)  # within the grace: recorded at once
+    assert session.stats().records == 1
+    budget.spent = 0.1 * admission.GRACE_SECONDS  # the grace is spent, the budget is not
+    budget.recent = [0.00125] * 4  # a capture and an analysis of 1.25 ms each: a recording costs 2.5 ms
+    y = torch.zeros(2)
+    for calls in (1, 2):  # about 1 and 2 ms of savings: not yet
+        assert torch.equal(step(y, y), y + y)
+        assert session.stats().records == 1 and session.stats().too_rare == calls
+    assert torch.equal(step(y, y), y + y)  # about 3 ms
+    assert session.stats().records == 2 and session.stats().too_rare == 2
+    assert "too rare to pay back 2" in session.report()
+    for rows in range(3, 21):  # shapes seen once each never pay back
+        z = torch.zeros(rows)
+        assert torch.equal(step(z, z), z + z)
+    assert session.stats().records == 2 and session.stats().too_rare == 20
+    assert step.eager_seconds > 0  # one eager call in eight is timed, the first of them not trusted
+
+
+def test_the_eager_cost_ignores_the_first_call_follows_drops_at_once_and_rises_slowly(session_factory):
+    step = session_factory().region(add)
+    for seconds, expected in [(1.0, 0.0), (0.002, 0.002), (0.010, 0.003), (0.001, 0.001), (0.009, 0.002)]:
+        step._eager_took(seconds)  # the first call (which loaded kernels) is not trusted
+        assert step.eager_seconds == pytest.approx(expected)
+    fresh = session_factory().region(add)
+    fresh._eager_took(0.001)
+    fresh._eager_took(0.5)  # a slow second call: the estimate rises from the first by an eighth
+    assert fresh.eager_seconds == pytest.approx(0.001 + 0.499 / 8)
 
 
 def test_a_failed_capture_marks_the_key_eager_only_with_one_warning(session_factory):
