@@ -53,9 +53,12 @@ RECENT_CHARGES = 16
 FIRST_CHARGE_CAP = 0.02
 
 #: After the grace, a key is recorded only when its recent count times this many, times what
-#: a replay saves over an eager call, reaches what a recording usually costs: it pays back if
-#: it keeps being called for a few more windows as it was in the last ones.
-PAYBACK_HORIZON = 1
+#: a replay saves over an eager call, reaches what a recording usually costs. The recent count
+#: covers about two windows (counts halve every window); 2 bets that the key keeps coming about
+#: as long again. 1 would wait for a loop of 16 sizes' keys to have run eagerly for twice as
+#: long; 4 let a uniform mix of 256 sizes record keys that its 6,000 steps never repaid
+#: (docs/benchmarks/README.md, "Shapes").
+PAYBACK_HORIZON = 2
 
 #: The host time a replay is taken to cost, subtracted from an eager call's time to give what
 #: one replay saves (about 5 to 15 us on the H200 machine for regions of a few to a few dozen

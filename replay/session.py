@@ -72,6 +72,9 @@ _MISS = object()
 #: Argument types a flat call may hold for :meth:`Region._eager_flat`: constants that are
 #: leaves of the key as they are (hashable, compared by value).
 _PLAIN_CONSTANTS = region_keys.PLAIN_CONSTANTS
+#: ``with`` it around an eager run: it may load kernels, so not while another thread captures
+#: (jitcore.recorder.CaptureExclusion). The one shared-holding object, looked up once.
+_SHARED_CAPTURE_EXCLUSION = recording.CAPTURES.shared()
 log = logging.getLogger("replay")
 
 #: The flat eager path times one call in ``EAGER_TIMING_MASK + 1`` (admission's payback rule
@@ -267,15 +270,13 @@ class Region:
             if decision is _OBSERVE:
                 return self._run_eagerly(decision, spec, leaves, paths)
             return self._keyed_call(args, {}, spec, leaves, paths, counted, decision)
-        if decision is not _WARM:
-            self._count_postponement(decision, spec)
         self.session.counters.eager_runs += 1  # what _count_eager(None) counts, one call less
         forgotten = self.forgotten
         forgotten.eager_runs += 1
         if forgotten.eager_runs & EAGER_TIMING_MASK:
-            with recording.CAPTURES.shared():  # may load kernels: not while another thread captures
+            with _SHARED_CAPTURE_EXCLUSION:  # may load kernels: not while another thread captures
                 return self.fn(*args)
-        with recording.CAPTURES.shared():
+        with _SHARED_CAPTURE_EXCLUSION:
             started = time.perf_counter()
             result = self.fn(*args)
         self._eager_took(time.perf_counter() - started)
@@ -424,7 +425,8 @@ class Region:
         return (self, shapes)
 
     def _decide(self, counted: tuple, spec: object) -> _Decision:
-        """Count a call of a key without a graph and say what it does (see replay.admission)."""
+        """Count a call of a key without a graph and say what it does (see replay.admission).
+        A call kept from recording always runs eagerly; it is counted here, by its reason."""
         session = self.session
         admission = session.admission
         count = admission.called(counted)
@@ -433,10 +435,19 @@ class Region:
                 return _OBSERVE  # the first key of its argument structure: its warm-up is observed
             return _WARM
         if not admission.pays_back(count, self.eager_seconds):
+            session.counters.too_rare += 1
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("region %s, shapes %s: not recorded, too rare to pay for a recording", self.name, spec)
             return _TOO_RARE
         if not admission.admits(counted, session.lru, len(session.pending)):
+            session.counters.refused += 1
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("region %s, shapes %s: not recorded, graphs held are used more", self.name, spec)
             return _REFUSED
         if not admission.may_record():
+            session.counters.deferred += 1
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("region %s, shapes %s: recording postponed, the budget is spent", self.name, spec)
             return _DEFERRED
         return _RECORD
 
@@ -456,24 +467,7 @@ class Region:
             if key is None:
                 key = region_keys.region_key(self.session.current_device(), spec, leaves, paths)
             hints = self.hints[spec] = Hints(observed_key=key)
-        else:
-            self._count_postponement(decision, spec)
         return self._eager(spec, leaves, entry, observe=hints)
-
-    def _count_postponement(self, decision: _Decision, spec: object) -> None:
-        """Count (and log) a call that admission refused or the budget postponed."""
-        if decision is _REFUSED:
-            self.session.counters.refused += 1
-            if log.isEnabledFor(logging.DEBUG):
-                log.debug("region %s, shapes %s: not recorded, graphs held are used more", self.name, spec)
-        elif decision is _DEFERRED:
-            self.session.counters.deferred += 1
-            if log.isEnabledFor(logging.DEBUG):
-                log.debug("region %s, shapes %s: recording postponed, the budget is spent", self.name, spec)
-        elif decision is _TOO_RARE:
-            self.session.counters.too_rare += 1
-            if log.isEnabledFor(logging.DEBUG):
-                log.debug("region %s, shapes %s: not recorded, too rare to pay for a recording", self.name, spec)
 
     def _call_padded(self, args: tuple, kwargs: dict):
         """Pad to the bucket, call (the bucket's key replays like any other), slice back; every
@@ -593,14 +587,14 @@ class Region:
         self._count_eager(entry)
         args, kwargs = region_keys.unflatten(spec, region_keys.plain_leaves(leaves))
         if observe is None:
-            with recording.CAPTURES.shared():  # may load kernels: not while another thread captures
+            with _SHARED_CAPTURE_EXCLUSION:  # may load kernels: not while another thread captures
                 started = time.perf_counter()
                 result = self.fn(*args, **kwargs)
             self._eager_took(time.perf_counter() - started)  # rarer than the flat path's: every call
             return result
         tensors = [(i, leaf) for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
         observer = TorchOpObserver([region_keys.byte_range(t) for _, t in tensors])
-        with recording.CAPTURES.shared(), observer:
+        with _SHARED_CAPTURE_EXCLUSION, observer:
             result = self.fn(*args, **kwargs)
         observe.stage |= {tensors[w][0] for w in observer.read}
         observe.copy_back |= {tensors[w][0] for w in observer.written}
