@@ -298,7 +298,11 @@ def progress(done: int, total: int, label: str, enabled: bool) -> None:
 def run(model: Model, stream, device, *, use_replay: bool, show_progress: bool):
     caches = model.new_cache(device)
     tokens_on_device = [torch.tensor(t, device=device) for _pos, t in stream]
-    session = replay.capture() if use_replay else None
+    # record_budget=1: record each of the 16 batch sizes on its second call. The default budget
+    # (3% of the loop's time, after the first 15 ms of recording) is for long-running loops
+    # with many shapes; over this sample's 1000 steps (about 0.6 s) it lets three of the 16
+    # sizes be recorded and the loop ran 0.77x eager's speed (docs/benchmarks/README.md).
+    session = replay.capture(record_budget=1.0) if use_replay else None
     step = session.region(model.step, name="decode_step") if session else model.step
     logits = []
     torch.cuda.synchronize()
