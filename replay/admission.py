@@ -23,8 +23,8 @@ replay from ever costing more than it saves:
   recorded only when its recent calls, ``PAYBACK_HORIZON`` times over, would have saved more
   eager time than a recording usually costs. A uniform mix of hundreds of shapes, each back a
   few times per window, spent the whole budget on recordings that were never repaid (1.11x
-  eager's time over 6,000 steps on the H200); its keys now run eagerly, and frequent keys
-  still record at once.
+  eager's time over 6,000 steps on the H200); its keys now mostly run eagerly, and frequent
+  keys record after a few calls.
 - **Compaction without storms**: re-recording every graph of a device into a fresh pool (to
   undo fragmentation) happens only when the pool has grown by half since the last compaction
   (``COMPACTION_GROWTH``), and
