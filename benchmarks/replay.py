@@ -59,16 +59,20 @@ def affine(x, y, a, b):
     affine_kernel[jc.cdiv(n, 256), 256](x, y, a, b, n)
 
 
+def _affine_kernels(h, first: int, length: int):
+    """Kernels ``first`` .. ``length - 1`` of the chain, each reading the last one's output."""
+    for k in range(first, length):
+        y = torch.empty_like(h)
+        affine(h, y, 1.0 + k * 1e-3, 1e-3)
+        h = y
+    return h
+
+
 def chain(length: int):
     """A region of ``length`` affine kernels, each reading the last one's output."""
 
     def region(x):
-        h = x
-        for k in range(length):
-            y = torch.empty_like(h)
-            affine(h, y, 1.0 + k * 1e-3, 1e-3)
-            h = y
-        return h
+        return _affine_kernels(x, 0, length)
 
     region.__qualname__ = f"chain{length}"
     return region
@@ -84,11 +88,7 @@ def scaled_chain(length: int):
     def region(x, slope):
         h = torch.empty_like(x)
         affine(x, h, slope, 1e-3)
-        for k in range(1, length):
-            y = torch.empty_like(h)
-            affine(h, y, 1.0 + k * 1e-3, 1e-3)
-            h = y
-        return h
+        return _affine_kernels(h, 1, length)
 
     region.__qualname__ = f"scaled_chain{length}"
     return region

@@ -270,10 +270,8 @@ class Region:
             if decision is _OBSERVE:
                 return self._run_eagerly(decision, spec, leaves, paths)
             return self._keyed_call(args, {}, spec, leaves, paths, counted, decision)
-        self.session.counters.eager_runs += 1  # what _count_eager(None) counts, one call less
-        forgotten = self.forgotten
-        forgotten.eager_runs += 1
-        if forgotten.eager_runs & EAGER_TIMING_MASK:
+        self._count_eager(None)
+        if self.forgotten.eager_runs & EAGER_TIMING_MASK:
             with _SHARED_CAPTURE_EXCLUSION:  # may load kernels: not while another thread captures
                 return self.fn(*args)
         with _SHARED_CAPTURE_EXCLUSION:
@@ -812,7 +810,6 @@ class Region:
 
     def withdraw(self, entry: Entry) -> None:
         """Take a released key off the fast dispatch path."""
-        self.outputs_changed()
         candidates = self.fast.get(entry.pre_key) if entry.pre_key is not None else None
         if candidates:
             candidates[:] = [c for c in candidates if c[2] is not entry]
