@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
+from threading import get_ident
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Protocol
 
@@ -163,6 +165,10 @@ def recording(recorder: Recorder) -> Iterator[Recorder]:
         _local.recorder = previous
 
 
+#: The longest a thread taking :class:`CaptureExclusion` shared lets a waiting capture go first.
+SHARED_PATIENCE = 0.05
+
+
 class CaptureBusy(RuntimeError):
     """An exclusive section was asked for by a thread that holds the exclusion shared (a
     region recorded from inside another region's eager run): waiting would never end, so the
@@ -180,16 +186,23 @@ class CaptureExclusion:
     runs concurrently with itself but never during another thread's capture. A thread that
     holds it exclusively may take it shared (a no-op); a thread that holds it shared and asks
     for it exclusively gets :class:`CaptureBusy` at once. Jit cache hits take nothing.
+
+    Captures are preferred: once one waits, threads that do not hold it shared yet wait for
+    it too (for at most ``SHARED_PATIENCE``), so a capture is not held back for long by a
+    stream of eager runs in other threads. Threads already inside enter again at once (they
+    would otherwise wait for themselves), and the patience's limit keeps shared work that
+    waits for another thread's shared work from deadlocking with a waiting capture.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._condition = threading.Condition(self._lock)  # the same mutex, for the waits
-        self._readers = 0
+        #: thread id -> how deeply that thread holds it shared (the shared side's whole state:
+        #: one dict under one plain lock, because every eager run of a region takes it)
+        self._holders: dict[int, int] = {}
         self._owner: int | None = None
         self._depth = 0
-        self._waiting = 0  # threads waiting to take it exclusively (only they need a wake-up)
-        self._local = threading.local()  # this thread's shared depth, and per shared block its kind
+        self._waiting = 0  # threads waiting to take it exclusively
         self._shared = _Shared(self)
 
     def shared(self) -> _Shared:
@@ -200,21 +213,21 @@ class CaptureExclusion:
 
     def holds_shared(self) -> bool:
         """Whether this thread holds the exclusion shared (so it cannot take it exclusively)."""
-        return bool(getattr(self._local, "depth", 0))
+        return threading.get_ident() in self._holders
 
     @contextlib.contextmanager
     def exclusive(self) -> Iterator[None]:
         me = threading.get_ident()
-        if getattr(self._local, "depth", 0):
+        if me in self._holders:
             raise CaptureBusy("a capture was asked for inside work that holds the capture exclusion shared")
         with self._condition:
             if self._owner != me:
-                while self._owner is not None or self._readers:
-                    self._waiting += 1
-                    try:
+                self._waiting += 1
+                try:
+                    while self._owner is not None or self._holders:
                         self._condition.wait()
-                    finally:
-                        self._waiting -= 1
+                finally:
+                    self._waiting -= 1
                 self._owner = me
             self._depth += 1
         try:
@@ -230,7 +243,8 @@ class CaptureExclusion:
 class _Shared:
     """``with exclusion.shared():`` (see :meth:`CaptureExclusion.shared`). The holding and
     releasing live here, in the context methods themselves: every eager run of a region
-    takes it, and the usual case (no capture under way) costs one plain lock."""
+    takes it, and the usual case (no capture under way or waiting) costs one plain lock and
+    one dict entry each way."""
 
     __slots__ = ("_exclusion",)
 
@@ -239,48 +253,54 @@ class _Shared:
 
     def __enter__(self) -> None:
         exclusion = self._exclusion
-        local = exclusion._local
-        try:
-            owners = local.owners
-        except AttributeError:  # this thread's first shared block
-            owners = local.owners = []
-            local.depth = 0
+        me = get_ident()
+        holders = exclusion._holders
         lock = exclusion._lock
         lock.acquire()
-        if exclusion._owner is None:
-            exclusion._readers += 1
+        if exclusion._owner is None and not exclusion._waiting:
+            holders[me] = holders.get(me, 0) + 1
             lock.release()
-            owners.append(False)
-            local.depth += 1
             return
         lock.release()
-        me = threading.get_ident()
-        condition = exclusion._condition
-        with condition:
+        with exclusion._condition:
             if exclusion._owner == me:
-                owner = True
-            else:
-                owner = False
-                while exclusion._owner is not None:
-                    condition.wait()
-                exclusion._readers += 1
-        owners.append(owner)
-        if not owner:
-            local.depth += 1
+                return  # inside this thread's own capture: nothing to hold
+            # A capture runs or waits: wait for it, unless this thread is inside already. A
+            # waiting capture is let first for at most SHARED_PATIENCE, so that work holding it
+            # shared which waits for this thread cannot deadlock with it.
+            deadline = None
+            while me not in holders:
+                if exclusion._owner is not None:
+                    exclusion._condition.wait()
+                    continue
+                if not exclusion._waiting:
+                    break
+                now = time.monotonic()
+                deadline = deadline or now + SHARED_PATIENCE
+                if now >= deadline:
+                    break
+                exclusion._condition.wait(deadline - now)
+            holders[me] = holders.get(me, 0) + 1
 
     def __exit__(self, *exc: object) -> None:
         exclusion = self._exclusion
-        local = exclusion._local
-        if not local.owners.pop():
-            local.depth -= 1
-            lock = exclusion._lock
-            lock.acquire()
-            exclusion._readers -= 1
-            wake = not exclusion._readers and exclusion._waiting
+        me = get_ident()
+        if exclusion._owner == me:
+            return  # taken inside this thread's capture (a thread holding it shared cannot capture)
+        holders = exclusion._holders
+        lock = exclusion._lock
+        lock.acquire()
+        depth = holders[me] - 1
+        if depth:
+            holders[me] = depth
             lock.release()
-            if wake:
-                with exclusion._condition:
-                    exclusion._condition.notify_all()
+            return
+        del holders[me]
+        wake = not holders and exclusion._waiting
+        lock.release()
+        if wake:
+            with exclusion._condition:
+                exclusion._condition.notify_all()
 
 
 #: The process's one capture exclusion (see :class:`CaptureExclusion`).

@@ -442,7 +442,7 @@ class Region:
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("region %s, shapes %s: not recorded, graphs held are used more", self.name, spec)
             return _REFUSED
-        if not admission.may_record():
+        if not admission.may_record(count, self.eager_seconds):
             session.counters.deferred += 1
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("region %s, shapes %s: recording postponed, the budget is spent", self.name, spec)

@@ -295,14 +295,11 @@ def progress(done: int, total: int, label: str, enabled: bool) -> None:
             print(file=sys.stderr)
 
 
-def run(model: Model, stream, device, *, use_replay: bool, show_progress: bool):
+def run(model: Model, stream, device, *, use_replay: bool, show_progress: bool, record_budget: float | None = None):
     caches = model.new_cache(device)
     tokens_on_device = [torch.tensor(t, device=device) for _pos, t in stream]
-    # record_budget=1: record each of the 16 batch sizes on its second call. The default budget
-    # (3% of the loop's time, after the first 15 ms of recording) is for long-running loops
-    # with many shapes; over this sample's 1000 steps (about 0.6 s) it lets three of the 16
-    # sizes be recorded and the loop ran 0.77x eager's speed (docs/benchmarks/README.md).
-    session = replay.capture(record_budget=1.0) if use_replay else None
+    policy = {} if record_budget is None else {"record_budget": record_budget}
+    session = replay.capture(**policy) if use_replay else None
     step = session.region(model.step, name="decode_step") if session else model.step
     logits = []
     torch.cuda.synchronize()
@@ -335,6 +332,13 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--eager-only", action="store_true", help="run only the eager loop")
     mode.add_argument("--replay-only", action="store_true", help="run only the replay loop")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--record-budget",
+        type=float,
+        default=None,
+        help="replay.capture(record_budget=...): the share of the loop's time recording may take "
+        "(default: the library's, 3%%; 1 records every size on its second call)",
+    )
     args = parser.parse_args(argv)
     for name in ("steps", "dim", "heads", "layers", "ffn", "max_batch", "max_len", "tp"):
         if getattr(args, name) < 1:
@@ -378,7 +382,9 @@ def main(argv: list[str] | None = None) -> int:
         if (use_replay and args.eager_only) or (not use_replay and args.replay_only):
             continue
         run(model, stream[: min(8, len(stream))], device, use_replay=use_replay, show_progress=False)  # warm up
-        logits, seconds, report = run(model, stream, device, use_replay=use_replay, show_progress=show)
+        logits, seconds, report = run(
+            model, stream, device, use_replay=use_replay, show_progress=show, record_budget=args.record_budget
+        )
         results[use_replay] = (logits, seconds)
         label = "replay" if use_replay else "eager"
         say(f"  {label:6s}: {tokens / seconds:10.0f} tokens/s ({seconds * 1e3 / args.steps:.3f} ms/step)")

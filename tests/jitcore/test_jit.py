@@ -743,7 +743,47 @@ def test_capture_exclusion_never_lets_shared_and_exclusive_overlap_under_content
     for t in threads:
         t.join(timeout=60)
     assert not any(t.is_alive() for t in threads) and overlaps == []
-    assert exclusion._readers == 0 and exclusion._owner is None
+    assert exclusion._holders == {} and exclusion._owner is None
+
+
+def test_a_waiting_capture_is_not_held_back_by_a_stream_of_shared_holders():
+    # two threads take it shared back to back, each entering before the other leaves, so
+    # shared holders never all leave at once: a capture must still get in (new shared holders
+    # wait for a waiting capture), and a thread already inside may enter again meanwhile
+    import threading
+    import time
+
+    from jitcore.recorder import CaptureExclusion
+
+    exclusion = CaptureExclusion()
+    stop = threading.Event()
+    captured = threading.Event()
+    reentered = []
+
+    def share():
+        while not stop.is_set():
+            with exclusion.shared():
+                time.sleep(0.001)
+                with exclusion.shared():  # inside already: never waits, even for a waiting capture
+                    reentered.append(1)
+
+    sharers = [threading.Thread(target=share) for _ in range(2)]
+    for t in sharers:
+        t.start()
+    time.sleep(0.01)
+
+    def capture():
+        with exclusion.exclusive():
+            captured.set()
+
+    capturer = threading.Thread(target=capture)
+    capturer.start()
+    assert captured.wait(timeout=10), "the capture waited for the shared holders forever"
+    stop.set()
+    for t in [*sharers, capturer]:
+        t.join(timeout=10)
+    assert not any(t.is_alive() for t in [*sharers, capturer]) and reentered
+    assert exclusion._holders == {} and exclusion._owner is None
 
 
 def test_capture_exclusion_refuses_exclusive_inside_shared_instead_of_hanging():
@@ -816,3 +856,47 @@ def test_none_for_a_pointer_is_a_null_pointer_with_its_own_call_state(backend):
             BIASED[1, 32](x, x, out, n)
 
         sized(x, None, out)
+
+
+def test_shared_work_that_waits_for_other_shared_work_does_not_deadlock_with_a_waiting_capture():
+    # A holds it shared and waits for B, which takes it shared only after a capture began to
+    # wait (for A): B waits for the capture at most SHARED_PATIENCE, then goes in
+    import threading
+    import time
+
+    from jitcore.recorder import CaptureExclusion
+
+    exclusion = CaptureExclusion()
+    a_inside = threading.Event()
+    b_done = threading.Event()
+    order = []
+
+    def a():
+        with exclusion.shared():
+            a_inside.set()
+            while not exclusion._waiting:  # the capture has started to wait for A
+                time.sleep(0.001)
+            worker = threading.Thread(target=b)
+            worker.start()
+            assert b_done.wait(timeout=10), "shared work waiting for shared work deadlocked with a capture"
+            order.append("a")
+            worker.join()
+
+    def b():
+        with exclusion.shared():
+            order.append("b")
+        b_done.set()
+
+    def capture():
+        a_inside.wait(timeout=10)
+        with exclusion.exclusive():
+            order.append("capture")
+
+    threads = [threading.Thread(target=a), threading.Thread(target=capture)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=20)
+    assert not any(t.is_alive() for t in threads)
+    assert order == ["b", "a", "capture"]
+    assert exclusion._holders == {} and exclusion._owner is None

@@ -199,3 +199,18 @@ def test_a_key_pays_back_when_its_recent_calls_save_what_a_recording_costs(monke
     free = Admission(record_after=0, max_graphs=4, budget=1.0, replays=lambda r: 0, clock=lambda: 0.0)
     free.budget.spent = 1e9
     assert free.pays_back(1, 0.0)  # record_budget=1: no budget, no payback rule
+
+
+def test_a_key_whose_past_calls_paid_for_a_recording_records_with_the_budget_spent(monkeypatch):
+    monkeypatch.setattr(admission, "REPLAY_SECONDS_GUESS", 0.5e-3)
+    now = [0.0]
+    policy = Admission(record_after=0, max_graphs=4, budget=0.03, replays=lambda r: 0, clock=lambda: now[0])
+    assert policy.may_record()  # nothing spent yet
+    policy.recorded(0.01)
+    policy.recorded(0.005)  # usual recording: twice the median of (10 ms, 5 ms): 20 ms
+    assert not policy.may_record()  # 15 ms spent, the grace's 15 ms gone
+    # a key that saves 1.5 - 0.5 = 1 ms a call has paid for a 20 ms recording after 20 calls
+    assert [policy.may_record(count, 1.5e-3) for count in (0, 1, 19, 20, 500)] == [False, False, False, True, True]
+    assert not policy.may_record(10**9, 0.5e-3)  # a replay that saves nothing never has
+    now[0] = 1.0  # a second later the budget has room again: any key may record
+    assert policy.may_record() and policy.may_record(1, 0.0)

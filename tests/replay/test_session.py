@@ -343,7 +343,10 @@ def test_new_keys_start_from_what_the_first_key_of_their_structure_taught(sessio
 
 
 def test_the_recording_budget_postpones_recordings_and_charges_failed_ones(session_factory, monkeypatch):
-    monkeypatch.setattr(admission, "REPLAY_SECONDS_GUESS", -1.0)  # every key pays back: the budget alone decides
+    # every key pays back at once over a long horizon, and none has paid for a 10 ms
+    # recording by its own few calls (about 1 ms saved each): the budget alone decides
+    monkeypatch.setattr(admission, "PAYBACK_HORIZON", 100)
+    monkeypatch.setattr(admission, "REPLAY_SECONDS_GUESS", -1e-3)
     now = [0.0]
     session = session_factory(record_after=0, record_budget=0.1)
     session.admission.budget.clock = lambda: now[0]
@@ -351,6 +354,7 @@ def test_the_recording_budget_postpones_recordings_and_charges_failed_ones(sessi
     x = torch.randn(3)
     assert torch.equal(step(x, x), x + x)  # the first recording: within the grace period
     session.admission.budget.spent += 10.0  # as if recording had taken 10 s
+    session.admission.budget.recent = [0.005] * 4  # a recording usually costs 10 ms
     y = torch.randn(4)
     for _ in range(3):
         assert torch.equal(step(y, y), y + y)
@@ -391,6 +395,35 @@ def test_after_the_grace_only_keys_whose_calls_pay_for_a_recording_record(sessio
         assert torch.equal(step(z, z), z + z)
     assert session.stats().records == 2 and session.stats().too_rare == 20
     assert step.eager_seconds > 0  # one eager call in eight is timed, the first of them not trusted
+
+
+def test_with_the_budget_spent_a_key_records_once_its_own_calls_paid_for_a_recording(session_factory, monkeypatch):
+    # a short loop of a few frequent shapes (the decode sample): the budget alone held most of
+    # them back for the whole run; a key whose calls already saved a recording's cost records
+    monkeypatch.setattr(admission, "REPLAY_SECONDS_GUESS", -1e-3)  # a replay saves about 1 ms
+    monkeypatch.setattr(admission, "PAYBACK_HORIZON", 2)
+    session = session_factory(record_after=0, record_budget=0.01)
+    budget = session.admission.budget
+    step = session.region(add)
+    x = torch.zeros(1)
+    step(x, x)  # within the grace: recorded at once
+    budget.spent = 1e3  # the budget is spent for a long while
+    budget.recent = [0.00125] * 4  # a recording costs 2.5 ms
+    budget.recent = [0.0025] * 4  # a recording costs 5 ms
+    y = torch.randn(2)
+    seen = []
+    for _ in range(6):
+        assert torch.equal(step(y, y), y + y)
+        stats = session.stats()
+        seen.append((stats.too_rare, stats.deferred, stats.records))
+    assert seen == [
+        (1, 0, 1),  # 1 ms saved, twice over: less than a recording (too rare)
+        (2, 0, 1),  # 2 ms, twice over: 4 ms
+        (2, 1, 1),  # 3 ms, twice over, pays back; but the budget is spent: postponed
+        (2, 2, 1),  # 4 ms
+        (2, 2, 2),  # 5 ms saved by its own calls: recorded, budget or not
+        (2, 2, 2),  # and replayed
+    ]
 
 
 def test_the_eager_cost_ignores_the_first_call_follows_drops_at_once_and_rises_slowly(session_factory):
