@@ -14,8 +14,8 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from threading import get_ident
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from threading import get_ident
 from typing import Protocol
 
 import attrs
