@@ -97,10 +97,6 @@ def _raise_region_drift(name: str) -> None:
     raise _RegionDrift(name)
 
 
-def _no_fast_path(args: tuple) -> object:
-    return _MISS
-
-
 _DYNAMIC_MARK = ("replay.dynamic",)
 
 
@@ -216,7 +212,7 @@ class Region:
         # recorded keys of flat calls, by a cheap pre-key (tensor shapes, constants); each
         # candidate's guard then checks everything the key holds
         self.fast: dict[tuple, list[tuple]] = {}  # pre-key -> [(guard, replay, entry)]
-        self._fast: Callable = _no_fast_path
+        self._fast: Callable = self._eager_flat  # generated once keys are recorded (_rebuild_fast)
         # the output memory of this region's graphs and unanalysed captures, merged
         # (see _replay_writes); None when a graph or capture came or went since it was built
         self._output_ranges: region_keys.MergedRanges | None = None
@@ -226,27 +222,17 @@ class Region:
     def __call__(self, *args, **kwargs):
         if not kwargs:
             try:
-                result = self._fast(args)
+                result = self._fast(args)  # a replay, or the eager path of a flat call
             except _RegionDrift:
                 return self._rekey(args, kwargs)
-            if result is not _MISS:
-                return result
-            result = self._eager_flat(args)
             if result is not _MISS:
                 return result
         return self._call(args, kwargs)
 
     def _eager_flat(self, args: tuple) -> object:
-        """The call that most often runs eagerly (positional tensors and plain constants, with
-        shapes no key has an entry for: a warm-up, a refused or postponed key, a length seen
-        once) decided and run without flattening, without ``Dynamic`` or padded handling and
-        without rebuilding the arguments, so it costs little more than eager. Anything else,
-        and a call admission lets record or observe, takes the full path (``_MISS``, or
-        :meth:`_keyed_call` with the decision already counted). Same decisions, same counts
-        as :meth:`_call`."""
-        session = self.session
-        if session.closed or not session.can_record():
-            return _MISS  # the full path raises, or says once that everything runs eagerly
+        """``_fast`` of a region without recorded flat keys: :meth:`_eager_flat_shapes` once
+        the call's shapes are known (``_MISS`` for arguments other than tensors and plain
+        constants: the full path takes those)."""
         pre = []
         try:
             for arg in args:
@@ -259,8 +245,23 @@ class Region:
                     return _MISS
         except RuntimeError:
             return _MISS
+        return self._eager_flat_shapes(args, tuple(pre))
+
+    def _eager_flat_shapes(self, args: tuple, pre: tuple) -> object:
+        """The call that most often runs eagerly (positional tensors and plain constants, with
+        shapes no key has an entry for: a warm-up, a refused or postponed key, a length seen
+        once) decided and run without flattening, without ``Dynamic`` or padded handling and
+        without rebuilding the arguments, so it costs little more than eager. ``pre`` is the
+        call's pre-key (each tensor's shape, each constant), computed once by the caller:
+        :meth:`_eager_flat`, or the generated ``_fast`` after its lookup of recorded keys
+        missed. Anything else, and a call admission lets record or observe, takes the full
+        path (``_MISS``, or :meth:`_keyed_call` with the decision already counted). Same
+        decisions, same counts as :meth:`_call`."""
+        session = self.session
+        if session.closed or not session.can_record():
+            return _MISS  # the full path raises, or says once that everything runs eagerly
         spec = (region_keys.FLAT, len(args))
-        shapes = (spec, tuple(pre))
+        shapes = (spec, pre)
         if shapes in self.entry_shapes:
             return _MISS  # a key with these shapes has an entry: its full key decides
         counted = (self, shapes)
@@ -284,16 +285,21 @@ class Region:
         """Generate ``_fast(args)``: for each arity with recorded keys, compute the pre-key,
         try each candidate's guard, check the region's globals, touch the LRU, replay. One
         function, so a replayed call pays for no other Python call than the guard and the
-        replay itself. Returns _MISS when no recorded key fits."""
+        replay itself. When no recorded key fits, a call of tensors and plain constants goes
+        on to the eager path with the pre-key already computed (:meth:`_eager_flat_shapes`);
+        other arities take :meth:`_eager_flat`; anything else returns _MISS (the full path)."""
         arities = sorted({len(key) for key in self.fast})
         namespace: dict[str, object] = {
             "_Tensor": torch.Tensor,
             "_Dynamic": Dynamic,
             "_DYN": _DYNAMIC_MARK,
+            "_PLAIN": _PLAIN_CONSTANTS,
             "_FAST": self.fast,
             "_MISS": _MISS,
             "_TOUCH": self.session.lru.move_to_end,
             "_DECLINED": MISMATCH,
+            "_EAGER": self._eager_flat_shapes,
+            "_EAGER_FLAT": self._eager_flat,
         }
         drift: list[str] = []
         if self.snapshot is not None:
@@ -308,11 +314,13 @@ class Region:
                 for n in names
             )
             joined = ", ".join(names)
+            plain = " and ".join(f"({n}.__class__ is _Tensor or {n}.__class__ in _PLAIN)" for n in names) or "True"
             lines += [
                 f"    if count == {count}:",
                 f"        {joined}{',' if count == 1 else ''} = args" if count else "        pass",
                 "        try:",
-                f"            candidates = _FAST.get(({parts}))",
+                f"            pre = ({parts})",
+                "            candidates = _FAST.get(pre)",
                 # unhashable constants; a strided nested tensor, whose .shape raises
                 "        except (TypeError, RuntimeError):",
                 "            return _MISS",
@@ -324,8 +332,11 @@ class Region:
                 f"                    result = run({joined})",
                 "                    if result is not _DECLINED:",  # else another candidate may serve it
                 "                        return result",
+                f"        if {plain}:",  # no recorded key fits: the eager path, the pre-key known
+                "            return _EAGER(args, pre)",
+                "        return _MISS",
             ]
-        lines.append("    return _MISS")
+        lines.append("    return _EAGER_FLAT(args)")
         source = "\n".join(lines) + "\n"
         self._fast = compile_function(source, "fast", "replay dispatch of a region", namespace)
 
@@ -850,7 +861,7 @@ class Region:
 
     def clear_fast_path(self) -> None:
         self.fast.clear()
-        self._fast = _no_fast_path
+        self._fast = self._eager_flat
 
     def measure_without_checks(self):
         """Benchmarks only (see :func:`replay.graph.measure_without_checks`): this region's
