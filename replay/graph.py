@@ -295,7 +295,16 @@ class DynamicOutput:
     scalar: DynamicScalar
 
 
-Output = OwnedOutput | InputView | ConstantOutput | DynamicOutput
+@attrs.frozen
+class SlotOutput:
+    """A tensor the graph's replay copies into the region's output slot it was given
+    (replay.output_slots): handed out fresh at every replay, a ``detach()`` of its template
+    view in that slot (``RecordedGraph.slot_outputs[number]`` describes it)."""
+
+    number: int
+
+
+Output = OwnedOutput | InputView | ConstantOutput | DynamicOutput | SlotOutput
 
 _ARITHMETIC_ERRORS = (struct.error, OverflowError, TypeError, ValueError, ArithmeticError)
 
@@ -376,6 +385,12 @@ class RecordedGraph:
         self.output_spec, output_leaves, _ = region_keys.flatten((capture.outputs,), {}, walk_dataclasses=True)
         self.outputs = self._classify_outputs(output_leaves)
         self.output_memory = recording.owned_output_memory(capture)  # what each replay writes
+        # the region's output slots, when this graph's output copies can be pointed at them
+        self.slot = None  # the slot its replay wrote last (replay.output_slots)
+        self.bound_slot = None  # the slot its output copies write now
+        self.views = None  # its outputs' template views in the bound slot
+        self.slot_outputs: list[tuple] = []  # (lane, dtype, size, stride, storage offset) per slotted output
+        self.output_slots, self.slot_need, self.retargets = self._adopt_output_slots(backend, capture)
         self.namespace: dict[str, object] = dict(backend.hot_namespace)
         self.source = self._generate(backend, leaves)
         self.replay = compile_function(
@@ -424,10 +439,80 @@ class RecordedGraph:
             classified.append(InputView(owner, tuple(value.shape), tuple(value.stride()), delta, whole))
         return classified
 
+    def _adopt_output_slots(self, backend, capture: Capture) -> tuple[object, tuple[int, ...], list]:
+        """Point this graph's output copies at its region's shared output slots, where the
+        backend can retarget them (the CUDA backend: each copy is a memcpy node appended by
+        recording.own_outputs into a buffer of its own, one per group of outputs sharing
+        memory). Returns (the region's OutputSlots, the bytes each lane of a slot must hold,
+        largest first, [(set_destination, lane)]), or (None, (), []) when the graph keeps its
+        own output memory (no slots in this session, no owned outputs, a copy the backend
+        cannot retarget)."""
+        slots_of = getattr(self.session, "output_slots", None)
+        if slots_of is None or not self.output_memory:
+            return None, (), []
+        copies: dict[int, object] = {}  # buffer address -> the memcpy node writing it
+        for node in getattr(capture, "nodes", None) or ():
+            if node.kind == "memcpy" and len(node.pointers) == 2 and node.pointers[1] in self.output_memory:
+                if node.pointers[1] in copies:
+                    return None, (), []  # two copies into one buffer: not what own_outputs makes
+                copies[node.pointers[1]] = node
+        if set(copies) != set(self.output_memory):
+            return None, (), []
+        raw_exec = self.graph.raw_cuda_graph_exec()
+        lanes, retargets = {}, []  # buffer address -> lane; (set_destination, lane)
+        by_size = sorted(self.output_memory.items(), key=lambda item: (-item[1], item[0]))
+        for lane, (start, _size) in enumerate(by_size):  # the largest group in lane 0
+            setter = backend.memcpy_retargeter(raw_exec, copies[start], self.device)
+            if setter is None:
+                return None, (), []
+            lanes[start] = lane
+            retargets.append((setter, lane))
+        need = tuple(size for _start, size in by_size)
+        stream = self.session.last_stream[0]
+        for number, item in enumerate(self.outputs):
+            if not isinstance(item, OwnedOutput) or not item.tensor.numel():
+                continue  # an empty output is a fresh tensor of its own: handed out as it is
+            tensor = item.tensor
+            storage = tensor.untyped_storage().data_ptr()
+            if storage not in lanes:
+                continue  # a tensor the region did not make (a global): returned as it is
+            self.outputs[number] = SlotOutput(len(self.slot_outputs))
+            self.slot_outputs.append(
+                (lanes[storage], tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset())
+            )
+            if tensor.is_cuda and stream is not None:  # the first launch may still write it:
+                tensor.record_stream(torch.cuda.ExternalStream(stream, device=tensor.device))  # freed after
+        # the graph's own output buffers go once the first call's outputs (if held) go
+        capture.outputs = None
+        capture.output_bytes = 0
+        self.output_memory = {}
+        return slots_of(self.region, self.device), need, retargets
+
+    def _retarget(self, slot) -> None:
+        """Point every output copy at ``slot`` (phase 2 of a replay whose slot changed). On
+        failure the copies' destinations are unknown: the next replay sets them again."""
+        self.bound_slot = self.views = None
+        for set_destination, lane in self.retargets:
+            set_destination(slot.lanes[lane].address)
+        self.views = slot.views_for(self, self.slot_outputs)
+        self.bound_slot = slot
+        self.session.counters.patches += len(self.retargets)
+
     def _output_expressions(self, code: _Source, clone: bool, guard: bool) -> list[str]:
         expressions = []
         for item in self.outputs:
-            if isinstance(item, OwnedOutput):
+            if isinstance(item, SlotOutput):
+                view = f"_v[{int(item.number)}]"
+                if clone:
+                    expressions.append(f"{view}.clone()")
+                    continue
+                view += ".detach()"  # a fresh tensor on the slot's memory
+                if guard:
+                    code.namespace["_stale_guard"] = _stale_guard
+                    expressions.append(f"_stale_guard({view}, _owner)")
+                else:
+                    expressions.append(view)
+            elif isinstance(item, OwnedOutput):
                 name = code.bind(item.tensor, "_out")
                 if clone:
                     expressions.append(f"{name}.clone()")
@@ -489,10 +574,14 @@ class RecordedGraph:
         disabled = self._decide_which_nodes_change(code, patches)
         # --- phase 2: patch, remembering only what the driver took ---
         self._patch_nodes(code, patches, disabled)
+        self._point_outputs_at_the_slot(code)
         self._fill_host_buffers(code)
         # --- launch ---
         self._launch(code, backend)
         self._after_host_launch(code)
+        if self.output_slots is not None:
+            code.line("_o.writer = _me")  # this slot now holds this graph's outputs
+            code.line("_me.slot = _o")
         self._count_replay(code)
         self._return_outputs(code)
         return code.text()
@@ -749,6 +838,8 @@ class RecordedGraph:
     def _return_outputs(self, code: _Source) -> None:
         """Return the outputs in the region's structure, a fresh container every call."""
         policy = self.session.policy
+        if self.output_slots is not None and self.slot_outputs:
+            code.line("_v = _me.views")  # the templates in the slot just written
         expressions = self._output_expressions(code, policy.clone_outputs, policy.check_stale)
         code.line(f"return {self._container(code, self.output_spec[0][0], expressions)}")
 
@@ -790,9 +881,30 @@ class RecordedGraph:
                 code.line("return _MISMATCH", 2)
 
     def _own_output_checks(self, code: _Source, leaves: Sequence) -> None:
-        """Decline a call whose tensor argument lies in this graph's own output memory (its
-        previous output passed back in, ``h = step(h)``): the replay would overwrite that
-        argument with the new output, where an eager call leaves it as it was."""
+        """Decline a call whose tensor argument lies in the output memory this replay writes
+        (its previous output passed back in, ``h = step(h)``): the replay would overwrite that
+        argument with the new output, where an eager call leaves it as it was. A graph using
+        the region's output slots first chooses its slot (``_o``: the one it wrote last, while
+        no other graph wrote it since, so usually a few attribute reads); an argument anyone
+        still holds keeps every other slot from being chosen, so only that slot can hold it."""
+        if self.output_slots is not None:
+            ns = code.namespace
+            ns["_me"] = self
+            ns["_choose"] = self.output_slots.choose
+            code.line("_o = _me.slot")
+            code.line("if _o is None or _o.writer is not _me or _o.freed:")
+            code.line(f"_o = _choose(_me, {code.bind(self.slot_need, '_need')})", 2)
+            tensors = [
+                (i, region_keys.extent_bytes(leaf)) for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)
+            ]
+            tensors = [(i, extent) for i, extent in tensors if extent]
+            if tensors:
+                for lane in range(len(self.slot_need)):
+                    code.line(f"_l = _o.lanes[{lane}]")
+                    for i, extent in tensors:
+                        code.line(f"if _p{i} < _l.address + _l.size and _l.address < _p{i} + {extent}:")
+                        code.line("return _MISMATCH", 2)
+            return
         buffers = self.output_memory
         for i, leaf in enumerate(leaves):
             if not isinstance(leaf, torch.Tensor) or not region_keys.extent_bytes(leaf):
@@ -800,6 +912,14 @@ class RecordedGraph:
             for lo, size in buffers.items():
                 code.line(f"if _p{i} < {lo + size} and {lo} < _p{i} + {region_keys.extent_bytes(leaf)}:")
                 code.line("return _MISMATCH", 2)
+
+    def _point_outputs_at_the_slot(self, code: _Source) -> None:
+        """Phase 2, last: when the chosen slot is not the one the output copies write, point
+        them at it (a node update per copy; nothing declines the call after this)."""
+        if self.output_slots is not None:
+            code.namespace["_retarget"] = self._retarget
+            code.line("if _o is not _me.bound_slot:")
+            code.line("_retarget(_o)", 2)
 
     def _alignment_checks(self, code: _Source) -> None:
         """Decline a call whose rebound pointer would lose (or gain) the 16-byte alignment a
@@ -891,6 +1011,10 @@ class RecordedGraph:
         return leaves
 
     def release(self) -> None:
+        if self.output_slots is not None:
+            self.slot = self.bound_slot = self.views = None
+            self.output_slots.forget(self)
+            self.retargets = []
         self.updaters.clear()
         self.node_states.clear()
         self.outputs = []

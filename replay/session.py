@@ -39,6 +39,7 @@ from replay.dynamic import Dynamic
 from replay.errors import ReplayWarning, SessionClosedError
 from replay.graph import MISMATCH, RecordedGraph, compile_function, guard_outputs, measure_without_checks
 from replay.observe import TorchOpObserver
+from replay.output_slots import OutputSlots
 from replay.policy import Policy
 from replay.rebinding import STAGED
 from replay.stats import InputChoice, Stats, report
@@ -515,6 +516,7 @@ class Region:
                 else:
                     continue
                 spans += [(start, start + size) for start, size in memory.items()]
+            spans += self.session.output_slot_ranges(self)
             ranges = self._output_ranges = region_keys.MergedRanges(spans)
         return ranges.overlaps(*region_keys.byte_range(tensor))
 
@@ -858,6 +860,7 @@ class Region:
             if entry.graph is not None:
                 self.session.release(entry)
         self.clear_fast_path()
+        self.session.release_output_slots(self)
 
     def clear_fast_path(self) -> None:
         self.fast.clear()
@@ -901,6 +904,7 @@ class Session:
         self._pools: dict[int, recording.KeptPool] = {}
         self._retired_pools: list[recording.KeptPool] = []
         self._streams: dict[int, torch.cuda.Stream] = {}
+        self._output_slots: dict[tuple[Region, int], OutputSlots] = {}  # (region, device) -> its slots
         self.last_stream: list[int | None] = [None]
         self.closed = False
         self.compaction = True  # off for good once a compaction stops paying
@@ -966,6 +970,33 @@ class Session:
             event.record(torch.cuda.ExternalStream(previous))
             torch.cuda.ExternalStream(stream).wait_event(event)
         self.last_stream[0] = stream
+        for slots in self._output_slots.values():
+            slots.stream_used(stream)
+
+    def output_slots(self, region: Region, device: int) -> OutputSlots:
+        """The output slots ``region``'s graphs on ``device`` share (replay.output_slots)."""
+        slots = self._output_slots.get((region, device))
+        if slots is None:
+            target = f"cuda:{device}"
+
+            def changed() -> None:  # a slot came or went
+                region.outputs_changed()
+                self.counters.graph_memory_bytes = self.memory_bytes()
+
+            slots = self._output_slots[(region, device)] = OutputSlots(
+                lambda size: torch.empty(size, dtype=torch.uint8, device=target), changed=changed
+            )
+        return slots
+
+    def output_slot_ranges(self, region: Region) -> list[tuple[int, int]]:
+        """The memory ``region``'s replays may write into its output slots, on every device."""
+        return [span for (owner, _), slots in self._output_slots.items() if owner is region for span in slots.ranges()]
+
+    def release_output_slots(self, region: Region | None = None) -> None:
+        """Drop the output slots of ``region`` (of every region when None) once its graphs are
+        gone: free ones are freed, held ones go when their outputs go."""
+        for key in [k for k in self._output_slots if region is None or k[0] is region]:
+            self._output_slots.pop(key).release()
 
     def touch(self, entry: Entry) -> None:
         self.lru.move_to_end(entry)
@@ -1011,6 +1042,7 @@ class Session:
         """The pools' size (as each recording last measured it) plus the graphs' own output
         buffers."""
         outputs = sum(getattr(e.graph.capture, "output_bytes", 0) for e in self.lru if e.graph is not None)
+        outputs += sum(slots.nbytes() for slots in self._output_slots.values())
         retired = sum(self.known_pool_bytes(p.device, p.id) for p in self._retired_pools)
         pools = sum(self.known_pool_bytes(device) for device in self._pools)
         return pools + retired + outputs
@@ -1134,6 +1166,7 @@ class Session:
                         self.release(entry)
                     entry.state = WARMING
             self.admission.forget(lambda counted: True)  # every key warms up again
+            self.release_output_slots()
             self.counters.invalidations += 1
             log.info("session invalidated: every graph dropped")
 

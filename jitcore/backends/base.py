@@ -11,7 +11,7 @@ the binding costs.
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 
@@ -228,6 +228,13 @@ class Backend(abc.ABC):
         instantiated yet). Replay uses it to append copies of a graph's outputs into memory
         the graph owns. Raises NotImplementedError where the driver cannot."""
         raise NotImplementedError(f"the {self.name} backend cannot capture into an existing graph")
+
+    def memcpy_retargeter(self, raw_exec: int, node: GraphNode, device: int) -> Callable[[int], None] | None:
+        """For a memcpy node of an instantiated graph on ``device``: a ``set_destination(address)`` that
+        makes the node copy to another device address (same context, same size) from the
+        graph's next launch on; None where the backend cannot (replay then keeps each graph's
+        outputs in memory of its own). Raises DriverError when the driver refuses."""
+        return None
 
     def capture_tail(self, raw_stream: int) -> tuple[int, ...] | None:
         """While ``raw_stream`` is capturing: the raw handles of the nodes its next node will

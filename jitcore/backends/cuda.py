@@ -294,6 +294,23 @@ class CudaBackend(DriverBackend):
         finally:
             _check(driver.cuStreamEndCapture(stream), "cuStreamEndCapture")
 
+    def memcpy_retargeter(self, raw_exec: int, node: GraphNode, device: int) -> Callable[[int], None] | None:
+        params = _check(driver.cuGraphMemcpyNodeGetParams(node.handle), "cuGraphMemcpyNodeGetParams")
+        kinds = (driver.CUmemorytype.CU_MEMORYTYPE_DEVICE, driver.CUmemorytype.CU_MEMORYTYPE_UNIFIED)
+        try:
+            if params.dstMemoryType not in kinds or params.Depth > 1 or params.Height > 1:
+                return None  # not a flat copy into device memory (the only kind replay retargets)
+        except ValueError:  # a memory type these bindings do not know
+            return None
+        graph_exec, handle, context = driver.CUgraphExec(raw_exec), node.handle, self._context(device)
+        setter = driver.cuGraphExecMemcpyNodeSetParams
+
+        def set_destination(address: int) -> None:
+            params.dstDevice = address
+            _check(setter(graph_exec, handle, params, context), "cuGraphExecMemcpyNodeSetParams")
+
+        return set_destination
+
     def capture_tail(self, raw_stream: int) -> tuple[int, ...] | None:
         result = driver.cuStreamGetCaptureInfo(self.stream_object(raw_stream))
         if int(result[0]) or result[1] != driver.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_ACTIVE:

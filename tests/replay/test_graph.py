@@ -397,3 +397,195 @@ def test_an_interrupt_after_the_driver_took_an_update_is_repaired_by_the_next_re
     assert struct.unpack_from("<Q", sim.params[0])[0] == y.data_ptr()  # the node holds y now
     graph.replay(x)  # x is what was last remembered before: it must be pushed again
     assert node_pointer(sim) == x.data_ptr()
+
+
+# --- output slots (replay.output_slots): the generated code's side ----------------------------
+
+
+class SlotSimBackend(SimBackend):
+    """The simulated exec, with its output copies retargetable: a launch 'copies' its launch
+    number into each copy's current destination (found among the slots' lanes)."""
+
+    def __init__(self, sim: SimExec, lanes_by_address) -> None:
+        super().__init__(sim)
+        self.destinations: dict[int, int] = {}  # memcpy node -> its destination now
+        self.retargeted = 0
+        lanes = lanes_by_address
+        destinations = self.destinations
+
+        def launch():
+            sim.launch()
+            for address in destinations.values():
+                lane = lanes(address)
+                if lane is not None:
+                    lane.buffer.view(torch.float32).fill_(float(len(sim.launched)))
+
+        self.hot_namespace = dict(self.hot_namespace, _SIM_COPY=launch)
+        self.graph_launch_template = "_SIM_COPY()"
+
+    def memcpy_retargeter(self, raw_exec, node, device):
+        def set_destination(address):
+            self.destinations[node.index] = address
+            self.retargeted += 1
+
+        return set_destination
+
+
+class SlotSession(FakeSession):
+    def __init__(self, slots, **policy):
+        super().__init__(**policy)
+        self.slots = slots
+
+    def output_slots(self, region, device):
+        return self.slots
+
+
+def build_slotted(slots, sim, rows, *, region=None, **policy):
+    """A graph of one input and two outputs in buffers of their own (as recording.own_outputs
+    makes them), each written by a memcpy node: the graph adopts the region's slots."""
+    from replay.output_slots import OutputSlots  # noqa: F401 (the type the session hands out)
+
+    x = torch.randn(rows, 4)
+    spec, flat, paths = region_keys.flatten((x,), {})
+    key = region_keys.region_key(-1, spec, flat, paths)
+    wide, narrow = torch.empty(rows * 8, dtype=torch.uint8), torch.empty(rows * 4 + 4, dtype=torch.uint8)
+    out_wide = torch.empty(0).set_(wide.untyped_storage(), 0, (rows, 2), (2, 1))
+    out_narrow = torch.empty(0).set_(narrow.untyped_storage(), 1, (rows,), (1,))  # at an offset
+    nodes = [
+        GraphNode(0, None, "kernel", 0xF, (4, 1, 1), (64, 1, 1), 0),
+        GraphNode(1, None, "memcpy", pointers=(0x1000, wide.data_ptr())),
+        GraphNode(2, None, "memcpy", pointers=(0x2000, narrow.data_ptr())),
+    ]
+    capture = attrs.make_class(
+        "Capture",
+        ["graph", "device", "plan", "staged", "copied_back", "memory", "nodes", "records", "outputs", "inputs"]
+        + ["input_dtypes", "dynamic_values", "owned_outputs", "output_bytes"],
+    )(
+        FakeTorchGraph(sim),
+        -1,
+        Plan(),
+        {},
+        set(),
+        0,
+        nodes,
+        [Record(LAYOUT, struct.pack("<Qfxxxxq", x.data_ptr(), 1.0, 7))],
+        (out_wide, out_narrow),
+        [InputRange(0, paths[0], x.data_ptr(), x.data_ptr() + region_keys.extent_bytes(x))],
+        {0: x.dtype},
+        {},
+        {wide.data_ptr(), narrow.data_ptr()},
+        wide.numel() + narrow.numel(),
+    )
+    region = region or FakeRegion(key)
+    region.entries[key] = attrs.make_class("E", {"generation": attrs.field(default=0)})()
+    graph = RecordedGraph(region, key, capture, spec, flat, paths, SlotSession(slots, **policy), 0)
+    return graph, region
+
+
+def slot_setup():
+    from replay.output_slots import OutputSlots
+
+    slots = OutputSlots(lambda size: torch.empty(size, dtype=torch.uint8))
+
+    def lane_at(address):
+        for slot in slots.slots:
+            for lane in slot.lanes:
+                if lane.address == address and not slot.freed:
+                    return lane
+        return None
+
+    sim = SimExec()
+    return slots, sim, SlotSimBackend(sim, lane_at)
+
+
+def test_a_slotted_graph_hands_out_fresh_views_of_its_slot_with_the_recorded_layouts():
+    slots, sim, backend = slot_setup()
+    with use_backend(backend):
+        graph, _ = build_slotted(slots, sim, 4)
+        assert graph.output_slots is slots and graph.slot_need == (32, 20) and graph.output_memory == {}
+        first = graph.replay(torch.randn(4, 4))
+        second_x = torch.randn(4, 4)
+    assert "_o = _choose(_me" in graph.source and "_retarget(_o)" in graph.source
+    (slot,) = slots.slots
+    assert [lane.size for lane in slot.lanes] == [512, 512]
+    wide, narrow = first
+    assert wide.shape == (4, 2) and wide.stride() == (2, 1) and wide.storage_offset() == 0
+    assert narrow.shape == (4,) and narrow.storage_offset() == 1  # as in its own buffer
+    assert wide.untyped_storage().data_ptr() == slot.lanes[0].address
+    assert narrow.untyped_storage().data_ptr() == slot.lanes[1].address  # a storage each, as eagerly
+    assert torch.equal(wide, torch.full((4, 2), 1.0)) and backend.retargeted == 2
+    with use_backend(backend):
+        again = graph.replay(second_x)
+    assert again[0] is not wide and again[0].data_ptr() == wide.data_ptr()  # fresh views, same memory
+    assert torch.equal(wide, torch.full((4, 2), 2.0))  # its own previous output: overwritten
+    assert backend.retargeted == 2  # the same slot: no node update
+
+
+def test_another_graphs_held_output_sends_a_replay_to_another_slot_and_back_when_dropped():
+    slots, sim, backend = slot_setup()
+    with use_backend(backend):
+        g4, region = build_slotted(slots, sim, 4)
+        g8, _ = build_slotted(slots, sim, 8, region=region)
+        held = g4.replay(torch.randn(4, 4))[0]  # launch 1, slot A
+        out8 = g8.replay(torch.randn(8, 4))  # slot A is held: a new slot B, lanes as large as both need
+        assert len(slots.slots) == 2 and out8[0].data_ptr() != held.data_ptr()
+        assert torch.equal(held, torch.full((4, 2), 1.0))  # untouched by the other graph
+        del out8
+        out4 = g4.replay(torch.randn(4, 4))  # its own slot A again
+        assert out4[0].data_ptr() == held.data_ptr()
+        del held, out4
+        patches = backend.retargeted
+        g8.replay(torch.randn(8, 4))  # B: still its own
+        assert backend.retargeted == patches
+        g4.replay(torch.randn(4, 4))  # A, free
+        kept = g8.replay(torch.randn(8, 4))[1]  # B
+        g4.replay(torch.randn(4, 4))  # A
+        b = g8.replay(torch.randn(8, 4))[1]
+        assert b.data_ptr() == kept.data_ptr()  # its own slot, overwriting its own output
+    assert len(slots.slots) == 2
+
+
+def test_an_argument_in_the_slot_a_replay_would_write_declines_the_call():
+    slots, sim, backend = slot_setup()
+    with use_backend(backend):
+        graph, _ = build_slotted(slots, sim, 4)
+        wide, _narrow = graph.replay(torch.randn(4, 4))
+        fed = torch.as_strided(wide, (4, 4), (0, 0))  # its own output passed back in
+        assert graph.replay(fed) is MISMATCH
+        launched = len(sim.launched)
+        assert graph.replay(torch.randn(4, 4)) is not MISMATCH and len(sim.launched) == launched + 1
+
+
+def test_a_failed_retarget_is_retried_on_the_next_replay():
+    slots, sim, backend = slot_setup()
+    with use_backend(backend):
+        g4, region = build_slotted(slots, sim, 4)
+        g8, _ = build_slotted(slots, sim, 8, region=region)
+        held = g4.replay(torch.randn(4, 4))
+        fail = [True]
+        original = g8.retargets[0][0]
+
+        def flaky(address):
+            if fail[0]:
+                fail[0] = False
+                raise DriverError("cuGraphExecMemcpyNodeSetParams", 1, "refused")
+            original(address)
+
+        g8.retargets[0] = (flaky, 0)
+        with pytest.raises(DriverError):
+            g8.replay(torch.randn(8, 4))
+        assert g8.bound_slot is None and g8.slot is None  # nothing launched, nothing marked written
+        out = g8.replay(torch.randn(8, 4))
+        assert g8.bound_slot is g8.slot and out[0].data_ptr() == g8.slot.lanes[0].address
+        del held
+
+
+def test_a_released_graph_writes_no_slot_and_its_held_outputs_stay():
+    slots, sim, backend = slot_setup()
+    with use_backend(backend):
+        graph, _ = build_slotted(slots, sim, 4)
+        wide, _ = graph.replay(torch.randn(4, 4))
+        (slot,) = slots.slots
+        graph.release()
+    assert slot.writer is None and graph.slot is None and slot.held()
+    assert torch.equal(wide, torch.full((4, 2), 1.0))

@@ -172,10 +172,13 @@ def test_a_decode_step_taking_host_token_ids_replays_600_steps_bit_for_bit():
 def test_outputs_are_overwritten_clone_outputs_copies_and_stale_reads_are_caught():
     with replay.capture(record_after=0) as session:
         step = session.region(decode_step)
+        step(*fresh_inputs(2, None), dynamic(1))  # recorded
+        step(*fresh_inputs(2, None), dynamic(1))  # analysed, replayed
         first = step(*fresh_inputs(2, None), dynamic(1))
         kept = first.clone()
         second = step(*fresh_inputs(2, None), dynamic(2))
-        assert second is first and not torch.equal(first, kept)  # the graph's own buffer, overwritten
+        # the same memory (the region's output slot the graph wrote last), overwritten
+        assert second.data_ptr() == first.data_ptr() and not torch.equal(first, kept)
     with replay.capture(record_after=0, clone_outputs=True) as session:
         step = session.region(decode_step)
         a = step(*fresh_inputs(2, None), dynamic(1))

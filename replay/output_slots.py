@@ -1,0 +1,257 @@
+"""Output memory shared by the graphs of a region: slots.
+
+Why: a graph's replay copies its outputs out of the shared pool (another graph's scratch may
+lie there) into memory outside it. With that memory owned by each graph, N recorded shapes
+held N output sets: a region ending in a 32,000-wide logits matmul, recorded for batch sizes
+1..64, held 5.7x the memory of its largest shape alone (issue 12). vLLM shares one output
+buffer and declares every output valid only until the next replay of any graph; here that
+would make ``a = step(x4); b = step(x8)`` overwrite ``a``, silently.
+
+So a region keeps a few *slots* per device, each big enough for the outputs of the graphs that
+use it (one buffer, a *lane*, per group of outputs sharing memory), and a graph's output
+copies write whichever slot its replay was given (the copies' destinations are patched when
+it changes):
+
+- the slot it wrote last, when no other graph wrote it since (a graph's next replay
+  overwrites its own previous outputs: the documented lifetime rule, unchanged);
+- else a slot whose last outputs nobody refers to any more;
+- else a new slot (a loop that keeps every output gets memory as eager would).
+
+``out = step(x)`` over changing shapes alternates between two slots (one held by ``out``, the
+other free), so N shapes hold about two output sets instead of N.
+
+"Nobody refers to it" is exact: a slotted graph hands out fresh tensors at every replay (a
+``detach()`` of a template view the slot keeps: about a third of what ``as_strided`` costs)
+and none of them is kept, so anything that still reaches an output (the tensor, a view of it, its
+storage, a DLPack capsule, a C++ holder) holds a reference to the slot's storage, and torch's
+use count of that storage exceeds what the slot holds itself (its buffer, its storage object
+and one typed view per dtype); a caller holding only the storage's Python object (there is one
+per storage) shows in that object's reference count. This module is bookkeeping over tensors, with no driver call:
+patching the copies is the graph's (replay.graph).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Sequence
+
+import attrs
+import torch
+
+#: Slots nobody holds outputs of that a region keeps besides the one just chosen, for the
+#: next change of shape (the alternation of ``out = step(x)`` needs one).
+SPARE_SLOTS = 1
+
+#: Lane sizes are rounded up to this many bytes (lanes are separate allocations, each as
+#: aligned as torch's allocator makes them).
+SLOT_ALIGNMENT = 512
+
+
+def _use_count(storage: torch.UntypedStorage) -> int:
+    return torch._C._storage_Use_Count(storage._cdata)
+
+
+@attrs.define(eq=False)
+class Lane:
+    """One buffer of a slot: a graph's outputs that share memory (one storage eagerly) are
+    copied into one lane, so outputs keep their storages apart and their storage offsets as
+    eagerly (a slot packing every output into one buffer would not)."""
+
+    buffer: torch.Tensor | None  # uint8, ``size`` bytes; None once freed
+    size: int
+    address: int
+    storage: torch.UntypedStorage | None  # held, so its own reference to itself is constant
+    own: int = 0  # the storage's use count with only the lane's own references
+    own_storage_refs: int = 0  # references to the storage's Python object, the lane's alone
+    bases: dict[torch.dtype, torch.Tensor] = attrs.Factory(dict)  # one typed view per dtype
+
+    @classmethod
+    def allocate(cls, allocate: Callable[[int], torch.Tensor], size: int, use_count) -> Lane:
+        buffer = allocate(size)
+        storage = buffer.untyped_storage()
+        lane = cls(buffer, size, buffer.data_ptr(), storage)
+        lane.own = use_count(storage)
+        lane.own_storage_refs = sys.getrefcount(storage)  # counted as in held(): the same references
+        return lane
+
+    def held(self, use_count) -> bool:
+        storage = self.storage
+        if storage is None:
+            return False
+        # the storage's Python object is one per storage: a caller holding out.untyped_storage()
+        # holds the lane's own object, which the use count does not see
+        return use_count(storage) > self.own or sys.getrefcount(storage) > self.own_storage_refs
+
+    def base(self, dtype: torch.dtype) -> torch.Tensor:
+        """The whole lane as a flat tensor of ``dtype``: outputs are ``as_strided`` views of it."""
+        base = self.bases.get(dtype)
+        if base is None:
+            assert self.buffer is not None, "a freed lane has no views"
+            usable = self.size - self.size % dtype.itemsize
+            base = self.buffer[:usable].view(dtype)
+            self.bases[dtype] = base
+            self.own += 1  # one more tensor of the lane's own on its storage
+        return base
+
+    def view(self, dtype: torch.dtype, size: tuple, stride: tuple, offset: int) -> torch.Tensor:
+        """A view of the lane the slot keeps (a template: replays hand out ``detach()``-ed
+        copies of it, each a fresh tensor on the lane's storage)."""
+        view = torch.as_strided(self.base(dtype), size, stride, offset)
+        self.own += 1
+        return view
+
+    def free(self, streams: set[int]) -> None:
+        """Give the memory back to torch's allocator. Streams other than the one it was
+        allocated on may still be writing it: the allocator is told to wait for them."""
+        buffer = self.buffer
+        if buffer is None:
+            return
+        for stream in streams:
+            buffer.record_stream(torch.cuda.ExternalStream(stream, device=buffer.device))
+        self.buffer = self.storage = None
+        self.bases.clear()
+
+
+@attrs.define(eq=False)
+class Slot:
+    """One set of output buffers of a region on a device: lane ``i`` takes the ``i``-th
+    largest group of outputs sharing memory, of whichever graph writes the slot."""
+
+    lanes: list[Lane]
+    use_count: Callable[[torch.UntypedStorage], int]
+    writer: object | None = None  # the graph whose replay wrote it last
+    streams: set[int] = attrs.Factory(set)  # streams a replay wrote it from (besides its own)
+    freed: bool = False  # its memory went back to the allocator: never written again
+    # graph -> ((lane, template view), ...): the views of its outputs in this slot
+    templates: dict[object, tuple[tuple[int, torch.Tensor], ...]] = attrs.Factory(dict)
+
+    def views_for(self, graph: object, outputs: Sequence[tuple]) -> tuple[torch.Tensor, ...]:
+        """``graph``'s output templates in this slot, made on its first use of the slot;
+        ``outputs`` holds (lane, dtype, size, stride, storage offset) per output."""
+        made = self.templates.get(graph)
+        if made is None:
+            made = self.templates[graph] = tuple(
+                (lane, self.lanes[lane].view(dtype, size, stride, offset))
+                for lane, dtype, size, stride, offset in outputs
+            )
+        return tuple(view for _lane, view in made)
+
+    def drop_views(self, graph: object) -> None:
+        for lane, _view in self.templates.pop(graph, ()):
+            self.lanes[lane].own -= 1  # the template goes with the last reference to it: ours
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(lane.size for lane in self.lanes)
+
+    def fits(self, need: tuple[int, ...]) -> bool:
+        return len(need) <= len(self.lanes) and all(n <= lane.size for n, lane in zip(need, self.lanes))
+
+    def held(self) -> bool:
+        """Whether anything besides the slot itself still refers to its memory (an output a
+        replay handed out, or anything made from one)."""
+        return any(lane.held(self.use_count) for lane in self.lanes)
+
+    def free(self) -> None:
+        for graph in self.templates:  # a graph whose copies point here sets them again first
+            if getattr(graph, "bound_slot", None) is self:
+                graph.bound_slot = graph.views = None
+        self.templates.clear()
+        for lane in self.lanes:
+            lane.free(self.streams)
+        self.writer = None
+        self.freed = True
+
+
+class OutputSlots:
+    """The output slots of one region on one device (see the module docstring).
+
+    ``allocate(size)`` makes a uint8 tensor of ``size`` bytes; ``use_count(storage)`` is
+    torch's use count of a storage (both replaceable for tests of the bookkeeping alone);
+    ``changed()`` is called whenever a slot comes or goes (the region's index of output
+    memory is rebuilt from :meth:`ranges`). A graph's ``need`` is the sizes of its groups of
+    outputs sharing memory, largest first (lane ``i`` holds group ``i``)."""
+
+    def __init__(
+        self,
+        allocate: Callable[[int], torch.Tensor],
+        *,
+        use_count: Callable[[torch.UntypedStorage], int] = _use_count,
+        changed: Callable[[], None] = lambda: None,
+    ):
+        self._allocate = allocate
+        self._use_count = use_count
+        self._changed = changed
+        self.slots: list[Slot] = []
+
+    def choose(self, graph: object, need: tuple[int, ...]) -> Slot:
+        """The slot a replay of ``graph`` writes: the one it wrote last if no other graph
+        wrote it since, else one nobody holds outputs in (a spare beyond ``SPARE_SLOTS`` is
+        freed then), else a new one. Changes nothing but the slots' list: the caller marks
+        the slot written (:meth:`wrote`) once its replay cannot decline any more."""
+        last = getattr(graph, "slot", None)
+        if last is not None and last.writer is graph and not last.freed:
+            return last
+        free = [slot for slot in self.slots if not slot.held()]
+        chosen = next((slot for slot in free if slot.fits(need)), None)
+        if chosen is None:
+            chosen = self._new(need, free)
+        else:
+            spare = [slot for slot in free if slot is not chosen]
+            self._free(spare[SPARE_SLOTS:])
+        return chosen
+
+    def wrote(self, graph: object, slot: Slot) -> None:
+        slot.writer = graph
+        graph.slot = slot
+
+    def stream_used(self, stream: int) -> None:
+        """Replays of this device now run on ``stream``: a slot freed later waits for it."""
+        for slot in self.slots:
+            slot.streams.add(stream)
+
+    def forget(self, graph: object) -> None:
+        """``graph`` is released: it writes no slot any more (what it handed out stays held)."""
+        for slot in self.slots:
+            if slot.writer is graph:
+                slot.writer = None
+            slot.drop_views(graph)
+
+    def release(self) -> None:
+        """Free every slot nobody holds outputs in; the held ones go when their outputs go."""
+        self._free([slot for slot in self.slots if not slot.held()])
+        self.slots = []
+
+    def nbytes(self) -> int:
+        return sum(sum(slot.sizes) for slot in self.slots)
+
+    def ranges(self) -> list[tuple[int, int]]:
+        """(first byte, one past the last) of every lane: memory the region's replays write."""
+        return [(lane.address, lane.address + lane.size) for slot in self.slots for lane in slot.lanes]
+
+    def _new(self, need: tuple[int, ...], free: list[Slot]) -> Slot:
+        """A new slot at least as large, lane by lane, as every slot so far (a region's
+        graphs then all fit in any slot once its largest shape was recorded); free slots it
+        outgrows go."""
+        sizes = list(need)
+        for slot in self.slots:
+            for i, size in enumerate(slot.sizes):
+                if i < len(sizes):
+                    sizes[i] = max(sizes[i], size)
+                else:
+                    sizes.append(size)
+        sizes = [-(-max(size, 1) // SLOT_ALIGNMENT) * SLOT_ALIGNMENT for size in sizes]
+        self._free([slot for slot in free if slot.sizes != tuple(sizes)])
+        lanes = [Lane.allocate(self._allocate, size, self._use_count) for size in sizes]
+        slot = Slot(lanes, self._use_count)
+        self.slots.append(slot)
+        self._changed()
+        return slot
+
+    def _free(self, slots: list[Slot]) -> None:
+        if not slots:
+            return
+        for slot in slots:
+            slot.free()
+        self.slots = [slot for slot in self.slots if not slot.freed]
+        self._changed()

@@ -1,0 +1,193 @@
+"""The output slots' bookkeeping on the CPU (replay.output_slots), with real tensors: torch's
+storage use count is what tells a held slot from a free one, on the CPU as on the GPU. The
+GPU tests (test_output_slots_gpu.py) replay real graphs into them."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from replay import output_slots
+from replay.output_slots import OutputSlots
+
+
+class Graph:
+    """What a slot knows of a graph: the slot it wrote last."""
+
+    slot = None
+
+
+def hand_out(slot, dtype=torch.float32, rows=4):
+    """An output a replay hands out: a fresh view of the slot."""
+    return torch.as_strided(slot.lanes[0].base(dtype), (rows, 2), (2, 1), 0)
+
+
+def make(**kwargs):
+    allocated, changes = [], []
+
+    def allocate(size):
+        buffer = torch.empty(size, dtype=torch.uint8)
+        allocated.append(size)
+        return buffer
+
+    slots = OutputSlots(allocate, changed=lambda: changes.append(len(slots.slots)), **kwargs)
+    return slots, allocated, changes
+
+
+def test_a_graph_keeps_writing_the_slot_it_wrote_last_while_no_other_graph_wrote_it():
+    slots, allocated, _ = make()
+    g = Graph()
+    first = slots.choose(g, (100,))
+    slots.wrote(g, first)
+    held = hand_out(first)  # its own previous output, held: still its slot (documented rule)
+    assert slots.choose(g, (100,)) is first and allocated == [512]
+    del held
+
+
+def test_a_slot_holding_another_graphs_output_is_never_chosen():
+    slots, allocated, _ = make()
+    g, h = Graph(), Graph()
+    a = slots.choose(g, (64,))
+    slots.wrote(g, a)
+    out = hand_out(a)
+    b = slots.choose(h, (64,))
+    assert b is not a and len(slots.slots) == 2  # a is held: h gets a new slot
+    slots.wrote(h, b)
+    del out
+    gc.collect()
+    assert slots.choose(g, (64,)) is a  # still g's own
+    c = slots.choose(Graph(), (64,))  # a third graph: a free slot, no new one
+    assert c in (a, b) and allocated == [512, 512]
+
+
+@pytest.mark.parametrize(
+    "hold",
+    [
+        lambda out: out,  # the tensor itself
+        lambda out: out[1:3],  # a view of it, the output dropped
+        lambda out: out.view(torch.int32),  # a view with another dtype
+        lambda out: out.untyped_storage(),  # its storage
+        lambda out: torch.utils.dlpack.to_dlpack(out),  # a DLPack capsule
+        lambda out: [out.t()],  # inside a container
+    ],
+)
+def test_anything_still_reaching_an_output_keeps_its_slot_held(hold):
+    slots, _, _ = make()
+    g, h = Graph(), Graph()
+    a = slots.choose(g, (64,))
+    slots.wrote(g, a)
+    kept = hold(hand_out(a))
+    assert a.held()
+    assert slots.choose(h, (64,)) is not a
+    del kept
+    gc.collect()
+    assert not a.held() and slots.choose(h, (64,)) is a
+
+
+def test_the_slots_own_views_and_repeated_storage_reads_do_not_count_as_held():
+    slots, _, _ = make()
+    a = slots.choose(Graph(), (64,))
+    for dtype in (torch.float32, torch.float16, torch.int64, torch.uint8):
+        a.lanes[0].base(dtype)
+    for _ in range(3):
+        a.lanes[0].buffer.untyped_storage()
+        hand_out(a).sum()  # handed out and dropped at once
+    gc.collect()
+    assert not a.held()
+
+
+def test_spare_free_slots_beyond_one_are_freed_and_small_free_slots_go_when_a_larger_one_comes():
+    slots, allocated, changes = make()
+    graphs = [Graph() for _ in range(4)]
+    outs = []
+    for g in graphs:  # four held outputs: four slots
+        slot = slots.choose(g, (64,))
+        slots.wrote(g, slot)
+        outs.append(hand_out(slot))
+    assert len(slots.slots) == 4 and len(allocated) == 4
+    outs.clear()
+    gc.collect()
+    chosen = slots.choose(Graph(), (64,))  # all four free: one chosen, one spare kept
+    assert len(slots.slots) == 1 + output_slots.SPARE_SLOTS and chosen in slots.slots
+    slots.wrote(graphs[0], chosen)
+    held = hand_out(chosen)
+    big = slots.choose(Graph(), (5000,))  # larger than every slot: the free smaller one goes
+    assert big.sizes == (5120,) and len(slots.slots) == 2 and chosen in slots.slots
+    assert slots.nbytes() == 512 + 5120 and changes[-1] == 2
+    lanes = [lane for slot in slots.slots for lane in slot.lanes]
+    assert sorted(slots.ranges()) == sorted([(lane.address, lane.address + lane.size) for lane in lanes])
+    del held
+
+
+def test_a_new_slot_is_at_least_as_large_as_every_slot_so_far():
+    slots, allocated, _ = make()
+    g = Graph()
+    big = slots.choose(g, (4000,))
+    slots.wrote(g, big)
+    held = hand_out(big)
+    small = slots.choose(Graph(), (10,))
+    assert small.sizes == big.sizes == (4096,) and allocated == [4096, 4096]
+    del held
+
+
+def test_a_freed_slot_is_never_chosen_again_and_a_forgotten_graph_writes_nothing():
+    slots, _, _ = make()
+    g = Graph()
+    a = slots.choose(g, (64,))
+    slots.wrote(g, a)
+    slots.forget(g)
+    assert a.writer is None
+    slots.release()
+    assert a.freed and slots.slots == [] and slots.nbytes() == 0
+    again = slots.choose(g, (64,))  # its last slot was freed: a new one
+    assert again is not a and not again.freed
+
+
+def test_release_leaves_held_slots_to_their_outputs():
+    slots, _, _ = make()
+    g = Graph()
+    a = slots.choose(g, (64,))
+    slots.wrote(g, a)
+    out = hand_out(a)
+    out.fill_(3.0)
+    slots.release()
+    assert not a.freed and slots.slots == []  # dropped from the region, kept by the output
+    assert torch.equal(out, torch.full((4, 2), 3.0))
+
+
+def test_each_group_of_outputs_gets_a_lane_of_its_own_at_least_as_large_as_any_graphs():
+    slots, allocated, _ = make()
+    g, h = Graph(), Graph()
+    a = slots.choose(g, (3000, 100))  # two groups of outputs sharing memory: two lanes
+    assert a.sizes == (3072, 512) and len({lane.address for lane in a.lanes}) == 2
+    slots.wrote(g, a)
+    held = torch.as_strided(a.lanes[1].base(torch.float32), (2,), (1,), 0)  # only lane 1 held
+    b = slots.choose(h, (4000,))  # one group, larger: a new slot, lane by lane the largest
+    assert b is not a and b.sizes == (4096, 512) and allocated == [3072, 512, 4096, 512]
+    assert a.fits((3000, 100)) and not a.fits((3000, 100, 1)) and not a.fits((4000,))
+    del held
+
+
+def test_template_views_are_the_slots_own_and_their_detached_copies_are_held():
+    slots, _, _ = make()
+    g = Graph()
+    a = slots.choose(g, (64,))
+    outputs = [(0, torch.float32, (4, 2), (2, 1), 0), (0, torch.float16, (8,), (1,), 16)]
+    templates = a.views_for(g, outputs)
+    assert a.views_for(g, outputs) == templates and not a.held()  # made once, the slot's own
+    assert templates[1].storage_offset() == 16 and templates[0].shape == (4, 2)
+    out = templates[0].detach()  # what a replay hands out
+    assert a.held()
+    del out
+    assert not a.held()
+    g.bound_slot, g.views = a, templates
+    slots.forget(g)  # released: its templates go (once nothing else refers to them)
+    del templates
+    g.views = None
+    gc.collect()
+    assert not a.held() and a.templates == {}
+    g.bound_slot, g.views = a, a.views_for(g, outputs)
+    a.free()  # a freed slot unbinds the graphs whose copies point at it
+    assert g.bound_slot is None and g.views is None and a.freed

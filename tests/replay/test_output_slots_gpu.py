@@ -1,0 +1,153 @@
+"""Output slots on the GPU (replay.output_slots): the graphs of a region share their output
+memory, and an output anyone still holds is never overwritten by another graph's replay.
+The bookkeeping alone is tested on the CPU in test_output_slots.py."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import jitcore as jc
+import replay
+
+pytestmark = pytest.mark.gpu
+
+SOURCE = r"""
+__global__ void scale_shift(const float* __restrict__ x, float* __restrict__ y, float s, long long n) {
+    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (i < n) y[i] = x[i] * s + 1.0f;
+}
+"""
+scale_shift_kernel = jc.Kernel(SOURCE, "scale_shift")
+DIM, WIDTH = 64, 4096
+
+
+@jc.jit
+def scale_shift(x, y, s):
+    n = x.numel()
+    scale_shift_kernel[jc.cdiv(n, 256), 256](x, y, s, n)
+
+
+def make_region(width: int = WIDTH):
+    generator = torch.Generator(device="cuda").manual_seed(1)
+    weight = torch.randn(DIM, width, device="cuda", generator=generator) / DIM**0.5
+
+    def logits(x):
+        h = x @ weight  # a torch op: its output lies in the pool, then is copied to a slot
+        out = torch.empty_like(h)
+        scale_shift(h, out, 0.5)
+        return out, h[:, :8]  # two outputs sharing one buffer (h's), one of them a view
+
+    logits(torch.randn(2, DIM, device="cuda"))  # cuBLAS and the kernel loaded before any capture
+    return logits
+
+
+def reference(fn, x):
+    out, head = fn(x)
+    return out.clone(), head.clone()
+
+
+def test_a_held_output_of_one_shape_survives_replays_of_other_shapes():
+    fn = make_region()
+    rng = random.Random(0)
+    sizes = [1, 3, 8, 17, 32]
+    with replay.capture(record_after=0, record_budget=1.0) as session:
+        step = session.region(fn)
+        held = []  # (batch, outputs, expected): the latest call of each shape
+        for call in range(120):
+            batch = rng.choice(sizes) if call >= 2 * len(sizes) else sizes[call // 2]
+            x = torch.randn(batch, DIM, device="cuda")
+            outputs = step(x)
+            for tensor in outputs:  # nothing left over from an earlier replay can pass
+                assert tensor.shape[0] == batch
+            # the documented rule: a graph's next replay overwrites its own previous outputs
+            held = [h for h in held if h[0] != batch]
+            held.append((batch, outputs, reference(fn, x)))
+            if len(held) > 4:  # the caller lets the oldest go: its slot may be reused
+                held.pop(0)
+            for _batch, (out, head), (want_out, want_head) in held:
+                assert torch.equal(out, want_out) and torch.equal(head, want_head)
+        stats = session.stats()
+        assert stats.replays >= 100, session.report()
+        assert stats.records - stats.record_retries == len(sizes)
+
+
+def test_an_output_held_only_through_a_view_or_a_dlpack_capsule_is_not_overwritten():
+    fn = make_region()
+    with replay.capture(record_after=0, record_budget=1.0) as session:
+        step = session.region(fn)
+        for batch in (4, 8):
+            for _ in range(2):  # recorded, then analysed
+                step(torch.randn(batch, DIM, device="cuda"))
+        x4, x8 = torch.randn(4, DIM, device="cuda"), torch.randn(8, DIM, device="cuda")
+        rows = step(x4)[0][1:3]  # the outputs themselves are dropped at once, a view is kept
+        capsule = torch.utils.dlpack.to_dlpack(step(x8)[1])  # only a capsule of the other shape's
+        want_rows, want_head = reference(fn, x4)[0][1:3], reference(fn, x8)[1]
+        for _ in range(5):  # the other shape replayed many times meanwhile, each
+            step(torch.randn(8, DIM, device="cuda"))  # output dropped at once
+            step(torch.randn(4, DIM, device="cuda"))
+        # each shape's own later replays overwrite its outputs (the documented rule): only
+        # the other shape's replays ran between each hold and the last call of the other
+        del capsule, want_head
+        assert session.stats().replays >= 12
+        rows = step(x4)[0][1:3]
+        capsule = torch.utils.dlpack.to_dlpack(step(x8)[1])
+        for _ in range(5):
+            step(torch.randn(16, DIM, device="cuda"))  # a third shape, recorded and replayed
+        assert torch.equal(rows, want_rows)
+        assert torch.equal(torch.utils.dlpack.from_dlpack(capsule), reference(fn, x8)[1])
+
+
+def test_a_graphs_next_replay_overwrites_its_own_outputs_and_no_other_graphs():
+    fn = make_region()
+    with replay.capture(record_after=0, record_budget=1.0) as session:
+        step = session.region(fn)
+        for batch in (4, 8):
+            for _ in range(2):
+                step(torch.randn(batch, DIM, device="cuda"))
+        first4, first8 = torch.randn(4, DIM, device="cuda"), torch.randn(8, DIM, device="cuda")
+        a = step(first4)[0]
+        b = step(first8)[0]
+        second4 = torch.randn(4, DIM, device="cuda")
+        c = step(second4)[0]
+        assert torch.equal(b, reference(fn, first8)[0])  # another graph's output: intact
+        assert torch.equal(c, reference(fn, second4)[0])
+        assert torch.equal(a, c)  # its own previous output: overwritten, as documented
+
+
+def test_outputs_of_many_shapes_take_about_two_output_sets_not_one_per_shape():
+    # a region ending in a wide output (the logits of issue 12): recorded for 48 batch sizes,
+    # growing and scattered, in the usual loop `out = step(x)` (the previous output is held
+    # while the next call runs, as an eager loop would hold it too)
+    width = 32000
+    fn = make_region(width)
+    largest = 48
+    set_bytes = largest * width * 4 * 2  # `out` and `h` (a view of h is returned), float32
+    torch.cuda.synchronize()
+    with replay.capture(record_budget=1.0) as alone:
+        step = alone.region(fn)
+        x = torch.randn(largest, DIM, device="cuda")
+        for _ in range(4):  # observed, recorded, analysed and replayed
+            out = step(x)
+        assert alone.stats().replays >= 2, alone.report()
+        alone_bytes = alone.stats().graph_memory_bytes
+    del out
+    for order in (list(range(1, largest + 1)), random.Random(2).sample(range(1, largest + 1), largest)):
+        with replay.capture(record_budget=1.0) as session:
+            step = session.region(fn)
+            out = None
+            for batch in order + order + order:  # recorded, analysed and replayed
+                x = torch.randn(batch, DIM, device="cuda")
+                out = step(x)
+                assert torch.equal(out[0], reference(fn, x)[0])
+            stats = session.stats()
+            slots = sum(s.nbytes() for s in session._output_slots.values())
+        assert stats.replays >= 2 * largest, session.report()
+        del out
+        assert slots <= 2 * set_bytes + 2 * 4096, f"{slots / 2**20:.1f} MiB of output slots"
+        # one output set each: 48 shapes held 48 sets before (25x the largest set here)
+        assert stats.graph_memory_bytes <= alone_bytes + set_bytes + alone_bytes // 2, (
+            f"{stats.graph_memory_bytes / 2**20:.1f} MiB for {largest} shapes, {alone_bytes / 2**20:.1f} MiB alone"
+        )
