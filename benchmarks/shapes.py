@@ -19,7 +19,9 @@ recording budget runs on the clock of its own blocks (see LoopClock). One-time c
 before timing on both sides: every jit call state is compiled, and a throwaway session records
 two shapes (replay's own kernels, the first capture).
 A second table times the eager path of a session against the direct call (see eager_path).
-Shape-polymorphic replay (one graph serving smaller sizes) is not implemented yet: no row.
+A third measures graph memory over many shapes of a region ending in a 32,000-wide output
+(see many_shapes_memory). Shape-polymorphic replay (one graph serving smaller sizes) is not
+implemented yet: no row.
 """
 
 from __future__ import annotations
@@ -228,12 +230,77 @@ def eager_path(steps: int) -> dict[str, dict[str, float]]:
     return results
 
 
+LOGITS, MEMORY_SHAPES = 32000, 64
+
+
+def many_shapes_memory(shapes: int) -> dict[str, dict[str, float]]:
+    """Graph memory of ``shapes`` batch sizes (1..shapes, growing and scattered, each called
+    four times) of a region ending in a logits-like output (``x @ W`` to 32,000 columns, then
+    a bias-and-scale jit kernel), against its largest shape recorded alone. Two loops: the
+    caller keeps the last output while calling again (``out = step(x)``, as eager keeps it
+    too), or drops each output at once. The last row gives each graph output memory of its
+    own, as before the region's graphs shared output slots (2026-12-01), by turning the
+    session's slots off."""
+    generator = torch.Generator(device="cuda").manual_seed(3)
+    weight = torch.randn(DIM, LOGITS, device="cuda", generator=generator) / DIM**0.5
+    bias = torch.randn(LOGITS, device="cuda", generator=generator)
+
+    def logits(x):
+        h = x @ weight
+        y = torch.empty_like(h)
+        bias_scale(h, bias, y, 0.5)
+        return y
+
+    logits(torch.randn(2, DIM, device="cuda"))  # cuBLAS and the kernels loaded before any capture
+
+    def run(order: list[int], hold: bool, slots: bool = True) -> dict[str, float]:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        with replay.capture(record_budget=1.0) as session:
+            if not slots:
+                session.output_slots = None  # each graph keeps output memory of its own
+            step = session.region(logits)
+            out = None
+            for batch in order * 4:  # observed, recorded, analysed, replayed
+                x = torch.randn(batch, DIM, device="cuda")
+                if hold:
+                    out = step(x)
+                else:
+                    step(x)
+            stats = session.stats()
+            slot_bytes = sum(s.nbytes() for s in session._output_slots.values())
+            outputs = slot_bytes or sum(
+                getattr(e.graph.capture, "output_bytes", 0) for e in session.lru if e.graph is not None
+            )
+            row = {
+                "graph_mib": stats.graph_memory_bytes / 2**20,
+                "output_mib": outputs / 2**20,
+                "replays": stats.replays,
+                "records": stats.records,
+            }
+        del out
+        return row
+
+    results = {"largest alone": run([shapes], hold=True)}
+    growing = list(range(1, shapes + 1))
+    scattered = random.Random(4).sample(growing, shapes)
+    for name, order in (("growing", growing), ("scattered", scattered)):
+        results[f"{shapes} shapes {name}, out = step(x)"] = run(order, hold=True)
+        results[f"{shapes} shapes {name}, outputs dropped"] = run(order, hold=False)
+    results[f"{shapes} shapes scattered, out = step(x), per-graph outputs"] = run(scattered, hold=True, slots=False)
+    alone = results["largest alone"]["graph_mib"]
+    for row in results.values():
+        row["vs_alone"] = row["graph_mib"] / alone
+    return results
+
+
 def main() -> None:
     args = common.parser(__doc__.splitlines()[0]).parse_args()
     steps = 600 if args.quick else 6000
     results = {d: measure(d, steps) for d in ("uniform", "zipf", "fixed")}
     results["prefill"] = measure("prefill", 100 if args.quick else 1000)
     overhead = eager_path(steps)
+    memory = many_shapes_memory(16 if args.quick else MEMORY_SHAPES)
     headers = (
         "distribution",
         "path",
@@ -276,6 +343,15 @@ def main() -> None:
         [(k, v["direct_us"], v["warming_over_direct_us"], v["too_rare_over_direct_us"]) for k, v in overhead.items()],
     )
     results["eager_path"] = overhead
+    body += (
+        "\n\nGraph memory over many shapes of a region ending in a 32,000-wide output (MiB; "
+        "target, issue 12: at most 1.5x the largest shape alone):\n\n"
+    )
+    body += common.markdown_table(
+        ("loop", "graph MiB", "of which outputs", "replays", "records", "x largest alone"),
+        [(k, v["graph_mib"], v["output_mib"], v["replays"], v["records"], v["vs_alone"]) for k, v in memory.items()],
+    )
+    results["many_shapes_memory"] = memory
     notes = (
         f"{steps} steps per distribution (prefill: each length once), batch sizes 1..{LARGEST}, "
         f"{LAYERS} layers of a {DIM}x{DIM} matmul and two jit kernels. Targets (issue 12): the "
