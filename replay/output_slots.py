@@ -186,12 +186,16 @@ class OutputSlots:
 
     def choose(self, graph: object, need: tuple[int, ...]) -> Slot:
         """The slot a replay of ``graph`` writes: the one it wrote last if no other graph
-        wrote it since, else one nobody holds outputs in (a spare beyond ``SPARE_SLOTS`` is
-        freed then), else a new one. Changes nothing but the slots' list: the caller marks
-        the slot written (:meth:`wrote`) once its replay cannot decline any more."""
+        wrote it since, else one nobody holds outputs in (the one its copies point at first:
+        no node update; a spare beyond ``SPARE_SLOTS`` is freed then), else a new one.
+        Changes nothing but the slots' list: the caller marks the slot written
+        (:meth:`wrote`) once its replay cannot decline any more."""
         last = getattr(graph, "slot", None)
         if last is not None and last.writer is graph and not last.freed:
             return last
+        bound = getattr(graph, "bound_slot", None)  # the slot its copies write now: no node update
+        if bound is not None and not bound.freed and bound.fits(need) and not bound.held():
+            return bound
         free = [slot for slot in self.slots if not slot.held()]
         chosen = next((slot for slot in free if slot.fits(need)), None)
         if chosen is None:

@@ -191,3 +191,24 @@ def test_template_views_are_the_slots_own_and_their_detached_copies_are_held():
     g.bound_slot, g.views = a, a.views_for(g, outputs)
     a.free()  # a freed slot unbinds the graphs whose copies point at it
     assert g.bound_slot is None and g.views is None and a.freed
+
+
+def test_a_free_slot_the_graphs_copies_already_point_at_is_chosen_first():
+    # shapes taking turns, each output dropped at once: every graph keeps writing one slot,
+    # with no node update (the copies' destinations stay)
+    slots, _, _ = make()
+    g, h = Graph(), Graph()
+    for graph in (g, h):
+        graph.bound_slot = None
+    a = slots.choose(g, (64,))
+    slots.wrote(g, a)
+    g.bound_slot = a
+    b = slots.choose(h, (64,))
+    assert b is a  # free: shared
+    slots.wrote(h, b)
+    h.bound_slot = b
+    extra = slots._new((64,), [])  # another free slot, listed after a
+    assert slots.choose(g, (64,)) is a  # h wrote a last, but a is free and g's copies point there
+    held = hand_out(a)
+    assert slots.choose(g, (64,)) is extra  # held by h's output now: another one
+    del held
