@@ -582,6 +582,7 @@ class RecordedGraph:
         if self.output_slots is not None:
             code.line("_o.writer = _me")  # this slot now holds this graph's outputs
             code.line("_me.slot = _o")
+            code.line("_o.streams.add(_s)")  # freed later, it waits for this stream
         self._count_replay(code)
         self._return_outputs(code)
         return code.text()

@@ -106,7 +106,7 @@ class Lane:
         buffer = self.buffer
         if buffer is None:
             return
-        for stream in streams:
+        for stream in streams if buffer.is_cuda else ():
             buffer.record_stream(torch.cuda.ExternalStream(stream, device=buffer.device))
         self.buffer = self.storage = None
         self.bases.clear()
@@ -120,7 +120,7 @@ class Slot:
     lanes: list[Lane]
     use_count: Callable[[torch.UntypedStorage], int]
     writer: object | None = None  # the graph whose replay wrote it last
-    streams: set[int] = attrs.Factory(set)  # streams a replay wrote it from (besides its own)
+    streams: set[int] = attrs.Factory(set)  # raw streams replays wrote it from (the graph adds each)
     freed: bool = False  # its memory went back to the allocator: never written again
     # graph -> ((lane, template view), ...): the views of its outputs in this slot
     templates: dict[object, tuple[tuple[int, torch.Tensor], ...]] = attrs.Factory(dict)
@@ -208,11 +208,6 @@ class OutputSlots:
     def wrote(self, graph: object, slot: Slot) -> None:
         slot.writer = graph
         graph.slot = slot
-
-    def stream_used(self, stream: int) -> None:
-        """Replays of this device now run on ``stream``: a slot freed later waits for it."""
-        for slot in self.slots:
-            slot.streams.add(stream)
 
     def forget(self, graph: object) -> None:
         """``graph`` is released: it writes no slot any more (what it handed out stays held)."""

@@ -970,8 +970,6 @@ class Session:
             event.record(torch.cuda.ExternalStream(previous))
             torch.cuda.ExternalStream(stream).wait_event(event)
         self.last_stream[0] = stream
-        for slots in self._output_slots.values():
-            slots.stream_used(stream)
 
     def output_slots(self, region: Region, device: int) -> OutputSlots:
         """The output slots ``region``'s graphs on ``device`` share (replay.output_slots)."""

@@ -589,3 +589,12 @@ def test_a_released_graph_writes_no_slot_and_its_held_outputs_stay():
         graph.release()
     assert slot.writer is None and graph.slot is None and slot.held()
     assert torch.equal(wide, torch.full((4, 2), 1.0))
+
+
+def test_a_replay_notes_the_stream_it_wrote_its_slot_from():
+    slots, sim, backend = slot_setup()
+    backend.hot_namespace = dict(backend.hot_namespace, _current_stream=lambda device: 77)
+    with use_backend(backend):
+        graph, _ = build_slotted(slots, sim, 4)
+        graph.replay(torch.randn(4, 4))
+    assert slots.slots[0].streams == {77}  # a slot freed later lets the allocator wait for it
