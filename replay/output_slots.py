@@ -22,12 +22,14 @@ other free), so N shapes hold about two output sets instead of N.
 
 "Nobody refers to it" is exact: a slotted graph hands out fresh tensors at every replay (a
 ``detach()`` of a template view the slot keeps: about a third of what ``as_strided`` costs)
-and none of them is kept, so anything that still reaches an output (the tensor, a view of it, its
-storage, a DLPack capsule, a C++ holder) holds a reference to the slot's storage, and torch's
-use count of that storage exceeds what the slot holds itself (its buffer, its storage object
-and one typed view per dtype); a caller holding only the storage's Python object (there is one
-per storage) shows in that object's reference count. This module is bookkeeping over tensors, with no driver call:
-patching the copies is the graph's (replay.graph).
+and keeps none of them, so anything that still reaches an output (the tensor, a view of it,
+its storage, a DLPack capsule, a C++ holder) holds a reference to the lane's storage, and
+torch's use count of that storage exceeds what the slot holds itself (its buffer, its storage
+object, one typed view per dtype, its templates); a caller holding only the storage's Python
+object (there is one per storage) shows in that object's reference count.
+
+This module is bookkeeping over tensors, with no driver call: pointing the copies at a slot
+is the graph's (replay.graph).
 """
 
 from __future__ import annotations
