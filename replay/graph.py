@@ -498,29 +498,25 @@ class RecordedGraph:
         self.bound_slot = slot
         self.session.counters.patches += len(self.retargets)
 
+    @staticmethod
+    def _handed_out(code: _Source, tensor: str, clone: bool, guard: bool, fresh: str = "") -> str:
+        """How a tensor the graph writes is handed out: a copy (``clone_outputs``), else the
+        tensor made ``fresh`` (the suffix making a new tensor of it, if any), behind the stale
+        guard in ``check_stale`` mode."""
+        if clone:
+            return f"{tensor}.clone()"
+        if guard:
+            code.namespace["_stale_guard"] = _stale_guard
+            return f"_stale_guard({tensor}{fresh}, _owner)"
+        return tensor + fresh
+
     def _output_expressions(self, code: _Source, clone: bool, guard: bool) -> list[str]:
         expressions = []
         for item in self.outputs:
-            if isinstance(item, SlotOutput):
-                view = f"_v[{int(item.number)}]"
-                if clone:
-                    expressions.append(f"{view}.clone()")
-                    continue
-                view += ".detach()"  # a fresh tensor on the slot's memory
-                if guard:
-                    code.namespace["_stale_guard"] = _stale_guard
-                    expressions.append(f"_stale_guard({view}, _owner)")
-                else:
-                    expressions.append(view)
+            if isinstance(item, SlotOutput):  # a fresh tensor on the slot's memory
+                expressions.append(self._handed_out(code, f"_v[{int(item.number)}]", clone, guard, ".detach()"))
             elif isinstance(item, OwnedOutput):
-                name = code.bind(item.tensor, "_out")
-                if clone:
-                    expressions.append(f"{name}.clone()")
-                elif guard:
-                    code.namespace["_stale_guard"] = _stale_guard
-                    expressions.append(f"_stale_guard({name}, _owner)")
-                else:
-                    expressions.append(name)
+                expressions.append(self._handed_out(code, code.bind(item.tensor, "_out"), clone, guard))
             elif isinstance(item, InputView):
                 owner = item.input
                 if item.whole:

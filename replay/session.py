@@ -1037,8 +1037,8 @@ class Session:
         return recording.pool_bytes(device, self.pool(device))
 
     def memory_bytes(self) -> int:
-        """The pools' size (as each recording last measured it) plus the graphs' own output
-        buffers."""
+        """The pools' size (as each recording last measured it) plus the output memory: the
+        graphs' own output buffers and the regions' output slots."""
         outputs = sum(getattr(e.graph.capture, "output_bytes", 0) for e in self.lru if e.graph is not None)
         outputs += sum(slots.nbytes() for slots in self._output_slots.values())
         retired = sum(self.known_pool_bytes(p.device, p.id) for p in self._retired_pools)
