@@ -221,7 +221,9 @@ class OutputSlots:
     def release(self) -> None:
         """Free every slot nobody holds outputs in; the held ones go when their outputs go."""
         self._free([slot for slot in self.slots if not slot.held()])
-        self.slots = []
+        if self.slots:
+            self.slots = []
+            self._changed()  # held slots left too: the region's index of output memory forgets them
 
     def nbytes(self) -> int:
         return sum(sum(slot.sizes) for slot in self.slots)

@@ -146,7 +146,7 @@ def test_a_freed_slot_is_never_chosen_again_and_a_forgotten_graph_writes_nothing
 
 
 def test_release_leaves_held_slots_to_their_outputs():
-    slots, _, _ = make()
+    slots, _, changes = make()
     g = Graph()
     a = slots.choose(g, (64,))
     slots.wrote(g, a)
@@ -154,6 +154,7 @@ def test_release_leaves_held_slots_to_their_outputs():
     out.fill_(3.0)
     slots.release()
     assert not a.freed and slots.slots == []  # dropped from the region, kept by the output
+    assert changes[-1] == 0  # and the region told (its output memory index, the memory stat)
     assert torch.equal(out, torch.full((4, 2), 3.0))
 
 
