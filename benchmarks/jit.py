@@ -39,10 +39,11 @@ def main() -> None:
     torch.cuda.synchronize()
     torch.testing.assert_close(out, alpha * x + y, rtol=1e-6, atol=1e-5)  # the kernel may fuse into an FMA
     handle = jc.compile(launch_axpy, x, y, out, alpha)
-    prepacked, _tuple, _backend_launch, _keep = raw_paths(x, y, out, alpha)
+    prepacked, _tuple, _backend_launch, _keep, native = raw_paths(x, y, out, alpha)
     steps = jc.hit_path_parts(launch_axpy, x, y, out, alpha)  # each step of a hit, run alone
     paths = {
         "raw prepacked driver launch": prepacked,
+        **({"native prepacked launch (C helper)": native} if native else {}),
         "jitcore compile() handle": lambda: handle(x, y, out, alpha),
         "jitcore @jit call": lambda: launch_axpy(x, y, out, alpha),
         "torch.add(out=)": lambda: torch.add(y, x, alpha=alpha, out=out),

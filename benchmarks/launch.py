@@ -2,8 +2,10 @@
 
 The same tiny kernel (``out = alpha * x + y`` over 1024 floats) launched through:
 
-- the raw prepacked driver call: the vendor launch with a prepared function, stream object
-  and ``void*`` array address (the floor);
+- the raw prepacked driver call: the binding's launch (cuda-bindings' ``cuLaunchKernel``)
+  with a prepared function, stream object and ``void*`` array address (the floor);
+- the same prepacked call through jitreplay's C helper (``jitcore.backends._native``), on raw
+  handles, where the backend uses it;
 - the vendor call's ``(values, types)`` tuple form;
 - the backend's prepacked path: the launch code a call state runs (stream lookup, checked
   status), from the backend's own template;
@@ -44,8 +46,9 @@ def raw_paths(x, y, out, alpha):
     backend = get_backend()
     device = torch.cuda.current_device()
     function = kernel.instantiate().function(device)
-    stream = backend.stream_object(torch.cuda.current_stream().cuda_stream)
-    launch = backend.raw_launch
+    raw_stream = torch.cuda.current_stream().cuda_stream
+    stream = backend.stream_object(raw_stream)
+    launch = getattr(backend, "binding_launch", backend.raw_launch)  # the binding's call: the floor
     packed = PackedParams(kernel.instantiate().layout)
     offset, packer = kernel.instantiate().layout.struct_for(range(5))
     packer.pack_into(packed.buffer, offset, x.data_ptr(), y.data_ptr(), out.data_ptr(), alpha, N)
@@ -61,8 +64,17 @@ def raw_paths(x, y, out, alpha):
     def tuple_form():
         launch(handle, grid, 1, 1, 256, 1, 1, 0, stream, values, 0)
 
+    native = None
+    if getattr(backend, "native", False):
+        native_launch, function_address = backend.raw_launch, function.address
+
+        def native():
+            native_launch(function_address, grid, 1, 1, 256, 1, 1, 0, raw_stream, address, 0)
+
     # what a call state runs per launch, from the backend's template
-    namespace = dict(backend.hot_namespace, _f=handle, _addr=address, _stream=stream)
+    hot_stream = backend.hot_namespace["_stream_object"](raw_stream)
+    hot_function = backend.launch_function(function)
+    namespace = dict(backend.hot_namespace, _f=hot_function, _addr=address, _stream=hot_stream)
     source = "def backend_launch():\n" + "\n".join(
         "    " + line
         for line in backend.launch_template.format(
@@ -80,7 +92,7 @@ def raw_paths(x, y, out, alpha):
         ).splitlines()
     )
     exec(source, namespace)
-    return prepacked, tuple_form, namespace["backend_launch"], packed
+    return prepacked, tuple_form, namespace["backend_launch"], packed, native
 
 
 def main() -> None:
@@ -89,11 +101,12 @@ def main() -> None:
     x, y, out = (torch.randn(N, device="cuda") for _ in range(3))
     alpha = 1.5
     launch_axpy(x, y, out, alpha)
-    prepacked, tuple_form, backend_launch, _keep = raw_paths(x, y, out, alpha)
+    prepacked, tuple_form, backend_launch, _keep, native = raw_paths(x, y, out, alpha)
     handle = jc.compile(launch_axpy, x, y, out, alpha)
     paths = {
         "raw prepacked driver launch": prepacked,
         "raw (values, types) tuple form": tuple_form,
+        **({"native prepacked launch (C helper)": native} if native else {}),
         "backend prepacked path": backend_launch,
         "jitcore compile() handle": lambda: handle(x, y, out, alpha),
         "jitcore @jit call": lambda: launch_axpy(x, y, out, alpha),

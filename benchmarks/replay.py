@@ -110,7 +110,7 @@ def graph_launcher(graph: torch.cuda.CUDAGraph):
     namespace = dict(
         backend.hot_namespace,
         _exec=backend.graph_exec_object(graph.raw_cuda_graph_exec()),
-        _stream=backend.stream_object(torch.cuda.current_stream().cuda_stream),
+        _stream=backend.hot_namespace["_stream_object"](torch.cuda.current_stream().cuda_stream),
     )
     body = backend.graph_launch_template.format(exec="_exec", stream="_stream")
     exec("def launch():\n" + "".join(f"    {line}\n" for line in body.splitlines()), namespace)

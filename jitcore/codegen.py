@@ -341,9 +341,14 @@ class CallState:
             f"        stream = _current_stream({int(trace.device)})",
             "    elif stream.__class__ is not int:",
             "        stream = _stream_handle(stream)",
-            "    _so = _STREAMS.get(stream)",
-            "    if _so is None:",
-            "        _so = _stream_object(stream)",
+        ]
+        if not self.backend.raw_stream_handles:  # the launch takes a vendor stream object
+            lines += [
+                "    _so = _STREAMS.get(stream)",
+                "    if _so is None:",
+                "        _so = _stream_object(stream)",
+            ]
+        lines += [
             "    try:",
         ]
         body: list[str] = []
@@ -421,7 +426,7 @@ class CallState:
         limits = self.trace.limits
         function = launch.function
         bind = self._binder.bind
-        self.namespace[f"_f{number}"] = function.handle
+        self.namespace[f"_f{number}"] = self.backend.launch_function(function)
         self.namespace[f"_fn{number}"] = function
 
         def local(expr: object, name: str) -> str:
@@ -467,7 +472,7 @@ class CallState:
             by=block[1],
             bz=block[2],
             shared=shared,
-            stream="_so",
+            stream="stream" if self.backend.raw_stream_handles else "_so",
             params=f"_b[{2 * number + 1}]",
             label=bind(launch.kernel.name_expression),
         ).splitlines()

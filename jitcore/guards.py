@@ -42,6 +42,18 @@ def tensor_guard(
 ) -> Callable[..., bool] | None:
     """A ``check(*tensors) -> bool`` for tensors like ``examples``, checking each static size
     and stride (``None`` entries are left unchecked); None if guards are unavailable."""
+    raw = _raw_tensor_guard(examples, sizes, strides)
+    return None if raw is None else _screened(raw, len(examples))
+
+
+def _raw_tensor_guard(
+    examples: Sequence[torch.Tensor],
+    sizes: Sequence[Sequence[int | None]],
+    strides: Sequence[Sequence[int | None]],
+) -> Callable[..., bool] | None:
+    """torch's evaluator for ``examples``, unscreened: the caller must keep nested tensors
+    away from it (see :func:`_screened`). None where it is unavailable or refuses its own
+    examples."""
     if _TensorGuards is None or not examples:
         return None
     if not all(_plain_strided(t) for t in examples):
@@ -52,7 +64,7 @@ def tensor_guard(
             dynamic_dims_sizes=[list(s) for s in sizes],
             dynamic_dims_strides=[list(s) for s in strides],
         )
-        check = _screened(guard.check, len(examples))
+        check = guard.check
         if not check(*examples):  # self-test: it must accept what it was built from
             return None
     except Exception:
@@ -171,26 +183,22 @@ def make_guard(
     says no to another number of arguments (a region passes whatever its caller passed).
 
     The checks are written cheapest first: every class (and value, attribute) check in argument
-    order, then one C++ tensor guard per tensor argument (one each: torch's evaluator refuses
-    the same tensor passed twice to one check, and callers do pass one tensor as several
-    arguments), then the device. Arguments are ``_a0``, ``_a1``, ... in the source (never a
-    user's name); values reach it through the namespace, and the source is compiled through
-    :func:`jitcore.codegen.define` under a filename made from ``description`` (``guard.source``
-    holds it)."""
+    order, then the tensors' nested screen (see :func:`_screened`, inline here: no frame),
+    then torch's C++ evaluator, then the device. The evaluator is called once for all tensor
+    arguments when they were distinct objects when the guard was built (it says no to one
+    tensor passed as two arguments, so such a call takes the key path), else once per tensor
+    argument (callers do pass one tensor as several arguments). Arguments are ``_a0``,
+    ``_a1``, ... in the source (never a user's name); values reach it through the namespace,
+    and the source is compiled through :func:`jitcore.codegen.define` under a filename made
+    from ``description`` (``guard.source`` holds it)."""
     names = [f"_a{i}" for i in range(len(checks))]
     namespace: dict[str, object] = {"_device": current_device}
     tests: list[str] = []
-    tensor_tests: list[str] = []
+    tensors = [(name, check) for name, check in zip(names, checks) if check.example is not None]
     for index, (name, check) in enumerate(zip(names, checks)):
         namespace[f"_c{index}"] = check.cls
         test = f"{name}.__class__ is _c{index}"
-        if check.example is not None:
-            guard = tensor_guard([check.example], [check.sizes], [check.strides])
-            if guard is None:
-                return None
-            namespace[f"_tensor_guard{index}"] = guard
-            tensor_tests.append(f"_tensor_guard{index}({name})")
-        elif check.attribute is not None:
+        if check.attribute is not None:
             namespace[f"_i{index}"] = check.inner
             test += f" and {name}.{check.attribute}.__class__ is _i{index}"
         elif check.value is not _ANY:
@@ -201,6 +209,21 @@ def make_guard(
                 namespace[f"_f{index}"] = check.through
                 test += f" and _f{index}({name}) == _v{index}"
         tests.append(test)
+    tensor_tests = []
+    if tensors:
+        tensor_tests.append("not (" + " or ".join(f"{name}.is_nested" for name, _ in tensors) + ")")
+        distinct = len({id(check.example) for _, check in tensors}) == len(tensors)
+        groups = [tensors] if distinct else [[one] for one in tensors]
+        for number, group in enumerate(groups):
+            raw = _raw_tensor_guard(
+                [check.example for _, check in group],
+                [check.sizes for _, check in group],
+                [check.strides for _, check in group],
+            )
+            if raw is None:
+                return None
+            namespace[f"_tensor_guard{number}"] = raw
+            tensor_tests.append(f"_tensor_guard{number}({', '.join(name for name, _ in group)})")
     body = " and ".join([*tests, *tensor_tests, f"_device() == {int(device)}"])
     if not packed:
         source = f"def guard({', '.join(names)}):\n    return {body}\n"

@@ -428,3 +428,5 @@ class _NoLaunch:
             "_r = _no_launch({function}, {gx}, {gy}, {gz}, {bx}, {by}, {bz}, {shared}, {stream}, {params}, 0)"
         )
         self.set_dynamic_shared_limit = backend.set_dynamic_shared_limit
+        self.launch_function = backend.launch_function
+        self.raw_stream_handles = backend.raw_stream_handles

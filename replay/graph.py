@@ -790,10 +790,12 @@ class RecordedGraph:
             code.line("_torch_replay()")
         else:
             ns["_EXEC"] = backend.graph_exec_object(self.graph.raw_cuda_graph_exec())
-            code.line("_so = _STREAMS.get(_s)")
-            code.line("if _so is None:")
-            code.line("_so = _stream_object(_s)", 2)
-            for line in backend.graph_launch_template.format(exec="_EXEC", stream="_so").splitlines():
+            if not backend.raw_stream_handles:  # the launch takes a vendor stream object
+                code.line("_so = _STREAMS.get(_s)")
+                code.line("if _so is None:")
+                code.line("_so = _stream_object(_s)", 2)
+            stream = "_s" if backend.raw_stream_handles else "_so"
+            for line in backend.graph_launch_template.format(exec="_EXEC", stream=stream).splitlines():
                 code.line(line)
 
     def _fill_host_buffers(self, code: _Source) -> None:

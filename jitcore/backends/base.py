@@ -118,11 +118,15 @@ class Backend(abc.ABC):
     launch_template: str
     #: Python source of one graph launch with fields {exec} {stream} (both vendor objects).
     graph_launch_template: str
+    #: Whether the launch templates take raw stream handles as {stream} (the C helper's
+    #: calls do): generated code then skips the ``_STREAMS`` lookup.
+    raw_stream_handles: bool = False
     #: Globals for generated code: the vendor calls, ``_STREAMS``, ``_stream_object``,
     #: ``_current_device`` and ``_current_stream``.
     hot_namespace: dict[str, object]
-    #: The vendor launch function itself, (function, gx, gy, gz, bx, by, bz, shared, stream
-    #: object, params address, extra) -> status tuple; benchmarks time it as the floor.
+    #: The launch function generated code calls, (function, gx, gy, gz, bx, by, bz, shared,
+    #: stream, params address, extra) -> status tuple: the binding's, or the C helper's
+    #: (:mod:`jitcore.backends._native`) where the backend uses it.
     raw_launch: object
 
     # --- devices and streams (torch's) ------------------------------------------------------
@@ -244,10 +248,19 @@ class Backend(abc.ABC):
         launches it cannot tell apart)."""
         return None
 
+    def launch_function(self, function: LoadedFunction) -> object:
+        """What ``launch_template``'s {function} takes for a loaded function: its vendor
+        handle, or its raw address where the backend calls the driver from C."""
+        return function.handle
+
     @abc.abstractmethod
     def graph_exec_object(self, raw_exec: int) -> object:
-        """The vendor object for a raw graph-exec handle, for ``graph_launch_template``."""
+        """What ``graph_launch_template``'s {exec} takes for a raw graph-exec handle: the
+        vendor object, or the raw handle itself where the backend calls the driver from C."""
 
     @abc.abstractmethod
     def stream_object(self, raw_stream: int) -> object:
-        """The vendor object for a raw stream handle, as the hot templates pass it."""
+        """The vendor object for a raw stream handle, for calls into the binding. Generated
+        code converts handles through ``hot_namespace``'s ``_STREAMS`` and ``_stream_object``
+        instead, which give what the launch templates take (the raw handle itself where the
+        backend calls the driver from C)."""

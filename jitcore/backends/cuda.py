@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import os
 from collections.abc import Callable, Sequence
 
 from jitcore.backends.abi import CUDA_TYPE_NAMES, PackedParams, ParamLayout, prelude
@@ -26,7 +27,7 @@ except ImportError as exc:  # pragma: no cover - exercised by the backend-select
 
 
 def _error_string(status: object) -> str:
-    err, text = driver.cuGetErrorString(status)
+    err, text = driver.cuGetErrorString(driver.CUresult(int(status)))
     if int(err) or not text:
         return ""
     return text.decode() if isinstance(text, bytes) else str(text)
@@ -34,6 +35,50 @@ def _error_string(status: object) -> str:
 
 #: Unpacks a driver call's result tuple, raising DriverError on a non-success status.
 _check = StatusCheck(driver.CUresult, _error_string)
+
+
+#: What each native call binds to in libcuda: (prototype kind, symbol, per-thread-stream symbol).
+#: The node setter is the v2 entry point, whose node-params struct is the one cuda-bindings'
+#: CUDA_KERNEL_NODE_PARAMS wraps (it has the kern and ctx fields).
+_NATIVE_SYMBOLS = {
+    "launch": ("kernel_launch", "cuLaunchKernel", "cuLaunchKernel_ptsz"),
+    "graph_launch": ("graph_launch", "cuGraphLaunch", "cuGraphLaunch_ptsz"),
+    "node_set": ("kernel_node_set", "cuGraphExecKernelNodeSetParams_v2", "cuGraphExecKernelNodeSetParams_v2"),
+}
+
+
+def native_calls() -> dict[str, Callable[..., tuple]] | None:
+    """The hot driver calls made from C (:mod:`jitcore.backends._native`), or None where that
+    helper was not built, libcuda cannot be loaded (a machine without a driver) or
+    ``JITCORE_NATIVE=0`` turns it off. Each takes the arguments of the cuda-bindings call it
+    replaces and returns the same ``(status,)`` tuple, so generated code is the same on both
+    paths; the default stream is the one cuda-bindings uses (legacy, or per-thread where
+    ``CUDA_PYTHON_CUDA_PER_THREAD_DEFAULT_STREAM`` asks for it)."""
+    if os.environ.get("JITCORE_NATIVE", "1").strip() == "0":
+        return None
+    try:
+        from jitcore.backends import _native
+    except ImportError:
+        return None
+    try:
+        libcuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    per_thread = os.environ.get("CUDA_PYTHON_CUDA_PER_THREAD_DEFAULT_STREAM", "0").strip() not in ("", "0")
+    calls = {}
+    for role, (kind, legacy, ptsz) in _NATIVE_SYMBOLS.items():
+        symbol = ptsz if per_thread else legacy
+        try:
+            address = ctypes.cast(getattr(libcuda, symbol), ctypes.c_void_p).value
+        except AttributeError:  # a driver without the symbol: every call stays on the binding
+            return None
+        calls[role] = _native.bind(kind, symbol.removesuffix("_v2").removesuffix("_ptsz"), address)
+    return calls
+
+
+def _remember_stream(cache: dict[int, int], raw_stream: int) -> int:
+    cache[raw_stream] = raw_stream
+    return raw_stream
 
 
 class _Nvrtc(RuntimeCompiler):
@@ -95,7 +140,9 @@ _DIMENSION_FIELDS = {
 class _CudaNodeUpdater(NodeUpdater):
     __slots__ = ("params", "set_call", "set_args", "node_params", "enable_call", "enable_args")
 
-    def __init__(self, graph_exec: object, node: GraphNode, layout: ParamLayout, initial: bytes):
+    def __init__(
+        self, graph_exec: object, node: GraphNode, layout: ParamLayout, initial: bytes, native_set: Callable | None
+    ):
         self.params = PackedParams(layout, initial)
         node_params = driver.CUDA_KERNEL_NODE_PARAMS()
         node_params.func = driver.CUfunction(node.function)
@@ -105,8 +152,12 @@ class _CudaNodeUpdater(NodeUpdater):
         node_params.kernelParams = self.params.address
         node_params.extra = 0
         self.node_params = node_params
-        self.set_call = driver.cuGraphExecKernelNodeSetParams
-        self.set_args = (graph_exec, node.handle, node_params)
+        if native_set is None:
+            self.set_call = driver.cuGraphExecKernelNodeSetParams
+            self.set_args = (graph_exec, node.handle, node_params)
+        else:  # the same call from C, on raw handles and the struct's address (node_params owns it)
+            self.set_call = native_set
+            self.set_args = (int(graph_exec), int(node.handle), node_params.getPtr())
         self.enable_call = driver.cuGraphNodeSetEnabled
         self.enable_args = (graph_exec, node.handle)
 
@@ -136,7 +187,22 @@ class CudaBackend(DriverBackend):
 
     def __init__(self) -> None:
         compiler = _Nvrtc(nvrtc, "nvrtc", "NVRTC", "--gpu-architecture", _header_include_dir())
-        super().__init__(compiler, driver.cuLaunchKernel, driver.cuGraphLaunch, 0, _check, {}, launch_detail=False)
+        native = native_calls()
+        #: Whether launches, graph launches and node updates go through the C helper.
+        self.native = native is not None
+        launch = native["launch"] if native else driver.cuLaunchKernel
+        graph_launch = native["graph_launch"] if native else driver.cuGraphLaunch
+        super().__init__(compiler, launch, graph_launch, 0, _check, {}, launch_detail=False)
+        self._native_node_set = native["node_set"] if native else None
+        self.raw_stream_handles = self.native
+        if native:
+            # the C calls take raw handles: the stream cache (for code built from the templates
+            # elsewhere, like the benchmarks) maps a handle to itself
+            raw_streams: dict[int, int] = {}
+            self.hot_namespace["_STREAMS"] = raw_streams
+            self.hot_namespace["_stream_object"] = functools.partial(_remember_stream, raw_streams)
+        #: cuda-bindings' own cuLaunchKernel: the floor the benchmarks measure against.
+        self.binding_launch = driver.cuLaunchKernel
         self._contexts: dict[int, object] = {}
 
     # --- driver state --------------------------------------------------------------------
@@ -276,7 +342,7 @@ class CudaBackend(DriverBackend):
         return [ctypes.string_at(pointers[i], size) for i, size in enumerate(sizes)]
 
     def node_updater(self, raw_exec, node, layout, initial) -> NodeUpdater:
-        return _CudaNodeUpdater(driver.CUgraphExec(raw_exec), node, layout, initial)
+        return _CudaNodeUpdater(driver.CUgraphExec(raw_exec), node, layout, initial, self._native_node_set)
 
     @contextlib.contextmanager
     def capture_into(self, raw_graph: int, raw_stream: int):
@@ -319,5 +385,8 @@ class CudaBackend(DriverBackend):
         dependencies, count = result[4], int(result[-1])
         return tuple(int(node) for node in list(dependencies)[:count])
 
+    def launch_function(self, function: LoadedFunction) -> object:
+        return function.address if self.native else function.handle
+
     def graph_exec_object(self, raw_exec: int) -> object:
-        return driver.CUgraphExec(raw_exec)
+        return int(raw_exec) if self.native else driver.CUgraphExec(raw_exec)

@@ -131,6 +131,34 @@ def test_tensors_by_the_c_plus_plus_guard():
 
 
 @needs_guards
+def test_distinct_tensors_share_one_c_plus_plus_call():
+    x, y = torch.randn(4, 6), torch.randn(5)
+    guard = make_guard(
+        [ArgumentCheck.tensor(x, [None, 6], [6, 1]), ArgumentCheck.of_class(int), ArgumentCheck.tensor(y, [5], [1])],
+        device=0,
+        current_device=Device(),
+        description="test guard",
+    )
+    assert "_tensor_guard0(_a0, _a2)" in guard.source and "_tensor_guard1" not in guard.source
+    assert guard(x, 1, y) and guard(torch.randn(9, 6), 2, torch.randn(5))
+    assert guard(x, 1, x[0, :5])  # a view of another argument is a distinct tensor
+    assert not guard(x, 1, torch.randn(6)) and not guard(torch.randn(4, 7), 1, y)
+    assert not guard(x, 1, y.double()) and not guard(x, 1.0, y)
+    # one tensor as two arguments: the evaluator says no (the call takes the key path)
+    z = torch.randn(5)
+    same = make_guard(
+        [ArgumentCheck.tensor(z, [5], [1]), ArgumentCheck.tensor(y, [5], [1])],
+        device=0,
+        current_device=Device(),
+        description="test guard",
+    )
+    assert same(z, y) and not same(z, z)
+    # nested tensors never reach the evaluator (it would abort the process)
+    nested = torch.nested.nested_tensor([torch.randn(2, 3), torch.randn(4, 3)])
+    assert not guard(nested, 1, y) and not guard(x, 1, nested)
+
+
+@needs_guards
 def test_class_checks_come_before_the_tensor_guards():
     x = torch.randn(3)
     guard = make_guard(

@@ -525,7 +525,22 @@ def test_the_most_recent_state_is_served_by_its_guard(backend):
     guard, run = launch.jit.mru[0]
     assert run is next(iter(launch.jit.states.values()))
     assert guard(x, x, x, 1.0) and guard(torch.randn(7), torch.randn(3), torch.randn(5), 2.0)
+    # x is passed three times: one evaluator call each (one call would say no to it)
     assert "_tensor_guard0(_a0)" in guard.source and "_tensor_guard2(_a2)" in guard.source
+
+
+def test_distinct_tensors_are_guarded_by_one_call(backend):
+    launch = make_axpy()
+    x, y, out = torch.randn(64), torch.randn(64), torch.randn(64)
+    launch(x, y, out, 1.0)
+    launch(x, y, out, 1.0)
+    guard, _run = launch.jit.mru[0]
+    assert "_tensor_guard0(_a0, _a1, _a2)" in guard.source
+    assert guard(torch.randn(9), torch.randn(9), torch.randn(9), 2.0)
+    assert not guard(x, x, out, 1.0)  # one tensor twice: the key path serves it
+    before = launch.cache_info()
+    launch(x, x, out, 1.0)  # ... and gets it right: the same state, found by key
+    assert launch.cache_info().states == before.states
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,237 @@
+"""The C helper for the hot driver calls (jitcore/backends/_native.c), run on the CPU.
+
+The driver is replaced by ctypes callbacks with the vendor prototypes (a test double for the
+driver, as the guide allows in CPU tests of pure logic): each test checks what reaches the C
+side and what comes back. The same calls run against the real driver in the GPU tests (the
+CUDA backend uses the helper wherever it was built and libcuda loads).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+import sysconfig
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+try:
+    from jitcore.backends import _native
+except ImportError:  # pragma: no cover - a build without a C compiler
+    _native = None
+
+needs_native = pytest.mark.skipif(_native is None, reason="the C helper was not built (no C compiler)")
+
+UINT = ctypes.c_uint
+VOIDP = ctypes.c_void_p
+KERNEL_LAUNCH = ctypes.CFUNCTYPE(ctypes.c_int, VOIDP, UINT, UINT, UINT, UINT, UINT, UINT, UINT, VOIDP, VOIDP, VOIDP)
+GRAPH_LAUNCH = ctypes.CFUNCTYPE(ctypes.c_int, VOIDP, VOIDP)
+NODE_SET = ctypes.CFUNCTYPE(ctypes.c_int, VOIDP, VOIDP, VOIDP)
+
+
+class FakeDriver:
+    """One vendor function as a ctypes callback: records its arguments, returns ``status``."""
+
+    def __init__(self, prototype, status: int = 0) -> None:
+        self.calls: list[tuple] = []
+        self.status = status
+
+        def call(*args):
+            self.calls.append(args)
+            return self.status
+
+        self.callback = prototype(call)  # kept alive as long as the fake
+        self.address = ctypes.cast(self.callback, ctypes.c_void_p).value
+
+
+class Handle:
+    """A binding's handle object: int() gives the raw handle (as cuda-bindings' do)."""
+
+    def __init__(self, raw: int) -> None:
+        self.raw = raw
+
+    def __int__(self) -> int:
+        return self.raw
+
+
+def test_the_helper_is_built_where_a_compiler_is():
+    """``pip install -e .`` builds it wherever a C compiler and the Python headers are (CI
+    included); elsewhere the backends use the bindings (tested by every other CPU test)."""
+    include = sysconfig.get_paths()["include"]
+    if shutil.which("cc") is None or not (include and __import__("os").path.exists(f"{include}/Python.h")):
+        pytest.skip("no C compiler or no Python headers: the helper is optional")
+    assert _native is not None, "a C compiler is present but jitcore.backends._native was not built"
+
+
+@needs_native
+def test_a_kernel_launch_passes_every_argument_through():
+    fake = FakeDriver(KERNEL_LAUNCH)
+    launch = _native.bind("kernel_launch", "cuLaunchKernel", fake.address)
+    assert launch.__name__ == "cuLaunchKernel"
+    result = launch(0x1234, 7, 2, 3, 256, 1, 4, 96, 0xBEEF, 0x5000, 0)
+    assert result == (0,) and result is _native.SUCCESS  # success is one shared tuple
+    assert fake.calls == [(0x1234, 7, 2, 3, 256, 1, 4, 96, 0xBEEF, 0x5000, None)]
+    # handles as binding objects (int()), None as NULL, numpy ints as dimensions, the
+    # largest handle and the largest dimension
+    launch(Handle(2**64 - 1), np.int64(5), np.uint32(1), True, 1, 1, 1, 2**32 - 1, None, Handle(8), None)
+    assert fake.calls[-1] == (2**64 - 1, 5, 1, 1, 1, 1, 1, 2**32 - 1, None, 8, None)
+
+
+@needs_native
+def test_a_failed_call_returns_its_status_like_the_binding():
+    fake = FakeDriver(KERNEL_LAUNCH, status=700)
+    launch = _native.bind("kernel_launch", "cuLaunchKernel", fake.address)
+    result = launch(1, 1, 1, 1, 1, 1, 1, 0, 0, 8, 0)
+    assert result == (700,) and result[0] == 700
+
+
+@needs_native
+@pytest.mark.parametrize(
+    ("position", "value", "error", "words"),
+    [
+        (1, -1, OverflowError, "grid x"),
+        (4, 2**32, OverflowError, "block x"),
+        (7, 2**40, OverflowError, "shared bytes"),
+        (2, 1.0, TypeError, "float"),
+        (0, "f", TypeError, "function"),
+        (8, object(), TypeError, "stream"),
+        (9, -1, OverflowError, "kernel params"),
+        (0, 2**64, OverflowError, "function"),
+    ],
+)
+def test_bad_arguments_are_refused_before_the_driver_is_called(position, value, error, words):
+    fake = FakeDriver(KERNEL_LAUNCH)
+    launch = _native.bind("kernel_launch", "cuLaunchKernel", fake.address)
+    args = [1, 1, 1, 1, 1, 1, 1, 0, 0, 8, 0]
+    args[position] = value
+    with pytest.raises(error, match=words):
+        launch(*args)
+    with pytest.raises(TypeError, match="expected 11 arguments, got 10"):
+        launch(*args[:10])
+    assert fake.calls == []
+
+
+@needs_native
+def test_graph_launch_and_node_update():
+    graph = FakeDriver(GRAPH_LAUNCH)
+    launch = _native.bind("graph_launch", "cuGraphLaunch", graph.address)
+    assert launch(0xE0, 0) == (0,) and launch(Handle(0xE1), Handle(5)) == (0,)
+    assert graph.calls == [(0xE0, None), (0xE1, 5)]
+    with pytest.raises(TypeError, match="expected 2 arguments"):
+        launch(0xE0)
+    node = FakeDriver(NODE_SET, status=1)
+    set_params = _native.bind("kernel_node_set", "cuGraphExecKernelNodeSetParams", node.address)
+    assert set_params(0xE0, 0xA0, 0x7000) == (1,)
+    assert node.calls == [(0xE0, 0xA0, 0x7000)]
+    with pytest.raises(ValueError, match="node params"):
+        set_params(0xE0, 0xA0, 0)  # a NULL struct would crash the driver
+    assert len(node.calls) == 1
+
+
+@needs_native
+def test_binding_is_checked():
+    fake = FakeDriver(GRAPH_LAUNCH)
+    with pytest.raises(ValueError, match="kind must be"):
+        _native.bind("memcpy", "x", fake.address)
+    with pytest.raises(ValueError, match="must not be 0"):
+        _native.bind("graph_launch", "x", 0)
+    with pytest.raises(TypeError, match="address must be an int"):
+        _native.bind("graph_launch", "x", Handle(fake.address))
+
+
+@needs_native
+def test_the_gil_is_released_during_the_driver_call():
+    """A launch blocks while the launch queue is full; other threads must run meanwhile. The
+    "driver" here is libc's nanosleep, which has graph_launch's shape (two pointers -> int)
+    and holds no GIL of its own."""
+    libc = ctypes.CDLL(None)
+    sleep = _native.bind("graph_launch", "nanosleep", ctypes.cast(libc.nanosleep, ctypes.c_void_p).value)
+
+    class Timespec(ctypes.Structure):
+        _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+    duration = Timespec(0, 300_000_000)
+    ticks = []
+    stop = threading.Event()
+
+    def count():
+        while not stop.is_set():
+            ticks.append(time.perf_counter())
+            time.sleep(0.005)
+
+    counter = threading.Thread(target=count)
+    counter.start()
+    time.sleep(0.02)
+    start = time.perf_counter()
+    assert sleep(ctypes.addressof(duration), None) == (0,)
+    end = time.perf_counter()
+    stop.set()
+    counter.join()
+    assert end - start >= 0.29
+    assert sum(start < t < end for t in ticks) >= 10  # the other thread ran all along
+
+
+@needs_native
+def test_the_cuda_backend_launches_through_the_helper(monkeypatch):
+    """The CUDA backend with a fake libcuda: a jit call state's launch and a node update go
+    through the C helper with raw handles, the same arguments the binding would get."""
+    pytest.importorskip("cuda.bindings")
+    from jitcore.backends import cuda as cuda_backend
+
+    drivers = {
+        "cuLaunchKernel": FakeDriver(KERNEL_LAUNCH),
+        "cuGraphLaunch": FakeDriver(GRAPH_LAUNCH),
+        "cuGraphExecKernelNodeSetParams_v2": FakeDriver(NODE_SET),
+    }
+
+    class FakeLibcuda:
+        def __init__(self, name):
+            assert name == "libcuda.so.1"
+
+        def __getattr__(self, symbol):
+            if symbol not in drivers:
+                raise AttributeError(symbol)
+            return drivers[symbol].callback
+
+    monkeypatch.setattr(cuda_backend.ctypes, "CDLL", FakeLibcuda)
+    calls = cuda_backend.native_calls()
+    assert {role: f.__name__ for role, f in calls.items()} == {
+        "launch": "cuLaunchKernel",
+        "graph_launch": "cuGraphLaunch",
+        "node_set": "cuGraphExecKernelNodeSetParams",
+    }
+    backend = cuda_backend.CudaBackend()
+    assert backend.native and backend.raw_stream_handles
+    assert backend.raw_launch is backend.hot_namespace["_cuLaunchKernel"]
+    assert backend.binding_launch is cuda_backend.driver.cuLaunchKernel  # the benchmarks' floor
+    assert backend.graph_exec_object(0xE0) == 0xE0
+
+    # the launch template, as a call state runs it
+    namespace = dict(backend.hot_namespace, _f=0xF00, _addr=0x5000)
+    source = "def launch(stream):\n" + "".join(
+        f"    {line}\n"
+        for line in backend.launch_template.format(
+            function="_f", gx=3, gy=1, gz=1, bx=128, by=1, bz=1, shared=0, stream="stream", params="_addr", label="'k'"
+        ).splitlines()
+    )
+    exec(source, namespace)
+    namespace["launch"](0xBEEF)
+    assert drivers["cuLaunchKernel"].calls == [(0xF00, 3, 1, 1, 128, 1, 1, 0, 0xBEEF, 0x5000, None)]
+    drivers["cuLaunchKernel"].status = 1  # CUDA_ERROR_INVALID_VALUE: the backend's own error
+    with pytest.raises(Exception, match="CUDA_ERROR_INVALID_VALUE"):
+        namespace["launch"](0xBEEF)
+
+    # a node updater sends raw handles and the node-params struct's address
+    from jitcore.backends.abi import ParamLayout, parse_signature
+    from jitcore.backends.base import GraphNode
+
+    layout = ParamLayout.of(parse_signature("float* x, int n"))
+    node = GraphNode(index=0, handle=Handle(0xA0), kind="kernel", function=0xF00, grid=(2, 1, 1), block=(64, 1, 1))
+    updater = backend.node_updater(0xE0, node, layout, bytes(layout.size))
+    assert updater.set_call(*updater.set_args) == (0,)
+    (exec_handle, node_handle, struct_address), *_ = drivers["cuGraphExecKernelNodeSetParams_v2"].calls
+    assert (exec_handle, node_handle, struct_address) == (0xE0, 0xA0, updater.node_params.getPtr())
+    assert torch.zeros(1).sum() == 0  # torch still fine after the fakes (no stray frees)
