@@ -350,21 +350,52 @@ torch_modes.__doc__ = "The global torch settings in force now, in MODE_NAMES ord
 #: Values a reader returns as the same object whenever the setting is the same (bools, None,
 #: torch's dtype singletons): compared by identity, the cheapest check there is.
 _SINGLETON_TYPES = (bool, type(None), torch.dtype)
+#: The settings that change what an op computes only while autocast is on (for CUDA or the CPU).
+_AUTOCAST_SETTINGS = frozenset(
+    {"autocast (cuda)", "autocast dtype (cuda)", "autocast (cpu)", "autocast dtype (cpu)", "autocast cache"}
+)
+#: One call saying whether autocast is on for any device (None in a torch without it).
+_any_autocast: Callable[[], bool] | None = getattr(torch._C, "_is_any_autocast_enabled", None)
 _modes_changed_cache: dict[tuple, Callable[[], bool]] = {}
+
+
+def _is_pybind_enum(value: object) -> bool:
+    """A pybind11 enum member (torch's preferred-library settings): its ``.value`` is its int."""
+    return hasattr(type(value), "__members__") and isinstance(getattr(value, "value", None), int)
 
 
 def modes_changed(recorded: tuple) -> Callable[[], bool]:
     """A function telling whether any torch setting differs from ``recorded`` (a
-    ``torch_modes()`` tuple), for replay's per-call check. It reads the same settings as
-    ``torch_modes`` but builds no tuple and compares each value the cheapest exact way:
-    singletons by identity, lists as lists, others (strings, pybind enums) by equality;
-    the first difference ends it. Generated once per distinct recorded tuple."""
+    ``torch_modes()`` tuple) in a way that can change what a region computes, for replay's
+    per-call check. It reads the same settings as ``torch_modes`` but builds no tuple and
+    compares each value the cheapest exact way: singletons by identity, lists as lists,
+    pybind enums by their int ``.value`` (their ``!=`` costs about 0.4 us), others (strings)
+    by equality; the first difference ends it.
+
+    Where autocast was off for both CUDA and the CPU when recorded, one call checks that it
+    is still off for every device (``torch._C._is_any_autocast_enabled``) instead of the five
+    autocast settings: the autocast dtypes and cache change nothing while autocast is off, so
+    a change of them then is no change of what the graph computes (the region's key, which
+    holds every setting, still tells such calls apart on the eager path). Generated once per
+    distinct recorded tuple."""
     check = _modes_changed_cache.get(recorded)
     if check is not None:
         return check
     namespace: dict[str, object] = {}
     tests = []
+    values = dict(zip(MODE_NAMES, recorded, strict=True))
+    autocast_off = (
+        _any_autocast is not None
+        and _AUTOCAST_SETTINGS <= values.keys()
+        and values["autocast (cuda)"] is False
+        and values["autocast (cpu)"] is False
+    )
+    if autocast_off:
+        namespace["_any_autocast"] = _any_autocast
+        tests.append("_any_autocast() is not False")
     for number, (reader, value) in enumerate(zip(_MODE_READERS, recorded, strict=True)):
+        if autocast_off and reader.what in _AUTOCAST_SETTINGS:
+            continue
         call = _call_source(number, reader, namespace)
         if reader.returns_list:
             namespace[f"_v{number}"] = list(value)
@@ -372,12 +403,15 @@ def modes_changed(recorded: tuple) -> Callable[[], bool]:
         elif isinstance(value, _SINGLETON_TYPES):
             namespace[f"_v{number}"] = value
             tests.append(f"{call} is not _v{number}")
+        elif _is_pybind_enum(value):
+            namespace[f"_v{number}"] = value.value
+            tests.append(f"{call}.value != _v{number}")
         else:
             namespace[f"_v{number}"] = value
             tests.append(f"{call} != _v{number}")
     body = "\n        or ".join(tests) or "False"
     source = f"def modes_changed():\n    return (\n        {body}\n    )\n"
-    check = codegen.define(source, "<replay torch modes check>", namespace)["modes_changed"]
+    check = codegen.define(source, codegen.source_filename("replay torch modes check"), namespace)["modes_changed"]
     _modes_changed_cache[recorded] = check
     return check
 

@@ -193,13 +193,19 @@ def test_every_mode_the_key_holds_has_a_change_in_this_test():
     assert set(region_keys.MODE_NAMES) <= set(MODE_CHANGES)
 
 
+#: Settings that change nothing while autocast is off: the replay check ignores them then.
+AUTOCAST_ONLY = {"autocast dtype (cuda)", "autocast dtype (cpu)", "autocast cache"}
+
+
 @pytest.mark.parametrize("name", region_keys.MODE_NAMES)
 def test_every_mode_the_key_holds_is_seen_by_the_replay_check(name):
-    """Change one setting: the key's tuple changes and the generated per-call check says so;
-    back: the check passes again."""
+    """Change one setting: the key's tuple changes and the generated per-call check says so
+    (the autocast dtypes and cache only while autocast is on: see the next test); back: the
+    check passes again."""
     number = region_keys.MODE_NAMES.index(name)
     recorded = region_keys.torch_modes()
     changed = region_keys.modes_changed(recorded)
+    autocast_off = not torch.is_autocast_enabled("cuda") and not torch.is_autocast_enabled("cpu")
     assert changed() is False
     try:
         with warnings.catch_warnings():
@@ -209,7 +215,7 @@ def test_every_mode_the_key_holds_is_seen_by_the_replay_check(name):
                 if now == recorded:
                     pytest.skip(f"this torch build cannot change {name}")
                 assert now[number] != recorded[number]
-                assert changed() is True
+                assert changed() is not (name in AUTOCAST_ONLY and autocast_off)
     except RuntimeError as error:  # a backend this torch build lacks (cuBLASLt on a CPU build)
         if "compiled with" not in str(error) and "not available" not in str(error):
             raise
@@ -217,6 +223,40 @@ def test_every_mode_the_key_holds_is_seen_by_the_replay_check(name):
             pytest.skip(f"this torch build cannot change {name}: {error}")
     assert region_keys.torch_modes() == recorded
     assert changed() is False
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_autocast_dtype_and_cache_count_while_autocast_is_on(device):
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("autocast for CUDA needs a GPU")
+    dtypes = (torch.bfloat16, torch.float16)
+    with torch.autocast(device, dtype=dtypes[0]):
+        recorded = region_keys.torch_modes()
+        changed = region_keys.modes_changed(recorded)
+        assert changed() is False
+        before = torch.get_autocast_dtype(device)
+        torch.set_autocast_dtype(device, dtypes[1])
+        try:
+            assert changed() is True
+        finally:
+            torch.set_autocast_dtype(device, before)
+        assert changed() is False
+        torch.set_autocast_cache_enabled(not torch.is_autocast_cache_enabled())
+        try:
+            assert changed() is True
+        finally:
+            torch.set_autocast_cache_enabled(not torch.is_autocast_cache_enabled())
+        assert changed() is False
+    assert changed() is True  # autocast off again: another setting than recorded
+
+
+def test_with_autocast_off_one_call_checks_it_for_every_device():
+    recorded = region_keys.torch_modes()
+    changed = region_keys.modes_changed(recorded)
+    source = "".join(__import__("linecache").getlines(changed.__code__.co_filename))
+    assert "_any_autocast() is not False" in source and source.count("_m2(") == 0  # autocast (cuda)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert changed() is True
 
 
 _SPAN = st.tuples(st.integers(0, 200), st.integers(0, 40)).map(lambda t: (t[0], t[0] + t[1]))
