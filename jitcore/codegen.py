@@ -254,7 +254,15 @@ class _LaunchPlan:
 
     params: tuple  # ParamRecord (constants, reused as is), _PointerPlan or _ScalarPlan
     config: tuple[_ConfigPlan, ...]
-    needs_values: bool  # some runtime-dependent value also reads sizes or strides
+    #: The sizes and strides (leaf variables) that runtime-dependent values also read: their
+    #: evaluators fix them at the recorded values, so they key the records made from them.
+    fixed: tuple[str, ...]
+
+
+#: How many report parts (records for one launch at one set of fixed sizes) a call state keeps.
+_REPORT_CACHE_SIZE = 256
+#: How many pointer records (one per byte offset from the tensor's data pointer) a part keeps.
+_POINTER_RECORDS = 16
 
 
 class CallState:
@@ -297,6 +305,11 @@ class CallState:
         self._config_sources: dict[int, tuple[str, str, str]] = {}
         self._provenance = [self._plan_provenance(launch) for launch in trace.launches]
         self._evaluators: dict[tuple, tuple[_Evaluator, str]] = {}
+        self._reports: dict[tuple, tuple] = {}  # (launch number, *fixed values) -> _report_parts
+        self._check_plans = self._plan_checks()
+        self._check_fixed = tuple(
+            sorted({leaf.variable for plan in self._check_plans for leaf in plan[4] if leaf.kind != "scalar"})
+        )
         self.source = self._generate()
         self.filename = source_filename(f"call state {self.name}")
         defined = define(self.source, self.filename, self.namespace)
@@ -621,8 +634,20 @@ class CallState:
             if _scalar_args(leaves):
                 config.append(_ConfigPlan(field, expr, leaves, _scalar_args(leaves)))
         dependent = [p for p in params if isinstance(p, (_PointerPlan, _ScalarPlan)) and p.scalar_args] + config
-        needs_values = any(leaf.kind != "scalar" for item in dependent for leaf in item.leaves)
-        return _LaunchPlan(tuple(params), tuple(config), needs_values)
+        fixed = sorted({leaf.variable for item in dependent for leaf in item.leaves if leaf.kind != "scalar"})
+        return _LaunchPlan(tuple(params), tuple(config), tuple(fixed))
+
+    def _plan_checks(self) -> list[tuple]:
+        """The index checks that depend on runtime scalars: (number, check, value leaves, size
+        leaves, all their leaves, scalar arguments), computed once per call state."""
+        plans = []
+        for number, check in enumerate(getattr(self.trace, "runtime_checks", ())):
+            value_leaves = _unique_leaves(self.trace, check.value)
+            size_leaves = _unique_leaves(self.trace, check.size)
+            scalar_args = _scalar_args(value_leaves + size_leaves)
+            if scalar_args:
+                plans.append((number, check, value_leaves, size_leaves, value_leaves + size_leaves, scalar_args))
+        return plans
 
     def _evaluator(self, what: str, expr: object, leaves: tuple, values: dict | None) -> tuple[_Evaluator, str]:
         """(evaluate, expression) for ``expr`` with sizes and strides fixed at ``values``."""
@@ -638,33 +663,82 @@ class CallState:
         return found
 
     def _report(self, hook, number, buffers, args, original, stream, grid, block, shared, launched=True) -> None:
+        """Tell ``hook`` about launch ``number`` of this call (every launch of a recording
+        comes through here, so it is on the first recording call's path: what does not
+        change from call to call, every record but the pointers' byte offsets, is made once
+        per set of fixed sizes and reused; records are frozen)."""
         launch = self.trace.launches[number]
         plan = self._provenance[number]
         packed = bytes(buffers[2 * number])
-        values = leaf_values(self.trace, args) if plan.needs_values else None
-        label = launch.kernel.name_expression
-        params = []
-        for item in plan.params:
-            if isinstance(item, recorder.ParamRecord):
-                params.append(item)  # a constant: the cached record itself
-            elif isinstance(item, _PointerPlan):
+        fixed = plan.fixed + self._check_fixed
+        values = leaf_values(self.trace, args) if fixed else None
+        key = (number, *(values[v] for v in fixed)) if fixed else (number,)
+        parts = self._reports.get(key)
+        if parts is None:
+            if len(self._reports) >= _REPORT_CACHE_SIZE:
+                self._reports.clear()
+            parts = self._reports[key] = self._report_parts(number, values)
+        params, pointers, config, checks = parts
+        if pointers:
+            params = list(params)
+            for position, item, offset_evaluate, by_offset in pointers:
                 (address,) = struct.unpack_from("<Q", packed, item.common["offset"])
-                offset_evaluate = None
-                if item.scalar_args:
-                    offset_evaluate = self._evaluator(
-                        f"{label} pointer {item.common['index']}", item.offset, item.leaves, values
-                    )[0]
-                params.append(
-                    recorder.ParamRecord(
+                byte_offset = address - args[item.arg_index].data_ptr()
+                record = by_offset.get(byte_offset)
+                if record is None:
+                    record = recorder.ParamRecord(
                         kind="pointer",
                         arg_index=item.arg_index,
-                        byte_offset=address - args[item.arg_index].data_ptr(),
+                        byte_offset=byte_offset,
                         read_only=item.read_only,
                         offset_scalar_args=item.scalar_args,
                         offset_evaluate=offset_evaluate,
                         **item.common,
                     )
-                )
+                    if len(by_offset) < _POINTER_RECORDS:
+                        by_offset[byte_offset] = record
+                params[position] = record
+        hook.launch(
+            recorder.LaunchRecord(
+                jit_function=self.owner,
+                kernel=launch.kernel.name_expression,
+                function=launch.function.address,
+                device=self.device,
+                grid=grid,
+                block=block,
+                shared_bytes=shared,
+                layout=launch.kernel.layout,
+                param_bytes=packed[: launch.kernel.layout.size],
+                params=tuple(params),
+                args=tuple(original),
+                stream=stream,
+                check_globals=self.check_globals,
+                launched=bool(launched),
+                dynamic_config=config,
+                checks=checks,
+            )
+        )
+
+    def _report_parts(self, number: int, values: dict | None) -> tuple:
+        """(params, pointers, config, checks) of launch ``number`` at these fixed sizes:
+        ``params`` holds every record that does not depend on the call (None where a
+        pointer's goes), ``pointers`` lists (position, plan, offset evaluator, records by
+        byte offset) for those."""
+        label = self.trace.launches[number].kernel.name_expression
+        plan = self._provenance[number]
+        params: list[object] = []
+        pointers = []
+        for item in plan.params:
+            if isinstance(item, recorder.ParamRecord):
+                params.append(item)  # a constant: the cached record itself
+            elif isinstance(item, _PointerPlan):
+                offset_evaluate = None
+                if item.scalar_args:
+                    offset_evaluate = self._evaluator(
+                        f"{label} pointer {item.common['index']}", item.offset, item.leaves, values
+                    )[0]
+                pointers.append((len(params), item, offset_evaluate, {}))
+                params.append(None)
             else:
                 evaluator, expression = self._evaluator(
                     f"{label} argument {item.common['index']}", item.expr, item.leaves, values
@@ -684,44 +758,12 @@ class CallState:
         for item in plan.config:
             evaluator, expression = self._evaluator(f"{label} {item.field}", item.expr, item.leaves, values)
             config.append(recorder.ConfigRecord(item.field, item.scalar_args, evaluator, expression))
-        checks = self._check_records(args)
-        hook.launch(
-            recorder.LaunchRecord(
-                jit_function=self.owner,
-                kernel=label,
-                function=launch.function.address,
-                device=self.device,
-                grid=grid,
-                block=block,
-                shared_bytes=shared,
-                layout=launch.kernel.layout,
-                param_bytes=packed[: launch.kernel.layout.size],
-                params=tuple(params),
-                args=tuple(original),
-                stream=stream,
-                check_globals=self.check_globals,
-                launched=bool(launched),
-                dynamic_config=tuple(config),
-                checks=checks,
-            )
-        )
-
-    def _check_records(self, args: tuple) -> tuple:
-        """The index checks that depend on runtime scalars, as recorder CheckRecords."""
         checks = []
-        values = None
-        for number, check in enumerate(getattr(self.trace, "runtime_checks", ())):
-            value_leaves = _unique_leaves(self.trace, check.value)
-            size_leaves = _unique_leaves(self.trace, check.size)
-            scalar_args = _scalar_args(value_leaves + size_leaves)
-            if not scalar_args:
-                continue
-            if values is None:
-                values = leaf_values(self.trace, args)
-            value, shown = self._evaluator(f"index check {number}", check.value, value_leaves, values)
-            size, _ = self._evaluator(f"index check {number} size", check.size, size_leaves, values)
+        for check_number, check, value_leaves, size_leaves, _leaves, scalar_args in self._check_plans:
+            value, shown = self._evaluator(f"index check {check_number}", check.value, value_leaves, values)
+            size, _ = self._evaluator(f"index check {check_number} size", check.size, size_leaves, values)
             checks.append(recorder.CheckRecord(scalar_args, value, size, shown))
-        return tuple(checks)
+        return tuple(params), tuple(pointers), tuple(config), tuple(checks)
 
 
 class _Evaluator:
