@@ -253,26 +253,42 @@ def _scalar_or_none(value: object) -> object:
 _literal_names = itertools.count()
 
 
-def _launch_view(record, node: int | None, staging_input: int | None = None) -> rebinding.LaunchView:
-    params = tuple(
-        rebinding.ParamView(
-            index=p.index,
-            offset=p.offset,
-            size=p.size,
-            fmt=p.fmt,
-            kind=p.kind,
-            read_only=p.read_only,
-            expression=p.expression,
-            convert=p.convert,
-            scalar_args=p.scalar_args,
-            evaluate=p.evaluate,
-            byte_offset=p.byte_offset,
-            offset_scalar_args=getattr(p, "offset_scalar_args", ()),
-            offset_evaluate=getattr(p, "offset_evaluate", None),
-            aligned=getattr(p, "aligned", None),
-        )
-        for p in record.params
+#: ParamViews made from launch records' parameters, by the parameter record's id, the record
+#: kept beside its view (so its id is not reused while cached). jit call states hand out the
+#: same frozen records from recording to recording (jitcore.codegen.CallState._report), so a
+#: view is mostly made once, not once per launch of every recording.
+_PARAM_VIEWS: dict[int, tuple[object, rebinding.ParamView]] = {}
+_PARAM_VIEWS_LIMIT = 4096
+
+
+def _param_view(p) -> rebinding.ParamView:
+    cached = _PARAM_VIEWS.get(id(p))
+    if cached is not None and cached[0] is p:
+        return cached[1]
+    view = rebinding.ParamView(
+        index=p.index,
+        offset=p.offset,
+        size=p.size,
+        fmt=p.fmt,
+        kind=p.kind,
+        read_only=p.read_only,
+        expression=p.expression,
+        convert=p.convert,
+        scalar_args=p.scalar_args,
+        evaluate=p.evaluate,
+        byte_offset=p.byte_offset,
+        offset_scalar_args=getattr(p, "offset_scalar_args", ()),
+        offset_evaluate=getattr(p, "offset_evaluate", None),
+        aligned=getattr(p, "aligned", None),
     )
+    if len(_PARAM_VIEWS) >= _PARAM_VIEWS_LIMIT:
+        _PARAM_VIEWS.clear()
+    _PARAM_VIEWS[id(p)] = (p, view)
+    return view
+
+
+def _launch_view(record, node: int | None, staging_input: int | None = None) -> rebinding.LaunchView:
+    params = tuple(_param_view(p) for p in record.params)
     config = tuple(
         rebinding.ConfigView(c.field, tuple(c.scalar_args), c.evaluate, getattr(c, "expression", ""))
         for c in getattr(record, "dynamic_config", ())

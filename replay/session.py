@@ -214,6 +214,7 @@ class Region:
         # candidate's guard then checks everything the key holds
         self.fast: dict[tuple, list[tuple]] = {}  # pre-key -> [(guard, replay, entry)]
         self._fast: Callable = self._eager_flat  # generated once keys are recorded (_rebuild_fast)
+        self._fast_shape: tuple | None = None  # (arities, snapshot) _fast was generated for
         # the output memory of this region's graphs and unanalysed captures, merged
         # (see _replay_writes); None when a graph or capture came or went since it was built
         self._output_ranges: region_keys.MergedRanges | None = None
@@ -290,6 +291,13 @@ class Region:
         on to the eager path with the pre-key already computed (:meth:`_eager_flat_shapes`);
         other arities take :meth:`_eager_flat`; anything else returns _MISS (the full path)."""
         arities = sorted({len(key) for key in self.fast})
+        # the source depends on the arities and the globals snapshot only (the candidates are
+        # read from self.fast at call time): a key of a known arity needs no new function
+        shape = (tuple(arities), id(self.snapshot), self.snapshot)  # the snapshot by identity
+        known = self._fast_shape
+        if known is not None and known[:2] == shape[:2] and self._fast is not self._eager_flat:
+            return
+        self._fast_shape = shape
         namespace: dict[str, object] = {
             "_Tensor": torch.Tensor,
             "_Dynamic": Dynamic,
@@ -865,6 +873,7 @@ class Region:
     def clear_fast_path(self) -> None:
         self.fast.clear()
         self._fast = self._eager_flat
+        self._fast_shape = None
 
     def measure_without_checks(self):
         """Benchmarks only (see :func:`replay.graph.measure_without_checks`): this region's

@@ -542,6 +542,28 @@ def test_recorded_keys_are_served_by_pre_key_and_guard_without_computing_a_key(s
     assert [c[2] for c in step.fast[step.pre_key([x, y])]] == [entry]
 
 
+def test_the_dispatch_function_is_generated_again_only_for_a_new_arity(session_factory):
+    """``_fast`` reads its candidates from ``region.fast`` at call time: a new key of a known
+    arity needs no new function (its compile was a tenth of a key's second call)."""
+    session = session_factory(record_after=0)
+    step = session.region(lambda *tensors: sum(tensors))
+    for size in (5, 5):
+        step(torch.randn(size), torch.randn(size))
+    first = step._fast
+    for size in (6, 6):
+        step(torch.randn(size), torch.randn(size))
+    assert step._fast is first and len(step.fast) == 2
+    x, y = torch.randn(6), torch.randn(6)
+    assert torch.equal(step(x, y), x + y)  # the new key is served by the old function
+    for _ in range(2):
+        step(torch.randn(4), torch.randn(4), torch.randn(4))
+    assert step._fast is not first and {len(k) for k in step.fast} == {2, 3}
+    step.clear_fast_path()
+    for _ in range(2):
+        step(torch.randn(7), torch.randn(7))
+    assert step._fast is not step._eager_flat  # generated again after a clear
+
+
 def test_region_globals_drift_rekeys(session_factory, monkeypatch):
     session = session_factory(record_after=0)
     namespace = {"scale": 2.0}
