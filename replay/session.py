@@ -214,7 +214,7 @@ class Region:
         # candidate's guard then checks everything the key holds
         self.fast: dict[tuple, list[tuple]] = {}  # pre-key -> [(guard, replay, entry)]
         self._fast: Callable = self._eager_flat  # generated once keys are recorded (_rebuild_fast)
-        self._fast_shape: tuple | None = None  # (arities, snapshot) _fast was generated for
+        self._fast_shape: tuple | None = None  # (arities, id of the snapshot, the snapshot) of _fast
         # the output memory of this region's graphs and unanalysed captures, merged
         # (see _replay_writes); None when a graph or capture came or went since it was built
         self._output_ranges: region_keys.MergedRanges | None = None
