@@ -214,7 +214,7 @@ class Region:
         # candidate's guard then checks everything the key holds
         self.fast: dict[tuple, list[tuple]] = {}  # pre-key -> [(guard, replay, entry)]
         self._fast: Callable = self._eager_flat  # generated once keys are recorded (_rebuild_fast)
-        self._fast_shape: tuple | None = None  # (arities, id of the snapshot, the snapshot) of _fast
+        self._fast_shape: tuple | None = None  # (arities, globals snapshot) _fast was generated for
         # the output memory of this region's graphs and unanalysed captures, merged
         # (see _replay_writes); None when a graph or capture came or went since it was built
         self._output_ranges: region_keys.MergedRanges | None = None
@@ -293,11 +293,11 @@ class Region:
         arities = sorted({len(key) for key in self.fast})
         # the source depends on the arities and the globals snapshot only (the candidates are
         # read from self.fast at call time): a key of a known arity needs no new function
-        shape = (tuple(arities), id(self.snapshot), self.snapshot)  # the snapshot by identity
         known = self._fast_shape
-        if known is not None and known[:2] == shape[:2] and self._fast is not self._eager_flat:
-            return
-        self._fast_shape = shape
+        if self._fast is not self._eager_flat and known is not None:
+            if known[0] == arities and known[1] is self.snapshot:
+                return
+        self._fast_shape = (arities, self.snapshot)
         namespace: dict[str, object] = {
             "_Tensor": torch.Tensor,
             "_Dynamic": Dynamic,

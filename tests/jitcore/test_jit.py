@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import struct
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -25,6 +26,7 @@ from jitcore.errors import (
     SymbolicValueError,
     UnsupportedTensorError,
 )
+from jitcore.recorder import CaptureBusy, CaptureExclusion
 
 from .fakes import CountingBackend, ListRecorder, track_layouts
 
@@ -675,11 +677,6 @@ def test_property_a_guard_only_accepts_tensors_its_state_fits(first, second):
 
 
 def test_capture_exclusion_keeps_shared_work_out_of_a_capture():
-    import threading
-    import time
-
-    from jitcore.recorder import CaptureExclusion
-
     exclusion = CaptureExclusion()
     events = []
     inside = threading.Event()
@@ -721,11 +718,6 @@ def test_capture_exclusion_keeps_shared_work_out_of_a_capture():
 def test_capture_exclusion_never_lets_shared_and_exclusive_overlap_under_contention():
     # four threads take it shared in a tight loop while two take it exclusively: no shared
     # holder is ever inside during an exclusive section, and everything finishes
-    import threading
-    import time
-
-    from jitcore.recorder import CaptureExclusion
-
     exclusion = CaptureExclusion()
     inside = [0]
     count_lock = threading.Lock()
@@ -765,11 +757,6 @@ def test_a_waiting_capture_is_not_held_back_by_a_stream_of_shared_holders():
     # two threads take it shared back to back, each entering before the other leaves, so
     # shared holders never all leave at once: a capture must still get in (new shared holders
     # wait for a waiting capture), and a thread already inside may enter again meanwhile
-    import threading
-    import time
-
-    from jitcore.recorder import CaptureExclusion
-
     exclusion = CaptureExclusion()
     stop = threading.Event()
     captured = threading.Event()
@@ -802,8 +789,6 @@ def test_a_waiting_capture_is_not_held_back_by_a_stream_of_shared_holders():
 
 
 def test_capture_exclusion_refuses_exclusive_inside_shared_instead_of_hanging():
-    from jitcore.recorder import CaptureBusy, CaptureExclusion
-
     exclusion = CaptureExclusion()
     with exclusion.shared(), pytest.raises(CaptureBusy):
         with exclusion.exclusive():
@@ -876,11 +861,6 @@ def test_none_for_a_pointer_is_a_null_pointer_with_its_own_call_state(backend):
 def test_shared_work_that_waits_for_other_shared_work_does_not_deadlock_with_a_waiting_capture():
     # A holds it shared and waits for B, which takes it shared only after a capture began to
     # wait (for A): B waits for the capture at most SHARED_PATIENCE, then goes in
-    import threading
-    import time
-
-    from jitcore.recorder import CaptureExclusion
-
     exclusion = CaptureExclusion()
     a_inside = threading.Event()
     b_done = threading.Event()
