@@ -46,10 +46,20 @@ __global__ void relu(const float* __restrict__ x, float* __restrict__ y, long lo
     long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     if (i < n) y[i] = x[i] > 0.f ? x[i] : 0.f;
 }
+__global__ void affine(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ y,
+                       long long k, long long cols) {
+    long long i = blockIdx.y, j = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (j >= cols) return;
+    float acc = 0.f;
+    for (long long t = 0; t < k; ++t) acc += x[i * k + t] * w[t * cols + j];
+    y[i * cols + j] = acc;
+}
 """
+affine_kernel = jc.Kernel(SOURCE, "affine")
 bias_scale_kernel = jc.Kernel(SOURCE, "bias_scale")
 relu_kernel = jc.Kernel(SOURCE, "relu")
 DIM, LAYERS, LARGEST = 512, 6, 256
+JIT_DIM = 128  # the jit-only region's width
 BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 FIXED = [1, 8, 32, 64, 128, 256]
 
@@ -76,6 +86,35 @@ def make_region():
         for w, b in zip(weights, biases):
             y = torch.empty_like(h)
             bias_scale(h @ w, b, y, 0.5)
+            h = torch.empty_like(y)
+            relu(y, h)
+        return h
+
+    return layers
+
+
+@jc.jit
+def affine(x, w, y):
+    rows, k = x.shape
+    cols = w.shape[1]
+    affine_kernel[(jc.cdiv(cols, 256), rows), 256](x, w, y, k, cols)
+
+
+def make_jit_region():
+    """The same layers with the matmul as a jit kernel too: every launch is a jit launch, so
+    one graph per bucket can serve every smaller size at its own size (polymorphic)."""
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    # narrower than the other region: a naive matmul kernel 512 wide would be bound by the GPU
+    weights = [torch.randn(JIT_DIM, JIT_DIM, device="cuda", generator=generator) / JIT_DIM**0.5 for _ in range(LAYERS)]
+    biases = [torch.randn(JIT_DIM, device="cuda", generator=generator) for _ in range(LAYERS)]
+
+    def layers(x):
+        h = x
+        for w, b in zip(weights, biases):
+            t = torch.empty_like(h)
+            affine(h, w, t)
+            y = torch.empty_like(h)
+            bias_scale(t, b, y, 0.5)
             h = torch.empty_like(y)
             relu(y, h)
         return h
@@ -127,13 +166,15 @@ class LoopClock:
         self.since = None
 
 
-def measure(distribution: str, steps: int) -> dict[str, dict[str, float]]:
+def measure(distribution: str, steps: int, polymorphic: bool = False) -> dict[str, dict[str, float]]:
     """The paths take turns every ``BLOCK`` steps (each block's order rotated), so a drift of
     the machine's speed during the run (we saw eager alone vary by 30% between two halves of
-    one run) falls on all of them alike; each session sees every step of the run in order."""
-    region = make_region()
+    one run) falls on all of them alike; each session sees every step of the run in order.
+    ``polymorphic``: the jit-only region, eager against bucketed and polymorphic replay."""
+    region = make_jit_region() if polymorphic else make_region()
     sizes = draws(distribution, steps, random.Random(1))
-    inputs = {n: [torch.randn(n, DIM, device="cuda") for _ in range(2)] for n in set(sizes)}
+    width = JIT_DIM if polymorphic else DIM
+    inputs = {n: [torch.randn(n, width, device="cuda") for _ in range(2)] for n in set(sizes)}
     for n in set(sizes):  # compile every jit call state before any timing
         region(inputs[n][0])
     with replay.capture(record_after=0, record_budget=1.0) as warm:
@@ -144,11 +185,19 @@ def measure(distribution: str, steps: int) -> dict[str, dict[str, float]]:
             for _ in range(3):
                 warmed(inputs[n][0])
     torch.cuda.synchronize()
-    sessions = {"replay": replay.capture(), "bucketed": replay.capture(buckets=BUCKETS)}
+    if polymorphic:
+        sessions = {
+            "bucketed": replay.capture(buckets=BUCKETS),
+            "polymorphic": replay.capture(buckets=BUCKETS, polymorphic=True),
+        }
+    else:
+        sessions = {"replay": replay.capture(), "bucketed": replay.capture(buckets=BUCKETS)}
     paths = {
         "eager": region,
-        "replay": sessions["replay"].region(region),
-        "bucketed": padding(sessions["bucketed"].region(region)),
+        **{
+            name: padding(session.region(region)) if session.policy.buckets else session.region(region)
+            for name, session in sessions.items()
+        },
     }
     clocks = {name: LoopClock() for name in paths}
     for name, session in sessions.items():
@@ -182,6 +231,7 @@ def measure(distribution: str, steps: int) -> dict[str, dict[str, float]]:
             compactions=stats.compactions,
             recaptures=stats.recaptures,
             graph_mib=stats.graph_memory_bytes / 2**20,
+            variants=stats.variants,
         )
         session.close()
     eager_total = spent["eager"][0] + spent["eager"][1]
@@ -299,6 +349,8 @@ def main() -> None:
     steps = 600 if args.quick else 6000
     results = {d: measure(d, steps) for d in ("uniform", "zipf", "fixed")}
     results["prefill"] = measure("prefill", 100 if args.quick else 1000)
+    for distribution in ("uniform", "zipf"):
+        results[f"{distribution}, jit-only region"] = measure(distribution, steps, polymorphic=True)
     overhead = eager_path(steps)
     memory = many_shapes_memory(16 if args.quick else MEMORY_SHAPES)
     headers = (
@@ -315,6 +367,7 @@ def main() -> None:
         "too rare",
         "compactions (graphs)",
         "graph MiB",
+        "sizes at own size",
     )
     rows = []
     for distribution, paths in results.items():
@@ -334,6 +387,7 @@ def main() -> None:
                     r.get("too_rare", "-"),
                     f"{r['compactions']} ({r['recaptures']})" if "compactions" in r else "-",
                     r.get("graph_mib", "-"),
+                    r.get("variants", "-") if path == "polymorphic" else "-",
                 )
             )
     body = common.markdown_table(headers, rows)
@@ -356,7 +410,10 @@ def main() -> None:
         f"{steps} steps per distribution (prefill: each length once), batch sizes 1..{LARGEST}, "
         f"{LAYERS} layers of a {DIM}x{DIM} matmul and two jit kernels. Targets (issue 12): the "
         "default policy at most 1.05x eager's time over the whole run under every distribution; "
-        "bucketed at least 2.5x faster than eager in the second half of the uniform run."
+        "bucketed at least 2.5x faster than eager in the second half of the uniform run. The "
+        f"jit-only rows run the same layers, {JIT_DIM} wide, with the matmul as a naive jit kernel (every "
+        "launch a jit launch), eager against bucketed and polymorphic replay "
+        "(capture(buckets=..., polymorphic=True))."
     )
     common.write(args.out, "shapes", "Replay under shape distributions", results, body, notes)
 

@@ -141,17 +141,21 @@ def clone_preserving_sharing(leaves: Sequence) -> list:
 _NUMPY_DISJOINT_FROM = 12
 
 
-class _NodeState:
+class NodeState:
     """A kernel node's parameter bytes and launch dimensions as recorded, put back into the
     updater's buffers when a replay is interrupted (see RecordedGraph._interrupted: after
     that every patchable value is written again, so what stays is exactly the recording's)."""
 
     __slots__ = ("updater", "held", "dimensions")
 
-    def __init__(self, updater) -> None:
+    def __init__(self, updater, held: bytes | None = None, dimensions: tuple | None = None) -> None:
+        """``held``/``dimensions``: what the node holds in this graph's own state, where that is
+        not what the updater's buffer holds now (a polymorphic variant: replay.polymorphic)."""
         self.updater = updater
-        self.held = bytes(updater.params.buffer)
-        self.dimensions = updater.dimensions() if hasattr(updater, "dimensions") else ()
+        self.held = bytes(updater.params.buffer) if held is None else held
+        if dimensions is None:
+            dimensions = updater.dimensions() if hasattr(updater, "dimensions") else ()
+        self.dimensions = dimensions
 
     def rollback(self) -> None:
         buffer = self.updater.params.buffer
@@ -371,13 +375,16 @@ class RecordedGraph:
         raw_exec = self.graph.raw_cuda_graph_exec()
         nodes = {n.index: n for n in capture.nodes}
         self.updaters = {}
+        self.family = None  # the graphs sharing this exec (replay.polymorphic), once there are several
+        self.released = False
+        self.initial_last: list = []  # what its patchable values are in the nodes as recorded
         for binding in (*self.plan.pointers, *self.plan.scalars, *self.plan.configs):
             if binding.node not in self.updaters:
                 record = capture.records[binding.launch]
                 self.updaters[binding.node] = backend.node_updater(
                     raw_exec, nodes[binding.node], record.layout, record.param_bytes
                 )
-        self.node_states = {node: _NodeState(updater) for node, updater in self.updaters.items()}
+        self.node_states = {node: NodeState(updater) for node, updater in self.updaters.items()}
         self.checks = []
         for record in capture.records:
             if record.check_globals is not None and record.check_globals not in self.checks:
@@ -390,6 +397,7 @@ class RecordedGraph:
         self.bound_slot = None  # the slot its output copies write now
         self.views = None  # its outputs' template views in the bound slot
         self.slot_outputs: list[tuple] = []  # (lane, dtype, size, stride, storage offset) per slotted output
+        self.lane_sources: list[tuple[int, int]] = []  # per lane: (first byte, bytes) its copy reads
         self.output_slots, self.slot_need, self.retargets = self._adopt_output_slots(backend, capture)
         self.namespace: dict[str, object] = dict(backend.hot_namespace)
         self.source = self._generate(backend, leaves)
@@ -461,12 +469,15 @@ class RecordedGraph:
         raw_exec = self.graph.raw_cuda_graph_exec()
         lanes, retargets = {}, []  # buffer address -> lane; (set_destination, lane)
         by_size = sorted(self.output_memory.items(), key=lambda item: (-item[1], item[0]))
-        for lane, (start, _size) in enumerate(by_size):  # the largest group in lane 0
+        sources = []
+        for lane, (start, size) in enumerate(by_size):  # the largest group in lane 0
             setter = backend.memcpy_retargeter(raw_exec, copies[start], self.device)
             if setter is None:
                 return None, (), []
             lanes[start] = lane
             retargets.append((setter, lane))
+            sources.append((copies[start].pointers[0], size))
+        self.lane_sources = sources
         need = tuple(size for _start, size in by_size)
         stream = self.session.last_stream[0]
         for number, item in enumerate(self.outputs):
@@ -564,6 +575,7 @@ class RecordedGraph:
         self._alias_checks(code, leaves)
         self._own_output_checks(code, leaves)
         self._alignment_checks(code)
+        self._load_own_state(code)
         # --- phase 1: compute, change nothing ---
         self._read_dynamic_values(code)
         patches = self._compute_new_values(code, backend, leaves)
@@ -602,6 +614,18 @@ class RecordedGraph:
             code.line(f"if _GENERATOR_EPOCH[0] != {int(getattr(self.entry, 'rng_epoch', 0))}:")
             code.line("return _MISMATCH", 2)
 
+    def _load_own_state(self, code: _Source) -> None:
+        """In a polymorphic session the exec may be shared by several graphs (the graph of a
+        bucket and its variants for smaller sizes, replay.polymorphic): when another one
+        launched it last, its nodes are first put back to this graph's recorded state. A
+        call declined after this only leaves the exec in a state of this graph."""
+        if not self.session.policy.polymorphic:
+            return
+        code.namespace["_me"] = self
+        code.line("_fam = _me.family")
+        code.line("if _fam is not None and _fam.loaded is not _me:")
+        code.line("_fam.load(_me)", 2)
+
     def _read_dynamic_values(self, code: _Source) -> None:
         """Read the value of each dynamic argument that a recomputed jit argument or a
         dynamic output uses (``_d{i}``), once per call."""
@@ -626,6 +650,7 @@ class RecordedGraph:
         self._compute_pointers(code, leaves, patches)
         self._compute_scalars(code, patches)
         self._compute_grids(code, backend, patches)
+        self.initial_last = list(patches.last)
         if computes:
             code.namespace["_ARITHMETIC_ERRORS"] = _ARITHMETIC_ERRORS
             code.line("except _ARITHMETIC_ERRORS:")
@@ -944,6 +969,8 @@ class RecordedGraph:
         then simply repeated). Nothing is copied on the way of a replay that succeeds."""
         for state in self.node_states.values():
             state.rollback()
+        if self.family is not None:
+            self.family.loaded = None  # every node is pushed again by the next replay of any of them
         last = self.namespace.get("_last")
         if last is not None:
             last[:] = [_UNKNOWN] * len(last)
@@ -1010,6 +1037,10 @@ class RecordedGraph:
         return leaves
 
     def release(self) -> None:
+        self.released = True
+        if self.family is not None:
+            self.family.release(self)
+            self.family = None
         if self.output_slots is not None:
             self.slot = self.bound_slot = self.views = None
             self.output_slots.forget(self)

@@ -53,6 +53,9 @@ class Policy:
     with the calls that run eagerly, a loop whose shapes never repeat often enough stays
     within 5% of eager; see docs/benchmarks/shapes.md).
     ``buckets``: the sizes ``replay.padded`` arguments are padded to (see replay.buckets).
+    ``polymorphic``: a padded call smaller than its bucket runs the bucket's graph at its own
+    size, once one eager run at that size has shown the same launches (replay.polymorphic),
+    instead of padding; needs ``buckets``.
     ``clone_outputs``: return copies instead of the graph's own output buffers.
     ``verify_every``: every Nth replay of a graph is also run eagerly and compared bitwise
     (0 turns it off). ``check_stale``: outputs raise StaleOutputError when read after a later
@@ -62,6 +65,11 @@ class Policy:
     max_graphs: int = attrs.field(default=64, validator=_positive_int)
     record_budget: float = attrs.field(default=0.03, validator=_fraction)
     buckets: tuple[int, ...] | None = attrs.field(default=None, converter=_buckets)
+    polymorphic: bool = attrs.field(default=False, validator=_bool)
     clone_outputs: bool = attrs.field(default=False, validator=_bool)
     verify_every: int = attrs.field(default=0, validator=_non_negative_int)
     check_stale: bool = attrs.field(factory=_debug_default, validator=_bool)
+
+    def __attrs_post_init__(self) -> None:
+        if self.polymorphic and self.buckets is None:
+            raise ValueError("polymorphic=True serves the sizes below each bucket: capture(buckets=[...]) lists them")

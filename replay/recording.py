@@ -121,6 +121,8 @@ class Capture:
     # host (CPU) tensor inputs: their pinned buffers and the event of the last launch
     # (replay.host); None without any. Not in ``inputs``: the graph never sees their memory.
     host: host_inputs.HostInputs | None = None
+    # per launch record, {parameter index: replay.polymorphic.StorageUse}; None unless asked for
+    pointer_storages: list | None = None
 
 
 class KeptPool:
@@ -243,7 +245,7 @@ class SpoiledPool(CaptureFailed):
     (see :func:`_end_capture_after_error`); the session moves to a fresh pool."""
 
 
-def _scalar_or_none(value: object) -> object:
+def scalar_or_none(value: object) -> object:
     """What analysis needs of a jit argument: dynamic scalars and numbers; nothing else."""
     if isinstance(value, (DynamicScalar, *_NUMBERS)) or hasattr(value, "__jit_scalar__"):
         return value
@@ -329,7 +331,7 @@ def launch_views(
     return [_launch_view(record, node, staging.get(n)) for n, (record, node) in enumerate(zip(records, nodes))]
 
 
-def _handle(node) -> int:
+def node_handle(node) -> int:
     try:
         return int(node.handle or 0)
     except (TypeError, ValueError):
@@ -351,11 +353,13 @@ def node_views(backend, nodes: Sequence, records: Sequence) -> tuple[list[rebind
                 params = None
             else:
                 params = tuple(backend.read_kernel_params(node, sizes))
-            views.append(rebinding.NodeView(node.index, "kernel", node.function, params, handle=_handle(node)))
+            views.append(rebinding.NodeView(node.index, "kernel", node.function, params, handle=node_handle(node)))
         elif node.kind in ("memcpy", "memset"):
-            views.append(rebinding.NodeView(node.index, node.kind, pointers=tuple(node.pointers), handle=_handle(node)))
+            views.append(
+                rebinding.NodeView(node.index, node.kind, pointers=tuple(node.pointers), handle=node_handle(node))
+            )
         else:
-            views.append(rebinding.NodeView(node.index, node.kind, handle=_handle(node)))
+            views.append(rebinding.NodeView(node.index, node.kind, handle=node_handle(node)))
     return views, scanned
 
 
@@ -422,7 +426,7 @@ def _prepare_inputs(leaves: Sequence, paths: Sequence[str], *, device: int, stag
     return _CaptureInputs(tensors, inputs, staged, watched, watched_index, host)
 
 
-def _region_arguments(
+def region_arguments(
     spec: object, leaves: Sequence, paths: Sequence[str], staged: dict, host: dict | None = None
 ) -> tuple[tuple, dict]:
     """The arguments the region is called with while capturing: each staged input replaced
@@ -641,13 +645,16 @@ def capture(
     stage: set[int],
     copy_back: set[int],
     observe: bool = True,
+    storages: bool = False,
 ) -> Capture:
     """Record ``fn`` once. Raises CaptureAborted or CaptureFailed.
 
     ``observe=False`` skips the torch-op observer during the capture (it costs tens of
     microseconds per torch op): the session passes it when the eager warm-up of this key ran
     under the observer and saw no torch op touch an input. The node scan after capture still
-    catches foreign kernels and copies that reach an input.
+    catches foreign kernels and copies that reach an input. ``storages=True`` keeps, per
+    launch, the storage each pointer parameter pointed into (``Capture.pointer_storages``,
+    for replay.polymorphic).
 
     The steps: prepare the inputs; then, holding :data:`CAPTURES` exclusively from capture
     begin to instantiate: record the region, give its outputs memory of their own,
@@ -656,7 +663,7 @@ def capture(
     timings = {"start": clock()}
     prepared = _prepare_inputs(leaves, paths, device=device, stage=stage)
     host = prepared.host
-    args, kwargs = _region_arguments(spec, leaves, paths, prepared.staged, host.buffers if host else None)
+    args, kwargs = region_arguments(spec, leaves, paths, prepared.staged, host.buffers if host else None)
     if host is not None:  # always observed: a torch op reading host values would bake them in
         observer = TorchOpObserver(prepared.watched, host.ranges(), host.paths.get, rewrite_blocking=True)
     elif observe:
@@ -687,15 +694,17 @@ def capture(
                 device=device,
             )
         timings["capture"] = clock() - started
+        # replay.polymorphic matches later runs against these: where each pointer pointed
+        storages = pointer_storages(recorder.records, segments) if storages else None
         # Records must not keep the capture's tensors alive: intermediates freed now return to
         # the pool, where the next graph recorded into it reuses them.
-        records = [attrs.evolve(r, args=tuple(_scalar_or_none(a) for a in r.args)) for r in recorder.records]
+        records = [attrs.evolve(r, args=tuple(scalar_or_none(a) for a in r.args)) for r in recorder.records]
         del args, kwargs
         _instantiate(graph)
         seconds = clock() - started
         timings["instantiate"] = seconds - timings["capture"]
         memory = max(sum(size for _, size in segments) - pool_before, 0) + output_bytes
-        return _capture_record(
+        capture = _capture_record(
             graph=graph,
             device=device,
             leaves=leaves,
@@ -709,6 +718,32 @@ def capture(
             memory=memory,
             timings=timings,
         )
+        capture.pointer_storages = storages
+        return capture
+
+
+def pointer_storages(records: Sequence, segments: Sequence[tuple[int, int]]) -> list[dict]:
+    """Per launch record, ``{parameter index: StorageUse}`` for each pointer parameter whose
+    tensor has memory: the storage's first byte and size, and whether the capture made it
+    (it lies in the pool's ``segments``, (address, bytes) each)."""
+    from replay.polymorphic import StorageUse
+
+    result = []
+    for record in records:
+        uses = {}
+        for param in record.params:
+            if param.kind != "pointer" or param.arg_index is None:
+                continue
+            tensor = record.args[param.arg_index]
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            storage = tensor.untyped_storage()
+            base, nbytes = storage.data_ptr(), storage.nbytes()
+            if nbytes:
+                made = any(address <= base < address + size for address, size in segments)
+                uses[param.index] = StorageUse(base, nbytes, made)
+        result.append(uses)
+    return result
 
 
 def analyse(capture: Capture) -> None:

@@ -33,10 +33,10 @@ from jitcore.backends import get_backend
 from jitcore.codegen import never
 from jitcore.errors import GlobalDriftError
 from jitcore.guards import ArgumentCheck, make_guard
-from replay import buckets, observe, recording, region_keys
+from replay import buckets, observe, polymorphic, recording, region_keys
 from replay.admission import Admission, CompactionRule
 from replay.dynamic import Dynamic
-from replay.errors import ReplayWarning, SessionClosedError
+from replay.errors import DynamicScalarError, ReplayError, ReplayWarning, SessionClosedError
 from replay.graph import MISMATCH, RecordedGraph, compile_function, guard_outputs, measure_without_checks
 from replay.observe import TorchOpObserver
 from replay.output_slots import OutputSlots
@@ -192,6 +192,12 @@ def _describe_key(key: tuple, limit: int = 96) -> str:
     return text if len(text) <= limit else text[: limit - 4] + " ...)"
 
 
+#: The most sizes a polymorphic region remembers a state of (a variant, or why it is padded).
+MAX_VARIANT_STATES = 1024
+#: The state of a size padded once with its bucket's graph known: observed on its next call.
+_SEEN_ONCE = object()
+
+
 class Region:
     """A function whose calls are recorded into graphs and replayed, key by key."""
 
@@ -218,6 +224,11 @@ class Region:
         # the output memory of this region's graphs and unanalysed captures, merged
         # (see _replay_writes); None when a graph or capture came or went since it was built
         self._output_ranges: region_keys.MergedRanges | None = None
+        # polymorphic sessions: unpadded key of a padded call -> its VariantGraph, or why the
+        # bucket's graph cannot serve it (str); (bucket, argument structure) -> the entry whose
+        # graph the sizes of that bucket are observed against
+        self.variants: dict[tuple, object] = {}
+        self.bucket_bases: dict[tuple, Entry] = {}
         functools.update_wrapper(self, fn)
 
     # --- the call ------------------------------------------------------------------------
@@ -489,12 +500,19 @@ class Region:
 
     def _call_padded(self, args: tuple, kwargs: dict):
         """Pad to the bucket, call (the bucket's key replays like any other), slice back; every
-        ``verify_every``-th padded call is also run unpadded and compared (replay.buckets)."""
+        ``verify_every``-th padded call is also run unpadded and compared (replay.buckets). In a
+        polymorphic session a size the bucket's graph serves at its own size is not padded
+        (:meth:`_call_polymorphic`)."""
         policy = self.session.policy
+        unseen = None
+        if policy.polymorphic:
+            result, unseen = self._call_polymorphic(args, kwargs)
+            if result is not _MISS:
+                return result
         self.padded_calls += 1
 
         def padded_call():
-            return buckets.call(
+            result, rows, bucket, pads = buckets.call(
                 self,
                 args,
                 kwargs,
@@ -502,12 +520,130 @@ class Region:
                 self.name,
                 run_eagerly=self._eager_declined,
                 replay_writes=self._replay_writes,
-            )[0]
+            )
+            if unseen is not None and bucket != rows:
+                self._learn_base(unseen, args, kwargs, pads)
+            return result
 
         if policy.verify_every and self.padded_calls % policy.verify_every == 0:
             self.session.counters.verifications += 1
             return buckets.verify(self.fn, args, kwargs, padded_call, self.name)
         return padded_call()
+
+    # --- polymorphic replay (replay.polymorphic) -----------------------------------------------
+    def _call_polymorphic(self, args: tuple, kwargs: dict) -> tuple[object, tuple | None]:
+        """A padded call smaller than its bucket, at its own size: replayed by its variant of
+        the bucket's graph, or observed (an eager run, this call's result) to make one once
+        the bucket's graph is known. Returns (result or ``_MISS``: pad it, the call's unpadded
+        key when the padded call should tell which graph serves its bucket)."""
+        session = self.session
+        markers = [a for a in (*args, *kwargs.values()) if a.__class__ is buckets.Padded]
+        first = markers[0]
+        rows = first.tensor.shape[first.dim]
+        bucket = buckets.bucket_for(rows, session.policy.buckets)
+        if bucket is None or bucket == rows or not session.can_record():
+            return _MISS, None
+        if any(m.dim != first.dim or m.tensor.shape[m.dim] != rows for m in markers):
+            return _MISS, None  # the padded path refuses it with its message
+        plain_args = tuple(a.tensor if a.__class__ is buckets.Padded else a for a in args)
+        plain_kwargs = {k: v.tensor if v.__class__ is buckets.Padded else v for k, v in kwargs.items()}
+        spec, leaves, paths = region_keys.flatten(plain_args, plain_kwargs)
+        if self.snapshot is not None:
+            try:
+                self.snapshot.check()
+            except GlobalDriftError:
+                return self._rekey(args, kwargs), None
+        key = region_keys.region_key(session.current_device(), spec, leaves, paths)
+        state = self.variants.get(key)
+        if isinstance(state, polymorphic.VariantGraph):
+            return self._replay_variant(state, spec, leaves), None
+        if state is not None and state is not _SEEN_ONCE:
+            return _MISS, None  # the bucket's graph cannot serve this size: padded
+        entry = self.bucket_bases.get((bucket, spec))
+        if entry is None or entry.state != RECORDED or entry.graph is None:
+            return _MISS, (bucket, spec)
+        if state is None:  # a size seen once may never come back: padded, observed the next time
+            if len(self.variants) >= MAX_VARIANT_STATES:
+                self.variants = {k: v for k, v in self.variants.items() if isinstance(v, polymorphic.VariantGraph)}
+            self.variants[key] = _SEEN_ONCE
+            return _MISS, None
+        return self._observe_variant(entry.graph, key, spec, leaves, paths), None
+
+    def _learn_base(self, bucket: tuple, args: tuple, kwargs: dict, pads: list) -> None:
+        """After a padded call: the graph of its bucket, once recorded, is the one the sizes of
+        that bucket are observed against from then on (``bucket``: (size, argument structure))."""
+        grown = iter([tensor for _marker, tensor in pads])
+        padded_args = tuple(next(grown) if a.__class__ is buckets.Padded else a for a in args)
+        padded_kwargs = {k: next(grown) if v.__class__ is buckets.Padded else v for k, v in kwargs.items()}
+        spec, leaves, paths = region_keys.flatten(padded_args, padded_kwargs)
+        entry = self.entries.get(region_keys.region_key(self.session.current_device(), spec, leaves, paths))
+        if entry is not None and entry.state == RECORDED and entry.graph is not None:
+            self.bucket_bases[bucket] = entry
+
+    def _observe_variant(self, base: RecordedGraph, key: tuple, spec: object, leaves: list, paths: list):
+        """Run the call eagerly under observation (its result is this call's) and make the
+        size a variant of ``base``, or remember why it cannot be one."""
+        session = self.session
+        self._count_eager(None)
+        with _SHARED_CAPTURE_EXCLUSION:
+            try:
+                observation = polymorphic.observe(self.fn, spec, leaves, paths)
+            except DynamicScalarError as error:
+                raise ReplayError(
+                    f"region {self.name}: at this size it uses a dynamic() value where the bucket's graph does not "
+                    f"({error}); the call stopped part way, so its arguments may be changed. Its Python takes "
+                    "another path at this size: polymorphic=False pads it instead"
+                ) from error
+        result = polymorphic.plain_outputs(observation.outputs)
+        with session.lock:
+            if base.released:
+                return result
+            entry = Entry(self, key, (self, key))
+            entry.state = RECORDED
+            try:
+                variant = polymorphic.make_variant(
+                    base, key, entry, spec, leaves, paths, observation, self._forget_variant
+                )
+            except polymorphic.Unmatched as why:
+                self.variants[key] = str(why)
+                session.counters.not_polymorphic += 1
+                log.info("region %s, key %s: padded, not served at its size: %s", self.name, _describe_key(key), why)
+                return result
+            entry.graph = variant
+            self.variants[key] = variant
+            session.counters.variants += 1
+            log.info("region %s, key %s: served by its bucket's graph at its own size", self.name, _describe_key(key))
+        return result
+
+    def _replay_variant(self, variant: polymorphic.VariantGraph, spec: object, leaves: list):
+        every = self.session.policy.verify_every
+        if every and (variant.replays + 1) % every == 0:
+            self.session.counters.verifications += 1
+            result = variant.verify(leaves, lambda snapshot: self._eager(spec, snapshot))
+        else:
+            result = variant.replay(*leaves)
+        if result is MISMATCH:
+            self.session.counters.declined += 1
+            return self._eager(spec, leaves)
+        return result
+
+    def _forget_variant(self, variant: RecordedGraph) -> None:
+        """A variant went with its base graph: its size is observed again when it comes back."""
+        if self.variants.get(variant.key) is variant:
+            del self.variants[variant.key]
+        self.forgotten.replays += variant.replays
+
+    def polymorphic_report(self) -> list[str]:
+        """Which sizes of this region its buckets' graphs serve at their own size, and why the
+        others are padded (the first reason of each kind)."""
+        served = sum(isinstance(v, polymorphic.VariantGraph) for v in self.variants.values())
+        reasons: dict[str, int] = {}
+        for value in self.variants.values():
+            if isinstance(value, str):
+                reasons[value] = reasons.get(value, 0) + 1
+        lines = [f"region {self.name}: {served} sizes served at their own size, {sum(reasons.values())} padded"]
+        lines += [f"  padded ({count}): {reason}" for reason, count in sorted(reasons.items(), key=lambda r: -r[1])]
+        return lines
 
     def _replay_writes(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` overlaps the output memory of one of this region's graphs (asked
@@ -560,6 +696,8 @@ class Region:
         self.session.counters.invalidations += 1
         log.info("region %s: its globals changed, its graphs are dropped", self.name)
         self.drop_graphs()
+        self.variants.clear()
+        self.bucket_bases.clear()
         self.entries.clear()
         self.entry_shapes.clear()
         self.hints.clear()
@@ -645,6 +783,7 @@ class Region:
                     stage=entry.stage_hint - overlapping,
                     copy_back=entry.copy_back_hint - overlapping,
                     observe=not entry.observed_clean,
+                    **({"storages": True} if session.policy.polymorphic else {}),
                 )
             except jitcore.recorder.CaptureBusy:
                 return self._eager(spec, leaves, entry)  # called inside another region's eager run
@@ -765,6 +904,7 @@ class Region:
             stream=session.capture_stream(old.device),
             stage=entry.stage_hint,
             copy_back=entry.copy_back_hint,
+            **({"storages": True} if session.policy.polymorphic else {}),
         )
         session.counters.capture_seconds += capture.seconds
         try:
@@ -867,6 +1007,7 @@ class Region:
         for entry in list(self.entries.values()):
             if entry.graph is not None:
                 self.session.release(entry)
+        self.variants.clear()  # the sizes are observed again against the graphs recorded next
         self.clear_fast_path()
         self.session.release_output_slots(self)
 
@@ -1231,7 +1372,25 @@ class Session:
         for name, (count, calls, replays, eager_runs) in rest.items():
             described = f"({count} more keys and keys without an entry)" if count else "(keys without an entry)"
             rows.append((name, described, "-", calls, replays, eager_runs, "-", "-"))
+        for region in self.regions:
+            variants = [v for v in region.variants.values() if isinstance(v, polymorphic.VariantGraph)]
+            if variants:
+                replays = sum(v.replays for v in variants)
+                rows.append(
+                    (
+                        region.name,
+                        f"({len(variants)} sizes served by their bucket's graph)",
+                        "-",
+                        replays,
+                        replays,
+                        0,
+                        "-",
+                        "-",
+                    )
+                )
         text = report(self.stats(), rows)
+        if self.policy.polymorphic:
+            text += "\n" + "\n".join("  " + line for region in self.regions for line in region.polymorphic_report())
         if not self.can_record():
             text += "\n  no CUDA GPU: every call ran eagerly (the same results, no graphs)"
         return text

@@ -40,6 +40,8 @@ class Stats:
     invalidations: int = 0
     verifications: int = 0
     declined: int = 0  # calls a recorded graph could not serve exactly (run eagerly instead)
+    variants: int = 0  # sizes a bucket's graph serves at their own size (replay.polymorphic)
+    not_polymorphic: int = 0  # sizes observed whose launches the bucket's graph cannot run: padded
     inputs: list[InputChoice] = attrs.Factory(list)
 
     def copy(self) -> Stats:
@@ -60,6 +62,11 @@ def report(stats: Stats, rows: list[tuple]) -> str:
         f"invalidations {stats.invalidations}, "
         f"capture {stats.capture_seconds * 1e3:.1f} ms, graph memory {stats.graph_memory_bytes / 2**20:.1f} MiB",
     ]
+    if stats.variants or stats.not_polymorphic:
+        lines.append(
+            f"  polymorphic: {stats.variants} sizes served by their bucket's graph, "
+            f"{stats.not_polymorphic} sizes padded instead"
+        )
     if rows:
         header = ("region", "key", "state", "calls", "replays", "eager", "capture ms", "MiB")
         table = [header, *[tuple(str(c) for c in row) for row in rows]]
