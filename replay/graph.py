@@ -1036,7 +1036,9 @@ class RecordedGraph:
                 leaves.append(item.value)
         return leaves
 
-    def release(self) -> None:
+    def leave_family_and_slots(self) -> None:
+        """What releasing any graph starts with (a polymorphic variant's release stops here):
+        leave the family sharing its exec, and the region's output slots."""
         self.released = True
         if self.family is not None:
             self.family.release(self)
@@ -1044,7 +1046,10 @@ class RecordedGraph:
         if self.output_slots is not None:
             self.slot = self.bound_slot = self.views = None
             self.output_slots.forget(self)
-            self.retargets = []
+
+    def release(self) -> None:
+        self.leave_family_and_slots()
+        self.retargets = []
         self.updaters.clear()
         self.node_states.clear()
         self.outputs = []

@@ -24,10 +24,25 @@ from replay import host as host_inputs
 from replay.region_keys import byte_range
 
 _aten = torch.ops.aten
+#: Queries of a tensor's metadata: they read no data and launch nothing (replay.polymorphic
+#: lets them pass an observed run too).
+METADATA_QUERIES = (
+    "size",
+    "stride",
+    "numel",
+    "dim",
+    "sym_size",
+    "sym_stride",
+    "sym_numel",
+    "sym_storage_offset",
+    "is_contiguous",
+    "is_same_size",
+)
 # Ops that take a tensor for its metadata (shape, dtype, device) and never read its data.
 _METADATA_ONLY = {
     getattr(_aten, name)
     for name in (
+        *METADATA_QUERIES,
         "empty_like",
         "zeros_like",
         "ones_like",
@@ -40,16 +55,6 @@ _METADATA_ONLY = {
         "new_zeros",
         "new_ones",
         "new_full",
-        "size",
-        "stride",
-        "numel",
-        "dim",
-        "sym_size",
-        "sym_stride",
-        "sym_numel",
-        "sym_storage_offset",
-        "is_contiguous",
-        "is_same_size",
         "is_pinned",  # so ids.pin_memory() on a host input's (pinned) buffer is just the buffer
     )
     if hasattr(_aten, name)

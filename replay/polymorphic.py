@@ -66,7 +66,8 @@ from replay.graph import (
     ValueTemplate,
     compile_function,
 )
-from replay.recording import CaptureFailed
+from replay.observe import METADATA_QUERIES
+from replay.recording import CaptureFailed, StorageUse
 
 log = logging.getLogger("replay")
 
@@ -74,17 +75,6 @@ _POINTER = struct.Struct("<Q")
 
 #: The most (loaded, to load) pairs of family members whose node lists a family keeps.
 MAX_CACHED_PUSHES = 4096
-
-
-@attrs.frozen
-class StorageUse:
-    """The storage a pointer parameter points into: its first byte, its size, and whether
-    the run that launched it made it (the capture's pool, a factory op the observed run
-    called) rather than found it (an argument, a global)."""
-
-    base: int
-    nbytes: int
-    made: bool
 
 
 @attrs.frozen
@@ -197,23 +187,7 @@ _FACTORIES = {
 }
 #: ops that launch nothing besides views (``is_view``) and allocations
 _NO_LAUNCH = {
-    getattr(_aten, name)
-    for name in (
-        "detach",
-        "alias",
-        "lift_fresh",
-        "size",
-        "stride",
-        "numel",
-        "dim",
-        "sym_size",
-        "sym_stride",
-        "sym_numel",
-        "sym_storage_offset",
-        "is_contiguous",
-        "is_same_size",
-    )
-    if hasattr(_aten, name)
+    getattr(_aten, name) for name in ("detach", "alias", "lift_fresh", *METADATA_QUERIES) if hasattr(_aten, name)
 }
 
 
@@ -410,22 +384,6 @@ def _launches(records: Sequence, storages: Sequence[dict]) -> list[Launch]:
     return launches
 
 
-def _observed_storages(records: Sequence, made: set[int]) -> list[dict]:
-    result = []
-    for record in records:
-        uses = {}
-        for param in record.params:
-            if param.kind != "pointer" or param.arg_index is None:
-                continue
-            tensor = record.args[param.arg_index]
-            if isinstance(tensor, torch.Tensor):
-                storage = tensor.untyped_storage()
-                if storage.nbytes():
-                    uses[param.index] = StorageUse(storage.data_ptr(), storage.nbytes(), storage.data_ptr() in made)
-        result.append(uses)
-    return result
-
-
 @attrs.define
 class _ObservedCall:
     """What :meth:`RecordedGraph._classify_outputs` and the pointer code read of a capture."""
@@ -553,14 +511,8 @@ class VariantGraph(RecordedGraph):
             self.slot_outputs.append((lane, tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), elements))
 
     def release(self) -> None:
-        """Forget this size; the exec and its nodes are the base's."""
-        self.released = True
-        if self.family is not None:
-            self.family.release(self)
-            self.family = None
-        if self.output_slots is not None:
-            self.slot = self.bound_slot = self.views = None
-            self.output_slots.forget(self)
+        """Forget this size; the exec, its nodes and their updaters are the base's."""
+        self.leave_family_and_slots()
         self.node_states.clear()
         self.outputs = []
         self.namespace.clear()
@@ -585,7 +537,8 @@ def make_variant(
         raise Unmatched(f"the region calls {observation.launching} at this size (an op that may launch a kernel)")
     capture = base.capture
     graph_launches = _launches(capture.records, capture.pointer_storages)
-    observed = _launches(observation.records, _observed_storages(observation.records, observation.made))
+    storages = recording.pointer_storages(observation.records, observation.made.__contains__)
+    observed = _launches(observation.records, storages)
     inputs = [
         region_keys.byte_range(leaf) for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.device.type == "cuda"
     ]

@@ -20,7 +20,7 @@ import itertools
 import time
 import warnings
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import attrs
 import numpy as np
@@ -695,7 +695,12 @@ def capture(
             )
         timings["capture"] = clock() - started
         # replay.polymorphic matches later runs against these: where each pointer pointed
-        storages = pointer_storages(recorder.records, segments) if storages else None
+        if storages:
+            storages = pointer_storages(
+                recorder.records, lambda base: any(a <= base < a + size for a, size in segments)
+            )
+        else:
+            storages = None
         # Records must not keep the capture's tensors alive: intermediates freed now return to
         # the pool, where the next graph recorded into it reuses them.
         records = [attrs.evolve(r, args=tuple(scalar_or_none(a) for a in r.args)) for r in recorder.records]
@@ -722,12 +727,21 @@ def capture(
         return capture
 
 
-def pointer_storages(records: Sequence, segments: Sequence[tuple[int, int]]) -> list[dict]:
-    """Per launch record, ``{parameter index: StorageUse}`` for each pointer parameter whose
-    tensor has memory: the storage's first byte and size, and whether the capture made it
-    (it lies in the pool's ``segments``, (address, bytes) each)."""
-    from replay.polymorphic import StorageUse
+@attrs.frozen
+class StorageUse:
+    """The storage a pointer parameter points into: its first byte, its size, and whether
+    the run that launched it made it (the capture's pool, a factory op an observed run
+    called) rather than found it (an argument, a global). See replay.polymorphic."""
 
+    base: int
+    nbytes: int
+    made: bool
+
+
+def pointer_storages(records: Sequence, made: Callable[[int], bool]) -> list[dict]:
+    """Per launch record (its ``args`` still the tensors), ``{parameter index: StorageUse}``
+    for each pointer parameter whose tensor has memory; ``made(first byte)`` says whether the
+    run made that storage."""
     result = []
     for record in records:
         uses = {}
@@ -740,8 +754,7 @@ def pointer_storages(records: Sequence, segments: Sequence[tuple[int, int]]) -> 
             storage = tensor.untyped_storage()
             base, nbytes = storage.data_ptr(), storage.nbytes()
             if nbytes:
-                made = any(address <= base < address + size for address, size in segments)
-                uses[param.index] = StorageUse(base, nbytes, made)
+                uses[param.index] = StorageUse(base, nbytes, made(base))
         result.append(uses)
     return result
 

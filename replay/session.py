@@ -556,7 +556,7 @@ class Region:
         key = region_keys.region_key(session.current_device(), spec, leaves, paths)
         state = self.variants.get(key)
         if isinstance(state, polymorphic.VariantGraph):
-            return self._replay_variant(state, spec, leaves), None
+            return self._run_graph(state, spec, leaves, None), None
         if state is not None and state is not _SEEN_ONCE:
             return _MISS, None  # the bucket's graph cannot serve this size: padded
         entry = self.bucket_bases.get((bucket, spec))
@@ -615,18 +615,6 @@ class Region:
             log.info("region %s, key %s: served by its bucket's graph at its own size", self.name, _describe_key(key))
         return result
 
-    def _replay_variant(self, variant: polymorphic.VariantGraph, spec: object, leaves: list):
-        every = self.session.policy.verify_every
-        if every and (variant.replays + 1) % every == 0:
-            self.session.counters.verifications += 1
-            result = variant.verify(leaves, lambda snapshot: self._eager(spec, snapshot))
-        else:
-            result = variant.replay(*leaves)
-        if result is MISMATCH:
-            self.session.counters.declined += 1
-            return self._eager(spec, leaves)
-        return result
-
     def _forget_variant(self, variant: RecordedGraph) -> None:
         """A variant went with its base graph: its size is observed again when it comes back."""
         if self.variants.get(variant.key) is variant:
@@ -676,9 +664,12 @@ class Region:
 
     def _replay(self, entry: Entry, leaves: Sequence):
         self.session.touch(entry)
-        graph = entry.graph
+        return self._run_graph(entry.graph, entry.key[1], leaves, entry)
+
+    def _run_graph(self, graph: RecordedGraph, spec: object, leaves: Sequence, entry: Entry | None):
+        """Replay ``graph`` (every ``verify_every``-th replay verified); a call it declines
+        runs eagerly, counted under ``entry`` (None: a variant, counted with the region)."""
         every = self.session.policy.verify_every
-        spec = entry.key[1]
         if every and (graph.replays + 1) % every == 0:
             self.session.counters.verifications += 1
             result = graph.verify(leaves, lambda snapshot: self._eager(spec, snapshot))
@@ -695,8 +686,7 @@ class Region:
         """The region's globals changed: its graphs were recorded against the old ones."""
         self.session.counters.invalidations += 1
         log.info("region %s: its globals changed, its graphs are dropped", self.name)
-        self.drop_graphs()
-        self.variants.clear()
+        self.drop_graphs()  # the variants go too
         self.bucket_bases.clear()
         self.entries.clear()
         self.entry_shapes.clear()

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 import replay
 from replay.policy import Policy
-from replay.polymorphic import Launch, LaunchFreeObserver, StorageUse, Unmatched, match, output_place, plain_outputs
+from replay.polymorphic import Launch, LaunchFreeObserver, Unmatched, match, output_place, plain_outputs
+from replay.recording import StorageUse
 
 INPUT = (0x1000, 0x2000)  # the observed call's one argument
 
