@@ -99,13 +99,45 @@ def forget_source(filename: str) -> None:
     linecache.cache.pop(filename, None)
 
 
+#: Compiled generated sources, by their text: the most recently compiled ``COMPILED_SOURCES``.
+#: Generated code names every value through its namespace, so the code of a replay for one
+#: shape of a region is, as text, the code of the next shape's: compiling it again cost about
+#: half a millisecond of each recording.
+COMPILED_SOURCES = 256
+_compiled: dict[str, types.CodeType] = {}
+_compiled_lock = threading.Lock()
+
+
+def _with_filename(code: types.CodeType, filename: str) -> types.CodeType:
+    """``code`` (and the functions it defines) as if compiled from ``filename``."""
+    consts = tuple(_with_filename(c, filename) if isinstance(c, types.CodeType) else c for c in code.co_consts)
+    return code.replace(co_filename=filename, co_consts=consts)
+
+
+def compile_source(source: str, filename: str) -> types.CodeType:
+    """``builtins.compile(source, filename, "exec")``, reusing the code of the same text
+    compiled before under another filename (tracebacks then show ``filename``'s lines)."""
+    with _compiled_lock:
+        code = _compiled.pop(source, None)
+        if code is not None:
+            _compiled[source] = code  # the most recent last
+    if code is not None:
+        return _with_filename(code, filename)
+    code = builtins.compile(source, filename, "exec")
+    with _compiled_lock:
+        _compiled[source] = code
+        while len(_compiled) > COMPILED_SOURCES:
+            del _compiled[next(iter(_compiled))]
+    return code
+
+
 def define(source: str, filename: str, namespace: dict[str, object]) -> dict[str, object]:
     """Compile generated ``source`` (registered under ``filename``) with ``namespace`` as its
     globals and return what it defines. Definitions go into a separate dict, so a generated
     function's name can never replace a value in its namespace."""
     register_source(filename, source)
     defined: dict[str, object] = {}
-    exec(builtins.compile(source, filename, "exec"), namespace, defined)
+    exec(compile_source(source, filename), namespace, defined)
     return defined
 
 

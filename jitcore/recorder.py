@@ -12,6 +12,7 @@ Cost when no recorder is installed anywhere: one list read per call-state call.
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -194,18 +195,21 @@ class CaptureExclusion:
     waits for another thread's shared work from deadlocking with a waiting capture.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, lock_free: bool | None = None) -> None:
+        """``lock_free``: the shared side without a lock (the default where the GIL orders
+        every read and write, see :class:`_Shared`); False takes the lock each way."""
         self._lock = threading.Lock()
         self._condition = threading.Condition(self._lock)  # the same mutex, for the waits
-        #: thread id -> how deeply that thread holds it shared (the shared side's whole state:
-        #: one dict under one plain lock, because every eager run of a region takes it)
+        #: thread id -> how deeply that thread holds it shared. The shared side writes its
+        #: entry without the lock (see _Shared); the exclusive side reads it under the lock.
         self._holders: dict[int, int] = {}
         self._owner: int | None = None
         self._depth = 0
         self._waiting = 0  # threads waiting to take it exclusively
-        self._shared = _Shared(self)
+        lock_free = _ORDERED_BY_THE_GIL if lock_free is None else lock_free
+        self._shared = _Shared(self) if lock_free else _LockedShared(self)
 
-    def shared(self) -> _Shared:
+    def shared(self) -> _Shared | _LockedShared:
         """Hold the exclusion shared for a ``with`` block (reentrant; a no-op in the thread that
         holds it exclusively). A plain context object, not a generator: region calls take it
         on every eager run."""
@@ -226,9 +230,11 @@ class CaptureExclusion:
                 try:
                     while self._owner is not None or self._holders:
                         self._condition.wait()
+                    # owner set before waiting drops: a shared holder entering without the
+                    # lock sees one of the two at every moment from here on (see _Shared)
+                    self._owner = me
                 finally:
                     self._waiting -= 1
-                self._owner = me
             self._depth += 1
         try:
             yield
@@ -239,12 +245,94 @@ class CaptureExclusion:
                     self._owner = None
                     self._condition.notify_all()
 
+    def enter_shared_waiting(self, me: int) -> None:
+        """The shared side's way in while a capture runs or waits (the usual case, nothing
+        under way, never comes here): wait for the capture, unless this thread is inside
+        already. A waiting capture is let first for at most SHARED_PATIENCE, so that work
+        holding it shared which waits for this thread cannot deadlock with it."""
+        holders = self._holders
+        with self._condition:
+            if self._owner == me:
+                return  # inside this thread's own capture: nothing to hold
+            deadline = None
+            while me not in holders:
+                if self._owner is not None:
+                    self._condition.wait()
+                    continue
+                if not self._waiting:
+                    break
+                now = time.monotonic()
+                deadline = deadline or now + SHARED_PATIENCE
+                if now >= deadline:
+                    break
+                self._condition.wait(deadline - now)
+            holders[me] = holders.get(me, 0) + 1
+
+    def wake_waiting_capture(self) -> None:
+        with self._condition:
+            self._condition.notify_all()
+
+
+#: Whether one thread's plain reads and writes of Python objects are seen by every other thread
+#: in the order they were made (the global interpreter lock runs one bytecode at a time). A
+#: free-threaded build gives no such order across objects: its shared side takes the lock.
+_ORDERED_BY_THE_GIL = getattr(sys, "_is_gil_enabled", lambda: True)()
+
 
 class _Shared:
-    """``with exclusion.shared():`` (see :meth:`CaptureExclusion.shared`). The holding and
-    releasing live here, in the context methods themselves: every eager run of a region
-    takes it, and the usual case (no capture under way or waiting) costs one plain lock and
-    one dict entry each way."""
+    """``with exclusion.shared():`` (see :meth:`CaptureExclusion.shared`), without a lock in
+    the usual case: every eager run of a region takes it, and the lock made it cost more than
+    a microsecond a call.
+
+    Why no lock is needed (Dekker's argument, under the GIL's one order of all reads and
+    writes): a thread entering writes its entry in ``_holders`` first, then reads ``_owner``
+    and ``_waiting``; a capture writes ``_waiting`` first (under the lock), then reads
+    ``_holders``, and sets ``_owner`` before ``_waiting`` drops. Whichever writes first, the
+    other reads it: either the entering thread sees a capture (it takes its entry back and
+    waits in :meth:`CaptureExclusion.enter_shared_waiting`), or the capture sees the entry
+    (and waits for it to go). Leaving deletes the entry, then reads ``_waiting``: a capture
+    that saw the entry has written ``_waiting`` before, so it is woken (under the lock, so
+    the wake cannot fall between its check and its wait)."""
+
+    __slots__ = ("_exclusion", "_holders")
+
+    def __init__(self, exclusion: CaptureExclusion):
+        self._exclusion = exclusion
+        self._holders = exclusion._holders
+
+    def __enter__(self) -> None:
+        holders = self._holders
+        me = get_ident()
+        depth = holders.get(me, 0)
+        holders[me] = depth + 1
+        if depth:
+            return  # inside already: enter again at once (waiting would be for itself)
+        exclusion = self._exclusion
+        if exclusion._owner is None and not exclusion._waiting:
+            return
+        # a capture runs or waits (maybe this thread's own): take the entry back, the way in
+        # while a capture is under way decides
+        del holders[me]
+        if exclusion._waiting:
+            exclusion.wake_waiting_capture()  # it may have seen the entry and gone to wait
+        exclusion.enter_shared_waiting(me)
+
+    def __exit__(self, *exc: object) -> None:
+        holders = self._holders
+        me = get_ident()
+        depth = holders.get(me, 0)
+        if depth > 1:
+            holders[me] = depth - 1
+        elif depth:
+            del holders[me]
+            if self._exclusion._waiting:
+                self._exclusion.wake_waiting_capture()
+        # no entry: taken inside this thread's own capture, which held nothing
+
+
+class _LockedShared:
+    """The shared side where the interpreter gives no one order of reads and writes across
+    threads (a free-threaded build): the same steps, each under the exclusion's lock."""
 
     __slots__ = ("_exclusion",)
 
@@ -255,51 +343,26 @@ class _Shared:
         exclusion = self._exclusion
         me = get_ident()
         holders = exclusion._holders
-        lock = exclusion._lock
-        lock.acquire()
-        if exclusion._owner is None and not exclusion._waiting:
-            holders[me] = holders.get(me, 0) + 1
-            lock.release()
-            return
-        lock.release()
-        with exclusion._condition:
-            if exclusion._owner == me:
-                return  # inside this thread's own capture: nothing to hold
-            # A capture runs or waits: wait for it, unless this thread is inside already. A
-            # waiting capture is let first for at most SHARED_PATIENCE, so that work holding it
-            # shared which waits for this thread cannot deadlock with it.
-            deadline = None
-            while me not in holders:
-                if exclusion._owner is not None:
-                    exclusion._condition.wait()
-                    continue
-                if not exclusion._waiting:
-                    break
-                now = time.monotonic()
-                deadline = deadline or now + SHARED_PATIENCE
-                if now >= deadline:
-                    break
-                exclusion._condition.wait(deadline - now)
-            holders[me] = holders.get(me, 0) + 1
+        with exclusion._lock:
+            depth = holders.get(me, 0)
+            if depth or (exclusion._owner is None and not exclusion._waiting):
+                holders[me] = depth + 1
+                return
+        exclusion.enter_shared_waiting(me)
 
     def __exit__(self, *exc: object) -> None:
         exclusion = self._exclusion
         me = get_ident()
-        if exclusion._owner == me:
-            return  # taken inside this thread's capture (a thread holding it shared cannot capture)
         holders = exclusion._holders
-        lock = exclusion._lock
-        lock.acquire()
-        depth = holders[me] - 1
-        if depth:
-            holders[me] = depth
-            lock.release()
-            return
-        del holders[me]
-        wake = not holders and exclusion._waiting
-        lock.release()
-        if wake:
-            with exclusion._condition:
+        with exclusion._lock:
+            depth = holders.get(me, 0)
+            if depth > 1:
+                holders[me] = depth - 1
+                return
+            if not depth:
+                return
+            del holders[me]
+            if exclusion._waiting:
                 exclusion._condition.notify_all()
 
 

@@ -145,11 +145,20 @@ class RecordingBudget:
     clock: Callable[[], float]
     started: float | None = None
     spent: float = 0.0
-    recent: list[float] = attrs.Factory(list)  # the last charges, for their median
-    # usual_recording's answer, and the list of charges it was computed from (a new list
-    # after each charge): asked on every call of a key past its warm-up, sorted only anew
-    _usual: float = attrs.field(default=0.0, init=False)
-    _usual_of: list[float] | None = attrs.field(default=None, init=False)
+    #: the last charges, for their median; setting them sets ``usual``
+    recent: list[float] = attrs.field(factory=list, on_setattr=lambda self, _, recent: self._recent_set(recent))
+    #: What recording a key usually costs: its capture and its analysis are charged
+    #: separately, each about the median of the recent charges (kept with ``recent``: the
+    #: payback rule reads it on every call of a key past its warm-up).
+    usual: float = attrs.field(default=0.0, init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self._recent_set(self.recent)
+
+    def _recent_set(self, recent: list[float]) -> list[float]:
+        ordered = sorted(recent)
+        self.usual = 2 * ordered[len(ordered) // 2] if ordered else 0.0
+        return recent
 
     def allows(self) -> bool:
         now = self.clock()
@@ -158,14 +167,7 @@ class RecordingBudget:
         return self.spent < self.fraction * (now - self.started + GRACE_SECONDS)
 
     def usual_recording(self) -> float:
-        """What recording a key usually costs: its capture and its analysis are charged
-        separately, each about the median of the recent charges."""
-        recent = self.recent
-        if self._usual_of is not recent:
-            ordered = sorted(recent)
-            self._usual = 2 * ordered[len(ordered) // 2] if ordered else 0.0
-            self._usual_of = recent
-        return self._usual
+        return self.usual
 
     def charge(self, seconds: float) -> None:
         seconds = max(seconds, 0.0)
@@ -284,7 +286,7 @@ class Admission(Generic[Resident]):
         if budget.spent < budget.fraction * GRACE_SECONDS or budget.fraction >= 1:
             return True  # the grace: the first recordings of a session, made as soon as admitted
         saving = eager_seconds - REPLAY_SECONDS_GUESS
-        return saving > 0 and count * PAYBACK_HORIZON * saving >= budget.usual_recording()
+        return saving > 0 and count * PAYBACK_HORIZON * saving >= budget.usual
 
     def may_record(self, count: int = 0, eager_seconds: float = 0.0) -> bool:
         """Whether recording may spend time now: within the budget, or for a key called

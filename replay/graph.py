@@ -371,7 +371,10 @@ class RecordedGraph:
         self.generation = 0
         self.replays = 0
         self.memory = capture.memory
-        self.name = f"replay_graph_{number}"
+        # one name for every graph: with the values it needs in its namespace (extents as
+        # _e{i}), the replay of a region's next shape is, as text, the one compiled before
+        # (codegen.compile_source reuses its code; the filename still tells graphs apart)
+        self.name = "replay_graph"
         raw_exec = self.graph.raw_cuda_graph_exec()
         nodes = {n.index: n for n in capture.nodes}
         self.updaters = {}
@@ -571,6 +574,9 @@ class RecordedGraph:
     def _generate(self, backend, leaves: Sequence) -> str:
         """The replay function's source, step by step in the order its lines run."""
         code = _Source(self.namespace)
+        for i, leaf in enumerate(leaves):  # each tensor's byte extent, _e{i} in every check
+            if isinstance(leaf, torch.Tensor):
+                self.namespace[f"_e{i}"] = region_keys.extent_bytes(leaf)
         self._emit_guards(code, len(leaves))
         self._alias_checks(code, leaves)
         self._own_output_checks(code, leaves)
@@ -674,7 +680,6 @@ class RecordedGraph:
         """New pointers: an input's pointer plus the recorded delta. A view offset computed
         from a dynamic scalar is recomputed and must stay inside its input; the fixed pointers
         into one input in one node share one remembered value, the input's pointer."""
-        extents = {i: region_keys.extent_bytes(leaf) for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)}
         recorded_pointer = {r.index: r.lo for r in self.capture.inputs}
         static: dict[tuple[int, int], list] = {}
         for number, binding in enumerate(self.plan.pointers):
@@ -689,7 +694,7 @@ class RecordedGraph:
                 f"{evaluate}(_a{binding.launch})",
                 2,
             )
-            code.line(f"if not _p{binding.input} <= {value} <= _p{binding.input} + {extents[binding.input]}:", 2)
+            code.line(f"if not _p{binding.input} <= {value} <= _p{binding.input} + _e{binding.input}:", 2)
             code.line("return _MISMATCH", 3)
             patches.add(
                 binding.node,
@@ -892,13 +897,13 @@ class RecordedGraph:
         if len(tensors) > 8:  # one sort instead of n^2/2 comparisons
             code.namespace["_pattern_of"] = region_keys.pattern_of
             code.namespace["_PATTERN"] = self.key[3]
-            ranges = "".join(f"({i}, _p{i}, _p{i} + {extent}), " for i, extent in tensors)
+            ranges = "".join(f"({i}, _p{i}, _p{i} + _e{i}), " for i, _extent in tensors)
             code.line(f"if _pattern_of([{ranges}]) != _PATTERN:")
             code.line("return _MISMATCH", 2)
             return
         for n, (i, extent_i) in enumerate(tensors):
             for j, extent_j in tensors[n + 1 :]:
-                overlap = f"_p{i} < _p{j} + {extent_j} and _p{j} < _p{i} + {extent_i}"
+                overlap = f"_p{i} < _p{j} + _e{j} and _p{j} < _p{i} + _e{i}"
                 if not extent_i or not extent_j:
                     continue  # an empty tensor overlaps nothing
                 code.line(f"if {'not (' + overlap + ')' if (i, j) in pattern else overlap}:")
@@ -925,8 +930,8 @@ class RecordedGraph:
             if tensors:
                 for lane in range(len(self.slot_need)):
                     code.line(f"_l = _o.lanes[{lane}]")
-                    for i, extent in tensors:
-                        code.line(f"if _p{i} < _l.address + _l.size and _l.address < _p{i} + {extent}:")
+                    for i, _extent in tensors:
+                        code.line(f"if _p{i} < _l.address + _l.size and _l.address < _p{i} + _e{i}:")
                         code.line("return _MISMATCH", 2)
             return
         buffers = self.output_memory

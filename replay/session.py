@@ -100,6 +100,10 @@ def _raise_region_drift(name: str) -> None:
 
 _DYNAMIC_MARK = ("replay.dynamic",)
 
+#: The argument structure of a flat call of n arguments, made once for the usual arities
+#: (the eager path of every flat call needs it).
+_FLAT_SPECS = tuple((region_keys.FLAT, count) for count in range(32))
+
 
 class Entry:
     """One key of one region: its state and, once recorded, its graph."""
@@ -194,8 +198,8 @@ def _describe_key(key: tuple, limit: int = 96) -> str:
 
 #: The most sizes a polymorphic region remembers a state of (a variant, or why it is padded).
 MAX_VARIANT_STATES = 1024
-#: The state of a size padded once with its bucket's graph known: observed on its next call.
-_SEEN_ONCE = object()
+#: Marks a size's count in admission's sketch, apart from its key's (see _call_polymorphic).
+_VARIANT = "variant"
 
 
 class Region:
@@ -271,9 +275,10 @@ class Region:
         path (``_MISS``, or :meth:`_keyed_call` with the decision already counted). Same
         decisions, same counts as :meth:`_call`."""
         session = self.session
-        if session.closed or not session.can_record():
+        if session.closed or not session._gpu:  # can_record(), read directly (every eager call)
             return _MISS  # the full path raises, or says once that everything runs eagerly
-        spec = (region_keys.FLAT, len(args))
+        count = len(args)
+        spec = _FLAT_SPECS[count] if count < len(_FLAT_SPECS) else (region_keys.FLAT, count)
         shapes = (spec, pre)
         if shapes in self.entry_shapes:
             return _MISS  # a key with these shapes has an entry: its full key decides
@@ -284,8 +289,10 @@ class Region:
             if decision is _OBSERVE:
                 return self._run_eagerly(decision, spec, leaves, paths)
             return self._keyed_call(args, {}, spec, leaves, paths, counted, decision)
-        self._count_eager(None)
-        if self.forgotten.eager_runs & EAGER_TIMING_MASK:
+        session.counters.eager_runs += 1  # _count_eager(None), inline
+        forgotten = self.forgotten
+        forgotten.eager_runs += 1
+        if forgotten.eager_runs & EAGER_TIMING_MASK:
             with _SHARED_CAPTURE_EXCLUSION:  # may load kernels: not while another thread captures
                 return self.fn(*args)
         with _SHARED_CAPTURE_EXCLUSION:
@@ -557,17 +564,24 @@ class Region:
         state = self.variants.get(key)
         if isinstance(state, polymorphic.VariantGraph):
             return self._run_graph(state, spec, leaves, None), None
-        if state is not None and state is not _SEEN_ONCE:
+        if state is not None:
             return _MISS, None  # the bucket's graph cannot serve this size: padded
         entry = self.bucket_bases.get((bucket, spec))
         if entry is None or entry.state != RECORDED or entry.graph is None:
             return _MISS, (bucket, spec)
-        if state is None:  # a size seen once may never come back: padded, observed the next time
-            if len(self.variants) >= MAX_VARIANT_STATES:
-                self.variants = {k: v for k, v in self.variants.items() if isinstance(v, polymorphic.VariantGraph)}
-            self.variants[key] = _SEEN_ONCE
+        # An observation costs several eager calls (replay.polymorphic), so sizes are admitted
+        # to one as keys are to a recording: called more than ``record_after`` times recently,
+        # within the recording budget (which it is charged to). A size that never comes back,
+        # or comes while the budget is spent, is padded: a replay, cheaper than eager.
+        admission = session.admission
+        count = admission.called((self, _VARIANT, key))
+        if count <= admission.record_after or not admission.may_record():
             return _MISS, None
-        return self._observe_variant(entry.graph, key, spec, leaves, paths), None
+        started = time.perf_counter()
+        try:
+            return self._observe_variant(entry.graph, key, spec, leaves, paths), None
+        finally:
+            admission.recorded(time.perf_counter() - started)
 
     def _learn_base(self, bucket: tuple, args: tuple, kwargs: dict, pads: list) -> None:
         """After a padded call: the graph of its bucket, once recorded, is the one the sizes of
@@ -605,6 +619,8 @@ class Region:
                     base, key, entry, spec, leaves, paths, observation, self._forget_variant
                 )
             except polymorphic.Unmatched as why:
+                if len(self.variants) >= MAX_VARIANT_STATES:  # forget why sizes were padded, not variants
+                    self.variants = {k: v for k, v in self.variants.items() if isinstance(v, polymorphic.VariantGraph)}
                 self.variants[key] = str(why)
                 session.counters.not_polymorphic += 1
                 log.info("region %s, key %s: padded, not served at its size: %s", self.name, _describe_key(key), why)

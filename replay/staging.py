@@ -71,9 +71,17 @@ def staged_buffer(tensor: torch.Tensor) -> torch.Tensor:
     return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device=tensor.device)
 
 
+def _any_layout(tensor: torch.Tensor) -> jc.TensorAdaptor:
+    """``tensor`` with every size and stride dynamic: one call state of the copy serves every
+    shape and layout of a rank and element size (a static description compiled a call state,
+    about a millisecond, for each new shape recorded), strides without a unit axis included."""
+    dims = range(tensor.ndim)
+    return jc.from_dlpack(tensor).mark_shape_dynamic(dims).mark_stride_dynamic(dims)
+
+
 def _arguments(src: torch.Tensor, dst: torch.Tensor) -> tuple:
     element = _ELEMENT_TYPES[src.element_size()]
-    return (jc.from_dlpack(src), jc.from_dlpack(dst), element, max(dst.ndim, 1))
+    return (_any_layout(src), _any_layout(dst), element, max(dst.ndim, 1))
 
 
 def prepare(src: torch.Tensor, dst: torch.Tensor) -> None:

@@ -4,6 +4,7 @@ into source by its repr, generated source shows in tracebacks, empty grids launc
 from __future__ import annotations
 
 import ast
+import builtins
 import enum
 import io
 import linecache
@@ -13,6 +14,7 @@ import struct
 import token
 import tokenize
 import traceback
+import uuid
 
 import numpy as np
 import pytest
@@ -260,7 +262,30 @@ def test_generated_code_is_compiled_only_by_codegen_define():
                     called = None
                 if called:
                     found.append((path.relative_to(root.parent).as_posix(), scopes.get(id(node)), called))
-    assert sorted(found) == [("jitcore/codegen.py", "define", "compile"), ("jitcore/codegen.py", "define", "exec")]
+    assert sorted(found) == [
+        ("jitcore/codegen.py", "compile_source", "compile"),
+        ("jitcore/codegen.py", "define", "exec"),
+    ]
+
+
+def test_the_same_generated_text_is_compiled_once_and_shown_under_each_filename(monkeypatch):
+    """Replays of the shapes of one region generate the same text (every value is named through
+    the namespace): compiled once, each copy traced back to its own registered filename."""
+    compiled = []
+    compile_ = builtins.compile
+    monkeypatch.setattr(builtins, "compile", lambda source, *rest: compiled.append(source) or compile_(source, *rest))
+    source = f"def run(x):\n    # {uuid.uuid4().hex}\n    return _divide(x)\n"
+    first, second = codegen.source_filename("cache test"), codegen.source_filename("cache test")
+    run_first = codegen.define(source, first, {"_divide": lambda x: 1 / x})["run"]
+    run_second = codegen.define(source, second, {"_divide": lambda x: 2 / x})["run"]
+    assert compiled == [source]  # the second definition reused the code
+    assert run_first(4) == 0.25 and run_second(4) == 0.5  # each with its own namespace
+    codegen.forget_source(first)
+    with pytest.raises(ZeroDivisionError) as info:
+        run_second(0)
+    frame = [f for f in traceback.extract_tb(info.tb) if f.name == "run"][0]
+    assert frame.filename == second and frame.line == "return _divide(x)"
+    codegen.forget_source(second)
 
 
 def test_generated_source_shows_in_tracebacks(backend):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import struct
+import sys
 import threading
 import time
 
@@ -676,8 +677,14 @@ def test_property_a_guard_only_accepts_tensors_its_state_fits(first, second):
                 assert spec == "?" or stride == spec
 
 
-def test_capture_exclusion_keeps_shared_work_out_of_a_capture():
-    exclusion = CaptureExclusion()
+#: The capture exclusion's shared side both ways: without a lock (ordered by the GIL, the
+#: default here) and with it (the free-threaded build's).
+_BOTH_SHARED_SIDES = pytest.mark.parametrize("lock_free", [True, False], ids=["lock-free", "locked"])
+
+
+@_BOTH_SHARED_SIDES
+def test_capture_exclusion_keeps_shared_work_out_of_a_capture(lock_free):
+    exclusion = CaptureExclusion(lock_free=lock_free)
     events = []
     inside = threading.Event()
 
@@ -715,10 +722,11 @@ def test_capture_exclusion_keeps_shared_work_out_of_a_capture():
     assert got == ["exclusive"]
 
 
-def test_capture_exclusion_never_lets_shared_and_exclusive_overlap_under_contention():
+@_BOTH_SHARED_SIDES
+def test_capture_exclusion_never_lets_shared_and_exclusive_overlap_under_contention(lock_free):
     # four threads take it shared in a tight loop while two take it exclusively: no shared
     # holder is ever inside during an exclusive section, and everything finishes
-    exclusion = CaptureExclusion()
+    exclusion = CaptureExclusion(lock_free=lock_free)
     inside = [0]
     count_lock = threading.Lock()
     overlaps = []
@@ -745,19 +753,25 @@ def test_capture_exclusion_never_lets_shared_and_exclusive_overlap_under_content
                     pass
 
     threads = [threading.Thread(target=share) for _ in range(4)] + [threading.Thread(target=capture) for _ in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch between almost any two bytecodes
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+    finally:
+        sys.setswitchinterval(interval)
     assert not any(t.is_alive() for t in threads) and overlaps == []
     assert exclusion._holders == {} and exclusion._owner is None
 
 
-def test_a_waiting_capture_is_not_held_back_by_a_stream_of_shared_holders():
+@_BOTH_SHARED_SIDES
+def test_a_waiting_capture_is_not_held_back_by_a_stream_of_shared_holders(lock_free):
     # two threads take it shared back to back, each entering before the other leaves, so
     # shared holders never all leave at once: a capture must still get in (new shared holders
     # wait for a waiting capture), and a thread already inside may enter again meanwhile
-    exclusion = CaptureExclusion()
+    exclusion = CaptureExclusion(lock_free=lock_free)
     stop = threading.Event()
     captured = threading.Event()
     reentered = []
@@ -788,8 +802,9 @@ def test_a_waiting_capture_is_not_held_back_by_a_stream_of_shared_holders():
     assert exclusion._holders == {} and exclusion._owner is None
 
 
-def test_capture_exclusion_refuses_exclusive_inside_shared_instead_of_hanging():
-    exclusion = CaptureExclusion()
+@_BOTH_SHARED_SIDES
+def test_capture_exclusion_refuses_exclusive_inside_shared_instead_of_hanging(lock_free):
+    exclusion = CaptureExclusion(lock_free=lock_free)
     with exclusion.shared(), pytest.raises(CaptureBusy):
         with exclusion.exclusive():
             pass
@@ -858,10 +873,11 @@ def test_none_for_a_pointer_is_a_null_pointer_with_its_own_call_state(backend):
         sized(x, None, out)
 
 
-def test_shared_work_that_waits_for_other_shared_work_does_not_deadlock_with_a_waiting_capture():
+@_BOTH_SHARED_SIDES
+def test_shared_work_that_waits_for_other_shared_work_does_not_deadlock_with_a_waiting_capture(lock_free):
     # A holds it shared and waits for B, which takes it shared only after a capture began to
     # wait (for A): B waits for the capture at most SHARED_PATIENCE, then goes in
-    exclusion = CaptureExclusion()
+    exclusion = CaptureExclusion(lock_free=lock_free)
     a_inside = threading.Event()
     b_done = threading.Event()
     order = []

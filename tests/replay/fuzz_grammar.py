@@ -48,6 +48,10 @@ every input buffer afterwards (inputs may be written in place) and every held ou
   slice the same outputs), because a matmul of another height may round differently; every call
   is also compared with the unpadded eager run with ``torch.testing.assert_close`` (which
   catches the reference and replay agreeing on a wrong padding).
+- ``polymorphic`` (only when asked for, as ``padded``): the padded family's cases with
+  ``polymorphic=True``, most regions made of jit kernels only, so that a bucket's graph serves
+  smaller sizes at their own size. A call is right when it equals, bit for bit, either the
+  padded reference (a padded call) or the unpadded eager run (a size served at its own size).
 
 A call that falls back to eager with a :class:`replay.ReplayWarning` is fine (refused loudly:
 counted by reason); a silent difference is a :class:`Mismatch`, reported with the case seed, the
@@ -258,7 +262,9 @@ class OutDC:
 FAMILIES = ("plain", "rng-sequence", "rng-reseed")  # drawn per case, or cycled through
 RNG_FAMILIES = ("rng-sequence", "rng-reseed")
 PADDED = "padded"  # bucketing: only when asked for (see the module docstring)
-ALL_FAMILIES = (*FAMILIES, PADDED)
+POLYMORPHIC = "polymorphic"  # bucketing with polymorphic replay: only when asked for
+BUCKETED_FAMILIES = (PADDED, POLYMORPHIC)
+ALL_FAMILIES = (*FAMILIES, *BUCKETED_FAMILIES)
 BUCKET_SIZES = (1, 2, 3, 4, 5, 6, 8, 12, 16)  # what a padded case's buckets are drawn from
 # fills of padded rows (each exact in float32); 0 is the common one, the others show whether
 # anything of the added rows leaks into the call's rows (NaN and infinities loudest)
@@ -508,6 +514,9 @@ class Case:
 
 
 class _RegionBuilder:
+    #: how often a region holds a step replay must refuse
+    refusal_chance = 0.07
+
     def __init__(self, rng: random.Random, index: int, name: str, family: str):
         self.rng = rng
         self.index = index
@@ -961,7 +970,7 @@ class _RegionBuilder:
         n_steps = rng.randint(2, 7)
         random_at = rng.randrange(n_steps) if self.family in RNG_FAMILIES else -1
         self.refusal = None
-        if rng.random() < 0.07:
+        if rng.random() < self.refusal_chance:
             self.refusal = rng.choice(("host sync", "dynamic scalar passed to torch", "typed view output"))
         refusal_at = rng.randrange(n_steps) if self.refusal in ("host sync", "dynamic scalar passed to torch") else -1
         for number in range(n_steps):
@@ -1139,8 +1148,41 @@ class _PaddedRegionBuilder(_RegionBuilder):
         return region
 
 
+class _PolymorphicRegionBuilder(_PaddedRegionBuilder):
+    """The grammar of the polymorphic family: the padded family's, but most regions launch jit
+    kernels only (every launch one polymorphic replay can match at another size: the
+    elementwise kernels, the first-n prefix, the reduction over columns, the per-row cache
+    write at a dynamic slot); the others draw from the whole padded grammar, whose torch ops
+    keep a graph from serving other sizes (those calls are padded, and say why)."""
+
+    def __init__(self, rng: random.Random, index: int, name: str, family: str):
+        super().__init__(rng, index, name, family)
+        self.jit_only = rng.random() < 0.7
+        if self.jit_only:
+            self.refusal_chance = 0.0  # a refusal step is a torch op: the region would not be jit-only
+
+    def step_jit_cache_write(self) -> bool:
+        src = self.pick()
+        cache = self.slot_value("bcache")
+        self.body.append(f"copy_rows({src.name}, {cache.name}, {self.pos_expr()})")
+        self.steps.append("jit per-row write into cache[:, pos] (offset from a dynamic scalar)")
+        self.wrote(cache)
+        return True
+
+    def step_table(self) -> list[tuple[Callable[[], bool], int]]:
+        if not self.jit_only:
+            return super().step_table()
+        return [
+            (self.step_axpb, 6),
+            (self.step_add_scalar, 3),
+            (self.step_jit_cache_write, 2),
+            (self.step_prefix, 4),
+            (self.step_row_sum, 2),
+        ]
+
+
 def generate_region(rng: random.Random, index: int, name: str, family: str) -> Region:
-    builder = _PaddedRegionBuilder if family == PADDED else _RegionBuilder
+    builder = {PADDED: _PaddedRegionBuilder, POLYMORPHIC: _PolymorphicRegionBuilder}.get(family, _RegionBuilder)
     return builder(rng, index, name, family).build()
 
 
@@ -1152,8 +1194,8 @@ def generate_case(seed: int, *, steps_per_region: int = 200, family: str | None 
     family = family or drawn
     if family not in ALL_FAMILIES:
         raise ValueError(f"family must be one of {ALL_FAMILIES}, got {family!r}")
-    if family == PADDED:
-        return _generate_padded_case(rng, seed, steps_per_region)
+    if family in BUCKETED_FAMILIES:
+        return _generate_padded_case(rng, seed, steps_per_region, family)
     n_regions = rng.choices((1, 2, 3), weights=(50, 35, 15))[0]
     shapes = sorted({(rng.choice(ROWS), rng.choice(COLS)) for _ in range(rng.choice((2, 3, 4)))})
     policy: dict = {
@@ -1174,13 +1216,15 @@ def generate_case(seed: int, *, steps_per_region: int = 200, family: str | None 
     return Case(seed, family, regions, shapes, policy, weights, steps_per_region * n_regions)
 
 
-def _generate_padded_case(rng: random.Random, seed: int, steps_per_region: int) -> Case:
+def _generate_padded_case(rng: random.Random, seed: int, steps_per_region: int, family: str = PADDED) -> Case:
     """A case of the padded family: a small random list of buckets, calls of 1 to a few rows
     beyond the largest bucket, one or two column counts; the policy as the other families draw
     it, but ``verify_every`` (which compares each padded call with an unpadded eager run within
     torch's default tolerance) only for regions without a matmul, whose other heights may round
     differently, and without a typed view output (an int32 view of floats that differ in the
-    last bit differs by one, beyond any tolerance for ints)."""
+    last bit differs by one, beyond any tolerance for ints). The polymorphic family adds
+    ``polymorphic=True`` and, mostly, a recording budget that never runs out (short cases
+    would otherwise observe few sizes)."""
     n_regions = rng.choices((1, 2, 3), weights=(50, 35, 15))[0]
     buckets = tuple(sorted(rng.sample(BUCKET_SIZES, rng.choice((1, 2, 3, 3, 4)))))
     max_rows = buckets[-1] + rng.choice((1, 2, 4))
@@ -1197,13 +1241,17 @@ def _generate_padded_case(rng: random.Random, seed: int, steps_per_region: int) 
         policy["clone_outputs"] = True
     elif rng.random() < 0.12:
         policy["check_stale"] = True
-    regions = [generate_region(rng, i, f"fz{seed}_r{i}", PADDED) for i in range(n_regions)]
+    if family == POLYMORPHIC:
+        policy["polymorphic"] = True
+        if rng.random() < 0.8:
+            policy["record_budget"] = 1.0
+    regions = [generate_region(rng, i, f"fz{seed}_r{i}", family) for i in range(n_regions)]
     exact = not any(r.has_matmul or r.refusal == "typed view output" for r in regions)
     if exact and rng.random() < 0.25:
         policy["verify_every"] = rng.choice((2, 3, 5))
     weights = [1.0] if n_regions == 1 else [1.0] + [3.0] * (n_regions - 1)
     shapes = [(max_rows, c) for c in cols]
-    return Case(seed, PADDED, regions, shapes, policy, weights, steps_per_region * n_regions, buckets, max_rows)
+    return Case(seed, family, regions, shapes, policy, weights, steps_per_region * n_regions, buckets, max_rows)
 
 
 def bucket_for(rows: int, buckets: tuple[int, ...]) -> int:
@@ -1652,6 +1700,8 @@ _STAT_NAMES = (
     "invalidations",
     "verifications",
     "declined",
+    "variants",
+    "not_polymorphic",
 )
 
 _INT_VIEWS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -2164,6 +2214,14 @@ class Harness:
                 fail(call, problem)
             account(call, got)
             what = self._compare(case, call, expected, got, state, result)
+            if what and case.family == POLYMORPHIC and plain is not None:
+                # a size its bucket's graph serves at its own size returns what the unpadded
+                # run returns: bit for bit equal to that one is right too
+                if self._compare(case, call, plain, got, state, result) is None:
+                    what = None
+                    result.padding["served at its own size"] += 1
+                    if call.hold is not None and call.hold in state["eager_held"]:
+                        state["eager_held"][call.hold] = list(plain.leaves)  # what later checks expect
             if what:
                 fail(call, what)
             if plain is not None:

@@ -18,6 +18,10 @@ runs only when asked for, so the seeds of a run without --family keep drawing th
 families as before; give it a process (and seed range) of its own:
 
     python -m tests.replay.fuzz_long --family padded --steps 100000 --seed-start 500000 --out fuzz-padded.json
+
+The ``polymorphic`` family (bucketing with ``polymorphic=True``) runs only when asked for too:
+
+    python -m tests.replay.fuzz_long --family polymorphic --steps 20000 --seed-start 900000 --out fuzz-poly.json
 """
 
 from __future__ import annotations
@@ -44,7 +48,10 @@ def main(argv: list[str] | None = None) -> int:
         "--family",
         choices=fz.ALL_FAMILIES,
         default=None,
-        help=f"force one family (default: drawn per case from {', '.join(fz.FAMILIES)}; {fz.PADDED} only when forced)",
+        help=(
+            f"force one family (default: drawn per case from {', '.join(fz.FAMILIES)}; "
+            f"{' and '.join(fz.BUCKETED_FAMILIES)} only when forced)"
+        ),
     )
     parser.add_argument("--max-seconds", type=float, default=None, help="start no case after this")
     parser.add_argument("--out", default=None, help="write the results here (JSON)")

@@ -108,6 +108,18 @@ def test_fuzz_padded_regions():
 
 
 @pytest.mark.gpu
+def test_fuzz_polymorphic_regions():
+    summary, seed = _run_from_environment(
+        "replay fuzz, polymorphic", "REPLAY_FUZZ_POLYMORPHIC_REGIONS", 12, family=fz.POLYMORPHIC
+    )
+    # sizes served at their own size by their bucket's graph, and graphs that could not serve
+    # them (a torch op: padded, said why), both happened
+    assert summary.stats["variants"] > 0 and summary.stats["not_polymorphic"] > 0, _summary_text(summary, seed)
+    assert summary.padding["padded"] > 0, dict(summary.padding)
+    _assert_mostly_replayed(summary, seed)
+
+
+@pytest.mark.gpu
 def test_fuzz_padded_harness_finds_nothing_comparing_eager_with_eager():
     harness = fz.Harness(session_factory=fz.EagerSession)
     seed = int(os.environ.get("REPLAY_FUZZ_SEED", DEFAULT_SEED))

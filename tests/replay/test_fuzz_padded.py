@@ -30,9 +30,9 @@ def _cases(steps_per_region: int = 30) -> list[fz.Case]:
     return [fz.generate_case(seed, steps_per_region=steps_per_region, family=fz.PADDED) for seed in SEEDS]
 
 
-def _cpu_run(session_factory, cases: int = 12, seed_start: int = 0) -> fz.RunSummary:
+def _cpu_run(session_factory, cases: int = 12, seed_start: int = 0, family: str = fz.PADDED) -> fz.RunSummary:
     harness = fz.Harness(device="cpu", session_factory=session_factory, launchers=fz.REFERENCE_LAUNCHERS)
-    return fz.run(harness, seed_start=seed_start, cases=cases, steps_per_region=30, family=fz.PADDED)
+    return fz.run(harness, seed_start=seed_start, cases=cases, steps_per_region=30, family=family)
 
 
 # --- the grammar and the planner ----------------------------------------------------------------
@@ -294,7 +294,7 @@ class _BrokenPadding(fz.EagerSession):
         buckets, fault, kept = tuple(self.policy["buckets"]), self.fault, {}
 
         def call(*args, **kwargs):
-            args = [fz._plain(a) for a in args]
+            args, kwargs = [fz._plain(a) for a in args], {k: fz._plain(v) for k, v in kwargs.items()}
             marks = [a for a in (*args, *kwargs.values()) if isinstance(a, replay.Padded)]
             rows = marks[0].tensor.shape[marks[0].dim]
             bucket = fz.bucket_for(rows, buckets)
@@ -342,12 +342,65 @@ class _BrokenPadding(fz.EagerSession):
         ("a stale padded copy", "elements differ"),
     ],
 )
-def test_the_harness_catches_a_broken_padding(fault, caught_by):
-    summary = _cpu_run(type("Broken", (_BrokenPadding,), {"fault": fault}), cases=8)
+@pytest.mark.parametrize("family", fz.BUCKETED_FAMILIES)
+def test_the_harness_catches_a_broken_padding(fault, caught_by, family):
+    summary = _cpu_run(type("Broken", (_BrokenPadding,), {"fault": fault}), cases=8, family=family)
     if caught_by is None:
         assert not summary.mismatches, summary.mismatches[0].report()
         return
     assert summary.mismatches, summary.line()
     report = summary.mismatches[0].report()
     assert caught_by in report.splitlines()[1], report
-    assert "family padded" in report and "--family padded" in report and " -> " in report
+    assert f"family {family}" in report and f"--family {family}" in report and " -> " in report
+
+
+# --- the polymorphic family --------------------------------------------------------------------
+
+
+def test_polymorphic_cases_are_padded_cases_with_polymorphic_replay_and_mostly_jit_only_regions():
+    cases = [fz.generate_case(seed, steps_per_region=30, family=fz.POLYMORPHIC) for seed in SEEDS]
+    regions = [region for case in cases for region in case.regions]
+    jit_only = [r for r in regions if all(step.startswith("jit") for step in r.steps)]
+    assert len(jit_only) >= 0.5 * len(regions) and len(jit_only) < len(regions)
+    for case in cases:
+        assert case.family == fz.POLYMORPHIC and case.policy["polymorphic"] is True
+        assert case.policy["buckets"] == list(case.buckets) and case.max_rows > case.buckets[-1]
+        again = fz.generate_case(case.seed, steps_per_region=30, family=fz.POLYMORPHIC)
+        assert again.describe() == case.describe()
+    assert sum(case.policy.get("record_budget") == 1.0 for case in cases) >= len(cases) // 2
+    assert fz.POLYMORPHIC not in fz.FAMILIES and {fz.generate_case(seed).family for seed in SEEDS} == set(fz.FAMILIES)
+
+
+class _OwnSize(fz.EagerSession):
+    """A polymorphic 'replay' done right: every other call smaller than its bucket runs at its
+    own size (what a variant returns), the others padded like the reference. ``corrupt``:
+    one element of each such call's outputs is off (a variant gone wrong)."""
+
+    corrupt = False
+
+    def region(self, fn):
+        padded = super().region(fn)
+        calls = [0]
+
+        def call(*args, **kwargs):
+            calls[0] += 1
+            if calls[0] % 2:
+                return padded(*args, **kwargs)
+            unwrap = lambda a: a.tensor if isinstance(a, replay.Padded) else fz._plain(a)
+            result = fn(*map(unwrap, args), **{k: unwrap(v) for k, v in kwargs.items()})
+            leaves: list = []
+            fz._flatten(result, leaves)
+            tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
+            if self.corrupt and tensors:
+                tensors[0].view(-1)[0] += 1.0
+            return result
+
+        return call
+
+
+def test_the_harness_takes_a_call_served_at_its_own_size_as_right_and_catches_a_wrong_one():
+    summary = _cpu_run(_OwnSize, cases=10, family=fz.POLYMORPHIC)
+    assert not summary.mismatches, summary.mismatches[0].report()
+    assert summary.padding["padded"] > 0 and summary.held_checks > 0
+    wrong = _cpu_run(type("Wrong", (_OwnSize,), {"corrupt": True}), cases=10, family=fz.POLYMORPHIC)
+    assert wrong.mismatches, wrong.line()
