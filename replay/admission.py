@@ -65,7 +65,11 @@ FIRST_CHARGE_CAP = 0.02
 #: covers about two windows (counts halve every window); 2 bets that the key keeps coming about
 #: as long again. 1 would wait for a loop of 16 sizes' keys to have run eagerly for twice as
 #: long; 4 let a uniform mix of 256 sizes record keys that its 6,000 steps never repaid
-#: (docs/benchmarks/README.md, "Shapes").
+#: (docs/benchmarks/README.md, "Shapes"). 1, ski rental's break-even, was measured again
+#: once recordings got cheaper (2026-12-01, H200): the uniform mix went from 1.068x to 1.056x
+#: eager's time, but the decode-loop sample lost its whole speed-up (0.98x eager): its steps are
+#: bound by the GPU, so an eager call's host time, all the rule can measure, counts a third of
+#: what a replay saves there.
 PAYBACK_HORIZON = 2
 
 #: The host time a replay is taken to cost, subtracted from an eager call's time to give what

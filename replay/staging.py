@@ -71,17 +71,31 @@ def staged_buffer(tensor: torch.Tensor) -> torch.Tensor:
     return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device=tensor.device)
 
 
-def _any_layout(tensor: torch.Tensor) -> jc.TensorAdaptor:
-    """``tensor`` with every size and stride dynamic: one call state of the copy serves every
-    shape and layout of a rank and element size (a static description compiled a call state,
-    about a millisecond, for each new shape recorded), strides without a unit axis included."""
+_INTEGER_VIEWS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _argument(tensor: torch.Tensor) -> torch.Tensor | jc.TensorAdaptor:
+    """How the copy is given ``tensor``, so that one call state serves every shape of a layout
+    (a static description compiled one, about a millisecond, for each new shape recorded).
+    Usually its bytes as integers of its element size: a plain torch tensor's key is
+    layout-dynamic already, and the lean path costs a tenth of an adaptor's. A tensor without
+    a unit-stride axis, or one that cannot be viewed so (a subclass, a conjugate or negative
+    view, a 0-d tensor), goes through an adaptor with every size and stride dynamic."""
+    if (
+        type(tensor) is torch.Tensor
+        and tensor.ndim
+        and 1 in tensor.stride()
+        and not tensor.is_conj()
+        and not tensor.is_neg()
+    ):
+        return tensor.view(_INTEGER_VIEWS[tensor.element_size()])
     dims = range(tensor.ndim)
     return jc.from_dlpack(tensor).mark_shape_dynamic(dims).mark_stride_dynamic(dims)
 
 
 def _arguments(src: torch.Tensor, dst: torch.Tensor) -> tuple:
     element = _ELEMENT_TYPES[src.element_size()]
-    return (_any_layout(src), _any_layout(dst), element, max(dst.ndim, 1))
+    return (_argument(src), _argument(dst), element, max(dst.ndim, 1))
 
 
 def prepare(src: torch.Tensor, dst: torch.Tensor) -> None:
