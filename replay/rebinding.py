@@ -31,6 +31,7 @@ import struct
 from collections.abc import Callable, Mapping, Sequence
 
 import attrs
+import numpy as np
 
 REBOUND, STAGED, UNUSED = "rebound", "staged", "unused"
 
@@ -186,11 +187,38 @@ def _owners(inputs: Sequence[InputRange], address: int) -> list[InputRange]:
     return found
 
 
-def _pointer_words(data: bytes) -> list[int]:
+_NO_WORDS = np.zeros(0, dtype=np.uint64)
+
+
+def _pointer_words(data: bytes) -> np.ndarray:
     """Every 8-byte window at a 4-byte aligned offset of a parameter's bytes: where a pointer
     could be, also inside packed structs. A word that merely looks like an input's address
-    makes the plan stage that input, which is safe."""
-    return [struct.unpack_from("<Q", data, i)[0] for i in range(0, len(data) - 7, 4)]
+    makes the plan stage that input, which is safe. An array: a library kernel's parameter
+    structs hold hundreds of words, read and compared all at once (:func:`inputs_reached`)."""
+    windows = (len(data) - 4) // 4  # at offsets 0, 4, ..., len - 8
+    if windows <= 0:
+        return _NO_WORDS
+    halves = np.frombuffer(data, dtype="<u4", count=windows + 1).astype(np.uint64)
+    return halves[:-1] | (halves[1:] << np.uint64(32))
+
+
+def inputs_reached(inputs: Sequence[InputRange], words: np.ndarray) -> list[InputRange]:
+    """The inputs some word points into: :func:`_owners` of every word at once (an empty
+    input at an address counts only where no other input holds that address)."""
+    if not len(words):
+        return []
+    held = np.zeros(len(words), dtype=bool)
+    reached = []
+    for candidate in inputs:
+        if candidate.lo < candidate.hi:
+            inside = (words >= candidate.lo) & (words < candidate.hi)
+            if inside.any():
+                reached.append(candidate)
+                held |= inside
+    for candidate in inputs:
+        if candidate.lo == candidate.hi and candidate.lo and ((words == candidate.lo) & ~held).any():
+            reached.append(candidate)
+    return reached
 
 
 def overlapping_inputs(inputs: Sequence[InputRange]) -> dict[int, set[int]]:
@@ -294,13 +322,15 @@ def _skipped_with_a_dynamic_grid(launches: Sequence[LaunchView]) -> str | None:
     return None
 
 
-def _addresses_in(node: NodeView) -> list[int] | None:
+def _addresses_in(node: NodeView) -> np.ndarray | None:
     """Every address a foreign node may reach an input through (None: they cannot be read)."""
     if node.kind == "kernel":
-        return None if node.params is None else [w for p in node.params for w in _pointer_words(p)]
+        if node.params is None:
+            return None
+        return np.concatenate([_NO_WORDS, *(_pointer_words(p) for p in node.params)])
     if node.pointers is None or (node.kind == "memcpy" and not node.pointers):
         return None  # a copy moves bytes somewhere: no address read means none could be
-    return list(node.pointers)
+    return np.array(node.pointers, dtype=np.uint64)
 
 
 addresses_in = _addresses_in
@@ -500,12 +530,9 @@ class _Planner:
                         f"a {node.kind} node whose addresses cannot be read may touch it"
                     )
                 continue
-            for word in words:
-                for owner in _owners(self.inputs, word):
-                    if owner.index not in self.staged:
-                        self.require_staging(
-                            owner.index, f"a non-jit {node.kind} node reads or writes it", copy_back=True
-                        )
+            for owner in inputs_reached(self.inputs, words):
+                if owner.index not in self.staged:
+                    self.require_staging(owner.index, f"a non-jit {node.kind} node reads or writes it", copy_back=True)
         if unknown_kernel or not scanned:
             self.require_staging_of_every_input("a kernel node whose parameters cannot be read may touch it")
 

@@ -812,7 +812,7 @@ def _refuse_host_nodes(host: host_inputs.HostInputs, nodes: Sequence[rebinding.N
             words = rebinding.addresses_in(node)
             if words is None:
                 raise CaptureFailed("a kernel whose parameters cannot be read may reach a host input's buffer")
-            for word in words:
+            for word in words.tolist():
                 owner = host.owner(word)
                 if owner is not None:
                     raise CaptureFailed(

@@ -5,6 +5,9 @@ from __future__ import annotations
 import struct
 
 import attrs
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from replay.rebinding import (
     REBOUND,
@@ -15,7 +18,10 @@ from replay.rebinding import (
     LaunchView,
     NodeView,
     ParamView,
+    _owners,
+    _pointer_words,
     build_plan,
+    inputs_reached,
     match_launches,
 )
 
@@ -263,3 +269,29 @@ def test_staging_copies_of_overlapping_inputs_stay_bound_to_their_own_input():
     result = plan([whole, tail], [copy_in], [node_for(0, copy_in)], staged={0, 1})
     assert result.failure is None
     assert [(b.input, b.delta) for b in result.pointers] == [(1, 0)]
+
+
+# --- the scan of foreign nodes' parameters for input addresses ---------------------------------
+
+_ADDRESSES = st.integers(0, 2**64 - 1) | st.sampled_from([0, 0x10000, 0x10FFF, 0x11000, 0x30000, 2**64 - 1])
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.binary(min_size=0, max_size=80))
+def test_pointer_words_are_every_8_byte_window_at_4_byte_offsets(data):
+    expected = [struct.unpack_from("<Q", data, i)[0] for i in range(0, len(data) - 7, 4)]
+    assert _pointer_words(data).tolist() == expected
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    bounds=st.lists(st.tuples(_ADDRESSES, st.integers(0, 5000)), min_size=0, max_size=5),
+    words=st.lists(_ADDRESSES, min_size=0, max_size=30),
+)
+def test_inputs_reached_is_the_owners_of_every_word(bounds, words):
+    """All words at once, as the word-by-word rule decides: inside an input, or at an empty
+    input's address where no other input holds it."""
+    inputs = [InputRange(i, f"args[{i}]", lo, min(lo + size, 2**64 - 1)) for i, (lo, size) in enumerate(bounds)]
+    array = np.array(words, dtype=np.uint64)
+    expected = {r.index for word in words for r in _owners(inputs, word)}
+    assert {r.index for r in inputs_reached(inputs, array)} == expected
