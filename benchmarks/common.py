@@ -112,13 +112,20 @@ def write(out: Path, name: str, title: str, results: dict, body: str, notes: str
     out.mkdir(parents=True, exist_ok=True)
     record = {"command": command_line(), "machine": machine(), "results": results}
     (out / f"{name}.json").write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+    text = markdown(record, title, body, notes)
+    (out / f"{name}.md").write_text(text)
+    print(text)
+
+
+def markdown(record: dict, title: str, body: str, notes: str = "") -> str:
+    """The markdown page of a results record (as :func:`write` saves it: its command and
+    machine come from the record, so a page can be made again from a saved JSON)."""
     info = record["machine"]
     where = ", ".join(f"{k} {info[k]}" for k in ("gpu", "torch", "cuda-bindings", "python", "processor") if k in info)
     text = f"# {title}\n\nCommand: `{record['command']}`\n\nMachine: {where}; measured {info['date']}.\n\n{body}\n"
     if notes:
         text += f"\n{notes.strip()}\n"
-    (out / f"{name}.md").write_text(text)
-    print(text)
+    return text
 
 
 def plot(

@@ -26,8 +26,10 @@ implemented yet: no row.
 
 from __future__ import annotations
 
+import json
 import random
 import time
+from pathlib import Path
 
 import torch
 
@@ -345,14 +347,46 @@ def many_shapes_memory(shapes: int) -> dict[str, dict[str, float]]:
 
 
 def main() -> None:
-    args = common.parser(__doc__.splitlines()[0]).parse_args()
+    parser = common.parser(__doc__.splitlines()[0])
+    parser.add_argument("--from-json", type=Path, help="make the markdown page again from a saved shapes.json")
+    args = parser.parse_args()
+    if args.from_json:
+        record = json.loads(args.from_json.read_text())
+        body, notes = report(record["results"], record["results"].get("steps", 6000))
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "shapes.md").write_text(common.markdown(record, TITLE, body, notes))
+        return
     steps = 600 if args.quick else 6000
     results = {d: measure(d, steps) for d in ("uniform", "zipf", "fixed")}
     results["prefill"] = measure("prefill", 100 if args.quick else 1000)
     for distribution in ("uniform", "zipf"):
         results[f"{distribution}, jit-only region"] = measure(distribution, steps, polymorphic=True)
-    overhead = eager_path(steps)
-    memory = many_shapes_memory(16 if args.quick else MEMORY_SHAPES)
+    results["eager_path"] = eager_path(steps)
+    results["many_shapes_memory"] = many_shapes_memory(16 if args.quick else MEMORY_SHAPES)
+    results["steps"] = steps
+    body, notes = report(results, steps)
+    common.write(args.out, "shapes", TITLE, results, body, notes)
+
+
+TITLE = "Replay under shape distributions"
+
+
+def _ordered(mapping: dict, first: tuple) -> dict:
+    """``mapping`` with the keys of ``first`` first, in that order (a saved JSON's keys are
+    sorted), the others after them as they come."""
+    return {**{k: mapping[k] for k in first if k in mapping}, **{k: v for k, v in mapping.items() if k not in first}}
+
+
+def report(results: dict, steps: int) -> tuple[str, str]:
+    """(tables, notes) of a run's results, the distributions' and the two extra tables'
+    (``eager_path``, ``many_shapes_memory``): also made again from a saved JSON with
+    ``python -m benchmarks.shapes --from-json shapes.json``."""
+    overhead = _ordered(results["eager_path"], ("trivial region", "6-layer region"))
+    memory = _ordered(results["many_shapes_memory"], ("largest alone",))
+    distributions = _ordered(
+        {k: v for k, v in results.items() if k not in ("eager_path", "many_shapes_memory", "steps")},
+        ("uniform", "zipf", "fixed", "prefill", "uniform, jit-only region", "zipf, jit-only region"),
+    )
     headers = (
         "distribution",
         "path",
@@ -370,8 +404,8 @@ def main() -> None:
         "sizes at own size",
     )
     rows = []
-    for distribution, paths in results.items():
-        for path, r in paths.items():
+    for distribution, paths in distributions.items():
+        for path, r in _ordered(paths, ("eager", "replay", "bucketed", "polymorphic")).items():
             rows.append(
                 (
                     distribution,
@@ -396,7 +430,6 @@ def main() -> None:
         ("region", "direct call us", "warming: over direct", "too rare: over direct"),
         [(k, v["direct_us"], v["warming_over_direct_us"], v["too_rare_over_direct_us"]) for k, v in overhead.items()],
     )
-    results["eager_path"] = overhead
     body += (
         "\n\nGraph memory over many shapes of a region ending in a 32,000-wide output (MiB; "
         "target, issue 12: at most 1.5x the largest shape alone):\n\n"
@@ -405,7 +438,6 @@ def main() -> None:
         ("loop", "graph MiB", "of which outputs", "replays", "records", "x largest alone"),
         [(k, v["graph_mib"], v["output_mib"], v["replays"], v["records"], v["vs_alone"]) for k, v in memory.items()],
     )
-    results["many_shapes_memory"] = memory
     notes = (
         f"{steps} steps per distribution (prefill: each length once), batch sizes 1..{LARGEST}, "
         f"{LAYERS} layers of a {DIM}x{DIM} matmul and two jit kernels. Targets (issue 12): the "
@@ -415,7 +447,7 @@ def main() -> None:
         "launch a jit launch), eager against bucketed and polymorphic replay "
         "(capture(buckets=..., polymorphic=True))."
     )
-    common.write(args.out, "shapes", "Replay under shape distributions", results, body, notes)
+    return body, notes
 
 
 if __name__ == "__main__":
