@@ -68,7 +68,7 @@ names all start with ``prefix`` and resolve in :attr:`GlobalsSnapshot.namespace`
 or a frozen-copy comparison per container. Like all generated code it names no user's global,
 attribute or builtin: each such name is a string in the namespace (``_n0``), so the check
 reads ``_g.get(_n0, _MISSING)``; :meth:`GlobalsSnapshot.check` runs the lines on their own
-(compiled through :func:`jitcore.codegen.define`, so tracebacks and pdb show them).
+(compiled through :func:`jitcore.generated.define`, so tracebacks and pdb show them).
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ from collections.abc import Callable
 import attrs
 import torch
 
-from jitcore import codegen
+from jitcore import generated
 from jitcore.errors import GlobalDriftError
 
 _MISSING = object()
@@ -555,10 +555,10 @@ class GlobalsSnapshot:
             )
         body = "\n".join("    " + line for line in self.check_lines) or "    pass"
         self.source = f"def check():\n{body}\n"
-        self.filename = codegen.source_filename(f"drift check of {self.owner}")
-        defined = codegen.define(self.source, self.filename, self.namespace)
+        self.filename = generated.source_filename(f"drift check of {self.owner}")
+        defined = generated.define(self.source, self.filename, self.namespace)
         self.check: Callable[[], None] = defined["check"]  # type: ignore[assignment]
-        weakref.finalize(self, codegen.forget_source, self.filename)
+        weakref.finalize(self, generated.forget_source, self.filename)
 
     # --- building ------------------------------------------------------------------------
     def _build(self, root: types.FunctionType | None, target: types.FunctionType | None, state: frozenset) -> None:

@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 import attrs
 import torch
 
-from jitcore import codegen
+from jitcore import generated
 
 try:  # torch's C++ guard evaluator (used by torch.compile on every call)
     from torch._C._dynamo.guards import TensorGuards as _TensorGuards
@@ -100,9 +100,9 @@ def _screened(raw: Callable[..., bool], count: int) -> Callable[..., bool]:
         f"    return _raw({params})\n"
     )
     namespace: dict[str, object] = {"_raw": raw}
-    filename = codegen.source_filename(f"screen of a tensor guard of {count} tensor{'' if count == 1 else 's'}")
-    check = codegen.define(source, filename, namespace)["check"]
-    weakref.finalize(check, codegen.forget_source, filename)  # made per guard: linecache stays bounded
+    filename = generated.source_filename(f"screen of a tensor guard of {count} tensor{'' if count == 1 else 's'}")
+    check = generated.define(source, filename, namespace)["check"]
+    weakref.finalize(check, generated.forget_source, filename)  # made per guard: linecache stays bounded
     check.raw = raw
     return check
 
@@ -189,7 +189,7 @@ def make_guard(
     tensor passed as two arguments, so such a call takes the key path), else once per tensor
     argument (callers do pass one tensor as several arguments). Arguments are ``_a0``,
     ``_a1``, ... in the source (never a user's name); values reach it through the namespace,
-    and the source is compiled through :func:`jitcore.codegen.define` under a filename made
+    and the source is compiled through :func:`jitcore.generated.define` under a filename made
     from ``description`` (``guard.source`` holds it)."""
     names = [f"_a{i}" for i in range(len(checks))]
     namespace: dict[str, object] = {"_device": current_device}
@@ -234,8 +234,8 @@ def make_guard(
         )
     else:
         source = f"def guard(*args):\n    return not args and {body}\n"
-    filename = codegen.source_filename(description)
-    guard = codegen.define(source, filename, namespace)["guard"]
-    weakref.finalize(guard, codegen.forget_source, filename)  # rebuilt often: linecache stays bounded
+    filename = generated.source_filename(description)
+    guard = generated.define(source, filename, namespace)["guard"]
+    weakref.finalize(guard, generated.forget_source, filename)  # rebuilt often: linecache stays bounded
     guard.source = source
     return guard

@@ -3,7 +3,7 @@
 ``@jit`` returns a generated dispatcher with the launcher's own parameter list (so Python
 binds arguments and reports a wrong count or an unknown keyword itself). Its source names the
 arguments ``_a0``, ``_a1``, ...; the user's names are given to the compiled code's parameter
-slots (:func:`~jitcore.codegen.rename_parameters`), so any parameter name works, ``key``,
+slots (:func:`~jitcore.generated.rename_parameters`), so any parameter name works, ``key``,
 ``_m`` or ``_MRU`` included (only ``stream``, jit's keyword, is refused). A call:
 
 1. builds the lean key (inlined :class:`~jitcore.keys.KeyPlan` statements, the current
@@ -32,11 +32,12 @@ import attrs
 import numpy as np
 import torch
 
-from jitcore import codegen, guards, keys, recorder, tensors
+from jitcore import generated, guards, keys, recorder, tensors
 from jitcore.backends import Backend, get_backend
-from jitcore.codegen import CallState, dump_enabled, never
+from jitcore.codegen import CallState, never
 from jitcore.drift import GlobalsSnapshot
 from jitcore.errors import ArgumentError, CaptureMissError, DeviceError
+from jitcore.generated import dump_enabled
 from jitcore.symbolic import Sym
 from jitcore.tracing import Trace, TracedTensor
 
@@ -90,8 +91,8 @@ class JitFunction:
             if param.default is not keys._NO_DEFAULT:
                 self.namespace[f"_default{index}"] = param.default
         where = f"{getattr(fn, '__module__', None) or '?'}.{getattr(fn, '__qualname__', self.name)}"
-        self.filename = codegen.source_filename(f"dispatcher {where}")
-        weakref.finalize(self, codegen.forget_source, self.filename)
+        self.filename = generated.source_filename(f"dispatcher {where}")
+        weakref.finalize(self, generated.forget_source, self.filename)
         self.dispatcher = self._make_dispatcher()
 
     # --- the generated hit path ----------------------------------------------------------
@@ -112,8 +113,8 @@ class JitFunction:
         drift = ["    " + line for line in self.snapshot.check_lines] if self.snapshot is not None else []
         mapping = ", ".join(f"{a} = {p.name}" for a, p in zip(names, self.parameters)) or "none"
         lines = [
-            f"def {codegen.python_name(self.name)}({params}{', ' if params else ''}*, stream=None):",
-            f"    # {codegen.comment(f'dispatcher of {self.name}; arguments: {mapping}')}",
+            f"def {generated.python_name(self.name)}({params}{', ' if params else ''}*, stream=None):",
+            f"    # {generated.comment(f'dispatcher of {self.name}; arguments: {mapping}')}",
             "    _m = _MRU[0]",
             f"    if _m[0]({', '.join(names)}):",
             *["    " + line for line in drift],
@@ -174,8 +175,8 @@ class JitFunction:
 
     def _compile_dispatcher(self, source: str) -> Callable:
         """The dispatcher function of ``source``, its parameters renamed to the user's."""
-        dispatcher = codegen.define(source, self.filename, self.namespace)[codegen.python_name(self.name)]
-        dispatcher.__code__ = codegen.rename_parameters(dispatcher.__code__, [p.name for p in self.parameters])
+        dispatcher = generated.define(source, self.filename, self.namespace)[generated.python_name(self.name)]
+        dispatcher.__code__ = generated.rename_parameters(dispatcher.__code__, [p.name for p in self.parameters])
         return dispatcher
 
     def _make_dispatcher(self) -> Callable:

@@ -34,7 +34,7 @@ import attrs
 import numpy as np
 import torch
 
-from jitcore import codegen, tensors
+from jitcore import generated, tensors
 from jitcore.errors import ArgumentError
 
 T = typing.TypeVar("T")
@@ -216,12 +216,12 @@ class KeyPlan:
         body = "\n".join("    " + line for line in self.key_lines())
         mapping = ", ".join(f"_a{i} = {name}" for i, name in enumerate(self.names)) or "none"
         self.source = (
-            f"def lean_key({args}):\n    # {codegen.comment(f'arguments: {mapping}')}\n{body}\n    return _key\n"
+            f"def lean_key({args}):\n    # {generated.comment(f'arguments: {mapping}')}\n{body}\n    return _key\n"
         )
-        self.filename = codegen.source_filename(f"key plan ({', '.join(self.names)})")
-        lean_key = codegen.define(self.source, self.filename, self.namespace)["lean_key"]
-        weakref.finalize(self, codegen.forget_source, self.filename)
-        lean_key.__code__ = codegen.rename_parameters(lean_key.__code__, self.names)
+        self.filename = generated.source_filename(f"key plan ({', '.join(self.names)})")
+        lean_key = generated.define(self.source, self.filename, self.namespace)["lean_key"]
+        weakref.finalize(self, generated.forget_source, self.filename)
+        lean_key.__code__ = generated.rename_parameters(lean_key.__code__, self.names)
         self.lean_key: Callable[..., tuple] = lean_key  # type: ignore[assignment]
 
     def key_lines(self, *, hit_path: bool = False, leading: str = "") -> list[str]:

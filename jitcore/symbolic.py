@@ -14,12 +14,10 @@ replay's dynamic scalars (``replay.dynamic.DynamicScalar``) share with :class:`S
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NoReturn
+from typing import NoReturn
 
 from jitcore.errors import SymbolicValueError
-
-if TYPE_CHECKING:  # codegen imports this module
-    from jitcore.codegen import Expression
+from jitcore.generated import Expression
 
 _ADVICE = (
     "it is only known when the call state runs. To branch on it, make it static: wrap the "
@@ -147,8 +145,8 @@ class Sym(DeferredScalar):
 
     def evaluate(self, values: dict[str, object]) -> object:
         """Evaluate with ``values`` mapping leaf variables to concrete values (other entries are
-        ignored). Compiled on first use, like all generated code, through :mod:`jitcore.codegen`
-        into a function of the leaves (:class:`jitcore.codegen.Expression`): a traceback shows
+        ignored). Compiled on first use, like all generated code, through :mod:`jitcore.generated`
+        into a function of the leaves (:class:`~jitcore.generated.Expression`): a traceback shows
         its line, and the slow paths that evaluate one expression call after call (a packing
         error, an index check) pay for a call, not for a parse and a compile."""
         if self._expression is None:
@@ -156,8 +154,6 @@ class Sym(DeferredScalar):
         return self._expression(values)
 
     def _compile(self) -> Expression:
-        from jitcore import codegen  # codegen imports this module
-
         leaves = list(dict.fromkeys(leaf.args[0] for leaf in self.leaves()))
         # min/max are what the rendered source calls; nothing else is reachable from it
         namespace: dict[str, object] = {"__builtins__": {"min": min, "max": max}}
@@ -167,7 +163,7 @@ class Sym(DeferredScalar):
             del namespace[leaf]
         shown = self.describe()
         shown = shown if len(shown) <= 80 else shown[:77] + "..."
-        return codegen.Expression(body, leaves, namespace, f"evaluation of {shown}")
+        return Expression(body, leaves, namespace, f"evaluation of {shown}")
 
     def __repr__(self) -> str:
         return f"Sym({self.describe()})"

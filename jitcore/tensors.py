@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
-from jitcore import codegen, dlpack, dtypes
+from jitcore import dlpack, dtypes, generated
 from jitcore.errors import ArgumentError, LayoutError, UnsupportedTensorError
 
 DYNAMIC = "?"
@@ -222,7 +222,7 @@ def _define_lean_token() -> Callable[[torch.Tensor], SignatureToken]:
         "    return _lean_slow(tensor)\n"
     )
     namespace: dict[str, object] = dict(LEAN_NAMESPACE)
-    function = codegen.define(source, codegen.source_filename("lean token"), namespace)["lean_token"]
+    function = generated.define(source, generated.source_filename("lean token"), namespace)["lean_token"]
     function.__doc__ = "The key token of a raw torch tensor's layout-dynamic signature, without DLPack."
     function.__module__ = __name__
     function.source = source

@@ -15,7 +15,7 @@ import ast
 import itertools
 from typing import NoReturn
 
-from jitcore import codegen
+from jitcore import generated
 from jitcore.keys import NUMBERS
 from jitcore.symbolic import DeferredScalar
 from replay.errors import DynamicScalarError
@@ -69,11 +69,11 @@ class DynamicScalar(DeferredScalar):
         self.value = value
         self.name = name  # for messages: the argument path, or the expression
         self.constants: dict[str, object] = constants or {}
-        self._expression: codegen.Expression | None = None
+        self._expression: generated.Expression | None = None
 
     def evaluate(self, dynamic_values: dict[str, object]) -> object:
         """This expression for other values of the dynamic leaves (``{"_d2": 5}``; other
-        entries are ignored). Compiled on first use, through :mod:`jitcore.codegen` like all
+        entries are ignored). Compiled on first use, through :mod:`jitcore.generated` like all
         generated code, into a function of the leaves (a traceback shows its line; evaluating
         again costs a call, not a compile); its constants are bound as they are then, and it
         has no builtins, so the source computes nothing but what it names."""
@@ -81,7 +81,7 @@ class DynamicScalar(DeferredScalar):
             self._expression = self._compile()
         return self._expression(dynamic_values)
 
-    def _compile(self) -> codegen.Expression:
+    def _compile(self) -> generated.Expression:
         # names that are not constants are leaves; the generated function takes them as parameters
         tree = ast.parse(self.source.strip(), mode="eval")
         if any(isinstance(node, (ast.Yield, ast.YieldFrom, ast.Await)) for node in ast.walk(tree)):
@@ -90,7 +90,7 @@ class DynamicScalar(DeferredScalar):
         leaves = [name for name in dict.fromkeys(names) if name not in self.constants]
         namespace: dict[str, object] = {"__builtins__": {}, **self.constants}
         text = self.source.strip() if len(self.source.strip().splitlines()) == 1 else ast.unparse(tree)
-        return codegen.Expression(text, leaves, namespace, f"dynamic scalar {self.name}")
+        return generated.Expression(text, leaves, namespace, f"dynamic scalar {self.name}")
 
     def __jit_scalar__(self) -> object:
         return self.value

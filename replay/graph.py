@@ -34,7 +34,7 @@ import attrs
 import numpy as np
 import torch
 
-from jitcore import codegen
+from jitcore import generated
 from jitcore.backends import get_backend
 from replay import host as host_inputs
 from replay import recording, region_keys
@@ -59,11 +59,11 @@ _sources = itertools.count()
 
 def compile_function(source: str, name: str, description: str, namespace: dict) -> Callable:
     """Compile generated source with ``namespace`` as its globals, through jitcore's one
-    codegen helper (registered with ``linecache``, so tracebacks and pdb show its lines)."""
-    filename = f"<{codegen.comment(description)} #{next(_sources)}>"
-    function = codegen.define(source, filename, namespace)[name]
+    generated-source helper (registered with ``linecache``, so tracebacks and pdb show its lines)."""
+    filename = f"<{generated.comment(description)} #{next(_sources)}>"
+    function = generated.define(source, filename, namespace)[name]
     function.source = source
-    weakref.finalize(function, codegen.forget_source, filename)  # rebuilt often: linecache stays bounded
+    weakref.finalize(function, generated.forget_source, filename)  # rebuilt often: linecache stays bounded
     return function
 
 
@@ -373,7 +373,7 @@ class RecordedGraph:
         self.memory = capture.memory
         # one name for every graph: with the values it needs in its namespace (extents as
         # _e{i}), the replay of a region's next shape is, as text, the one compiled before
-        # (codegen.compile_source reuses its code; the filename still tells graphs apart)
+        # (generated.compile_source reuses its code; the filename still tells graphs apart)
         self.name = "replay_graph"
         raw_exec = self.graph.raw_cuda_graph_exec()
         nodes = {n.index: n for n in capture.nodes}
@@ -407,7 +407,7 @@ class RecordedGraph:
         self.replay = compile_function(
             self.source, self.name, f"replay graph {number} of region {region.name}", self.namespace
         )
-        if codegen.dump_enabled("REPLAY_DUMP"):
+        if generated.dump_enabled("REPLAY_DUMP"):
             print(f"# replay graph\n{self.source}")
 
     # --- outputs -------------------------------------------------------------------------

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 import jitcore
-from jitcore import codegen
+from jitcore import generated
 from replay.dynamic import Dynamic
 
 FLAT = "flat"  # spec of a call whose arguments are all positional leaves
@@ -341,7 +341,7 @@ def _make_torch_modes() -> Callable[[], tuple]:
         call = _call_source(number, reader, namespace)
         calls.append(f"_tuple({call}), " if reader.returns_list else f"{call}, ")
     source = f"def torch_modes():\n    return ({''.join(calls)})\n"
-    return codegen.define(source, "<replay torch modes>", namespace)["torch_modes"]
+    return generated.define(source, "<replay torch modes>", namespace)["torch_modes"]
 
 
 torch_modes: Callable[[], tuple] = _make_torch_modes()
@@ -411,7 +411,7 @@ def modes_changed(recorded: tuple) -> Callable[[], bool]:
             tests.append(f"{call} != _v{number}")
     body = "\n        or ".join(tests) or "False"
     source = f"def modes_changed():\n    return (\n        {body}\n    )\n"
-    check = codegen.define(source, codegen.source_filename("replay torch modes check"), namespace)["modes_changed"]
+    check = generated.define(source, generated.source_filename("replay torch modes check"), namespace)["modes_changed"]
     _modes_changed_cache[recorded] = check
     return check
 

@@ -3,26 +3,21 @@ into source by its repr, generated source shows in tracebacks, empty grids launc
 
 from __future__ import annotations
 
-import ast
-import builtins
 import enum
 import io
 import linecache
 import math
-import pathlib
 import struct
 import token
 import tokenize
 import traceback
-import uuid
 
 import numpy as np
 import pytest
 import torch
 
 import jitcore as jc
-import replay
-from jitcore import codegen, symbolic
+from jitcore import generated, symbolic
 from jitcore.backends import use_backend
 from jitcore.errors import ArgumentError, LaunchConfigError
 
@@ -209,10 +204,10 @@ def test_symbolic_source_refuses_unbound_constants():
     assert "2.0" in expr.describe()  # messages show the repr
 
 
-def test_symbolic_evaluate_compiles_once_through_codegen(monkeypatch):
+def test_symbolic_evaluate_compiles_once_through_the_one_define(monkeypatch):
     defined = []
-    define = codegen.define
-    monkeypatch.setattr(codegen, "define", lambda *args: defined.append(args[1]) or define(*args))
+    define = generated.define
+    monkeypatch.setattr(generated, "define", lambda *args: defined.append(args[1]) or define(*args))
     n, size = symbolic.Sym.leaf("_a1", "n"), symbolic.Sym.leaf("_a0_size0", "x.shape[0]")
     expr = symbolic.maximum(n * np.float64(2.5), size) // size
     assert [expr.evaluate({"_a1": v, "_a0_size0": 2, "other": None}) for v in (1, 4)] == [1.0, 5.0]
@@ -234,58 +229,6 @@ def test_symbolic_evaluate_sees_min_and_max_only_and_no_constant_takes_a_leafs_n
     assert expr.evaluate({"_k0": 2.0}) == 6.0 and expr.evaluate({"_k0": 5.0}) == 10.5
     namespace = expr._expression.function.__globals__
     assert namespace["__builtins__"] == {"min": min, "max": max}
-
-
-def test_generated_code_is_compiled_only_by_codegen_define():
-    """The one compile path: every exec/eval (and builtins.compile) in the packages is the one
-    in codegen.define, which registers the source with linecache."""
-    found = []
-    for package in (jc, replay):
-        root = pathlib.Path(package.__file__).parent
-        for path in sorted(root.rglob("*.py")):
-            tree = ast.parse(path.read_text(), str(path))
-            functions = [node for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
-            scopes = {
-                id(node): function.name for function in functions for node in ast.walk(function)
-            }  # innermost last
-            for node in ast.walk(tree):
-                if not isinstance(node, ast.Call):
-                    continue
-                func = node.func
-                if isinstance(func, ast.Name) and func.id in ("exec", "eval"):
-                    called = func.id
-                elif (
-                    isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == "builtins"
-                ):
-                    called = func.attr if func.attr in ("exec", "eval", "compile") else None
-                else:
-                    called = None
-                if called:
-                    found.append((path.relative_to(root.parent).as_posix(), scopes.get(id(node)), called))
-    assert sorted(found) == [
-        ("jitcore/codegen.py", "compile_source", "compile"),
-        ("jitcore/codegen.py", "define", "exec"),
-    ]
-
-
-def test_the_same_generated_text_is_compiled_once_and_shown_under_each_filename(monkeypatch):
-    """Replays of the shapes of one region generate the same text (every value is named through
-    the namespace): compiled once, each copy traced back to its own registered filename."""
-    compiled = []
-    compile_ = builtins.compile
-    monkeypatch.setattr(builtins, "compile", lambda source, *rest: compiled.append(source) or compile_(source, *rest))
-    source = f"def run(x):\n    # {uuid.uuid4().hex}\n    return _divide(x)\n"
-    first, second = codegen.source_filename("cache test"), codegen.source_filename("cache test")
-    run_first = codegen.define(source, first, {"_divide": lambda x: 1 / x})["run"]
-    run_second = codegen.define(source, second, {"_divide": lambda x: 2 / x})["run"]
-    assert compiled == [source]  # the second definition reused the code
-    assert run_first(4) == 0.25 and run_second(4) == 0.5  # each with its own namespace
-    codegen.forget_source(first)
-    with pytest.raises(ZeroDivisionError) as info:
-        run_second(0)
-    frame = [f for f in traceback.extract_tb(info.tb) if f.name == "run"][0]
-    assert frame.filename == second and frame.line == "return _divide(x)"
-    codegen.forget_source(second)
 
 
 def test_generated_source_shows_in_tracebacks(backend):

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import jitcore as jc
-from jitcore import codegen, dtypes, keys, tensors
+from jitcore import dtypes, generated, keys, tensors
 from jitcore.errors import LayoutError, UnsupportedTensorError
 from jitcore.keys import KeyPlan, Parameter
 from jitcore.tensors import TensorAdaptor, lean_cache_signature, lean_static_signature
@@ -300,7 +300,7 @@ def _inline_token():
     plan = KeyPlan([Parameter("t")])
     body = "".join(f"    {line}\n" for line in plan.key_lines(hit_path=True))
     source = f"def inline(_a0):\n{body}    return _key[0]\n"
-    return codegen.define(source, codegen.source_filename("test inline key"), dict(plan.namespace))["inline"]
+    return generated.define(source, generated.source_filename("test inline key"), dict(plan.namespace))["inline"]
 
 
 _INLINE = _inline_token()

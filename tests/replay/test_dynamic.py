@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from jitcore import codegen
+from jitcore import generated
 from replay import DynamicScalarError, dynamic
 from replay.dynamic import DynamicScalar
 
@@ -55,8 +55,8 @@ def test_nan_constant_evaluates_to_nan():
 
 def test_evaluate_compiles_once_through_codegen_without_builtins(monkeypatch):
     defined = []
-    define = codegen.define
-    monkeypatch.setattr(codegen, "define", lambda *args: defined.append(args[1]) or define(*args))
+    define = generated.define
+    monkeypatch.setattr(generated, "define", lambda *args: defined.append(args[1]) or define(*args))
     pos = DynamicScalar("_d2", 7, "args[2]")
     expr = pos * np.float64(0.5) + pos // 2
     assert [expr.evaluate({"_d2": v, "_d9": None}) for v in (4, 8)] == [4.0, 8.0]
