@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -78,21 +79,28 @@ def relu(x, y):
     relu_kernel[jc.cdiv(n, 256), 256](x, y, n)
 
 
-def make_region():
+def _stack(width: int, matmul) -> Callable:
+    """Six layers of ``matmul(h, w)`` (weights ``width`` wide), then the bias-and-scale and
+    the ReLU jit kernels, on fixed random weights."""
     generator = torch.Generator(device="cuda").manual_seed(0)
-    weights = [torch.randn(DIM, DIM, device="cuda", generator=generator) / DIM**0.5 for _ in range(LAYERS)]
-    biases = [torch.randn(DIM, device="cuda", generator=generator) for _ in range(LAYERS)]
+    weights = [torch.randn(width, width, device="cuda", generator=generator) / width**0.5 for _ in range(LAYERS)]
+    biases = [torch.randn(width, device="cuda", generator=generator) for _ in range(LAYERS)]
 
     def layers(x):
         h = x
         for w, b in zip(weights, biases):
+            t = matmul(h, w)
             y = torch.empty_like(h)
-            bias_scale(h @ w, b, y, 0.5)
+            bias_scale(t, b, y, 0.5)
             h = torch.empty_like(y)
             relu(y, h)
         return h
 
     return layers
+
+
+def make_region():
+    return _stack(DIM, torch.matmul)
 
 
 @jc.jit
@@ -102,26 +110,17 @@ def affine(x, w, y):
     affine_kernel[(jc.cdiv(cols, 256), rows), 256](x, w, y, k, cols)
 
 
+def _jit_matmul(h, w):
+    t = torch.empty_like(h)
+    affine(h, w, t)
+    return t
+
+
 def make_jit_region():
     """The same layers with the matmul as a jit kernel too: every launch is a jit launch, so
-    one graph per bucket can serve every smaller size at its own size (polymorphic)."""
-    generator = torch.Generator(device="cuda").manual_seed(0)
-    # narrower than the other region: a naive matmul kernel 512 wide would be bound by the GPU
-    weights = [torch.randn(JIT_DIM, JIT_DIM, device="cuda", generator=generator) / JIT_DIM**0.5 for _ in range(LAYERS)]
-    biases = [torch.randn(JIT_DIM, device="cuda", generator=generator) for _ in range(LAYERS)]
-
-    def layers(x):
-        h = x
-        for w, b in zip(weights, biases):
-            t = torch.empty_like(h)
-            affine(h, w, t)
-            y = torch.empty_like(h)
-            bias_scale(t, b, y, 0.5)
-            h = torch.empty_like(y)
-            relu(y, h)
-        return h
-
-    return layers
+    one graph per bucket can serve every smaller size at its own size (polymorphic).
+    Narrower than the other region: a naive matmul kernel 512 wide would be bound by the GPU."""
+    return _stack(JIT_DIM, _jit_matmul)
 
 
 def draws(distribution: str, steps: int, rng: random.Random) -> list[int]:

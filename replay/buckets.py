@@ -97,6 +97,19 @@ def has_padded(args: tuple, kwargs: dict) -> bool:
     return Padded in map(type, args) or (bool(kwargs) and Padded in map(type, kwargs.values()))
 
 
+def markers(args: tuple, kwargs: dict) -> list[Padded]:
+    """The ``replay.padded`` markers among a call's arguments, positional ones first."""
+    found = [a for a in args if a.__class__ is Padded]
+    if kwargs:
+        found += [v for v in kwargs.values() if v.__class__ is Padded]
+    return found
+
+
+def unwrapped(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The call's arguments with each marker replaced by its tensor (the unpadded call)."""
+    return tuple(map(_unwrapped, args)), {k: _unwrapped(v) for k, v in kwargs.items()}
+
+
 def bucket_for(size: int, buckets: Sequence[int]) -> int | None:
     """The smallest bucket that holds ``size`` (None beyond the largest: no padding); the
     buckets are sorted (the policy sorts them)."""
@@ -120,36 +133,34 @@ def call(
     that it lies in memory its replay writes (``replay_writes``: a previous output of the
     region fed back, ``h = step(replay.padded(h))``); the replay would overwrite it and hand
     out outputs sharing its memory. Such a call is run by ``run_eagerly`` instead."""
-    markers = [a for a in args if a.__class__ is Padded]
-    if kwargs:
-        markers += [v for v in kwargs.values() if v.__class__ is Padded]
+    marked = markers(args, kwargs)
     if buckets is None:
         raise ValueError(
             f"region {name}: argument {_where(args, kwargs)[0]} is replay.padded(), but the session has no "
             "buckets: capture(buckets=[...]) lists the sizes to pad to"
         )
-    first = markers[0]
+    first = marked[0]
     dim = first.dim
     rows = first.tensor.shape[dim]
-    for marker in markers[1:]:
+    for marker in marked[1:]:
         if marker.dim != dim:
-            listed = ", ".join(f"{where} dim {m.dim}" for where, m in zip(_where(args, kwargs), markers))
+            listed = ", ".join(f"{where} dim {m.dim}" for where, m in zip(_where(args, kwargs), marked))
             raise ValueError(
                 f"region {name}: padded arguments must pad the same dimension (outputs are sliced along it), "
                 f"got {listed}"
             )
         if marker.tensor.shape[dim] != rows:
-            listed = ", ".join(f"{where} {m.tensor.shape[m.dim]}" for where, m in zip(_where(args, kwargs), markers))
+            listed = ", ".join(f"{where} {m.tensor.shape[m.dim]}" for where, m in zip(_where(args, kwargs), marked))
             raise ValueError(f"region {name}: padded arguments must agree on the size they pad, got {listed}")
     bucket = bucket_for(rows, buckets)
     target = rows if bucket is None else bucket
     if target == rows:
-        result = run(*[_unwrapped(a) for a in args], **{k: _unwrapped(v) for k, v in kwargs.items()})
-        return result, rows, target, [(marker, marker.tensor) for marker in markers]
+        plain_args, plain_kwargs = unwrapped(args, kwargs)
+        return run(*plain_args, **plain_kwargs), rows, target, [(marker, marker.tensor) for marker in marked]
     if _may_share_memory(args, kwargs):
         _refuse_shared_memory(name, args, kwargs)
     if replay_writes is not None and run_eagerly is not None:
-        if any(replay_writes(marker.tensor) for marker in markers):
+        if any(replay_writes(marker.tensor) for marker in marked):
             run = run_eagerly
     pads: list[tuple[Padded, torch.Tensor]] = []
 
@@ -237,9 +248,7 @@ def verify(fn: Callable, args: tuple, kwargs: dict, padded_call: Callable[[], ob
     matmul may use another kernel and round differently); anything else raises
     ReplayMismatchError: the region's rows are not independent, and padding changes its
     results."""
-    unwrapped = tuple(a.tensor if type(a) is Padded else a for a in args)
-    unwrapped_kwargs = {k: v.tensor if type(v) is Padded else v for k, v in kwargs.items()}
-    spec, leaves, paths = region_keys.flatten(unwrapped, unwrapped_kwargs)
+    spec, leaves, paths = region_keys.flatten(*unwrapped(args, kwargs))
     copies = clone_preserving_sharing(region_keys.plain_leaves(leaves))
     copy_args, copy_kwargs = region_keys.unflatten(spec, copies)
     expected = fn(*copy_args, **copy_kwargs)

@@ -396,7 +396,9 @@ class VariantGraph(RecordedGraph):
     """A size served by a bucket's graph: its own replay over the base's exec (see the
     module docstring). Built by :func:`make_variant`."""
 
-    def __init__(self, base: RecordedGraph, key: tuple, entry, spec, leaves, paths, observation, moved: Match, plan):
+    def __init__(
+        self, base: RecordedGraph, key: tuple, entry, spec, leaves, paths, ranges, observation, moved: Match, plan
+    ):
         backend = get_backend()
         self.base = base
         self.region = base.region
@@ -410,10 +412,7 @@ class VariantGraph(RecordedGraph):
         self.paths = list(paths)
         self.spec = spec
         tensors = {i: leaf for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)}
-        self.capture = _ObservedCall(
-            [rebinding.InputRange(i, paths[i], *region_keys.byte_range(t)) for i, t in tensors.items()],
-            {i: t.dtype for i, t in tensors.items()},
-        )
+        self.capture = _ObservedCall(ranges, {i: t.dtype for i, t in tensors.items()})
         self.template = [
             TensorTemplate(tuple(leaf.shape), tuple(leaf.stride()), leaf.dtype, False)
             if isinstance(leaf, torch.Tensor)
@@ -427,7 +426,9 @@ class VariantGraph(RecordedGraph):
         self.replays = 0
         self.memory = 0
         family = base.family
-        self.name = f"{base.name}_variant_{len(family.members)}"
+        # one name for every variant, as for every graph: the variants of a bucket's graph
+        # generate one text, compiled once (their filenames tell them apart)
+        self.name = "replay_graph_variant"
         nodes = {n.index: n for n in base.capture.nodes}
         self.node_base = {node: (moved.param_bytes[launch], moved.grids[launch]) for launch, node in plan.matches}
         raw_exec = self.graph.raw_cuda_graph_exec()
@@ -472,7 +473,7 @@ class VariantGraph(RecordedGraph):
         self.replay = compile_function(
             self.source,
             self.name,
-            f"size variant of replay graph {base.name} of region {base.region_name}",
+            f"size variant {len(family.members)} of a replay graph of region {base.region_name}",
             self.namespace,
         )
 
@@ -568,7 +569,7 @@ def make_variant(
             # an output slot, never an argument (the replay's own checks keep arguments out of slots)
             views.append(rebinding.NodeView(node.index, "other", handle=recording.node_handle(node)))
     tensors = {i: leaf for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)}
-    ranges = [rebinding.InputRange(i, paths[i], *region_keys.byte_range(t)) for i, t in tensors.items()]
+    ranges = recording.input_ranges(tensors, paths)
     plan = rebinding.build_plan(
         ranges,
         recording.launch_views(records, launch_nodes),
@@ -590,7 +591,7 @@ def make_variant(
     if new_family:
         base.family = Family(base, forget)
     try:
-        variant = VariantGraph(base, key, entry, spec, leaves, paths, observation, moved, plan)
+        variant = VariantGraph(base, key, entry, spec, leaves, paths, ranges, observation, moved, plan)
     except BaseException:
         if new_family:
             base.family = None

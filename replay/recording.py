@@ -397,6 +397,11 @@ class _Recorded:
     copied_back: set[int]
 
 
+def input_ranges(tensors: dict[int, torch.Tensor], paths: Sequence[str]) -> list[rebinding.InputRange]:
+    """The byte range of each tensor argument (leaf index -> tensor), as the plan sees it."""
+    return [rebinding.InputRange(i, paths[i], *byte_range(t)) for i, t in tensors.items()]
+
+
 def _prepare_inputs(leaves: Sequence, paths: Sequence[str], *, device: int, stage: set[int]) -> _CaptureInputs:
     """Check the tensor inputs are on the capture's device and make the staged inputs'
     buffers (refusing inputs that cannot be staged). Raises CaptureFailed."""
@@ -412,7 +417,7 @@ def _prepare_inputs(leaves: Sequence, paths: Sequence[str], *, device: int, stag
             raise CaptureFailed(f"input {paths[i]} is on {tensor.device}, the current device is cuda:{device}")
     stage = set(stage) - set(on_host)  # a warm-up saw torch read them: they are staged apart
     host = host_inputs.HostInputs(on_host, {i: paths[i] for i in on_host}) if on_host else None
-    inputs = [rebinding.InputRange(i, paths[i], *byte_range(t)) for i, t in tensors.items()]
+    inputs = input_ranges(tensors, paths)
     staged: dict[int, torch.Tensor] = {}
     for i in sorted(stage):
         reason = staging.unsupported_reason(tensors[i])
@@ -605,6 +610,7 @@ def _capture_record(
     seconds: float,
     memory: int,
     timings: dict,
+    storage_uses: list | None,
 ) -> Capture:
     """The Capture: the graph, with what analysis and replay need to know of its recording."""
     return Capture(
@@ -630,6 +636,7 @@ def _capture_record(
         memory=memory,
         timings=timings,
         host=prepared.host,
+        pointer_storages=storage_uses,
     )
 
 
@@ -695,12 +702,11 @@ def capture(
             )
         timings["capture"] = clock() - started
         # replay.polymorphic matches later runs against these: where each pointer pointed
+        storage_uses = None
         if storages:
-            storages = pointer_storages(
+            storage_uses = pointer_storages(
                 recorder.records, lambda base: any(a <= base < a + size for a, size in segments)
             )
-        else:
-            storages = None
         # Records must not keep the capture's tensors alive: intermediates freed now return to
         # the pool, where the next graph recorded into it reuses them.
         records = [attrs.evolve(r, args=tuple(scalar_or_none(a) for a in r.args)) for r in recorder.records]
@@ -709,7 +715,7 @@ def capture(
         seconds = clock() - started
         timings["instantiate"] = seconds - timings["capture"]
         memory = max(sum(size for _, size in segments) - pool_before, 0) + output_bytes
-        capture = _capture_record(
+        return _capture_record(
             graph=graph,
             device=device,
             leaves=leaves,
@@ -722,9 +728,8 @@ def capture(
             seconds=seconds,
             memory=memory,
             timings=timings,
+            storage_uses=storage_uses,
         )
-        capture.pointer_storages = storages
-        return capture
 
 
 @attrs.frozen

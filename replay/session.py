@@ -544,7 +544,7 @@ class Region:
         the bucket's graph is known. Returns (result or ``_MISS``: pad it, the call's unpadded
         key when the padded call should tell which graph serves its bucket)."""
         session = self.session
-        markers = [a for a in (*args, *kwargs.values()) if a.__class__ is buckets.Padded]
+        markers = buckets.markers(args, kwargs)
         first = markers[0]
         rows = first.tensor.shape[first.dim]
         bucket = buckets.bucket_for(rows, session.policy.buckets)
@@ -552,9 +552,7 @@ class Region:
             return _MISS, None
         if any(m.dim != first.dim or m.tensor.shape[m.dim] != rows for m in markers):
             return _MISS, None  # the padded path refuses it with its message
-        plain_args = tuple(a.tensor if a.__class__ is buckets.Padded else a for a in args)
-        plain_kwargs = {k: v.tensor if v.__class__ is buckets.Padded else v for k, v in kwargs.items()}
-        spec, leaves, paths = region_keys.flatten(plain_args, plain_kwargs)
+        spec, leaves, paths = region_keys.flatten(*buckets.unwrapped(args, kwargs))
         if self.snapshot is not None:
             try:
                 self.snapshot.check()
@@ -789,7 +787,7 @@ class Region:
                     stage=entry.stage_hint - overlapping,
                     copy_back=entry.copy_back_hint - overlapping,
                     observe=not entry.observed_clean,
-                    **({"storages": True} if session.policy.polymorphic else {}),
+                    storages=session.policy.polymorphic,
                 )
             except jitcore.recorder.CaptureBusy:
                 return self._eager(spec, leaves, entry)  # called inside another region's eager run
@@ -910,7 +908,7 @@ class Region:
             stream=session.capture_stream(old.device),
             stage=entry.stage_hint,
             copy_back=entry.copy_back_hint,
-            **({"storages": True} if session.policy.polymorphic else {}),
+            storages=session.policy.polymorphic,
         )
         session.counters.capture_seconds += capture.seconds
         try:

@@ -79,7 +79,7 @@ class DoubleSession(Session):
         self.analyse_script = []  # exceptions for the next analyses, in order
 
     @staticmethod
-    def record_key(fn, spec, leaves, paths, *, device, pool, stream, stage, copy_back, observe=True):
+    def record_key(fn, spec, leaves, paths, *, device, pool, stream, stage, copy_back, observe=True, storages=False):
         session = DoubleSession.current
         session.captures.append((spec, list(leaves), set(stage), set(copy_back), observe))
         if session.capture_script:
