@@ -1,8 +1,12 @@
-"""The one compiled part: jitcore/backends/_native.c, a C helper for the hot driver calls.
+"""The compiled parts, all optional: jitcore/backends/_native.c, a C helper for the hot driver
+calls; jitcore/_exclusion.c, the capture exclusion's shared side; replay/_eager.c, a region's
+flat eager path.
 
-It is optional: where no C compiler (or no Python headers) is present the build goes on
-without it and the backends call the vendor bindings from Python (the same generated code;
-see docs/kernels.md, "The native launch helper"). Everything else is in pyproject.toml.
+Where no C compiler (or no Python headers) is present the build goes on without them: the
+backends call the vendor bindings from Python (the same generated code; see docs/kernels.md,
+"The native launch helper"), the capture exclusion and regions' eager path run in Python
+(the same protocol, the same decisions and counts; docs/replay.md, "The eager path").
+Everything else is in pyproject.toml.
 """
 
 from setuptools import Extension, setup
@@ -14,6 +18,8 @@ setup(
             ["jitcore/backends/_native.c"],
             optional=True,
             extra_compile_args=["-O2", "-Wall"],
-        )
+        ),
+        Extension("jitcore._exclusion", ["jitcore/_exclusion.c"], optional=True, extra_compile_args=["-O2", "-Wall"]),
+        Extension("replay._eager", ["replay/_eager.c"], optional=True, extra_compile_args=["-O2", "-Wall"]),
     ]
 )

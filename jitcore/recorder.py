@@ -12,6 +12,7 @@ Cost when no recorder is installed anywhere: one list read per call-state call.
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import threading
 import time
@@ -195,9 +196,11 @@ class CaptureExclusion:
     waits for another thread's shared work from deadlocking with a waiting capture.
     """
 
-    def __init__(self, *, lock_free: bool | None = None) -> None:
+    def __init__(self, *, lock_free: bool | None = None, native: bool | None = None) -> None:
         """``lock_free``: the shared side without a lock (the default where the GIL orders
-        every read and write, see :class:`_Shared`); False takes the lock each way."""
+        every read and write, see :class:`_Shared`); False takes the lock each way.
+        ``native``: the lock-free side in C (jitcore/_exclusion.c, the same protocol; the
+        default where it was built and ``JITCORE_NATIVE`` is not 0)."""
         self._lock = threading.Lock()
         self._condition = threading.Condition(self._lock)  # the same mutex, for the waits
         #: thread id -> how deeply that thread holds it shared. The shared side writes its
@@ -207,7 +210,10 @@ class CaptureExclusion:
         self._depth = 0
         self._waiting = 0  # threads waiting to take it exclusively
         lock_free = _ORDERED_BY_THE_GIL if lock_free is None else lock_free
-        self._shared = _Shared(self) if lock_free else _LockedShared(self)
+        native = _native_shared_side() is not None if native is None else native
+        if native and (not lock_free or _native_shared_side() is None):
+            raise ValueError("the native shared side is lock-free only, and needs jitcore._exclusion built")
+        self._shared = _native_shared_side()(self) if native else _Shared(self) if lock_free else _LockedShared(self)
 
     def shared(self) -> _Shared | _LockedShared:
         """Hold the exclusion shared for a ``with`` block (reentrant; a no-op in the thread that
@@ -279,6 +285,18 @@ class CaptureExclusion:
 _ORDERED_BY_THE_GIL = getattr(sys, "_is_gil_enabled", lambda: True)()
 
 
+def _native_shared_side() -> type | None:
+    """jitcore._exclusion.SharedSide (the lock-free shared side in C), or None where it was
+    not built, the build has no GIL, or ``JITCORE_NATIVE=0`` turns the compiled helpers off."""
+    if not _ORDERED_BY_THE_GIL or os.environ.get("JITCORE_NATIVE", "1").strip() == "0":
+        return None
+    try:
+        from jitcore._exclusion import SharedSide
+    except ImportError:
+        return None
+    return SharedSide
+
+
 class _Shared:
     """``with exclusion.shared():`` (see :meth:`CaptureExclusion.shared`), without a lock in
     the usual case: every eager run of a region takes it, and the lock made it cost more than
@@ -317,7 +335,7 @@ class _Shared:
             exclusion.wake_waiting_capture()  # it may have seen the entry and gone to wait
         exclusion.enter_shared_waiting(me)
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, kind: object, value: object, traceback: object) -> None:  # no *args: no tuple a call
         holders = self._holders
         me = get_ident()
         depth = holders.get(me, 0)

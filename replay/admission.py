@@ -96,6 +96,9 @@ COMPACTION_GROWTH = 1.5
 RECAPTURE_SHARE = 0.5
 RECAPTURE_ALLOWANCE = 16
 
+#: quiet_below's answer when no count pays back (an eager call no dearer than a replay).
+QUIET_FOREVER = 2**62
+
 Resident = TypeVar("Resident")
 
 
@@ -145,23 +148,32 @@ class RecordingBudget:
     otherwise hold every recording back for seconds. What the budget is for, a storm of
     recordings of about equal cost, is charged in full."""
 
-    fraction: float
+    fraction: float = attrs.field(on_setattr=lambda self, _, value: self._changed(value))
     clock: Callable[[], float]
     started: float | None = None
-    spent: float = 0.0
+    spent: float = attrs.field(default=0.0, on_setattr=lambda self, _, value: self._changed(value))
     #: the last charges, for their median; setting them sets ``usual``
     recent: list[float] = attrs.field(factory=list, on_setattr=lambda self, _, recent: self._recent_set(recent))
     #: What recording a key usually costs: its capture and its analysis are charged
     #: separately, each about the median of the recent charges (kept with ``recent``: the
     #: payback rule reads it on every call of a key past its warm-up).
     usual: float = attrs.field(default=0.0, init=False)
+    #: Bumped by every change of what the payback rule reads (``fraction``, ``spent``,
+    #: ``recent``), however it is made: answers derived from the rule are valid while it stays
+    #: (Admission.quiet_below).
+    version: int = attrs.field(default=0, init=False)
 
     def __attrs_post_init__(self) -> None:
         self._recent_set(self.recent)
 
+    def _changed(self, value: object) -> object:
+        self.version += 1
+        return value
+
     def _recent_set(self, recent: list[float]) -> list[float]:
         ordered = sorted(recent)
         self.usual = 2 * ordered[len(ordered) // 2] if ordered else 0.0
+        self.version += 1
         return recent
 
     def allows(self) -> bool:
@@ -291,6 +303,25 @@ class Admission(Generic[Resident]):
             return True  # the grace: the first recordings of a session, made as soon as admitted
         saving = eager_seconds - REPLAY_SECONDS_GUESS
         return saving > 0 and count * PAYBACK_HORIZON * saving >= budget.usual
+
+    def quiet_below(self, eager_seconds: float) -> int:
+        """The least recent count at which a call of a key without a graph may do anything
+        but run eagerly, warming or too rare to pay back: ``record_after + 1``, or the count
+        :meth:`pays_back` first accepts if that is more. Valid while ``budget.version`` and
+        ``record_after`` stay and ``eager_seconds`` is the region's estimate; a region's eager path uses it to skip the
+        decision for the calls of a loop that runs mostly eagerly (a uniform mix of hundreds of
+        shapes: every call of a key too rare to record asked the whole rule again)."""
+        least = self.record_after + 1
+        if self.pays_back(least, eager_seconds):
+            return least
+        saving = eager_seconds - REPLAY_SECONDS_GUESS
+        usual = self.budget.usual
+        if saving <= 0 or not usual:
+            return QUIET_FOREVER  # no count pays back: every call runs eagerly (the rule again at each change)
+        count = max(least, int(min(usual / (PAYBACK_HORIZON * saving), QUIET_FOREVER)))
+        while count < QUIET_FOREVER and not self.pays_back(count, eager_seconds):  # pays_back's own arithmetic decides
+            count += 1
+        return count
 
     def may_record(self, count: int = 0, eager_seconds: float = 0.0) -> bool:
         """Whether recording may spend time now: within the budget, or for a key called

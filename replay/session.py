@@ -19,6 +19,7 @@ from __future__ import annotations
 import enum
 import functools
 import logging
+import os
 import threading
 import time
 import warnings
@@ -76,6 +77,39 @@ _PLAIN_CONSTANTS = region_keys.PLAIN_CONSTANTS
 #: ``with`` it around an eager run: it may load kernels, so not while another thread captures
 #: (jitcore.recorder.CaptureExclusion). The one shared-holding object, looked up once.
 _SHARED_CAPTURE_EXCLUSION = recording.CAPTURES.shared()
+
+try:  # the flat eager path in C (replay/_eager.c; optional, built by setup.py)
+    from replay._eager import EagerGate
+except ImportError:
+    EagerGate = None
+
+
+def _eager_gate(region: Region):
+    """The region's flat eager path in C, or None where it was not built or ``JITCORE_NATIVE=0``
+    turns the compiled helpers off (the Python methods then run: same decisions, same counts)."""
+    if EagerGate is None or os.environ.get("JITCORE_NATIVE", "1").strip() == "0":
+        return None
+    session = region.session
+    return EagerGate(
+        region=region,
+        session=session,
+        admission=session.admission,
+        sketch=session.admission.sketch,
+        budget=session.admission.budget,
+        counters=session.counters,
+        forgotten=region.forgotten,
+        entry_shapes=region.entry_shapes,
+        fn=region.fn,
+        exclusion=_SHARED_CAPTURE_EXCLUSION,
+        specs=tuple(_FLAT_SPECS),
+        tensor_type=torch.Tensor,
+        plain=_PLAIN_CONSTANTS,
+        miss=_MISS,
+        clock=time.perf_counter,
+        mask=EAGER_TIMING_MASK,
+    )
+
+
 log = logging.getLogger("replay")
 
 #: The flat eager path times one call in ``EAGER_TIMING_MASK + 1`` (admission's payback rule
@@ -217,13 +251,21 @@ class Region:
         self.padded_calls = 0  # calls with replay.padded arguments (for verify_every)
         self.eager_seconds = 0.0  # what an eager call usually takes, 0 until known (see _eager_took)
         self.eager_sample = 0.0  # the same, from the first timed call on
+        # counts below _quiet_below only warm or are too rare, while the budget's version is
+        # _quiet_version (see _refresh_quiet; -1: ask _decide)
+        self._quiet_below = 0
+        self._quiet_version = -1
         self.hints: dict[object, Hints] = {}  # spec -> what its keys taught about the inputs
         self.entry_shapes: dict[tuple, int] = {}  # Region._counted shapes -> entries that have them
         self.snapshot: jitcore.GlobalsSnapshot | None = None
         # recorded keys of flat calls, by a cheap pre-key (tensor shapes, constants); each
         # candidate's guard then checks everything the key holds
         self.fast: dict[tuple, list[tuple]] = {}  # pre-key -> [(guard, replay, entry)]
-        self._fast: Callable = self._eager_flat  # generated once keys are recorded (_rebuild_fast)
+        # the flat eager path: replay._eager's gate where it was built, else the methods below
+        gate = _eager_gate(self)
+        self._eager_entry: Callable = gate or self._eager_flat  # (args) -> result or _MISS
+        self._eager_with_shapes: Callable = gate.with_shapes if gate else self._eager_flat_shapes
+        self._fast: Callable = self._eager_entry  # generated once keys are recorded (_rebuild_fast)
         self._fast_shape: tuple | None = None  # (arities, globals snapshot) _fast was generated for
         # the output memory of this region's graphs and unanalysed captures, merged
         # (see _replay_writes); None when a graph or capture came or went since it was built
@@ -283,13 +325,30 @@ class Region:
         if shapes in self.entry_shapes:
             return _MISS  # a key with these shapes has an entry: its full key decides
         counted = (self, shapes)
-        decision = self._decide(counted, spec)
+        admission = session.admission
+        count = admission.called(counted)
+        record_after = admission.record_after
+        if count < self._quiet_below and count != record_after and self._quiet_version == admission.budget.version:
+            # warming or too rare, as _decide would say (see _refresh_quiet), without asking it
+            if count > record_after:
+                session.counters.too_rare += 1
+            return self._run_flat_eagerly(args)
+        return self._eager_decide(args, counted, spec, count)
+
+    def _eager_decide(self, args: tuple, counted: tuple, spec: object, count: int) -> object:
+        """The flat eager path's call whose count needs the whole rule (:meth:`_decide`): it
+        may record or be observed (the full path), else it runs eagerly."""
+        decision = self._decide(counted, spec, count)
         if decision is _RECORD or decision is _OBSERVE:
             spec, leaves, paths = region_keys.flatten(args, {})
             if decision is _OBSERVE:
                 return self._run_eagerly(decision, spec, leaves, paths)
             return self._keyed_call(args, {}, spec, leaves, paths, counted, decision)
-        session.counters.eager_runs += 1  # _count_eager(None), inline
+        return self._run_flat_eagerly(args)
+
+    def _run_flat_eagerly(self, args: tuple) -> object:
+        """Run a flat call eagerly, counted; one call in ``EAGER_TIMING_MASK + 1`` timed."""
+        self.session.counters.eager_runs += 1  # _count_eager(None), inline
         forgotten = self.forgotten
         forgotten.eager_runs += 1
         if forgotten.eager_runs & EAGER_TIMING_MASK:
@@ -312,7 +371,7 @@ class Region:
         # the source depends on the arities and the globals snapshot only (the candidates are
         # read from self.fast at call time): a key of a known arity needs no new function
         known = self._fast_shape
-        if self._fast is not self._eager_flat and known is not None:
+        if self._fast is not self._eager_entry and known is not None:
             if known[0] == arities and known[1] is self.snapshot:
                 return
         self._fast_shape = (arities, self.snapshot)
@@ -325,8 +384,8 @@ class Region:
             "_MISS": _MISS,
             "_TOUCH": self.session.lru.move_to_end,
             "_DECLINED": MISMATCH,
-            "_EAGER": self._eager_flat_shapes,
-            "_EAGER_FLAT": self._eager_flat,
+            "_EAGER": self._eager_with_shapes,
+            "_EAGER_FLAT": self._eager_entry,
         }
         drift: list[str] = []
         if self.snapshot is not None:
@@ -460,12 +519,16 @@ class Region:
             shapes = (spec, region_keys.region_key(self.session.current_device(), spec, leaves, paths))
         return (self, shapes)
 
-    def _decide(self, counted: tuple, spec: object) -> _Decision:
-        """Count a call of a key without a graph and say what it does (see replay.admission).
-        A call kept from recording always runs eagerly; it is counted here, by its reason."""
+    def _decide(self, counted: tuple, spec: object, count: int | None = None) -> _Decision:
+        """Count a call of a key without a graph (unless the caller did: ``count``) and say
+        what it does (see replay.admission). A call kept from recording always runs
+        eagerly; it is counted here, by its reason."""
         session = self.session
         admission = session.admission
-        count = admission.called(counted)
+        if count is None:
+            count = admission.called(counted)
+        if self._quiet_version != admission.budget.version:
+            self._refresh_quiet(admission)
         if count <= admission.record_after:  # still warming (replay.admission: record_after)
             if count == admission.record_after and spec not in self.hints:
                 return _OBSERVE  # the first key of its argument structure: its warm-up is observed
@@ -486,6 +549,16 @@ class Region:
                 log.debug("region %s, shapes %s: recording postponed, the budget is spent", self.name, spec)
             return _DEFERRED
         return _RECORD
+
+    def _refresh_quiet(self, admission) -> None:
+        """Remember below which recent count a call of this region's keys only warms or is too
+        rare (admission.quiet_below), so that the flat eager path, where a loop of hundreds
+        of shapes spends most of its calls, skips :meth:`_decide` for those: same decisions,
+        same counts. Asked again when the budget changes (its version: by the next
+        :meth:`_decide`) or this region's eager estimate does (:meth:`_eager_took`, at once);
+        never used while debug logging is on (the rule then says why for each call)."""
+        self._quiet_version = admission.budget.version
+        self._quiet_below = 0 if log.isEnabledFor(logging.DEBUG) else admission.quiet_below(self.eager_seconds)
 
     def _run_eagerly(
         self,
@@ -743,6 +816,7 @@ class Region:
         self.eager_sample = seconds if seconds < usual or not usual else usual + (seconds - usual) / 8
         if usual:
             self.eager_seconds = self.eager_sample
+            self._refresh_quiet(self.session.admission)  # what pays back may have changed
 
     def _eager(self, spec: object, leaves: Sequence, entry: Entry | None = None, observe: Hints | None = None):
         self._count_eager(entry)
@@ -1017,7 +1091,7 @@ class Region:
 
     def clear_fast_path(self) -> None:
         self.fast.clear()
-        self._fast = self._eager_flat
+        self._fast = self._eager_entry
         self._fast_shape = None
 
     def measure_without_checks(self):

@@ -677,14 +677,23 @@ def test_property_a_guard_only_accepts_tensors_its_state_fits(first, second):
                 assert spec == "?" or stride == spec
 
 
-#: The capture exclusion's shared side both ways: without a lock (ordered by the GIL, the
-#: default here) and with it (the free-threaded build's).
-_BOTH_SHARED_SIDES = pytest.mark.parametrize("lock_free", [True, False], ids=["lock-free", "locked"])
+#: The capture exclusion's shared side every way: without a lock (ordered by the GIL), in C
+#: (jitcore/_exclusion.c, the same protocol; the default where built) and with the lock (the
+#: free-threaded build's).
+_BOTH_SHARED_SIDES = pytest.mark.parametrize("lock_free", ["lock-free", "native", "locked"])
+
+
+def _exclusion(side: str) -> CaptureExclusion:
+    if side == "native":
+        if recorder._native_shared_side() is None:
+            pytest.skip("jitcore._exclusion is not built here (or JITCORE_NATIVE=0)")
+        return CaptureExclusion(lock_free=True, native=True)
+    return CaptureExclusion(lock_free=side == "lock-free", native=False)
 
 
 @_BOTH_SHARED_SIDES
 def test_capture_exclusion_keeps_shared_work_out_of_a_capture(lock_free):
-    exclusion = CaptureExclusion(lock_free=lock_free)
+    exclusion = _exclusion(lock_free)
     events = []
     inside = threading.Event()
 
@@ -726,7 +735,7 @@ def test_capture_exclusion_keeps_shared_work_out_of_a_capture(lock_free):
 def test_capture_exclusion_never_lets_shared_and_exclusive_overlap_under_contention(lock_free):
     # four threads take it shared in a tight loop while two take it exclusively: no shared
     # holder is ever inside during an exclusive section, and everything finishes
-    exclusion = CaptureExclusion(lock_free=lock_free)
+    exclusion = _exclusion(lock_free)
     inside = [0]
     count_lock = threading.Lock()
     overlaps = []
@@ -771,7 +780,7 @@ def test_a_waiting_capture_is_not_held_back_by_a_stream_of_shared_holders(lock_f
     # two threads take it shared back to back, each entering before the other leaves, so
     # shared holders never all leave at once: a capture must still get in (new shared holders
     # wait for a waiting capture), and a thread already inside may enter again meanwhile
-    exclusion = CaptureExclusion(lock_free=lock_free)
+    exclusion = _exclusion(lock_free)
     stop = threading.Event()
     captured = threading.Event()
     reentered = []
@@ -804,7 +813,7 @@ def test_a_waiting_capture_is_not_held_back_by_a_stream_of_shared_holders(lock_f
 
 @_BOTH_SHARED_SIDES
 def test_capture_exclusion_refuses_exclusive_inside_shared_instead_of_hanging(lock_free):
-    exclusion = CaptureExclusion(lock_free=lock_free)
+    exclusion = _exclusion(lock_free)
     with exclusion.shared(), pytest.raises(CaptureBusy):
         with exclusion.exclusive():
             pass
@@ -877,7 +886,7 @@ def test_none_for_a_pointer_is_a_null_pointer_with_its_own_call_state(backend):
 def test_shared_work_that_waits_for_other_shared_work_does_not_deadlock_with_a_waiting_capture(lock_free):
     # A holds it shared and waits for B, which takes it shared only after a capture began to
     # wait (for A): B waits for the capture at most SHARED_PATIENCE, then goes in
-    exclusion = CaptureExclusion(lock_free=lock_free)
+    exclusion = _exclusion(lock_free)
     a_inside = threading.Event()
     b_done = threading.Event()
     order = []

@@ -214,3 +214,46 @@ def test_a_key_whose_past_calls_paid_for_a_recording_records_with_the_budget_spe
     assert not policy.may_record(10**9, 0.5e-3)  # a replay that saves nothing never has
     now[0] = 1.0  # a second later the budget has room again: any key may record
     assert policy.may_record() and policy.may_record(1, 0.0)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    record_after=st.integers(0, 5),
+    fraction=st.sampled_from([0.001, 0.03, 0.5, 1.0]),
+    spent=st.floats(0.0, 10.0),
+    recent=st.lists(st.floats(0.0, 0.05), max_size=6),
+    eager_seconds=st.floats(0.0, 0.01),
+)
+def test_quiet_below_is_the_least_count_past_the_warm_up_that_pays_back(
+    record_after, fraction, spent, recent, eager_seconds
+):
+    # the region's eager path skips the rule for counts below it: any count below it must be
+    # refused by pays_back (past the warm-up), the count itself accepted
+    policy = Admission(record_after=record_after, max_graphs=4, budget=fraction, replays=lambda r: 0, clock=lambda: 0.0)
+    policy.budget.spent = spent
+    policy.budget.recent = recent
+    quiet = policy.quiet_below(eager_seconds)
+    assert quiet >= record_after + 1
+    if quiet == admission.QUIET_FOREVER:
+        assert not any(policy.pays_back(count, eager_seconds) for count in (record_after + 1, 10**6, 10**12))
+        return
+    assert policy.pays_back(quiet, eager_seconds)
+    below = range(record_after + 1, quiet)
+    assert not any(
+        policy.pays_back(count, eager_seconds) for count in random.Random(quiet).sample(below, min(50, len(below)))
+    )
+    assert quiet == record_after + 1 or not policy.pays_back(quiet - 1, eager_seconds)
+
+
+def test_every_change_the_payback_rule_reads_bumps_the_budget_version():
+    budget = RecordingBudget(fraction=0.03, clock=lambda: 0.0)
+    seen = {budget.version}
+    for change in (
+        lambda: budget.charge(0.001),
+        lambda: setattr(budget, "spent", 1.0),
+        lambda: setattr(budget, "recent", [0.002]),
+        lambda: setattr(budget, "fraction", 0.5),
+    ):
+        change()
+        assert budget.version not in seen
+        seen.add(budget.version)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import random
+import types
 import warnings
 
 import attrs
@@ -18,9 +20,11 @@ import replay
 from jitcore.backends import use_backend
 from jitcore.backends.null import NullBackend
 from replay import admission, recording, region_keys
+from replay import session as session_module
+from replay.admission import Admission
 from replay.graph import MISMATCH
 from replay.rebinding import REBOUND, InputRange, Plan
-from replay.session import EAGER_ONLY, PENDING, RECORDED, WARMING, Session
+from replay.session import EAGER_ONLY, PENDING, RECORDED, WARMING, Region, Session
 
 
 @attrs.define
@@ -77,6 +81,7 @@ class DoubleSession(Session):
         self.captures = []
         self.capture_script = []  # exceptions for the next captures, in order
         self.analyse_script = []  # exceptions for the next analyses, in order
+        self._gpu = True  # as can_record says: flat calls take the session's flat eager path too
 
     @staticmethod
     def record_key(fn, spec, leaves, paths, *, device, pool, stream, stage, copy_back, observe=True, storages=False):
@@ -917,3 +922,170 @@ def test_property_admission_by_shapes_keeps_its_index_and_every_result_exact(rec
     finally:
         replay.session.MAX_IDLE_ENTRIES = original
         _SCALE[0] = 1.0
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    calls=st.lists(st.integers(1, 12), min_size=1, max_size=300),
+    record_after=st.integers(0, 3),
+    budget_changes=st.dictionaries(
+        st.integers(0, 199), st.tuples(st.floats(0, 1.0), st.floats(1e-4, 0.02)), max_size=5
+    ),
+    start=st.tuples(st.floats(0, 1.0), st.floats(1e-4, 0.02)),
+)
+def test_the_eager_paths_shortcut_decides_and_counts_as_the_rule_does(calls, record_after, budget_changes, start):
+    # Region._eager_flat_shapes skips _decide below admission.quiet_below: a run with the
+    # shortcut and a run without it (quiet_below 0) make the same recordings, the same counts
+    def run(shortcut: bool, gate: bool = True) -> tuple[list[tuple], int]:
+        ticks = itertools.count()
+        clock = types.SimpleNamespace(perf_counter=lambda: next(ticks) * 1e-3)  # 1 ms a reading
+        original_quiet, original_decide, original_time = Admission.quiet_below, Region._decide, session_module.time
+        decided = []
+
+        def counting_decide(self, *args):
+            decided.append(1)
+            return original_decide(self, *args)
+
+        original_gate = session_module.EagerGate
+        Admission.quiet_below = original_quiet if shortcut else (lambda self, eager_seconds: 0)
+        Region._decide = counting_decide
+        session_module.time = clock  # every eager call and recording takes a millisecond or two
+        if not gate:
+            session_module.EagerGate = None  # the Python methods
+        try:
+            with use_backend(NullBackend()):
+                session = DoubleSession(record_after=record_after, record_budget=0.05, max_graphs=4)
+                DoubleSession.current = session
+                session.admission.budget.clock = clock.perf_counter
+                step = session.region(add)
+                if gate and original_gate is not None:
+                    # the gate reads its own clock (time.perf_counter, bound when built): give it this one
+                    step._eager_entry.__init__(**_gate_fields(step, clock.perf_counter))
+                seen = []
+                budget_changes.setdefault(0, start)  # past the grace or not, a recording's usual cost
+                for number, rows in enumerate(calls):
+                    if number in budget_changes:
+                        spent, usual = budget_changes[number]
+                        session.admission.budget.spent = spent
+                        session.admission.budget.recent = [usual / 2] * 3
+                    x = torch.full((rows,), float(number))
+                    assert torch.equal(step(x, x), x + x)
+                    s = session.stats()
+                    seen.append((s.records, s.too_rare, s.deferred, s.refused, s.eager_runs, s.replays))
+                session.close()
+                return seen, len(decided)
+        finally:
+            Admission.quiet_below, Region._decide, session_module.time = original_quiet, original_decide, original_time
+            session_module.EagerGate = original_gate
+
+    (fast, asked_fast), (slow, asked_slow) = run(shortcut=True), run(shortcut=False, gate=False)
+    assert fast == slow
+    assert asked_fast <= asked_slow
+    assert run(shortcut=True, gate=False)[0] == slow  # the Python methods' shortcut too
+
+
+def _gate_fields(region: Region, clock) -> dict:
+    """The fields replay.session builds a region's EagerGate with, the clock replaced."""
+    session = region.session
+    return dict(
+        region=region,
+        session=session,
+        admission=session.admission,
+        sketch=session.admission.sketch,
+        budget=session.admission.budget,
+        counters=session.counters,
+        forgotten=region.forgotten,
+        entry_shapes=region.entry_shapes,
+        fn=region.fn,
+        exclusion=session_module._SHARED_CAPTURE_EXCLUSION,
+        specs=session_module._FLAT_SPECS,
+        tensor_type=torch.Tensor,
+        plain=session_module._PLAIN_CONSTANTS,
+        miss=session_module._MISS,
+        clock=clock,
+        mask=session_module.EAGER_TIMING_MASK,
+    )
+
+
+_GATE = pytest.mark.skipif(session_module.EagerGate is None, reason="replay._eager is not built here")
+
+
+@_GATE
+def test_a_region_takes_its_flat_eager_path_in_c_where_built(session_factory, monkeypatch):
+    session = session_factory(record_after=100)
+    step = session.region(add)
+    assert type(step._eager_entry) is session_module.EagerGate
+    monkeypatch.setenv("JITCORE_NATIVE", "0")
+    other = session.region(add)
+    assert other._eager_entry == other._eager_flat  # turned off: the methods
+
+
+@_GATE
+def test_the_c_eager_path_runs_errors_through_and_releases_the_exclusion(session_factory):
+    session = session_factory(record_after=100)
+    holders = recording.CAPTURES._holders
+
+    def broken(x):
+        assert holders, "the exclusion is held shared while the region runs"
+        raise ValueError("from the region")
+
+    step = session.region(broken)
+    for _ in range(10):  # timed calls among them
+        with pytest.raises(ValueError, match="from the region"):
+            step(torch.ones(1))
+        assert not holders
+    assert session.stats().eager_runs == 10
+
+
+@_GATE
+@pytest.mark.parametrize(
+    "args",
+    [
+        (torch.ones(2), 3),  # a tensor and a plain constant: the gate
+        (torch.ones(2), [1, 2]),  # a list: the full path
+        (torch.ones(2).to_sparse(),),  # not a strided tensor: the full path refuses loudly
+        tuple(torch.ones(1) for _ in range(40)),  # more arguments than the flat specs: the Python method
+        (torch.ones(2), replay.Dynamic(3)),  # a Dynamic scalar: the full path
+    ],
+    ids=["tensor-and-int", "list", "sparse", "40-args", "dynamic"],
+)
+def test_the_c_eager_path_and_the_python_one_agree_on_every_kind_of_call(session_factory, args):
+    def region(*xs):
+        return sum(float(x.sum()) if isinstance(x, torch.Tensor) else 0.0 for x in xs)
+
+    results = []
+    for gate in (True, False):
+        session = session_factory(record_after=100)
+        saved = session_module.EagerGate
+        if not gate:
+            session_module.EagerGate = None
+        try:
+            step = session.region(region)
+        finally:
+            session_module.EagerGate = saved
+        try:
+            outcome = [step(*args) for _ in range(3)]
+        except Exception as error:  # both paths must refuse alike
+            outcome = (type(error), str(error))
+        s = session.stats()
+        results.append((outcome, s.eager_runs, s.too_rare, s.records, s.calls))
+    assert results[0] == results[1]
+
+
+def test_a_loop_of_shapes_too_rare_to_record_skips_the_rule(session_factory, monkeypatch):
+    # the shortcut is taken: after the grace, calls of keys far from paying back do not ask
+    # _decide (but are counted as too rare all the same)
+    session = session_factory(record_after=1, record_budget=0.03)
+    session.admission.budget.spent = 1.0  # past the grace
+    session.admission.budget.recent = [0.5] * 3  # a recording costs a second: nothing pays back soon
+    step = session.region(add)
+    decided = []
+    original = Region._decide
+    monkeypatch.setattr(Region, "_decide", lambda self, *args: (decided.append(1), original(self, *args))[1])
+    for number in range(400):
+        x = torch.full((number % 50 + 1,), 1.0)
+        assert torch.equal(step(x, x), x + x)
+    stats = session.stats()
+    assert stats.records == 0 and stats.eager_runs == 400
+    assert stats.too_rare == 400 - 50  # every call past each key's first
+    assert len(decided) < 400 / 2  # the rule asked again only at each change of the eager estimate

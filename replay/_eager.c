@@ -1,0 +1,466 @@
+/*
+ * replay._eager: a region's flat eager path (Region._eager_flat, _eager_flat_shapes and
+ * _run_flat_eagerly in replay/session.py) made in C.
+ *
+ * Why: in a loop whose shapes rarely repeat (a uniform mix of hundreds of batch sizes, a
+ * prefill of lengths seen once) nearly every call of a region runs eagerly, and what the
+ * session adds to such a call is bookkeeping: the call's shapes, a lookup of keys with
+ * graphs, a count, the decision that it only warms or is too rare, the capture exclusion.
+ * Timed alone that is about 2 us of Python; inside a loop of a real region, whose own work
+ * (torch, the jit, the driver) leaves the interpreter's caches cold, the same Python took 13
+ * to 19 us a call on the H200 machine (a time stamp at each step showed every step of it
+ * slower, none singled out). The same steps from C took about 5 us a call less there
+ * (docs/replay.md, "The eager path").
+ *
+ * What stays in Python: every decision other than "warming or too rare, as the rule would
+ * say" (admission.quiet_below, kept by the region), the rule itself (Region._eager_decide,
+ * called with the count already made), the halving of the counts, the eager-time estimate
+ * (Region._eager_took), the capture exclusion (its __enter__ and __exit__, bound once; in C
+ * too where jitcore._exclusion is built). Every value is read from the same Python objects
+ * the Python path reads, on every call, so the two paths cannot drift apart in state;
+ * tests/replay/test_session.py runs both over the same calls and compares every count (on
+ * the CPU, no GPU needed).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stddef.h>
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *region;       /* the Region */
+    PyObject *session;      /* its Session: closed, _gpu, counters */
+    PyObject *admission;    /* record_after */
+    PyObject *sketch;       /* admission.sketch: counts (rebound when halved), calls, window */
+    PyObject *budget;       /* admission.budget: version */
+    PyObject *counters;     /* session.counters: too_rare, eager_runs */
+    PyObject *forgotten;    /* region.forgotten: eager_runs */
+    PyObject *entry_shapes; /* region.entry_shapes: shapes that have an entry */
+    PyObject *fn;           /* the region's function */
+    PyObject *enter;        /* the capture exclusion's shared side: its bound __enter__ */
+    PyObject *exit;         /* and __exit__ (looked up once) */
+    PyObject *specs;        /* tuple: the flat argument specs, by argument count */
+    PyObject *tensor_type;  /* torch.Tensor (exactly) */
+    PyObject *plain;        /* frozenset of the plain constant types */
+    PyObject *miss;         /* the session's _MISS */
+    PyObject *clock;        /* time.perf_counter */
+    long long mask;         /* EAGER_TIMING_MASK */
+    vectorcallfunc vectorcall;
+} Gate;
+
+static PyObject *s_closed, *s_gpu, *s_counts, *s_calls, *s_window, *s_halve, *s_record_after, *s_version,
+    *s_quiet_below, *s_quiet_version, *s_too_rare, *s_eager_runs, *s_shape, *s_enter, *s_exit, *s_decide,
+    *s_took, *s_shapes_py;
+
+static void gate_clear_refs(Gate *g) {
+    Py_CLEAR(g->region);
+    Py_CLEAR(g->session);
+    Py_CLEAR(g->admission);
+    Py_CLEAR(g->sketch);
+    Py_CLEAR(g->budget);
+    Py_CLEAR(g->counters);
+    Py_CLEAR(g->forgotten);
+    Py_CLEAR(g->entry_shapes);
+    Py_CLEAR(g->fn);
+    Py_CLEAR(g->enter);
+    Py_CLEAR(g->exit);
+    Py_CLEAR(g->specs);
+    Py_CLEAR(g->tensor_type);
+    Py_CLEAR(g->plain);
+    Py_CLEAR(g->miss);
+    Py_CLEAR(g->clock);
+}
+
+static int gate_traverse(Gate *g, visitproc visit, void *arg) {
+    Py_VISIT(g->region);
+    Py_VISIT(g->session);
+    Py_VISIT(g->admission);
+    Py_VISIT(g->sketch);
+    Py_VISIT(g->budget);
+    Py_VISIT(g->counters);
+    Py_VISIT(g->forgotten);
+    Py_VISIT(g->entry_shapes);
+    Py_VISIT(g->fn);
+    Py_VISIT(g->enter);
+    Py_VISIT(g->exit);
+    Py_VISIT(g->specs);
+    Py_VISIT(g->tensor_type);
+    Py_VISIT(g->plain);
+    Py_VISIT(g->miss);
+    Py_VISIT(g->clock);
+    return 0;
+}
+
+static int gate_clear(Gate *g) {
+    gate_clear_refs(g);
+    return 0;
+}
+
+static void gate_dealloc(Gate *g) {
+    PyObject_GC_UnTrack(g);
+    gate_clear_refs(g);
+    Py_TYPE(g)->tp_free((PyObject *)g);
+}
+
+static int gate_init(Gate *g, PyObject *args, PyObject *kwargs) {
+    PyObject *region, *session, *admission, *sketch, *budget, *counters, *forgotten, *entry_shapes, *fn,
+        *exclusion, *specs, *tensor_type, *plain, *miss, *clock;
+    long long mask;
+    static char *names[] = {"region", "session", "admission", "sketch", "budget", "counters", "forgotten",
+                            "entry_shapes", "fn", "exclusion", "specs", "tensor_type", "plain", "miss",
+                            "clock", "mask", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOOOO!OOO!OO!OOL", names, &region, &session, &admission,
+                                     &sketch, &budget, &counters, &forgotten, &PyDict_Type, &entry_shapes, &fn,
+                                     &exclusion, &PyTuple_Type, &specs, &tensor_type, &PyFrozenSet_Type, &plain,
+                                     &miss, &clock, &mask))
+        return -1;
+    PyObject *enter = PyObject_GetAttr(exclusion, s_enter);
+    PyObject *exit = enter == NULL ? NULL : PyObject_GetAttr(exclusion, s_exit);
+    if (exit == NULL) {
+        Py_XDECREF(enter);
+        return -1;
+    }
+    gate_clear_refs(g);
+    g->enter = enter;
+    g->exit = exit;
+#define KEEP(field) (Py_INCREF(field), g->field = field)
+    KEEP(region);
+    KEEP(session);
+    KEEP(admission);
+    KEEP(sketch);
+    KEEP(budget);
+    KEEP(counters);
+    KEEP(forgotten);
+    KEEP(entry_shapes);
+    KEEP(fn);
+    KEEP(specs);
+    KEEP(tensor_type);
+    KEEP(plain);
+    KEEP(miss);
+    KEEP(clock);
+#undef KEEP
+    g->mask = mask;
+    return 0;
+}
+
+static PyObject *gate_vectorcall(PyObject *self, PyObject *const *argv, size_t nargsf, PyObject *kwnames);
+
+static PyObject *gate_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    Gate *g = (Gate *)PyType_GenericNew(type, args, kwargs);
+    if (g != NULL)
+        g->vectorcall = gate_vectorcall;
+    return (PyObject *)g;
+}
+
+/* An int attribute as a C long long; -1 with an exception set on failure. */
+static int read_int(PyObject *owner, PyObject *name, long long *out) {
+    PyObject *value = PyObject_GetAttr(owner, name);
+    if (value == NULL)
+        return -1;
+    *out = PyLong_AsLongLong(value);
+    Py_DECREF(value);
+    return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+/* owner.name += 1; the new value in *out. */
+static int bump(PyObject *owner, PyObject *name, long long *out) {
+    long long value;
+    if (read_int(owner, name, &value) < 0)
+        return -1;
+    PyObject *bumped = PyLong_FromLongLong(value + 1);
+    if (bumped == NULL)
+        return -1;
+    int status = PyObject_SetAttr(owner, name, bumped);
+    Py_DECREF(bumped);
+    if (out != NULL)
+        *out = value + 1;
+    return status;
+}
+
+static int truth_of(PyObject *owner, PyObject *name) {
+    PyObject *value = PyObject_GetAttr(owner, name);
+    if (value == NULL)
+        return -1;
+    int truth = PyObject_IsTrue(value);
+    Py_DECREF(value);
+    return truth;
+}
+
+static double clock_now(Gate *g, int *failed) {
+    PyObject *now = PyObject_CallNoArgs(g->clock);
+    if (now == NULL) {
+        *failed = 1;
+        return 0.0;
+    }
+    double seconds = PyFloat_AsDouble(now);
+    Py_DECREF(now);
+    if (seconds == -1.0 && PyErr_Occurred())
+        *failed = 1;
+    return seconds;
+}
+
+/* Count a call of (region, shapes) in the sketch, as FrequencySketch.add does. */
+static long long count_call(Gate *g, PyObject *counted) {
+    PyObject *counts = PyObject_GetAttr(g->sketch, s_counts);
+    if (counts == NULL)
+        return -1;
+    if (!PyDict_CheckExact(counts)) {
+        Py_DECREF(counts);
+        PyErr_SetString(PyExc_TypeError, "the sketch's counts: expected a dict");
+        return -1;
+    }
+    long long count = 1;
+    PyObject *known = PyDict_GetItemWithError(counts, counted); /* borrowed */
+    if (known != NULL) {
+        count = PyLong_AsLongLong(known) + 1;
+        if (count == 0 && PyErr_Occurred()) {
+            Py_DECREF(counts);
+            return -1;
+        }
+    } else if (PyErr_Occurred()) {
+        Py_DECREF(counts);
+        return -1;
+    }
+    PyObject *value = PyLong_FromLongLong(count);
+    int status = value == NULL ? -1 : PyDict_SetItem(counts, counted, value);
+    Py_XDECREF(value);
+    Py_DECREF(counts);
+    if (status < 0)
+        return -1;
+    long long calls, window;
+    if (bump(g->sketch, s_calls, &calls) < 0 || read_int(g->sketch, s_window, &window) < 0)
+        return -1;
+    if (calls >= window) {
+        PyObject *done = PyObject_CallMethodNoArgs(g->sketch, s_halve);
+        if (done == NULL)
+            return -1;
+        Py_DECREF(done);
+    }
+    return count;
+}
+
+/* The region's function run eagerly under the exclusion, counted, one call in mask + 1 timed
+   (Region._run_flat_eagerly). */
+static PyObject *run_eagerly(Gate *g, PyObject *args) {
+    long long runs;
+    if (bump(g->counters, s_eager_runs, NULL) < 0 || bump(g->forgotten, s_eager_runs, &runs) < 0)
+        return NULL;
+    int timed = (runs & g->mask) == 0, failed = 0;
+    PyObject *entered = PyObject_CallNoArgs(g->enter);
+    if (entered == NULL)
+        return NULL;
+    Py_DECREF(entered);
+    double started = timed ? clock_now(g, &failed) : 0.0;
+    PyObject *result = failed ? NULL : PyObject_Call(g->fn, args, NULL);
+    PyObject *type, *value, *traceback, *left;
+    if (result == NULL) {
+        PyErr_Fetch(&type, &value, &traceback);
+        PyErr_NormalizeException(&type, &value, &traceback);
+        left = PyObject_CallFunctionObjArgs(g->exit, type ? type : Py_None, value ? value : Py_None,
+                                            traceback ? traceback : Py_None, NULL);
+        if (left == NULL) { /* the exit's own error replaces the call's, as in a with block */
+            Py_XDECREF(type);
+            Py_XDECREF(value);
+            Py_XDECREF(traceback);
+            return NULL;
+        }
+        Py_DECREF(left); /* the shared side never suppresses an error */
+        PyErr_Restore(type, value, traceback);
+        return NULL;
+    }
+    left = PyObject_CallFunctionObjArgs(g->exit, Py_None, Py_None, Py_None, NULL);
+    if (left == NULL) {
+        Py_DECREF(result);
+        return NULL;
+    }
+    Py_DECREF(left);
+    if (timed) {
+        double now = clock_now(g, &failed);
+        PyObject *seconds = failed ? NULL : PyFloat_FromDouble(now - started);
+        PyObject *took = seconds == NULL ? NULL : PyObject_CallMethodOneArg(g->region, s_took, seconds);
+        Py_XDECREF(seconds);
+        if (took == NULL) {
+            Py_DECREF(result);
+            return NULL;
+        }
+        Py_DECREF(took);
+    }
+    return result;
+}
+
+/* Region._eager_flat_shapes: the call's pre-key computed by the caller. */
+static PyObject *with_shapes(Gate *g, PyObject *args, PyObject *pre) {
+    int closed = truth_of(g->session, s_closed);
+    if (closed < 0)
+        return NULL;
+    int gpu = closed ? 0 : truth_of(g->session, s_gpu);
+    if (gpu < 0)
+        return NULL;
+    if (closed || !gpu)
+        return Py_NewRef(g->miss); /* the full path raises, or says once that everything runs eagerly */
+    Py_ssize_t count = PyTuple_GET_SIZE(args);
+    if (count >= PyTuple_GET_SIZE(g->specs)) /* an unusual arity: the Python path builds its spec */
+        return PyObject_CallMethodObjArgs(g->region, s_shapes_py, args, pre, NULL);
+    PyObject *spec = PyTuple_GET_ITEM(g->specs, count);
+    PyObject *shapes = PyTuple_Pack(2, spec, pre);
+    if (shapes == NULL)
+        return NULL;
+    int has_entry = PyDict_Contains(g->entry_shapes, shapes);
+    if (has_entry) {
+        Py_DECREF(shapes);
+        return has_entry < 0 ? NULL : Py_NewRef(g->miss); /* a key with these shapes has an entry */
+    }
+    PyObject *counted = PyTuple_Pack(2, g->region, shapes);
+    Py_DECREF(shapes);
+    if (counted == NULL)
+        return NULL;
+    long long calls = count_call(g, counted);
+    long long record_after, quiet_below, quiet_version, version;
+    if (calls < 0 || read_int(g->admission, s_record_after, &record_after) < 0 ||
+        read_int(g->region, s_quiet_below, &quiet_below) < 0 || read_int(g->region, s_quiet_version, &quiet_version) < 0 ||
+        read_int(g->budget, s_version, &version) < 0) {
+        Py_DECREF(counted);
+        return NULL;
+    }
+    if (!(calls < quiet_below && calls != record_after && quiet_version == version)) {
+        /* the whole rule: Region._eager_decide, with this call counted already */
+        PyObject *number = PyLong_FromLongLong(calls);
+        PyObject *result =
+            number == NULL ? NULL : PyObject_CallMethodObjArgs(g->region, s_decide, args, counted, spec, number, NULL);
+        Py_XDECREF(number);
+        Py_DECREF(counted);
+        return result;
+    }
+    Py_DECREF(counted);
+    if (calls > record_after && bump(g->counters, s_too_rare, NULL) < 0)
+        return NULL;
+    return run_eagerly(g, args);
+}
+
+/* Region._eager_flat: the pre-key of positional tensors (their shapes) and plain constants;
+   anything else is the full path's. */
+static PyObject *gate_call(Gate *g, PyObject *const *argv, size_t nargsf, PyObject *kwnames) {
+    Py_ssize_t given = PyVectorcall_NARGS(nargsf);
+    if (given != 1 || (kwnames != NULL && PyTuple_GET_SIZE(kwnames))) {
+        PyErr_SetString(PyExc_TypeError, "an eager gate takes the call's argument tuple");
+        return NULL;
+    }
+    PyObject *args = argv[0];
+    if (!PyTuple_CheckExact(args)) {
+        PyErr_SetString(PyExc_TypeError, "an eager gate takes the call's argument tuple");
+        return NULL;
+    }
+    Py_ssize_t count = PyTuple_GET_SIZE(args);
+    PyObject *pre = PyTuple_New(count);
+    if (pre == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *arg = PyTuple_GET_ITEM(args, i), *item;
+        PyObject *kind = (PyObject *)Py_TYPE(arg);
+        if (kind == g->tensor_type) {
+            item = PyObject_GetAttr(arg, s_shape);
+            if (item == NULL) {
+                Py_DECREF(pre);
+                if (PyErr_ExceptionMatches(PyExc_RuntimeError)) { /* a strided nested tensor: the full path refuses it */
+                    PyErr_Clear();
+                    return Py_NewRef(g->miss);
+                }
+                return NULL;
+            }
+        } else {
+            int plain = PySet_Contains(g->plain, kind);
+            if (plain <= 0) {
+                Py_DECREF(pre);
+                return plain < 0 ? NULL : Py_NewRef(g->miss);
+            }
+            item = Py_NewRef(arg);
+        }
+        PyTuple_SET_ITEM(pre, i, item);
+    }
+    PyObject *result = with_shapes(g, args, pre);
+    Py_DECREF(pre);
+    return result;
+}
+
+static PyObject *gate_vectorcall(PyObject *self, PyObject *const *argv, size_t nargsf, PyObject *kwnames) {
+    return gate_call((Gate *)self, argv, nargsf, kwnames);
+}
+
+static PyObject *gate_tp_call(PyObject *self, PyObject *args, PyObject *kwargs) {
+    if (kwargs != NULL && PyDict_GET_SIZE(kwargs)) {
+        PyErr_SetString(PyExc_TypeError, "an eager gate takes the call's argument tuple");
+        return NULL;
+    }
+    return gate_call((Gate *)self, &PyTuple_GET_ITEM(args, 0), PyTuple_GET_SIZE(args), NULL);
+}
+
+static PyObject *gate_with_shapes(Gate *g, PyObject *const *argv, Py_ssize_t count) {
+    if (count != 2 || !PyTuple_CheckExact(argv[0]) || !PyTuple_CheckExact(argv[1])) {
+        PyErr_SetString(PyExc_TypeError, "with_shapes(args, pre): expected two tuples");
+        return NULL;
+    }
+    return with_shapes(g, argv[0], argv[1]);
+}
+
+static PyMethodDef gate_methods[] = {
+    {"with_shapes", (PyCFunction)(void (*)(void))gate_with_shapes, METH_FASTCALL,
+     "with_shapes(args, pre): the call with its pre-key computed (Region._eager_flat_shapes)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject GateType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "replay._eager.EagerGate",
+    .tp_basicsize = sizeof(Gate),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_vectorcall_offset = offsetof(Gate, vectorcall),
+    .tp_doc = "A region's flat eager path (Region._eager_flat), in C; see replay/_eager.c.",
+    .tp_new = gate_new,
+    .tp_init = (initproc)gate_init,
+    .tp_dealloc = (destructor)gate_dealloc,
+    .tp_traverse = (traverseproc)gate_traverse,
+    .tp_clear = (inquiry)gate_clear,
+    .tp_call = gate_tp_call,
+    .tp_methods = gate_methods,
+};
+
+static struct PyModuleDef module_definition = {
+    PyModuleDef_HEAD_INIT, "replay._eager", "A region's flat eager path in C (see replay/_eager.c).", -1, NULL,
+};
+
+#define INTERN(var, text)                                                                                       \
+    do {                                                                                                        \
+        if ((var = PyUnicode_InternFromString(text)) == NULL)                                                   \
+            return NULL;                                                                                        \
+    } while (0)
+
+PyMODINIT_FUNC PyInit__eager(void) {
+    INTERN(s_closed, "closed");
+    INTERN(s_gpu, "_gpu");
+    INTERN(s_counts, "counts");
+    INTERN(s_calls, "calls");
+    INTERN(s_window, "window");
+    INTERN(s_halve, "halve");
+    INTERN(s_record_after, "record_after");
+    INTERN(s_version, "version");
+    INTERN(s_quiet_below, "_quiet_below");
+    INTERN(s_quiet_version, "_quiet_version");
+    INTERN(s_too_rare, "too_rare");
+    INTERN(s_eager_runs, "eager_runs");
+    INTERN(s_shape, "shape");
+    INTERN(s_enter, "__enter__");
+    INTERN(s_exit, "__exit__");
+    INTERN(s_decide, "_eager_decide");
+    INTERN(s_took, "_eager_took");
+    INTERN(s_shapes_py, "_eager_flat_shapes");
+    if (PyType_Ready(&GateType) < 0)
+        return NULL;
+    PyObject *module = PyModule_Create(&module_definition);
+    if (module == NULL)
+        return NULL;
+    Py_INCREF(&GateType);
+    if (PyModule_AddObject(module, "EagerGate", (PyObject *)&GateType) < 0) {
+        Py_DECREF(&GateType);
+        Py_DECREF(module);
+        return NULL;
+    }
+    return module;
+}
