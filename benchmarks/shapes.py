@@ -9,7 +9,7 @@ kernel, a ReLU jit kernel) whose batch size is drawn every step from:
 - prefill: hundreds of lengths, each seen once (the bookkeeping and warm-up cost of keys that
   never repeat).
 
-Per distribution, in one process and on the same draws, taking turns every 100 steps: eager,
+Per distribution, in one process and on the same draws, taking turns every 25 steps: eager,
 replay with the default policy, and replay with bucketing (``capture(buckets=[1, 2, 4, ...,
 256])`` and ``replay.padded``; the region's rows are independent). Reported per step: the first
 and the second half of the run (end to end: the GPU synchronised at each block's end), the
@@ -20,8 +20,9 @@ before timing on both sides: every jit call state is compiled, and a throwaway s
 two shapes (replay's own kernels, the first capture).
 A second table times the eager path of a session against the direct call (see eager_path).
 A third measures graph memory over many shapes of a region ending in a 32,000-wide output
-(see many_shapes_memory). Shape-polymorphic replay (one graph serving smaller sizes) is not
-implemented yet: no row.
+(see many_shapes_memory). The jit-only rows run the same layers with the matmul as a jit
+kernel too, eager against bucketed and shape-polymorphic replay (one graph per bucket serving
+every smaller size at its own size).
 """
 
 from __future__ import annotations
@@ -143,7 +144,11 @@ def padding(region):
 
 
 #: Steps per block: the three paths take turns, block by block, on the same draws (see measure).
-BLOCK = 100
+#: 25: the machine's speed drifts by 10-30% within a run (eager's first and second halves
+#: differed by up to 14% in one run of 2026-12-01 with blocks of 100, and the ratios of two
+#: runs of the same code by 3% to 8%); shorter turns put the drift on every path alike. A
+#: block's closing synchronisation (tens of microseconds) is under 1% of its 25 steps.
+BLOCK = 25
 
 
 class LoopClock:
@@ -251,7 +256,7 @@ def eager_path(steps: int) -> dict[str, dict[str, float]]:
     that returns its argument) and inside this benchmark's loop (the 6-layer region, whose own
     Python crowds the CPU's caches): still warming (``record_after`` never reached), and too
     rare to pay back (the grace spent, a recording made to cost 2 s). Interleaved
-    blocks of 100 calls over the uniform draws, microseconds per call over the direct call."""
+    blocks of ``BLOCK`` calls over the uniform draws, microseconds per call over the direct call."""
     sizes = draws("uniform", steps, random.Random(1))
     inputs = {n: [torch.randn(n, DIM, device="cuda")] for n in set(sizes)}
     results = {}

@@ -422,6 +422,122 @@ static PyTypeObject GateType = {
     .tp_methods = gate_methods,
 };
 
+/* Region.__call__ (replay/session.py) in C: a method descriptor, so a call of a region reaches
+   its dispatcher (the generated _fast, or the gate above) without a Python frame of its own.
+   The same steps: without keyword arguments, _fast(args); its _RegionDrift means the region's
+   globals changed (_rekey); _MISS, or keyword arguments, take the full path (_call). */
+typedef struct {
+    PyObject_HEAD
+    PyObject *miss;  /* the session's _MISS */
+    PyObject *drift; /* the session's _RegionDrift (an exception class) */
+    vectorcallfunc vectorcall;
+} RegionCall;
+
+static PyObject *s_fast, *s_rekey, *s_call;
+
+static PyObject *region_call_vectorcall(PyObject *callable, PyObject *const *argv, size_t nargsf, PyObject *kwnames) {
+    RegionCall *rc = (RegionCall *)callable;
+    Py_ssize_t given = PyVectorcall_NARGS(nargsf);
+    if (given < 1) {
+        PyErr_SetString(PyExc_TypeError, "Region.__call__ needs the region");
+        return NULL;
+    }
+    PyObject *region = argv[0];
+    Py_ssize_t count = given - 1, keywords = kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames);
+    PyObject *args = PyTuple_New(count);
+    if (args == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < count; i++)
+        PyTuple_SET_ITEM(args, i, Py_NewRef(argv[1 + i]));
+    PyObject *kwargs = PyDict_New(), *result = NULL;
+    if (kwargs == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < keywords; i++)
+        if (PyDict_SetItem(kwargs, PyTuple_GET_ITEM(kwnames, i), argv[given + i]) < 0)
+            goto done;
+    if (!keywords) {
+        PyObject *fast = PyObject_GetAttr(region, s_fast);
+        if (fast == NULL)
+            goto done;
+        result = PyObject_CallOneArg(fast, args);
+        Py_DECREF(fast);
+        if (result == NULL) {
+            if (!PyErr_ExceptionMatches(rc->drift))
+                goto done;
+            PyErr_Clear();
+            result = PyObject_CallMethodObjArgs(region, s_rekey, args, kwargs, NULL);
+            goto done;
+        }
+        if (result != rc->miss)
+            goto done;
+        Py_CLEAR(result);
+    }
+    result = PyObject_CallMethodObjArgs(region, s_call, args, kwargs, NULL);
+done:
+    Py_DECREF(args);
+    Py_XDECREF(kwargs);
+    return result;
+}
+
+static int region_call_init(RegionCall *self, PyObject *args, PyObject *kwargs) {
+    PyObject *miss, *drift;
+    static char *names[] = {"miss", "drift", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO", names, &miss, &drift))
+        return -1;
+    Py_INCREF(miss);
+    Py_INCREF(drift);
+    Py_XSETREF(self->miss, miss);
+    Py_XSETREF(self->drift, drift);
+    return 0;
+}
+
+static PyObject *region_call_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    RegionCall *self = (RegionCall *)PyType_GenericNew(type, args, kwargs);
+    if (self != NULL)
+        self->vectorcall = region_call_vectorcall;
+    return (PyObject *)self;
+}
+
+static int region_call_traverse(RegionCall *self, visitproc visit, void *arg) {
+    Py_VISIT(self->miss);
+    Py_VISIT(self->drift);
+    return 0;
+}
+
+static int region_call_clear(RegionCall *self) {
+    Py_CLEAR(self->miss);
+    Py_CLEAR(self->drift);
+    return 0;
+}
+
+static void region_call_dealloc(RegionCall *self) {
+    PyObject_GC_UnTrack(self);
+    region_call_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* region.__call__ read as an attribute: the method bound to the region. */
+static PyObject *region_call_get(PyObject *self, PyObject *instance, PyObject *owner) {
+    if (instance == NULL || instance == Py_None)
+        return Py_NewRef(self);
+    return PyMethod_New(self, instance);
+}
+
+static PyTypeObject RegionCallType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "replay._eager.RegionCall",
+    .tp_basicsize = sizeof(RegionCall),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL | Py_TPFLAGS_METHOD_DESCRIPTOR,
+    .tp_vectorcall_offset = offsetof(RegionCall, vectorcall),
+    .tp_doc = "Region.__call__ in C (see replay/_eager.c).",
+    .tp_new = region_call_new,
+    .tp_init = (initproc)region_call_init,
+    .tp_dealloc = (destructor)region_call_dealloc,
+    .tp_traverse = (traverseproc)region_call_traverse,
+    .tp_clear = (inquiry)region_call_clear,
+    .tp_call = PyVectorcall_Call,
+    .tp_descr_get = region_call_get,
+};
+
 static struct PyModuleDef module_definition = {
     PyModuleDef_HEAD_INIT, "replay._eager", "A region's flat eager path in C (see replay/_eager.c).", -1, NULL,
 };
@@ -451,7 +567,10 @@ PyMODINIT_FUNC PyInit__eager(void) {
     INTERN(s_decide, "_eager_decide");
     INTERN(s_took, "_eager_took");
     INTERN(s_shapes_py, "_eager_flat_shapes");
-    if (PyType_Ready(&GateType) < 0)
+    INTERN(s_fast, "_fast");
+    INTERN(s_rekey, "_rekey");
+    INTERN(s_call, "_call");
+    if (PyType_Ready(&GateType) < 0 || PyType_Ready(&RegionCallType) < 0)
         return NULL;
     PyObject *module = PyModule_Create(&module_definition);
     if (module == NULL)
@@ -459,6 +578,12 @@ PyMODINIT_FUNC PyInit__eager(void) {
     Py_INCREF(&GateType);
     if (PyModule_AddObject(module, "EagerGate", (PyObject *)&GateType) < 0) {
         Py_DECREF(&GateType);
+        Py_DECREF(module);
+        return NULL;
+    }
+    Py_INCREF(&RegionCallType);
+    if (PyModule_AddObject(module, "RegionCall", (PyObject *)&RegionCallType) < 0) {
+        Py_DECREF(&RegionCallType);
         Py_DECREF(module);
         return NULL;
     }

@@ -78,16 +78,21 @@ _PLAIN_CONSTANTS = region_keys.PLAIN_CONSTANTS
 #: (jitcore.recorder.CaptureExclusion). The one shared-holding object, looked up once.
 _SHARED_CAPTURE_EXCLUSION = recording.CAPTURES.shared()
 
-try:  # the flat eager path in C (replay/_eager.c; optional, built by setup.py)
-    from replay._eager import EagerGate
+try:  # a region's call and its flat eager path in C (replay/_eager.c; optional, built by setup.py)
+    from replay._eager import EagerGate, RegionCall
 except ImportError:
-    EagerGate = None
+    EagerGate = RegionCall = None
+
+
+def _native_enabled() -> bool:
+    """Whether replay._eager was built and ``JITCORE_NATIVE`` does not turn compiled helpers off."""
+    return EagerGate is not None and os.environ.get("JITCORE_NATIVE", "1").strip() != "0"
 
 
 def _eager_gate(region: Region):
     """The region's flat eager path in C, or None where it was not built or ``JITCORE_NATIVE=0``
     turns the compiled helpers off (the Python methods then run: same decisions, same counts)."""
-    if EagerGate is None or os.environ.get("JITCORE_NATIVE", "1").strip() == "0":
+    if not _native_enabled():
         return None
     session = region.session
     return EagerGate(
@@ -279,6 +284,8 @@ class Region:
 
     # --- the call ------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
+        """Replay, or run eagerly. (Where replay._eager was built, RegionCall takes this
+        method's place: see PYTHON_REGION_CALL below the class.)"""
         if not kwargs:
             try:
                 result = self._fast(args)  # a replay, or the eager path of a flat call
@@ -1102,6 +1109,13 @@ class Region:
 
     def __repr__(self) -> str:
         return f"<replay region {self.name}: {len(self.entries)} keys>"
+
+
+#: Region.__call__ as Python runs it; replaced below by its C version where that was built
+#: (replay/_eager.c, RegionCall: the same steps, without a Python frame of its own on every call).
+PYTHON_REGION_CALL = Region.__call__
+if _native_enabled():
+    Region.__call__ = RegionCall(miss=_MISS, drift=_RegionDrift)
 
 
 class Session:

@@ -1089,3 +1089,56 @@ def test_a_loop_of_shapes_too_rare_to_record_skips_the_rule(session_factory, mon
     assert stats.records == 0 and stats.eager_runs == 400
     assert stats.too_rare == 400 - 50  # every call past each key's first
     assert len(decided) < 400 / 2  # the rule asked again only at each change of the eager estimate
+
+
+@_GATE
+def test_region_call_in_c_and_in_python_agree(session_factory, monkeypatch):
+    # Region.__call__ is replay._eager.RegionCall where built: the same steps as the Python
+    # method (flat calls, keyword arguments, the globals' drift), the same results and counts
+    assert type(Region.__call__) is session_module.RegionCall
+    scale = [2.0]
+
+    def region(x, y=None, *, twice=False):
+        out = x * scale[0] if y is None else x + y
+        return out * 2 if twice else out
+
+    def run() -> list:
+        session = session_factory(record_after=1)
+        step = session.region(region)
+        seen = []
+        for number in range(12):
+            x = torch.full((number % 3 + 1,), float(number))
+            seen.append(step(x).tolist())
+            seen.append(step(x, x, twice=number % 2 == 0).tolist())
+            seen.append(step(x, y=x).tolist())
+        s = session.stats()
+        seen.append((s.records, s.replays, s.eager_runs, s.too_rare))
+        assert step.__call__(torch.ones(1)).tolist() == [2.0]  # read as an attribute: bound to the region
+        return seen
+
+    native = run()
+    monkeypatch.setattr(Region, "__call__", session_module.PYTHON_REGION_CALL)
+    assert run() == native
+
+
+@_GATE
+def test_region_call_in_c_rekeys_when_the_globals_change(session_factory):
+    session = session_factory(record_after=0)
+    step = session.region(_scaled)
+    x = torch.ones(2)
+    for _ in range(3):
+        assert step(x).tolist() == [3.0, 3.0]
+    global _SCALE
+    _SCALE = 5.0
+    try:
+        assert step(x).tolist() == [5.0, 5.0]  # the drift raised inside _fast: _rekey, then the call
+        assert session.stats().invalidations == 1
+    finally:
+        _SCALE = 3.0
+
+
+_SCALE = 3.0
+
+
+def _scaled(x):
+    return x * _SCALE
