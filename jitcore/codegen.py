@@ -19,6 +19,16 @@ launch directly, once per recorded kernel launch. Print one with ``JITCORE_DUMP=
         if _grid0x:
             _r = _cuLaunchKernel(_f0, _grid0x, 1, 1, 256, 1, 1, 0, ...)
 
+Where the backend has a launch that packs its own parameters (``Backend.packed_launcher``: the
+CUDA backend's C helper, jitcore/backends/_native.c), the pack and the launch are one call,
+the constants in its template, and the call state keeps no buffers::
+
+        _r = _L0(_grid0x, 1, 1, 256, 1, 1, 0, stream, _a0_ptr, _a1_ptr, _a2_ptr, _a3, _a0_numel)
+        if _r[0]: _launch_failed(_r[0], _k0)
+
+The recording variant (``__rec``) always packs into the thread's buffers, which the recorder
+reads.
+
 Every generated function follows the rules of :mod:`jitcore.generated` (mangled names,
 values through the namespace, sources registered with linecache, compiled once).
 
@@ -212,8 +222,31 @@ class CallState:
         reports each launch to this thread's recorder (used while any recorder is installed)."""
         return self._generate_one(recording=False) + "\n" + self._generate_one(recording=True)
 
+    def _packed_launchers(self) -> list | None:
+        """Each launch as the backend's launch that packs its own parameters
+        (Backend.packed_launcher: the constants in its template, the changing parameters'
+        struct formats), or None where the backend has none for some launch: then every
+        launch packs with struct into this thread's buffers."""
+        launchers = []
+        for launch in self.trace.launches:
+            layout = launch.kernel.layout
+            template = PackedParams(layout)
+            for index, source in enumerate(launch.sources):
+                if source.kind == "constant":
+                    _pack_one(template, launch, index, source.value)
+            dynamic = [i for i, s in enumerate(launch.sources) if s.kind != "constant"]
+            runs = tuple((int(at), packer.format) for at, packer in map(layout.struct_for, layout.runs(dynamic)))
+            launcher = self.backend.packed_launcher(
+                self.backend.launch_function(launch.function), template.bytes(), tuple(layout.offsets), runs
+            )
+            if launcher is None:
+                return None
+            launchers.append(launcher)
+        return launchers
+
     def _generate_one(self, *, recording: bool) -> str:
         trace = self.trace
+        packed = None if recording else self._packed_launchers()
         args = [f"_a{i}" for i in range(len(self.param_names))]
         args_tuple = "(" + "".join(f"{a}, " for a in args) + ")"
         if recording:
@@ -229,17 +262,20 @@ class CallState:
                 "    if _ACTIVE[0]:",
                 f"        return _recording({args_tuple}, {args_tuple}, stream)",
             ]
+        if packed is None:  # the parameter buffers of this thread (a packed launch has its own)
+            lines += [
+                "    try:",
+                "        _b = _tls.b",
+                "    except AttributeError:",
+                "        _b = _new_buffers()",
+            ]
         lines += [
-            "    try:",
-            "        _b = _tls.b",
-            "    except AttributeError:",
-            "        _b = _new_buffers()",
             "    if stream is None:",
             f"        stream = _current_stream({int(trace.device)})",
             "    elif stream.__class__ is not int:",
             "        stream = _stream_handle(stream)",
         ]
-        if not self.backend.raw_stream_handles:  # the launch takes a vendor stream object
+        if packed is None and not self.backend.raw_stream_handles:  # the launch takes a vendor stream object
             lines += [
                 "    _so = _STREAMS.get(stream)",
                 "    if _so is None:",
@@ -254,7 +290,7 @@ class CallState:
         pointer_args = sorted({s.arg_index for launch in trace.launches for s in launch.sources if s.kind == "pointer"})
         body += [f"_a{index}_ptr = _a{index}.data_ptr()" for index in pointer_args]
         for number, launch in enumerate(trace.launches):
-            body += self._launch_lines(number, launch, recording, args_tuple)
+            body += self._launch_lines(number, launch, recording, args_tuple, packed[number] if packed else None)
         lines += ["        " + line for line in body] or ["        pass"]
         lines += [
             "    except _PACK_ERRORS as _e:",
@@ -318,7 +354,9 @@ class CallState:
             lines.append(f"if not -({size}) <= {value} < {size}: _index_failed({number}, {args_tuple})")
         return lines
 
-    def _launch_lines(self, number: int, launch: TraceLaunch, recording: bool, args_tuple: str) -> list[str]:
+    def _launch_lines(
+        self, number: int, launch: TraceLaunch, recording: bool, args_tuple: str, packed: object = None
+    ) -> list[str]:
         lines: list[str] = []
         limits = self.trace.limits
         function = launch.function
@@ -351,6 +389,8 @@ class CallState:
             lines.append(f"if not 0 <= {shared} <= {int(available)}: _bad_config({number}, 'shared', {shared})")
         layout = launch.kernel.layout
         dynamic = [i for i, s in enumerate(launch.sources) if s.kind != "constant"]
+        if packed is not None:
+            return lines + self._packed_launch_lines(number, launch, packed, grid, block, shared, dynamic_axes)
         for run_number, run in enumerate(layout.runs(dynamic)):
             offset, packer = layout.struct_for(run)
             packer_name = f"_pack{number}_{run_number}"
@@ -388,6 +428,33 @@ class CallState:
                 f"if _hook is not None: _report(_hook, {number}, _b, {args_tuple}, _original, stream, "
                 f"{grid_t}, {block_t}, {shared}, {launched})"
             )
+        return lines
+
+    def _packed_launch_lines(
+        self,
+        number: int,
+        launch: TraceLaunch,
+        packed: object,
+        grid: list[str],
+        block: list[str],
+        shared: str,
+        dynamic_axes: list[int],
+    ) -> list[str]:
+        """The launch through the backend's packed launcher: one call packs the changing
+        parameters (exactly as struct would, refusing what struct refuses, also for an empty
+        grid) and launches (nothing for a grid with a zero dimension)."""
+        self.namespace[f"_L{number}"] = packed
+        lines = []
+        if not symbolic.is_static(launch.shared):
+            grow = f"{shared} > _fn{number}.dynamic_shared_limit"
+            if dynamic_axes:  # an empty launch needs no shared memory
+                grow = " and ".join([*(grid[axis] for axis in dynamic_axes), grow])
+            lines.append(f"if {grow}: _grow_shared({number}, {shared})")
+        dynamic = sorted(i for i, s in enumerate(launch.sources) if s.kind != "constant")  # the runs' order
+        values = "".join(f", {self._param_source(launch, i)}" for i in dynamic)
+        config = ", ".join([*grid, *block, shared])
+        lines.append(f"_r = _L{number}({config}, stream{values})")
+        lines.append(f"if _r[0]: _launch_failed(_r[0], {self._binder.bind(launch.kernel.name_expression)})")
         return lines
 
     def _param_source(self, launch: TraceLaunch, index: int) -> str:

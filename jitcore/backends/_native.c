@@ -22,6 +22,7 @@
 #include <Python.h>
 #include <limits.h>
 #include <stdint.h>
+#include <stddef.h>
 #include <string.h>
 
 typedef int (*kernel_launch_fn)(void *function, unsigned grid_x, unsigned grid_y, unsigned grid_z,
@@ -219,6 +220,295 @@ static PyObject *bind(PyObject *module, PyObject *const *args, Py_ssize_t count)
     return function;
 }
 
+/* --- PackedLaunch: a kernel launch that packs its own parameters --------------------------
+ *
+ * A call state's launch packs its changing parameters into a per-thread buffer with
+ * struct.pack_into, then calls the launch with the buffer's void* array. PackedLaunch does
+ * both in one C call: it copies the launch's template (the constant parameters, packed when
+ * the call state was built) into a buffer on the C stack, packs the values by the same
+ * struct codes the call state's packers use, and calls the vendor launch with a void* array
+ * into that buffer (the driver copies the parameters before it returns, so the stack buffer
+ * suffices, and threads share nothing).
+ *
+ * Exactly struct's rules, code by code (CPython's _struct.c, standard sizes, little-endian):
+ * integers accept ints and objects with __index__ (bool included), anything else is a
+ * struct.error; a value out of the code's range is a struct.error; '?' takes any object's
+ * truth; 'e', 'f', 'd' take what float() would (PyFloat_AsDouble; else struct.error) and
+ * round to nearest, a finite value too large for the format an OverflowError (a struct.error
+ * where the value was an int, as struct's pack says it). The call state
+ * catches both (its _PACK_ERRORS) and names the argument, as it does for struct's own.
+ * Every value is packed before anything is launched, and a launch whose grid has a zero
+ * dimension packs (so a bad value is refused all the same) and returns success without
+ * calling the driver: an empty launch. */
+
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "PackedLaunch writes parameters in the host's byte order, which must be little-endian (as struct's '<')"
+#endif
+
+static PyObject *STRUCT_ERROR; /* struct.error */
+
+#define MAX_PACKED_CODES 4096
+
+typedef struct {
+    PyObject_HEAD
+    kernel_launch_fn call;
+    void *function;
+    char *template;     /* the constants, packed; size bytes */
+    Py_ssize_t size;
+    Py_ssize_t *offsets; /* each parameter's offset in the buffer */
+    Py_ssize_t count;    /* parameters */
+    char *codes;         /* the struct codes of the values, in order, 'x' for a pad byte */
+    Py_ssize_t *places;  /* where each code writes */
+    Py_ssize_t codes_count, values;
+    vectorcallfunc vectorcall;
+} PackedLaunch;
+
+static void packed_dealloc(PackedLaunch *self) {
+    PyMem_Free(self->template);
+    PyMem_Free(self->offsets);
+    PyMem_Free(self->codes);
+    PyMem_Free(self->places);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int code_size(char code) {
+    switch (code) {
+    case 'x': case 'b': case 'B': case '?': return 1;
+    case 'h': case 'H': case 'e': return 2;
+    case 'i': case 'I': case 'l': case 'L': case 'f': return 4;
+    case 'q': case 'Q': case 'd': return 8;
+    default: return 0;
+    }
+}
+
+static PyObject *packed_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, PyObject *kwnames);
+
+/* PackedLaunch(launch_address, function, template, offsets, runs): runs are (offset, format)
+   pairs, each format a struct format of '<' and single codes (as ParamLayout.struct_for makes). */
+static PyObject *packed_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    PyObject *address_obj, *function_obj, *offsets_obj, *runs_obj;
+    Py_buffer template;
+    if (kwargs != NULL && PyDict_GET_SIZE(kwargs)) {
+        PyErr_SetString(PyExc_TypeError, "PackedLaunch takes positional arguments only");
+        return NULL;
+    }
+    if (!PyArg_ParseTuple(args, "OOy*O!O!", &address_obj, &function_obj, &template, &PyTuple_Type, &offsets_obj,
+                          &PyTuple_Type, &runs_obj))
+        return NULL;
+    PackedLaunch *self = (PackedLaunch *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        goto failed;
+    self->vectorcall = packed_vectorcall;
+    void *address;
+    if (as_pointer(address_obj, &address, "launch address") < 0 || as_pointer(function_obj, &self->function, "function") < 0)
+        goto failed;
+    if (address == NULL) {
+        PyErr_SetString(PyExc_ValueError, "launch address: expected the vendor launch's address, got 0");
+        goto failed;
+    }
+    self->call = (kernel_launch_fn)address;
+    self->size = template.len;
+    self->template = PyMem_Malloc(template.len > 0 ? (size_t)template.len : 1);
+    self->count = PyTuple_GET_SIZE(offsets_obj);
+    self->offsets = PyMem_Malloc(sizeof(Py_ssize_t) * (size_t)(self->count > 0 ? self->count : 1));
+    self->codes = PyMem_Malloc(MAX_PACKED_CODES);
+    self->places = PyMem_Malloc(sizeof(Py_ssize_t) * MAX_PACKED_CODES);
+    if (self->template == NULL || self->offsets == NULL || self->codes == NULL || self->places == NULL) {
+        PyErr_NoMemory();
+        goto failed;
+    }
+    memcpy(self->template, template.buf, (size_t)template.len);
+    for (Py_ssize_t i = 0; i < self->count; i++) {
+        Py_ssize_t offset = PyLong_AsSsize_t(PyTuple_GET_ITEM(offsets_obj, i));
+        if (offset == -1 && PyErr_Occurred())
+            goto failed;
+        if (offset < 0 || offset > self->size) {
+            PyErr_Format(PyExc_ValueError, "parameter %zd: offset %zd outside the %zd-byte buffer", i, offset, self->size);
+            goto failed;
+        }
+        self->offsets[i] = offset;
+    }
+    for (Py_ssize_t r = 0; r < PyTuple_GET_SIZE(runs_obj); r++) {
+        PyObject *run = PyTuple_GET_ITEM(runs_obj, r);
+        Py_ssize_t at;
+        const char *format;
+        if (!PyArg_ParseTuple(run, "ns", &at, &format))
+            goto failed;
+        if (format[0] != '<') {
+            PyErr_Format(PyExc_ValueError, "run %zd: expected a little-endian struct format ('<...'), got %s", r, format);
+            goto failed;
+        }
+        for (const char *c = format + 1; *c; c++) {
+            int size = code_size(*c);
+            if (size == 0) {
+                PyErr_Format(PyExc_ValueError, "run %zd: struct code %c is not one PackedLaunch packs", r, *c);
+                goto failed;
+            }
+            if (self->codes_count >= MAX_PACKED_CODES || at < 0 || at + size > self->size) {
+                PyErr_Format(PyExc_ValueError, "run %zd: code %c at %zd outside the %zd-byte buffer", r, *c, at, self->size);
+                goto failed;
+            }
+            self->codes[self->codes_count] = *c;
+            self->places[self->codes_count++] = at;
+            if (*c != 'x')
+                self->values++;
+            at += size;
+        }
+    }
+    PyBuffer_Release(&template);
+    return (PyObject *)self;
+failed:
+    PyBuffer_Release(&template);
+    Py_XDECREF(self);
+    return NULL;
+}
+
+/* An integer the way struct's get_pylong takes it: an int, or an object with __index__. */
+static PyObject *struct_integer(PyObject *value) {
+    if (PyLong_Check(value))
+        return Py_NewRef(value);
+    if (PyIndex_Check(value))
+        return PyNumber_Index(value);
+    PyErr_SetString(STRUCT_ERROR, "required argument is not an integer");
+    return NULL;
+}
+
+static int pack_integer(char code, PyObject *value, char *place) {
+    PyObject *number = struct_integer(value);
+    if (number == NULL)
+        return -1;
+    int is_signed = code == 'b' || code == 'h' || code == 'i' || code == 'l' || code == 'q';
+    int size = code_size(code);
+    unsigned long long bits;
+    if (is_signed) {
+        long long x = PyLong_AsLongLong(number);
+        Py_DECREF(number);
+        if (x == -1 && PyErr_Occurred())
+            goto out_of_range;
+        if (size < 8) {
+            long long limit = 1LL << (8 * size - 1);
+            if (x < -limit || x >= limit)
+                goto out_of_range;
+        }
+        bits = (unsigned long long)x;
+    } else {
+        unsigned long long x = PyLong_AsUnsignedLongLong(number);
+        Py_DECREF(number);
+        if (x == (unsigned long long)-1 && PyErr_Occurred())
+            goto out_of_range;
+        if (size < 8 && x >= (1ULL << (8 * size)))
+            goto out_of_range;
+        bits = x;
+    }
+    memcpy(place, &bits, (size_t)size); /* little-endian: the low bytes first */
+    return 0;
+out_of_range:
+    PyErr_Clear();
+    PyErr_Format(STRUCT_ERROR, "argument out of range for struct code '%c'", code);
+    return -1;
+}
+
+static int pack_one(char code, PyObject *value, char *place) {
+    double x;
+    switch (code) {
+    case '?': {
+        int truth = PyObject_IsTrue(value);
+        if (truth < 0)
+            return -1;
+        *place = (char)(truth ? 1 : 0);
+        return 0;
+    }
+    case 'e': case 'f': case 'd':
+        x = PyFloat_AsDouble(value);
+        if (x == -1.0 && PyErr_Occurred()) {
+            PyErr_SetString(STRUCT_ERROR, "required argument is not a float");
+            return -1;
+        }
+#if PY_VERSION_HEX >= 0x030B0000
+        return code == 'e' ? PyFloat_Pack2(x, place, 1) : code == 'f' ? PyFloat_Pack4(x, place, 1) : PyFloat_Pack8(x, place, 1);
+#else
+        return code == 'e' ? _PyFloat_Pack2(x, (unsigned char *)place, 1)
+               : code == 'f' ? _PyFloat_Pack4(x, (unsigned char *)place, 1)
+                             : _PyFloat_Pack8(x, (unsigned char *)place, 1);
+#endif
+    default:
+        return pack_integer(code, value, place);
+    }
+}
+
+static PyObject *packed_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    static const char *const names[] = {"grid x", "grid y", "grid z", "block x", "block y", "block z", "shared bytes"};
+    PackedLaunch *self = (PackedLaunch *)callable;
+    Py_ssize_t count = PyVectorcall_NARGS(nargsf);
+    unsigned dims[7];
+    void *stream;
+    if (kwnames != NULL && PyTuple_GET_SIZE(kwnames)) {
+        PyErr_SetString(PyExc_TypeError, "a packed launch takes positional arguments only");
+        return NULL;
+    }
+    if (check_count(count, 8 + self->values) < 0)
+        return NULL;
+    for (int i = 0; i < 7; i++)
+        if (as_unsigned(args[i], &dims[i], names[i]) < 0)
+            return NULL;
+    if (as_pointer(args[7], &stream, "stream") < 0)
+        return NULL;
+    char small[512];
+    void *small_params[64];
+    char *buffer = self->size <= (Py_ssize_t)sizeof(small) ? small : PyMem_Malloc((size_t)self->size);
+    void **params = self->count <= 64 ? small_params : PyMem_Malloc(sizeof(void *) * (size_t)self->count);
+    PyObject *result = NULL;
+    if (buffer == NULL || params == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    memcpy(buffer, self->template, (size_t)self->size);
+    Py_ssize_t value = 8;
+    for (Py_ssize_t i = 0; i < self->codes_count; i++) {
+        char code = self->codes[i];
+        if (code == 'x')
+            continue;
+        PyObject *item = args[value++];
+        if (pack_one(code, item, buffer + self->places[i]) < 0) {
+            if (PyLong_Check(item) && PyErr_ExceptionMatches(PyExc_OverflowError)) /* as struct's pack does */
+                PyErr_SetString(STRUCT_ERROR, "int too large to convert");
+            goto done;
+        }
+    }
+    if (dims[0] == 0 || dims[1] == 0 || dims[2] == 0) { /* an empty launch: nothing to run */
+        result = status_tuple(0);
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < self->count; i++)
+        params[i] = buffer + self->offsets[i];
+    int status;
+    kernel_launch_fn call = self->call;
+    void *function = self->function;
+    Py_BEGIN_ALLOW_THREADS
+    status = call(function, dims[0], dims[1], dims[2], dims[3], dims[4], dims[5], dims[6], stream,
+                  self->count ? params : NULL, NULL);
+    Py_END_ALLOW_THREADS
+    result = status_tuple(status);
+done:
+    if (buffer != small)
+        PyMem_Free(buffer);
+    if (params != small_params)
+        PyMem_Free(params);
+    return result;
+}
+
+static PyTypeObject PackedLaunchType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "jitcore.backends._native.PackedLaunch",
+    .tp_basicsize = sizeof(PackedLaunch),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_vectorcall_offset = offsetof(PackedLaunch, vectorcall),
+    .tp_doc = "PackedLaunch(launch_address, function, template, offsets, runs): a kernel launch that packs its "
+              "own parameters (see jitcore/backends/_native.c)",
+    .tp_new = packed_new,
+    .tp_dealloc = (destructor)packed_dealloc,
+    .tp_call = PyVectorcall_Call,
+};
+
 static PyMethodDef module_methods[] = {
     {"bind", (PyCFunction)(void (*)(void))bind, METH_FASTCALL,
      "bind(kind, name, address) -> function calling the vendor function at address (see the module source)"},
@@ -243,5 +533,22 @@ PyMODINIT_FUNC PyInit__native(void) {
         return NULL;
     }
     Py_INCREF(SUCCESS);
+    PyObject *struct_module = PyImport_ImportModule("struct");
+    if (struct_module == NULL) {
+        Py_DECREF(module);
+        return NULL;
+    }
+    STRUCT_ERROR = PyObject_GetAttrString(struct_module, "error");
+    Py_DECREF(struct_module);
+    if (STRUCT_ERROR == NULL || PyType_Ready(&PackedLaunchType) < 0) {
+        Py_DECREF(module);
+        return NULL;
+    }
+    Py_INCREF(&PackedLaunchType);
+    if (PyModule_AddObject(module, "PackedLaunch", (PyObject *)&PackedLaunchType) < 0) {
+        Py_DECREF(&PackedLaunchType);
+        Py_DECREF(module);
+        return NULL;
+    }
     return module;
 }

@@ -248,6 +248,19 @@ class Backend(abc.ABC):
         launches it cannot tell apart)."""
         return None
 
+    def packed_launcher(
+        self, function: object, template: bytes, offsets: tuple[int, ...], runs: tuple[tuple[int, str], ...]
+    ) -> Callable[..., tuple] | None:
+        """A launch of ``function`` (what ``launch_function`` gives) that packs its own
+        parameters, or None where the backend has none (then call states pack with struct and
+        launch through ``launch_template``). ``template`` holds the launch's parameters with
+        the constants written, ``offsets`` each parameter's offset in it, ``runs`` the struct
+        formats of the changing ones and where each starts. Called as ``launcher(gx, gy, gz,
+        bx, by, bz, shared, stream, *values)``, it returns the launch's ``(status,)``; it packs
+        exactly as ``struct`` would (raising ``struct.error`` or ``OverflowError`` where
+        ``struct`` does) and launches nothing when a grid dimension is 0."""
+        return None
+
     def launch_function(self, function: LoadedFunction) -> object:
         """What ``launch_template``'s {function} takes for a loaded function: its vendor
         handle, or its raw address where the backend calls the driver from C."""

@@ -73,6 +73,8 @@ def native_calls() -> dict[str, Callable[..., tuple]] | None:
         except AttributeError:  # a driver without the symbol: every call stays on the binding
             return None
         calls[role] = _native.bind(kind, symbol.removesuffix("_v2").removesuffix("_ptsz"), address)
+        if role == "launch":
+            calls["packed_launch"] = functools.partial(_native.PackedLaunch, address)
     return calls
 
 
@@ -194,6 +196,7 @@ class CudaBackend(DriverBackend):
         graph_launch = native["graph_launch"] if native else driver.cuGraphLaunch
         super().__init__(compiler, launch, graph_launch, 0, _check, {}, launch_detail=False)
         self._native_node_set = native["node_set"] if native else None
+        self._packed_launch = native["packed_launch"] if native else None
         self.raw_stream_handles = self.native
         if native:
             # the C calls take raw handles: the stream cache (for code built from the templates
@@ -247,6 +250,15 @@ class CudaBackend(DriverBackend):
 
     def _function_attribute(self, function: object, name: str) -> int:
         return _function_attribute(function, name)
+
+    def packed_launcher(
+        self, function: object, template: bytes, offsets: tuple[int, ...], runs: tuple[tuple[int, str], ...]
+    ) -> Callable[..., tuple] | None:
+        """The C helper's PackedLaunch over cuLaunchKernel (jitcore/backends/_native.c), where
+        the helper is in use."""
+        if self._packed_launch is None:
+            return None
+        return self._packed_launch(function, template, offsets, runs)
 
     def stream_object(self, raw_stream: int) -> object:
         stream = self._streams.get(raw_stream)

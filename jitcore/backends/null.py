@@ -31,6 +31,10 @@ def _null_launch(function, gx, gy, gz, bx, by, bz, shared, stream, params, extra
     return _SUCCESS
 
 
+def _launch_failed(status: int, label: str) -> None:
+    raise RuntimeError(f"null launch of {label} failed ({status})")
+
+
 class NullBackend(Backend):
     name = "null"
     device_type = "cpu"
@@ -45,6 +49,7 @@ class NullBackend(Backend):
             "_stream_object": lambda raw: raw,
             "_current_device": lambda: -1,
             "_current_stream": lambda device: 0,
+            "_launch_failed": _launch_failed,
         }
         self.launch_template = (
             "_r = _null_launch({function}, {gx}, {gy}, {gz}, {bx}, {by}, {bz}, {shared}, {stream}, {params}, 0)\n"

@@ -8,12 +8,31 @@ import threading
 from jitcore.backends.null import NullBackend
 from jitcore.errors import CaptureMissError
 
+try:
+    from jitcore.backends import _native
+except ImportError:  # a build without a C compiler
+    _native = None
+
+#: How call states pack a launch's parameters in the tests that run both: struct into this
+#: thread's buffers, and the C helper's PackedLaunch where it was built.
+PACKINGS = ["struct", "packed"] if _native is not None else ["struct"]
+
+_KERNEL_LAUNCH = ctypes.CFUNCTYPE(ctypes.c_int, *[ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3)
+
 
 class CountingBackend(NullBackend):
-    """The null backend, but every launch records the parameter bytes it was given."""
+    """The null backend, but every launch records the parameter bytes it was given.
 
-    def __init__(self, device_name: str = "cpu", device: int = -1):
+    ``packed=True``: call states launch through the C helper's PackedLaunch (the CUDA
+    backend's hot path where the helper is built), with this backend's recording launch as
+    the "driver" behind it (a ctypes callback), so the C packing is checked byte for byte."""
+
+    def __init__(self, device_name: str = "cpu", device: int = -1, *, packed: bool = False):
         super().__init__()
+        if packed and _native is None:
+            raise RuntimeError("packed=True needs jitcore.backends._native (not built here)")
+        self._packed = packed
+        self._callbacks: list = []  # the ctypes callbacks PackedLaunch calls, kept alive
         self._device_name = device_name
         self._device = device
         self.calls: list[tuple] = []
@@ -37,6 +56,18 @@ class CountingBackend(NullBackend):
             return (0,)
 
         self.hot_namespace = dict(self.hot_namespace, _null_launch=launch, _current_device=lambda: self._device)
+
+    def packed_launcher(self, function, template, offsets, runs):
+        if not self._packed:
+            return None
+        launch = self.hot_namespace["_null_launch"]
+
+        def driver(function, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+            return launch(function, gx, gy, gz, bx, by, bz, shared, stream or 0, params, extra or 0)[0]
+
+        callback = _KERNEL_LAUNCH(driver)
+        self._callbacks.append(callback)
+        return _native.PackedLaunch(ctypes.cast(callback, ctypes.c_void_p).value, function, template, offsets, runs)
 
     def _read(self, function, params_address):
         layout = self.layout_of.get(function)

@@ -29,7 +29,7 @@ from jitcore.errors import (
 )
 from jitcore.recorder import CaptureBusy, CaptureExclusion
 
-from .fakes import CountingBackend, ListRecorder, track_layouts
+from .fakes import PACKINGS, CountingBackend, ListRecorder, track_layouts
 
 AXPY = r"""
 template <typename T>
@@ -46,9 +46,9 @@ rows_kernel = jc.Kernel(ROWS, "rows")
 BLOCK = 256
 
 
-@pytest.fixture
-def backend():
-    fake = CountingBackend()
+@pytest.fixture(params=PACKINGS)
+def backend(request):
+    fake = CountingBackend(packed=request.param == "packed")
     with use_backend(fake):
         yield fake
 
@@ -127,6 +127,17 @@ def test_constants_are_written_once_and_never_rewritten(backend):
     launch_const(x, out)
     state = launch_const.jit.states[next(iter(launch_const.jit.states))].call_state
     hot = state.source.split("\n\n")[0]  # the run function (the recording variant follows it)
+    if backend._packed:  # the constants live in the packed launch's template, copied each call
+        call = hot.split("_L0(")[1].split("\n")[0]
+        assert hot.count("_L0(") == 1 and ", 7," not in call and "False" not in call
+        track_layouts(backend, rows_kernel.instantiate())
+        launch_const(x, out)
+        types = rows_kernel.instantiate().layout.types
+        packed = backend.calls[-1][7]
+        assert [packed[i] for i in range(2, 6)] == [
+            struct.pack("<" + types[i].fmt, v) for i, v in zip(range(2, 6), (7, 9, 11, False))
+        ]
+        return
     assert hot.count("_pack0_") == 1 and ", 7," not in hot.split("_pack0_0(")[1]
     # scribble over the constant's slot, found through the void* array the driver was given
     params = backend.calls[-1][5]

@@ -21,7 +21,7 @@ import jitcore as jc
 from jitcore.backends import abi, use_backend
 from jitcore.errors import ArgumentError
 
-from .fakes import CountingBackend, track_layouts
+from .fakes import PACKINGS, CountingBackend, track_layouts
 
 # One spelling per distinct C scalar type the ABI knows (abi._SCALARS maps every spelling).
 C_TYPES = [
@@ -312,9 +312,9 @@ def test_every_boundary_value_on_every_type(path, ctype):
 
 
 # --- the filed cases, by name -----------------------------------------------------------------------
-@pytest.fixture
-def backend():
-    fake = CountingBackend()
+@pytest.fixture(params=PACKINGS)
+def backend(request):
+    fake = CountingBackend(packed=request.param == "packed")
     with use_backend(fake):
         yield fake
 

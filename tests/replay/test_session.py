@@ -1124,21 +1124,21 @@ def test_region_call_in_c_and_in_python_agree(session_factory, monkeypatch):
 @_GATE
 def test_region_call_in_c_rekeys_when_the_globals_change(session_factory):
     session = session_factory(record_after=0)
-    step = session.region(_scaled)
+    step = session.region(_factored)
     x = torch.ones(2)
     for _ in range(3):
         assert step(x).tolist() == [3.0, 3.0]
-    global _SCALE
-    _SCALE = 5.0
+    global _FACTOR
+    _FACTOR = 5.0
     try:
         assert step(x).tolist() == [5.0, 5.0]  # the drift raised inside _fast: _rekey, then the call
         assert session.stats().invalidations == 1
     finally:
-        _SCALE = 3.0
+        _FACTOR = 3.0
 
 
-_SCALE = 3.0
+_FACTOR = 3.0
 
 
-def _scaled(x):
-    return x * _SCALE
+def _factored(x):
+    return x * _FACTOR

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import shutil
+import struct
 import sysconfig
 import threading
 import time
@@ -17,6 +18,8 @@ import time
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 try:
     from jitcore.backends import _native
@@ -198,11 +201,13 @@ def test_the_cuda_backend_launches_through_the_helper(monkeypatch):
 
     monkeypatch.setattr(cuda_backend.ctypes, "CDLL", FakeLibcuda)
     calls = cuda_backend.native_calls()
+    packed = calls.pop("packed_launch")
     assert {role: f.__name__ for role, f in calls.items()} == {
         "launch": "cuLaunchKernel",
         "graph_launch": "cuGraphLaunch",
         "node_set": "cuGraphExecKernelNodeSetParams",
     }
+    assert packed.func is _native.PackedLaunch and packed.args == (drivers["cuLaunchKernel"].address,)
     backend = cuda_backend.CudaBackend()
     assert backend.native and backend.raw_stream_handles
     assert backend.raw_launch is backend.hot_namespace["_cuLaunchKernel"]
@@ -234,4 +239,97 @@ def test_the_cuda_backend_launches_through_the_helper(monkeypatch):
     assert updater.set_call(*updater.set_args) == (0,)
     (exec_handle, node_handle, struct_address), *_ = drivers["cuGraphExecKernelNodeSetParams_v2"].calls
     assert (exec_handle, node_handle, struct_address) == (0xE0, 0xA0, updater.node_params.getPtr())
+
+    # a packed launch: the backend's PackedLaunch over the same cuLaunchKernel
+    launcher = backend.packed_launcher(0xF00, bytes(12), (0, 8), ((0, "<Q"), (8, "<i")))
+    drivers["cuLaunchKernel"].status = 0
+    assert launcher(2, 1, 1, 64, 1, 1, 0, 0xBEEF, 0x1234, -7) == (0,)
+    assert drivers["cuLaunchKernel"].calls[-1][:9] == (0xF00, 2, 1, 1, 64, 1, 1, 0, 0xBEEF)
     assert torch.zeros(1).sum() == 0  # torch still fine after the fakes (no stray frees)
+
+
+# --- PackedLaunch: the launch that packs its own parameters -------------------------------------
+
+_CODES = "bBhHiIlLqQ?efd"
+
+
+class ParamReader:
+    """A fake cuLaunchKernel that copies out the packed parameters while the call lasts (the
+    buffer lives on the C stack for the call only)."""
+
+    def __init__(self, layout_offsets: list[int], sizes: list[int]) -> None:
+        self.seen: list[tuple] = []
+
+        def call(function, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+            pointers = (ctypes.c_void_p * len(layout_offsets)).from_address(params) if layout_offsets else []
+            self.seen.append(
+                (
+                    (function, gx, gy, gz, bx, by, bz, shared, stream, extra),
+                    [ctypes.string_at(p, n) for p, n in zip(pointers, sizes)],
+                )
+            )
+            return 0
+
+        self.callback = KERNEL_LAUNCH(call)
+        self.address = ctypes.cast(self.callback, ctypes.c_void_p).value
+
+
+def _values_for(code: str):
+    ints = st.integers(-(2**70), 2**70) | st.sampled_from(
+        [0, 1, -1, 127, 128, -129, 255, 256, 2**31, -(2**31) - 1, 2**32, 2**63, 2**64, -(2**63) - 1]
+    )
+    floats = st.floats(allow_nan=True, allow_infinity=True) | st.sampled_from(
+        [3.5e38, 3.4e38, 65504.0, 65520.0, 1e308, -0.0]
+    )
+    others = st.sampled_from(
+        [True, False, None, "1", np.int32(-5), np.uint8(7), np.float32(1.5), np.float64(2.25), np.bool_(True), 2**100]
+    )
+    return st.one_of(ints, floats, others)
+
+
+@needs_native
+@settings(max_examples=400, deadline=None)
+@given(data=st.data(), codes=st.text(alphabet=_CODES, min_size=1, max_size=6))
+def test_a_packed_launch_packs_exactly_what_struct_packs_and_refuses_what_it_refuses(data, codes):
+    values = [data.draw(_values_for(code)) for code in codes]
+    sizes = [struct.calcsize("<" + code) for code in codes]
+    offsets = [sum(sizes[:i]) for i in range(len(codes))]
+    reader = ParamReader([*offsets, sum(sizes)], [*sizes, 8])
+    constant = b"\xab" * 8  # a constant parameter after the values, packed once in the template
+    template = bytes(sum(sizes)) + constant
+    launch = _native.PackedLaunch(reader.address, 0x77, template, (*offsets, sum(sizes)), ((0, "<" + codes),))
+    try:
+        expected = [struct.pack("<" + code, value) for code, value in zip(codes, values)]
+    except (struct.error, OverflowError, TypeError) as refused:
+        with pytest.raises((struct.error, OverflowError)) as caught:
+            launch(1, 1, 1, 32, 1, 1, 0, 0x5, *values)
+        assert type(caught.value) is type(refused)  # struct.error or OverflowError, as struct says
+        assert reader.seen == []  # nothing launched
+        return
+    assert launch(1, 1, 1, 32, 1, 1, 0, 0x5, *values) == (0,)
+    ((call, params),) = reader.seen
+    assert call == (0x77, 1, 1, 1, 32, 1, 1, 0, 0x5, None)
+    assert params == [*expected, constant]
+
+
+@needs_native
+def test_a_packed_launch_keeps_pads_and_constants_and_skips_empty_grids():
+    reader = ParamReader([0, 8, 16], [8, 4, 8])
+    template = b"\x00" * 8 + b"\x11\x22\x33\x44" + b"\xee" * 4 + b"\x00" * 8  # a constant int between two values
+    launch = _native.PackedLaunch(reader.address, 1, template, (0, 8, 16), ((0, "<Q"), (16, "<d")))
+    assert launch(2, 1, 1, 64, 1, 1, 128, None, 2**64 - 1, 0.5) == (0,)
+    ((call, params),) = reader.seen
+    assert params == [b"\xff" * 8, b"\x11\x22\x33\x44", struct.pack("<d", 0.5)]
+    assert call[8] is None  # a NULL stream
+    assert launch(0, 1, 1, 64, 1, 1, 0, 0, 1, 1.0) == (0,)  # an empty grid: packed, not launched
+    assert len(reader.seen) == 1
+    with pytest.raises(struct.error):
+        launch(0, 1, 1, 64, 1, 1, 0, 0, -1, 1.0)  # packed (and refused) even when nothing would run
+    with pytest.raises(TypeError, match="expected 10 arguments"):
+        launch(1, 1, 1, 64, 1, 1, 0, 0, 1)
+    with pytest.raises(OverflowError, match="grid x"):
+        launch(2**32, 1, 1, 64, 1, 1, 0, 0, 1, 1.0)
+    with pytest.raises(ValueError, match="struct code"):
+        _native.PackedLaunch(reader.address, 1, template, (0,), ((0, "<2Q"),))
+    with pytest.raises(ValueError, match="outside"):
+        _native.PackedLaunch(reader.address, 1, template, (0,), ((20, "<Q"),))
