@@ -1007,7 +1007,9 @@ def _gate_fields(region: Region, clock) -> dict:
     )
 
 
-_GATE = pytest.mark.skipif(session_module.EagerGate is None, reason="replay._eager is not built here")
+_GATE = pytest.mark.skipif(
+    not session_module._native_enabled(), reason="replay._eager is not built here (or JITCORE_NATIVE=0)"
+)
 
 
 @_GATE

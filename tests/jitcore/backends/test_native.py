@@ -182,6 +182,7 @@ def test_the_cuda_backend_launches_through_the_helper(monkeypatch):
     """The CUDA backend with a fake libcuda: a jit call state's launch and a node update go
     through the C helper with raw handles, the same arguments the binding would get."""
     pytest.importorskip("cuda.bindings")
+    monkeypatch.delenv("JITCORE_NATIVE", raising=False)  # this test is of the helper itself
     from jitcore.backends import cuda as cuda_backend
 
     drivers = {
