@@ -563,7 +563,8 @@ class Region:
         of shapes spends most of its calls, skips :meth:`_decide` for those: same decisions,
         same counts. Asked again when the budget changes (its version: by the next
         :meth:`_decide`) or this region's eager estimate does (:meth:`_eager_took`, at once);
-        never used while debug logging is on (the rule then says why for each call)."""
+        not used where debug logging was on when it was last asked (the rule then says why
+        for each call)."""
         self._quiet_version = admission.budget.version
         self._quiet_below = 0 if log.isEnabledFor(logging.DEBUG) else admission.quiet_below(self.eager_seconds)
 
