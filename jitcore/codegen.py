@@ -21,10 +21,10 @@ launch directly, once per recorded kernel launch. Print one with ``JITCORE_DUMP=
 
 Where the backend has a launch that packs its own parameters (``Backend.packed_launcher``: the
 CUDA backend's C helper, jitcore/backends/_native.c), the pack and the launch are one call,
-the constants in its template, and the call state keeps no buffers::
+the constants in its template, a tensor's pointer read by the launch (``P`` code), a refused
+launch raised by it, and the call state keeps no buffers::
 
-        _r = _L0(_grid0x, 1, 1, 256, 1, 1, 0, stream, _a0_ptr, _a1_ptr, _a2_ptr, _a3, _a0_numel)
-        if _r[0]: _launch_failed(_r[0], _k0)
+        _L0(_grid0x, 1, 1, 256, 1, 1, 0, stream, _a0, _a1, _a2, _a3, _a0_numel)
 
 The recording variant (``__rec``) always packs into the thread's buffers, which the recorder
 reads.
@@ -225,8 +225,10 @@ class CallState:
     def _packed_launchers(self) -> list | None:
         """Each launch as the backend's launch that packs its own parameters
         (Backend.packed_launcher: the constants in its template, the changing parameters'
-        struct formats), or None where the backend has none for some launch: then every
-        launch packs with struct into this thread's buffers."""
+        struct formats, a tensor's pointer read by the launch itself where it reaches the
+        kernel unchanged, the backend's error for a refused launch), or None where the backend
+        has none for some launch: then every launch packs with struct into this thread's
+        buffers."""
         launchers = []
         for launch in self.trace.launches:
             layout = launch.kernel.layout
@@ -235,9 +237,20 @@ class CallState:
                 if source.kind == "constant":
                     _pack_one(template, launch, index, source.value)
             dynamic = [i for i, s in enumerate(launch.sources) if s.kind != "constant"]
-            runs = tuple((int(at), packer.format) for at, packer in map(layout.struct_for, layout.runs(dynamic)))
+            runs = []
+            for run in layout.runs(dynamic):
+                at, packer = layout.struct_for(run)
+                codes = iter("P" if _direct_pointer(launch.sources[i]) else None for i in run)
+                fmt = "".join(c if c in "<x" else (next(codes) or c) for c in packer.format)
+                runs.append((int(at), fmt))
+            launch_failed = self.namespace.get("_launch_failed")  # the backend's error for a status
+            failed = launch_failed and functools.partial(launch_failed, label=launch.kernel.name_expression)
             launcher = self.backend.packed_launcher(
-                self.backend.launch_function(launch.function), template.bytes(), tuple(layout.offsets), runs
+                self.backend.launch_function(launch.function),
+                template.bytes(),
+                tuple(layout.offsets),
+                tuple(runs),
+                failed,
             )
             if launcher is None:
                 return None
@@ -287,7 +300,14 @@ class CallState:
         body: list[str] = []
         body += self._leaf_reads()
         body += self._index_checks(args_tuple)
-        pointer_args = sorted({s.arg_index for launch in trace.launches for s in launch.sources if s.kind == "pointer"})
+        pointer_args = sorted(
+            {
+                s.arg_index
+                for launch in trace.launches
+                for s in launch.sources
+                if s.kind == "pointer" and (packed is None or not _direct_pointer(s))  # else the launch reads it
+            }
+        )
         body += [f"_a{index}_ptr = _a{index}.data_ptr()" for index in pointer_args]
         for number, launch in enumerate(trace.launches):
             body += self._launch_lines(number, launch, recording, args_tuple, packed[number] if packed else None)
@@ -451,10 +471,14 @@ class CallState:
                 grow = " and ".join([*(grid[axis] for axis in dynamic_axes), grow])
             lines.append(f"if {grow}: _grow_shared({number}, {shared})")
         dynamic = sorted(i for i, s in enumerate(launch.sources) if s.kind != "constant")  # the runs' order
-        values = "".join(f", {self._param_source(launch, i)}" for i in dynamic)
+        values = "".join(
+            f", _a{launch.sources[i].arg_index}"
+            if _direct_pointer(launch.sources[i])
+            else f", {self._param_source(launch, i)}"
+            for i in dynamic
+        )
         config = ", ".join([*grid, *block, shared])
-        lines.append(f"_r = _L{number}({config}, stream{values})")
-        lines.append(f"if _r[0]: _launch_failed(_r[0], {self._binder.bind(launch.kernel.name_expression)})")
+        lines.append(f"_L{number}({config}, stream{values})  # raises the backend's error if the launch fails")
         return lines
 
     def _param_source(self, launch: TraceLaunch, index: int) -> str:
@@ -754,6 +778,15 @@ class _Encoder:
 
     def __call__(self, value: object) -> bytes:
         return abi.encode_scalar(self.param, value)
+
+
+def _direct_pointer(source: object) -> bool:
+    """Whether a parameter is a tensor argument's data pointer itself (no offset added): a
+    packed launch reads it from the tensor (its ``P`` code)."""
+    if source.kind != "pointer":
+        return False
+    offset = source.offset * source.itemsize if source.itemsize else 0
+    return symbolic.is_static(offset) and offset == 0
 
 
 def _pack_one(packed: PackedParams, launch: TraceLaunch, index: int, value: object) -> None:

@@ -432,5 +432,5 @@ class _NoLaunch:
         self.launch_function = backend.launch_function
         self.raw_stream_handles = backend.raw_stream_handles
 
-    def packed_launcher(self, *args: object) -> None:
+    def packed_launcher(self, *args: object, **kwargs: object) -> None:
         return None  # the fill packs with struct, then the no-op launch: a packed launch packs and launches at once

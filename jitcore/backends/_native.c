@@ -237,9 +237,12 @@ static PyObject *bind(PyObject *module, PyObject *const *args, Py_ssize_t count)
  * round to nearest, a finite value too large for the format an OverflowError (a struct.error
  * where the value was an int, as struct's pack says it). The call state
  * catches both (its _PACK_ERRORS) and names the argument, as it does for struct's own.
- * Every value is packed before anything is launched, and a launch whose grid has a zero
- * dimension packs (so a bad value is refused all the same) and returns success without
- * calling the driver: an empty launch. */
+ * One more code, 'P': the value is a tensor (any object with data_ptr()), and what its
+ * data_ptr() returns is packed as 'Q' (the call state passes tensors whose pointer goes to
+ * the kernel unchanged, and saves the Python call). Every value is packed before anything is
+ * launched, and a launch whose grid has a zero dimension packs (so a bad value is refused all
+ * the same) and returns success without calling the driver: an empty launch. A launch the
+ * driver refuses calls `failed` with its status, which raises the backend's error. */
 
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "PackedLaunch writes parameters in the host's byte order, which must be little-endian (as struct's '<')"
@@ -260,10 +263,14 @@ typedef struct {
     char *codes;         /* the struct codes of the values, in order, 'x' for a pad byte */
     Py_ssize_t *places;  /* where each code writes */
     Py_ssize_t codes_count, values;
+    PyObject *failed; /* called with a failed launch's status (it raises), or NULL */
     vectorcallfunc vectorcall;
 } PackedLaunch;
 
+static PyObject *S_DATA_PTR; /* "data_ptr" */
+
 static void packed_dealloc(PackedLaunch *self) {
+    Py_XDECREF(self->failed);
     PyMem_Free(self->template);
     PyMem_Free(self->offsets);
     PyMem_Free(self->codes);
@@ -276,29 +283,38 @@ static int code_size(char code) {
     case 'x': case 'b': case 'B': case '?': return 1;
     case 'h': case 'H': case 'e': return 2;
     case 'i': case 'I': case 'l': case 'L': case 'f': return 4;
-    case 'q': case 'Q': case 'd': return 8;
+    case 'q': case 'Q': case 'd': case 'P': return 8;
     default: return 0;
     }
 }
 
 static PyObject *packed_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, PyObject *kwnames);
 
-/* PackedLaunch(launch_address, function, template, offsets, runs): runs are (offset, format)
-   pairs, each format a struct format of '<' and single codes (as ParamLayout.struct_for makes). */
+/* PackedLaunch(launch_address, function, template, offsets, runs, failed=None): runs are
+   (offset, format) pairs, each format a struct format of '<' and single codes (as
+   ParamLayout.struct_for makes), where 'P' is a 'Q' whose value is an object's data_ptr();
+   failed is called with a launch's non-zero status (it raises). */
 static PyObject *packed_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
-    PyObject *address_obj, *function_obj, *offsets_obj, *runs_obj;
+    PyObject *address_obj, *function_obj, *offsets_obj, *runs_obj, *failed = Py_None;
     Py_buffer template;
     if (kwargs != NULL && PyDict_GET_SIZE(kwargs)) {
         PyErr_SetString(PyExc_TypeError, "PackedLaunch takes positional arguments only");
         return NULL;
     }
-    if (!PyArg_ParseTuple(args, "OOy*O!O!", &address_obj, &function_obj, &template, &PyTuple_Type, &offsets_obj,
-                          &PyTuple_Type, &runs_obj))
+    if (!PyArg_ParseTuple(args, "OOy*O!O!|O", &address_obj, &function_obj, &template, &PyTuple_Type, &offsets_obj,
+                          &PyTuple_Type, &runs_obj, &failed))
         return NULL;
     PackedLaunch *self = (PackedLaunch *)type->tp_alloc(type, 0);
     if (self == NULL)
         goto failed;
     self->vectorcall = packed_vectorcall;
+    if (failed != Py_None) {
+        if (!PyCallable_Check(failed)) {
+            PyErr_SetString(PyExc_TypeError, "failed: expected a callable or None");
+            goto failed;
+        }
+        self->failed = Py_NewRef(failed);
+    }
     void *address;
     if (as_pointer(address_obj, &address, "launch address") < 0 || as_pointer(function_obj, &self->function, "function") < 0)
         goto failed;
@@ -431,6 +447,14 @@ static int pack_one(char code, PyObject *value, char *place) {
                : code == 'f' ? _PyFloat_Pack4(x, (unsigned char *)place, 1)
                              : _PyFloat_Pack8(x, (unsigned char *)place, 1);
 #endif
+    case 'P': { /* a tensor's data pointer, packed as 'Q' (what value.data_ptr() returns) */
+        PyObject *pointer = PyObject_CallMethodNoArgs(value, S_DATA_PTR);
+        if (pointer == NULL)
+            return -1;
+        int status = pack_integer('Q', pointer, place);
+        Py_DECREF(pointer);
+        return status;
+    }
     default:
         return pack_integer(code, value, place);
     }
@@ -488,6 +512,14 @@ static PyObject *packed_vectorcall(PyObject *callable, PyObject *const *args, si
     status = call(function, dims[0], dims[1], dims[2], dims[3], dims[4], dims[5], dims[6], stream,
                   self->count ? params : NULL, NULL);
     Py_END_ALLOW_THREADS
+    if (status != 0 && self->failed != NULL) { /* the backend's error for the status */
+        PyObject *code = PyLong_FromLong(status);
+        PyObject *raised = code == NULL ? NULL : PyObject_CallOneArg(self->failed, code);
+        Py_XDECREF(code);
+        if (raised == NULL)
+            goto done;
+        Py_DECREF(raised);
+    }
     result = status_tuple(status);
 done:
     if (buffer != small)
@@ -502,8 +534,8 @@ static PyTypeObject PackedLaunchType = {
     .tp_basicsize = sizeof(PackedLaunch),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL,
     .tp_vectorcall_offset = offsetof(PackedLaunch, vectorcall),
-    .tp_doc = "PackedLaunch(launch_address, function, template, offsets, runs): a kernel launch that packs its "
-              "own parameters (see jitcore/backends/_native.c)",
+    .tp_doc = "PackedLaunch(launch_address, function, template, offsets, runs, failed=None): a kernel launch "
+              "that packs its own parameters (see jitcore/backends/_native.c)",
     .tp_new = packed_new,
     .tp_dealloc = (destructor)packed_dealloc,
     .tp_call = PyVectorcall_Call,
@@ -540,7 +572,8 @@ PyMODINIT_FUNC PyInit__native(void) {
     }
     STRUCT_ERROR = PyObject_GetAttrString(struct_module, "error");
     Py_DECREF(struct_module);
-    if (STRUCT_ERROR == NULL || PyType_Ready(&PackedLaunchType) < 0) {
+    S_DATA_PTR = PyUnicode_InternFromString("data_ptr");
+    if (STRUCT_ERROR == NULL || S_DATA_PTR == NULL || PyType_Ready(&PackedLaunchType) < 0) {
         Py_DECREF(module);
         return NULL;
     }

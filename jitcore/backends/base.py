@@ -249,16 +249,23 @@ class Backend(abc.ABC):
         return None
 
     def packed_launcher(
-        self, function: object, template: bytes, offsets: tuple[int, ...], runs: tuple[tuple[int, str], ...]
+        self,
+        function: object,
+        template: bytes,
+        offsets: tuple[int, ...],
+        runs: tuple[tuple[int, str], ...],
+        failed: Callable[[int], object] | None = None,
     ) -> Callable[..., tuple] | None:
         """A launch of ``function`` (what ``launch_function`` gives) that packs its own
         parameters, or None where the backend has none (then call states pack with struct and
         launch through ``launch_template``). ``template`` holds the launch's parameters with
         the constants written, ``offsets`` each parameter's offset in it, ``runs`` the struct
-        formats of the changing ones and where each starts. Called as ``launcher(gx, gy, gz,
-        bx, by, bz, shared, stream, *values)``, it returns the launch's ``(status,)``; it packs
-        exactly as ``struct`` would (raising ``struct.error`` or ``OverflowError`` where
-        ``struct`` does) and launches nothing when a grid dimension is 0."""
+        formats of the changing ones and where each starts (``P``: a ``Q`` taken from the
+        value's ``data_ptr()``). Called as ``launcher(gx, gy, gz, bx, by, bz, shared, stream,
+        *values)``, it returns the launch's ``(status,)``, after calling ``failed(status)``
+        (which raises) for a launch the driver refused; it packs exactly as ``struct`` would
+        (raising ``struct.error`` or ``OverflowError`` where ``struct`` does) and launches
+        nothing when a grid dimension is 0."""
         return None
 
     def launch_function(self, function: LoadedFunction) -> object:

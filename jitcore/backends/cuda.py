@@ -252,13 +252,18 @@ class CudaBackend(DriverBackend):
         return _function_attribute(function, name)
 
     def packed_launcher(
-        self, function: object, template: bytes, offsets: tuple[int, ...], runs: tuple[tuple[int, str], ...]
+        self,
+        function: object,
+        template: bytes,
+        offsets: tuple[int, ...],
+        runs: tuple[tuple[int, str], ...],
+        failed: Callable[[int], object] | None = None,
     ) -> Callable[..., tuple] | None:
         """The C helper's PackedLaunch over cuLaunchKernel (jitcore/backends/_native.c), where
         the helper is in use."""
         if self._packed_launch is None:
             return None
-        return self._packed_launch(function, template, offsets, runs)
+        return self._packed_launch(function, template, offsets, runs, failed)
 
     def stream_object(self, raw_stream: int) -> object:
         stream = self._streams.get(raw_stream)

@@ -57,7 +57,7 @@ class CountingBackend(NullBackend):
 
         self.hot_namespace = dict(self.hot_namespace, _null_launch=launch, _current_device=lambda: self._device)
 
-    def packed_launcher(self, function, template, offsets, runs):
+    def packed_launcher(self, function, template, offsets, runs, failed=None):
         if not self._packed:
             return None
         launch = self.hot_namespace["_null_launch"]
@@ -67,7 +67,8 @@ class CountingBackend(NullBackend):
 
         callback = _KERNEL_LAUNCH(driver)
         self._callbacks.append(callback)
-        return _native.PackedLaunch(ctypes.cast(callback, ctypes.c_void_p).value, function, template, offsets, runs)
+        address = ctypes.cast(callback, ctypes.c_void_p).value
+        return _native.PackedLaunch(address, function, template, offsets, runs, failed)
 
     def _read(self, function, params_address):
         layout = self.layout_of.get(function)

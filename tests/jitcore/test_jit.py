@@ -931,3 +931,11 @@ def test_shared_work_that_waits_for_other_shared_work_does_not_deadlock_with_a_w
     assert not any(t.is_alive() for t in threads)
     assert order == ["b", "a", "capture"]
     assert exclusion._holders == {} and exclusion._owner is None
+
+
+def test_a_launch_the_driver_refuses_raises_both_ways(backend):
+    # struct's path tests the status in Python; a packed launch calls the backend's error itself
+    backend.hot_namespace["_null_launch"] = lambda *args: (1,)
+    launch = make_axpy()
+    with pytest.raises(RuntimeError, match="null launch"):
+        launch(torch.randn(64), torch.randn(64), torch.empty(64), 2.0)

@@ -334,3 +334,36 @@ def test_a_packed_launch_keeps_pads_and_constants_and_skips_empty_grids():
         _native.PackedLaunch(reader.address, 1, template, (0,), ((0, "<2Q"),))
     with pytest.raises(ValueError, match="outside"):
         _native.PackedLaunch(reader.address, 1, template, (0,), ((20, "<Q"),))
+
+
+@needs_native
+def test_a_packed_launch_reads_tensors_pointers_and_raises_the_backends_error():
+    reader = ParamReader([0, 8], [8, 8])
+    seen = []
+
+    def failed(status):
+        seen.append(status)
+        raise RuntimeError(f"the launch failed ({status})")
+
+    launch = _native.PackedLaunch(reader.address, 1, bytes(16), (0, 8), ((0, "<PQ"),), failed)
+    x = torch.arange(4.0)
+    assert launch(1, 1, 1, 32, 1, 1, 0, 0, x, 7) == (0,)  # 'P': the tensor's data_ptr(), as 'Q'
+    assert reader.seen[-1][1] == [struct.pack("<Q", x.data_ptr()), struct.pack("<Q", 7)]
+
+    class NoPointer:
+        def data_ptr(self):
+            raise ValueError("no storage")
+
+    with pytest.raises(ValueError, match="no storage"):  # what data_ptr() raises, as the Python path would
+        launch(1, 1, 1, 32, 1, 1, 0, 0, NoPointer(), 7)
+    with pytest.raises(AttributeError):
+        launch(1, 1, 1, 32, 1, 1, 0, 0, 5, 7)
+    assert len(reader.seen) == 1
+
+    refusing = FakeDriver(KERNEL_LAUNCH, status=700)
+    launch = _native.PackedLaunch(refusing.address, 1, bytes(16), (0, 8), ((0, "<PQ"),), failed)
+    with pytest.raises(RuntimeError, match="700"):
+        launch(1, 1, 1, 32, 1, 1, 0, 0, x, 7)
+    assert seen == [700]
+    plain = _native.PackedLaunch(refusing.address, 1, bytes(16), (0, 8), ((0, "<PQ"),))
+    assert plain(1, 1, 1, 32, 1, 1, 0, 0, x, 7) == (700,)  # without failed: the status comes back
