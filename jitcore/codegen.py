@@ -232,11 +232,8 @@ class CallState:
         launchers = []
         for launch in self.trace.launches:
             layout = launch.kernel.layout
-            template = PackedParams(layout)
-            for index, source in enumerate(launch.sources):
-                if source.kind == "constant":
-                    _pack_one(template, launch, index, source.value)
-            dynamic = [i for i, s in enumerate(launch.sources) if s.kind != "constant"]
+            template = _with_constants(launch)
+            dynamic = _changing(launch)
             runs = []
             for run in layout.runs(dynamic):
                 at, packer = layout.struct_for(run)
@@ -408,9 +405,9 @@ class CallState:
             available = limits.max_shared_per_block_optin - function.static_shared_bytes
             lines.append(f"if not 0 <= {shared} <= {int(available)}: _bad_config({number}, 'shared', {shared})")
         layout = launch.kernel.layout
-        dynamic = [i for i, s in enumerate(launch.sources) if s.kind != "constant"]
+        dynamic = _changing(launch)
         if packed is not None:
-            return lines + self._packed_launch_lines(number, launch, packed, grid, block, shared, dynamic_axes)
+            return lines + self._packed_launch_lines(number, launch, packed, dynamic, grid, block, shared, dynamic_axes)
         for run_number, run in enumerate(layout.runs(dynamic)):
             offset, packer = layout.struct_for(run)
             packer_name = f"_pack{number}_{run_number}"
@@ -455,6 +452,7 @@ class CallState:
         number: int,
         launch: TraceLaunch,
         packed: object,
+        dynamic: list[int],
         grid: list[str],
         block: list[str],
         shared: str,
@@ -470,7 +468,6 @@ class CallState:
             if dynamic_axes:  # an empty launch needs no shared memory
                 grow = " and ".join([*(grid[axis] for axis in dynamic_axes), grow])
             lines.append(f"if {grow}: _grow_shared({number}, {shared})")
-        dynamic = sorted(i for i, s in enumerate(launch.sources) if s.kind != "constant")  # the runs' order
         values = "".join(
             f", _a{launch.sources[i].arg_index}"
             if _direct_pointer(launch.sources[i])
@@ -520,10 +517,7 @@ class CallState:
         flat: list[object] = []
         owners = []
         for launch in self.trace.launches:
-            packed = PackedParams(launch.kernel.layout)
-            for index, source in enumerate(launch.sources):
-                if source.kind == "constant":
-                    _pack_one(packed, launch, index, source.value)
+            packed = _with_constants(launch)
             flat += [packed.buffer, packed.address]
             owners.append(packed)
         self._tls.owners = owners  # the void* arrays behind the addresses live as long as the thread's buffers
@@ -778,6 +772,20 @@ class _Encoder:
 
     def __call__(self, value: object) -> bytes:
         return abi.encode_scalar(self.param, value)
+
+
+def _changing(launch: TraceLaunch) -> list[int]:
+    """The indices of a launch's parameters that are not constants, in order (packed each call)."""
+    return [i for i, s in enumerate(launch.sources) if s.kind != "constant"]
+
+
+def _with_constants(launch: TraceLaunch) -> PackedParams:
+    """A launch's parameter buffer with every constant parameter written (once)."""
+    packed = PackedParams(launch.kernel.layout)
+    for index, source in enumerate(launch.sources):
+        if source.kind == "constant":
+            _pack_one(packed, launch, index, source.value)
+    return packed
 
 
 def _direct_pointer(source: object) -> bool:

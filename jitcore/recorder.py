@@ -12,7 +12,6 @@ Cost when no recorder is installed anywhere: one list read per call-state call.
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 import threading
 import time
@@ -22,6 +21,7 @@ from typing import Protocol
 
 import attrs
 
+from jitcore.backends import compiled_helpers_enabled
 from jitcore.backends.abi import ParamLayout
 
 #: Number of recorders installed across all threads; call states read ACTIVE[0].
@@ -288,7 +288,7 @@ _ORDERED_BY_THE_GIL = getattr(sys, "_is_gil_enabled", lambda: True)()
 def _native_shared_side() -> type | None:
     """jitcore._exclusion.SharedSide (the lock-free shared side in C), or None where it was
     not built, the build has no GIL, or ``JITCORE_NATIVE=0`` turns the compiled helpers off."""
-    if not _ORDERED_BY_THE_GIL or os.environ.get("JITCORE_NATIVE", "1").strip() == "0":
+    if not _ORDERED_BY_THE_GIL or not compiled_helpers_enabled():
         return None
     try:
         from jitcore._exclusion import SharedSide

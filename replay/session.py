@@ -19,7 +19,6 @@ from __future__ import annotations
 import enum
 import functools
 import logging
-import os
 import threading
 import time
 import warnings
@@ -30,7 +29,7 @@ import attrs
 import torch
 
 import jitcore
-from jitcore.backends import get_backend
+from jitcore.backends import compiled_helpers_enabled, get_backend
 from jitcore.codegen import never
 from jitcore.errors import GlobalDriftError
 from jitcore.guards import ArgumentCheck, make_guard
@@ -86,7 +85,7 @@ except ImportError:
 
 def _native_enabled() -> bool:
     """Whether replay._eager was built and ``JITCORE_NATIVE`` does not turn compiled helpers off."""
-    return EagerGate is not None and os.environ.get("JITCORE_NATIVE", "1").strip() != "0"
+    return EagerGate is not None and compiled_helpers_enabled()
 
 
 def _eager_gate(region: Region):

@@ -22,6 +22,15 @@ BACKENDS = {
 }
 
 _lock = threading.Lock()
+
+
+def compiled_helpers_enabled() -> bool:
+    """Whether the optional C helpers (jitcore/backends/_native.c, jitcore/_exclusion.c,
+    replay/_eager.c) may be used where they were built: ``JITCORE_NATIVE=0`` turns them all
+    off, and their Python equivalents run."""
+    return os.environ.get("JITCORE_NATIVE", "1").strip() != "0"
+
+
 _instances: dict[str, Backend] = {}
 
 
@@ -74,4 +83,4 @@ def use_backend(backend: Backend) -> Iterator[Backend]:
             _instances[name] = previous
 
 
-__all__ = ["Backend", "BACKENDS", "get_backend", "selected_name", "use_backend"]
+__all__ = ["Backend", "BACKENDS", "compiled_helpers_enabled", "get_backend", "selected_name", "use_backend"]

@@ -12,6 +12,7 @@ import functools
 import os
 from collections.abc import Callable, Sequence
 
+from jitcore.backends import compiled_helpers_enabled
 from jitcore.backends.abi import CUDA_TYPE_NAMES, PackedParams, ParamLayout, prelude
 from jitcore.backends.base import GraphNode, LoadedFunction, NodeUpdater
 from jitcore.backends.vendor import DriverBackend, RuntimeCompiler, StatusCheck
@@ -54,7 +55,7 @@ def native_calls() -> dict[str, Callable[..., tuple]] | None:
     replaces and returns the same ``(status,)`` tuple, so generated code is the same on both
     paths; the default stream is the one cuda-bindings uses (legacy, or per-thread where
     ``CUDA_PYTHON_CUDA_PER_THREAD_DEFAULT_STREAM`` asks for it)."""
-    if os.environ.get("JITCORE_NATIVE", "1").strip() == "0":
+    if not compiled_helpers_enabled():
         return None
     try:
         from jitcore.backends import _native

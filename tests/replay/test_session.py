@@ -957,10 +957,7 @@ def test_the_eager_paths_shortcut_decides_and_counts_as_the_rule_does(calls, rec
                 session = DoubleSession(record_after=record_after, record_budget=0.05, max_graphs=4)
                 DoubleSession.current = session
                 session.admission.budget.clock = clock.perf_counter
-                step = session.region(add)
-                if gate and original_gate is not None:
-                    # the gate reads its own clock (time.perf_counter, bound when built): give it this one
-                    step._eager_entry.__init__(**_gate_fields(step, clock.perf_counter))
+                step = session.region(add)  # its gate, if any, times calls by the clock above
                 seen = []
                 budget_changes.setdefault(0, start)  # past the grace or not, a recording's usual cost
                 for number, rows in enumerate(calls):
@@ -982,29 +979,6 @@ def test_the_eager_paths_shortcut_decides_and_counts_as_the_rule_does(calls, rec
     assert fast == slow
     assert asked_fast <= asked_slow
     assert run(shortcut=True, gate=False)[0] == slow  # the Python methods' shortcut too
-
-
-def _gate_fields(region: Region, clock) -> dict:
-    """The fields replay.session builds a region's EagerGate with, the clock replaced."""
-    session = region.session
-    return dict(
-        region=region,
-        session=session,
-        admission=session.admission,
-        sketch=session.admission.sketch,
-        budget=session.admission.budget,
-        counters=session.counters,
-        forgotten=region.forgotten,
-        entry_shapes=region.entry_shapes,
-        fn=region.fn,
-        exclusion=session_module._SHARED_CAPTURE_EXCLUSION,
-        specs=session_module._FLAT_SPECS,
-        tensor_type=torch.Tensor,
-        plain=session_module._PLAIN_CONSTANTS,
-        miss=session_module._MISS,
-        clock=clock,
-        mask=session_module.EAGER_TIMING_MASK,
-    )
 
 
 _GATE = pytest.mark.skipif(
