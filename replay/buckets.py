@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from replay import region_keys
+from replay import padding, region_keys
 from replay.errors import ReplayMismatchError
 from replay.graph import bitwise_equal, clone_preserving_sharing
 
@@ -167,10 +167,7 @@ def call(
     def pad(value: object) -> object:
         if value.__class__ is not Padded:
             return value
-        tensor = value.tensor
-        # (before, after) pairs from the last dimension back to the padded one
-        widths = [0, 0] * (tensor.dim() - 1 - dim) + [0, target - rows]
-        grown = torch.constant_pad_nd(tensor, widths, value.fill)
+        grown = padding.pad(value.tensor, dim, target, value.fill)
         pads.append((value, grown))
         return grown
 
@@ -229,15 +226,21 @@ def _refuse_shared_memory(name: str, args: tuple, kwargs: dict) -> None:
 def slice_outputs(result: object, dim: int, bucket: int, rows: int) -> object:
     """Every tensor of ``result`` whose size along ``dim`` is ``bucket``, narrowed to ``rows``."""
     if result.__class__ is torch.Tensor:  # the usual result, without a walk of a container
-        return result.narrow(dim, 0, rows) if result.dim() > dim and result.shape[dim] == bucket else result
+        return _narrowed(result, dim, rows) if result.dim() > dim and result.shape[dim] == bucket else result
     spec, leaves, _ = region_keys.flatten((result,), {}, walk_dataclasses=True)
     sliced = [
-        leaf.narrow(dim, 0, rows)
+        _narrowed(leaf, dim, rows)
         if isinstance(leaf, torch.Tensor) and leaf.dim() > dim and leaf.shape[dim] == bucket
         else leaf
         for leaf in leaves
     ]
     return region_keys.unflatten(spec, sliced)[0][0]
+
+
+def _narrowed(tensor: torch.Tensor, dim: int, rows: int) -> torch.Tensor:
+    """``tensor.narrow(dim, 0, rows)``; along the first dimension as ``tensor[:rows]``, the
+    same view made in about 60% of narrow's host time (torch 2.11 to 2.13)."""
+    return tensor[:rows] if dim == 0 else tensor.narrow(dim, 0, rows)
 
 
 def verify(fn: Callable, args: tuple, kwargs: dict, padded_call: Callable[[], object], name: str) -> object:

@@ -147,12 +147,24 @@ class Slot:
         return tuple(lane.size for lane in self.lanes)
 
     def fits(self, need: tuple[int, ...]) -> bool:
-        return len(need) <= len(self.lanes) and all(n <= lane.size for n, lane in zip(need, self.lanes))
+        # plain loops, not all()/any() over generators: asked on most replays of a region
+        # whose graphs take turns, where a generator's frame costs more than the test
+        lanes = self.lanes
+        if len(need) > len(lanes):
+            return False
+        for size, lane in zip(need, lanes):
+            if size > lane.size:
+                return False
+        return True
 
     def held(self) -> bool:
         """Whether anything besides the slot itself still refers to its memory (an output a
         replay handed out, or anything made from one)."""
-        return any(lane.held(self.use_count) for lane in self.lanes)
+        use_count = self.use_count
+        for lane in self.lanes:
+            if lane.held(use_count):
+                return True
+        return False
 
     def free(self) -> None:
         for graph in self.templates:  # a graph whose copies point here sets them again first

@@ -434,6 +434,8 @@ def byte_range(tensor: torch.Tensor) -> tuple[int, int]:
 
 def extent_bytes(tensor: torch.Tensor) -> int:
     """Bytes from the data pointer to one past the last element the tensor can reach."""
+    if tensor.is_contiguous():  # the usual tensor, without a walk of its sizes and strides
+        return tensor.numel() * tensor.element_size()
     if tensor.numel() == 0:
         return 0
     last = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()) if size > 0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import itertools
 import warnings
 
 import pytest
@@ -76,6 +77,31 @@ def test_extent():
     assert extent_bytes(torch.empty(4, 6)[:, :2]) == (3 * 6 + 1 + 1) * 4
     assert extent_bytes(torch.empty(1, 5).expand(3, 5)) == 20
     assert extent_bytes(torch.empty(0, 5)) == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 4), min_size=0, max_size=4),
+    data=st.data(),
+    dtype=st.sampled_from([torch.float32, torch.float16, torch.int64, torch.uint8]),
+)
+def test_extent_of_any_layout_is_one_past_its_furthest_element(sizes, data, dtype):
+    # contiguous tensors take a shortcut (numel * element size); every layout must agree with
+    # the furthest element any index reaches, found by brute force over every index
+    strides = data.draw(st.lists(st.integers(0, 6), min_size=len(sizes), max_size=len(sizes)), label="strides")
+    if data.draw(st.booleans(), label="contiguous"):
+        tensor = torch.empty(sizes, dtype=dtype)
+    else:
+        tensor = torch.empty(200, dtype=dtype).as_strided(sizes, strides)
+    if tensor.numel() == 0:
+        expected = 0
+    else:
+        furthest = max(
+            sum(i * s for i, s in zip(index, tensor.stride()))
+            for index in itertools.product(*(range(n) for n in tensor.shape))
+        )
+        expected = (furthest + 1) * tensor.element_size()
+    assert extent_bytes(tensor) == expected
 
 
 @settings(max_examples=300, deadline=None)
