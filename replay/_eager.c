@@ -12,6 +12,11 @@
  * slower, none singled out). The same steps from C took about 5 us a call less there
  * (docs/replay.md, "The eager path").
  *
+ * Where the region has recorded keys the gate also looks the call's pre-key up in their table
+ * (region.fast): a miss goes on to the eager path above, a hit to the generated dispatch
+ * (Region._fast_keys: guard, drift check, replay) with the pre-key and candidates found. A
+ * call of a loop whose shapes rarely repeat then enters Python only in the region's function.
+ *
  * What stays in Python: every decision other than "warming or too rare, as the rule would
  * say" (admission.quiet_below, kept by the region), the rule itself (Region._eager_decide,
  * called with the count already made), the halving of the counts, the eager-time estimate
@@ -35,11 +40,14 @@ typedef struct {
     PyObject *counters;     /* session.counters: too_rare, eager_runs */
     PyObject *forgotten;    /* region.forgotten: eager_runs */
     PyObject *entry_shapes; /* region.entry_shapes: shapes that have an entry */
+    PyObject *table;        /* region.fast: pre-key -> candidates, the recorded keys of flat calls */
     PyObject *fn;           /* the region's function */
     PyObject *enter;        /* the capture exclusion's shared side: its bound __enter__ */
     PyObject *exit;         /* and __exit__ (looked up once) */
     PyObject *specs;        /* tuple: the flat argument specs, by argument count */
     PyObject *tensor_type;  /* torch.Tensor (exactly) */
+    PyObject *dynamic_type; /* replay.Dynamic (exactly) */
+    PyObject *dynamic_mark; /* what a Dynamic argument is in a pre-key */
     PyObject *plain;        /* frozenset of the plain constant types */
     PyObject *miss;         /* the session's _MISS */
     PyObject *clock;        /* time.perf_counter */
@@ -49,7 +57,7 @@ typedef struct {
 
 static PyObject *s_closed, *s_gpu, *s_counts, *s_calls, *s_window, *s_halve, *s_record_after, *s_version,
     *s_quiet_below, *s_quiet_version, *s_too_rare, *s_eager_runs, *s_shape, *s_enter, *s_exit, *s_decide,
-    *s_took, *s_shapes_py;
+    *s_took, *s_shapes_py, *s_fast_keys;
 
 static void gate_clear_refs(Gate *g) {
     Py_CLEAR(g->region);
@@ -60,11 +68,14 @@ static void gate_clear_refs(Gate *g) {
     Py_CLEAR(g->counters);
     Py_CLEAR(g->forgotten);
     Py_CLEAR(g->entry_shapes);
+    Py_CLEAR(g->table);
     Py_CLEAR(g->fn);
     Py_CLEAR(g->enter);
     Py_CLEAR(g->exit);
     Py_CLEAR(g->specs);
     Py_CLEAR(g->tensor_type);
+    Py_CLEAR(g->dynamic_type);
+    Py_CLEAR(g->dynamic_mark);
     Py_CLEAR(g->plain);
     Py_CLEAR(g->miss);
     Py_CLEAR(g->clock);
@@ -79,11 +90,14 @@ static int gate_traverse(Gate *g, visitproc visit, void *arg) {
     Py_VISIT(g->counters);
     Py_VISIT(g->forgotten);
     Py_VISIT(g->entry_shapes);
+    Py_VISIT(g->table);
     Py_VISIT(g->fn);
     Py_VISIT(g->enter);
     Py_VISIT(g->exit);
     Py_VISIT(g->specs);
     Py_VISIT(g->tensor_type);
+    Py_VISIT(g->dynamic_type);
+    Py_VISIT(g->dynamic_mark);
     Py_VISIT(g->plain);
     Py_VISIT(g->miss);
     Py_VISIT(g->clock);
@@ -102,16 +116,17 @@ static void gate_dealloc(Gate *g) {
 }
 
 static int gate_init(Gate *g, PyObject *args, PyObject *kwargs) {
-    PyObject *region, *session, *admission, *sketch, *budget, *counters, *forgotten, *entry_shapes, *fn,
-        *exclusion, *specs, *tensor_type, *plain, *miss, *clock;
+    PyObject *region, *session, *admission, *sketch, *budget, *counters, *forgotten, *entry_shapes, *table, *fn,
+        *exclusion, *specs, *tensor_type, *dynamic_type, *dynamic_mark, *plain, *miss, *clock;
     long long mask;
-    static char *names[] = {"region", "session", "admission", "sketch", "budget", "counters", "forgotten",
-                            "entry_shapes", "fn", "exclusion", "specs", "tensor_type", "plain", "miss",
-                            "clock", "mask", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOOOO!OOO!OO!OOL", names, &region, &session, &admission,
-                                     &sketch, &budget, &counters, &forgotten, &PyDict_Type, &entry_shapes, &fn,
-                                     &exclusion, &PyTuple_Type, &specs, &tensor_type, &PyFrozenSet_Type, &plain,
-                                     &miss, &clock, &mask))
+    static char *names[] = {"region",       "session",   "admission", "sketch",      "budget",
+                            "counters",     "forgotten", "entry_shapes", "table",    "fn",
+                            "exclusion",    "specs",     "tensor_type", "dynamic_type", "dynamic_mark",
+                            "plain",        "miss",      "clock",     "mask",        NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOOOO!O!OOO!OOOO!OOL", names, &region, &session, &admission,
+                                     &sketch, &budget, &counters, &forgotten, &PyDict_Type, &entry_shapes,
+                                     &PyDict_Type, &table, &fn, &exclusion, &PyTuple_Type, &specs, &tensor_type,
+                                     &dynamic_type, &dynamic_mark, &PyFrozenSet_Type, &plain, &miss, &clock, &mask))
         return -1;
     PyObject *enter = PyObject_GetAttr(exclusion, s_enter);
     PyObject *exit = enter == NULL ? NULL : PyObject_GetAttr(exclusion, s_exit);
@@ -131,9 +146,12 @@ static int gate_init(Gate *g, PyObject *args, PyObject *kwargs) {
     KEEP(counters);
     KEEP(forgotten);
     KEEP(entry_shapes);
+    KEEP(table);
     KEEP(fn);
     KEEP(specs);
     KEEP(tensor_type);
+    KEEP(dynamic_type);
+    KEEP(dynamic_mark);
     KEEP(plain);
     KEEP(miss);
     KEEP(clock);
@@ -353,6 +371,7 @@ static PyObject *gate_call(Gate *g, PyObject *const *argv, size_t nargsf, PyObje
     PyObject *pre = PyTuple_New(count);
     if (pre == NULL)
         return NULL;
+    int plain = 1; /* every argument a tensor or a plain constant: the eager path may take it */
     for (Py_ssize_t i = 0; i < count; i++) {
         PyObject *arg = PyTuple_GET_ITEM(args, i), *item;
         PyObject *kind = (PyObject *)Py_TYPE(arg);
@@ -366,17 +385,43 @@ static PyObject *gate_call(Gate *g, PyObject *const *argv, size_t nargsf, PyObje
                 }
                 return NULL;
             }
+        } else if (kind == g->dynamic_type) {
+            item = Py_NewRef(g->dynamic_mark);
+            plain = 0;
         } else {
-            int plain = PySet_Contains(g->plain, kind);
-            if (plain <= 0) {
+            int constant = PySet_Contains(g->plain, kind);
+            if (constant < 0) {
                 Py_DECREF(pre);
-                return plain < 0 ? NULL : Py_NewRef(g->miss);
+                return NULL;
             }
+            plain &= constant;
             item = Py_NewRef(arg);
         }
         PyTuple_SET_ITEM(pre, i, item);
     }
-    PyObject *result = with_shapes(g, args, pre);
+    PyObject *result;
+    if (PyDict_GET_SIZE(g->table)) { /* recorded keys: a hit goes to the generated dispatch */
+        PyObject *candidates = PyDict_GetItemWithError(g->table, pre); /* borrowed */
+        if (candidates == NULL && PyErr_Occurred()) {
+            Py_DECREF(pre);
+            if (PyErr_ExceptionMatches(PyExc_TypeError) || PyErr_ExceptionMatches(PyExc_RuntimeError)) {
+                PyErr_Clear(); /* an unhashable constant: the full path's */
+                return Py_NewRef(g->miss);
+            }
+            return NULL;
+        }
+        if (candidates != NULL) {
+            Py_INCREF(candidates); /* the table may change while its candidates run */
+            PyObject *dispatch = PyObject_GetAttr(g->region, s_fast_keys);
+            PyObject *stack[3] = {args, pre, candidates};
+            result = dispatch == NULL ? NULL : PyObject_Vectorcall(dispatch, stack, 3, NULL);
+            Py_XDECREF(dispatch);
+            Py_DECREF(candidates);
+            Py_DECREF(pre);
+            return result;
+        }
+    }
+    result = plain ? with_shapes(g, args, pre) : Py_NewRef(g->miss);
     Py_DECREF(pre);
     return result;
 }
@@ -449,12 +494,8 @@ static PyObject *region_call_vectorcall(PyObject *callable, PyObject *const *arg
         return NULL;
     for (Py_ssize_t i = 0; i < count; i++)
         PyTuple_SET_ITEM(args, i, Py_NewRef(argv[1 + i]));
-    PyObject *kwargs = PyDict_New(), *result = NULL;
-    if (kwargs == NULL)
-        goto done;
-    for (Py_ssize_t i = 0; i < keywords; i++)
-        if (PyDict_SetItem(kwargs, PyTuple_GET_ITEM(kwnames, i), argv[given + i]) < 0)
-            goto done;
+    PyObject *kwargs = NULL, *result = NULL;
+    int rekey = 0;
     if (!keywords) {
         PyObject *fast = PyObject_GetAttr(region, s_fast);
         if (fast == NULL)
@@ -465,14 +506,20 @@ static PyObject *region_call_vectorcall(PyObject *callable, PyObject *const *arg
             if (!PyErr_ExceptionMatches(rc->drift))
                 goto done;
             PyErr_Clear();
-            result = PyObject_CallMethodObjArgs(region, s_rekey, args, kwargs, NULL);
-            goto done;
+            rekey = 1;
+        } else if (result != rc->miss) {
+            goto done; /* the usual call: no keyword dictionary made */
+        } else {
+            Py_CLEAR(result);
         }
-        if (result != rc->miss)
-            goto done;
-        Py_CLEAR(result);
     }
-    result = PyObject_CallMethodObjArgs(region, s_call, args, kwargs, NULL);
+    kwargs = PyDict_New();
+    if (kwargs == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < keywords; i++)
+        if (PyDict_SetItem(kwargs, PyTuple_GET_ITEM(kwnames, i), argv[given + i]) < 0)
+            goto done;
+    result = PyObject_CallMethodObjArgs(region, rekey ? s_rekey : s_call, args, kwargs, NULL);
 done:
     Py_DECREF(args);
     Py_XDECREF(kwargs);
@@ -566,6 +613,7 @@ PyMODINIT_FUNC PyInit__eager(void) {
     INTERN(s_exit, "__exit__");
     INTERN(s_decide, "_eager_decide");
     INTERN(s_took, "_eager_took");
+    INTERN(s_fast_keys, "_fast_keys");
     INTERN(s_shapes_py, "_eager_flat_shapes");
     INTERN(s_fast, "_fast");
     INTERN(s_rekey, "_rekey");

@@ -62,7 +62,7 @@ _REFUSALS = (
     errors.BackendUnavailableError,
 )
 
-#: (dtype, rank, dim) the jit refused once: not tried again (a failed compile costs much).
+#: (dtype, rank, dim, device) the jit refused once: not tried again (a failed compile costs much).
 _REFUSED: set[tuple] = set()
 
 #: The pad's first launch compiles and loads its kernel: not while another thread captures.
@@ -89,7 +89,7 @@ def pad(tensor: torch.Tensor, dim: int, size: int, fill: bool | int | float) -> 
     ``replay.padded`` checked): a new contiguous tensor, as ``constant_pad_nd`` makes it."""
     if tensor.is_cuda and type(tensor) is torch.Tensor and not tensor.requires_grad and tensor.is_contiguous():
         element = _ELEMENT_TYPES.get(tensor.element_size()) if tensor.numel() else None
-        refusal = (tensor.dtype, tensor.dim(), dim)
+        refusal = (tensor.dtype, tensor.dim(), dim, tensor.get_device())
         if element is not None and refusal not in _REFUSED and not tensor.is_conj() and not tensor.is_neg():
             shape = list(tensor.shape)
             shape[dim] = size
@@ -99,6 +99,8 @@ def pad(tensor: torch.Tensor, dim: int, size: int, fill: bool | int | float) -> 
                     pad_along(tensor, grown, _fill_bits(fill, tensor.dtype), element, dim)
             except _REFUSALS:  # raised before any GPU work: torch pads it, now and from now on
                 _REFUSED.add(refusal)
+            except errors.CaptureMissError:  # its first call inside someone's capture: torch, this once
+                pass
             else:
                 return grown
     widths = [0, 0] * (tensor.dim() - 1 - dim) + [0, size - tensor.shape[dim]]  # last dimension first

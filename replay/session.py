@@ -103,10 +103,13 @@ def _eager_gate(region: Region):
         counters=session.counters,
         forgotten=region.forgotten,
         entry_shapes=region.entry_shapes,
+        table=region.fast,
         fn=region.fn,
         exclusion=_SHARED_CAPTURE_EXCLUSION,
         specs=tuple(_FLAT_SPECS),
         tensor_type=torch.Tensor,
+        dynamic_type=Dynamic,
+        dynamic_mark=_DYNAMIC_MARK,
         plain=_PLAIN_CONSTANTS,
         miss=_MISS,
         clock=time.perf_counter,
@@ -266,11 +269,15 @@ class Region:
         # candidate's guard then checks everything the key holds
         self.fast: dict[tuple, list[tuple]] = {}  # pre-key -> [(guard, replay, entry)]
         # the flat eager path: replay._eager's gate where it was built, else the methods below
-        gate = _eager_gate(self)
+        gate = self._gate = _eager_gate(self)
         self._eager_entry: Callable = gate or self._eager_flat  # (args) -> result or _MISS
         self._eager_with_shapes: Callable = gate.with_shapes if gate else self._eager_flat_shapes
-        self._fast: Callable = self._eager_entry  # generated once keys are recorded (_rebuild_fast)
-        self._fast_shape: tuple | None = None  # (arities, globals snapshot) _fast was generated for
+        # the call's dispatcher: with the gate, always the gate (it looks recorded keys up itself
+        # and hands a hit to _fast_keys); without it, the generated function once keys are
+        # recorded (_rebuild_fast)
+        self._fast: Callable = self._eager_entry
+        self._fast_keys: Callable | None = None  # the generated dispatch of recorded keys (_rebuild_fast)
+        self._fast_shape: tuple | None = None  # (arities, globals snapshot) _fast_keys was generated for
         # the output memory of this region's graphs and unanalysed captures, merged
         # (see _replay_writes); None when a graph or capture came or went since it was built
         self._output_ranges: region_keys.MergedRanges | None = None
@@ -318,10 +325,11 @@ class Region:
         once) decided and run without flattening, without ``Dynamic`` or padded handling and
         without rebuilding the arguments, so it costs little more than eager. ``pre`` is the
         call's pre-key (each tensor's shape, each constant), computed once by the caller:
-        :meth:`_eager_flat`, or the generated ``_fast`` after its lookup of recorded keys
-        missed. Anything else, and a call admission lets record or observe, takes the full
-        path (``_MISS``, or :meth:`_keyed_call` with the decision already counted). Same
-        decisions, same counts as :meth:`_call`."""
+        :meth:`_eager_flat`, or the generated dispatch after its lookup of recorded keys
+        missed (with replay._eager, the gate in C does all of this). Anything else, and a
+        call admission lets record or observe, takes the full path (``_MISS``, or
+        :meth:`_keyed_call` with the decision already counted). Same decisions, same counts
+        as :meth:`_call`."""
         session = self.session
         if session.closed or not session._gpu:  # can_record(), read directly (every eager call)
             return _MISS  # the full path raises, or says once that everything runs eagerly
@@ -367,19 +375,24 @@ class Region:
         return result
 
     def _rebuild_fast(self) -> None:
-        """Generate ``_fast(args)``: for each arity with recorded keys, compute the pre-key,
-        try each candidate's guard, check the region's globals, touch the LRU, replay. One
-        function, so a replayed call pays for no other Python call than the guard and the
-        replay itself. When no recorded key fits, a call of tensors and plain constants goes
-        on to the eager path with the pre-key already computed (:meth:`_eager_flat_shapes`);
-        other arities take :meth:`_eager_flat`; anything else returns _MISS (the full path)."""
+        """Generate ``fast(args, pre=None, candidates=None)``: for each arity with recorded
+        keys, compute the pre-key and look it up (unless the caller did: ``pre`` and its
+        ``candidates``), try each candidate's guard, check the region's globals, touch the LRU,
+        replay. One function, so a replayed call pays for no other Python call than the guard
+        and the replay itself. When no recorded key fits, a call of tensors and plain constants
+        goes on to the eager path with the pre-key already computed (:meth:`_eager_flat_shapes`);
+        other arities take :meth:`_eager_flat`; anything else returns _MISS (the full path).
+
+        With the gate (replay._eager), the gate computes the pre-key and looks it up in C on
+        every call: a miss, the usual call of a loop whose shapes rarely repeat, goes to the
+        eager path without entering Python at all, and only a hit calls this function, with
+        ``pre`` and ``candidates``. Without it, this function is the region's ``_fast``."""
         arities = sorted({len(key) for key in self.fast})
         # the source depends on the arities and the globals snapshot only (the candidates are
         # read from self.fast at call time): a key of a known arity needs no new function
         known = self._fast_shape
-        if self._fast is not self._eager_entry and known is not None:
-            if known[0] == arities and known[1] is self.snapshot:
-                return
+        if known is not None and known[0] == arities and known[1] is self.snapshot:
+            return
         self._fast_shape = (arities, self.snapshot)
         namespace: dict[str, object] = {
             "_Tensor": torch.Tensor,
@@ -398,7 +411,7 @@ class Region:
             namespace.update(self.snapshot.namespace)
             namespace["_rdrift"] = _raise_region_drift
             drift = self.snapshot.check_lines
-        lines = ["def fast(args):", "    count = len(args)"]
+        lines = ["def fast(args, pre=None, candidates=None):", "    count = len(args)"]
         for count in arities:
             names = [f"a{i}" for i in range(count)]
             parts = "".join(
@@ -410,12 +423,13 @@ class Region:
             lines += [
                 f"    if count == {count}:",
                 f"        {joined}{',' if count == 1 else ''} = args" if count else "        pass",
-                "        try:",
-                f"            pre = ({parts})",
-                "            candidates = _FAST.get(pre)",
+                "        if pre is None:",  # else the gate looked it up, and found candidates
+                "            try:",
+                f"                pre = ({parts})",
+                "                candidates = _FAST.get(pre)",
                 # unhashable constants; a strided nested tensor, whose .shape raises
-                "        except (TypeError, RuntimeError):",
-                "            return _MISS",
+                "            except (TypeError, RuntimeError):",
+                "                return _MISS",
                 "        if candidates is not None:",
                 "            for guard, run, entry in candidates:",
                 f"                if guard({joined}):",
@@ -430,7 +444,10 @@ class Region:
             ]
         lines.append("    return _EAGER_FLAT(args)")
         source = "\n".join(lines) + "\n"
-        self._fast = compile_function(source, "fast", "replay dispatch of a region", namespace)
+        dispatch = compile_function(source, "fast", "replay dispatch of a region", namespace)
+        self._fast_keys = dispatch
+        if self._gate is None:  # no gate: this function dispatches every call
+            self._fast = dispatch
 
     @staticmethod
     def pre_key(leaves: Sequence) -> tuple:
@@ -1099,6 +1116,7 @@ class Region:
     def clear_fast_path(self) -> None:
         self.fast.clear()
         self._fast = self._eager_entry
+        self._fast_keys = None
         self._fast_shape = None
 
     def measure_without_checks(self):

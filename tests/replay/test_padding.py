@@ -160,3 +160,22 @@ def test_on_the_gpu_tensors_the_kernel_does_not_take_go_torchs_way():
         expected = _reference(tensor, 0, tensor.shape[0] + 2, 0)
         assert torch.equal(got, expected), name
         assert got.requires_grad == expected.requires_grad, name
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_a_first_pad_inside_someone_elses_capture_goes_torchs_way():
+    # the jit refuses to compile inside a capture (CaptureMissError, before any GPU work):
+    # that call pads with constant_pad_nd, captured like any torch op, and nothing is remembered
+    padding.pad_along.cache_clear()
+    x = torch.randn(3, 5, dtype=torch.float64, device="cuda")
+    expected = _reference(x, 1, 9, 1.5)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = padding.pad(x, 1, 9, 1.5)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(_bits(got), _bits(expected))
+    assert (x.dtype, 2, 1, x.get_device()) not in padding._REFUSED
+    again = padding.pad(x, 1, 9, 1.5)  # outside: the kernel, compiled now
+    assert torch.equal(_bits(again), _bits(expected)) and padding.pad_along.cache_info().states == 1

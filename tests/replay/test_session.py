@@ -548,25 +548,29 @@ def test_recorded_keys_are_served_by_pre_key_and_guard_without_computing_a_key(s
 
 
 def test_the_dispatch_function_is_generated_again_only_for_a_new_arity(session_factory):
-    """``_fast`` reads its candidates from ``region.fast`` at call time: a new key of a known
-    arity needs no new function (its compile was a tenth of a key's second call)."""
+    """The generated dispatch reads its candidates from ``region.fast`` at call time: a new
+    key of a known arity needs no new function (its compile was a tenth of a key's second
+    call). With the gate, ``_fast`` stays the gate and the function is ``_fast_keys``."""
     session = session_factory(record_after=0)
     step = session.region(lambda *tensors: sum(tensors))
     for size in (5, 5):
         step(torch.randn(size), torch.randn(size))
-    first = step._fast
+    first = step._fast_keys
+    assert first is not None and step._fast is (step._gate or first)
     for size in (6, 6):
         step(torch.randn(size), torch.randn(size))
-    assert step._fast is first and len(step.fast) == 2
+    assert step._fast_keys is first and len(step.fast) == 2
     x, y = torch.randn(6), torch.randn(6)
     assert torch.equal(step(x, y), x + y)  # the new key is served by the old function
     for _ in range(2):
         step(torch.randn(4), torch.randn(4), torch.randn(4))
-    assert step._fast is not first and {len(k) for k in step.fast} == {2, 3}
+    assert step._fast_keys is not first and {len(k) for k in step.fast} == {2, 3}
     step.clear_fast_path()
+    assert step._fast_keys is None
     for _ in range(2):
         step(torch.randn(7), torch.randn(7))
-    assert step._fast is not step._eager_flat  # generated again after a clear
+    assert step._fast_keys is not None  # generated again after a clear
+    assert step._fast is (step._gate or step._fast_keys)
 
 
 def test_region_globals_drift_rekeys(session_factory, monkeypatch):
@@ -1046,6 +1050,93 @@ def test_the_c_eager_path_and_the_python_one_agree_on_every_kind_of_call(session
         s = session.stats()
         results.append((outcome, s.eager_runs, s.too_rare, s.records, s.calls))
     assert results[0] == results[1]
+
+
+@_GATE
+def test_with_recorded_keys_the_c_dispatch_and_the_python_one_agree_on_every_kind_of_call(session_factory):
+    # with keys recorded the gate computes the pre-key and looks it up in C, handing a hit to
+    # the generated dispatch (_fast_keys) and a miss straight to the eager path: every kind
+    # of call, hit and miss, gives the same results and the same counts as the Python path
+    def region(*xs):
+        total = sum(float(x.sum()) if isinstance(x, torch.Tensor) else 0.0 for x in xs)
+        return torch.full((1,), total)
+
+    def calls():
+        two, three = torch.ones(2), torch.ones(3)
+        return [
+            (two, 3),  # recorded (record_after=0: its second call)
+            (two, 3),
+            (two, 3),  # replayed: a hit
+            (three, 3),  # same arity, other shapes: a miss, eagerly
+            (two, 4),  # another constant: a miss
+            (two, replay.Dynamic(3)),  # a Dynamic scalar: the full path, which records it
+            (two, replay.Dynamic(5)),
+            (two, replay.Dynamic(7)),  # a hit of the Dynamic key
+            (two, [1, 2]),  # a list: not flat, the full path
+            (two, {"a": 1}),  # unhashable in a pre-key: the full path
+            (two.to_sparse(),),  # not strided: refused loudly
+            (two,),  # an arity without recorded keys
+            tuple(torch.ones(1) for _ in range(40)),  # beyond the flat specs
+            (two, 3),  # the first key again: a hit
+        ]
+
+    results = []
+    for gate in (True, False):
+        session = session_factory(record_after=0)
+        saved = session_module.EagerGate
+        if not gate:
+            session_module.EagerGate = None
+        try:
+            step = session.region(region)
+        finally:
+            session_module.EagerGate = saved
+        assert (step._gate is not None) == gate
+        seen = []
+        for args in calls():
+            try:
+                seen.append(step(*args).tolist())
+            except Exception as error:  # both paths must refuse alike
+                seen.append((type(error), str(error)))
+            s = session.stats()
+            seen.append((s.calls, s.replays, s.eager_runs, s.records, s.too_rare))
+        assert step.fast, "keys were recorded and put on the fast path"
+        results.append(seen)
+    assert results[0] == results[1]
+    replays = [entry for entry in results[0] if isinstance(entry, tuple) and len(entry) == 5][-1][1]
+    assert replays >= 3  # hits were served by graphs, through the gate's lookup
+
+
+@_GATE
+def test_the_gate_sends_a_miss_to_the_eager_path_and_a_hit_to_the_dispatch(session_factory, monkeypatch):
+    # the point of the lookup in C: a call whose shapes have no graph never enters Python
+    # before the region's function; a hit reaches the generated dispatch with its pre-key and
+    # candidates already found
+    session = session_factory(record_after=1)
+    step = session.region(add)
+    x = torch.ones(4)
+    for _ in range(4):
+        step(x, x)  # warmed, recorded, analysed and replayed, replayed
+    replays = session.stats().replays
+    assert step.fast and step._fast is step._gate
+    dispatched, full = [], []
+    real = step._fast_keys
+
+    def counting(args, pre=None, candidates=None):
+        dispatched.append((pre, candidates))
+        return real(args, pre, candidates)
+
+    step._fast_keys = counting
+    original_call = Region._call
+    monkeypatch.setattr(Region, "_call", lambda self, *a: (full.append(1), original_call(self, *a))[1])
+    for rows in (5, 6, 7, 8):  # each seen once: warming, eagerly
+        y = torch.full((rows,), 2.0)
+        assert torch.equal(step(y, y), y + y)
+    assert dispatched == [] and full == []  # misses: the gate ran them eagerly itself
+    assert session.stats().eager_runs == 5
+    assert torch.equal(step(x, x), x + x)
+    ((pre, candidates),) = dispatched
+    assert pre == (x.shape, x.shape) and candidates is step.fast[pre] and full == []
+    assert session.stats().replays == replays + 1
 
 
 def test_a_loop_of_shapes_too_rare_to_record_skips_the_rule(session_factory, monkeypatch):
