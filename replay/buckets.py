@@ -19,7 +19,6 @@ unpadded, eagerly, and compares (see :func:`verify`).
 from __future__ import annotations
 
 import bisect
-import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -34,11 +33,12 @@ class Padded:
     top-level argument of a region call (positional or keyword) may be one; it is unhashable,
     so anywhere else keying the call refuses it."""
 
-    __slots__ = ("tensor", "dim", "fill", "written")
+    __slots__ = ("tensor", "dim", "fill", "written", "bits")
     __hash__ = None  # type: ignore[assignment]
 
-    def __init__(self, tensor: torch.Tensor, dim: int, fill: bool | int | float, written: bool):
+    def __init__(self, tensor: torch.Tensor, dim: int, fill: bool | int | float, written: bool, bits: int):
         self.tensor, self.dim, self.fill, self.written = tensor, dim, fill, written
+        self.bits = bits  # the fill's bytes in the tensor's dtype (replay.padding.fill_bits)
 
     def __repr__(self) -> str:
         return f"padded(<{tuple(self.tensor.shape)} {self.tensor.dtype}>, dim={self.dim}, fill={self.fill!r})"
@@ -58,39 +58,10 @@ def padded(tensor: torch.Tensor, dim: int = 0, fill: bool | int | float = 0, *, 
         raise TypeError(f"replay.padded(): written must be True or False, got {written!r}")
     if not isinstance(fill, (bool, int, float)):
         raise TypeError(f"replay.padded(): fill must be a bool, int or float, got {type(fill).__qualname__}")
-    if not _exact_in(fill, tensor.dtype):
+    bits = padding.fill_bits(fill, tensor.dtype)
+    if bits is None:
         raise ValueError(f"replay.padded(): fill {fill!r} is not exact in {tensor.dtype}")
-    return Padded(tensor, dim % tensor.dim(), fill, written)
-
-
-#: ``_exact_in`` answers by (fill's type, fill, its sign, dtype): ``padded()`` is called on
-#: every call of a bucketed loop, and converting the fill through a tensor costs microseconds.
-_EXACT: dict[tuple, bool] = {}
-
-
-def _exact_in(fill: bool | int | float, dtype: torch.dtype) -> bool:
-    if isinstance(fill, float):
-        if math.isnan(fill):
-            return dtype.is_floating_point  # NaN is not a dictionary key (it equals nothing)
-        key: tuple = (float, fill, math.copysign(1, fill), dtype)  # -0.0 and 0.0 apart
-    else:
-        key = (fill.__class__, fill, dtype)  # 1 and True apart
-    exact = _EXACT.get(key)
-    if exact is None:
-        exact = _EXACT[key] = _converts_exactly(fill, dtype)
-    return exact
-
-
-def _converts_exactly(fill: bool | int | float, dtype: torch.dtype) -> bool:
-    if dtype.is_complex:
-        return False
-    if dtype == torch.bool:
-        return fill in (0, 1)
-    try:
-        converted = torch.tensor(fill, dtype=dtype).item()
-    except (RuntimeError, OverflowError, ValueError):  # torch says "Overflow when unpacking long long"
-        return False
-    return converted == fill and (not isinstance(fill, float) or math.copysign(1, converted) == math.copysign(1, fill))
+    return Padded(tensor, dim % tensor.dim(), fill, written, bits)
 
 
 def has_padded(args: tuple, kwargs: dict) -> bool:
@@ -167,7 +138,7 @@ def call(
     def pad(value: object) -> object:
         if value.__class__ is not Padded:
             return value
-        grown = padding.pad(value.tensor, dim, target, value.fill)
+        grown = padding.pad(value.tensor, dim, target, value.fill, value.bits)
         pads.append((value, grown))
         return grown
 

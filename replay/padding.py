@@ -14,11 +14,14 @@ on the GPU.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 import jitcore as jc
 from jitcore import errors
 from jitcore.recorder import CAPTURES
+from replay.staging import ELEMENT_TYPES, INTEGER_VIEWS
 
 _SOURCE = r"""
 template <typename T>
@@ -34,8 +37,6 @@ __global__ void pad_along(const void* __restrict__ src_, void* __restrict__ dst_
     }
 }
 """
-_ELEMENT_TYPES = {1: "unsigned char", 2: "unsigned short", 4: "unsigned int", 8: "unsigned long long"}
-_INTEGER_VIEWS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 pad_kernel = jc.Kernel(_SOURCE, "pad_along")
 
 
@@ -65,40 +66,75 @@ _REFUSALS = (
 #: (dtype, rank, dim, device) the jit refused once: not tried again (a failed compile costs much).
 _REFUSED: set[tuple] = set()
 
+
+def _refusal(tensor: torch.Tensor, dim: int) -> tuple:
+    return (tensor.dtype, tensor.dim(), dim, tensor.get_device())
+
+
 #: The pad's first launch compiles and loads its kernel: not while another thread captures.
 _SHARED_CAPTURE_EXCLUSION = CAPTURES.shared()
 
-#: The fill's bytes as an unsigned integer, by (fill's type, its repr, dtype): computing them
-#: goes through a tensor (microseconds), and a bucketed loop pads on every call. The repr keeps
-#: -0.0 and 0.0 apart and makes NaN a key like any other (NaN equals nothing).
-_FILL_BITS: dict[tuple, int] = {}
+#: ``fill_bits`` answers by (fill's type, fill, its sign, dtype): ``replay.padded()`` runs on
+#: every call of a bucketed loop, and converting the fill through a tensor costs microseconds.
+_FILL_BITS: dict[tuple, int | None] = {}
+_UNKNOWN = object()
 
 
-def _fill_bits(fill: bool | int | float, dtype: torch.dtype) -> int:
-    key = (fill.__class__, repr(fill), dtype)
-    bits = _FILL_BITS.get(key)
-    if bits is None:
-        size = dtype.itemsize
-        bits = torch.tensor([fill], dtype=dtype).view(_INTEGER_VIEWS[size]).item() % (1 << (8 * size))
-        _FILL_BITS[key] = bits
+def fill_bits(fill: bool | int | float, dtype: torch.dtype) -> int | None:
+    """The bytes of ``fill`` in ``dtype`` as an unsigned integer (what the kernel writes), or
+    None where the fill is not exact in it: a value the dtype cannot hold or rounds, a sign
+    it loses (-0.0 in an integer dtype), any fill of a complex dtype. ``replay.padded()``
+    refuses those; 1, 1.0 and True, and 0.0 and -0.0, are answered apart."""
+    if isinstance(fill, float):
+        # NaN equals nothing, not even itself as a dictionary key: every NaN shares one entry
+        key: tuple = (float, "nan", dtype) if math.isnan(fill) else (float, fill, math.copysign(1, fill), dtype)
+    else:
+        key = (fill.__class__, fill, dtype)
+    bits = _FILL_BITS.get(key, _UNKNOWN)
+    if bits is _UNKNOWN:
+        bits = _FILL_BITS[key] = _exact_bits(fill, dtype)
     return bits
 
 
-def pad(tensor: torch.Tensor, dim: int, size: int, fill: bool | int | float) -> torch.Tensor:
-    """``tensor`` grown along ``dim`` to ``size`` with ``fill`` (exact in its dtype, which
-    ``replay.padded`` checked): a new contiguous tensor, as ``constant_pad_nd`` makes it."""
+def _exact_bits(fill: bool | int | float, dtype: torch.dtype) -> int | None:
+    if dtype.is_complex:
+        return None
+    if dtype == torch.bool:
+        return int(fill) if fill in (0, 1) else None
+    nan = isinstance(fill, float) and math.isnan(fill)
+    if nan and not dtype.is_floating_point:
+        return None
+    try:
+        converted = torch.tensor(fill, dtype=dtype)
+        value = converted.item()
+    except (RuntimeError, OverflowError, ValueError):  # torch says "Overflow when unpacking long long"
+        return None
+    if not nan and (value != fill or (isinstance(fill, float) and math.copysign(1, value) != math.copysign(1, fill))):
+        return None
+    size = dtype.itemsize
+    return converted.view(INTEGER_VIEWS[size]).item() % (1 << (8 * size))
+
+
+def pad(tensor: torch.Tensor, dim: int, size: int, fill: bool | int | float, bits: int | None) -> torch.Tensor:
+    """``tensor`` grown along ``dim`` to ``size`` with ``fill``, whose bytes in the tensor's
+    dtype are ``bits`` (:func:`fill_bits`, which ``replay.padded`` computed): a new
+    contiguous tensor, as ``constant_pad_nd`` makes it."""
     if tensor.is_cuda and type(tensor) is torch.Tensor and not tensor.requires_grad and tensor.is_contiguous():
-        element = _ELEMENT_TYPES.get(tensor.element_size()) if tensor.numel() else None
-        refusal = (tensor.dtype, tensor.dim(), dim, tensor.get_device())
-        if element is not None and refusal not in _REFUSED and not tensor.is_conj() and not tensor.is_neg():
+        element = ELEMENT_TYPES.get(tensor.element_size()) if tensor.numel() and bits is not None else None
+        if (
+            element is not None
+            and not tensor.is_conj()
+            and not tensor.is_neg()  # a lazily negated view: its memory holds the other sign
+            and not (_REFUSED and _refusal(tensor, dim) in _REFUSED)
+        ):
             shape = list(tensor.shape)
             shape[dim] = size
             grown = tensor.new_empty(shape)
             try:
                 with _SHARED_CAPTURE_EXCLUSION:
-                    pad_along(tensor, grown, _fill_bits(fill, tensor.dtype), element, dim)
+                    pad_along(tensor, grown, bits, element, dim)
             except _REFUSALS:  # raised before any GPU work: torch pads it, now and from now on
-                _REFUSED.add(refusal)
+                _REFUSED.add(_refusal(tensor, dim))
             except errors.CaptureMissError:  # its first call inside someone's capture: torch, this once
                 pass
             else:

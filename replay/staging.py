@@ -40,7 +40,8 @@ __global__ void copy_strided(const void* __restrict__ src_, void* __restrict__ d
     }
 }
 """
-_ELEMENT_TYPES = {1: "unsigned char", 2: "unsigned short", 4: "unsigned int", 8: "unsigned long long"}
+#: The kernel element type and the integer view of each element size (shared with replay.padding).
+ELEMENT_TYPES = {1: "unsigned char", 2: "unsigned short", 4: "unsigned int", 8: "unsigned long long"}
 copy_kernel = jc.Kernel(_SOURCE, "copy_strided")
 
 
@@ -61,7 +62,7 @@ def copy_tensor(src, dst, element: jc.Constexpr[str], rank: jc.Constexpr[int]):
 def unsupported_reason(tensor: torch.Tensor) -> str | None:
     if tensor.ndim > MAX_RANK:
         return f"staging handles up to {MAX_RANK} dimensions, this input has {tensor.ndim}"
-    if tensor.element_size() not in _ELEMENT_TYPES:
+    if tensor.element_size() not in ELEMENT_TYPES:
         return f"staging copies elements of 1, 2, 4 or 8 bytes, this input's are {tensor.element_size()}"
     return None
 
@@ -71,7 +72,7 @@ def staged_buffer(tensor: torch.Tensor) -> torch.Tensor:
     return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device=tensor.device)
 
 
-_INTEGER_VIEWS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+INTEGER_VIEWS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def _argument(tensor: torch.Tensor) -> torch.Tensor | jc.TensorAdaptor:
@@ -88,13 +89,13 @@ def _argument(tensor: torch.Tensor) -> torch.Tensor | jc.TensorAdaptor:
         and not tensor.is_conj()
         and not tensor.is_neg()
     ):
-        return tensor.view(_INTEGER_VIEWS[tensor.element_size()])
+        return tensor.view(INTEGER_VIEWS[tensor.element_size()])
     dims = range(tensor.ndim)
     return jc.from_dlpack(tensor).mark_shape_dynamic(dims).mark_stride_dynamic(dims)
 
 
 def _arguments(src: torch.Tensor, dst: torch.Tensor) -> tuple:
-    element = _ELEMENT_TYPES[src.element_size()]
+    element = ELEMENT_TYPES[src.element_size()]
     return (_argument(src), _argument(dst), element, max(dst.ndim, 1))
 
 

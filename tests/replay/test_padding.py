@@ -70,12 +70,12 @@ def test_the_fills_bytes_are_the_dtypes_own():
     for dtype in _DTYPES:
         for fill in [False, True] if dtype == torch.bool else [0, 1, 3, 1.0, True]:
             expected = torch.full((1,), fill, dtype=dtype).view(_INTEGERS[dtype.itemsize]).item()
-            assert padding._fill_bits(fill, dtype) == expected % (1 << (8 * dtype.itemsize))
-    assert padding._fill_bits(-0.0, torch.float32) == 0x80000000
-    assert padding._fill_bits(0.0, torch.float32) == 0  # after -0.0: cached apart
-    assert padding._fill_bits(-1, torch.int16) == 0xFFFF
-    assert padding._fill_bits(math.nan, torch.float16) == padding._fill_bits(float("nan"), torch.float16)
-    assert padding._fill_bits(1.5, torch.bfloat16) == 0x3FC0
+            assert padding.fill_bits(fill, dtype) == expected % (1 << (8 * dtype.itemsize))
+    assert padding.fill_bits(-0.0, torch.float32) == 0x80000000
+    assert padding.fill_bits(0.0, torch.float32) == 0  # after -0.0: cached apart
+    assert padding.fill_bits(-1, torch.int16) == 0xFFFF
+    assert padding.fill_bits(math.nan, torch.float16) == padding.fill_bits(float("nan"), torch.float16)
+    assert padding.fill_bits(1.5, torch.bfloat16) == 0x3FC0
 
 
 def test_the_launch_is_given_the_padded_geometry_and_the_fill(backend):
@@ -111,7 +111,7 @@ def test_tensors_the_kernel_does_not_take_are_padded_by_torch(data):
     dim = data.draw(st.integers(0, len(shape) - 1), label="dim")
     fill = data.draw(_fills(dtype), label="fill")
     tensor = (torch.randn(*shape) * 50).to(dtype)
-    got = padding.pad(tensor, dim, shape[dim] + 3, fill)
+    got = padding.pad(tensor, dim, shape[dim] + 3, fill, padding.fill_bits(fill, dtype))
     assert torch.equal(_bits(got), _bits(_reference(tensor, dim, shape[dim] + 3, fill)))
 
 
@@ -139,7 +139,7 @@ def test_the_kernel_pads_bit_for_bit_as_torch(data):
     expected = _reference(tensor, dim, shape[dim] + extra, fill)
     _poison_the_allocator(expected.numel() * expected.element_size())
     with mock.patch.object(torch, "constant_pad_nd", None):  # a contiguous CUDA tensor never goes torch's way
-        got = padding.pad(tensor, dim, shape[dim] + extra, fill)
+        got = padding.pad(tensor, dim, shape[dim] + extra, fill, padding.fill_bits(fill, dtype))
     assert got.shape == expected.shape and got.dtype == dtype and got.is_contiguous()
     assert torch.equal(_bits(got), _bits(expected))
 
@@ -156,7 +156,7 @@ def test_on_the_gpu_tensors_the_kernel_does_not_take_go_torchs_way():
         "complex": torch.randn(3, 4, dtype=torch.complex128, device="cuda"),
     }
     for name, tensor in cases.items():
-        got = padding.pad(tensor, 0, tensor.shape[0] + 2, 0)
+        got = padding.pad(tensor, 0, tensor.shape[0] + 2, 0, padding.fill_bits(0, tensor.dtype))
         expected = _reference(tensor, 0, tensor.shape[0] + 2, 0)
         assert torch.equal(got, expected), name
         assert got.requires_grad == expected.requires_grad, name
@@ -172,10 +172,10 @@ def test_a_first_pad_inside_someone_elses_capture_goes_torchs_way():
     expected = _reference(x, 1, 9, 1.5)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        got = padding.pad(x, 1, 9, 1.5)
+        got = padding.pad(x, 1, 9, 1.5, padding.fill_bits(1.5, x.dtype))
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(_bits(got), _bits(expected))
     assert (x.dtype, 2, 1, x.get_device()) not in padding._REFUSED
-    again = padding.pad(x, 1, 9, 1.5)  # outside: the kernel, compiled now
+    again = padding.pad(x, 1, 9, 1.5, padding.fill_bits(1.5, x.dtype))  # outside: the kernel, compiled now
     assert torch.equal(_bits(again), _bits(expected)) and padding.pad_along.cache_info().states == 1

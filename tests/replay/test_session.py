@@ -990,6 +990,17 @@ _GATE = pytest.mark.skipif(
 )
 
 
+def _region(session, fn, gate: bool):
+    """``session.region(fn)`` with its gate in C (``gate``) or with the Python methods."""
+    saved = session_module.EagerGate
+    if not gate:
+        session_module.EagerGate = None
+    try:
+        return session.region(fn)
+    finally:
+        session_module.EagerGate = saved
+
+
 @_GATE
 def test_a_region_takes_its_flat_eager_path_in_c_where_built(session_factory, monkeypatch):
     session = session_factory(record_after=100)
@@ -1036,13 +1047,7 @@ def test_the_c_eager_path_and_the_python_one_agree_on_every_kind_of_call(session
     results = []
     for gate in (True, False):
         session = session_factory(record_after=100)
-        saved = session_module.EagerGate
-        if not gate:
-            session_module.EagerGate = None
-        try:
-            step = session.region(region)
-        finally:
-            session_module.EagerGate = saved
+        step = _region(session, region, gate)
         try:
             outcome = [step(*args) for _ in range(3)]
         except Exception as error:  # both paths must refuse alike
@@ -1083,13 +1088,7 @@ def test_with_recorded_keys_the_c_dispatch_and_the_python_one_agree_on_every_kin
     results = []
     for gate in (True, False):
         session = session_factory(record_after=0)
-        saved = session_module.EagerGate
-        if not gate:
-            session_module.EagerGate = None
-        try:
-            step = session.region(region)
-        finally:
-            session_module.EagerGate = saved
+        step = _region(session, region, gate)
         assert (step._gate is not None) == gate
         seen = []
         for args in calls():
