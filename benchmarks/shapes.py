@@ -311,6 +311,12 @@ def many_shapes_memory(shapes: int) -> dict[str, dict[str, float]]:
 
     def run(order: list[int], hold: bool, slots: bool = True) -> dict[str, float]:
         torch.cuda.synchronize()
+        # cuBLAS's workspace (32 MiB on this GPU) is torch's per (handle, stream), made by the
+        # first matmul on a stream, in the pool capturing it and kept after the session: a
+        # session whose capture stream (torch's pool of streams, taken in turn) had one from an
+        # earlier session records without it. Every row starts without any, so each session's
+        # pool holds its own (the largest shape alone measured 27.8 or 59.8 MiB, 2026-12-01).
+        torch._C._cuda_clearCublasWorkspaces()
         torch.cuda.empty_cache()
         with replay.capture(record_budget=1.0) as session:
             if not slots:

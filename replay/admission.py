@@ -25,6 +25,19 @@ replay from ever costing more than it saves:
   few times per window, spent the whole budget on recordings that were never repaid (1.11x
   eager's time over 6,000 steps on the H200); its keys now mostly run eagerly, and frequent
   keys record after a few calls.
+- **Counts judged against their peers** (Buhlmann's credibility, empirical Bayes): the
+  payback rule bets that a key comes back as often as it came recently. For the keys that
+  stand out in a uniform mix, that bet loses: every key comes back equally often, and the
+  highest counts are the ones counting happened to raise (a key seen 10 times among keys
+  seen 7.5 times on average is expected back 7.5 times, not 10). So at each halving the
+  sketch notes how its counts spread beyond what counting alone spreads them by
+  (``Peers``), and the rule takes a key's expected count to be its peers' mean plus that
+  share of its lead: the whole lead where rates really differ (a Zipf-like mix, a few hot
+  sizes), none of it in a uniform mix, never more than its own count. A uniform mix of 256
+  sizes recorded 14 keys over 6,000 steps that it never repaid (1.066x eager's time on the
+  H200); it now records the few of its grace and then none. A count far beyond anything
+  counting gives its peers (``OUTLIER_SIGMAS``) is taken as it is: a size that became hot
+  after the last halving does not wait for the next one.
 - **Keys that paid already are not held back by the budget**: a key whose recent eager
   calls alone would have saved what a recording usually costs (the payback rule with a
   horizon of 1, the ski-rental break-even: buying once the rent paid equals the price keeps
@@ -72,6 +85,18 @@ FIRST_CHARGE_CAP = 0.02
 #: what a replay saves there.
 PAYBACK_HORIZON = 2
 
+#: Counting noise (see Peers): counts of keys called at one steady rate spread, in variance,
+#: by this share of their mean (a Poisson count's variance is its mean; counts aged by halvings
+#: spread less, about 2/3 of it, so 1 errs toward doubting a lead).
+COUNT_NOISE = 1.0
+
+#: A count this many standard deviations of counting noise above its peers' mean is taken at
+#: face value whatever the peers' credibility says (a key that became frequent since the last
+#: halving: its peers' spread was measured without it). 6, not 4: the peers' mean was taken at
+#: the last halving, and early in a loop (counts still growing window after window) a uniform
+#: mix's ordinary counts reached 4 deviations above it.
+OUTLIER_SIGMAS = 6
+
 #: The host time a replay is taken to cost, subtracted from an eager call's time to give what
 #: one replay saves (about 5 to 15 us on the H200 machine for regions of a few to a few dozen
 #: kernels: docs/benchmarks/replay.md, scaling.md).
@@ -102,6 +127,49 @@ QUIET_FOREVER = 2**62
 Resident = TypeVar("Resident")
 
 
+@attrs.frozen
+class Peers:
+    """What one window's counts said about keys in general, taken just before its halving.
+
+    Counts spread for two reasons: keys are called at different rates, and counting itself
+    spreads keys of one rate (by ``COUNT_NOISE`` times their mean, in variance). Only the first
+    is worth betting on: ``credibility`` is the share of the counts' variance that counting
+    does not explain (Buhlmann's Z, from the method of moments), and a key's expected count
+    is its peers' mean plus that share of its lead, never more than the count itself (a key
+    below the mean is not credited with its peers' calls: recording is a bet that must be
+    paid for)."""
+
+    mean: float
+    credibility: float
+    #: counts at or above this are taken as they are (``OUTLIER_SIGMAS``)
+    outlier: float
+
+    @classmethod
+    def of(cls, counts: Collection[int]) -> Peers | None:
+        if not counts:
+            return None
+        mean = sum(counts) / len(counts)
+        spread = sum((count - mean) ** 2 for count in counts) / len(counts)
+        noise = COUNT_NOISE * mean
+        credibility = max(0.0, 1.0 - noise / spread) if spread > 0 else 0.0
+        return cls(mean=mean, credibility=credibility, outlier=mean + OUTLIER_SIGMAS * noise**0.5)
+
+    def expected(self, count: int) -> float:
+        """The recent count to bet on for a key counted ``count`` times."""
+        if count >= self.outlier:
+            return count
+        return min(count, self.mean + self.credibility * (count - self.mean))
+
+    def least_count(self, expected: float) -> float:
+        """About the least count whose :meth:`expected` reaches ``expected`` (exact up to
+        rounding: the caller steps to the exact one with the rule's own arithmetic)."""
+        if self.credibility > 0:
+            shrunk = self.mean + (expected - self.mean) / self.credibility
+        else:
+            shrunk = expected if self.mean >= expected else float("inf")
+        return min(max(expected, shrunk), max(expected, self.outlier))
+
+
 @attrs.define
 class FrequencySketch:
     """Recent call counts per key, halved every ``window`` counted calls.
@@ -115,6 +183,11 @@ class FrequencySketch:
     counts: dict[Hashable, int] = attrs.Factory(dict)
     calls: int = 0
     halvings: int = 0
+    #: the counts' spread at the last halving (None before the first)
+    peers: Peers | None = None
+    #: called after each halving (the admission bumps the payback rule's version: ``peers``
+    #: changed)
+    on_halve: Callable[[], None] | None = None
 
     def add(self, key: Hashable) -> int:
         """Count one call of ``key``; its recent count, this call included."""
@@ -132,9 +205,17 @@ class FrequencySketch:
         self.counts = {key: count for key, count in self.counts.items() if not which(key)}
 
     def halve(self) -> None:
+        self.peers = Peers.of(self.counts.values())
         self.counts = {key: count // 2 for key, count in self.counts.items() if count >= 2}
         self.calls = 0
         self.halvings += 1
+        if self.on_halve is not None:
+            self.on_halve()
+
+    def expected(self, count: int) -> float:
+        """The recent count the payback rule bets on for a key counted ``count`` times (see
+        Peers; the count itself before the first halving)."""
+        return count if self.peers is None else self.peers.expected(count)
 
 
 @attrs.define
@@ -159,7 +240,8 @@ class RecordingBudget:
     #: payback rule reads it on every call of a key past its warm-up).
     usual: float = attrs.field(default=0.0, init=False)
     #: Bumped by every change of what the payback rule reads (``fraction``, ``spent``,
-    #: ``recent``), however it is made: answers derived from the rule are valid while it stays
+    #: ``recent``, however it is made; the sketch's peers, through :meth:`inputs_changed` at
+    #: each halving): answers derived from the rule are valid while it stays
     #: (Admission.quiet_below).
     version: int = attrs.field(default=0, init=False)
 
@@ -169,6 +251,10 @@ class RecordingBudget:
     def _changed(self, value: object) -> object:
         self.version += 1
         return value
+
+    def inputs_changed(self) -> None:
+        """Something else the payback rule reads changed (the sketch's peers)."""
+        self.version += 1
 
     def _recent_set(self, recent: list[float]) -> list[float]:
         ordered = sorted(recent)
@@ -224,8 +310,10 @@ class Admission(Generic[Resident]):
     ):
         self.record_after = record_after
         self.max_graphs = max_graphs
-        self.sketch = FrequencySketch(window=max(MIN_WINDOW, WINDOW_PER_GRAPH * max_graphs))
         self.budget = RecordingBudget(fraction=budget, clock=clock)
+        self.sketch = FrequencySketch(
+            window=max(MIN_WINDOW, WINDOW_PER_GRAPH * max_graphs), on_halve=self.budget.inputs_changed
+        )
         #: ``called(key) -> int``: count a call of a key that has no graph; its recent count.
         #: The sketch's own method, not a wrapper: every call that runs eagerly asks it.
         self.called: Callable[[Hashable], int] = self.sketch.add
@@ -297,20 +385,23 @@ class Admission(Generic[Resident]):
     # --- time --------------------------------------------------------------------------------
     def pays_back(self, count: int, eager_seconds: float) -> bool:
         """Whether a key called ``count`` times recently, each eager call taking
-        ``eager_seconds``, is worth recording (always, during the budget's grace)."""
+        ``eager_seconds``, is worth recording (always, during the budget's grace). The count
+        is judged against its peers' (Peers): what a key is expected to come back, not what
+        counting happened to give it."""
         budget = self.budget
         if budget.spent < budget.fraction * GRACE_SECONDS or budget.fraction >= 1:
             return True  # the grace: the first recordings of a session, made as soon as admitted
         saving = eager_seconds - REPLAY_SECONDS_GUESS
-        return saving > 0 and count * PAYBACK_HORIZON * saving >= budget.usual
+        return saving > 0 and self.sketch.expected(count) * PAYBACK_HORIZON * saving >= budget.usual
 
     def quiet_below(self, eager_seconds: float) -> int:
         """The least recent count at which a call of a key without a graph may do anything
         but run eagerly, warming or too rare to pay back: ``record_after + 1``, or the count
-        :meth:`pays_back` first accepts if that is more. Valid while ``budget.version`` and
-        ``record_after`` stay and ``eager_seconds`` is the region's estimate; a region's eager path uses it to skip the
-        decision for the calls of a loop that runs mostly eagerly (a uniform mix of hundreds of
-        shapes: every call of a key too rare to record asked the whole rule again)."""
+        :meth:`pays_back` first accepts if that is more. Valid while ``budget.version`` (bumped
+        by the sketch's halvings too) and ``record_after`` stay and ``eager_seconds`` is the
+        region's estimate; a region's eager path uses it to skip the decision for the calls of
+        a loop that runs mostly eagerly (a uniform mix of hundreds of shapes: every call of a
+        key too rare to record asked the whole rule again)."""
         least = self.record_after + 1
         if self.pays_back(least, eager_seconds):
             return least
@@ -318,7 +409,10 @@ class Admission(Generic[Resident]):
         usual = self.budget.usual
         if saving <= 0 or not usual:
             return QUIET_FOREVER  # no count pays back: every call runs eagerly (the rule again at each change)
-        count = max(least, int(min(usual / (PAYBACK_HORIZON * saving), QUIET_FOREVER)))
+        needed = usual / (PAYBACK_HORIZON * saving)  # the expected count that pays back
+        peers = self.sketch.peers
+        bound = needed if peers is None else peers.least_count(needed)
+        count = max(least, int(min(bound, QUIET_FOREVER)) - 1)
         while count < QUIET_FOREVER and not self.pays_back(count, eager_seconds):  # pays_back's own arithmetic decides
             count += 1
         return count

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from replay import admission
-from replay.admission import Admission, CompactionRule, FrequencySketch, RecordingBudget
+from replay.admission import Admission, CompactionRule, FrequencySketch, Peers, RecordingBudget
 
 
 @settings(max_examples=200, deadline=None)
@@ -223,15 +223,18 @@ def test_a_key_whose_past_calls_paid_for_a_recording_records_with_the_budget_spe
     spent=st.floats(0.0, 10.0),
     recent=st.lists(st.floats(0.0, 0.05), max_size=6),
     eager_seconds=st.floats(0.0, 0.01),
+    counts=st.none() | st.lists(st.integers(1, 10_000), min_size=1, max_size=40),
 )
 def test_quiet_below_is_the_least_count_past_the_warm_up_that_pays_back(
-    record_after, fraction, spent, recent, eager_seconds
+    record_after, fraction, spent, recent, eager_seconds, counts
 ):
     # the region's eager path skips the rule for counts below it: any count below it must be
-    # refused by pays_back (past the warm-up), the count itself accepted
+    # refused by pays_back (past the warm-up), the count itself accepted; with or without the
+    # peers of a halving (counts: what the sketch held just before it)
     policy = Admission(record_after=record_after, max_graphs=4, budget=fraction, replays=lambda r: 0, clock=lambda: 0.0)
     policy.budget.spent = spent
     policy.budget.recent = recent
+    policy.sketch.peers = None if counts is None else Peers.of(counts)
     quiet = policy.quiet_below(eager_seconds)
     assert quiet >= record_after + 1
     if quiet == admission.QUIET_FOREVER:
@@ -246,14 +249,110 @@ def test_quiet_below_is_the_least_count_past_the_warm_up_that_pays_back(
 
 
 def test_every_change_the_payback_rule_reads_bumps_the_budget_version():
-    budget = RecordingBudget(fraction=0.03, clock=lambda: 0.0)
+    policy = Admission(record_after=1, max_graphs=4, budget=0.03, replays=lambda r: 0, clock=lambda: 0.0)
+    budget = policy.budget
     seen = {budget.version}
     for change in (
         lambda: budget.charge(0.001),
         lambda: setattr(budget, "spent", 1.0),
         lambda: setattr(budget, "recent", [0.002]),
         lambda: setattr(budget, "fraction", 0.5),
+        policy.sketch.halve,  # the peers the rule judges counts against
     ):
         change()
         assert budget.version not in seen
         seen.add(budget.version)
+
+
+@settings(max_examples=300, deadline=None)
+@given(counts=st.lists(st.integers(1, 1000), min_size=1, max_size=300), asked=st.integers(0, 2000))
+def test_a_key_is_expected_back_at_most_as_often_as_it_was_counted_and_more_for_a_higher_count(counts, asked):
+    peers = Peers.of(counts)
+    assert 0.0 <= peers.credibility <= 1.0
+    assert peers.expected(asked) <= asked
+    assert peers.expected(asked) <= peers.expected(asked + 1)  # quiet_below relies on it
+    if asked >= peers.outlier:
+        assert peers.expected(asked) == asked
+
+
+def test_peers_that_spread_no_more_than_counting_does_earn_no_credit_and_real_differences_earn_nearly_all():
+    rng = random.Random(3)
+    poisson = [sum(rng.random() < 8 / 1024 for _ in range(1024)) + 1 for _ in range(256)]  # one rate for all
+    assert Peers.of(poisson).credibility < 0.2
+    assert Peers.of([5] * 40).credibility == 0.0  # no spread at all
+    assert Peers.of([1] * 30 + [500] * 3).credibility > 0.95  # a few hot keys among rare ones
+    hot = Peers.of([1] * 30 + [500] * 3)
+    assert hot.expected(500) > 450 and hot.expected(1) == 1
+
+
+def _loop(policy: Admission, keys, saving: float) -> list[tuple[int, object]]:
+    """A loop on ``policy`` as the session drives it: a call of a key without a graph counts,
+    and records when the rule (past the warm-up) admits it and the budget allows; the clock
+    runs 300 us a call, a recording charges 2.5 ms twice (capture, analysis). The recordings:
+    (call index, key)."""
+    recorded: list[tuple[int, object]] = []
+    held: set = set()
+    for index, key in enumerate(keys):
+        policy.clock_now[0] += 300e-6
+        if key in held:
+            continue
+        count = policy.called(key)
+        if (
+            count > policy.record_after
+            and policy.pays_back(count, saving + admission.REPLAY_SECONDS_GUESS)
+            and policy.admits(key, held)
+            and policy.may_record(count, saving + admission.REPLAY_SECONDS_GUESS)
+        ):
+            policy.recorded(2.5e-3)
+            policy.recorded(2.5e-3)
+            held.add(key)
+            policy.held(key, key)
+            recorded.append((index, key))
+    return recorded
+
+
+def _policy() -> Admission:
+    now = [0.0]
+    policy = Admission(record_after=1, max_graphs=64, budget=0.03, replays=lambda r: 0, clock=lambda: now[0])
+    policy.clock_now = now
+    return policy
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_uniform_mix_of_hundreds_of_keys_stops_recording_once_its_counts_spread_is_known(seed):
+    # every key of a uniform mix comes back equally often: its high counts are luck. Without
+    # the peers, 14 keys recorded in 6,000 calls (most past the first windows) and were
+    # never repaid; with them, none past the counts' first halving
+    rng = random.Random(seed)
+    policy = _policy()
+    keys = [rng.randint(1, 256) for _ in range(6000)]
+    recorded = _loop(policy, keys, saving=265e-6)
+    first_halving = policy.sketch.window
+    assert policy.sketch.halvings >= 4
+    assert [index for index, _ in recorded if index > first_halving] == []
+    assert len(recorded) <= 8
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_frequent_keys_among_a_uniform_mix_record(seed):
+    rng = random.Random(seed)
+    policy = _policy()
+    hot = [1, 8, 32, 64, 128, 256]
+    keys = [rng.choice(hot) if rng.random() < 0.7 else rng.randint(1, 256) for _ in range(4000)]
+    recorded = _loop(policy, keys, saving=265e-6)
+    assert set(hot) <= {key for _, key in recorded}
+    assert len(recorded) <= 12
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_key_that_turns_hot_after_a_uniform_mix_records_without_waiting_for_the_next_halving(seed):
+    # the peers of a uniform mix earn no credit; a size that then takes half the calls stands
+    # out by far more than counting could give it (OUTLIER_SIGMAS) and records within about
+    # 50 calls (about 150, at the next halving, without that rule)
+    rng = random.Random(seed)
+    policy = _policy()
+    _loop(policy, [rng.randint(1, 256) for _ in range(4000)], saving=265e-6)
+    assert policy.sketch.peers.credibility < 0.1
+    later = [1000 if rng.random() < 0.5 else rng.randint(1, 256) for _ in range(2000)]
+    turned = _loop(policy, later, saving=265e-6)
+    assert next(index for index, key in turned if key == 1000) < 100

@@ -936,10 +936,14 @@ def test_property_admission_by_shapes_keeps_its_index_and_every_result_exact(rec
         st.integers(0, 199), st.tuples(st.floats(0, 1.0), st.floats(1e-4, 0.02)), max_size=5
     ),
     start=st.tuples(st.floats(0, 1.0), st.floats(1e-4, 0.02)),
+    window=st.sampled_from([1024, 16, 5]),
 )
-def test_the_eager_paths_shortcut_decides_and_counts_as_the_rule_does(calls, record_after, budget_changes, start):
+def test_the_eager_paths_shortcut_decides_and_counts_as_the_rule_does(
+    calls, record_after, budget_changes, start, window
+):
     # Region._eager_flat_shapes skips _decide below admission.quiet_below: a run with the
-    # shortcut and a run without it (quiet_below 0) make the same recordings, the same counts
+    # shortcut and a run without it (quiet_below 0) make the same recordings, the same counts;
+    # with short windows, across halvings (each one changes the peers the rule judges by)
     def run(shortcut: bool, gate: bool = True) -> tuple[list[tuple], int]:
         ticks = itertools.count()
         clock = types.SimpleNamespace(perf_counter=lambda: next(ticks) * 1e-3)  # 1 ms a reading
@@ -961,6 +965,7 @@ def test_the_eager_paths_shortcut_decides_and_counts_as_the_rule_does(calls, rec
                 session = DoubleSession(record_after=record_after, record_budget=0.05, max_graphs=4)
                 DoubleSession.current = session
                 session.admission.budget.clock = clock.perf_counter
+                session.admission.sketch.window = window
                 step = session.region(add)  # its gate, if any, times calls by the clock above
                 seen = []
                 budget_changes.setdefault(0, start)  # past the grace or not, a recording's usual cost
