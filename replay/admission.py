@@ -35,9 +35,10 @@ replay from ever costing more than it saves:
   share of its lead: the whole lead where rates really differ (a Zipf-like mix, a few hot
   sizes), none of it in a uniform mix, never more than its own count. A uniform mix of 256
   sizes recorded 14 keys over 6,000 steps that it never repaid (1.066x eager's time on the
-  H200); it now records the few of its grace and then none. A count far beyond anything
-  counting gives its peers (``OUTLIER_SIGMAS``) is taken as it is: a size that became hot
-  after the last halving does not wait for the next one.
+  H200); it now records those of its grace and its first window (6 to 8) and then none
+  (1.037x to 1.048x). A count far beyond anything counting gives its peers
+  (``OUTLIER_SIGMAS``) is taken as it is: a size that became hot after the last halving does
+  not wait for the next one.
 - **Keys that paid already are not held back by the budget**: a key whose recent eager
   calls alone would have saved what a recording usually costs (the payback rule with a
   horizon of 1, the ski-rental break-even: buying once the rent paid equals the price keeps
