@@ -28,7 +28,7 @@ import itertools
 import re
 import struct
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import attrs
 import numpy as np
@@ -55,6 +55,9 @@ class _Mismatch:
 MISMATCH = _Mismatch()
 
 _sources = itertools.count()
+
+#: A named constant in a dynamic scalar's source (replay.dynamic ``_k``, replay.recording ``_lit``).
+_CONSTANT_NAME = re.compile(r"\b(?:_k|_lit)\d+\b")
 
 
 def compile_function(source: str, name: str, description: str, namespace: dict) -> Callable:
@@ -214,6 +217,17 @@ class _Source:
 
     def text(self) -> str:
         return "\n".join(self.lines) + "\n"
+
+    def with_constants(self, source: str, constants: Mapping[str, object]) -> str:
+        """``source`` (an expression over dynamic leaves and named constants, see
+        replay.dynamic) with each constant renamed to this function's own name for its value.
+        The names a recording gives constants (``_k7``, ``_lit3``) come from process-wide
+        counters, so every recording of a region would generate a text of its own; renamed,
+        the same region recorded at another shape generates the same text, and its compiled
+        code is reused (jitcore.generated.compile_source: about 2 ms a recording saved)."""
+        return _CONSTANT_NAME.sub(
+            lambda found: self.bind(constants[found[0]], "_k") if found[0] in constants else found[0], source
+        )
 
 
 @attrs.frozen
@@ -543,8 +557,7 @@ class RecordedGraph:
                         f"l{owner}.storage_offset() + {int(item.delta)})"
                     )
             elif isinstance(item, DynamicOutput):
-                code.namespace.update(item.scalar.constants)
-                expressions.append(item.scalar.source)
+                expressions.append(code.with_constants(item.scalar.source, item.scalar.constants))
             else:
                 expressions.append(code.bind(item.value, "_const"))
         return expressions
@@ -639,7 +652,6 @@ class RecordedGraph:
         sources += [item.scalar.source for item in self.outputs if isinstance(item, DynamicOutput)]
         for i in sorted({int(m) for source in sources for m in re.findall(r"\b_d(\d+)\b", source)}):
             code.line(f"_d{i} = l{i}.value")
-        code.namespace.update(self.plan.constants)
 
     def _compute_new_values(self, code: _Source, backend, leaves: Sequence) -> _Patches:
         """Phase 1: the jit arguments, index checks and every value the nodes may need, inside
@@ -667,7 +679,9 @@ class RecordedGraph:
         """Each launch's jit arguments that replay follows (``_a{launch}``), then the
         launcher's index checks over them: where eager would raise IndexError, decline."""
         for launch, sources in sorted(self.plan.arguments.items()):
-            values = "".join(f"{s if s is not None else 'None'}, " for s in sources)
+            values = "".join(
+                f"{code.with_constants(s, self.plan.constants) if s is not None else 'None'}, " for s in sources
+            )
             code.line(f"_a{launch} = ({values})", 2)
         for check in self.plan.checks:
             value, size = code.bind(check.value, "_index"), code.bind(check.size, "_extent")

@@ -598,3 +598,44 @@ def test_a_replay_notes_the_stream_it_wrote_its_slot_from():
         graph, _ = build_slotted(slots, sim, 4)
         graph.replay(torch.randn(4, 4))
     assert slots.slots[0].streams == {77}  # a slot freed later lets the allocator wait for it
+
+
+def test_recordings_that_name_their_constants_apart_generate_one_text_and_compile_it_once(monkeypatch):
+    # a recording names a dynamic scalar's constants by process-wide counters (_k7, _lit3):
+    # two recordings of one region at two shapes used to generate two texts (a compile each,
+    # about 2 ms on the H200); renamed per function, they generate one, and each graph still
+    # evaluates its own constants
+    from jitcore import generated
+
+    compiled = []
+    real_compile = generated.builtins.compile
+
+    def counting(source, *rest, **options):
+        compiled.append(source)
+        return real_compile(source, *rest, **options)
+
+    monkeypatch.setattr(generated.builtins, "compile", counting)
+    graphs = []
+    row = 16 * 4
+    for rows, (name, value, literal) in ((64, ("_k41", 3, "_lit9")), (32, ("_k97", 5, "_lit12"))):
+        cache = torch.randn(rows, 16)
+        scalar = DynamicScalar(f"(_d1 + {name})", 3 + value, "args[1] + k", {name: value})
+        binding = PointerBinding(
+            0, 0, 0, 0, 0, 0, dynamic=True, recorded_offset=0, offset_evaluate=lambda s: s[1] * row
+        )
+        plan = Plan(
+            pointers=[binding],
+            arguments={0: (None, f"(_d1 + {name})", literal)},
+            constants={name: value, literal: 7},
+        )
+        graphs.append(build([cache, Dynamic(3)], plan, outputs=(cache, scalar)))
+    (first, first_sim), (second, second_sim) = graphs
+    assert first.source == second.source
+    assert "_k41" not in first.source and "_lit9" not in first.source
+    assert sum("def replay_graph" in source for source in compiled) <= 1  # the second reused the first's code
+    cache = torch.randn(64, 16)
+    assert first.replay(cache, Dynamic(2))[1] == 2 + 3  # each its own constant
+    assert node_pointer(first_sim) == cache.data_ptr() + (2 + 3) * 16 * 4
+    small = torch.randn(32, 16)
+    assert second.replay(small, Dynamic(1))[1] == 1 + 5
+    assert node_pointer(second_sim) == small.data_ptr() + (1 + 5) * 16 * 4
