@@ -36,7 +36,7 @@ replay from ever costing more than it saves:
   sizes), none of it in a uniform mix, never more than its own count. A uniform mix of 256
   sizes recorded 14 keys over 6,000 steps that it never repaid (1.066x eager's time on the
   H200); it now records those of its grace and its first window (6 to 8) and then none
-  (1.037x to 1.048x). A count far beyond anything counting gives its peers
+  (0.997x to 1.048x over four runs). A count far beyond anything counting gives its peers
   (``OUTLIER_SIGMAS``) is taken as it is: a size that became hot after the last halving does
   not wait for the next one.
 - **Keys that paid already are not held back by the budget**: a key whose recent eager
