@@ -285,37 +285,37 @@ def test_peers_that_spread_no_more_than_counting_does_earn_no_credit_and_real_di
     assert hot.expected(500) > 450 and hot.expected(1) == 1
 
 
-def _loop(policy: Admission, keys, saving: float) -> list[tuple[int, object]]:
-    """A loop on ``policy`` as the session drives it: a call of a key without a graph counts,
+class _Loop:
+    """The admission driven as the session drives it: a call of a key without a graph counts,
     and records when the rule (past the warm-up) admits it and the budget allows; the clock
-    runs 300 us a call, a recording charges 2.5 ms twice (capture, analysis). The recordings:
-    (call index, key)."""
-    recorded: list[tuple[int, object]] = []
-    held: set = set()
-    for index, key in enumerate(keys):
-        policy.clock_now[0] += 300e-6
-        if key in held:
-            continue
-        count = policy.called(key)
-        if (
-            count > policy.record_after
-            and policy.pays_back(count, saving + admission.REPLAY_SECONDS_GUESS)
-            and policy.admits(key, held)
-            and policy.may_record(count, saving + admission.REPLAY_SECONDS_GUESS)
-        ):
-            policy.recorded(2.5e-3)
-            policy.recorded(2.5e-3)
-            held.add(key)
-            policy.held(key, key)
-            recorded.append((index, key))
-    return recorded
+    runs 300 us a call, a recording charges 2.5 ms twice (capture, analysis)."""
 
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.policy = Admission(record_after=1, max_graphs=64, budget=0.03, replays=lambda r: 0, clock=lambda: self.now)
+        self.held: set = set()
 
-def _policy() -> Admission:
-    now = [0.0]
-    policy = Admission(record_after=1, max_graphs=64, budget=0.03, replays=lambda r: 0, clock=lambda: now[0])
-    policy.clock_now = now
-    return policy
+    def run(self, keys, saving: float) -> list[tuple[int, object]]:
+        """The recordings, as (call index, key)."""
+        policy, eager_seconds = self.policy, saving + admission.REPLAY_SECONDS_GUESS
+        recorded: list[tuple[int, object]] = []
+        for index, key in enumerate(keys):
+            self.now += 300e-6
+            if key in self.held:
+                continue
+            count = policy.called(key)
+            if (
+                count > policy.record_after
+                and policy.pays_back(count, eager_seconds)
+                and policy.admits(key, self.held)
+                and policy.may_record(count, eager_seconds)
+            ):
+                policy.recorded(2.5e-3)
+                policy.recorded(2.5e-3)
+                self.held.add(key)
+                policy.held(key, key)
+                recorded.append((index, key))
+        return recorded
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -324,11 +324,10 @@ def test_a_uniform_mix_of_hundreds_of_keys_stops_recording_once_its_counts_sprea
     # the peers, 14 keys recorded in 6,000 calls (most past the first windows) and were
     # never repaid; with them, none past the counts' first halving
     rng = random.Random(seed)
-    policy = _policy()
-    keys = [rng.randint(1, 256) for _ in range(6000)]
-    recorded = _loop(policy, keys, saving=265e-6)
-    first_halving = policy.sketch.window
-    assert policy.sketch.halvings >= 4
+    loop = _Loop()
+    recorded = loop.run([rng.randint(1, 256) for _ in range(6000)], saving=265e-6)
+    first_halving = loop.policy.sketch.window
+    assert loop.policy.sketch.halvings >= 4
     assert [index for index, _ in recorded if index > first_halving] == []
     assert len(recorded) <= 8
 
@@ -336,10 +335,9 @@ def test_a_uniform_mix_of_hundreds_of_keys_stops_recording_once_its_counts_sprea
 @pytest.mark.parametrize("seed", range(4))
 def test_frequent_keys_among_a_uniform_mix_record(seed):
     rng = random.Random(seed)
-    policy = _policy()
     hot = [1, 8, 32, 64, 128, 256]
     keys = [rng.choice(hot) if rng.random() < 0.7 else rng.randint(1, 256) for _ in range(4000)]
-    recorded = _loop(policy, keys, saving=265e-6)
+    recorded = _Loop().run(keys, saving=265e-6)
     assert set(hot) <= {key for _, key in recorded}
     assert len(recorded) <= 12
 
@@ -350,9 +348,9 @@ def test_a_key_that_turns_hot_after_a_uniform_mix_records_without_waiting_for_th
     # out by far more than counting could give it (OUTLIER_SIGMAS) and records within about
     # 50 calls (about 150, at the next halving, without that rule)
     rng = random.Random(seed)
-    policy = _policy()
-    _loop(policy, [rng.randint(1, 256) for _ in range(4000)], saving=265e-6)
-    assert policy.sketch.peers.credibility < 0.1
+    loop = _Loop()
+    loop.run([rng.randint(1, 256) for _ in range(4000)], saving=265e-6)
+    assert loop.policy.sketch.peers.credibility < 0.1
     later = [1000 if rng.random() < 0.5 else rng.randint(1, 256) for _ in range(2000)]
-    turned = _loop(policy, later, saving=265e-6)
+    turned = loop.run(later, saving=265e-6)
     assert next(index for index, key in turned if key == 1000) < 100
