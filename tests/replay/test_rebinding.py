@@ -22,6 +22,7 @@ from replay.rebinding import (
     _pointer_words,
     build_plan,
     inputs_reached,
+    inputs_reached_by_each,
     match_launches,
 )
 
@@ -295,3 +296,21 @@ def test_inputs_reached_is_the_owners_of_every_word(bounds, words):
     array = np.array(words, dtype=np.uint64)
     expected = {r.index for word in words for r in _owners(inputs, word)}
     assert {r.index for r in inputs_reached(inputs, array)} == expected
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    bounds=st.lists(st.tuples(_ADDRESSES, st.integers(0, 5000)), min_size=0, max_size=5),
+    nodes=st.lists(st.lists(_ADDRESSES, min_size=0, max_size=12), min_size=0, max_size=6),
+)
+def test_the_inputs_each_node_reaches_are_decided_at_once_as_node_by_node(bounds, nodes):
+    """Every node's words at once, as each node's alone: the owners of its words, the inputs
+    in their order and the empty ones last (the order the planner gives its reasons in)."""
+    inputs = [InputRange(i, f"args[{i}]", lo, min(lo + size, 2**64 - 1)) for i, (lo, size) in enumerate(bounds)]
+    arrays = [np.array(words, dtype=np.uint64) for words in nodes]
+    reached = inputs_reached_by_each(inputs, arrays)
+    assert len(reached) == len(nodes)
+    for words, found in zip(nodes, reached):
+        owners = {r.index for word in words for r in _owners(inputs, word)}
+        order = [r.index for r in inputs if r.lo < r.hi] + [r.index for r in inputs if not r.lo < r.hi]
+        assert [r.index for r in found] == [i for i in order if i in owners]
