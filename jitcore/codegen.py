@@ -229,6 +229,7 @@ class CallState:
         kernel unchanged, the backend's error for a refused launch), or None where the backend
         has none for some launch: then every launch packs with struct into this thread's
         buffers."""
+        launch_failed = self.namespace.get("_launch_failed")  # the backend's error for a status
         launchers = []
         for launch in self.trace.launches:
             layout = launch.kernel.layout
@@ -240,7 +241,6 @@ class CallState:
                 codes = iter("P" if _direct_pointer(launch.sources[i]) else None for i in run)
                 fmt = "".join(c if c in "<x" else (next(codes) or c) for c in packer.format)
                 runs.append((int(at), fmt))
-            launch_failed = self.namespace.get("_launch_failed")  # the backend's error for a status
             failed = launch_failed and functools.partial(launch_failed, label=launch.kernel.name_expression)
             launcher = self.backend.packed_launcher(
                 self.backend.launch_function(launch.function),

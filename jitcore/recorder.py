@@ -210,10 +210,11 @@ class CaptureExclusion:
         self._depth = 0
         self._waiting = 0  # threads waiting to take it exclusively
         lock_free = _ORDERED_BY_THE_GIL if lock_free is None else lock_free
-        native = _native_shared_side() is not None if native is None else native
-        if native and (not lock_free or _native_shared_side() is None):
+        native_side = _native_shared_side()
+        native = native_side is not None if native is None else native
+        if native and (not lock_free or native_side is None):
             raise ValueError("the native shared side is lock-free only, and needs jitcore._exclusion built")
-        self._shared = _native_shared_side()(self) if native else _Shared(self) if lock_free else _LockedShared(self)
+        self._shared = native_side(self) if native else _Shared(self) if lock_free else _LockedShared(self)
 
     def shared(self) -> _Shared | _LockedShared:
         """Hold the exclusion shared for a ``with`` block (reentrant; a no-op in the thread that
