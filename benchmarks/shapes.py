@@ -250,6 +250,7 @@ def measure(distribution: str, steps: int, polymorphic: bool = False) -> dict[st
             recaptures=stats.recaptures,
             graph_mib=stats.graph_memory_bytes / 2**20,
             variants=stats.variants,
+            padded_in_place=stats.padded_in_place,
         )
         session.close()
     eager_total = spent["eager"][0] + spent["eager"][1]

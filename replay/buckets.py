@@ -97,13 +97,18 @@ def call(
     *,
     run_eagerly: Callable | None = None,
     replay_writes: Callable[[torch.Tensor], bool] | None = None,
+    in_place: Callable[[tuple, int, int], tuple[object, list] | None] | None = None,
 ) -> tuple[object, int, int, list[tuple[Padded, torch.Tensor]]]:
     """Pad, run, copy back, slice: (result, rows of the call, bucket, [(marker, padded)]).
 
     A padded argument that is copied is not what the graph sees, so the graph cannot tell
     that it lies in memory its replay writes (``replay_writes``: a previous output of the
     region fed back, ``h = step(replay.padded(h))``); the replay would overwrite it and hand
-    out outputs sharing its memory. Such a call is run by ``run_eagerly`` instead."""
+    out outputs sharing its memory. Such a call is run by ``run_eagerly`` instead.
+
+    ``in_place(args, dim, bucket)``: the session's replay that pads straight into a graph's
+    staged buffers (Region._pad_in_place), tried first for positional calls: (result,
+    [(marker, padded)]), or None where it does not serve the call."""
     marked = markers(args, kwargs)
     if buckets is None:
         raise ValueError(
@@ -130,9 +135,13 @@ def call(
         return run(*plain_args, **plain_kwargs), rows, target, [(marker, marker.tensor) for marker in marked]
     if _may_share_memory(args, kwargs):
         _refuse_shared_memory(name, args, kwargs)
-    if replay_writes is not None and run_eagerly is not None:
-        if any(replay_writes(marker.tensor) for marker in marked):
-            run = run_eagerly
+    if replay_writes is not None and run_eagerly is not None and any(replay_writes(m.tensor) for m in marked):
+        run = run_eagerly
+    elif in_place is not None and not kwargs:
+        served = in_place(args, dim, target)
+        if served is not None:
+            result, pads = served
+            return _copied_back_and_sliced(result, pads, dim, target, rows), rows, target, pads
     pads: list[tuple[Padded, torch.Tensor]] = []
 
     def pad(value: object) -> object:
@@ -143,10 +152,16 @@ def call(
         return grown
 
     result = run(*[pad(a) for a in args], **{k: pad(v) for k, v in kwargs.items()})
+    return _copied_back_and_sliced(result, pads, dim, target, rows), rows, target, pads
+
+
+def _copied_back_and_sliced(result: object, pads: list, dim: int, bucket: int, rows: int) -> object:
+    """After the padded run: the call's rows of each ``written`` argument copied back into
+    it, and the outputs sliced to the call's rows."""
     for marker, grown in pads:
         if marker.written:
             marker.tensor.copy_(grown.narrow(dim, 0, rows))
-    return slice_outputs(result, dim, target, rows), rows, target, pads
+    return slice_outputs(result, dim, bucket, rows)
 
 
 def _unwrapped(value: object) -> object:

@@ -119,25 +119,49 @@ def pad(tensor: torch.Tensor, dim: int, size: int, fill: bool | int | float, bit
     """``tensor`` grown along ``dim`` to ``size`` with ``fill``, whose bytes in the tensor's
     dtype are ``bits`` (:func:`fill_bits`, which ``replay.padded`` computed): a new
     contiguous tensor, as ``constant_pad_nd`` makes it."""
-    if tensor.is_cuda and type(tensor) is torch.Tensor and not tensor.requires_grad and tensor.is_contiguous():
-        element = ELEMENT_TYPES.get(tensor.element_size()) if tensor.numel() and bits is not None else None
-        if (
-            element is not None
-            and not tensor.is_conj()
-            and not tensor.is_neg()  # a lazily negated view: its memory holds the other sign
-            and not (_REFUSED and _refusal(tensor, dim) in _REFUSED)
-        ):
-            shape = list(tensor.shape)
-            shape[dim] = size
-            grown = tensor.new_empty(shape)
-            try:
-                with _SHARED_CAPTURE_EXCLUSION:
-                    pad_along(tensor, grown, bits, element, dim)
-            except _REFUSALS:  # raised before any GPU work: torch pads it, now and from now on
-                _REFUSED.add(_refusal(tensor, dim))
-            except errors.CaptureMissError:  # its first call inside someone's capture: torch, this once
-                pass
-            else:
-                return grown
+    if _jit_pads(tensor, dim, bits):
+        shape = list(tensor.shape)
+        shape[dim] = size
+        grown = tensor.new_empty(shape)
+        if _pad_with_jit(tensor, grown, dim, bits):
+            return grown
     widths = [0, 0] * (tensor.dim() - 1 - dim) + [0, size - tensor.shape[dim]]  # last dimension first
     return torch.constant_pad_nd(tensor, widths, fill)
+
+
+def pad_into(tensor: torch.Tensor, dim: int, bits: int | None, out: torch.Tensor) -> bool:
+    """Write what :func:`pad` returns into ``out`` (contiguous, of its dtype, shape and
+    device: a graph's staged buffer), by the jit pad alone: False, and ``out`` untouched,
+    where the jit cannot pad ``tensor`` (the caller pads it the usual way)."""
+    return _jit_pads(tensor, dim, bits) and _pad_with_jit(tensor, out, dim, bits)
+
+
+def _jit_pads(tensor: torch.Tensor, dim: int, bits: int | None) -> bool:
+    """Whether the jit pad may take ``tensor`` (see the module docstring)."""
+    return (
+        tensor.is_cuda
+        and type(tensor) is torch.Tensor
+        and not tensor.requires_grad
+        and tensor.is_contiguous()
+        and bits is not None
+        and bool(tensor.numel())
+        and tensor.element_size() in ELEMENT_TYPES
+        and not tensor.is_conj()
+        and not tensor.is_neg()  # a lazily negated view: its memory holds the other sign
+        and not (_REFUSED and _refusal(tensor, dim) in _REFUSED)
+    )
+
+
+def _pad_with_jit(tensor: torch.Tensor, out: torch.Tensor, dim: int, bits: int) -> bool:
+    """Pad ``tensor`` into ``out`` by one jit launch; False where the jit refused it before
+    any GPU work (torch pads it, now and from now on) or met its first call inside someone's
+    capture (torch pads it this once)."""
+    try:
+        with _SHARED_CAPTURE_EXCLUSION:
+            pad_along(tensor, out, bits, ELEMENT_TYPES[tensor.element_size()], dim)
+    except _REFUSALS:
+        _REFUSED.add(_refusal(tensor, dim))
+        return False
+    except errors.CaptureMissError:
+        return False
+    return True

@@ -409,6 +409,7 @@ class VariantGraph(RecordedGraph):
         self.device = base.device
         self.plan = plan
         self.staged, self.copied_back, self.host = {}, set(), None
+        self.in_place = {}
         self.paths = list(paths)
         self.spec = spec
         tensors = {i: leaf for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)}

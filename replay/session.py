@@ -33,7 +33,7 @@ from jitcore.backends import compiled_helpers_enabled, get_backend
 from jitcore.codegen import never
 from jitcore.errors import GlobalDriftError
 from jitcore.guards import ArgumentCheck, make_guard
-from replay import buckets, observe, polymorphic, recording, region_keys
+from replay import buckets, observe, padding, polymorphic, recording, region_keys
 from replay.admission import Admission, CompactionRule
 from replay.dynamic import Dynamic
 from replay.errors import DynamicScalarError, ReplayError, ReplayWarning, SessionClosedError
@@ -286,6 +286,7 @@ class Region:
         # graph the sizes of that bucket are observed against
         self.variants: dict[tuple, object] = {}
         self.bucket_bases: dict[tuple, Entry] = {}
+        self._stream_now: Callable[[int], int] | None = None  # the current stream's handle (_pad_in_place)
         functools.update_wrapper(self, fn)
 
     # --- the call ------------------------------------------------------------------------
@@ -624,6 +625,7 @@ class Region:
                 self.name,
                 run_eagerly=self._eager_declined,
                 replay_writes=self._replay_writes,
+                in_place=self._pad_in_place,
             )
             if unseen is not None and bucket != rows:
                 self._learn_base(unseen, args, kwargs, pads)
@@ -633,6 +635,74 @@ class Region:
             self.session.counters.verifications += 1
             return buckets.verify(self.fn, args, kwargs, padded_call, self.name)
         return padded_call()
+
+    def _pad_in_place(self, args: tuple, dim: int, bucket: int) -> tuple[object, list] | None:
+        """A positional padded call whose bucket's graph stages a padded argument (a torch op
+        or a foreign kernel reads it): pad it straight into the graph's staged buffer and
+        replay with that buffer as the argument, so the graph skips its copy in and back
+        (RecordedGraph.in_place_buffer). Returns (result, [(marker, padded)]), or None: the
+        usual path then pads into temporaries (and this call may have written the buffer,
+        which every replay writes before reading it).
+
+        The buffer is the graph's own, so it goes to nothing but that graph's replay: not
+        with ``verify_every`` (a verified or declined call runs the region on its
+        arguments), nor before the key's guard passed, nor from a stream other than the one
+        the session replayed on last (a replay there may still read it: the stream switch of
+        the replay comes after the pad); a replay that declines leaves the call to the usual
+        path. Outputs never view it (those inputs are not taken in place)."""
+        session = self.session
+        if not self.fast or session.policy.verify_every:
+            return None
+        pre = []
+        for arg in args:
+            kind = arg.__class__
+            if kind is buckets.Padded:
+                shape = arg.tensor.shape
+                pre.append(torch.Size((*shape[:dim], bucket, *shape[dim + 1 :])))
+            elif kind is torch.Tensor:
+                pre.append(arg.shape)
+            elif kind is Dynamic:
+                pre.append(_DYNAMIC_MARK)
+            elif kind in _PLAIN_CONSTANTS:
+                pre.append(arg)
+            else:
+                return None
+        candidates = self.fast.get(tuple(pre))
+        for guard, run, entry in candidates or ():
+            graph = entry.graph
+            if graph is None or not graph.in_place or run is not graph.replay:
+                continue
+            leaves = list(args)
+            buffers = {}
+            for i, arg in enumerate(args):
+                if arg.__class__ is buckets.Padded:
+                    buffer = graph.in_place_buffer(i)
+                    if buffer is None:
+                        leaves[i] = padding.pad(arg.tensor, dim, bucket, arg.fill, arg.bits)
+                    else:
+                        leaves[i] = buffers[i] = buffer
+            if not buffers or not guard(*leaves):
+                continue
+            if self.snapshot is not None:
+                try:
+                    self.snapshot.check()
+                except GlobalDriftError:
+                    return None  # the usual path drops the graphs
+            stream_now = self._stream_now
+            if stream_now is None:  # the backend's, read once (get_backend reads the environment)
+                stream_now = self._stream_now = get_backend().hot_namespace["_current_stream"]
+            if stream_now(entry.key[0]) != session.last_stream[0]:
+                return None
+            for i, buffer in buffers.items():
+                if not padding.pad_into(args[i].tensor, dim, args[i].bits, buffer):
+                    return None
+            session.touch(entry)
+            result = run(*leaves)
+            if result is MISMATCH:
+                return None
+            session.counters.padded_in_place += len(buffers)
+            return result, [(arg, leaves[i]) for i, arg in enumerate(args) if arg.__class__ is buckets.Padded]
+        return None
 
     # --- polymorphic replay (replay.polymorphic) -----------------------------------------------
     def _call_polymorphic(self, args: tuple, kwargs: dict) -> tuple[object, tuple | None]:

@@ -28,6 +28,7 @@ class Stats:
     eager_only_keys: int = 0
     patches: int = 0  # kernel-node parameter updates pushed to graph execs
     staged_copies: int = 0  # staging copies run inside replays
+    padded_in_place: int = 0  # padded arguments written straight into a graph's staged buffer (no copies)
     capture_seconds: float = 0.0
     graph_memory_bytes: int = 0  # bytes the session's memory pools hold (graph outputs, intermediates)
     graphs: int = 0  # graphs currently held
@@ -54,7 +55,8 @@ def report(stats: Stats, rows: list[tuple]) -> str:
         "replay session report",
         f"  calls {stats.calls}, replays {stats.replays}, eager runs {stats.eager_runs}, "
         f"records {stats.records} (retries {stats.record_retries}), eager-only keys {stats.eager_only_keys}",
-        f"  node patches {stats.patches}, staged copies {stats.staged_copies}, verifications {stats.verifications}, "
+        f"  node patches {stats.patches}, staged copies {stats.staged_copies} "
+        f"(padded in place {stats.padded_in_place}), verifications {stats.verifications}, "
         f"declined by a graph {stats.declined}",
         f"  graphs held {stats.graphs}, evictions {stats.evictions}, not admitted {stats.refused}, "
         f"postponed by the budget {stats.deferred}, too rare to pay back {stats.too_rare}, "

@@ -478,6 +478,117 @@ def test_verify_every_catches_padding_of_a_region_that_mixes_rows():
             centred(replay.padded(torch.randn(3, DIM, device="cuda") + 1))
 
 
+def matmul_first(x):
+    """Row-independent, and a torch op reads the argument: the graph stages it."""
+    h = x @ WEIGHT
+    y = torch.empty_like(h)
+    relu(h, y)
+    return y
+
+
+def bumped_matmul(x):
+    """Writes its argument (a torch op): staged, copied back; ``written=True`` when padded."""
+    x.mul_(2)
+    return x @ WEIGHT
+
+
+def matmul_and_a_view(x):
+    """An output is a view of the argument: as a bucketed call hands it out, a view of the
+    call's own padded copy, which the next call must not overwrite."""
+    return x[:, :4], x @ WEIGHT
+
+
+def padded_reference(fn, x, bucket, fill=0.0):
+    """``fn`` eagerly on ``x`` padded by hand (zero rows, as replay.padded's default), sliced."""
+    padded = torch.full((bucket, *x.shape[1:]), fill, dtype=x.dtype, device=x.device)
+    padded[: x.shape[0]] = x
+    result = fn(padded)
+    return tuple(r[: x.shape[0]] for r in result) if isinstance(result, tuple) else result[: x.shape[0]]
+
+
+def _steps_of(sizes, generator):
+    for number, batch in enumerate(sizes):
+        yield number, batch, 1 << (batch - 1).bit_length(), torch.randn(batch, DIM, device="cuda", generator=generator)
+
+
+def test_a_staged_padded_argument_is_padded_straight_into_the_graphs_buffer():
+    # the graph stages x (a matmul reads it): a bucketed call pads it into the staged buffer
+    # and the replay skips the copy in and back; every call equals eager on the padded rows
+    generator = torch.Generator(device="cuda").manual_seed(random.randrange(1 << 30))
+    sizes = random.Random(3).choices(range(1, 41), k=300)
+    with replay.capture(buckets=[1, 2, 4, 8, 16, 32, 64], record_after=1) as session:
+        step = session.region(matmul_first)
+        for number, batch, bucket, x in _steps_of(sizes, generator):
+            kept = x.clone()
+            expected = padded_reference(matmul_first, x, bucket)
+            got = step(replay.padded(x))
+            assert got.shape == (batch, DIM) and torch.equal(got, expected), f"step {number}, batch {batch}"
+            assert torch.equal(x, kept)
+        stats = session.stats()
+    assert stats.records <= 7 and stats.replays >= 280, session.report()
+    assert stats.padded_in_place >= stats.replays // 2, session.report()
+    # a replay in place makes no staging copy, any other its copy in (and back, where the
+    # graph copies back); a recording call's own launch counts as a replay without copies
+    (choice,) = {c.choice for c in stats.inputs}
+    copies = {"staged": 1, "staged+copied back": 2}[choice]
+    assert stats.staged_copies == copies * (stats.replays - stats.records - stats.padded_in_place), session.report()
+
+
+def test_in_place_padding_keeps_written_arguments_views_streams_and_declines_exact():
+    generator = torch.Generator(device="cuda").manual_seed(random.randrange(1 << 30))
+    sizes = random.Random(4).choices(range(1, 17), k=120)
+    # a written argument: its rows copied back from the buffer after the replay
+    with replay.capture(buckets=[4, 8, 16], record_after=1) as session:
+        step = session.region(bumped_matmul)
+        for number, _batch, bucket, x in _steps_of(sizes, generator):
+            expected_x = x.clone()
+            expected = padded_reference(bumped_matmul, expected_x, bucket)
+            expected_x.mul_(2)
+            got = step(replay.padded(x, written=True))
+            assert torch.equal(got, expected) and torch.equal(x, expected_x), f"step {number}"
+        assert session.stats().padded_in_place >= 60, session.report()
+    # an output viewing the argument: not padded in place, and a held output stays as it was
+    with replay.capture(buckets=[4, 8, 16], record_after=1) as session:
+        step = session.region(matmul_and_a_view)
+        held = []
+        for number, _batch, bucket, x in _steps_of(sizes, generator):
+            expected = padded_reference(matmul_and_a_view, x, bucket)
+            got = step(replay.padded(x))
+            assert all(torch.equal(g, e) for g, e in zip(got, expected)), f"step {number}"
+            held.append((got, expected))
+        for number, (got, expected) in enumerate(held[-20:]):  # later calls left them alone
+            assert torch.equal(got[0], expected[0]), f"held view {number}"
+        assert session.stats().padded_in_place == 0 and session.stats().replays >= 100, session.report()
+    # calls alternating between two streams, and a torch setting changed under the graphs:
+    # the replays decline it (the call goes the usual way, and computes as eager does)
+    side = torch.cuda.Stream()
+    with replay.capture(buckets=[4, 8, 16], record_after=1) as session:
+        step = session.region(matmul_first)
+        for number, _batch, bucket, x in _steps_of(sizes, generator):
+            tf32 = number % 10 == 9
+            stream = side if number % 3 == 0 else torch.cuda.current_stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            previous = torch.backends.cuda.matmul.allow_tf32
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+            try:
+                with torch.cuda.stream(stream):
+                    expected = padded_reference(matmul_first, x, bucket)
+                    got = step(replay.padded(x))
+                    torch.cuda.current_stream().synchronize()
+            finally:
+                torch.backends.cuda.matmul.allow_tf32 = previous
+            assert torch.equal(got, expected), f"step {number}, stream {'side' if stream is side else 'main'}"
+        stats = session.stats()
+        assert stats.padded_in_place >= 20, session.report()
+    # verify_every: a verified or declined call runs the region on its arguments, so never
+    # on a graph's buffer
+    with replay.capture(buckets=[4, 8, 16], record_after=1, verify_every=5) as session:
+        step = session.region(matmul_first)
+        for number, _batch, bucket, x in _steps_of(sizes[:40], generator):
+            assert torch.equal(step(replay.padded(x)), padded_reference(matmul_first, x, bucket)), f"step {number}"
+        assert session.stats().padded_in_place == 0 and session.stats().replays >= 20, session.report()
+
+
 add_bias_kernel = jc.Kernel(
     r"""
 __global__ void add_bias(const float* __restrict__ x, const float* __restrict__ bias, float* __restrict__ y,

@@ -50,6 +50,7 @@ class FakeGraph:
         self.replays = self.generation = 0
         self.memory = 0
         self.output_memory = {}  # {start: bytes} its replays write
+        self.in_place = {}  # no staged buffer a padded argument could be written into
         self.released = False
         self.verified = 0
         self.source = f"# fake graph {number}"
