@@ -36,7 +36,9 @@ replay from ever costing more than it saves:
   sizes), none of it in a uniform mix, never more than its own count. A uniform mix of 256
   sizes recorded 14 keys over 6,000 steps that it never repaid (1.066x eager's time on the
   H200); it now records those of its grace and its first window (6 to 8) and then none
-  (0.997x to 1.048x over four runs). A count far beyond anything counting gives its peers
+  (0.997x to 1.048x over four runs). Before the first halving the peers are the counts as
+  they stand (``EARLY_PEERS_AFTER``), so the first window's lucky keys are not bets either.
+  A count far beyond anything counting gives its peers
   (``OUTLIER_SIGMAS``) is taken as it is: a size that became hot after the last halving does
   not wait for the next one.
 - **Keys that paid already are not held back by the budget**: a key whose recent eager
@@ -97,6 +99,16 @@ COUNT_NOISE = 1.0
 #: the last halving, and early in a loop (counts still growing window after window) a uniform
 #: mix's ordinary counts reached 4 deviations above it.
 OUTLIER_SIGMAS = 6
+
+#: Before the first halving, counts are judged against their peers as they stand (Peers of
+#: the counts so far) once this many calls were counted: a uniform mix of 256 sizes recorded 5
+#: to 13 keys in its first window (1,024 calls), each at a count that counting alone gave it
+#: and each never repaid (up to 1.057x eager's time over 6,000 steps on the H200). 256 calls:
+#: a loop of a few dozen sizes has counted each of them several times by then.
+EARLY_PEERS_AFTER = 256
+#: ... and taken again once the calls have grown by this factor since (only when a decision
+#: asks: a loop whose keys all run eagerly below the payback count never does).
+EARLY_PEERS_GROWTH = 1.125
 
 #: The host time a replay is taken to cost, subtracted from an eager call's time to give what
 #: one replay saves (about 5 to 15 us on the H200 machine for regions of a few to a few dozen
@@ -184,11 +196,13 @@ class FrequencySketch:
     counts: dict[Hashable, int] = attrs.Factory(dict)
     calls: int = 0
     halvings: int = 0
-    #: the counts' spread at the last halving (None before the first)
+    #: the counts' spread at the last halving (before the first: as the counts stood at the
+    #: last early estimate, see :meth:`current_peers`; None before that)
     peers: Peers | None = None
-    #: called after each halving (the admission bumps the payback rule's version: ``peers``
-    #: changed)
-    on_halve: Callable[[], None] | None = None
+    #: called whenever ``peers`` changed (the admission bumps the payback rule's version)
+    on_peers: Callable[[], None] | None = None
+    #: the calls counted when the early peers were taken (0: not yet)
+    early_at: int = 0
 
     def add(self, key: Hashable) -> int:
         """Count one call of ``key``; its recent count, this call included."""
@@ -210,13 +224,28 @@ class FrequencySketch:
         self.counts = {key: count // 2 for key, count in self.counts.items() if count >= 2}
         self.calls = 0
         self.halvings += 1
-        if self.on_halve is not None:
-            self.on_halve()
+        if self.on_peers is not None:
+            self.on_peers()
+
+    def current_peers(self) -> Peers | None:
+        """The peers the payback rule judges a count by: the last halving's; before the first
+        halving, the counts as they stand, from ``EARLY_PEERS_AFTER`` calls on (taken again
+        once the calls grew by ``EARLY_PEERS_GROWTH``; asked only when a decision needs them,
+        a pass over the counts each time); None before that."""
+        if self.halvings or self.calls < EARLY_PEERS_AFTER:
+            return self.peers
+        if not self.early_at or self.calls >= self.early_at * EARLY_PEERS_GROWTH:
+            self.peers = Peers.of(self.counts.values())
+            self.early_at = self.calls
+            if self.on_peers is not None:
+                self.on_peers()
+        return self.peers
 
     def expected(self, count: int) -> float:
         """The recent count the payback rule bets on for a key counted ``count`` times (see
-        Peers; the count itself before the first halving)."""
-        return count if self.peers is None else self.peers.expected(count)
+        Peers; the count itself while there are no peers yet)."""
+        peers = self.current_peers()
+        return count if peers is None else peers.expected(count)
 
 
 @attrs.define
@@ -313,7 +342,7 @@ class Admission(Generic[Resident]):
         self.max_graphs = max_graphs
         self.budget = RecordingBudget(fraction=budget, clock=clock)
         self.sketch = FrequencySketch(
-            window=max(MIN_WINDOW, WINDOW_PER_GRAPH * max_graphs), on_halve=self.budget.inputs_changed
+            window=max(MIN_WINDOW, WINDOW_PER_GRAPH * max_graphs), on_peers=self.budget.inputs_changed
         )
         #: ``called(key) -> int``: count a call of a key that has no graph; its recent count.
         #: The sketch's own method, not a wrapper: every call that runs eagerly asks it.
@@ -411,7 +440,7 @@ class Admission(Generic[Resident]):
         if saving <= 0 or not usual:
             return QUIET_FOREVER  # no count pays back: every call runs eagerly (the rule again at each change)
         needed = usual / (PAYBACK_HORIZON * saving)  # the expected count that pays back
-        peers = self.sketch.peers
+        peers = self.sketch.current_peers()
         bound = needed if peers is None else peers.least_count(needed)
         count = max(least, int(min(bound, QUIET_FOREVER)) - 1)
         while count < QUIET_FOREVER and not self.pays_back(count, eager_seconds):  # pays_back's own arithmetic decides

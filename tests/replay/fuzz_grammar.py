@@ -1694,6 +1694,7 @@ _STAT_NAMES = (
     "eager_only_keys",
     "patches",
     "staged_copies",
+    "padded_in_place",
     "graphs",
     "evictions",
     "compactions",

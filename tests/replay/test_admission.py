@@ -333,6 +333,55 @@ def test_a_uniform_mix_of_hundreds_of_keys_stops_recording_once_its_counts_sprea
 
 
 @pytest.mark.parametrize("seed", range(4))
+def test_a_uniform_mix_records_nothing_past_the_grace_in_its_first_window_either(seed, monkeypatch):
+    # before the first halving, counts are judged against their peers as they stand
+    # (EARLY_PEERS_AFTER): a key counted 8 times among keys counted 4 times on average is
+    # expected back 4 times. With a saving large enough that a count of 7 pays back, the
+    # first window (1,024 calls) recorded 7 to 13 keys of 256 without them
+    def first_window(early_after: int) -> list:
+        monkeypatch.setattr(admission, "EARLY_PEERS_AFTER", early_after)
+        rng = random.Random(seed)
+        return _Loop().run([rng.randint(1, 256) for _ in range(1024)], saving=600e-6)
+
+    grace = int(admission.GRACE_SECONDS * 0.03 / 5e-3)  # recordings of 5 ms that fit the grace
+    assert len(first_window(256)) <= grace + 1
+    assert len(first_window(10**9)) >= grace + 4
+
+
+@pytest.mark.parametrize("saving", [100e-6, 265e-6])
+def test_early_peers_hold_back_no_key_of_a_loop_of_a_few_dozen_sizes(saving, monkeypatch):
+    # 16 sizes: each counted about 16 times by call 256, its peers no different: they record
+    # at the same calls with or without the early peers
+    def recorded(early_after: int) -> list:
+        monkeypatch.setattr(admission, "EARLY_PEERS_AFTER", early_after)
+        rng = random.Random(0)
+        return _Loop().run([rng.randint(1, 16) for _ in range(3000)], saving=saving)
+
+    with_early = recorded(256)
+    assert len(with_early) == 16 and with_early == recorded(10**9)
+
+
+def test_early_peers_are_taken_when_asked_and_again_once_the_calls_grew():
+    policy = Admission(record_after=1, max_graphs=4, budget=0.03, replays=lambda r: 0, clock=lambda: 0.0)
+    sketch, budget = policy.sketch, policy.budget
+    for number in range(admission.EARLY_PEERS_AFTER - 1):
+        sketch.add(number % 50)
+    assert sketch.current_peers() is None  # too few calls yet
+    sketch.add(0)
+    version = budget.version
+    first = sketch.current_peers()
+    assert first == Peers.of(sketch.counts.values()) and budget.version == version + 1
+    for number in range(int(admission.EARLY_PEERS_AFTER * (admission.EARLY_PEERS_GROWTH - 1)) - 1):
+        sketch.add(number % 50)
+    assert sketch.current_peers() is first and budget.version == version + 1  # not grown enough
+    sketch.add(1)
+    sketch.add(2)
+    assert sketch.current_peers() != first and budget.version == version + 2
+    sketch.halve()  # from the first halving on: the window's peers, as before
+    assert sketch.current_peers() is sketch.peers and sketch.early_at
+
+
+@pytest.mark.parametrize("seed", range(4))
 def test_frequent_keys_among_a_uniform_mix_record(seed):
     rng = random.Random(seed)
     hot = [1, 8, 32, 64, 128, 256]

@@ -104,6 +104,8 @@ def test_fuzz_padded_regions():
     # bucket (unpadded), a written argument copied back, a fill other than 0
     for what in ("padded", "exact bucket", "beyond the buckets", "written copied back", "fill not 0"):
         assert summary.padding[what] > 0, (what, dict(summary.padding))
+    # and arguments padded straight into a graph's staged buffer (a torch op reads them)
+    assert summary.stats["padded_in_place"] > 0, _summary_text(summary, seed)
     _assert_mostly_replayed(summary, seed)
 
 
