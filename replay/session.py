@@ -668,20 +668,24 @@ class Region:
             else:
                 return None
         candidates = self.fast.get(tuple(pre))
+        padded = [i for i, arg in enumerate(args) if arg.__class__ is buckets.Padded]
+        temporaries: dict[int, torch.Tensor] = {}  # padded arguments no graph takes in place, padded once
         for guard, run, entry in candidates or ():
             graph = entry.graph
             if graph is None or not graph.in_place or run is not graph.replay:
                 continue
+            buffers = {i: buffer for i in padded if (buffer := graph.in_place_buffer(i)) is not None}
+            if not buffers:
+                continue
             leaves = list(args)
-            buffers = {}
-            for i, arg in enumerate(args):
-                if arg.__class__ is buckets.Padded:
-                    buffer = graph.in_place_buffer(i)
-                    if buffer is None:
-                        leaves[i] = padding.pad(arg.tensor, dim, bucket, arg.fill, arg.bits)
-                    else:
-                        leaves[i] = buffers[i] = buffer
-            if not buffers or not guard(*leaves):
+            for i in padded:
+                if i in buffers:
+                    leaves[i] = buffers[i]
+                else:
+                    if i not in temporaries:
+                        temporaries[i] = padding.pad(args[i].tensor, dim, bucket, args[i].fill, args[i].bits)
+                    leaves[i] = temporaries[i]
+            if not guard(*leaves):
                 continue
             if self.snapshot is not None:
                 try:
@@ -701,7 +705,7 @@ class Region:
             if result is MISMATCH:
                 return None
             session.counters.padded_in_place += len(buffers)
-            return result, [(arg, leaves[i]) for i, arg in enumerate(args) if arg.__class__ is buckets.Padded]
+            return result, [(args[i], leaves[i]) for i in padded]
         return None
 
     # --- polymorphic replay (replay.polymorphic) -----------------------------------------------

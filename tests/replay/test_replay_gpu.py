@@ -498,6 +498,13 @@ def matmul_and_a_view(x):
     return x[:, :4], x @ WEIGHT
 
 
+def gather_after_matmul(tokens, extra):
+    """``extra`` read by a matmul (staged), ``tokens`` by a jit kernel only (rebound)."""
+    h = torch.empty(tokens.shape[0], DIM, device="cuda")
+    gather(tokens, TABLE, extra @ WEIGHT, h)
+    return h
+
+
 def padded_reference(fn, x, bucket, fill=0.0):
     """``fn`` eagerly on ``x`` padded by hand (zero rows, as replay.padded's default), sliced."""
     padded = torch.full((bucket, *x.shape[1:]), fill, dtype=x.dtype, device=x.device)
@@ -580,6 +587,21 @@ def test_in_place_padding_keeps_written_arguments_views_streams_and_declines_exa
             assert torch.equal(got, expected), f"step {number}, stream {'side' if stream is side else 'main'}"
         stats = session.stats()
         assert stats.padded_in_place >= 20, session.report()
+    # two padded arguments, one staged (a matmul reads it: padded in place), one a jit kernel
+    # reads (rebound: padded into a temporary as before)
+    with replay.capture(buckets=[4, 8, 16], record_after=1) as session:
+        step = session.region(gather_after_matmul)
+        for number, batch, bucket, extra in _steps_of(sizes, generator):
+            tokens = torch.randint(0, VOCAB, (batch,), device="cuda", generator=generator)
+            padded_tokens = torch.zeros(bucket, dtype=tokens.dtype, device="cuda")
+            padded_tokens[:batch] = tokens
+            padded_extra = torch.zeros(bucket, DIM, device="cuda")
+            padded_extra[:batch] = extra
+            expected = gather_after_matmul(padded_tokens, padded_extra)[:batch]
+            got = step(replay.padded(tokens), replay.padded(extra))
+            assert torch.equal(got, expected), f"step {number}"
+        stats = session.stats()
+        assert 0 < stats.padded_in_place < stats.replays and stats.records <= 3, session.report()
     # verify_every: a verified or declined call runs the region on its arguments, so never
     # on a graph's buffer
     with replay.capture(buckets=[4, 8, 16], record_after=1, verify_every=5) as session:
