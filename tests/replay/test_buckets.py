@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import random
+import struct
 import warnings
 
 import pytest
@@ -14,10 +15,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import replay
-from replay import buckets, region_keys
+from jitcore.backends import use_backend
+from jitcore.backends.null import NullBackend
+from replay import buckets, padding, region_keys
 from replay.errors import ReplayMismatchError
+from replay.graph import MISMATCH
 
-from .test_session import session_factory  # noqa: F401  (a fixture)
+from .test_session import DoubleSession, FakeGraph, session_factory  # noqa: F401  (a fixture)
 
 BUCKETS = [1, 2, 4, 8, 16, 32, 64]
 
@@ -157,6 +161,145 @@ def test_a_padded_argument_sharing_memory_with_another_is_refused(session_factor
     full = torch.randn(8, 4)
     assert torch.equal(step(replay.padded(full), [full[0]]), full + full[0])  # a full bucket is not copied
     assert calls == [1, 1]
+
+
+class StagingGraph(FakeGraph):
+    """A graph double that stages every tensor input, as a graph does whose inputs a torch op
+    reads: its replay copies each input into a buffer of its own (unless passed that very
+    buffer: the copy is skipped, counted) and runs the region on its buffers. A call that
+    handed it its buffer without writing the call's values into it would compute from stale
+    values."""
+
+    decline = False  # every replay declines (as one does when a torch setting changed)
+
+    def __init__(self, region, key, capture, spec, leaves, paths, session, number):
+        super().__init__(region, key, capture, spec, leaves, paths, session, number)
+        self.buffers = {
+            i: torch.full_like(leaf, float("nan")) for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)
+        }
+        self.in_place = {i: (buffer, ()) for i, buffer in self.buffers.items()}
+        self.copies = self.skipped = 0
+        self.replay = self._staged_replay  # one object, as a generated replay is
+
+    def in_place_buffer(self, index):
+        taken = self.in_place.get(index)
+        return taken[0] if taken is not None else None
+
+    def _staged_replay(self, *leaves):
+        if StagingGraph.decline:
+            return MISMATCH
+        staged = list(leaves)
+        for i, buffer in self.buffers.items():
+            if leaves[i] is buffer:
+                self.skipped += 1
+            else:
+                buffer.copy_(leaves[i])
+                self.copies += 1
+            staged[i] = buffer
+        return FakeGraph.replay(self, *staged)
+
+
+class StagingSession(DoubleSession):
+    build_graph = StagingGraph
+
+
+@pytest.fixture
+def staging_factory(monkeypatch):
+    """Sessions whose graphs stage their inputs, and the jit pad replaced by torch's (the pad
+    kernel runs on the GPU only; the GPU tests run it): ``pads`` lists each pad in place."""
+    pads = []
+
+    def pad_into(tensor, dim, bits, out):
+        fill = struct.unpack("<f", struct.pack("<I", bits))[0]  # these tests pad float32
+        widths = [0, 0] * (tensor.dim() - 1 - dim) + [0, out.shape[dim] - tensor.shape[dim]]
+        out.copy_(torch.constant_pad_nd(tensor, widths, fill))
+        pads.append(out)
+        return True
+
+    monkeypatch.setattr(padding, "pad_into", pad_into)
+    monkeypatch.setattr(StagingGraph, "decline", False)
+    with use_backend(NullBackend()):
+
+        def make(**policy):
+            session = StagingSession(**policy)
+            DoubleSession.current = session
+            return session
+
+        yield make, pads
+
+
+def _padded_eagerly(fn, x, bucket, fill=0.0):
+    grown = torch.full((bucket, *x.shape[1:]), fill, dtype=x.dtype)
+    grown[: x.shape[0]] = x
+    return fn(grown)[: x.shape[0]]
+
+
+def scaled_rows(x, w):
+    return x * w + 1
+
+
+def test_a_staged_padded_argument_is_padded_into_the_graphs_buffer_and_its_copies_skipped(staging_factory):
+    make, pads = staging_factory
+    session = make(record_after=1, buckets=[4, 8, 16])
+    step = session.region(scaled_rows)
+    w = torch.randn(5)
+    generator = random.Random(5)
+    for number in range(200):
+        rows = generator.randint(1, 16)
+        x = torch.randn(rows, 5)
+        fill = generator.choice([0.0, -7.5])
+        expected = _padded_eagerly(lambda t: scaled_rows(t, w), x, 1 << (rows - 1).bit_length(), fill)
+        assert torch.equal(step(replay.padded(x, fill=fill), w), expected), f"call {number}"
+    graphs = [g for g in FakeGraph.instances if isinstance(g, StagingGraph) and g.session is session]
+    stats = session.stats()
+    skipped = sum(g.skipped for g in graphs)
+    assert skipped == stats.padded_in_place == len(pads) > 100
+    assert all(any(p is g.buffers[0] for g in graphs) for p in pads)  # only into a graph's own buffer
+
+
+def test_padding_in_place_is_not_taken_across_streams_with_verify_every_or_for_another_dtype(staging_factory):
+    make, pads = staging_factory
+    w = torch.randn(5)
+    session = make(record_after=1, buckets=[8])
+    step = session.region(scaled_rows)
+    for _ in range(4):  # warmed, recorded, analysed (and replayed), then replayed in place
+        step(replay.padded(torch.randn(5, 5)), w)
+    taken = len(pads)
+    assert taken == session.stats().padded_in_place == 1
+    # the session's last replay was on another stream: a replay there may still read the buffer
+    session.last_stream[0] = 12345
+    x = torch.randn(6, 5)
+    assert torch.equal(step(replay.padded(x), w), _padded_eagerly(lambda t: scaled_rows(t, w), x, 8))
+    assert len(pads) == taken
+    session.last_stream[0] = 0
+    # the same shapes in float64: the guard refuses the graph before anything is written
+    x64 = torch.randn(6, 5, dtype=torch.float64)
+    assert torch.equal(
+        step(replay.padded(x64), w.double()), _padded_eagerly(lambda t: scaled_rows(t, w.double()), x64, 8)
+    )
+    assert len(pads) == taken
+    # verify_every: verified or declined calls run the region on their arguments
+    checked = make(record_after=1, buckets=[8], verify_every=2)
+    checked_step = checked.region(scaled_rows)
+    for _ in range(6):
+        checked_step(replay.padded(torch.randn(5, 5)), w)
+    assert len(pads) == taken and checked.stats().padded_in_place == 0
+
+
+def test_a_replay_that_declines_after_the_pad_leaves_the_call_to_the_usual_path(staging_factory, monkeypatch):
+    make, pads = staging_factory
+    w = torch.randn(5)
+    session = make(record_after=1, buckets=[8])
+    step = session.region(scaled_rows)
+    for _ in range(4):
+        step(replay.padded(torch.randn(5, 5)), w)
+    monkeypatch.setattr(StagingGraph, "decline", True)
+    before = session.stats().padded_in_place
+    taken = len(pads)
+    x = torch.randn(3, 5)
+    assert torch.equal(step(replay.padded(x), w), _padded_eagerly(lambda t: scaled_rows(t, w), x, 8))
+    # padded into the buffer, declined, then run the usual way (and not counted in place)
+    assert len(pads) == taken + 1 and session.stats().padded_in_place == before
 
 
 def test_a_real_session_pads_without_a_gpu():
