@@ -15,12 +15,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import replay
-from jitcore.backends import use_backend
-from jitcore.backends.null import NullBackend
 from replay import buckets, padding, region_keys
 from replay.errors import ReplayMismatchError
 from replay.graph import MISMATCH
 
+from . import fuzz_grammar as fz
 from .test_session import DoubleSession, FakeGraph, session_factory  # noqa: F401  (a fixture)
 
 BUCKETS = [1, 2, 4, 8, 16, 32, 64]
@@ -199,14 +198,11 @@ class StagingGraph(FakeGraph):
         return FakeGraph.replay(self, *staged)
 
 
-class StagingSession(DoubleSession):
-    build_graph = StagingGraph
-
-
 @pytest.fixture
-def staging_factory(monkeypatch):
-    """Sessions whose graphs stage their inputs, and the jit pad replaced by torch's (the pad
-    kernel runs on the GPU only; the GPU tests run it): ``pads`` lists each pad in place."""
+def staging_factory(session_factory, monkeypatch):  # noqa: F811
+    """The session double with graphs that stage their inputs, and the jit pad replaced by
+    torch's (the pad kernel runs on the GPU only; the GPU tests run it): ``pads`` lists each
+    pad in place."""
     pads = []
 
     def pad_into(tensor, dim, bits, out):
@@ -217,21 +213,14 @@ def staging_factory(monkeypatch):
         return True
 
     monkeypatch.setattr(padding, "pad_into", pad_into)
+    monkeypatch.setattr(DoubleSession, "build_graph", StagingGraph)
     monkeypatch.setattr(StagingGraph, "decline", False)
-    with use_backend(NullBackend()):
-
-        def make(**policy):
-            session = StagingSession(**policy)
-            DoubleSession.current = session
-            return session
-
-        yield make, pads
+    return session_factory, pads
 
 
-def _padded_eagerly(fn, x, bucket, fill=0.0):
-    grown = torch.full((bucket, *x.shape[1:]), fill, dtype=x.dtype)
-    grown[: x.shape[0]] = x
-    return fn(grown)[: x.shape[0]]
+def _reference(w, x, buckets, fill=0.0):
+    """The eager run of ``scaled_rows`` on ``x`` padded as documented (fuzz_grammar's reference)."""
+    return fz.padded_reference(scaled_rows, (replay.padded(x, fill=fill), w), {}, buckets)
 
 
 def scaled_rows(x, w):
@@ -248,7 +237,7 @@ def test_a_staged_padded_argument_is_padded_into_the_graphs_buffer_and_its_copie
         rows = generator.randint(1, 16)
         x = torch.randn(rows, 5)
         fill = generator.choice([0.0, -7.5])
-        expected = _padded_eagerly(lambda t: scaled_rows(t, w), x, 1 << (rows - 1).bit_length(), fill)
+        expected = _reference(w, x, [4, 8, 16], fill)
         assert torch.equal(step(replay.padded(x, fill=fill), w), expected), f"call {number}"
     graphs = [g for g in FakeGraph.instances if isinstance(g, StagingGraph) and g.session is session]
     stats = session.stats()
@@ -269,14 +258,12 @@ def test_padding_in_place_is_not_taken_across_streams_with_verify_every_or_for_a
     # the session's last replay was on another stream: a replay there may still read the buffer
     session.last_stream[0] = 12345
     x = torch.randn(6, 5)
-    assert torch.equal(step(replay.padded(x), w), _padded_eagerly(lambda t: scaled_rows(t, w), x, 8))
+    assert torch.equal(step(replay.padded(x), w), _reference(w, x, [8]))
     assert len(pads) == taken
     session.last_stream[0] = 0
     # the same shapes in float64: the guard refuses the graph before anything is written
     x64 = torch.randn(6, 5, dtype=torch.float64)
-    assert torch.equal(
-        step(replay.padded(x64), w.double()), _padded_eagerly(lambda t: scaled_rows(t, w.double()), x64, 8)
-    )
+    assert torch.equal(step(replay.padded(x64), w.double()), _reference(w.double(), x64, [8]))
     assert len(pads) == taken
     # verify_every: verified or declined calls run the region on their arguments
     checked = make(record_after=1, buckets=[8], verify_every=2)
@@ -297,7 +284,7 @@ def test_a_replay_that_declines_after_the_pad_leaves_the_call_to_the_usual_path(
     before = session.stats().padded_in_place
     taken = len(pads)
     x = torch.randn(3, 5)
-    assert torch.equal(step(replay.padded(x), w), _padded_eagerly(lambda t: scaled_rows(t, w), x, 8))
+    assert torch.equal(step(replay.padded(x), w), _reference(w, x, [8]))
     # padded into the buffer, declined, then run the usual way (and not counted in place)
     assert len(pads) == taken + 1 and session.stats().padded_in_place == before
 

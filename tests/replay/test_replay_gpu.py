@@ -13,6 +13,8 @@ import jitcore as jc
 import replay
 from replay import dynamic
 
+from . import fuzz_grammar as fz
+
 pytestmark = pytest.mark.gpu
 
 SOURCE = r"""
@@ -505,17 +507,9 @@ def gather_after_matmul(tokens, extra):
     return h
 
 
-def padded_reference(fn, x, bucket, fill=0.0):
-    """``fn`` eagerly on ``x`` padded by hand (zero rows, as replay.padded's default), sliced."""
-    padded = torch.full((bucket, *x.shape[1:]), fill, dtype=x.dtype, device=x.device)
-    padded[: x.shape[0]] = x
-    result = fn(padded)
-    return tuple(r[: x.shape[0]] for r in result) if isinstance(result, tuple) else result[: x.shape[0]]
-
-
 def _steps_of(sizes, generator):
     for number, batch in enumerate(sizes):
-        yield number, batch, 1 << (batch - 1).bit_length(), torch.randn(batch, DIM, device="cuda", generator=generator)
+        yield number, batch, torch.randn(batch, DIM, device="cuda", generator=generator)
 
 
 def test_a_staged_padded_argument_is_padded_straight_into_the_graphs_buffer():
@@ -523,11 +517,12 @@ def test_a_staged_padded_argument_is_padded_straight_into_the_graphs_buffer():
     # and the replay skips the copy in and back; every call equals eager on the padded rows
     generator = torch.Generator(device="cuda").manual_seed(random.randrange(1 << 30))
     sizes = random.Random(3).choices(range(1, 41), k=300)
-    with replay.capture(buckets=[1, 2, 4, 8, 16, 32, 64], record_after=1) as session:
+    buckets = [1, 2, 4, 8, 16, 32, 64]
+    with replay.capture(buckets=buckets, record_after=1) as session:
         step = session.region(matmul_first)
-        for number, batch, bucket, x in _steps_of(sizes, generator):
+        for number, batch, x in _steps_of(sizes, generator):
             kept = x.clone()
-            expected = padded_reference(matmul_first, x, bucket)
+            expected = fz.padded_reference(matmul_first, (replay.padded(x),), {}, buckets)
             got = step(replay.padded(x))
             assert got.shape == (batch, DIM) and torch.equal(got, expected), f"step {number}, batch {batch}"
             assert torch.equal(x, kept)
@@ -544,22 +539,22 @@ def test_a_staged_padded_argument_is_padded_straight_into_the_graphs_buffer():
 def test_in_place_padding_keeps_written_arguments_views_streams_and_declines_exact():
     generator = torch.Generator(device="cuda").manual_seed(random.randrange(1 << 30))
     sizes = random.Random(4).choices(range(1, 17), k=120)
+    buckets = [4, 8, 16]
     # a written argument: its rows copied back from the buffer after the replay
-    with replay.capture(buckets=[4, 8, 16], record_after=1) as session:
+    with replay.capture(buckets=buckets, record_after=1) as session:
         step = session.region(bumped_matmul)
-        for number, _batch, bucket, x in _steps_of(sizes, generator):
-            expected_x = x.clone()
-            expected = padded_reference(bumped_matmul, expected_x, bucket)
-            expected_x.mul_(2)
+        for number, _batch, x in _steps_of(sizes, generator):
+            expected_x = x.clone()  # the reference copies the rows back into it
+            expected = fz.padded_reference(bumped_matmul, (replay.padded(expected_x, written=True),), {}, buckets)
             got = step(replay.padded(x, written=True))
             assert torch.equal(got, expected) and torch.equal(x, expected_x), f"step {number}"
         assert session.stats().padded_in_place >= 60, session.report()
     # an output viewing the argument: not padded in place, and a held output stays as it was
-    with replay.capture(buckets=[4, 8, 16], record_after=1) as session:
+    with replay.capture(buckets=buckets, record_after=1) as session:
         step = session.region(matmul_and_a_view)
         held = []
-        for number, _batch, bucket, x in _steps_of(sizes, generator):
-            expected = padded_reference(matmul_and_a_view, x, bucket)
+        for number, _batch, x in _steps_of(sizes, generator):
+            expected = fz.padded_reference(matmul_and_a_view, (replay.padded(x),), {}, buckets)
             got = step(replay.padded(x))
             assert all(torch.equal(g, e) for g, e in zip(got, expected)), f"step {number}"
             held.append((got, expected))
@@ -569,9 +564,9 @@ def test_in_place_padding_keeps_written_arguments_views_streams_and_declines_exa
     # calls alternating between two streams, and a torch setting changed under the graphs:
     # the replays decline it (the call goes the usual way, and computes as eager does)
     side = torch.cuda.Stream()
-    with replay.capture(buckets=[4, 8, 16], record_after=1) as session:
+    with replay.capture(buckets=buckets, record_after=1) as session:
         step = session.region(matmul_first)
-        for number, _batch, bucket, x in _steps_of(sizes, generator):
+        for number, _batch, x in _steps_of(sizes, generator):
             tf32 = number % 10 == 9
             stream = side if number % 3 == 0 else torch.cuda.current_stream()
             stream.wait_stream(torch.cuda.current_stream())
@@ -579,7 +574,7 @@ def test_in_place_padding_keeps_written_arguments_views_streams_and_declines_exa
             torch.backends.cuda.matmul.allow_tf32 = tf32
             try:
                 with torch.cuda.stream(stream):
-                    expected = padded_reference(matmul_first, x, bucket)
+                    expected = fz.padded_reference(matmul_first, (replay.padded(x),), {}, buckets)
                     got = step(replay.padded(x))
                     torch.cuda.current_stream().synchronize()
             finally:
@@ -589,25 +584,24 @@ def test_in_place_padding_keeps_written_arguments_views_streams_and_declines_exa
         assert stats.padded_in_place >= 20, session.report()
     # two padded arguments, one staged (a matmul reads it: padded in place), one a jit kernel
     # reads (rebound: padded into a temporary as before)
-    with replay.capture(buckets=[4, 8, 16], record_after=1) as session:
+    with replay.capture(buckets=buckets, record_after=1) as session:
         step = session.region(gather_after_matmul)
-        for number, batch, bucket, extra in _steps_of(sizes, generator):
+        for number, batch, extra in _steps_of(sizes, generator):
             tokens = torch.randint(0, VOCAB, (batch,), device="cuda", generator=generator)
-            padded_tokens = torch.zeros(bucket, dtype=tokens.dtype, device="cuda")
-            padded_tokens[:batch] = tokens
-            padded_extra = torch.zeros(bucket, DIM, device="cuda")
-            padded_extra[:batch] = extra
-            expected = gather_after_matmul(padded_tokens, padded_extra)[:batch]
+            expected = fz.padded_reference(
+                gather_after_matmul, (replay.padded(tokens), replay.padded(extra)), {}, buckets
+            )
             got = step(replay.padded(tokens), replay.padded(extra))
             assert torch.equal(got, expected), f"step {number}"
         stats = session.stats()
         assert 0 < stats.padded_in_place < stats.replays and stats.records <= 3, session.report()
     # verify_every: a verified or declined call runs the region on its arguments, so never
     # on a graph's buffer
-    with replay.capture(buckets=[4, 8, 16], record_after=1, verify_every=5) as session:
+    with replay.capture(buckets=buckets, record_after=1, verify_every=5) as session:
         step = session.region(matmul_first)
-        for number, _batch, bucket, x in _steps_of(sizes[:40], generator):
-            assert torch.equal(step(replay.padded(x)), padded_reference(matmul_first, x, bucket)), f"step {number}"
+        for number, _batch, x in _steps_of(sizes[:40], generator):
+            expected = fz.padded_reference(matmul_first, (replay.padded(x),), {}, buckets)
+            assert torch.equal(step(replay.padded(x)), expected), f"step {number}"
         assert session.stats().padded_in_place == 0 and session.stats().replays >= 20, session.report()
 
 
