@@ -651,24 +651,17 @@ class Region:
         the replay comes after the pad); a replay that declines leaves the call to the usual
         path. Outputs never view it (those inputs are not taken in place)."""
         session = self.session
-        if not self.fast or session.policy.verify_every:
+        if not self.fast or session.policy.verify_every:  # (its candidates' runs verify: never graph.replay)
             return None
-        pre = []
-        for arg in args:
-            kind = arg.__class__
-            if kind is buckets.Padded:
-                shape = arg.tensor.shape
-                pre.append(torch.Size((*shape[:dim], bucket, *shape[dim + 1 :])))
-            elif kind is torch.Tensor:
-                pre.append(arg.shape)
-            elif kind is Dynamic:
-                pre.append(_DYNAMIC_MARK)
-            elif kind in _PLAIN_CONSTANTS:
-                pre.append(arg)
-            else:
-                return None
-        candidates = self.fast.get(tuple(pre))
         padded = [i for i, arg in enumerate(args) if arg.__class__ is buckets.Padded]
+        try:
+            pre = list(self.pre_key(args))  # the padded arguments' places get their padded shapes
+            for i in padded:
+                shape = args[i].tensor.shape
+                pre[i] = torch.Size((*shape[:dim], bucket, *shape[dim + 1 :]))
+            candidates = self.fast.get(tuple(pre))
+        except (TypeError, RuntimeError):  # an unhashable constant; a strided nested tensor's shape
+            return None  # the usual path refuses them
         temporaries: dict[int, torch.Tensor] = {}  # padded arguments no graph takes in place, padded once
         for guard, run, entry in candidates or ():
             graph = entry.graph
