@@ -52,6 +52,8 @@ typedef struct {
     PyObject *miss;         /* the session's _MISS */
     PyObject *clock;        /* time.perf_counter */
     long long mask;         /* EAGER_TIMING_MASK */
+    long long settled;      /* EAGER_TIMING_SETTLED: from this run on, */
+    long long settled_mask; /* EAGER_TIMING_MASK_SETTLED */
     vectorcallfunc vectorcall;
 } Gate;
 
@@ -118,15 +120,17 @@ static void gate_dealloc(Gate *g) {
 static int gate_init(Gate *g, PyObject *args, PyObject *kwargs) {
     PyObject *region, *session, *admission, *sketch, *budget, *counters, *forgotten, *entry_shapes, *table, *fn,
         *exclusion, *specs, *tensor_type, *dynamic_type, *dynamic_mark, *plain, *miss, *clock;
-    long long mask;
+    long long mask, settled, settled_mask;
     static char *names[] = {"region",       "session",   "admission", "sketch",      "budget",
                             "counters",     "forgotten", "entry_shapes", "table",    "fn",
                             "exclusion",    "specs",     "tensor_type", "dynamic_type", "dynamic_mark",
-                            "plain",        "miss",      "clock",     "mask",        NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOOOO!O!OOO!OOOO!OOL", names, &region, &session, &admission,
-                                     &sketch, &budget, &counters, &forgotten, &PyDict_Type, &entry_shapes,
-                                     &PyDict_Type, &table, &fn, &exclusion, &PyTuple_Type, &specs, &tensor_type,
-                                     &dynamic_type, &dynamic_mark, &PyFrozenSet_Type, &plain, &miss, &clock, &mask))
+                            "plain",        "miss",      "clock",     "mask",        "settled",
+                            "settled_mask", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOOOO!O!OOO!OOOO!OOLLL", names, &region, &session,
+                                     &admission, &sketch, &budget, &counters, &forgotten, &PyDict_Type,
+                                     &entry_shapes, &PyDict_Type, &table, &fn, &exclusion, &PyTuple_Type, &specs,
+                                     &tensor_type, &dynamic_type, &dynamic_mark, &PyFrozenSet_Type, &plain, &miss,
+                                     &clock, &mask, &settled, &settled_mask))
         return -1;
     PyObject *enter = PyObject_GetAttr(exclusion, s_enter);
     PyObject *exit = enter == NULL ? NULL : PyObject_GetAttr(exclusion, s_exit);
@@ -157,6 +161,8 @@ static int gate_init(Gate *g, PyObject *args, PyObject *kwargs) {
     KEEP(clock);
 #undef KEEP
     g->mask = mask;
+    g->settled = settled;
+    g->settled_mask = settled_mask;
     return 0;
 }
 
@@ -256,13 +262,13 @@ static long long count_call(Gate *g, PyObject *counted) {
     return count;
 }
 
-/* The region's function run eagerly under the exclusion, counted, one call in mask + 1 timed
-   (Region._run_flat_eagerly). */
+/* The region's function run eagerly under the exclusion, counted, some timed (one in mask + 1,
+   from the settled-th run on one in settled_mask + 1: Region._run_flat_eagerly, _timed_run). */
 static PyObject *run_eagerly(Gate *g, PyObject *args) {
     long long runs;
     if (bump(g->counters, s_eager_runs, NULL) < 0 || bump(g->forgotten, s_eager_runs, &runs) < 0)
         return NULL;
-    int timed = (runs & g->mask) == 0, failed = 0;
+    int timed = (runs & (runs < g->settled ? g->mask : g->settled_mask)) == 0, failed = 0;
     PyObject *entered = PyObject_CallNoArgs(g->enter);
     if (entered == NULL)
         return NULL;

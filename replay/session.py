@@ -114,14 +114,39 @@ def _eager_gate(region: Region):
         miss=_MISS,
         clock=time.perf_counter,
         mask=EAGER_TIMING_MASK,
+        settled=EAGER_TIMING_SETTLED,
+        settled_mask=EAGER_TIMING_MASK_SETTLED,
     )
 
 
 log = logging.getLogger("replay")
 
 #: The flat eager path times one call in ``EAGER_TIMING_MASK + 1`` (admission's payback rule
-#: needs what an eager call usually costs, not every call's time).
+#: needs what an eager call usually costs, not every call's time), and from the region's
+#: ``EAGER_TIMING_SETTLED``-th eager run on one in ``EAGER_TIMING_MASK_SETTLED + 1``: by then
+#: the estimate has had 32 samples, and a timed call costs the loop a call of Python from the
+#: C eager path (Region._eager_took), which took 2 to 3 us a call of a loop that runs mostly
+#: eagerly when one call in eight was timed (a probe on the CPU machine, a 6-layer region).
 EAGER_TIMING_MASK = 7
+EAGER_TIMING_SETTLED = 256
+EAGER_TIMING_MASK_SETTLED = 63
+
+
+def _timed_run(runs: int) -> bool:
+    """Whether a region's ``runs``-th eager run of the flat path is timed."""
+    return not runs & (EAGER_TIMING_MASK if runs < EAGER_TIMING_SETTLED else EAGER_TIMING_MASK_SETTLED)
+
+
+#: The quiet bound (Region._refresh_quiet) is computed for an eager cost this many times the
+#: region's estimate, and asked again only when the estimate leaves the band around the
+#: estimate it was computed for (that divided by this, to that times this). Why: the estimate moves at
+#: nearly every timed call (one in eight of a loop that runs mostly eagerly), and asking the
+#: payback rule again cost 4 us (peers, counts) each time, a Python call chain inside the C
+#: eager path (about 2 us a call in a loop whose own work leaves the caches cold). Why it
+#: stays exact: what pays back only grows with the eager cost (a longer eager call saves more
+#: per replay), so no count below a bound computed for a higher cost pays back at a lower one;
+#: the counts between it and the exact bound ask the whole rule, as every count above does.
+QUIET_HEADROOM = 1.125
 
 #: Entries a region keeps for keys without a graph (eager-only keys, evicted ones), beyond its
 #: graphs: the least recently called go first, their counts kept in the region's totals.
@@ -262,6 +287,7 @@ class Region:
         # _quiet_version (see _refresh_quiet; -1: ask _decide)
         self._quiet_below = 0
         self._quiet_version = -1
+        self._quiet_for = 0.0  # the eager estimate _quiet_below was computed from (see QUIET_HEADROOM)
         self.hints: dict[object, Hints] = {}  # spec -> what its keys taught about the inputs
         self.entry_shapes: dict[tuple, int] = {}  # Region._counted shapes -> entries that have them
         self.snapshot: jitcore.GlobalsSnapshot | None = None
@@ -362,11 +388,11 @@ class Region:
         return self._run_flat_eagerly(args)
 
     def _run_flat_eagerly(self, args: tuple) -> object:
-        """Run a flat call eagerly, counted; one call in ``EAGER_TIMING_MASK + 1`` timed."""
+        """Run a flat call eagerly, counted; some timed (see ``EAGER_TIMING_MASK``)."""
         self.session.counters.eager_runs += 1  # _count_eager(None), inline
         forgotten = self.forgotten
         forgotten.eager_runs += 1
-        if forgotten.eager_runs & EAGER_TIMING_MASK:
+        if not _timed_run(forgotten.eager_runs):
             with _SHARED_CAPTURE_EXCLUSION:  # may load kernels: not while another thread captures
                 return self.fn(*args)
         with _SHARED_CAPTURE_EXCLUSION:
@@ -578,12 +604,15 @@ class Region:
         """Remember below which recent count a call of this region's keys only warms or is too
         rare (admission.quiet_below), so that the flat eager path, where a loop of hundreds
         of shapes spends most of its calls, skips :meth:`_decide` for those: same decisions,
-        same counts. Asked again when the budget changes (its version: by the next
-        :meth:`_decide`) or this region's eager estimate does (:meth:`_eager_took`, at once);
-        not used where debug logging was on when it was last asked (the rule then says why
-        for each call)."""
+        same counts. Computed for ``QUIET_HEADROOM`` times the eager estimate, so that it holds
+        while the estimate stays in that band. Asked again when the budget changes (its
+        version: by the next :meth:`_decide`) or this region's eager estimate leaves the band
+        (:meth:`_eager_took`, at once); not used where debug logging was on when it was last
+        asked (the rule then says why for each call)."""
         self._quiet_version = admission.budget.version
-        self._quiet_below = 0 if log.isEnabledFor(logging.DEBUG) else admission.quiet_below(self.eager_seconds)
+        self._quiet_for = self.eager_seconds
+        ceiling = self.eager_seconds * QUIET_HEADROOM
+        self._quiet_below = 0 if log.isEnabledFor(logging.DEBUG) else admission.quiet_below(ceiling)
 
     def _run_eagerly(
         self,
@@ -906,8 +935,10 @@ class Region:
         usual = self.eager_sample
         self.eager_sample = seconds if seconds < usual or not usual else usual + (seconds - usual) / 8
         if usual:
-            self.eager_seconds = self.eager_sample
-            self._refresh_quiet(self.session.admission)  # what pays back may have changed
+            estimate = self.eager_seconds = self.eager_sample
+            computed_for = self._quiet_for
+            if not computed_for / QUIET_HEADROOM <= estimate <= computed_for * QUIET_HEADROOM:
+                self._refresh_quiet(self.session.admission)  # out of the band: what pays back may have changed
 
     def _eager(self, spec: object, leaves: Sequence, entry: Entry | None = None, observe: Hints | None = None):
         self._count_eager(entry)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import collections
-import itertools
 import logging
 import random
 import types
@@ -441,6 +440,71 @@ def test_the_eager_cost_ignores_the_first_call_follows_drops_at_once_and_rises_s
     fresh._eager_took(0.001)
     fresh._eager_took(0.5)  # a slow second call: the estimate rises from the first by an eighth
     assert fresh.eager_seconds == pytest.approx(0.001 + 0.499 / 8)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    samples=st.lists(st.floats(1e-5, 5e-3), min_size=2, max_size=60),
+    usual=st.floats(1e-4, 0.05),
+    record_after=st.integers(0, 3),
+)
+def test_the_quiet_bound_never_hides_a_count_that_pays_back_whatever_the_estimate_did(samples, usual, record_after):
+    # the bound is asked again only when the eager estimate leaves its band (QUIET_HEADROOM):
+    # after any run of timed calls, no count below it pays back at the estimate as it stands
+    with use_backend(NullBackend()):
+        session = DoubleSession(record_after=record_after)
+        policy = session.admission
+        policy.budget.spent = 1.0  # past the grace
+        policy.budget.recent = [usual / 2]
+        step = session.region(add)
+        for seconds in samples:
+            step._eager_took(seconds)
+            if step._quiet_version != policy.budget.version:
+                step._refresh_quiet(policy)  # as the next _decide would
+            quiet = step._quiet_below
+            if quiet == admission.QUIET_FOREVER:
+                assert not policy.pays_back(10**9, step.eager_seconds)
+            else:
+                assert not any(policy.pays_back(count, step.eager_seconds) for count in range(record_after + 1, quiet))
+
+
+def test_a_timed_call_asks_the_payback_rule_again_only_when_the_estimate_leaves_its_band(session_factory, monkeypatch):
+    step = session_factory(record_after=1).region(add)
+    asked = []
+    original = Admission.quiet_below
+
+    def asking(self, seconds):
+        asked.append(seconds)
+        return original(self, seconds)
+
+    monkeypatch.setattr(Admission, "quiet_below", asking)
+    step._eager_took(0.001)  # not trusted: no estimate yet
+    step._eager_took(0.001)  # the first estimate: asked, for the band's top
+    assert asked == [pytest.approx(0.001 * session_module.QUIET_HEADROOM)]
+    for seconds in (0.00095, 0.00092, 0.0009):  # drops inside the band
+        step._eager_took(seconds)
+    assert len(asked) == 1
+    step._eager_took(0.0008)  # below 1 ms / headroom: asked again, from the new estimate
+    assert asked[-1] == pytest.approx(0.0008 * session_module.QUIET_HEADROOM) and len(asked) == 2
+    while step.eager_seconds <= 0.0008 * session_module.QUIET_HEADROOM:  # rises an eighth at a time
+        step._eager_took(0.005)
+        assert len(asked) == 2 or step.eager_seconds > 0.0008 * session_module.QUIET_HEADROOM
+    assert len(asked) == 3  # past the band's top: asked again
+
+
+@pytest.mark.parametrize("gate", [True, False], ids=["c", "python"])
+def test_the_eager_path_times_one_call_in_8_then_one_in_64(session_factory, monkeypatch, gate):
+    if gate and not session_module._native_enabled():
+        pytest.skip("replay._eager is not built here (or JITCORE_NATIVE=0)")
+    session = session_factory(record_after=10**6)  # every call warms: the flat eager path
+    step = _region(session, add, gate)
+    timed = []
+    monkeypatch.setattr(Region, "_eager_took", lambda self, seconds: timed.append(self.forgotten.eager_runs))
+    x = torch.ones(2)
+    for _ in range(1024):
+        step(x, x)
+    settled = session_module.EAGER_TIMING_SETTLED
+    assert timed == [*range(8, settled, 8), *range(settled, 1025, 64)]
 
 
 def test_a_failed_capture_marks_the_key_eager_only_with_one_warning(session_factory):
@@ -931,23 +995,32 @@ def test_property_admission_by_shapes_keeps_its_index_and_every_result_exact(rec
 
 @settings(max_examples=25, deadline=None)
 @given(
-    calls=st.lists(st.integers(1, 12), min_size=1, max_size=300),
+    calls=st.lists(st.integers(1, 12), min_size=1, max_size=400),
     record_after=st.integers(0, 3),
     budget_changes=st.dictionaries(
         st.integers(0, 199), st.tuples(st.floats(0, 1.0), st.floats(1e-4, 0.02)), max_size=5
     ),
     start=st.tuples(st.floats(0, 1.0), st.floats(1e-4, 0.02)),
     window=st.sampled_from([1024, 16, 5]),
+    durations=st.lists(st.floats(1e-4, 4e-3), min_size=12, max_size=12),
 )
 def test_the_eager_paths_shortcut_decides_and_counts_as_the_rule_does(
-    calls, record_after, budget_changes, start, window
+    calls, record_after, budget_changes, start, window, durations
 ):
     # Region._eager_flat_shapes skips _decide below admission.quiet_below: a run with the
     # shortcut and a run without it (quiet_below 0) make the same recordings, the same counts;
-    # with short windows, across halvings (each one changes the peers the rule judges by)
+    # with short windows, across halvings (each one changes the peers the rule judges by); an
+    # eager call takes a time of its own per size, so the region's estimate moves in and out
+    # of the band its quiet bound holds for (QUIET_HEADROOM), through the timing schedule's
+    # change (EAGER_TIMING_SETTLED)
     def run(shortcut: bool, gate: bool = True) -> tuple[list[tuple], int]:
-        ticks = itertools.count()
-        clock = types.SimpleNamespace(perf_counter=lambda: next(ticks) * 1e-3)  # 1 ms a reading
+        now = [0.0]
+        clock = types.SimpleNamespace(perf_counter=lambda: now[0])
+
+        def timed_add(x, y):
+            now[0] += durations[len(x) - 1]  # however often the clock is read
+            return x + y
+
         original_quiet, original_decide, original_time = Admission.quiet_below, Region._decide, session_module.time
         decided = []
 
@@ -958,7 +1031,7 @@ def test_the_eager_paths_shortcut_decides_and_counts_as_the_rule_does(
         original_gate = session_module.EagerGate
         Admission.quiet_below = original_quiet if shortcut else (lambda self, eager_seconds: 0)
         Region._decide = counting_decide
-        session_module.time = clock  # every eager call and recording takes a millisecond or two
+        session_module.time = clock  # an eager call takes its size's duration
         if not gate:
             session_module.EagerGate = None  # the Python methods
         try:
@@ -967,7 +1040,7 @@ def test_the_eager_paths_shortcut_decides_and_counts_as_the_rule_does(
                 DoubleSession.current = session
                 session.admission.budget.clock = clock.perf_counter
                 session.admission.sketch.window = window
-                step = session.region(add)  # its gate, if any, times calls by the clock above
+                step = session.region(timed_add)  # its gate, if any, times calls by the clock above
                 seen = []
                 budget_changes.setdefault(0, start)  # past the grace or not, a recording's usual cost
                 for number, rows in enumerate(calls):
