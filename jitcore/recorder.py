@@ -177,6 +177,31 @@ class CaptureBusy(RuntimeError):
     caller gives up on that capture for now."""
 
 
+class _ExclusionFlags:
+    """A capture exclusion's ``owner`` and ``waiting`` where its shared side is Python's (the C
+    side keeps them in its own memory: jitcore/_exclusion.c)."""
+
+    __slots__ = ("owner", "waiting")
+
+    def __init__(self) -> None:
+        self.owner: int | None = None
+        self.waiting = 0
+
+
+class _Flag:
+    """``CaptureExclusion._owner`` and ``_waiting``: read and written in the exclusion's flags
+    (``_flags``), where its shared side reads them on every eager run."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.field = name.lstrip("_")
+
+    def __get__(self, exclusion: CaptureExclusion | None, owner: type | None = None) -> object:
+        return self if exclusion is None else getattr(exclusion._flags, self.field)
+
+    def __set__(self, exclusion: CaptureExclusion, value: object) -> None:
+        setattr(exclusion._flags, self.field, value)
+
+
 class CaptureExclusion:
     """Keeps stream captures apart from work in other threads that would break them.
 
@@ -206,15 +231,20 @@ class CaptureExclusion:
         #: thread id -> how deeply that thread holds it shared. The shared side writes its
         #: entry without the lock (see _Shared); the exclusive side reads it under the lock.
         self._holders: dict[int, int] = {}
-        self._owner: int | None = None
         self._depth = 0
-        self._waiting = 0  # threads waiting to take it exclusively
         lock_free = _ORDERED_BY_THE_GIL if lock_free is None else lock_free
         native_side = _native_shared_side()
         native = native_side is not None if native is None else native
         if native and (not lock_free or native_side is None):
             raise ValueError("the native shared side is lock-free only, and needs jitcore._exclusion built")
-        self._shared = native_side(self) if native else _Shared(self) if lock_free else _LockedShared(self)
+        # _owner and _waiting (the _Flag descriptors below) live in the C side where it runs
+        self._flags = native_side(self) if native else _ExclusionFlags()
+        self._shared = self._flags if native else _Shared(self) if lock_free else _LockedShared(self)
+
+    #: the thread that holds it exclusively, or None
+    _owner = _Flag()
+    #: threads waiting to take it exclusively
+    _waiting = _Flag()
 
     def shared(self) -> _Shared | _LockedShared:
         """Hold the exclusion shared for a ``with`` block (reentrant; a no-op in the thread that
@@ -313,11 +343,12 @@ class _Shared:
     that saw the entry has written ``_waiting`` before, so it is woken (under the lock, so
     the wake cannot fall between its check and its wait)."""
 
-    __slots__ = ("_exclusion", "_holders")
+    __slots__ = ("_exclusion", "_holders", "_flags")
 
     def __init__(self, exclusion: CaptureExclusion):
         self._exclusion = exclusion
         self._holders = exclusion._holders
+        self._flags = exclusion._flags
 
     def __enter__(self) -> None:
         holders = self._holders
@@ -326,13 +357,14 @@ class _Shared:
         holders[me] = depth + 1
         if depth:
             return  # inside already: enter again at once (waiting would be for itself)
-        exclusion = self._exclusion
-        if exclusion._owner is None and not exclusion._waiting:
+        flags = self._flags
+        if flags.owner is None and not flags.waiting:
             return
         # a capture runs or waits (maybe this thread's own): take the entry back, the way in
         # while a capture is under way decides
         del holders[me]
-        if exclusion._waiting:
+        exclusion = self._exclusion
+        if flags.waiting:
             exclusion.wake_waiting_capture()  # it may have seen the entry and gone to wait
         exclusion.enter_shared_waiting(me)
 
@@ -344,7 +376,7 @@ class _Shared:
             holders[me] = depth - 1
         elif depth:
             del holders[me]
-            if self._exclusion._waiting:
+            if self._flags.waiting:
                 self._exclusion.wake_waiting_capture()
         # no entry: taken inside this thread's own capture, which held nothing
 
