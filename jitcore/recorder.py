@@ -192,7 +192,7 @@ class _Flag:
     """``CaptureExclusion._owner`` and ``_waiting``: read and written in the exclusion's flags
     (``_flags``), where its shared side reads them on every eager run."""
 
-    def __set_name__(self, owner: type, name: str) -> None:
+    def __set_name__(self, cls: type, name: str) -> None:
         self.field = name.lstrip("_")
 
     def __get__(self, exclusion: CaptureExclusion | None, owner: type | None = None) -> object:

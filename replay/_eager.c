@@ -17,6 +17,13 @@
  * (Region._fast_keys: guard, drift check, replay) with the pre-key and candidates found. A
  * call of a loop whose shapes rarely repeat then enters Python only in the region's function.
  *
+ * In a session with buckets (without verify_every or polymorphic replay), a replay.padded
+ * argument whose size needs no padding (beyond the largest bucket, or a bucket's size) is
+ * taken as its tensor here, as replay.buckets.call would take it (Region._call_padded), so a
+ * prefill-like loop whose lengths mostly lie beyond the buckets costs what an ordinary call
+ * costs instead of a trip through the padded path's Python; every other padded call, and any
+ * disagreement between markers, is the full path's.
+ *
  * What stays in Python: every decision other than "warming or too rare, as the rule would
  * say" (admission.quiet_below, kept by the region), the rule itself (Region._eager_decide,
  * called with the count already made), the halving of the counts, the eager-time estimate
@@ -51,13 +58,16 @@ typedef struct {
     PyObject *plain;        /* frozenset of the plain constant types */
     PyObject *miss;         /* the session's _MISS */
     PyObject *clock;        /* time.perf_counter */
+    PyObject *padded_type;  /* replay.buckets.Padded, or None where markers always take the full path */
+    PyObject *buckets;      /* frozenset of the session's bucket sizes (markers of those sizes are not padded) */
+    long long largest;      /* the largest bucket (markers beyond it are not padded) */
     long long mask;         /* EAGER_TIMING_MASK */
     long long settled;      /* EAGER_TIMING_SETTLED: from this run on, */
     long long settled_mask; /* EAGER_TIMING_MASK_SETTLED */
     vectorcallfunc vectorcall;
 } Gate;
 
-static PyObject *s_closed, *s_gpu, *s_counts, *s_calls, *s_window, *s_halve, *s_record_after, *s_version,
+static PyObject *s_tensor, *s_dim, *s_full, *s_closed, *s_gpu, *s_counts, *s_calls, *s_window, *s_halve, *s_record_after, *s_version,
     *s_quiet_below, *s_quiet_version, *s_too_rare, *s_eager_runs, *s_shape, *s_enter, *s_exit, *s_decide,
     *s_took, *s_shapes_py, *s_fast_keys;
 
@@ -81,6 +91,8 @@ static void gate_clear_refs(Gate *g) {
     Py_CLEAR(g->plain);
     Py_CLEAR(g->miss);
     Py_CLEAR(g->clock);
+    Py_CLEAR(g->padded_type);
+    Py_CLEAR(g->buckets);
 }
 
 static int gate_traverse(Gate *g, visitproc visit, void *arg) {
@@ -103,6 +115,8 @@ static int gate_traverse(Gate *g, visitproc visit, void *arg) {
     Py_VISIT(g->plain);
     Py_VISIT(g->miss);
     Py_VISIT(g->clock);
+    Py_VISIT(g->padded_type);
+    Py_VISIT(g->buckets);
     return 0;
 }
 
@@ -119,18 +133,19 @@ static void gate_dealloc(Gate *g) {
 
 static int gate_init(Gate *g, PyObject *args, PyObject *kwargs) {
     PyObject *region, *session, *admission, *sketch, *budget, *counters, *forgotten, *entry_shapes, *table, *fn,
-        *exclusion, *specs, *tensor_type, *dynamic_type, *dynamic_mark, *plain, *miss, *clock;
-    long long mask, settled, settled_mask;
+        *exclusion, *specs, *tensor_type, *dynamic_type, *dynamic_mark, *plain, *miss, *clock, *padded_type, *buckets;
+    long long mask, settled, settled_mask, largest;
     static char *names[] = {"region",       "session",   "admission", "sketch",      "budget",
                             "counters",     "forgotten", "entry_shapes", "table",    "fn",
                             "exclusion",    "specs",     "tensor_type", "dynamic_type", "dynamic_mark",
                             "plain",        "miss",      "clock",     "mask",        "settled",
-                            "settled_mask", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOOOO!O!OOO!OOOO!OOLLL", names, &region, &session,
+                            "settled_mask", "padded_type", "buckets",  "largest",   NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOOOO!O!OOO!OOOO!OOLLLOO!L", names, &region, &session,
                                      &admission, &sketch, &budget, &counters, &forgotten, &PyDict_Type,
                                      &entry_shapes, &PyDict_Type, &table, &fn, &exclusion, &PyTuple_Type, &specs,
                                      &tensor_type, &dynamic_type, &dynamic_mark, &PyFrozenSet_Type, &plain, &miss,
-                                     &clock, &mask, &settled, &settled_mask))
+                                     &clock, &mask, &settled, &settled_mask, &padded_type, &PyFrozenSet_Type,
+                                     &buckets, &largest))
         return -1;
     PyObject *enter = PyObject_GetAttr(exclusion, s_enter);
     PyObject *exit = enter == NULL ? NULL : PyObject_GetAttr(exclusion, s_exit);
@@ -159,7 +174,10 @@ static int gate_init(Gate *g, PyObject *args, PyObject *kwargs) {
     KEEP(plain);
     KEEP(miss);
     KEEP(clock);
+    KEEP(padded_type);
+    KEEP(buckets);
 #undef KEEP
+    g->largest = largest;
     g->mask = mask;
     g->settled = settled;
     g->settled_mask = settled_mask;
@@ -360,6 +378,71 @@ static PyObject *with_shapes(Gate *g, PyObject *args, PyObject *pre) {
     return run_eagerly(g, args);
 }
 
+/* A replay.padded marker (Padded) whose size needs no padding: its tensor (a new reference)
+   and, in *shape, the tensor's shape (a new reference); *rows and *dim say what it pads. NULL
+   without an exception where the full path must take the call (a size to pad, a marker of
+   an unusual tensor); NULL with one on an error. replay.buckets.call's rule: no padding
+   beyond the largest bucket or at a bucket's size. */
+static PyObject *unpadded_marker(Gate *g, PyObject *marker, PyObject **shape, long long *rows, long long *dim) {
+    *shape = NULL;
+    PyObject *tensor = PyObject_GetAttr(marker, s_tensor);
+    if (tensor == NULL)
+        return NULL;
+    PyObject *axis = Py_TYPE(tensor) == (PyTypeObject *)g->tensor_type ? PyObject_GetAttr(marker, s_dim) : NULL;
+    if (axis == NULL)
+        goto full_path;
+    *dim = PyLong_AsLongLong(axis);
+    Py_DECREF(axis);
+    if (*dim == -1 && PyErr_Occurred())
+        goto full_path;
+    *shape = PyObject_GetAttr(tensor, s_shape);
+    if (*shape == NULL || !PyTuple_Check(*shape) || *dim < 0 || *dim >= PyTuple_GET_SIZE(*shape))
+        goto full_path; /* a strided nested tensor's shape raises: the full path refuses it */
+    PyObject *size = PyTuple_GET_ITEM(*shape, *dim);
+    *rows = PyLong_AsLongLong(size);
+    if (*rows == -1 && PyErr_Occurred())
+        goto full_path;
+    int unpadded = *rows > g->largest ? 1 : PySet_Contains(g->buckets, size);
+    if (unpadded > 0)
+        return tensor;
+    if (unpadded < 0) {
+        Py_CLEAR(*shape);
+        Py_DECREF(tensor);
+        return NULL;
+    }
+full_path:
+    PyErr_Clear();
+    Py_CLEAR(*shape);
+    Py_DECREF(tensor);
+    return NULL;
+}
+
+/* A flat call whose pre-key is known: a recorded key's hit goes to the generated dispatch
+   (Region._fast_keys); a miss of tensors and plain constants (``plain``) to the eager path,
+   anything else to the full path. */
+static PyObject *dispatch_flat(Gate *g, PyObject *args, PyObject *pre, int plain) {
+    if (PyDict_GET_SIZE(g->table)) { /* recorded keys: a hit goes to the generated dispatch */
+        PyObject *candidates = PyDict_GetItemWithError(g->table, pre); /* borrowed */
+        if (candidates == NULL && PyErr_Occurred()) {
+            if (PyErr_ExceptionMatches(PyExc_TypeError) || PyErr_ExceptionMatches(PyExc_RuntimeError)) {
+                PyErr_Clear(); /* an unhashable constant: the full path's */
+                return Py_NewRef(g->miss);
+            }
+            return NULL;
+        }
+        if (candidates != NULL) {
+            Py_INCREF(candidates); /* the table may change while its candidates run */
+            PyObject *dispatch = PyObject_GetAttr(g->region, s_fast_keys);
+            PyObject *stack[3] = {args, pre, candidates};
+            PyObject *result = dispatch == NULL ? NULL : PyObject_Vectorcall(dispatch, stack, 3, NULL);
+            Py_XDECREF(dispatch);
+            Py_DECREF(candidates);
+            return result;
+        }
+    }
+    return plain ? with_shapes(g, args, pre) : Py_NewRef(g->miss);
+}
+
 /* Region._eager_flat: the pre-key of positional tensors (their shapes) and plain constants;
    anything else is the full path's. */
 static PyObject *gate_call(Gate *g, PyObject *const *argv, size_t nargsf, PyObject *kwnames) {
@@ -378,13 +461,41 @@ static PyObject *gate_call(Gate *g, PyObject *const *argv, size_t nargsf, PyObje
     if (pre == NULL)
         return NULL;
     int plain = 1; /* every argument a tensor or a plain constant: the eager path may take it */
+    PyObject *unpadded = NULL; /* the call with its markers taken as their tensors, if it has any */
+    long long marked_rows = 0, marked_dim = -1;
     for (Py_ssize_t i = 0; i < count; i++) {
         PyObject *arg = PyTuple_GET_ITEM(args, i), *item;
         PyObject *kind = (PyObject *)Py_TYPE(arg);
-        if (kind == g->tensor_type) {
+        if (kind == g->padded_type) {
+            long long rows = 0, dim = 0;
+            PyObject *tensor = unpadded_marker(g, arg, &item, &rows, &dim);
+            if (tensor != NULL && marked_dim >= 0 && (rows != marked_rows || dim != marked_dim)) {
+                Py_DECREF(tensor); /* markers that disagree: the full path says how */
+                Py_DECREF(item);
+                tensor = NULL;
+            }
+            if (tensor == NULL) {
+                Py_DECREF(pre);
+                Py_XDECREF(unpadded);
+                return PyErr_Occurred() ? NULL : Py_NewRef(g->miss);
+            }
+            marked_rows = rows, marked_dim = dim;
+            if (unpadded == NULL) { /* a new tuple (a whole slice would be the call's own) */
+                if ((unpadded = PyTuple_New(count)) == NULL) {
+                    Py_DECREF(tensor);
+                    Py_DECREF(item);
+                    Py_DECREF(pre);
+                    return NULL;
+                }
+                for (Py_ssize_t j = 0; j < count; j++)
+                    PyTuple_SET_ITEM(unpadded, j, Py_NewRef(PyTuple_GET_ITEM(args, j)));
+            }
+            Py_SETREF(PyTuple_GET_ITEM(unpadded, i), tensor);
+        } else if (kind == g->tensor_type) {
             item = PyObject_GetAttr(arg, s_shape);
             if (item == NULL) {
                 Py_DECREF(pre);
+                Py_XDECREF(unpadded);
                 if (PyErr_ExceptionMatches(PyExc_RuntimeError)) { /* a strided nested tensor: the full path refuses it */
                     PyErr_Clear();
                     return Py_NewRef(g->miss);
@@ -398,6 +509,7 @@ static PyObject *gate_call(Gate *g, PyObject *const *argv, size_t nargsf, PyObje
             int constant = PySet_Contains(g->plain, kind);
             if (constant < 0) {
                 Py_DECREF(pre);
+                Py_XDECREF(unpadded);
                 return NULL;
             }
             plain &= constant;
@@ -406,29 +518,19 @@ static PyObject *gate_call(Gate *g, PyObject *const *argv, size_t nargsf, PyObje
         PyTuple_SET_ITEM(pre, i, item);
     }
     PyObject *result;
-    if (PyDict_GET_SIZE(g->table)) { /* recorded keys: a hit goes to the generated dispatch */
-        PyObject *candidates = PyDict_GetItemWithError(g->table, pre); /* borrowed */
-        if (candidates == NULL && PyErr_Occurred()) {
-            Py_DECREF(pre);
-            if (PyErr_ExceptionMatches(PyExc_TypeError) || PyErr_ExceptionMatches(PyExc_RuntimeError)) {
-                PyErr_Clear(); /* an unhashable constant: the full path's */
-                return Py_NewRef(g->miss);
-            }
-            return NULL;
+    if (unpadded != NULL && plain) { /* the call as replay.buckets.call makes it: unpadded, its own key */
+        result = dispatch_flat(g, unpadded, pre, 1);
+        if (result == g->miss) { /* the unpadded call's full path (not the markers' again) */
+            PyObject *no_keywords = PyDict_New();
+            Py_SETREF(result, no_keywords == NULL ? NULL
+                                                  : PyObject_CallMethodObjArgs(g->region, s_full, unpadded, no_keywords, NULL));
+            Py_XDECREF(no_keywords);
         }
-        if (candidates != NULL) {
-            Py_INCREF(candidates); /* the table may change while its candidates run */
-            PyObject *dispatch = PyObject_GetAttr(g->region, s_fast_keys);
-            PyObject *stack[3] = {args, pre, candidates};
-            result = dispatch == NULL ? NULL : PyObject_Vectorcall(dispatch, stack, 3, NULL);
-            Py_XDECREF(dispatch);
-            Py_DECREF(candidates);
-            Py_DECREF(pre);
-            return result;
-        }
+    } else { /* (markers with a Dynamic argument: the full path) */
+        result = unpadded != NULL ? Py_NewRef(g->miss) : dispatch_flat(g, args, pre, plain);
     }
-    result = plain ? with_shapes(g, args, pre) : Py_NewRef(g->miss);
     Py_DECREF(pre);
+    Py_XDECREF(unpadded);
     return result;
 }
 
@@ -602,6 +704,9 @@ static struct PyModuleDef module_definition = {
     } while (0)
 
 PyMODINIT_FUNC PyInit__eager(void) {
+    INTERN(s_tensor, "tensor");
+    INTERN(s_dim, "dim");
+    INTERN(s_full, "_call");
     INTERN(s_closed, "closed");
     INTERN(s_gpu, "_gpu");
     INTERN(s_counts, "counts");

@@ -44,24 +44,37 @@ class Padded:
         return f"padded(<{tuple(self.tensor.shape)} {self.tensor.dtype}>, dim={self.dim}, fill={self.fill!r})"
 
 
+#: padding.fill_bits(0, dtype) by dtype: replay.padded's default fill, asked on every call
+_ZERO_BITS: dict[torch.dtype, int | None] = {}
+_UNKNOWN = object()
+
+
 def padded(tensor: torch.Tensor, dim: int = 0, fill: bool | int | float = 0, *, written: bool = False) -> Padded:
     """Mark a tensor argument of a region as padded along ``dim`` to the session's buckets
     (``capture(buckets=[...])``). ``fill``: the value of the rows added (it must be exact in
     the tensor's dtype). ``written=True``: the region writes this argument, and the rows of
     the call are copied back into ``tensor`` after it (without it, the region must only read
     it: writes would land in the padded copy)."""
-    if not isinstance(tensor, torch.Tensor):
+    if tensor.__class__ is not torch.Tensor and not isinstance(tensor, torch.Tensor):
         raise TypeError(f"replay.padded() takes a tensor, got {type(tensor).__qualname__}")
-    if isinstance(dim, bool) or not isinstance(dim, int) or not -tensor.dim() <= dim < tensor.dim():
-        raise ValueError(f"replay.padded(): dim must be an int in [-{tensor.dim()}, {tensor.dim()}), got {dim!r}")
-    if not isinstance(written, bool):
+    ndim = tensor.dim()
+    if dim.__class__ is not int or not -ndim <= dim < ndim:  # (a bool's class is bool)
+        if isinstance(dim, bool) or not isinstance(dim, int) or not -ndim <= dim < ndim:
+            raise ValueError(f"replay.padded(): dim must be an int in [-{ndim}, {ndim}), got {dim!r}")
+    if written is not False and written is not True:
         raise TypeError(f"replay.padded(): written must be True or False, got {written!r}")
-    if not isinstance(fill, (bool, int, float)):
+    if fill.__class__ is int and fill == 0:  # the default, answered per dtype once (fill_bits's answer)
+        dtype = tensor.dtype
+        bits = _ZERO_BITS.get(dtype, _UNKNOWN)
+        if bits is _UNKNOWN:
+            bits = _ZERO_BITS[dtype] = padding.fill_bits(0, dtype)
+    elif isinstance(fill, (bool, int, float)):
+        bits = padding.fill_bits(fill, tensor.dtype)
+    else:
         raise TypeError(f"replay.padded(): fill must be a bool, int or float, got {type(fill).__qualname__}")
-    bits = padding.fill_bits(fill, tensor.dtype)
     if bits is None:
         raise ValueError(f"replay.padded(): fill {fill!r} is not exact in {tensor.dtype}")
-    return Padded(tensor, dim % tensor.dim(), fill, written, bits)
+    return Padded(tensor, dim % ndim, fill, written, bits)
 
 
 def has_padded(args: tuple, kwargs: dict) -> bool:
@@ -79,6 +92,27 @@ def markers(args: tuple, kwargs: dict) -> list[Padded]:
 def unwrapped(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """The call's arguments with each marker replaced by its tensor (the unpadded call)."""
     return tuple(map(_unwrapped, args)), {k: _unwrapped(v) for k, v in kwargs.items()}
+
+
+def without_padding(args: tuple, buckets: Sequence[int] | None) -> tuple | None:
+    """The positional call ``args`` with each marker taken as its tensor, where every marker
+    pads the same dimension to the same size and that size needs no padding (beyond the
+    largest bucket, or a bucket's own size): what :func:`call` would run, without its checks
+    and copies. None for anything else (:func:`call` pads, or says what is wrong). The
+    region's gate in C (replay/_eager.c) takes such calls the same way, before any Python."""
+    marked = [arg for arg in args if arg.__class__ is Padded]
+    if not marked or buckets is None:
+        return None
+    dim = marked[0].dim
+    try:
+        rows = marked[0].tensor.shape[dim]
+        if any(m.dim != dim or m.tensor.shape[dim] != rows for m in marked):
+            return None
+    except (IndexError, RuntimeError, AttributeError):  # a marker whose tensor changed, a nested one
+        return None
+    if bucket_for(rows, buckets) not in (None, rows):
+        return None
+    return tuple(map(_unwrapped, args))
 
 
 def bucket_for(size: int, buckets: Sequence[int]) -> int | None:

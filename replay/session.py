@@ -94,6 +94,10 @@ def _eager_gate(region: Region):
     if not _native_enabled():
         return None
     session = region.session
+    policy = session.policy
+    # padded arguments that need no padding are taken as their tensors by the gate itself (as
+    # Region._call_padded does), where no other padded path applies
+    unpadded_markers = policy.buckets is not None and not policy.verify_every and not policy.polymorphic
     return EagerGate(
         region=region,
         session=session,
@@ -116,6 +120,9 @@ def _eager_gate(region: Region):
         mask=EAGER_TIMING_MASK,
         settled=EAGER_TIMING_SETTLED,
         settled_mask=EAGER_TIMING_MASK_SETTLED,
+        padded_type=buckets.Padded if unpadded_markers else None,
+        buckets=frozenset(policy.buckets or ()),
+        largest=max(policy.buckets or (0,)),
     )
 
 
@@ -280,7 +287,7 @@ class Region:
         # keys that were recorded at least once, least recently called first
         self.entries: OrderedDict[tuple, Entry] = OrderedDict()
         self.forgotten = _Forgotten()  # calls of keys that have (or kept) no entry
-        self.padded_calls = 0  # calls with replay.padded arguments (for verify_every)
+        self.padded_calls = 0  # calls that took the padded path (for verify_every)
         self.eager_seconds = 0.0  # what an eager call usually takes, 0 until known (see _eager_took)
         self.eager_sample = 0.0  # the same, from the first timed call on
         # counts below _quiet_below only warm or are too rare, while the budget's version is
@@ -638,6 +645,10 @@ class Region:
         polymorphic session a size the bucket's graph serves at its own size is not padded
         (:meth:`_call_polymorphic`)."""
         policy = self.session.policy
+        if not kwargs and not policy.verify_every and not policy.polymorphic:
+            plain = buckets.without_padding(args, policy.buckets)
+            if plain is not None:  # every marker's size needs no padding: an ordinary call (so the gate)
+                return self(*plain)
         unseen = None
         if policy.polymorphic:
             result, unseen = self._call_polymorphic(args, kwargs)

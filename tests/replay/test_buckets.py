@@ -20,7 +20,7 @@ from replay.errors import ReplayMismatchError
 from replay.graph import MISMATCH
 
 from . import fuzz_grammar as fz
-from .test_session import DoubleSession, FakeGraph, session_factory  # noqa: F401  (a fixture)
+from .test_session import _GATE, DoubleSession, FakeGraph, _region, session_factory  # noqa: F401  (a fixture)
 
 BUCKETS = [1, 2, 4, 8, 16, 32, 64]
 
@@ -289,6 +289,84 @@ def test_a_replay_that_declines_after_the_pad_leaves_the_call_to_the_usual_path(
     assert len(pads) == taken + 1 and session.stats().padded_in_place == before
 
 
+@pytest.mark.parametrize("gate", [pytest.param(True, marks=_GATE), False], ids=["c", "python"])
+def test_a_marker_whose_size_needs_no_padding_is_an_ordinary_call(session_factory, monkeypatch, gate):  # noqa: F811
+    # beyond the largest bucket, or at a bucket's own size, buckets.call would run the call
+    # unpadded: the gate (C) takes the marker as its tensor before any Python, the Python path
+    # at the top of _call_padded; the same results, counts and recordings as the plain call
+    entered = {"_call": 0, "buckets.call": 0}
+    original_call, original_buckets_call = replay.session.Region._call, buckets.call
+
+    def counting_call(self, *args):
+        entered["_call"] += 1
+        return original_call(self, *args)
+
+    def counting_buckets_call(*args, **kwargs):
+        entered["buckets.call"] += 1
+        return original_buckets_call(*args, **kwargs)
+
+    monkeypatch.setattr(replay.session.Region, "_call", counting_call)
+    monkeypatch.setattr(buckets, "call", counting_buckets_call)
+    w = torch.randn(4)
+
+    def run(padded: bool) -> list:
+        session = session_factory(record_after=1, buckets=[4, 8])
+        step = _region(session, scaled_rows, gate)
+        seen = []
+        for rows in (9, 11, 8, 9, 4, 9, 8, 12, 4, 9, 8):
+            x = torch.randn(rows, 4)
+            out = step(replay.padded(x) if padded else x, w)
+            assert torch.equal(out, scaled_rows(x, w))
+            stats = session.stats()
+            seen.append((stats.calls, stats.eager_runs, stats.records, stats.replays, stats.too_rare))
+        return seen
+
+    plain = run(padded=False)
+    entered.update({"_call": 0, "buckets.call": 0})
+    assert run(padded=True) == plain
+    assert entered["buckets.call"] == 0  # never padded, never checked for it
+    if gate:
+        calls_of_plain = entered["_call"]
+        entered.update({"_call": 0, "buckets.call": 0})
+        run(padded=False)
+        assert calls_of_plain == entered["_call"]  # the markers sent no call to the full path
+    session = session_factory(record_after=1, buckets=[4, 8])
+    step = _region(session, scaled_rows, gate)
+    step(replay.padded(torch.randn(3, 4)), w)  # a size to pad: the padded path
+    assert entered["buckets.call"] == 1
+    x9 = torch.randn(9, 4)
+    with pytest.raises(ValueError, match=r"must agree .* args\[0\] 9, args\[1\] 10"):
+        step(replay.padded(x9), replay.padded(torch.randn(10, 4)))  # both beyond: still refused
+    with pytest.raises(ValueError, match=r"must pad the same dimension"):
+        step(replay.padded(x9), replay.padded(torch.randn(4, 9), dim=1))
+
+
+@pytest.mark.parametrize("policy", [{"verify_every": 1}, {"polymorphic": True}], ids=["verify_every", "polymorphic"])
+def test_a_marker_needing_no_padding_keeps_the_padded_path_where_it_verifies_or_is_polymorphic(
+    session_factory,  # noqa: F811
+    monkeypatch,
+    policy,
+):
+    entered = []
+    original = buckets.call
+    monkeypatch.setattr(buckets, "call", lambda *a, **k: entered.append(1) or original(*a, **k))
+    session = session_factory(record_after=100, buckets=[4, 8], **policy)
+    step = session.region(lambda x: x * 2)
+    x = torch.randn(9, 3)
+    assert torch.equal(step(replay.padded(x)), x * 2)
+    assert entered == [1] and step.padded_calls == 1
+
+
+def test_without_padding_takes_markers_that_need_none():
+    x9, x8, x3 = torch.randn(9, 2), torch.randn(8, 2), torch.randn(3, 2)
+    assert buckets.without_padding((buckets.padded(x9), 5), [4, 8])[0] is x9
+    assert buckets.without_padding((buckets.padded(x8), buckets.padded(x8.clone())), [4, 8])[0] is x8
+    assert buckets.without_padding((buckets.padded(x3),), [4, 8]) is None  # to pad
+    assert buckets.without_padding((buckets.padded(x9), buckets.padded(x8)), [4, 8]) is None  # disagree
+    assert buckets.without_padding((x9,), [4, 8]) is None  # no marker
+    assert buckets.without_padding((buckets.padded(x9),), None) is None  # no buckets
+
+
 def test_a_real_session_pads_without_a_gpu():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", replay.ReplayWarning)
@@ -354,6 +432,20 @@ def test_padding_equals_a_filled_tensor_with_the_rows_copied_in(data):
     if dtype.is_floating_point:  # -0.0 keeps its sign
         assert torch.equal(torch.signbit(grown), torch.signbit(expected))
     assert result.shape == base.shape and torch.equal(result, grown.narrow(dim % base.dim(), 0, rows))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8, torch.bool, torch.complex64])
+def test_the_default_fill_is_answered_per_dtype_as_fill_bits_answers_it(dtype):
+    # replay.padded answers the default fill (int 0) from a per-dtype cache: the same answer
+    # as padding.fill_bits, refusal included (no fill is exact in a complex dtype)
+    x = torch.zeros(2, dtype=dtype)
+    expected = padding.fill_bits(0, dtype)
+    for _ in range(2):  # the first call fills the cache, the second reads it
+        if expected is None:
+            with pytest.raises(ValueError, match="not exact"):
+                replay.padded(x)
+        else:
+            assert replay.padded(x).bits == expected == replay.padded(x, fill=0).bits
 
 
 def test_the_same_fill_is_judged_by_its_type_and_sign_each_time():
