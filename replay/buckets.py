@@ -58,9 +58,8 @@ def padded(tensor: torch.Tensor, dim: int = 0, fill: bool | int | float = 0, *, 
     if tensor.__class__ is not torch.Tensor and not isinstance(tensor, torch.Tensor):
         raise TypeError(f"replay.padded() takes a tensor, got {type(tensor).__qualname__}")
     ndim = tensor.dim()
-    if dim.__class__ is not int or not -ndim <= dim < ndim:  # (a bool's class is bool)
-        if isinstance(dim, bool) or not isinstance(dim, int) or not -ndim <= dim < ndim:
-            raise ValueError(f"replay.padded(): dim must be an int in [-{ndim}, {ndim}), got {dim!r}")
+    if (dim.__class__ is not int and (isinstance(dim, bool) or not isinstance(dim, int))) or not -ndim <= dim < ndim:
+        raise ValueError(f"replay.padded(): dim must be an int in [-{ndim}, {ndim}), got {dim!r}")
     if written is not False and written is not True:
         raise TypeError(f"replay.padded(): written must be True or False, got {written!r}")
     if fill.__class__ is int and fill == 0:  # the default, answered per dtype once (fill_bits's answer)
