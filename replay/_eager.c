@@ -29,13 +29,15 @@
  * called with the count already made), the halving of the counts, the eager-time estimate
  * (Region._eager_took), the capture exclusion (its __enter__ and __exit__, bound once; in C
  * too where jitcore._exclusion is built). Every value is read from the same Python objects
- * the Python path reads, on every call, so the two paths cannot drift apart in state;
+ * the Python path reads, on every call, so the two paths cannot drift apart in state (the
+ * ints of slotted objects, the attrs classes', at their slots: see slot_of);
  * tests/replay/test_session.py runs both over the same calls and compares every count (on
  * the CPU, no GPU needed).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stddef.h>
+#include <structmember.h>
 
 typedef struct {
     PyObject_HEAD
@@ -61,6 +63,8 @@ typedef struct {
     PyObject *padded_type;  /* replay.buckets.Padded, or None where markers always take the full path */
     PyObject *buckets;      /* frozenset of the session's bucket sizes (markers of those sizes are not padded) */
     long long largest;      /* the largest bucket (markers beyond it are not padded) */
+    /* where the ints the gate reads and bumps lie in their (slotted) owners, or -1 (see slot_of) */
+    Py_ssize_t at_calls, at_window, at_counts, at_record_after, at_version, at_too_rare, at_eager_runs, at_forgotten_runs;
     long long mask;         /* EAGER_TIMING_MASK */
     long long settled;      /* EAGER_TIMING_SETTLED: from this run on, */
     long long settled_mask; /* EAGER_TIMING_MASK_SETTLED */
@@ -131,6 +135,8 @@ static void gate_dealloc(Gate *g) {
     Py_TYPE(g)->tp_free((PyObject *)g);
 }
 
+static Py_ssize_t slot_of(PyObject *owner, PyObject *name);
+
 static int gate_init(Gate *g, PyObject *args, PyObject *kwargs) {
     PyObject *region, *session, *admission, *sketch, *budget, *counters, *forgotten, *entry_shapes, *table, *fn,
         *exclusion, *specs, *tensor_type, *dynamic_type, *dynamic_mark, *plain, *miss, *clock, *padded_type, *buckets;
@@ -178,6 +184,14 @@ static int gate_init(Gate *g, PyObject *args, PyObject *kwargs) {
     KEEP(buckets);
 #undef KEEP
     g->largest = largest;
+    g->at_calls = slot_of(sketch, s_calls);
+    g->at_window = slot_of(sketch, s_window);
+    g->at_counts = slot_of(sketch, s_counts);
+    g->at_record_after = slot_of(admission, s_record_after);
+    g->at_version = slot_of(budget, s_version);
+    g->at_too_rare = slot_of(counters, s_too_rare);
+    g->at_eager_runs = slot_of(counters, s_eager_runs);
+    g->at_forgotten_runs = slot_of(forgotten, s_eager_runs);
     g->mask = mask;
     g->settled = settled;
     g->settled_mask = settled_mask;
@@ -193,6 +207,82 @@ static PyObject *gate_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) 
     return (PyObject *)g;
 }
 
+/* Where attribute ``name`` of ``owner`` lies in its object: the offset of a plain __slots__
+   member (an attrs class's field), or -1 (read and written as an attribute). Why: inside a
+   loop whose own work leaves the caches cold, an attribute lookup (the type's cache, its
+   dictionaries, the descriptor) cost more than the value itself; a slot read at its offset is
+   what the attribute lookup ends in, for a type that neither overrides getting or setting
+   attributes nor the member's kind (checked once, here). */
+static Py_ssize_t slot_of(PyObject *owner, PyObject *name) {
+#ifdef Py_GIL_DISABLED
+    return -1; /* (a free-threaded build locks an object's attributes: no write past that) */
+#endif
+    PyTypeObject *type = Py_TYPE(owner);
+    if (type->tp_getattro != PyObject_GenericGetAttr || type->tp_setattro != PyObject_GenericSetAttr)
+        return -1;
+    PyObject *descriptor = PyObject_GetAttr((PyObject *)type, name);
+    if (descriptor == NULL) {
+        PyErr_Clear();
+        return -1;
+    }
+    Py_ssize_t offset = -1;
+    if (Py_TYPE(descriptor) == &PyMemberDescr_Type) {
+        PyMemberDef *member = ((PyMemberDescrObject *)descriptor)->d_member;
+        if (member->type == T_OBJECT_EX && !(member->flags & READONLY))
+            offset = member->offset;
+    }
+    Py_DECREF(descriptor);
+    return offset;
+}
+
+/* owner.name (a new reference), read at its slot where ``at`` is one. */
+static PyObject *get_at(PyObject *owner, PyObject *name, Py_ssize_t at) {
+    if (at >= 0) {
+        PyObject *value = *(PyObject **)((char *)owner + at);
+        if (value != NULL)
+            return Py_NewRef(value);
+    }
+    return PyObject_GetAttr(owner, name); /* (an unset slot raises its AttributeError here) */
+}
+
+/* owner.name = value, written at its slot where ``at`` is one. */
+static int set_at(PyObject *owner, PyObject *name, Py_ssize_t at, PyObject *value) {
+    if (at >= 0) {
+        PyObject **place = (PyObject **)((char *)owner + at);
+        PyObject *old = *place;
+        *place = Py_NewRef(value);
+        Py_XDECREF(old);
+        return 0;
+    }
+    return PyObject_SetAttr(owner, name, value);
+}
+
+/* An int attribute (at its slot where ``at`` is one) as a C long long; -1 with an exception
+   set on failure. */
+static int read_int_at(PyObject *owner, PyObject *name, Py_ssize_t at, long long *out) {
+    PyObject *value = get_at(owner, name, at);
+    if (value == NULL)
+        return -1;
+    *out = PyLong_AsLongLong(value);
+    Py_DECREF(value);
+    return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+/* owner.name += 1 (at its slot where ``at`` is one); the new value in *out. */
+static int bump_at(PyObject *owner, PyObject *name, Py_ssize_t at, long long *out) {
+    long long value;
+    if (read_int_at(owner, name, at, &value) < 0)
+        return -1;
+    PyObject *bumped = PyLong_FromLongLong(value + 1);
+    if (bumped == NULL)
+        return -1;
+    int status = set_at(owner, name, at, bumped);
+    Py_DECREF(bumped);
+    if (out != NULL)
+        *out = value + 1;
+    return status;
+}
+
 /* An int attribute as a C long long; -1 with an exception set on failure. */
 static int read_int(PyObject *owner, PyObject *name, long long *out) {
     PyObject *value = PyObject_GetAttr(owner, name);
@@ -201,21 +291,6 @@ static int read_int(PyObject *owner, PyObject *name, long long *out) {
     *out = PyLong_AsLongLong(value);
     Py_DECREF(value);
     return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
-}
-
-/* owner.name += 1; the new value in *out. */
-static int bump(PyObject *owner, PyObject *name, long long *out) {
-    long long value;
-    if (read_int(owner, name, &value) < 0)
-        return -1;
-    PyObject *bumped = PyLong_FromLongLong(value + 1);
-    if (bumped == NULL)
-        return -1;
-    int status = PyObject_SetAttr(owner, name, bumped);
-    Py_DECREF(bumped);
-    if (out != NULL)
-        *out = value + 1;
-    return status;
 }
 
 static int truth_of(PyObject *owner, PyObject *name) {
@@ -242,7 +317,7 @@ static double clock_now(Gate *g, int *failed) {
 
 /* Count a call of (region, shapes) in the sketch, as FrequencySketch.add does. */
 static long long count_call(Gate *g, PyObject *counted) {
-    PyObject *counts = PyObject_GetAttr(g->sketch, s_counts);
+    PyObject *counts = get_at(g->sketch, s_counts, g->at_counts);
     if (counts == NULL)
         return -1;
     if (!PyDict_CheckExact(counts)) {
@@ -269,7 +344,8 @@ static long long count_call(Gate *g, PyObject *counted) {
     if (status < 0)
         return -1;
     long long calls, window;
-    if (bump(g->sketch, s_calls, &calls) < 0 || read_int(g->sketch, s_window, &window) < 0)
+    if (bump_at(g->sketch, s_calls, g->at_calls, &calls) < 0 ||
+        read_int_at(g->sketch, s_window, g->at_window, &window) < 0)
         return -1;
     if (calls >= window) {
         PyObject *done = PyObject_CallMethodNoArgs(g->sketch, s_halve);
@@ -284,7 +360,8 @@ static long long count_call(Gate *g, PyObject *counted) {
    from the settled-th run on one in settled_mask + 1: Region._run_flat_eagerly, _timed_run). */
 static PyObject *run_eagerly(Gate *g, PyObject *args) {
     long long runs;
-    if (bump(g->counters, s_eager_runs, NULL) < 0 || bump(g->forgotten, s_eager_runs, &runs) < 0)
+    if (bump_at(g->counters, s_eager_runs, g->at_eager_runs, NULL) < 0 ||
+        bump_at(g->forgotten, s_eager_runs, g->at_forgotten_runs, &runs) < 0)
         return NULL;
     int timed = (runs & (runs < g->settled ? g->mask : g->settled_mask)) == 0, failed = 0;
     PyObject *entered = PyObject_CallNoArgs(g->enter);
@@ -357,9 +434,9 @@ static PyObject *with_shapes(Gate *g, PyObject *args, PyObject *pre) {
         return NULL;
     long long calls = count_call(g, counted);
     long long record_after, quiet_below, quiet_version, version;
-    if (calls < 0 || read_int(g->admission, s_record_after, &record_after) < 0 ||
+    if (calls < 0 || read_int_at(g->admission, s_record_after, g->at_record_after, &record_after) < 0 ||
         read_int(g->region, s_quiet_below, &quiet_below) < 0 || read_int(g->region, s_quiet_version, &quiet_version) < 0 ||
-        read_int(g->budget, s_version, &version) < 0) {
+        read_int_at(g->budget, s_version, g->at_version, &version) < 0) {
         Py_DECREF(counted);
         return NULL;
     }
@@ -373,7 +450,7 @@ static PyObject *with_shapes(Gate *g, PyObject *args, PyObject *pre) {
         return result;
     }
     Py_DECREF(counted);
-    if (calls > record_after && bump(g->counters, s_too_rare, NULL) < 0)
+    if (calls > record_after && bump_at(g->counters, s_too_rare, g->at_too_rare, NULL) < 0)
         return NULL;
     return run_eagerly(g, args);
 }
@@ -554,6 +631,29 @@ static PyObject *gate_with_shapes(Gate *g, PyObject *const *argv, Py_ssize_t cou
     return with_shapes(g, argv[0], argv[1]);
 }
 
+/* The attributes the gate reads and writes at their slots (see slot_of), for the tests. */
+static PyObject *gate_direct_slots(Gate *g, void *unused) {
+    const char *names[] = {"sketch.calls", "sketch.window", "sketch.counts", "admission.record_after",
+                           "budget.version", "counters.too_rare", "counters.eager_runs", "forgotten.eager_runs"};
+    Py_ssize_t at[] = {g->at_calls,   g->at_window,   g->at_counts,     g->at_record_after,
+                       g->at_version, g->at_too_rare, g->at_eager_runs, g->at_forgotten_runs};
+    PyObject *found = PyList_New(0);
+    for (size_t i = 0; found != NULL && i < sizeof(at) / sizeof(at[0]); i++) {
+        if (at[i] < 0)
+            continue;
+        PyObject *name = PyUnicode_FromString(names[i]);
+        if (name == NULL || PyList_Append(found, name) < 0)
+            Py_CLEAR(found);
+        Py_XDECREF(name);
+    }
+    return found;
+}
+
+static PyGetSetDef gate_getset[] = {
+    {"direct_slots", (getter)gate_direct_slots, NULL, "the attributes read and written at their slots", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
 static PyMethodDef gate_methods[] = {
     {"with_shapes", (PyCFunction)(void (*)(void))gate_with_shapes, METH_FASTCALL,
      "with_shapes(args, pre): the call with its pre-key computed (Region._eager_flat_shapes)"},
@@ -573,6 +673,7 @@ static PyTypeObject GateType = {
     .tp_clear = (inquiry)gate_clear,
     .tp_call = gate_tp_call,
     .tp_methods = gate_methods,
+    .tp_getset = gate_getset,
 };
 
 /* Region.__call__ (replay/session.py) in C: a method descriptor, so a call of a region reaches

@@ -1091,6 +1091,45 @@ def test_a_region_takes_its_flat_eager_path_in_c_where_built(session_factory, mo
 
 
 @_GATE
+def test_the_gate_reads_and_bumps_plain_slots_directly_and_anything_else_as_attributes(session_factory):
+    # the ints of slotted objects (the sketch, the session's counters, the region's aggregate)
+    # are read and written at their slots; an object that hooks setting attributes is written
+    # through them (its hook sees every write), and the counts come out the same either way
+    session = session_factory(record_after=100)
+    step = session.region(add)
+    assert set(step._gate.direct_slots) == {
+        "sketch.calls",
+        "sketch.window",
+        "sketch.counts",
+        "counters.too_rare",
+        "counters.eager_runs",
+        "forgotten.eager_runs",
+    }
+    x = torch.ones(2)
+    for _ in range(5):
+        step(x, x)
+    assert (session.stats().eager_runs, session.admission.sketch.calls, step.forgotten.eager_runs) == (5, 5, 5)
+
+    written = []
+
+    class Hooked(type(session.counters)):
+        __slots__ = ()
+
+        def __setattr__(self, name, value):
+            written.append(name)
+            super().__setattr__(name, value)
+
+    hooked_session = session_factory(record_after=100)
+    hooked_session.counters = Hooked()
+    hooked = hooked_session.region(add)
+    assert not any(name.startswith("counters.") for name in hooked._gate.direct_slots)
+    written.clear()  # (the counters' own construction)
+    for _ in range(5):
+        hooked(x, x)
+    assert written.count("eager_runs") == 5 and hooked_session.stats().eager_runs == 5
+
+
+@_GATE
 def test_the_c_eager_path_runs_errors_through_and_releases_the_exclusion(session_factory):
     session = session_factory(record_after=100)
     holders = recording.CAPTURES._holders
