@@ -48,6 +48,7 @@ typedef struct {
     PyObject *budget;       /* admission.budget: version */
     PyObject *counters;     /* session.counters: too_rare, eager_runs */
     PyObject *forgotten;    /* region.forgotten: eager_runs */
+    PyObject *quiet;        /* region.quiet: below, version (Region._refresh_quiet) */
     PyObject *entry_shapes; /* region.entry_shapes: shapes that have an entry */
     PyObject *table;        /* region.fast: pre-key -> candidates, the recorded keys of flat calls */
     PyObject *fn;           /* the region's function */
@@ -64,15 +65,16 @@ typedef struct {
     PyObject *buckets;      /* frozenset of the session's bucket sizes (markers of those sizes are not padded) */
     long long largest;      /* the largest bucket (markers beyond it are not padded) */
     /* where the ints the gate reads and bumps lie in their (slotted) owners, or -1 (see slot_of) */
-    Py_ssize_t at_calls, at_window, at_counts, at_record_after, at_version, at_too_rare, at_eager_runs, at_forgotten_runs;
+    Py_ssize_t at_calls, at_window, at_counts, at_record_after, at_version, at_too_rare, at_eager_runs, at_forgotten_runs,
+        at_quiet_below, at_quiet_version;
     long long mask;         /* EAGER_TIMING_MASK */
     long long settled;      /* EAGER_TIMING_SETTLED: from this run on, */
     long long settled_mask; /* EAGER_TIMING_MASK_SETTLED */
     vectorcallfunc vectorcall;
 } Gate;
 
-static PyObject *s_tensor, *s_dim, *s_full, *s_closed, *s_gpu, *s_counts, *s_calls, *s_window, *s_halve, *s_record_after, *s_version,
-    *s_quiet_below, *s_quiet_version, *s_too_rare, *s_eager_runs, *s_shape, *s_enter, *s_exit, *s_decide,
+static PyObject *s_below, *s_tensor, *s_dim, *s_full, *s_closed, *s_gpu, *s_counts, *s_calls, *s_window, *s_halve, *s_record_after, *s_version,
+    *s_too_rare, *s_eager_runs, *s_shape, *s_enter, *s_exit, *s_decide,
     *s_took, *s_shapes_py, *s_fast_keys;
 
 static void gate_clear_refs(Gate *g) {
@@ -83,6 +85,7 @@ static void gate_clear_refs(Gate *g) {
     Py_CLEAR(g->budget);
     Py_CLEAR(g->counters);
     Py_CLEAR(g->forgotten);
+    Py_CLEAR(g->quiet);
     Py_CLEAR(g->entry_shapes);
     Py_CLEAR(g->table);
     Py_CLEAR(g->fn);
@@ -107,6 +110,7 @@ static int gate_traverse(Gate *g, visitproc visit, void *arg) {
     Py_VISIT(g->budget);
     Py_VISIT(g->counters);
     Py_VISIT(g->forgotten);
+    Py_VISIT(g->quiet);
     Py_VISIT(g->entry_shapes);
     Py_VISIT(g->table);
     Py_VISIT(g->fn);
@@ -135,19 +139,19 @@ static void gate_dealloc(Gate *g) {
     Py_TYPE(g)->tp_free((PyObject *)g);
 }
 
-static Py_ssize_t slot_of(PyObject *owner, PyObject *name);
+static Py_ssize_t slot_of(PyObject *owner, PyObject *name, int written);
 
 static int gate_init(Gate *g, PyObject *args, PyObject *kwargs) {
-    PyObject *region, *session, *admission, *sketch, *budget, *counters, *forgotten, *entry_shapes, *table, *fn,
+    PyObject *region, *session, *admission, *sketch, *budget, *counters, *forgotten, *quiet, *entry_shapes, *table, *fn,
         *exclusion, *specs, *tensor_type, *dynamic_type, *dynamic_mark, *plain, *miss, *clock, *padded_type, *buckets;
     long long mask, settled, settled_mask, largest;
     static char *names[] = {"region",       "session",   "admission", "sketch",      "budget",
-                            "counters",     "forgotten", "entry_shapes", "table",    "fn",
+                            "counters",     "forgotten", "quiet",     "entry_shapes", "table",    "fn",
                             "exclusion",    "specs",     "tensor_type", "dynamic_type", "dynamic_mark",
                             "plain",        "miss",      "clock",     "mask",        "settled",
                             "settled_mask", "padded_type", "buckets",  "largest",   NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOOOO!O!OOO!OOOO!OOLLLOO!L", names, &region, &session,
-                                     &admission, &sketch, &budget, &counters, &forgotten, &PyDict_Type,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOOOOO!O!OOO!OOOO!OOLLLOO!L", names, &region, &session,
+                                     &admission, &sketch, &budget, &counters, &forgotten, &quiet, &PyDict_Type,
                                      &entry_shapes, &PyDict_Type, &table, &fn, &exclusion, &PyTuple_Type, &specs,
                                      &tensor_type, &dynamic_type, &dynamic_mark, &PyFrozenSet_Type, &plain, &miss,
                                      &clock, &mask, &settled, &settled_mask, &padded_type, &PyFrozenSet_Type,
@@ -170,6 +174,7 @@ static int gate_init(Gate *g, PyObject *args, PyObject *kwargs) {
     KEEP(budget);
     KEEP(counters);
     KEEP(forgotten);
+    KEEP(quiet);
     KEEP(entry_shapes);
     KEEP(table);
     KEEP(fn);
@@ -184,14 +189,16 @@ static int gate_init(Gate *g, PyObject *args, PyObject *kwargs) {
     KEEP(buckets);
 #undef KEEP
     g->largest = largest;
-    g->at_calls = slot_of(sketch, s_calls);
-    g->at_window = slot_of(sketch, s_window);
-    g->at_counts = slot_of(sketch, s_counts);
-    g->at_record_after = slot_of(admission, s_record_after);
-    g->at_version = slot_of(budget, s_version);
-    g->at_too_rare = slot_of(counters, s_too_rare);
-    g->at_eager_runs = slot_of(counters, s_eager_runs);
-    g->at_forgotten_runs = slot_of(forgotten, s_eager_runs);
+    g->at_calls = slot_of(sketch, s_calls, 1);
+    g->at_window = slot_of(sketch, s_window, 0);
+    g->at_counts = slot_of(sketch, s_counts, 0);
+    g->at_record_after = slot_of(admission, s_record_after, 0);
+    g->at_version = slot_of(budget, s_version, 0);
+    g->at_too_rare = slot_of(counters, s_too_rare, 1);
+    g->at_eager_runs = slot_of(counters, s_eager_runs, 1);
+    g->at_forgotten_runs = slot_of(forgotten, s_eager_runs, 1);
+    g->at_quiet_below = slot_of(quiet, s_below, 0);
+    g->at_quiet_version = slot_of(quiet, s_version, 0);
     g->mask = mask;
     g->settled = settled;
     g->settled_mask = settled_mask;
@@ -208,17 +215,18 @@ static PyObject *gate_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) 
 }
 
 /* Where attribute ``name`` of ``owner`` lies in its object: the offset of a plain __slots__
-   member (an attrs class's field), or -1 (read and written as an attribute). Why: inside a
+   member (an attrs class's field), or -1 (read and written as an attribute; ``written``: the
+   gate writes it too, so a type that hooks setting attributes keeps its hook). Why: inside a
    loop whose own work leaves the caches cold, an attribute lookup (the type's cache, its
    dictionaries, the descriptor) cost more than the value itself; a slot read at its offset is
    what the attribute lookup ends in, for a type that neither overrides getting or setting
    attributes nor the member's kind (checked once, here). */
-static Py_ssize_t slot_of(PyObject *owner, PyObject *name) {
+static Py_ssize_t slot_of(PyObject *owner, PyObject *name, int written) {
 #ifdef Py_GIL_DISABLED
-    return -1; /* (a free-threaded build locks an object's attributes: no write past that) */
+    return -1; /* (a free-threaded build locks an object's attributes: no access past that) */
 #endif
     PyTypeObject *type = Py_TYPE(owner);
-    if (type->tp_getattro != PyObject_GenericGetAttr || type->tp_setattro != PyObject_GenericSetAttr)
+    if (type->tp_getattro != PyObject_GenericGetAttr || (written && type->tp_setattro != PyObject_GenericSetAttr))
         return -1;
     PyObject *descriptor = PyObject_GetAttr((PyObject *)type, name);
     if (descriptor == NULL) {
@@ -281,16 +289,6 @@ static int bump_at(PyObject *owner, PyObject *name, Py_ssize_t at, long long *ou
     if (out != NULL)
         *out = value + 1;
     return status;
-}
-
-/* An int attribute as a C long long; -1 with an exception set on failure. */
-static int read_int(PyObject *owner, PyObject *name, long long *out) {
-    PyObject *value = PyObject_GetAttr(owner, name);
-    if (value == NULL)
-        return -1;
-    *out = PyLong_AsLongLong(value);
-    Py_DECREF(value);
-    return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
 }
 
 static int truth_of(PyObject *owner, PyObject *name) {
@@ -435,7 +433,8 @@ static PyObject *with_shapes(Gate *g, PyObject *args, PyObject *pre) {
     long long calls = count_call(g, counted);
     long long record_after, quiet_below, quiet_version, version;
     if (calls < 0 || read_int_at(g->admission, s_record_after, g->at_record_after, &record_after) < 0 ||
-        read_int(g->region, s_quiet_below, &quiet_below) < 0 || read_int(g->region, s_quiet_version, &quiet_version) < 0 ||
+        read_int_at(g->quiet, s_below, g->at_quiet_below, &quiet_below) < 0 ||
+        read_int_at(g->quiet, s_version, g->at_quiet_version, &quiet_version) < 0 ||
         read_int_at(g->budget, s_version, g->at_version, &version) < 0) {
         Py_DECREF(counted);
         return NULL;
@@ -633,10 +632,12 @@ static PyObject *gate_with_shapes(Gate *g, PyObject *const *argv, Py_ssize_t cou
 
 /* The attributes the gate reads and writes at their slots (see slot_of), for the tests. */
 static PyObject *gate_direct_slots(Gate *g, void *unused) {
-    const char *names[] = {"sketch.calls", "sketch.window", "sketch.counts", "admission.record_after",
-                           "budget.version", "counters.too_rare", "counters.eager_runs", "forgotten.eager_runs"};
-    Py_ssize_t at[] = {g->at_calls,   g->at_window,   g->at_counts,     g->at_record_after,
-                       g->at_version, g->at_too_rare, g->at_eager_runs, g->at_forgotten_runs};
+    const char *names[] = {"sketch.calls",         "sketch.window",  "sketch.counts",     "admission.record_after",
+                           "budget.version",       "counters.too_rare", "counters.eager_runs", "forgotten.eager_runs",
+                           "quiet.below",          "quiet.version"};
+    Py_ssize_t at[] = {g->at_calls,        g->at_window,       g->at_counts,     g->at_record_after,
+                       g->at_version,      g->at_too_rare,     g->at_eager_runs, g->at_forgotten_runs,
+                       g->at_quiet_below,  g->at_quiet_version};
     PyObject *found = PyList_New(0);
     for (size_t i = 0; found != NULL && i < sizeof(at) / sizeof(at[0]); i++) {
         if (at[i] < 0)
@@ -805,6 +806,7 @@ static struct PyModuleDef module_definition = {
     } while (0)
 
 PyMODINIT_FUNC PyInit__eager(void) {
+    INTERN(s_below, "below");
     INTERN(s_tensor, "tensor");
     INTERN(s_dim, "dim");
     INTERN(s_full, "_call");
@@ -816,8 +818,6 @@ PyMODINIT_FUNC PyInit__eager(void) {
     INTERN(s_halve, "halve");
     INTERN(s_record_after, "record_after");
     INTERN(s_version, "version");
-    INTERN(s_quiet_below, "_quiet_below");
-    INTERN(s_quiet_version, "_quiet_version");
     INTERN(s_too_rare, "too_rare");
     INTERN(s_eager_runs, "eager_runs");
     INTERN(s_shape, "shape");

@@ -106,6 +106,7 @@ def _eager_gate(region: Region):
         budget=session.admission.budget,
         counters=session.counters,
         forgotten=region.forgotten,
+        quiet=region.quiet,
         entry_shapes=region.entry_shapes,
         table=region.fast,
         fn=region.fn,
@@ -247,6 +248,19 @@ class Hints:
 
 
 @attrs.define
+class _QuietBound:
+    """Below which recent count (``below``) a call of a region's keys without an entry only
+    warms or is too rare, valid while the budget's version is ``version`` (-1: ask the rule)
+    and the region's eager estimate stays in the band around ``computed_for`` (see
+    Region._refresh_quiet, QUIET_HEADROOM). Slotted (attrs): the C gate reads it on every
+    eager call."""
+
+    below: int = 0
+    version: int = -1
+    computed_for: float = 0.0
+
+
+@attrs.define
 class _Forgotten:
     """A region's calls that no entry holds: keys that never got one (called too rarely to be
     recorded, or without a GPU) and entries dropped to keep the bookkeeping bounded."""
@@ -290,11 +304,7 @@ class Region:
         self.padded_calls = 0  # calls that took the padded path (for verify_every)
         self.eager_seconds = 0.0  # what an eager call usually takes, 0 until known (see _eager_took)
         self.eager_sample = 0.0  # the same, from the first timed call on
-        # counts below _quiet_below only warm or are too rare, while the budget's version is
-        # _quiet_version (see _refresh_quiet; -1: ask _decide)
-        self._quiet_below = 0
-        self._quiet_version = -1
-        self._quiet_for = 0.0  # the eager estimate _quiet_below was computed from (see QUIET_HEADROOM)
+        self.quiet = _QuietBound()  # counts that only warm or are too rare (see _refresh_quiet)
         self.hints: dict[object, Hints] = {}  # spec -> what its keys taught about the inputs
         self.entry_shapes: dict[tuple, int] = {}  # Region._counted shapes -> entries that have them
         self.snapshot: jitcore.GlobalsSnapshot | None = None
@@ -376,7 +386,8 @@ class Region:
         admission = session.admission
         count = admission.called(counted)
         record_after = admission.record_after
-        if count < self._quiet_below and count != record_after and self._quiet_version == admission.budget.version:
+        quiet = self.quiet
+        if count < quiet.below and count != record_after and quiet.version == admission.budget.version:
             # warming or too rare, as _decide would say (see _refresh_quiet), without asking it
             if count > record_after:
                 session.counters.too_rare += 1
@@ -584,7 +595,7 @@ class Region:
         admission = session.admission
         if count is None:
             count = admission.called(counted)
-        if self._quiet_version != admission.budget.version:
+        if self.quiet.version != admission.budget.version:
             self._refresh_quiet(admission)
         if count <= admission.record_after:  # still warming (replay.admission: record_after)
             if count == admission.record_after and spec not in self.hints:
@@ -616,10 +627,11 @@ class Region:
         version: by the next :meth:`_decide`) or this region's eager estimate leaves the band
         (:meth:`_eager_took`, at once); not used where debug logging was on when it was last
         asked (the rule then says why for each call)."""
-        self._quiet_version = admission.budget.version
-        self._quiet_for = self.eager_seconds
+        quiet = self.quiet
+        quiet.version = admission.budget.version
+        quiet.computed_for = self.eager_seconds
         ceiling = self.eager_seconds * QUIET_HEADROOM
-        self._quiet_below = 0 if log.isEnabledFor(logging.DEBUG) else admission.quiet_below(ceiling)
+        quiet.below = 0 if log.isEnabledFor(logging.DEBUG) else admission.quiet_below(ceiling)
 
     def _run_eagerly(
         self,
@@ -947,7 +959,7 @@ class Region:
         self.eager_sample = seconds if seconds < usual or not usual else usual + (seconds - usual) / 8
         if usual:
             estimate = self.eager_seconds = self.eager_sample
-            computed_for = self._quiet_for
+            computed_for = self.quiet.computed_for
             if not computed_for / QUIET_HEADROOM <= estimate <= computed_for * QUIET_HEADROOM:
                 self._refresh_quiet(self.session.admission)  # out of the band: what pays back may have changed
 
