@@ -657,9 +657,10 @@ class Region:
         polymorphic session a size the bucket's graph serves at its own size is not padded
         (:meth:`_call_polymorphic`)."""
         policy = self.session.policy
-        if not kwargs and not policy.verify_every and not policy.polymorphic:
+        if self._gate is None and not kwargs and not policy.verify_every and not policy.polymorphic:
+            # (the gate in C took such calls already: what reaches here with it needs padding)
             plain = buckets.without_padding(args, policy.buckets)
-            if plain is not None:  # every marker's size needs no padding: an ordinary call (so the gate)
+            if plain is not None:  # every marker's size needs no padding: an ordinary call
                 return self(*plain)
         unseen = None
         if policy.polymorphic:
