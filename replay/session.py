@@ -960,9 +960,12 @@ class Region:
         self.eager_sample = seconds if seconds < usual or not usual else usual + (seconds - usual) / 8
         if usual:
             estimate = self.eager_seconds = self.eager_sample
-            computed_for = self.quiet.computed_for
+            quiet = self.quiet
+            computed_for = quiet.computed_for
             if not computed_for / QUIET_HEADROOM <= estimate <= computed_for * QUIET_HEADROOM:
                 self._refresh_quiet(self.session.admission)  # out of the band: what pays back may have changed
+            elif quiet.below and log.isEnabledFor(logging.DEBUG):
+                self._refresh_quiet(self.session.admission)  # debug logging turned on: every call says why
 
     def _eager(self, spec: object, leaves: Sequence, entry: Entry | None = None, observe: Hints | None = None):
         self._count_eager(entry)

@@ -492,6 +492,23 @@ def test_a_timed_call_asks_the_payback_rule_again_only_when_the_estimate_leaves_
     assert len(asked) == 3  # past the band's top: asked again
 
 
+def test_debug_logging_turned_on_takes_the_quiet_bound_away_at_the_next_timed_call(session_factory):
+    # with debug logging on, every call asks the rule (which says why it did not record); the
+    # band keeps the bound across timed calls, but not past logging turned on
+    step = session_factory(record_after=1).region(add)
+    step._eager_took(0.001)
+    step._eager_took(0.001)
+    assert step.quiet.below > 0
+    logger = logging.getLogger("replay")
+    level = logger.level
+    logger.setLevel(logging.DEBUG)
+    try:
+        step._eager_took(0.001)  # inside the band
+        assert step.quiet.below == 0
+    finally:
+        logger.setLevel(level)
+
+
 @pytest.mark.parametrize("gate", [True, False], ids=["c", "python"])
 def test_the_eager_path_times_one_call_in_8_then_one_in_64(session_factory, monkeypatch, gate):
     if gate and not session_module._native_enabled():
