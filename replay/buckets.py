@@ -44,11 +44,6 @@ class Padded:
         return f"padded(<{tuple(self.tensor.shape)} {self.tensor.dtype}>, dim={self.dim}, fill={self.fill!r})"
 
 
-#: padding.fill_bits(0, dtype) by dtype: replay.padded's default fill, asked on every call
-_ZERO_BITS: dict[torch.dtype, int | None] = {}
-_UNKNOWN = object()
-
-
 def padded(tensor: torch.Tensor, dim: int = 0, fill: bool | int | float = 0, *, written: bool = False) -> Padded:
     """Mark a tensor argument of a region as padded along ``dim`` to the session's buckets
     (``capture(buckets=[...])``). ``fill``: the value of the rows added (it must be exact in
@@ -62,11 +57,8 @@ def padded(tensor: torch.Tensor, dim: int = 0, fill: bool | int | float = 0, *, 
         raise ValueError(f"replay.padded(): dim must be an int in [-{ndim}, {ndim}), got {dim!r}")
     if written is not False and written is not True:
         raise TypeError(f"replay.padded(): written must be True or False, got {written!r}")
-    if fill.__class__ is int and fill == 0:  # the default, answered per dtype once (fill_bits's answer)
-        dtype = tensor.dtype
-        bits = _ZERO_BITS.get(dtype, _UNKNOWN)
-        if bits is _UNKNOWN:
-            bits = _ZERO_BITS[dtype] = padding.fill_bits(0, dtype)
+    if fill.__class__ is int and fill == 0:  # the default
+        bits = padding.zero_fill_bits(tensor.dtype)
     elif isinstance(fill, (bool, int, float)):
         bits = padding.fill_bits(fill, tensor.dtype)
     else:
@@ -93,6 +85,16 @@ def unwrapped(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     return tuple(map(_unwrapped, args)), {k: _unwrapped(v) for k, v in kwargs.items()}
 
 
+def agreed_size(marked: Sequence[Padded]) -> tuple[int, int] | None:
+    """(dim, size) that every marker pads, or None where they disagree (:func:`call` says
+    how, in its error)."""
+    dim = marked[0].dim
+    rows = marked[0].tensor.shape[dim]
+    if any(m.dim != dim or m.tensor.shape[dim] != rows for m in marked):
+        return None
+    return dim, rows
+
+
 def without_padding(args: tuple, buckets: Sequence[int] | None) -> tuple | None:
     """The positional call ``args`` with each marker taken as its tensor, where every marker
     pads the same dimension to the same size and that size needs no padding (beyond the
@@ -102,14 +104,11 @@ def without_padding(args: tuple, buckets: Sequence[int] | None) -> tuple | None:
     marked = [arg for arg in args if arg.__class__ is Padded]
     if not marked or buckets is None:
         return None
-    dim = marked[0].dim
     try:
-        rows = marked[0].tensor.shape[dim]
-        if any(m.dim != dim or m.tensor.shape[dim] != rows for m in marked):
-            return None
+        agreed = agreed_size(marked)
     except (IndexError, RuntimeError, AttributeError):  # a marker whose tensor changed, a nested one
         return None
-    if bucket_for(rows, buckets) not in (None, rows):
+    if agreed is None or bucket_for(agreed[1], buckets) not in (None, agreed[1]):
         return None
     return tuple(map(_unwrapped, args))
 

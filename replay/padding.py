@@ -96,6 +96,19 @@ def fill_bits(fill: bool | int | float, dtype: torch.dtype) -> int | None:
     return bits
 
 
+#: ``fill_bits(0, dtype)`` by dtype alone: ``replay.padded()``'s default fill, answered without
+#: building ``fill_bits``'s key on every call of a bucketed loop.
+_ZERO_BITS: dict[torch.dtype, int | None] = {}
+
+
+def zero_fill_bits(dtype: torch.dtype) -> int | None:
+    """``fill_bits(0, dtype)`` (the default fill), from a cache keyed by the dtype alone."""
+    bits = _ZERO_BITS.get(dtype, _UNKNOWN)
+    if bits is _UNKNOWN:
+        bits = _ZERO_BITS[dtype] = fill_bits(0, dtype)
+    return bits
+
+
 def _exact_bits(fill: bool | int | float, dtype: torch.dtype) -> int | None:
     if dtype.is_complex:
         return None

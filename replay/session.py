@@ -88,6 +88,13 @@ def _native_enabled() -> bool:
     return EagerGate is not None and compiled_helpers_enabled()
 
 
+def _plain_when_unpadded(policy: Policy) -> bool:
+    """Whether a call whose ``replay.padded`` markers need no padding runs as the plain call
+    before the padded path (the gate in C, or Region._call_padded without it): where the
+    session has buckets, and neither verifies padded calls nor serves them polymorphically."""
+    return policy.buckets is not None and not policy.verify_every and not policy.polymorphic
+
+
 def _eager_gate(region: Region):
     """The region's flat eager path in C, or None where it was not built or ``JITCORE_NATIVE=0``
     turns the compiled helpers off (the Python methods then run: same decisions, same counts)."""
@@ -95,9 +102,7 @@ def _eager_gate(region: Region):
         return None
     session = region.session
     policy = session.policy
-    # padded arguments that need no padding are taken as their tensors by the gate itself (as
-    # Region._call_padded does), where no other padded path applies
-    unpadded_markers = policy.buckets is not None and not policy.verify_every and not policy.polymorphic
+    unpadded_markers = _plain_when_unpadded(policy)  # the gate takes those markers as their tensors
     return EagerGate(
         region=region,
         session=session,
@@ -657,7 +662,7 @@ class Region:
         polymorphic session a size the bucket's graph serves at its own size is not padded
         (:meth:`_call_polymorphic`)."""
         policy = self.session.policy
-        if self._gate is None and not kwargs and not policy.verify_every and not policy.polymorphic:
+        if self._gate is None and not kwargs and _plain_when_unpadded(policy):
             # (the gate in C took such calls already: what reaches here with it needs padding)
             plain = buckets.without_padding(args, policy.buckets)
             if plain is not None:  # every marker's size needs no padding: an ordinary call
@@ -767,7 +772,7 @@ class Region:
         bucket = buckets.bucket_for(rows, session.policy.buckets)
         if bucket is None or bucket == rows or not session.can_record():
             return _MISS, None
-        if any(m.dim != first.dim or m.tensor.shape[m.dim] != rows for m in markers):
+        if buckets.agreed_size(markers) is None:
             return _MISS, None  # the padded path refuses it with its message
         spec, leaves, paths = region_keys.flatten(*buckets.unwrapped(args, kwargs))
         if self.snapshot is not None:

@@ -326,10 +326,10 @@ def test_a_marker_whose_size_needs_no_padding_is_an_ordinary_call(session_factor
     assert run(padded=True) == plain
     assert entered["buckets.call"] == 0  # never padded, never checked for it
     if gate:
-        calls_of_plain = entered["_call"]
+        calls_when_padded = entered["_call"]
         entered.update({"_call": 0, "buckets.call": 0})
         run(padded=False)
-        assert calls_of_plain == entered["_call"]  # the markers sent no call to the full path
+        assert calls_when_padded == entered["_call"]  # the markers sent no call to the full path
     session = session_factory(record_after=1, buckets=[4, 8])
     step = _region(session, scaled_rows, gate)
     step(replay.padded(torch.randn(3, 4)), w)  # a size to pad: the padded path
