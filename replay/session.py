@@ -95,6 +95,16 @@ def _plain_when_unpadded(policy: Policy) -> bool:
     return policy.buckets is not None and not policy.verify_every and not policy.polymorphic
 
 
+def _holds_a_pad_of(buffer: torch.Tensor, tensor: torch.Tensor) -> bool:
+    """Whether a graph's staged ``buffer`` may take ``tensor`` padded (Region._pad_in_place).
+    The pre-key that found the graph holds shapes only, and its guard sees the buffer in the
+    argument's place, so the buffer stands for the padded tensor and must be what a pad of it
+    would be: of its dtype and device (the padded shape by the pre-key; contiguity, plain
+    type and no grad by padding.pad_into). A call of the same shapes in int32 or float64 has
+    a graph of its own, or none: never a float32 graph's buffer."""
+    return buffer.dtype is tensor.dtype and buffer.device == tensor.device
+
+
 def _eager_gate(region: Region):
     """The region's flat eager path in C, or None where it was not built or ``JITCORE_NATIVE=0``
     turns the compiled helpers off (the Python methods then run: same decisions, same counts)."""
@@ -673,26 +683,27 @@ class Region:
             if result is not _MISS:
                 return result
         self.padded_calls += 1
-
-        def padded_call():
-            result, rows, bucket, pads = buckets.call(
-                self,
-                args,
-                kwargs,
-                policy.buckets,
-                self.name,
-                run_eagerly=self._eager_declined,
-                replay_writes=self._replay_writes,
-                in_place=self._pad_in_place,
-            )
-            if unseen is not None and bucket != rows:
-                self._learn_base(unseen, args, kwargs, pads)
-            return result
-
         if policy.verify_every and self.padded_calls % policy.verify_every == 0:
             self.session.counters.verifications += 1
-            return buckets.verify(self.fn, args, kwargs, padded_call, self.name)
-        return padded_call()
+            return buckets.verify(self.fn, args, kwargs, lambda: self._pad_and_run(args, kwargs, unseen), self.name)
+        return self._pad_and_run(args, kwargs, unseen)
+
+    def _pad_and_run(self, args: tuple, kwargs: dict, unseen: tuple | None):
+        """The padded call itself (buckets.call), and in a polymorphic session the bucket's
+        base learned from it (``unseen``: see :meth:`_call_polymorphic`)."""
+        result, rows, bucket, pads = buckets.call(
+            self,
+            args,
+            kwargs,
+            self.session.policy.buckets,
+            self.name,
+            run_eagerly=self._eager_declined,
+            replay_writes=self._replay_writes,
+            in_place=self._pad_in_place,
+        )
+        if unseen is not None and bucket != rows:
+            self._learn_base(unseen, args, kwargs, pads)
+        return result
 
     def _pad_in_place(self, args: tuple, dim: int, bucket: int) -> tuple[object, list] | None:
         """A positional padded call whose bucket's graph stages a padded argument (a torch op
@@ -711,53 +722,79 @@ class Region:
         session = self.session
         if not self.fast or session.policy.verify_every:  # (its candidates' runs verify: never graph.replay)
             return None
-        padded = [i for i, arg in enumerate(args) if arg.__class__ is buckets.Padded]
+        padded = []  # the markers' places
+        pre = []  # the pre-key of the padded call (Region.pre_key), built in one pass
         try:
-            pre = list(self.pre_key(args))  # the padded arguments' places get their padded shapes
-            for i in padded:
-                shape = args[i].tensor.shape
-                pre[i] = torch.Size((*shape[:dim], bucket, *shape[dim + 1 :]))
+            for i, arg in enumerate(args):
+                kind = arg.__class__
+                if kind is buckets.Padded:
+                    shape = [*arg.tensor.shape]  # (cheaper than slicing a torch.Size)
+                    shape[dim] = bucket
+                    pre.append(tuple(shape))  # equal to the torch.Size the key holds, and hashed alike
+                    padded.append(i)
+                elif kind is torch.Tensor:
+                    pre.append(arg.shape)
+                else:
+                    pre.append(_DYNAMIC_MARK if isinstance(arg, Dynamic) else arg)
             candidates = self.fast.get(tuple(pre))
         except (TypeError, RuntimeError):  # an unhashable constant; a strided nested tensor's shape
             return None  # the usual path refuses them
+        if not candidates:
+            return None
         temporaries: dict[int, torch.Tensor] = {}  # padded arguments no graph takes in place, padded once
-        for guard, run, entry in candidates or ():
+        for guard, run, entry in candidates:
             graph = entry.graph
             if graph is None or not graph.in_place or run is not graph.replay:
                 continue
-            buffers = {i: buffer for i in padded if (buffer := graph.in_place_buffer(i)) is not None}
-            if not buffers:
-                continue
+            taken = graph.in_place  # input -> (buffer, its copy nodes)
             leaves = list(args)
+            buffers = []  # (place, buffer)
             for i in padded:
-                if i in buffers:
-                    leaves[i] = buffers[i]
-                else:
-                    if i not in temporaries:
-                        temporaries[i] = padding.pad(args[i].tensor, dim, bucket, args[i].fill, args[i].bits)
-                    leaves[i] = temporaries[i]
-            if not guard(*leaves):
-                continue
-            if self.snapshot is not None:
-                try:
-                    self.snapshot.check()
-                except GlobalDriftError:
-                    return None  # the usual path drops the graphs
-            stream_now = self._stream_now
-            if stream_now is None:  # the backend's, read once (get_backend reads the environment)
-                stream_now = self._stream_now = get_backend().hot_namespace["_current_stream"]
-            if stream_now(entry.key[0]) != session.last_stream[0]:
-                return None
-            for i, buffer in buffers.items():
-                if not padding.pad_into(args[i].tensor, dim, args[i].bits, buffer):
-                    return None
-            session.touch(entry)
-            result = run(*leaves)
-            if result is MISMATCH:
-                return None
-            session.counters.padded_in_place += len(buffers)
-            return result, [(args[i], leaves[i]) for i in padded]
+                held = taken.get(i)
+                if held is not None:
+                    if not _holds_a_pad_of(held[0], args[i].tensor):
+                        break  # a buffer of another dtype or device: another key's graph
+                    leaves[i] = held[0]
+                    buffers.append((i, held[0]))
+            else:
+                if not buffers:
+                    continue
+                for i in padded:
+                    if leaves[i] is args[i]:  # not taken in place: padded into a temporary
+                        if i not in temporaries:
+                            marker = args[i]
+                            temporaries[i] = padding.pad(marker.tensor, dim, bucket, marker.fill, marker.bits)
+                        leaves[i] = temporaries[i]
+                if guard(*leaves):
+                    return self._replay_padded_into(entry, run, args, leaves, buffers, padded, dim)
         return None
+
+    def _replay_padded_into(
+        self, entry: Entry, run: Callable, args: tuple, leaves: list, buffers: list, padded: list, dim: int
+    ) -> tuple[object, list] | None:
+        """:meth:`_pad_in_place` once ``entry``'s guard passed: pad into its buffers and
+        replay, or None (the usual path takes the call)."""
+        session = self.session
+        if self.snapshot is not None:
+            try:
+                self.snapshot.check()
+            except GlobalDriftError:
+                return None  # the usual path drops the graphs
+        stream_now = self._stream_now
+        if stream_now is None:  # the backend's, read once (get_backend reads the environment)
+            stream_now = self._stream_now = get_backend().hot_namespace["_current_stream"]
+        if stream_now(entry.key[0]) != session.last_stream[0]:
+            return None
+        for i, buffer in buffers:
+            marker = args[i]
+            if not padding.pad_into(marker.tensor, dim, marker.bits, buffer):
+                return None
+        session.lru.move_to_end(entry)  # session.touch, inline
+        result = run(*leaves)
+        if result is MISMATCH:
+            return None
+        session.counters.padded_in_place += len(buffers)
+        return result, [(args[i], leaves[i]) for i in padded]
 
     # --- polymorphic replay (replay.polymorphic) -----------------------------------------------
     def _call_polymorphic(self, args: tuple, kwargs: dict) -> tuple[object, tuple | None]:

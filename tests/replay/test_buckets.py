@@ -174,7 +174,9 @@ class StagingGraph(FakeGraph):
     def __init__(self, region, key, capture, spec, leaves, paths, session, number):
         super().__init__(region, key, capture, spec, leaves, paths, session, number)
         self.buffers = {
-            i: torch.full_like(leaf, float("nan")) for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)
+            i: torch.full_like(leaf, float("nan") if leaf.is_floating_point() else -12345)
+            for i, leaf in enumerate(leaves)
+            if isinstance(leaf, torch.Tensor)
         }
         self.in_place = {i: (buffer, ()) for i, buffer in self.buffers.items()}
         self.copies = self.skipped = 0
@@ -271,6 +273,34 @@ def test_padding_in_place_is_not_taken_across_streams_with_verify_every_or_for_a
     for _ in range(6):
         checked_step(replay.padded(torch.randn(5, 5)), w)
     assert len(pads) == taken and checked.stats().padded_in_place == 0
+
+
+def doubled_plus_one(x):
+    return x * 2 + 1
+
+
+@pytest.mark.parametrize("other", [torch.int32, torch.float64, torch.bfloat16], ids=str)
+def test_a_padded_argument_of_another_dtype_than_the_buffer_is_never_padded_into_it(staging_factory, other):
+    """The pre-key holds shapes only and the guard sees the buffer in the argument's place, so
+    the buffer's dtype must be checked against the argument's: an int32 (the same element size)
+    or a float64 call of the same shapes padded into a float32 graph's buffer would replay that
+    graph on reinterpreted or converted values."""
+    make, pads = staging_factory
+    session = make(record_after=1, buckets=[8])
+    step = session.region(doubled_plus_one)
+    for _ in range(4):  # warmed, recorded, analysed, then replayed in place
+        step(replay.padded(torch.randn(5, 3)))
+    taken = len(pads)
+    assert taken == session.stats().padded_in_place == 1
+    for number in range(6):
+        x = (torch.randn(6, 3) * 100).to(other)
+        got = step(replay.padded(x))
+        expected = fz.padded_reference(doubled_plus_one, (replay.padded(x),), {}, [8])
+        assert got.dtype == expected.dtype == other and torch.equal(got, expected), f"call {number}"
+    # none went into the float32 graph's buffer (a graph of their own may take them in place)
+    float_graphs = [g for g in FakeGraph.instances if isinstance(g, StagingGraph) and g.session is session]
+    float_buffers = [g.buffers[0] for g in float_graphs if g.buffers[0].dtype == torch.float32]
+    assert not any(p is b for p in pads[taken:] for b in float_buffers)
 
 
 def test_a_replay_that_declines_after_the_pad_leaves_the_call_to_the_usual_path(staging_factory, monkeypatch):

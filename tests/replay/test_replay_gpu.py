@@ -605,6 +605,33 @@ def test_in_place_padding_keeps_written_arguments_views_streams_and_declines_exa
         assert session.stats().padded_in_place == 0 and session.stats().replays >= 20, session.report()
 
 
+def doubled_plus_one(x):
+    return x * 2 + 1  # torch ops read x: its graphs stage it, and padded calls pad into the buffer
+
+
+def test_in_place_padding_never_pads_into_a_buffer_of_another_dtype():
+    """Calls of the same shapes in other dtypes (int32 has float32's element size, so the
+    pad's bytes would fit) are served by graphs of their own dtype, or eagerly: each call
+    compared with its padded eager reference, dtype and every element, over random dtypes
+    and rows."""
+    generator = torch.Generator(device="cuda").manual_seed(random.randrange(1 << 30))
+    draw = random.Random(random.randrange(1 << 30))
+    dtypes = [torch.float32, torch.int32, torch.float16, torch.bfloat16, torch.int64]
+    buckets = [4, 8]
+    with replay.capture(buckets=buckets, record_after=1) as session:
+        step = session.region(doubled_plus_one)
+        for number in range(200):
+            dtype = dtypes[0] if number < 8 else draw.choice(dtypes)  # float32 graphs first
+            rows = draw.randint(1, 8)
+            x = (torch.randn(rows, 33, device="cuda", generator=generator) * 1000).to(dtype)
+            expected = fz.padded_reference(doubled_plus_one, (replay.padded(x),), {}, buckets)
+            got = step(replay.padded(x))
+            assert got.dtype == expected.dtype == dtype, f"call {number}: {got.dtype}, {dtype}"
+            assert torch.equal(got, expected), f"call {number}, {dtype}, {rows} rows"
+        stats = session.stats()
+        assert stats.padded_in_place >= 60 and stats.records >= 6, session.report()
+
+
 add_bias_kernel = jc.Kernel(
     r"""
 __global__ void add_bias(const float* __restrict__ x, const float* __restrict__ bias, float* __restrict__ y,
