@@ -26,13 +26,16 @@ A second table times the eager path of a session against the direct call (see ea
 A third measures graph memory over many shapes of a region ending in a 32,000-wide output
 (see many_shapes_memory). The jit-only rows run the same layers with the matmul as a jit
 kernel too, eager against bucketed and shape-polymorphic replay (one graph per bucket serving
-every smaller size at its own size).
+every smaller size at its own size). A fourth puts the bucketed step beside its floors: the
+GPU time of torch CUDA graphs of the same region at the bucket sizes (see bucketed_floor).
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 import random
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -299,6 +302,97 @@ def eager_path(steps: int) -> dict[str, dict[str, float]]:
     return results
 
 
+def _torch_bucket_graphs(region, inputs: dict[int, torch.Tensor]) -> tuple[dict, dict]:
+    """torch CUDA graphs of ``region`` at each bucket size (one pool, largest first, as vLLM
+    records them): (bucket -> graph, bucket -> its static input)."""
+    static = {b: inputs[b].clone() for b in BUCKETS}
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for b in BUCKETS:
+            region(static[b])
+    torch.cuda.current_stream().wait_stream(side)
+    graphs, pool = {}, None
+    for b in reversed(BUCKETS):
+        graphs[b] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[b], pool=pool):
+            region(static[b])
+        pool = graphs[b].pool()
+    torch.cuda.synchronize()
+    return graphs, static
+
+
+def bucketed_floor(steps: int) -> dict[str, dict[str, float]]:
+    """Where the bucketed uniform run's second half stands against what the GPU needs: per
+    path, the GPU time of a step (blocks of ``BLOCK`` calls issued behind a long GPU sleep, so
+    the host is ahead and the events time the GPU alone), the host time of a call with the
+    GPU ahead (median), and a block after a block of eager calls, as the distributions' runs
+    take turns (the step's time, and the host time of the block's first call). Paths: the
+    padded call; replay of a bucket's own size (no padding); torch CUDA graphs of the same
+    region at each bucket (replay only, and with the call's rows copied into the static
+    input: the least a padded step can do)."""
+    region = make_region()
+    sizes = [n for n in draws("uniform", steps, random.Random(2)) if n not in BUCKETS]
+    inputs = {n: torch.randn(n, DIM, device="cuda") for n in {*sizes, *BUCKETS}}
+    for n in inputs:
+        region(inputs[n])
+    bucket_of = {n: BUCKETS[bisect.bisect_left(BUCKETS, n)] for n in set(sizes)}
+    padded_session = replay.capture(buckets=BUCKETS, record_after=0, record_budget=1.0)
+    padded_step = padded_session.region(region)
+    exact_session = replay.capture(record_after=0, record_budget=1.0)
+    exact_step = exact_session.region(region)
+    for n in set(sizes):
+        for _ in range(2):
+            padded_step(replay.padded(inputs[n]))
+    for b in BUCKETS:
+        for _ in range(3):
+            exact_step(inputs[b])
+    graphs, static = _torch_bucket_graphs(region, inputs)
+    paths = {
+        "bucketed (padded call)": lambda n: padded_step(replay.padded(inputs[n])),
+        "replay at the bucket's size": lambda n: exact_step(inputs[bucket_of[n]]),
+        "torch CUDA graph": lambda n: graphs[bucket_of[n]].replay(),
+        "torch CUDA graph + rows copied in": lambda n: (
+            static[bucket_of[n]][:n].copy_(inputs[n]),
+            graphs[bucket_of[n]].replay(),
+        ),
+    }
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+    blocks = [sizes[start : start + BLOCK] for start in range(0, len(sizes) - BLOCK + 1, BLOCK)][:60]
+    results: dict[str, dict[str, float]] = {}
+    for name, call in paths.items():
+        gpu, host, after_eager, first = [], [], [], []
+        for number, block in enumerate(blocks):
+            torch.cuda._sleep(4_000_000)  # the GPU busy for milliseconds: the host runs ahead
+            events[0].record()
+            for n in block:
+                started = time.perf_counter()
+                call(n)
+                host.append(time.perf_counter() - started)
+            events[1].record()
+            torch.cuda.synchronize()
+            gpu.append(events[0].elapsed_time(events[1]) * 1e3 / len(block))
+            for n in blocks[(number + 1) % len(blocks)]:  # a block of eager calls, then this path's
+                region(inputs[n])
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            for k, n in enumerate(block):
+                call(n)
+                if k == 0:
+                    first.append(time.perf_counter() - started)
+            torch.cuda.synchronize()
+            after_eager.append((time.perf_counter() - started) / len(block))
+        results[name] = {
+            "gpu_us": statistics.median(gpu),
+            "host_us": statistics.median(host) * 1e6,
+            "after_eager_us": statistics.median(after_eager) * 1e6,
+            "first_call_us": statistics.median(first) * 1e6,
+        }
+    padded_session.close()
+    exact_session.close()
+    return results
+
+
 LOGITS, MEMORY_SHAPES = 32000, 64
 
 
@@ -386,6 +480,7 @@ def main() -> None:
         results[f"{distribution}, jit-only region"] = measure(distribution, steps, polymorphic=True)
     results["eager_path"] = eager_path(steps)
     results["many_shapes_memory"] = many_shapes_memory(16 if args.quick else MEMORY_SHAPES)
+    results["bucketed_floor"] = bucketed_floor(steps)
     results["steps"] = steps
     body, notes = report(results, steps)
     common.write(args.out, "shapes", TITLE, results, body, notes)
@@ -407,7 +502,7 @@ def report(results: dict, steps: int) -> tuple[str, str]:
     overhead = _ordered(results["eager_path"], ("trivial region", "6-layer region"))
     memory = _ordered(results["many_shapes_memory"], ("largest alone",))
     distributions = _ordered(
-        {k: v for k, v in results.items() if k not in ("eager_path", "many_shapes_memory", "steps")},
+        {k: v for k, v in results.items() if k not in ("eager_path", "many_shapes_memory", "bucketed_floor", "steps")},
         ("uniform", "zipf", "fixed", "prefill", "uniform, jit-only region", "zipf, jit-only region"),
     )
     headers = (
@@ -461,6 +556,18 @@ def report(results: dict, steps: int) -> tuple[str, str]:
         ("loop", "graph MiB", "of which outputs", "replays", "records", "x largest alone"),
         [(k, v["graph_mib"], v["output_mib"], v["replays"], v["records"], v["vs_alone"]) for k, v in memory.items()],
     )
+    floor = results.get("bucketed_floor")
+    if floor:  # (saved runs before 2026-12-01's stop 30 have none)
+        body += (
+            "\n\nThe bucketed step against its floors: uniform sizes that need padding, blocks of "
+            f"{BLOCK} calls (us; GPU: the GPU's time per step with the host ahead; host: one call "
+            "with the GPU ahead, median; after eager: per step of a block after a block of eager "
+            "calls, as the runs above take turns, and the host time of its first call):\n\n"
+        )
+        body += common.markdown_table(
+            ("path", "GPU us/step", "host us/call", "after eager us/step", "first call after eager us"),
+            [(k, v["gpu_us"], v["host_us"], v["after_eager_us"], v["first_call_us"]) for k, v in floor.items()],
+        )
     notes = (
         f"{steps} steps per distribution (prefill: each length once), batch sizes 1..{LARGEST}, "
         f"{LAYERS} layers of a {DIM}x{DIM} matmul and two jit kernels. Targets (issue 12): the "
