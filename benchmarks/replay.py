@@ -52,6 +52,9 @@ SHAPES = [1, 2, 4, 8, 12, 16, 24, 32]
 #: The replay row timed with the per-call exactness checks beyond the key skipped (torch
 #: settings, launchers' globals; Region.measure_without_checks): the difference is their cost.
 WITHOUT_CHECKS = "replay, exactness checks skipped (measurement only)"
+#: The replay row timed with the torch-settings check in generated Python, as it runs where
+#: replay/_modes.c was not built (Region.measure_with_generated_settings_check).
+PYTHON_SETTINGS = "replay, settings checked in generated Python (without replay/_modes.c)"
 
 
 @jc.jit
@@ -261,6 +264,7 @@ def main() -> None:
         "eager jit": eager,
         "replay": replayed,
         WITHOUT_CHECKS: replayed,
+        PYTHON_SETTINGS: replayed,
         "replay, pointer + dynamic scalar": replayed_with_scalar,
         "static-copy torch graphs": static_copy,
         "torch CUDAGraph.replay": torch_replay,
@@ -273,7 +277,11 @@ def main() -> None:
     samples[host_path] = ([], [])
     for _ in range(repeats):
         for name, step in paths.items():
-            measured = step_region.measure_without_checks() if name == WITHOUT_CHECKS else contextlib.nullcontext()
+            measured = contextlib.nullcontext()
+            if name == WITHOUT_CHECKS:
+                measured = step_region.measure_without_checks()
+            elif name == PYTHON_SETTINGS:
+                measured = step_region.measure_with_generated_settings_check()
             with measured:
                 host, total = loop(step, inputs, order)
             samples[name][0].append(host)
@@ -327,7 +335,9 @@ def main() -> None:
         f"(**{results['replay, pointer + dynamic scalar']['host_us'] / torch_host:.2f}x** torch's). "
         f"The per-call exactness checks beyond the key (torch settings, launchers' globals) cost "
         f"{results['replay']['host_us'] - results[WITHOUT_CHECKS]['host_us']:.2f} us per step "
-        f"(replay with them skipped: {results[WITHOUT_CHECKS]['host_us']:.2f} us).\n\n"
+        f"(replay with them skipped: {results[WITHOUT_CHECKS]['host_us']:.2f} us); the settings checked in "
+        f"generated Python instead of replay/_modes.c, a replay costs {results[PYTHON_SETTINGS]['host_us']:.2f} us "
+        f"(the C check saves {results[PYTHON_SETTINGS]['host_us'] - results['replay']['host_us']:.2f} us).\n\n"
         f"A host input (int64 ids, 8 bytes a row, staged through a pinned buffer): issued with the GPU idle, "
         f"a replay costs {idle_us[host_path]:.2f} us against {idle_us['replay']:.2f} us without it: "
         f"**{idle_us[host_path] - idle_us['replay']:.2f} us** for the staged byte range (wait for the previous "
@@ -365,6 +375,7 @@ def main() -> None:
     results.update(
         patched_nodes_per_step=patched_per_step,
         checks_cost_us=results["replay"]["host_us"] - results[WITHOUT_CHECKS]["host_us"],
+        settings_check_in_c_saves_us=results[PYTHON_SETTINGS]["host_us"] - results["replay"]["host_us"],
         replay_over_torch_replay=results["replay"]["host_us"] / torch_host,
         host_budget_us=host_budget,
         first_record_us=first,

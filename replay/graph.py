@@ -195,6 +195,21 @@ def measure_without_checks(graphs: Sequence[RecordedGraph]) -> Iterator[None]:
             graph.namespace.update(values)
 
 
+@contextlib.contextmanager
+def measure_with_generated_settings_check(graphs: Sequence[RecordedGraph]) -> Iterator[None]:
+    """Benchmarks only: while the context lasts, ``graphs`` check the torch settings with the
+    generated Python check instead of replay/_modes.c's (the check that runs where the C
+    helper was not built), so a benchmark can time what the helper saves. Both are exact."""
+    saved = [(graph, graph.namespace["_modes_changed"]) for graph in graphs]
+    for graph, _check in saved:
+        graph.namespace["_modes_changed"] = region_keys.modes_changed(graph.key[2], compiled=False)
+    try:
+        yield
+    finally:
+        for graph, check in saved:
+            graph.namespace["_modes_changed"] = check
+
+
 class _Source:
     """Lines of generated Python with their indentation, and values bound by name."""
 
@@ -982,7 +997,12 @@ class RecordedGraph:
             ns["_choose"] = self.output_slots.choose
             code.line("_o = _me.slot")
             code.line("if _o is None or _o.writer is not _me or _o.freed:")
-            code.line(f"_o = _choose(_me, {code.bind(self.slot_need, '_need')})", 2)
+            # OutputSlots.choose's second rule inline (graphs taking turns take it on every
+            # replay): the slot its copies write, if nobody holds outputs in it (it fits: the
+            # copies only ever point at a slot choose gave this graph, and slots never shrink)
+            code.line("_o = _me.bound_slot", 2)
+            code.line("if _o is None or _o.freed or _o.held():", 2)
+            code.line(f"_o = _choose(_me, {code.bind(self.slot_need, '_need')})", 3)
             tensors = [
                 (i, region_keys.extent_bytes(leaf)) for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)
             ]

@@ -22,7 +22,13 @@ import torch
 
 import jitcore
 from jitcore import generated
+from jitcore.backends import compiled_helpers_enabled
 from replay.dynamic import Dynamic
+
+try:  # the settings check in C (replay/_modes.c; optional, built by setup.py)
+    from replay._modes import SettingsCheck as _SettingsCheck
+except ImportError:
+    _SettingsCheck = None
 
 FLAT = "flat"  # spec of a call whose arguments are all positional leaves
 
@@ -356,7 +362,7 @@ _AUTOCAST_SETTINGS = frozenset(
 )
 #: One call saying whether autocast is on for any device (None in a torch without it).
 _any_autocast: Callable[[], bool] | None = getattr(torch._C, "_is_any_autocast_enabled", None)
-_modes_changed_cache: dict[tuple, Callable[[], bool]] = {}
+_modes_changed_cache: dict[tuple, Callable[[], bool]] = {}  # (recorded, the C type or None) -> check
 
 
 def _is_pybind_enum(value: object) -> bool:
@@ -364,7 +370,7 @@ def _is_pybind_enum(value: object) -> bool:
     return hasattr(type(value), "__members__") and isinstance(getattr(value, "value", None), int)
 
 
-def modes_changed(recorded: tuple) -> Callable[[], bool]:
+def modes_changed(recorded: tuple, *, compiled: bool = True) -> Callable[[], bool]:
     """A function telling whether any torch setting differs from ``recorded`` (a
     ``torch_modes()`` tuple) in a way that can change what a region computes, for replay's
     per-call check. It reads the same settings as ``torch_modes`` but builds no tuple and
@@ -376,13 +382,45 @@ def modes_changed(recorded: tuple) -> Callable[[], bool]:
     is still off for every device (``torch._C._is_any_autocast_enabled``) instead of the five
     autocast settings: the autocast dtypes and cache change nothing while autocast is off, so
     a change of them then is no change of what the graph computes (the region's key, which
-    holds every setting, still tells such calls apart on the eager path). Generated once per
-    distinct recorded tuple."""
-    check = _modes_changed_cache.get(recorded)
+    holds every setting, still tells such calls apart on the eager path).
+
+    The check is replay._modes.SettingsCheck where that C helper was built (the same calls
+    and comparisons in the same order, without a bytecode step per setting: see
+    replay/_modes.c), else a generated function (``JITCORE_NATIVE=0`` or ``compiled=False``
+    picks it). Made once per distinct recorded tuple."""
+    native = _settings_check_type() if compiled else None
+    check = _modes_changed_cache.get((recorded, native))
     if check is not None:
         return check
-    namespace: dict[str, object] = {}
-    tests = []
+    tests = _mode_tests(recorded)
+    if native is not None:
+        check = native(
+            tuple(reader for reader, _, _, _ in tests),
+            tuple(args for _, args, _, _ in tests),
+            tuple(value for _, _, value, _ in tests),
+            "".join(way for _, _, _, way in tests),
+        )
+    else:
+        check = _generated_modes_check(tests)
+    _modes_changed_cache[(recorded, native)] = check
+    return check
+
+
+def _settings_check_type() -> type | None:
+    """replay._modes.SettingsCheck, or None where it was not built or ``JITCORE_NATIVE=0``."""
+    if _SettingsCheck is None or not compiled_helpers_enabled():
+        return None
+    return _SettingsCheck
+
+
+#: How a mode test compares a reader's value with the recorded one (replay/_modes.c's ways).
+_IDENTITY, _EQUALITY, _ENUM_VALUE = "i", "e", "v"
+
+
+def _mode_tests(recorded: tuple) -> list[tuple[Callable, tuple, object, str]]:
+    """The per-replay tests of ``recorded``, in order: (reader, its arguments, the value to
+    compare with, how), as :func:`modes_changed` describes."""
+    tests: list[tuple[Callable, tuple, object, str]] = []
     values = dict(zip(MODE_NAMES, recorded, strict=True))
     autocast_off = (
         _any_autocast is not None
@@ -391,29 +429,42 @@ def modes_changed(recorded: tuple) -> Callable[[], bool]:
         and values["autocast (cpu)"] is False
     )
     if autocast_off:
-        namespace["_any_autocast"] = _any_autocast
-        tests.append("_any_autocast() is not False")
-    for number, (reader, value) in enumerate(zip(_MODE_READERS, recorded, strict=True)):
+        tests.append((_any_autocast, (), False, _IDENTITY))
+    for reader, value in zip(_MODE_READERS, recorded, strict=True):
         if autocast_off and reader.what in _AUTOCAST_SETTINGS:
             continue
-        call = _call_source(number, reader, namespace)
         if reader.returns_list:
-            namespace[f"_v{number}"] = list(value)
-            tests.append(f"{call} != _v{number}")
+            tests.append((reader.function, reader.args, list(value), _EQUALITY))
         elif isinstance(value, _SINGLETON_TYPES):
-            namespace[f"_v{number}"] = value
-            tests.append(f"{call} is not _v{number}")
+            tests.append((reader.function, reader.args, value, _IDENTITY))
         elif _is_pybind_enum(value):
-            namespace[f"_v{number}"] = value.value
-            tests.append(f"{call}.value != _v{number}")
+            tests.append((reader.function, reader.args, value.value, _ENUM_VALUE))
         else:
-            namespace[f"_v{number}"] = value
-            tests.append(f"{call} != _v{number}")
-    body = "\n        or ".join(tests) or "False"
+            tests.append((reader.function, reader.args, value, _EQUALITY))
+    return tests
+
+
+def _generated_modes_check(tests: list[tuple[Callable, tuple, object, str]]) -> Callable[[], bool]:
+    """The tests as one generated ``or`` chain (the check without the C helper)."""
+    namespace: dict[str, object] = {}
+    lines = []
+    for number, (reader, args, value, way) in enumerate(tests):
+        namespace[f"_m{number}"] = reader
+        names = []
+        for position, argument in enumerate(args):
+            namespace[f"_m{number}_arg{position}"] = argument
+            names.append(f"_m{number}_arg{position}")
+        call = f"_m{number}({', '.join(names)})"
+        namespace[f"_v{number}"] = value
+        if way == _IDENTITY:
+            lines.append(f"{call} is not _v{number}")
+        elif way == _ENUM_VALUE:
+            lines.append(f"{call}.value != _v{number}")
+        else:
+            lines.append(f"{call} != _v{number}")
+    body = "\n        or ".join(lines) or "False"
     source = f"def modes_changed():\n    return (\n        {body}\n    )\n"
-    check = generated.define(source, generated.source_filename("replay torch modes check"), namespace)["modes_changed"]
-    _modes_changed_cache[recorded] = check
-    return check
+    return generated.define(source, generated.source_filename("replay torch modes check"), namespace)["modes_changed"]
 
 
 def describe_mode_change(recorded: tuple, now: tuple) -> str:

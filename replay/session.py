@@ -37,7 +37,14 @@ from replay import buckets, observe, padding, polymorphic, recording, region_key
 from replay.admission import Admission, CompactionRule
 from replay.dynamic import Dynamic
 from replay.errors import DynamicScalarError, ReplayError, ReplayWarning, SessionClosedError
-from replay.graph import MISMATCH, RecordedGraph, compile_function, guard_outputs, measure_without_checks
+from replay.graph import (
+    MISMATCH,
+    RecordedGraph,
+    compile_function,
+    guard_outputs,
+    measure_with_generated_settings_check,
+    measure_without_checks,
+)
 from replay.observe import TorchOpObserver
 from replay.output_slots import OutputSlots
 from replay.policy import Policy
@@ -1291,6 +1298,12 @@ class Region:
         graphs held now skip the torch-settings and launcher-globals checks inside the
         context."""
         return measure_without_checks([e.graph for e in self.entries.values() if e.graph is not None])
+
+    def measure_with_generated_settings_check(self):
+        """Benchmarks only (see :func:`replay.graph.measure_with_generated_settings_check`):
+        this region's graphs held now check the torch settings in generated Python inside the
+        context."""
+        return measure_with_generated_settings_check([e.graph for e in self.entries.values() if e.graph is not None])
 
     def __repr__(self) -> str:
         return f"<replay region {self.name}: {len(self.entries)} keys>"

@@ -103,6 +103,57 @@ def test_source_goes_through_codegen():
     assert "_a0 == _v0" in guard.source  # values reach it by name, not by repr
 
 
+def test_the_tests_run_in_the_generated_order_and_the_first_no_ends_it(monkeypatch):
+    """Class, value and attribute tests in argument order, then the nested screen, then each
+    evaluator, then the device; a test that says no ends the guard, one that raises raises."""
+    log = []
+
+    def evaluator(*tensors):
+        log.append(("evaluator", len(tensors)))
+        return evaluator.answer
+
+    evaluator.answer = True
+    monkeypatch.setattr(guards, "_raw_tensor_guard", lambda examples, sizes, strides: evaluator)
+
+    def through(value):
+        log.append(("through", value))
+        if value == "boom":
+            raise KeyError("boom")
+        return value
+
+    def device():
+        log.append(("device",))
+        return device.index
+
+    device.index = 0
+    x = torch.zeros(2)
+    guard = make_guard(
+        [ArgumentCheck.tensor(x, [2], [1]), ArgumentCheck.equal_through("a", through), ArgumentCheck.of_class(int)],
+        device=0,
+        current_device=device,
+        description="test guard",
+    )
+    log.clear()  # equal_through read the example
+    assert guard(x, "a", 1) and log == [("through", "a"), ("evaluator", 1), ("device",)]
+    log.clear()
+    assert not guard(x, "a", 1.0) and log == [("through", "a")]  # the class test of the last argument
+    log.clear()
+    assert not guard(x, "b", 1) and log == [("through", "b")]
+    log.clear()
+    with pytest.raises(KeyError):
+        guard(x, "boom", 1)
+    log.clear()
+    evaluator.answer = False
+    assert not guard(x, "a", 1) and log == [("through", "a"), ("evaluator", 1)]
+    log.clear()
+    evaluator.answer = True
+    device.index = 1
+    assert not guard(x, "a", 1) and log[-1] == ("device",)
+    log.clear()
+    nested = torch.nested.nested_tensor([torch.randn(2, 3), torch.randn(4, 3)])
+    assert not guard(nested, "a", 1) and ("evaluator", 1) not in log  # screened before the evaluator
+
+
 def test_the_nested_tensor_screen_goes_through_codegen():
     check = guards._screened(lambda *tensors: True, 2)
     filename = check.__code__.co_filename

@@ -22,7 +22,13 @@ from jitcore.backends.null import NullBackend
 from jitcore.errors import DriverError
 from replay import region_keys
 from replay.dynamic import Dynamic, DynamicScalar
-from replay.graph import MISMATCH, RecordedGraph, clone_preserving_sharing, measure_without_checks
+from replay.graph import (
+    MISMATCH,
+    RecordedGraph,
+    clone_preserving_sharing,
+    measure_with_generated_settings_check,
+    measure_without_checks,
+)
 from replay.policy import Policy
 from replay.rebinding import (
     ConfigBinding,
@@ -317,6 +323,19 @@ def test_checks_are_skipped_only_inside_the_measurement_hook_and_restored_after(
         assert graph.replay(x) is MISMATCH
 
 
+def test_the_generated_settings_check_runs_only_inside_its_measurement_hook_and_is_as_exact():
+    x = torch.randn(8)
+    graph, _ = build([x], Plan())
+    compiled = graph.namespace["_modes_changed"]
+    with measure_with_generated_settings_check([graph]):
+        generated_check = graph.namespace["_modes_changed"]
+        assert type(generated_check).__name__ == "function"  # the generated Python check
+        assert graph.replay(x) is not MISMATCH
+        with torch.no_grad():
+            assert graph.replay(x) is MISMATCH
+    assert graph.namespace["_modes_changed"] is compiled
+
+
 def test_pointer_offsets_from_dynamic_scalars_follow_the_scalar():
     cache = torch.randn(8, 16)
     row = 16 * 4
@@ -543,6 +562,32 @@ def test_another_graphs_held_output_sends_a_replay_to_another_slot_and_back_when
         b = g8.replay(torch.randn(8, 4))[1]
         assert b.data_ptr() == kept.data_ptr()  # its own slot, overwriting its own output
     assert len(slots.slots) == 2
+
+
+def test_graphs_taking_turns_in_one_slot_never_write_an_output_someone_holds():
+    """Two graphs whose copies point at the same slot take it in turns while nobody holds
+    their outputs (the replay's inline rule, no call of choose); once one graph's output is
+    held, the other's replay goes to another slot, and the held output keeps its values."""
+    slots, sim, backend = slot_setup()
+    with use_backend(backend):
+        g4, region = build_slotted(slots, sim, 4)
+        g8, _ = build_slotted(slots, sim, 8, region=region)
+        g4.replay(torch.randn(4, 4))  # slot A
+        g8.replay(torch.randn(8, 4))  # A is free: g8's copies point there too
+        (shared,) = slots.slots
+        assert g4.bound_slot is shared and g8.bound_slot is shared
+        for _ in range(3):  # turns in A, no new slot, no retarget
+            patches = backend.retargeted
+            g4.replay(torch.randn(4, 4))
+            g8.replay(torch.randn(8, 4))
+            assert backend.retargeted == patches and slots.slots == [shared]
+        held = g4.replay(torch.randn(4, 4))[0]
+        before = held.clone()
+        out8 = g8.replay(torch.randn(8, 4))  # A holds g4's output: another slot
+        assert len(slots.slots) == 2 and g8.bound_slot is not shared
+        assert out8[0].untyped_storage().data_ptr() != held.untyped_storage().data_ptr()
+        assert torch.equal(held, before)
+        assert held.untyped_storage().data_ptr() == shared.lanes[0].address
 
 
 def test_an_argument_in_the_slot_a_replay_would_write_declines_the_call():

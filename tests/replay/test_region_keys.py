@@ -223,8 +223,25 @@ def test_every_mode_the_key_holds_has_a_change_in_this_test():
 AUTOCAST_ONLY = {"autocast dtype (cuda)", "autocast dtype (cpu)", "autocast cache"}
 
 
+@pytest.fixture(params=["c", "python"])
+def check_kind(request, monkeypatch):
+    """Each replay check test runs against the C check (replay/_modes.c) and the generated one."""
+    if request.param == "c":
+        if region_keys._SettingsCheck is None:
+            pytest.skip("replay._modes is not built here")
+        monkeypatch.delenv("JITCORE_NATIVE", raising=False)
+    else:
+        monkeypatch.setenv("JITCORE_NATIVE", "0")
+    return request.param
+
+
+def test_the_check_kind_is_the_one_asked_for(check_kind):
+    changed = region_keys.modes_changed(region_keys.torch_modes())
+    assert (type(changed).__name__ == "SettingsCheck") is (check_kind == "c")
+
+
 @pytest.mark.parametrize("name", region_keys.MODE_NAMES)
-def test_every_mode_the_key_holds_is_seen_by_the_replay_check(name):
+def test_every_mode_the_key_holds_is_seen_by_the_replay_check(name, check_kind):
     """Change one setting: the key's tuple changes and the generated per-call check says so
     (the autocast dtypes and cache only while autocast is on: see the next test); back: the
     check passes again."""
@@ -252,7 +269,7 @@ def test_every_mode_the_key_holds_is_seen_by_the_replay_check(name):
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
-def test_autocast_dtype_and_cache_count_while_autocast_is_on(device):
+def test_autocast_dtype_and_cache_count_while_autocast_is_on(device, check_kind):
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("autocast for CUDA needs a GPU")
     dtypes = (torch.bfloat16, torch.float16)
@@ -276,13 +293,76 @@ def test_autocast_dtype_and_cache_count_while_autocast_is_on(device):
     assert changed() is True  # autocast off again: another setting than recorded
 
 
-def test_with_autocast_off_one_call_checks_it_for_every_device():
+def test_with_autocast_off_one_call_checks_it_for_every_device(check_kind):
     recorded = region_keys.torch_modes()
     changed = region_keys.modes_changed(recorded)
-    source = "".join(__import__("linecache").getlines(changed.__code__.co_filename))
-    assert "_any_autocast() is not False" in source and source.count("_m2(") == 0  # autocast (cuda)
+    if check_kind == "c":
+        assert changed.readers[0] is region_keys._any_autocast and changed.arguments[0] == ()
+        autocast_readers = {torch._C.is_autocast_enabled, getattr(torch._C, "get_autocast_dtype", None)}
+        assert not any(reader in autocast_readers for reader in changed.readers)  # per-device settings
+    else:
+        source = "".join(__import__("linecache").getlines(changed.__code__.co_filename))
+        assert "_m0() is not _v0" in source.splitlines()[2] and changed.__globals__["_m0"] is region_keys._any_autocast
+        autocast_cuda = region_keys._MODE_READERS[region_keys.MODE_NAMES.index("autocast (cuda)")].function
+        assert autocast_cuda not in changed.__globals__.values()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert changed() is True
+
+
+def test_the_c_check_makes_the_same_calls_and_comparisons():
+    """replay._modes.SettingsCheck on its own: identity, equality and enum-value comparisons,
+    the first difference ends it (later readers are not called), readers get their
+    arguments, a reader's exception comes out, and bad construction is refused."""
+    if region_keys._SettingsCheck is None:
+        pytest.skip("replay._modes is not built here")
+    check_type = region_keys._SettingsCheck
+    calls = []
+
+    def reader(value):
+        def read(*args):
+            calls.append(args)
+            return value
+
+        return read
+
+    class Enum:
+        def __init__(self, value):
+            self.value = value
+
+    same = check_type((reader(True), reader("x"), reader(Enum(3))), ((), (1, 2), ()), (True, "x", 3), "iev")
+    assert same() is False and calls == [(), (1, 2), ()]
+    calls.clear()
+    for position, readers in enumerate(
+        [
+            (reader(False), reader("x"), reader(Enum(3))),
+            (reader(True), reader("y"), reader(Enum(3))),
+            (reader(True), reader("x"), reader(Enum(4))),
+        ]
+    ):
+        assert check_type(readers, ((), (1, 2), ()), (True, "x", 3), "iev")() is True
+        assert len(calls) == position + 1  # stopped at the difference
+        calls.clear()
+    assert check_type((reader([1, 2]),), ((),), ([1, 2],), "e")() is False
+    assert check_type((reader([1, 2]),), ((),), ([1, 3],), "e")() is True
+    half = 0.5
+    assert check_type((reader(half),), ((),), (half,), "i")() is False
+    assert check_type((reader(half),), ((),), (float("0.5"),), "i")() is True  # identity: another object
+
+    def broken():
+        raise RuntimeError("no reading")
+
+    with pytest.raises(RuntimeError, match="no reading"):
+        check_type((broken,), ((),), (True,), "i")()
+    with pytest.raises(AttributeError):
+        check_type((reader(5),), ((),), (5,), "v")()  # an int has no .value
+    with pytest.raises(ValueError, match="one entry per setting"):
+        check_type((reader(1),), ((), ()), (1,), "i")
+    with pytest.raises(ValueError, match="ways"):
+        check_type((reader(1),), ((),), (1,), "x")
+    with pytest.raises(TypeError, match="not callable"):
+        check_type((1,), ((),), (1,), "i")
+    with pytest.raises(TypeError, match="no arguments"):
+        same(1)
 
 
 _SPAN = st.tuples(st.integers(0, 200), st.integers(0, 40)).map(lambda t: (t[0], t[0] + t[1]))
