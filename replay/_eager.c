@@ -13,9 +13,13 @@
  * (docs/replay.md, "The eager path").
  *
  * Where the region has recorded keys the gate also looks the call's pre-key up in their table
- * (region.fast): a miss goes on to the eager path above, a hit to the generated dispatch
- * (Region._fast_keys: guard, drift check, replay) with the pre-key and candidates found. A
- * call of a loop whose shapes rarely repeat then enters Python only in the region's function.
+ * (region.fast): a miss goes on to the eager path above, a hit tries the candidates found as
+ * the generated dispatch (Region._fast_keys) would: each (guard, replay, entry) in turn, the
+ * first whose guard says yes checks the region's globals (region._region_drift, generated
+ * Python, which raises when they changed), is touched in the session's LRU and replays; a
+ * replay that declines leaves the call to the next candidate, then to the eager path. A call
+ * of a loop whose shapes rarely repeat then enters Python only in the region's function, and
+ * a replayed call only in its guard and its replay.
  *
  * In a session with buckets (without verify_every or polymorphic replay), a replay.padded
  * argument whose size needs no padding (beyond the largest bucket, or a bucket's size) is
@@ -63,6 +67,8 @@ typedef struct {
     PyObject *clock;        /* time.perf_counter */
     PyObject *padded_type;  /* replay.buckets.Padded, or None where markers always take the full path */
     PyObject *buckets;      /* frozenset of the session's bucket sizes (markers of those sizes are not padded) */
+    PyObject *touch;        /* the session's LRU's move_to_end */
+    PyObject *declined;     /* what a replay that declines returns (replay.graph.MISMATCH) */
     long long largest;      /* the largest bucket (markers beyond it are not padded) */
     /* where the ints the gate reads and bumps lie in their (slotted) owners, or -1 (see slot_of) */
     Py_ssize_t at_calls, at_window, at_counts, at_record_after, at_version, at_too_rare, at_eager_runs, at_forgotten_runs,
@@ -75,7 +81,7 @@ typedef struct {
 
 static PyObject *s_below, *s_tensor, *s_dim, *s_full, *s_closed, *s_gpu, *s_counts, *s_calls, *s_window, *s_halve, *s_record_after, *s_version,
     *s_too_rare, *s_eager_runs, *s_shape, *s_enter, *s_exit, *s_decide,
-    *s_took, *s_shapes_py, *s_fast_keys;
+    *s_took, *s_shapes_py, *s_region_drift;
 
 static void gate_clear_refs(Gate *g) {
     Py_CLEAR(g->region);
@@ -100,6 +106,8 @@ static void gate_clear_refs(Gate *g) {
     Py_CLEAR(g->clock);
     Py_CLEAR(g->padded_type);
     Py_CLEAR(g->buckets);
+    Py_CLEAR(g->touch);
+    Py_CLEAR(g->declined);
 }
 
 static int gate_traverse(Gate *g, visitproc visit, void *arg) {
@@ -125,6 +133,8 @@ static int gate_traverse(Gate *g, visitproc visit, void *arg) {
     Py_VISIT(g->clock);
     Py_VISIT(g->padded_type);
     Py_VISIT(g->buckets);
+    Py_VISIT(g->touch);
+    Py_VISIT(g->declined);
     return 0;
 }
 
@@ -143,19 +153,21 @@ static Py_ssize_t slot_of(PyObject *owner, PyObject *name, int written);
 
 static int gate_init(Gate *g, PyObject *args, PyObject *kwargs) {
     PyObject *region, *session, *admission, *sketch, *budget, *counters, *forgotten, *quiet, *entry_shapes, *table, *fn,
-        *exclusion, *specs, *tensor_type, *dynamic_type, *dynamic_mark, *plain, *miss, *clock, *padded_type, *buckets;
+        *exclusion, *specs, *tensor_type, *dynamic_type, *dynamic_mark, *plain, *miss, *clock, *padded_type, *buckets,
+        *touch, *declined;
     long long mask, settled, settled_mask, largest;
     static char *names[] = {"region",       "session",   "admission", "sketch",      "budget",
                             "counters",     "forgotten", "quiet",     "entry_shapes", "table",    "fn",
                             "exclusion",    "specs",     "tensor_type", "dynamic_type", "dynamic_mark",
                             "plain",        "miss",      "clock",     "mask",        "settled",
-                            "settled_mask", "padded_type", "buckets",  "largest",   NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOOOOO!O!OOO!OOOO!OOLLLOO!L", names, &region, &session,
+                            "settled_mask", "padded_type", "buckets",  "largest",   "touch",
+                            "declined",     NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOOOOO!O!OOO!OOOO!OOLLLOO!LOO", names, &region, &session,
                                      &admission, &sketch, &budget, &counters, &forgotten, &quiet, &PyDict_Type,
                                      &entry_shapes, &PyDict_Type, &table, &fn, &exclusion, &PyTuple_Type, &specs,
                                      &tensor_type, &dynamic_type, &dynamic_mark, &PyFrozenSet_Type, &plain, &miss,
                                      &clock, &mask, &settled, &settled_mask, &padded_type, &PyFrozenSet_Type,
-                                     &buckets, &largest))
+                                     &buckets, &largest, &touch, &declined))
         return -1;
     PyObject *enter = PyObject_GetAttr(exclusion, s_enter);
     PyObject *exit = enter == NULL ? NULL : PyObject_GetAttr(exclusion, s_exit);
@@ -187,6 +199,8 @@ static int gate_init(Gate *g, PyObject *args, PyObject *kwargs) {
     KEEP(clock);
     KEEP(padded_type);
     KEEP(buckets);
+    KEEP(touch);
+    KEEP(declined);
 #undef KEEP
     g->largest = largest;
     g->at_calls = slot_of(sketch, s_calls, 1);
@@ -493,11 +507,44 @@ full_path:
     return NULL;
 }
 
-/* A flat call whose pre-key is known: a recorded key's hit goes to the generated dispatch
-   (Region._fast_keys); a miss of tensors and plain constants (``plain``) to the eager path,
+/* The candidates of a recorded pre-key, tried as Region._fast_keys tries them: the replay's
+   result (a new reference); NULL with an exception set; NULL without one when none served
+   the call (no guard said yes, or every replay declined). The list may change while a
+   candidate runs (an eviction, a new graph): read by index, each item held while used. */
+static PyObject *serve_candidates(Gate *g, PyObject *args, PyObject *candidates) {
+    PyObject *const *argv = &PyTuple_GET_ITEM(args, 0);
+    Py_ssize_t count = PyTuple_GET_SIZE(args);
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(candidates); i++) {
+        PyObject *item = Py_NewRef(PyList_GET_ITEM(candidates, i)); /* (guard, replay, entry) */
+        PyObject *answer = PyObject_Vectorcall(PyTuple_GET_ITEM(item, 0), argv, count, NULL);
+        int yes = answer == NULL ? -1 : PyObject_IsTrue(answer);
+        Py_XDECREF(answer);
+        if (yes <= 0) {
+            Py_DECREF(item);
+            if (yes < 0)
+                return NULL;
+            continue;
+        }
+        PyObject *drift = PyObject_GetAttr(g->region, s_region_drift); /* None: no globals to check */
+        PyObject *checked = drift == NULL ? NULL : drift == Py_None ? Py_NewRef(Py_None) : PyObject_CallNoArgs(drift);
+        Py_XDECREF(drift);
+        PyObject *touched = checked == NULL ? NULL : PyObject_CallOneArg(g->touch, PyTuple_GET_ITEM(item, 2));
+        Py_XDECREF(checked);
+        PyObject *result = touched == NULL ? NULL : PyObject_Vectorcall(PyTuple_GET_ITEM(item, 1), argv, count, NULL);
+        Py_XDECREF(touched);
+        Py_DECREF(item);
+        if (result != g->declined)
+            return result; /* the replay's outputs, or NULL with its exception */
+        Py_DECREF(result); /* declined: another candidate may serve it */
+    }
+    return NULL;
+}
+
+/* A flat call whose pre-key is known: a recorded key's hit tries its candidates; a call none
+   of them serves, of tensors and plain constants (``plain``), goes to the eager path,
    anything else to the full path. */
 static PyObject *dispatch_flat(Gate *g, PyObject *args, PyObject *pre, int plain) {
-    if (PyDict_GET_SIZE(g->table)) { /* recorded keys: a hit goes to the generated dispatch */
+    if (PyDict_GET_SIZE(g->table)) { /* recorded keys: a hit tries their candidates */
         PyObject *candidates = PyDict_GetItemWithError(g->table, pre); /* borrowed */
         if (candidates == NULL && PyErr_Occurred()) {
             if (PyErr_ExceptionMatches(PyExc_TypeError) || PyErr_ExceptionMatches(PyExc_RuntimeError)) {
@@ -507,13 +554,15 @@ static PyObject *dispatch_flat(Gate *g, PyObject *args, PyObject *pre, int plain
             return NULL;
         }
         if (candidates != NULL) {
+            if (!PyList_Check(candidates)) {
+                PyErr_SetString(PyExc_TypeError, "a region's fast table maps pre-keys to lists of candidates");
+                return NULL;
+            }
             Py_INCREF(candidates); /* the table may change while its candidates run */
-            PyObject *dispatch = PyObject_GetAttr(g->region, s_fast_keys);
-            PyObject *stack[3] = {args, pre, candidates};
-            PyObject *result = dispatch == NULL ? NULL : PyObject_Vectorcall(dispatch, stack, 3, NULL);
-            Py_XDECREF(dispatch);
+            PyObject *result = serve_candidates(g, args, candidates);
             Py_DECREF(candidates);
-            return result;
+            if (result != NULL || PyErr_Occurred())
+                return result;
         }
     }
     return plain ? with_shapes(g, args, pre) : Py_NewRef(g->miss);
@@ -825,7 +874,7 @@ PyMODINIT_FUNC PyInit__eager(void) {
     INTERN(s_exit, "__exit__");
     INTERN(s_decide, "_eager_decide");
     INTERN(s_took, "_eager_took");
-    INTERN(s_fast_keys, "_fast_keys");
+    INTERN(s_region_drift, "_region_drift");
     INTERN(s_shapes_py, "_eager_flat_shapes");
     INTERN(s_fast, "_fast");
     INTERN(s_rekey, "_rekey");

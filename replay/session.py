@@ -146,6 +146,8 @@ def _eager_gate(region: Region):
         padded_type=buckets.Padded if unpadded_markers else None,
         buckets=frozenset(policy.buckets or ()),
         largest=max(policy.buckets or (0,)),
+        touch=session.lru.move_to_end,
+        declined=MISMATCH,
     )
 
 
@@ -338,10 +340,13 @@ class Region:
         self._eager_entry: Callable = gate or self._eager_flat  # (args) -> result or _MISS
         self._eager_with_shapes: Callable = gate.with_shapes if gate else self._eager_flat_shapes
         # the call's dispatcher: with the gate, always the gate (it looks recorded keys up itself
-        # and hands a hit to _fast_keys); without it, the generated function once keys are
+        # and tries a hit's candidates itself); without it, the generated function once keys are
         # recorded (_rebuild_fast)
         self._fast: Callable = self._eager_entry
         self._fast_keys: Callable | None = None  # the generated dispatch of recorded keys (_rebuild_fast)
+        # the check of the region's globals a hit makes before replaying, on its own (the gate
+        # calls it; _fast_keys has it inline); None while there is nothing to check
+        self._region_drift: Callable | None = None
         self._fast_shape: tuple | None = None  # (arities, globals snapshot) _fast_keys was generated for
         # the output memory of this region's graphs and unanalysed captures, merged
         # (see _replay_writes); None when a graph or capture came or went since it was built
@@ -452,8 +457,9 @@ class Region:
 
         With the gate (replay._eager), the gate computes the pre-key and looks it up in C on
         every call: a miss, the usual call of a loop whose shapes rarely repeat, goes to the
-        eager path without entering Python at all, and only a hit calls this function, with
-        ``pre`` and ``candidates``. Without it, this function is the region's ``_fast``."""
+        eager path without entering Python at all, and a hit tries the candidates in C the same
+        way (calling ``_region_drift``, the globals check alone, made here too). Without the
+        gate, this function is the region's ``_fast``."""
         arities = sorted({len(key) for key in self.fast})
         # the source depends on the arities and the globals snapshot only (the candidates are
         # read from self.fast at call time): a key of a known arity needs no new function
@@ -474,10 +480,17 @@ class Region:
             "_EAGER_FLAT": self._eager_entry,
         }
         drift: list[str] = []
+        self._region_drift = None
         if self.snapshot is not None:
             namespace.update(self.snapshot.namespace)
             namespace["_rdrift"] = _raise_region_drift
             drift = self.snapshot.check_lines
+            if drift:  # the same check on its own, for the gate's hits (replay._eager)
+                checks = {**self.snapshot.namespace, "_rdrift": _raise_region_drift}
+                source = "def region_drift():\n" + "".join(f"    {line}\n" for line in drift)
+                self._region_drift = compile_function(
+                    source, "region_drift", f"globals check of region {self.name}", checks
+                )
         lines = ["def fast(args, pre=None, candidates=None):", "    count = len(args)"]
         for count in arities:
             names = [f"a{i}" for i in range(count)]

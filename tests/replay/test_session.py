@@ -1244,10 +1244,10 @@ def test_with_recorded_keys_the_c_dispatch_and_the_python_one_agree_on_every_kin
 
 
 @_GATE
-def test_the_gate_sends_a_miss_to_the_eager_path_and_a_hit_to_the_dispatch(session_factory, monkeypatch):
+def test_the_gate_sends_a_miss_to_the_eager_path_and_a_hit_to_its_candidates(session_factory, monkeypatch):
     # the point of the lookup in C: a call whose shapes have no graph never enters Python
-    # before the region's function; a hit reaches the generated dispatch with its pre-key and
-    # candidates already found
+    # before the region's function; a hit calls its candidate's guard and replay from C (no
+    # generated dispatch, no full path)
     session = session_factory(record_after=1)
     step = session.region(add)
     x = torch.ones(4)
@@ -1255,25 +1255,95 @@ def test_the_gate_sends_a_miss_to_the_eager_path_and_a_hit_to_the_dispatch(sessi
         step(x, x)  # warmed, recorded, analysed and replayed, replayed
     replays = session.stats().replays
     assert step.fast and step._fast is step._gate
-    dispatched, full = [], []
-    real = step._fast_keys
+    full, served = [], []
+    pre = (x.shape, x.shape)
+    ((guard, run, entry),) = step.fast[pre]
 
-    def counting(args, pre=None, candidates=None):
-        dispatched.append((pre, candidates))
-        return real(args, pre, candidates)
+    def counting(*args):
+        served.append(args)
+        return run(*args)
 
-    step._fast_keys = counting
+    step.fast[pre][0] = (guard, counting, entry)
+
+    def never_called(*args):
+        raise AssertionError("the gate tries the candidates itself")
+
+    step._fast_keys = never_called
     original_call = Region._call
     monkeypatch.setattr(Region, "_call", lambda self, *a: (full.append(1), original_call(self, *a))[1])
     for rows in (5, 6, 7, 8):  # each seen once: warming, eagerly
         y = torch.full((rows,), 2.0)
         assert torch.equal(step(y, y), y + y)
-    assert dispatched == [] and full == []  # misses: the gate ran them eagerly itself
+    assert served == [] and full == []  # misses: the gate ran them eagerly itself
     assert session.stats().eager_runs == 5
     assert torch.equal(step(x, x), x + x)
-    ((pre, candidates),) = dispatched
-    assert pre == (x.shape, x.shape) and candidates is step.fast[pre] and full == []
+    assert len(served) == 1 and served[0][0] is x and full == []
     assert session.stats().replays == replays + 1
+    assert next(reversed(session.lru)) is entry  # touched
+
+
+@pytest.mark.parametrize("gate", [True, False], ids=["c", "python"])
+def test_candidates_are_tried_in_turn_and_a_declined_one_leaves_the_call_to_the_next(
+    session_factory, monkeypatch, gate
+):
+    """Candidates of one pre-key are tried guard by guard; the first yes checks the globals,
+    is touched and replays; a replay that declines leaves the call to the next candidate,
+    then to the eager path; a drift of the globals re-keys before any replay. The gate in C
+    and the generated dispatch alike."""
+    if gate and not session_module._native_enabled():
+        pytest.skip("replay._eager is not built here (or JITCORE_NATIVE=0)")
+    session = session_factory(record_after=0)
+    step = _region(session, add, gate)
+    x = torch.ones(4)
+    for _ in range(3):
+        step(x, x)
+    pre = (x.shape, x.shape)
+    (first,) = step.fast[pre]
+    log = []
+
+    def candidate(name, says, result):
+        def guard(*args):
+            log.append(("guard", name))
+            return says
+
+        def run(*args):
+            log.append(("run", name))
+            return result
+
+        return (guard, run, first[2])
+
+    step.fast[pre][:] = [
+        candidate("a", False, None),
+        candidate("b", True, MISMATCH),
+        candidate("c", True, "served"),
+        candidate("d", True, "never"),
+    ]
+    drift_checks = []
+    if gate:
+        monkeypatch.setattr(step, "_region_drift", lambda: drift_checks.append(1))
+    assert step(x, x) == "served"
+    assert log == [("guard", "a"), ("guard", "b"), ("run", "b"), ("guard", "c"), ("run", "c")]
+    assert len(drift_checks) == (2 if gate else 0)  # before each replay (the generated dispatch has it inline)
+    log.clear()
+    step.fast[pre][:] = [candidate("a", False, None), candidate("b", True, MISMATCH)]
+    full = []
+    original_call = Region._call
+    monkeypatch.setattr(Region, "_call", lambda self, *a: (full.append(1), original_call(self, *a))[1])
+    assert torch.equal(step(x, x), x + x)  # none served: the eager path, which leaves a recorded key to the full path
+    assert log == [("guard", "a"), ("guard", "b"), ("run", "b")] and full == [1]
+
+    if not gate:  # the drift check inline in the generated dispatch: test_region_globals_drift_rekeys
+        return
+
+    def drifted():
+        raise session_module._RegionDrift("x")
+
+    step.fast[pre][:] = [candidate("c", True, "served")]
+    monkeypatch.setattr(step, "_region_drift", drifted)
+    rekeyed = []
+    monkeypatch.setattr(Region, "_rekey", lambda self, args, kwargs: rekeyed.append(args) or "rekeyed")
+    log.clear()
+    assert step(x, x) == "rekeyed" and log == [("guard", "c")]  # the drift check comes before the replay
 
 
 def test_a_loop_of_shapes_too_rare_to_record_skips_the_rule(session_factory, monkeypatch):
