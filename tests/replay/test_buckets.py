@@ -279,6 +279,21 @@ def doubled_plus_one(x):
     return x * 2 + 1
 
 
+def test_a_buffer_holds_a_pad_only_of_a_tensor_of_its_dtype_and_device():
+    """The predicate of padding in place: the device half is checked here on the CPU with a
+    meta buffer (on one GPU every graph's buffer is on the call's device, and two GPUs'
+    guards already differ by the current device; the jit pad refuses a tensor of another
+    device before writing, so no end-to-end test tells this half apart)."""
+    from replay.session import _holds_a_pad_of
+
+    buffer = torch.empty(8, 4)
+    assert _holds_a_pad_of(buffer, torch.randn(3, 4))
+    assert not _holds_a_pad_of(buffer, torch.randn(3, 4, dtype=torch.float64))
+    assert not _holds_a_pad_of(buffer, torch.empty(3, 4, dtype=torch.int32))
+    assert not _holds_a_pad_of(torch.empty(8, 4, device="meta"), torch.randn(3, 4))
+    assert not _holds_a_pad_of(buffer, torch.empty(3, 4, device="meta"))
+
+
 @pytest.mark.parametrize("other", [torch.int32, torch.float64, torch.bfloat16], ids=str)
 def test_a_padded_argument_of_another_dtype_than_the_buffer_is_never_padded_into_it(staging_factory, other):
     """The pre-key holds shapes only and the guard sees the buffer in the argument's place, so
