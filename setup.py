@@ -1,10 +1,10 @@
 """The compiled parts, all optional: jitcore/backends/_native.c, a C helper for the hot driver
 calls; jitcore/_exclusion.c, the capture exclusion's shared side; replay/_eager.c, a region's
-flat eager path; replay/_modes.c, the per-replay check of torch's settings.
+flat eager path; replay/_checks.c, two of a replay's exactness checks (torch's settings, the arguments' aliasing).
 
 Where no C compiler (or no Python headers) is present the build goes on without them: the
 backends call the vendor bindings from Python (the same generated code; see docs/kernels.md,
-"The native launch helper"), the capture exclusion, regions' eager path and the settings check run in Python
+"The native launch helper"), the capture exclusion, regions' eager path and those checks run in Python
 (the same protocol, the same decisions and counts; docs/replay.md, "The eager path").
 Everything else is in pyproject.toml.
 """
@@ -21,6 +21,6 @@ setup(
         ),
         Extension("jitcore._exclusion", ["jitcore/_exclusion.c"], optional=True, extra_compile_args=["-O2", "-Wall"]),
         Extension("replay._eager", ["replay/_eager.c"], optional=True, extra_compile_args=["-O2", "-Wall"]),
-        Extension("replay._modes", ["replay/_modes.c"], optional=True, extra_compile_args=["-O2", "-Wall"]),
+        Extension("replay._checks", ["replay/_checks.c"], optional=True, extra_compile_args=["-O2", "-Wall"]),
     ]
 )

@@ -53,8 +53,8 @@ SHAPES = [1, 2, 4, 8, 12, 16, 24, 32]
 #: settings, launchers' globals; Region.measure_without_checks): the difference is their cost.
 WITHOUT_CHECKS = "replay, exactness checks skipped (measurement only)"
 #: The replay row timed with the torch-settings check in generated Python, as it runs where
-#: replay/_modes.c was not built (Region.measure_with_generated_settings_check).
-PYTHON_SETTINGS = "replay, settings checked in generated Python (without replay/_modes.c)"
+#: replay/_checks.c was not built (Region.measure_with_generated_settings_check).
+PYTHON_SETTINGS = "replay, settings checked in generated Python (without replay/_checks.c)"
 
 
 @jc.jit
@@ -336,7 +336,7 @@ def main() -> None:
         f"The per-call exactness checks beyond the key (torch settings, launchers' globals) cost "
         f"{results['replay']['host_us'] - results[WITHOUT_CHECKS]['host_us']:.2f} us per step "
         f"(replay with them skipped: {results[WITHOUT_CHECKS]['host_us']:.2f} us); the settings checked in "
-        f"generated Python instead of replay/_modes.c, a replay costs {results[PYTHON_SETTINGS]['host_us']:.2f} us "
+        f"generated Python instead of replay/_checks.c, a replay costs {results[PYTHON_SETTINGS]['host_us']:.2f} us "
         f"(the C check saves {results[PYTHON_SETTINGS]['host_us'] - results['replay']['host_us']:.2f} us).\n\n"
         f"A host input (int64 ids, 8 bytes a row, staged through a pinned buffer): issued with the GPU idle, "
         f"a replay costs {idle_us[host_path]:.2f} us against {idle_us['replay']:.2f} us without it: "

@@ -25,8 +25,8 @@ from jitcore import generated
 from jitcore.backends import compiled_helpers_enabled
 from replay.dynamic import Dynamic
 
-try:  # the settings check in C (replay/_modes.c; optional, built by setup.py)
-    from replay._modes import SettingsCheck as _SettingsCheck
+try:  # the settings check in C (replay/_checks.c; optional, built by setup.py)
+    from replay._checks import SettingsCheck as _SettingsCheck
 except ImportError:
     _SettingsCheck = None
 
@@ -384,9 +384,9 @@ def modes_changed(recorded: tuple, *, compiled: bool = True) -> Callable[[], boo
     a change of them then is no change of what the graph computes (the region's key, which
     holds every setting, still tells such calls apart on the eager path).
 
-    The check is replay._modes.SettingsCheck where that C helper was built (the same calls
+    The check is replay._checks.SettingsCheck where that C helper was built (the same calls
     and comparisons in the same order, without a bytecode step per setting: see
-    replay/_modes.c), else a generated function (``JITCORE_NATIVE=0`` or ``compiled=False``
+    replay/_checks.c), else a generated function (``JITCORE_NATIVE=0`` or ``compiled=False``
     picks it). Made once per distinct recorded tuple."""
     native = _settings_check_type() if compiled else None
     check = _modes_changed_cache.get((recorded, native))
@@ -407,13 +407,13 @@ def modes_changed(recorded: tuple, *, compiled: bool = True) -> Callable[[], boo
 
 
 def _settings_check_type() -> type | None:
-    """replay._modes.SettingsCheck, or None where it was not built or ``JITCORE_NATIVE=0``."""
+    """replay._checks.SettingsCheck, or None where it was not built or ``JITCORE_NATIVE=0``."""
     if _SettingsCheck is None or not compiled_helpers_enabled():
         return None
     return _SettingsCheck
 
 
-#: How a mode test compares a reader's value with the recorded one (replay/_modes.c's ways).
+#: How a mode test compares a reader's value with the recorded one (replay/_checks.c's ways).
 _IDENTITY, _EQUALITY, _ENUM_VALUE = "i", "e", "v"
 
 

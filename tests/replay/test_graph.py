@@ -12,7 +12,7 @@ import struct
 import attrs
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jitcore.backends import use_backend
@@ -20,6 +20,7 @@ from jitcore.backends.abi import ParamLayout, parse_param
 from jitcore.backends.base import GraphNode, NodeUpdater
 from jitcore.backends.null import NullBackend
 from jitcore.errors import DriverError
+from replay import graph as graph_module
 from replay import region_keys
 from replay.dynamic import Dynamic, DynamicScalar
 from replay.graph import (
@@ -269,25 +270,40 @@ def test_a_graph_never_serves_another_aliasing_pattern():
     assert shared.replay(x, y) is MISMATCH  # recorded overlapping, now disjoint
 
 
-def test_many_tensor_arguments_check_aliasing_with_one_sort():
+@pytest.fixture(params=["c", "python"])
+def aliasing_check(request, monkeypatch):
+    """Aliasing checks generated with replay/_checks.c's ``disjoint`` and without it."""
+    if request.param == "c":
+        if graph_module._disjoint is None:
+            pytest.skip("replay._checks is not built here")
+        monkeypatch.delenv("JITCORE_NATIVE", raising=False)
+    else:
+        monkeypatch.setenv("JITCORE_NATIVE", "0")
+    return request.param
+
+
+def test_many_tensor_arguments_check_aliasing_with_one_sort(aliasing_check):
     tensors = [torch.randn(4) for _ in range(10)]
     graph, _ = build(tensors, Plan())
-    assert "_pattern_of" in graph.source
+    assert ("_disjoint(" if aliasing_check == "c" else "_pattern_of") in graph.source
     assert graph.replay(*tensors) is not MISMATCH
     assert graph.replay(*tensors[:9], tensors[0]) is MISMATCH
 
 
-@settings(max_examples=60, deadline=None)
-@given(st.data())
-def test_many_arguments_recorded_apart_are_checked_apart_like_the_general_pattern(data):
-    """Above replay.graph._NUMPY_DISJOINT_FROM tensors recorded apart, replay checks with numpy:
-    it must decline exactly when the general pattern finds an overlap (views of one buffer at
-    random offsets)."""
-    count = data.draw(st.integers(13, 24))
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())  # (the fixture sets the environment once for every example)
+def test_many_arguments_recorded_apart_are_checked_apart_like_the_general_pattern(aliasing_check, data):
+    """Tensors recorded apart are checked by one sort in C (from replay.graph._C_DISJOINT_FROM)
+    or, without it, by numpy (above _NUMPY_DISJOINT_FROM): either must decline exactly when the
+    general pattern finds an overlap (views of one buffer at random offsets, touching ones too)."""
+    count = data.draw(st.integers(graph_module._C_DISJOINT_FROM if aliasing_check == "c" else 13, 24))
     base = torch.zeros(4096)
     recorded = [base[64 * i : 64 * i + 16] for i in range(count)]
     graph, _ = build(recorded, Plan())
-    assert "_np_array" in graph.source and "_pattern_of" not in graph.source
+    if aliasing_check == "c":
+        assert "_disjoint(" in graph.source and "_np_array" not in graph.source
+    else:
+        assert "_np_array" in graph.source and "_pattern_of" not in graph.source
     assert graph.replay(*recorded) is not MISMATCH
     views = []
     for _ in range(count):
@@ -295,6 +311,35 @@ def test_many_arguments_recorded_apart_are_checked_apart_like_the_general_patter
         views.append(base[start : start + 16])
     apart = region_keys.pattern_of(region_keys.tensor_ranges(views)) == ()
     assert (graph.replay(*views) is not MISMATCH) == apart
+
+
+@settings(max_examples=300, deadline=None)
+@given(ranges=st.lists(st.tuples(st.integers(0, 300), st.integers(1, 40)), max_size=70))
+def test_the_c_disjoint_check_agrees_with_the_general_pattern(ranges):
+    """replay._checks.disjoint on its own: equal starts, touching ends, nested ranges, more
+    ranges than its stack array (64), none at all."""
+    if graph_module._disjoint is None:
+        pytest.skip("replay._checks is not built here")
+    pointers = tuple(start for start, _ in ranges)
+    extents = tuple(extent for _, extent in ranges)
+    general = region_keys.pattern_of([(i, lo, lo + e) for i, (lo, e) in enumerate(ranges)]) == ()
+    assert graph_module._disjoint(pointers, extents) is general
+
+
+def test_the_c_disjoint_check_refuses_what_it_cannot_judge():
+    if graph_module._disjoint is None:
+        pytest.skip("replay._checks is not built here")
+    disjoint = graph_module._disjoint
+    with pytest.raises(ValueError, match="extents\\[0\\] is 0"):
+        disjoint((1,), (0,))
+    with pytest.raises(ValueError, match="one extent per pointer"):
+        disjoint((1, 2), (1,))
+    with pytest.raises(TypeError, match="pointers\\[1\\] must be an int"):
+        disjoint((1, 2.0), (1, 1))
+    with pytest.raises(OverflowError):
+        disjoint((2**64 - 1,), (2,))
+    with pytest.raises(TypeError):
+        disjoint([1], (1,))
 
 
 def test_a_graph_never_serves_other_torch_modes():

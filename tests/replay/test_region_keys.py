@@ -225,10 +225,10 @@ AUTOCAST_ONLY = {"autocast dtype (cuda)", "autocast dtype (cpu)", "autocast cach
 
 @pytest.fixture(params=["c", "python"])
 def check_kind(request, monkeypatch):
-    """Each replay check test runs against the C check (replay/_modes.c) and the generated one."""
+    """Each replay check test runs against the C check (replay/_checks.c) and the generated one."""
     if request.param == "c":
         if region_keys._SettingsCheck is None:
-            pytest.skip("replay._modes is not built here")
+            pytest.skip("replay._checks is not built here")
         monkeypatch.delenv("JITCORE_NATIVE", raising=False)
     else:
         monkeypatch.setenv("JITCORE_NATIVE", "0")
@@ -310,11 +310,11 @@ def test_with_autocast_off_one_call_checks_it_for_every_device(check_kind):
 
 
 def test_the_c_check_makes_the_same_calls_and_comparisons():
-    """replay._modes.SettingsCheck on its own: identity, equality and enum-value comparisons,
+    """replay._checks.SettingsCheck on its own: identity, equality and enum-value comparisons,
     the first difference ends it (later readers are not called), readers get their
     arguments, a reader's exception comes out, and bad construction is refused."""
     if region_keys._SettingsCheck is None:
-        pytest.skip("replay._modes is not built here")
+        pytest.skip("replay._checks is not built here")
     check_type = region_keys._SettingsCheck
     calls = []
 

@@ -1,5 +1,7 @@
 /*
- * replay._modes: the per-replay check of the global torch settings, in C.
+ * replay._checks: two of a replay's exactness checks in C.
+ *
+ * 1. SettingsCheck, the check of the global torch settings.
  *
  * Why: a graph bakes in what torch chose under the settings of its recording, so every replay
  * reads about 25 settings (replay.region_keys.modes_changed) and compares each with its
@@ -20,6 +22,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stddef.h>
+#include <stdlib.h>
 #include <string.h>
 #include <structmember.h>
 
@@ -158,12 +161,12 @@ static PyMemberDef settings_members[] = {
 };
 
 static PyTypeObject SettingsCheckType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "replay._modes.SettingsCheck",
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "replay._checks.SettingsCheck",
     .tp_basicsize = sizeof(SettingsCheck),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
     .tp_vectorcall_offset = offsetof(SettingsCheck, vectorcall),
     .tp_doc = "SettingsCheck(readers, arguments, expected, ways)() -> True when a setting differs "
-              "(see replay/_modes.c).",
+              "(see replay/_checks.c).",
     .tp_new = settings_new,
     .tp_dealloc = (destructor)settings_dealloc,
     .tp_traverse = (traverseproc)settings_traverse,
@@ -173,12 +176,90 @@ static PyTypeObject SettingsCheckType = {
     .tp_getset = settings_getset,
 };
 
-static struct PyModuleDef module_definition = {
-    PyModuleDef_HEAD_INIT, "replay._modes", "The per-replay check of torch's settings in C (see replay/_modes.c).", -1,
-    NULL,
+/*
+ * 2. disjoint(pointers, extents) -> bool, the aliasing check of a graph recorded with its
+ * tensor arguments all apart: whether the byte ranges [pointers[i], pointers[i] + extents[i])
+ * are still pairwise disjoint (every extent > 0: empty tensors overlap nothing and are left
+ * out by the caller). Sorted by first byte, each range must end at or before the next
+ * begins: O(n log n) in C, where generated Python compares n(n-1)/2 pairs (6 us for 16
+ * arguments on the CPU machine) or calls numpy (about 4 us for any count).
+ */
+typedef struct {
+    unsigned long long lo, hi;
+} Range;
+
+static int by_first_byte(const void *a, const void *b) {
+    unsigned long long x = ((const Range *)a)->lo, y = ((const Range *)b)->lo;
+    return (x > y) - (x < y);
+}
+
+static int read_u64(PyObject *value, unsigned long long *out, const char *what, Py_ssize_t i) {
+    if (!PyLong_Check(value)) {
+        PyErr_Format(PyExc_TypeError, "%s[%zd] must be an int", what, i);
+        return -1;
+    }
+    *out = PyLong_AsUnsignedLongLong(value);
+    if (*out == (unsigned long long)-1 && PyErr_Occurred())
+        return -1;
+    return 0;
+}
+
+static PyObject *disjoint(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2 || !PyTuple_Check(args[0]) || !PyTuple_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "disjoint(pointers, extents) takes two tuples of ints");
+        return NULL;
+    }
+    Py_ssize_t n = PyTuple_GET_SIZE(args[0]);
+    if (PyTuple_GET_SIZE(args[1]) != n) {
+        PyErr_SetString(PyExc_ValueError, "disjoint: one extent per pointer");
+        return NULL;
+    }
+    Range small[64];
+    Range *ranges = n <= 64 ? small : PyMem_Malloc(sizeof(Range) * (size_t)n);
+    if (ranges == NULL)
+        return PyErr_NoMemory();
+    PyObject *result = NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        unsigned long long extent;
+        if (read_u64(PyTuple_GET_ITEM(args[0], i), &ranges[i].lo, "pointers", i) < 0 ||
+            read_u64(PyTuple_GET_ITEM(args[1], i), &extent, "extents", i) < 0)
+            goto done;
+        if (extent == 0) {
+            PyErr_Format(PyExc_ValueError, "disjoint: extents[%zd] is 0 (leave empty ranges out)", i);
+            goto done;
+        }
+        ranges[i].hi = ranges[i].lo + extent;
+        if (ranges[i].hi < ranges[i].lo) { /* past the end of the address space: no real tensor */
+            PyErr_Format(PyExc_OverflowError, "disjoint: range %zd passes 2**64", i);
+            goto done;
+        }
+    }
+    qsort(ranges, (size_t)n, sizeof(Range), by_first_byte);
+    result = Py_True;
+    for (Py_ssize_t i = 1; i < n; i++)
+        if (ranges[i].lo < ranges[i - 1].hi) {
+            result = Py_False;
+            break;
+        }
+    Py_INCREF(result);
+done:
+    if (ranges != small)
+        PyMem_Free(ranges);
+    return result;
+}
+
+static PyMethodDef module_methods[] = {
+    {"disjoint", (PyCFunction)(void (*)(void))disjoint, METH_FASTCALL,
+     "disjoint(pointers, extents) -> whether the byte ranges are pairwise disjoint (see replay/_checks.c)"},
+    {NULL},
 };
 
-PyMODINIT_FUNC PyInit__modes(void) {
+static struct PyModuleDef module_definition = {
+    PyModuleDef_HEAD_INIT, "replay._checks", "Two of a replay's exactness checks in C (see replay/_checks.c).", -1,
+    module_methods,
+};
+
+PyMODINIT_FUNC PyInit__checks(void) {
     if ((s_value = PyUnicode_InternFromString("value")) == NULL)
         return NULL;
     if (PyType_Ready(&SettingsCheckType) < 0)
