@@ -1033,8 +1033,10 @@ class RecordedGraph:
             if tensors:
                 for lane in range(len(self.slot_need)):
                     code.line(f"_l = _o.lanes[{lane}]")
+                    code.line("_la = _l.address")  # read once per lane, not once per argument
+                    code.line("_lz = _la + _l.size")
                     for i, _extent in tensors:
-                        code.line(f"if _p{i} < _l.address + _l.size and _l.address < _p{i} + _e{i}:")
+                        code.line(f"if _p{i} < _lz and _la < _p{i} + _e{i}:")
                         code.line("return _MISMATCH", 2)
             return
         buffers = self.output_memory
