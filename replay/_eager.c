@@ -516,6 +516,11 @@ static PyObject *serve_candidates(Gate *g, PyObject *args, PyObject *candidates)
     Py_ssize_t count = PyTuple_GET_SIZE(args);
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(candidates); i++) {
         PyObject *item = Py_NewRef(PyList_GET_ITEM(candidates, i)); /* (guard, replay, entry) */
+        if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 3) {
+            Py_DECREF(item);
+            PyErr_SetString(PyExc_TypeError, "a fast-path candidate is a (guard, replay, entry) tuple");
+            return NULL;
+        }
         PyObject *answer = PyObject_Vectorcall(PyTuple_GET_ITEM(item, 0), argv, count, NULL);
         int yes = answer == NULL ? -1 : PyObject_IsTrue(answer);
         Py_XDECREF(answer);
