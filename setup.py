@@ -1,11 +1,13 @@
 """The compiled parts, all optional: jitcore/backends/_native.c, a C helper for the hot driver
 calls; jitcore/_exclusion.c, the capture exclusion's shared side; replay/_eager.c, a region's
-flat eager path; replay/_checks.c, two of a replay's exactness checks (torch's settings, the arguments' aliasing).
+flat eager path; replay/_checks.c, two of a replay's exactness checks (torch's settings, the
+arguments' aliasing).
 
 Where no C compiler (or no Python headers) is present the build goes on without them: the
 backends call the vendor bindings from Python (the same generated code; see docs/kernels.md,
-"The native launch helper"), the capture exclusion, regions' eager path and those checks run in Python
-(the same protocol, the same decisions and counts; docs/replay.md, "The eager path").
+"The native launch helper"), the capture exclusion, regions' eager path and those checks run
+in Python (the same protocol, the same decisions and counts; docs/replay.md, "The eager path"
+and "The life of a key").
 Everything else is in pyproject.toml.
 """
 
