@@ -449,12 +449,13 @@ def _generated_modes_check(tests: list[tuple[Callable, tuple, object, str]]) -> 
     namespace: dict[str, object] = {}
     lines = []
     for number, (reader, args, value, way) in enumerate(tests):
-        namespace[f"_m{number}"] = reader
+        name = "_any_autocast" if reader is _any_autocast else f"_m{number}"  # named in dumps
+        namespace[name] = reader
         names = []
         for position, argument in enumerate(args):
             namespace[f"_m{number}_arg{position}"] = argument
             names.append(f"_m{number}_arg{position}")
-        call = f"_m{number}({', '.join(names)})"
+        call = f"{name}({', '.join(names)})"
         namespace[f"_v{number}"] = value
         if way == _IDENTITY:
             lines.append(f"{call} is not _v{number}")
