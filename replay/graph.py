@@ -191,38 +191,44 @@ def _no_check() -> None:
     return None
 
 
-@contextlib.contextmanager
-def measure_without_checks(graphs: Sequence[RecordedGraph]) -> Iterator[None]:
+def measure_without_checks(graphs: Sequence[RecordedGraph]) -> contextlib.AbstractContextManager:
     """Benchmarks only: while the context lasts, ``graphs`` skip the per-call checks that
     guard exactness beyond the key (the torch settings, the jit launchers' globals), so a
     benchmark can time their cost as a difference (docs/benchmarks/replay.md). Calls made
     inside it are not protected: never use it around calls whose results matter."""
+
+    def skipped(graph: RecordedGraph) -> dict[str, object]:
+        checks = (name for name in graph.namespace if re.fullmatch(r"_check\d+", name))
+        return {"_modes_changed": _unchanged, **dict.fromkeys(checks, _no_check)}
+
+    return _namespaces_swapped(graphs, skipped)
+
+
+def measure_with_generated_settings_check(graphs: Sequence[RecordedGraph]) -> contextlib.AbstractContextManager:
+    """Benchmarks only: while the context lasts, ``graphs`` check the torch settings with the
+    generated Python check instead of replay/_checks.c's (the check that runs where the C
+    helper was not built), so a benchmark can time what the helper saves. Both are exact."""
+    return _namespaces_swapped(
+        graphs, lambda graph: {"_modes_changed": region_keys.modes_changed(graph.key[2], compiled=False)}
+    )
+
+
+@contextlib.contextmanager
+def _namespaces_swapped(
+    graphs: Sequence[RecordedGraph], replacements: Callable[[RecordedGraph], dict[str, object]]
+) -> Iterator[None]:
+    """Each graph's replay namespace with ``replacements(graph)`` in place while the context
+    lasts, then its own values back (the measurement hooks above)."""
     saved = []
     for graph in graphs:
-        names = ["_modes_changed", *(name for name in graph.namespace if re.fullmatch(r"_check\d+", name))]
-        saved.append((graph, {name: graph.namespace[name] for name in names}))
-        for name in names:
-            graph.namespace[name] = _unchanged if name == "_modes_changed" else _no_check
+        values = replacements(graph)
+        saved.append((graph, {name: graph.namespace[name] for name in values}))
+        graph.namespace.update(values)
     try:
         yield
     finally:
         for graph, values in saved:
             graph.namespace.update(values)
-
-
-@contextlib.contextmanager
-def measure_with_generated_settings_check(graphs: Sequence[RecordedGraph]) -> Iterator[None]:
-    """Benchmarks only: while the context lasts, ``graphs`` check the torch settings with the
-    generated Python check instead of replay/_checks.c's (the check that runs where the C
-    helper was not built), so a benchmark can time what the helper saves. Both are exact."""
-    saved = [(graph, graph.namespace["_modes_changed"]) for graph in graphs]
-    for graph, _check in saved:
-        graph.namespace["_modes_changed"] = region_keys.modes_changed(graph.key[2], compiled=False)
-    try:
-        yield
-    finally:
-        for graph, check in saved:
-            graph.namespace["_modes_changed"] = check
 
 
 class _Source:

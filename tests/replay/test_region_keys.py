@@ -223,25 +223,13 @@ def test_every_mode_the_key_holds_has_a_change_in_this_test():
 AUTOCAST_ONLY = {"autocast dtype (cuda)", "autocast dtype (cpu)", "autocast cache"}
 
 
-@pytest.fixture(params=["c", "python"])
-def check_kind(request, monkeypatch):
-    """Each replay check test runs against the C check (replay/_checks.c) and the generated one."""
-    if request.param == "c":
-        if region_keys._SettingsCheck is None:
-            pytest.skip("replay._checks is not built here")
-        monkeypatch.delenv("JITCORE_NATIVE", raising=False)
-    else:
-        monkeypatch.setenv("JITCORE_NATIVE", "0")
-    return request.param
-
-
-def test_the_check_kind_is_the_one_asked_for(check_kind):
+def test_the_check_kind_is_the_one_asked_for(checks_kind):
     changed = region_keys.modes_changed(region_keys.torch_modes())
-    assert (type(changed).__name__ == "SettingsCheck") is (check_kind == "c")
+    assert (type(changed).__name__ == "SettingsCheck") is (checks_kind == "c")
 
 
 @pytest.mark.parametrize("name", region_keys.MODE_NAMES)
-def test_every_mode_the_key_holds_is_seen_by_the_replay_check(name, check_kind):
+def test_every_mode_the_key_holds_is_seen_by_the_replay_check(name, checks_kind):
     """Change one setting: the key's tuple changes and the generated per-call check says so
     (the autocast dtypes and cache only while autocast is on: see the next test); back: the
     check passes again."""
@@ -269,7 +257,7 @@ def test_every_mode_the_key_holds_is_seen_by_the_replay_check(name, check_kind):
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
-def test_autocast_dtype_and_cache_count_while_autocast_is_on(device, check_kind):
+def test_autocast_dtype_and_cache_count_while_autocast_is_on(device, checks_kind):
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("autocast for CUDA needs a GPU")
     dtypes = (torch.bfloat16, torch.float16)
@@ -293,10 +281,10 @@ def test_autocast_dtype_and_cache_count_while_autocast_is_on(device, check_kind)
     assert changed() is True  # autocast off again: another setting than recorded
 
 
-def test_with_autocast_off_one_call_checks_it_for_every_device(check_kind):
+def test_with_autocast_off_one_call_checks_it_for_every_device(checks_kind):
     recorded = region_keys.torch_modes()
     changed = region_keys.modes_changed(recorded)
-    if check_kind == "c":
+    if checks_kind == "c":
         assert changed.readers[0] is region_keys._any_autocast and changed.arguments[0] == ()
         autocast_readers = {torch._C.is_autocast_enabled, getattr(torch._C, "get_autocast_dtype", None)}
         assert not any(reader in autocast_readers for reader in changed.readers)  # per-device settings
