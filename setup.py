@@ -1,5 +1,5 @@
 """The compiled parts, all optional: jitcore/backends/_native.c, a C helper for the hot driver
-calls; jitcore/_exclusion.c, the capture exclusion's shared side; replay/_eager.c, a region's
+calls (and a recording's capture query); jitcore/_exclusion.c, the capture exclusion's shared side; replay/_eager.c, a region's
 flat eager path; replay/_checks.c, two of a replay's exactness checks (torch's settings, the
 arguments' aliasing).
 

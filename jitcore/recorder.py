@@ -12,6 +12,7 @@ Cost when no recorder is installed anywhere: one list read per call-state call.
 from __future__ import annotations
 
 import contextlib
+import operator
 import sys
 import threading
 import time
@@ -139,6 +140,19 @@ class LaunchRecord:
     dynamic_config: tuple[ConfigRecord, ...] = ()
     #: the call state's index checks that depend on runtime scalars (on every launch record)
     checks: tuple[CheckRecord, ...] = ()
+
+    def with_args(self, args: tuple) -> LaunchRecord:
+        """This record with ``args`` replaced (a recorder that keeps records past the capture
+        drops the tensors this way). Made by the constructor from the fields in order: about
+        2 us a record on the CPU machine, against 8 for ``attrs.evolve``, which goes through
+        every field's metadata on each call (a first recording makes one per launch)."""
+        values = list(_launch_record_fields(self))
+        values[_LAUNCH_RECORD_ARGS] = args
+        return LaunchRecord(*values)
+
+
+_launch_record_fields = operator.attrgetter(*(field.name for field in attrs.fields(LaunchRecord)))
+_LAUNCH_RECORD_ARGS = [field.name for field in attrs.fields(LaunchRecord)].index("args")
 
 
 class Recorder(Protocol):

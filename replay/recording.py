@@ -247,6 +247,8 @@ class SpoiledPool(CaptureFailed):
 
 def scalar_or_none(value: object) -> object:
     """What analysis needs of a jit argument: dynamic scalars and numbers; nothing else."""
+    if value.__class__ is torch.Tensor:  # (most arguments: answered before the isinstance tests)
+        return None
     if isinstance(value, (DynamicScalar, *_NUMBERS)) or hasattr(value, "__jit_scalar__"):
         return value
     return None
@@ -709,7 +711,7 @@ def capture(
             )
         # Records must not keep the capture's tensors alive: intermediates freed now return to
         # the pool, where the next graph recorded into it reuses them.
-        records = [attrs.evolve(r, args=tuple(scalar_or_none(a) for a in r.args)) for r in recorder.records]
+        records = [r.with_args(tuple(map(scalar_or_none, r.args))) for r in recorder.records]
         del args, kwargs
         _instantiate(graph)
         seconds = clock() - started

@@ -36,6 +36,8 @@ def _error_string(status: object) -> str:
 
 #: Unpacks a driver call's result tuple, raising DriverError on a non-success status.
 _check = StatusCheck(driver.CUresult, _error_string)
+#: CU_STREAM_CAPTURE_STATUS_ACTIVE as the int the C helper's capture query returns.
+_CAPTURE_ACTIVE = int(driver.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_ACTIVE)
 
 
 #: What each native call binds to in libcuda: (prototype kind, symbol, per-thread-stream symbol).
@@ -46,6 +48,11 @@ _NATIVE_SYMBOLS = {
     "graph_launch": ("graph_launch", "cuGraphLaunch", "cuGraphLaunch_ptsz"),
     "node_set": ("kernel_node_set", "cuGraphExecKernelNodeSetParams_v2", "cuGraphExecKernelNodeSetParams_v2"),
 }
+#: The capture query replay makes after each launch of a recording (capture_tail), bound where
+#: the driver has it (else the query stays on the binding). The _v2 entry point: its prototype
+#: (no edge data) is the one the C helper declares, whatever the toolkit's unversioned name
+#: means today.
+_NATIVE_CAPTURE_INFO = ("capture_info", "cuStreamGetCaptureInfo_v2", "cuStreamGetCaptureInfo_v2_ptsz")
 
 
 def native_calls() -> dict[str, Callable[..., tuple]] | None:
@@ -76,6 +83,12 @@ def native_calls() -> dict[str, Callable[..., tuple]] | None:
         calls[role] = _native.bind(kind, symbol.removesuffix("_v2").removesuffix("_ptsz"), address)
         if role == "launch":
             calls["packed_launch"] = functools.partial(_native.PackedLaunch, address)
+    kind, legacy, ptsz = _NATIVE_CAPTURE_INFO
+    symbol = ptsz if per_thread else legacy
+    function = getattr(libcuda, symbol, None)  # (every driver of CUDA 11.3 on has it)
+    if function is not None:
+        address = ctypes.cast(function, ctypes.c_void_p).value
+        calls["capture_info"] = _native.bind(kind, "cuStreamGetCaptureInfo", address)
     return calls
 
 
@@ -198,6 +211,7 @@ class CudaBackend(DriverBackend):
         super().__init__(compiler, launch, graph_launch, 0, _check, {}, launch_detail=False)
         self._native_node_set = native["node_set"] if native else None
         self._packed_launch = native["packed_launch"] if native else None
+        self._native_capture_info = native.get("capture_info") if native else None
         self.raw_stream_handles = self.native
         if native:
             # the C calls take raw handles: the stream cache (for code built from the templates
@@ -396,6 +410,11 @@ class CudaBackend(DriverBackend):
         return set_destination
 
     def capture_tail(self, raw_stream: int) -> tuple[int, ...] | None:
+        if self._native_capture_info is not None:
+            status, capture_status, nodes = self._native_capture_info(raw_stream)
+            if status or capture_status != _CAPTURE_ACTIVE:
+                return None
+            return nodes
         result = driver.cuStreamGetCaptureInfo(self.stream_object(raw_stream))
         if int(result[0]) or result[1] != driver.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_ACTIVE:
             return None

@@ -7,6 +7,7 @@ from __future__ import annotations
 import enum
 import struct
 
+import attrs
 import numpy as np
 import pytest
 import torch
@@ -179,3 +180,18 @@ def test_a_static_empty_grid_is_reported_as_not_launched(backend):
     first, second = record(launch, x)
     assert (first.launched, second.launched) == (False, True)
     assert first.grid == (4, 0, 1) and len(backend.calls) == 1
+
+
+def test_a_record_with_other_arguments_keeps_every_other_field(backend):
+    """``LaunchRecord.with_args`` (how replay drops a capture's tensors from the records it
+    keeps) changes ``args`` and nothing else, and leaves the record it copies alone."""
+    write_row = make_writer(backend)
+    cache = torch.zeros(4, 64)
+    (launch,) = record(write_row, cache, 2, 64, 1.5)
+    assert launch.args[0] is cache
+    kept = launch.with_args((None, 2, 64, 1.5))
+    assert kept == attrs.evolve(launch, args=(None, 2, 64, 1.5)) and kept is not launch
+    for field in attrs.fields(recorder.LaunchRecord):
+        if field.name != "args":
+            assert getattr(kept, field.name) is getattr(launch, field.name), field.name
+    assert launch.args[0] is cache and kept.args == (None, 2, 64, 1.5)

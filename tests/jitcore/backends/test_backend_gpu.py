@@ -154,3 +154,38 @@ def test_backend_launch_through_a_graph_exec_on_the_current_stream():
         get_backend().graph_launch(graph.raw_cuda_graph_exec(), stream.cuda_stream)
     stream.synchronize()
     assert torch.equal(out, x + y)
+
+
+def test_the_capture_query_names_each_launchs_node(monkeypatch):
+    """``capture_tail`` right after each launch of a capture names that launch's node (how
+    replay maps launches to nodes), through the C helper where it was built and through
+    cuda-bindings' own query alike; outside a capture it is None."""
+    n = 3000
+    x, y = torch.randn(n, device="cuda"), torch.randn(n, device="cuda")
+    first, second = torch.empty(n, device="cuda"), torch.empty(n, device="cuda")
+    spec = add_kernel.instantiate(torch.float32)
+    spec[jc.cdiv(n, 256), 256](x, y, first, n)  # compile and load before capture
+    backend = get_backend()
+    native = getattr(backend, "_native_capture_info", None)
+    if getattr(backend, "native", False):
+        assert native is not None  # the helper, where it is used, makes this query too
+
+    def through_binding(stream: int):
+        with monkeypatch.context() as patch:
+            patch.setattr(backend, "_native_capture_info", None, raising=False)
+            return backend.capture_tail(stream)
+
+    idle = torch.cuda.current_stream().cuda_stream
+    assert backend.capture_tail(idle) is None and through_binding(idle) is None
+    graph = torch.cuda.CUDAGraph(keep_graph=True)
+    tails = []
+    with torch.cuda.graph(graph):
+        stream = torch.cuda.current_stream().cuda_stream
+        for out in (first, second):
+            spec[jc.cdiv(n, 256), 256](x, y, out, n)
+            tails.append((backend.capture_tail(stream), through_binding(stream)))
+    kernels = {(int(node.handle),) for node in backend.graph_nodes(graph.raw_cuda_graph()) if node.kind == "kernel"}
+    assert len(kernels) == 2
+    assert {tail for tail, _ in tails} == kernels
+    assert all(tail == binding for tail, binding in tails)
+    graph.reset()

@@ -33,6 +33,15 @@ VOIDP = ctypes.c_void_p
 KERNEL_LAUNCH = ctypes.CFUNCTYPE(ctypes.c_int, VOIDP, UINT, UINT, UINT, UINT, UINT, UINT, UINT, VOIDP, VOIDP, VOIDP)
 GRAPH_LAUNCH = ctypes.CFUNCTYPE(ctypes.c_int, VOIDP, VOIDP)
 NODE_SET = ctypes.CFUNCTYPE(ctypes.c_int, VOIDP, VOIDP, VOIDP)
+CAPTURE_INFO = ctypes.CFUNCTYPE(
+    ctypes.c_int,
+    VOIDP,
+    ctypes.POINTER(ctypes.c_int),
+    ctypes.POINTER(ctypes.c_ulonglong),
+    ctypes.POINTER(VOIDP),
+    ctypes.POINTER(ctypes.POINTER(VOIDP)),
+    ctypes.POINTER(ctypes.c_size_t),
+)
 
 
 class FakeDriver:
@@ -134,6 +143,60 @@ def test_graph_launch_and_node_update():
     assert len(node.calls) == 1
 
 
+class FakeCaptureInfo:
+    """cuStreamGetCaptureInfo_v2 as a ctypes callback: writes ``capture_status`` and a
+    dependency array of ``nodes`` (a NULL array where ``nodes`` is None, with ``count``
+    claimed anyway), returns ``status``."""
+
+    def __init__(self, status: int = 0, capture_status: int = 1, nodes=(), count: int | None = None) -> None:
+        self.streams: list = []
+        self.status, self.capture_status = status, capture_status
+        self.set_nodes(nodes, count)
+
+        def call(stream, capture_status_out, id_out, graph_out, dependencies_out, count_out):
+            self.streams.append(stream)
+            capture_status_out[0] = self.capture_status
+            id_out[0] = 77
+            graph_out[0] = 0x6000
+            dependencies_out[0] = self.array
+            count_out[0] = self.count
+            return self.status
+
+        self.callback = CAPTURE_INFO(call)
+        self.address = ctypes.cast(self.callback, ctypes.c_void_p).value
+
+    def set_nodes(self, nodes, count: int | None = None) -> None:
+        if nodes is None:
+            self.array = ctypes.POINTER(VOIDP)()  # NULL
+        else:
+            self.array = ctypes.cast((VOIDP * max(len(nodes), 1))(*nodes), ctypes.POINTER(VOIDP))
+        self.count = len(nodes or ()) if count is None else count
+
+
+@needs_native
+def test_a_capture_query_returns_the_status_the_capture_status_and_the_dependencies():
+    fake = FakeCaptureInfo(nodes=(0xA0, 2**64 - 1))
+    query = _native.bind("capture_info", "cuStreamGetCaptureInfo", fake.address)
+    assert query.__name__ == "cuStreamGetCaptureInfo"
+    assert query(0xBEEF) == (0, 1, (0xA0, 2**64 - 1))
+    assert query(None) == (0, 1, (0xA0, 2**64 - 1)) and query(Handle(5))[2] == (0xA0, 2**64 - 1)
+    assert fake.streams == [0xBEEF, None, 5]
+    fake.set_nodes(())
+    fake.capture_status = 0  # not capturing
+    assert query(1) == (0, 0, ())
+    fake.status, fake.capture_status = 900, 1  # a failed query: no dependencies, whatever it wrote
+    fake.set_nodes((0xA0,))
+    assert query(1) == (900, 1, ())
+    fake.status = 0
+    fake.set_nodes(None, count=3)  # a count without an array is read as none
+    assert query(1) == (0, 1, ())
+    with pytest.raises(TypeError, match="expected 1 arguments, got 2"):
+        query(1, 2)
+    with pytest.raises(TypeError, match="stream"):
+        query("s")
+    assert len(fake.streams) == 6
+
+
 @needs_native
 def test_binding_is_checked():
     fake = FakeDriver(GRAPH_LAUNCH)
@@ -189,6 +252,7 @@ def test_the_cuda_backend_launches_through_the_helper(monkeypatch):
         "cuLaunchKernel": FakeDriver(KERNEL_LAUNCH),
         "cuGraphLaunch": FakeDriver(GRAPH_LAUNCH),
         "cuGraphExecKernelNodeSetParams_v2": FakeDriver(NODE_SET),
+        "cuStreamGetCaptureInfo_v2": FakeCaptureInfo(nodes=(0xA7,)),
     }
 
     class FakeLibcuda:
@@ -207,6 +271,7 @@ def test_the_cuda_backend_launches_through_the_helper(monkeypatch):
         "launch": "cuLaunchKernel",
         "graph_launch": "cuGraphLaunch",
         "node_set": "cuGraphExecKernelNodeSetParams",
+        "capture_info": "cuStreamGetCaptureInfo",
     }
     assert packed.func is _native.PackedLaunch and packed.args == (drivers["cuLaunchKernel"].address,)
     backend = cuda_backend.CudaBackend()
@@ -214,6 +279,18 @@ def test_the_cuda_backend_launches_through_the_helper(monkeypatch):
     assert backend.raw_launch is backend.hot_namespace["_cuLaunchKernel"]
     assert backend.binding_launch is cuda_backend.driver.cuLaunchKernel  # the benchmarks' floor
     assert backend.graph_exec_object(0xE0) == 0xE0
+
+    # the capture query replay makes after each launch it records: the launch's node, or None
+    # where the stream is not capturing or the query failed
+    capture_info = drivers["cuStreamGetCaptureInfo_v2"]
+    assert backend.capture_tail(0xBEEF) == (0xA7,) and capture_info.streams == [0xBEEF]
+    capture_info.capture_status = 0
+    assert backend.capture_tail(0xBEEF) is None
+    capture_info.status, capture_info.capture_status = 1, 1
+    assert backend.capture_tail(0xBEEF) is None
+    # a driver without the query: the other calls still go through the helper
+    del drivers["cuStreamGetCaptureInfo_v2"]
+    assert set(cuda_backend.native_calls()) == {"launch", "graph_launch", "node_set", "packed_launch"}
 
     # the launch template, as a call state runs it
     namespace = dict(backend.hot_namespace, _f=0xF00, _addr=0x5000)
