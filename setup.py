@@ -1,7 +1,7 @@
 """The compiled parts, all optional: jitcore/backends/_native.c, a C helper for the hot driver
-calls (and a recording's capture query); jitcore/_exclusion.c, the capture exclusion's shared side; replay/_eager.c, a region's
-flat eager path; replay/_checks.c, two of a replay's exactness checks (torch's settings, the
-arguments' aliasing).
+calls (and a recording's capture query and node reads); jitcore/_exclusion.c, the capture
+exclusion's shared side; replay/_eager.c, a region's flat eager path; replay/_checks.c, two of
+a replay's exactness checks (torch's settings, the arguments' aliasing).
 
 Where no C compiler (or no Python headers) is present the build goes on without them: the
 backends call the vendor bindings from Python (the same generated code; see docs/kernels.md,

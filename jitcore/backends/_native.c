@@ -1,5 +1,5 @@
 /*
- * jitcore.backends._native: four driver calls made from C instead of through a binding.
+ * jitcore.backends._native: driver calls made from C instead of through a binding.
  *
  * Why: a cache-hit launch and a replay are one or two driver calls each, and from Python the
  * binding's own argument conversion costs about as much as the driver (cuda-bindings'
@@ -9,17 +9,22 @@
  * backend resolved, and return what the binding returns: a tuple whose first item is the
  * status, so generated code runs unchanged on either path.
  *
- * Vendor-neutral: nothing here includes a vendor header. The four prototypes are the ones
- * cuLaunchKernel / hipModuleLaunchKernel, cuGraphLaunch / hipGraphLaunch,
- * cuGraphExecKernelNodeSetParams / hipGraphExecKernelNodeSetParams and
- * cuStreamGetCaptureInfo_v2 / hipStreamGetCaptureInfo_v2 share (every handle a pointer, every
- * dimension an unsigned int, the status and the capture status int enums). Which function a
- * pointer names, and that it matches its prototype, is the backend module's business.
+ * Nothing here includes a vendor header. The prototypes are the ones cuLaunchKernel /
+ * hipModuleLaunchKernel, cuGraphLaunch / hipGraphLaunch, cuGraphExecKernelNodeSetParams /
+ * hipGraphExecKernelNodeSetParams, cuStreamGetCaptureInfo_v2 / hipStreamGetCaptureInfo_v2,
+ * cuGraphGetNodes / hipGraphGetNodes and cuGraphNodeGetType / hipGraphNodeGetType share
+ * (every handle a pointer, every dimension an unsigned int, the status, capture status and
+ * node type int enums), and cuGraphKernelNodeGetParams_v2, whose struct is CUDA's. Which
+ * function a pointer names, and that it matches its prototype, is the backend module's
+ * business.
  *
  * The capture query is not on a hot path but on every launch of a recording (replay maps each
  * launch to its graph node by it): through cuda-bindings it costs about 6 us on the H200
  * machine, most of it building the binding's node objects, about 0.2 ms of a 32-launch
- * recording.
+ * recording. The node reads (the graph's nodes, each node's type, a kernel node's
+ * parameters; `read_params` then copies the parameter values) are made once per recording,
+ * for every node: through the binding, 8 to 10 us a node. The kernel node's parameter struct
+ * is CUDA's (see kernel_node_params_head): that kind is bound by the CUDA backend only.
  *
  * The GIL is released around each driver call, as the bindings do: a launch blocks while the
  * device's launch queue is full.
@@ -38,6 +43,19 @@ typedef int (*graph_launch_fn)(void *graph_exec, void *stream);
 typedef int (*node_set_fn)(void *graph_exec, void *node, const void *node_params);
 typedef int (*capture_info_fn)(void *stream, int *capture_status, unsigned long long *capture_id, void **graph,
                                void *const **dependencies, size_t *dependency_count);
+typedef int (*graph_get_nodes_fn)(void *graph, void **nodes, size_t *count);
+typedef int (*node_get_type_fn)(void *node, int *type);
+typedef int (*kernel_node_get_params_fn)(void *node, void *node_params);
+
+/* The head of CUDA_KERNEL_NODE_PARAMS(_v2) (cuda.h), field for field: what replay reads of a
+   kernel node. The driver writes the whole struct (_v2 adds extra, kern and ctx after these),
+   so it is read into a zeroed buffer with room to spare. HIP's hipKernelNodeParams orders its
+   fields otherwise: this kind is the CUDA backend's only. */
+typedef struct {
+    void *function;
+    unsigned grid_x, grid_y, grid_z, block_x, block_y, block_z, shared_bytes;
+    void **kernel_params;
+} kernel_node_params_head;
 
 static PyObject *SUCCESS; /* (0,): what every successful call returns, built once */
 
@@ -204,6 +222,123 @@ static PyObject *capture_info(PyObject *self, PyObject *const *args, Py_ssize_t 
     return Py_BuildValue("(iiN)", status, capture_status, nodes);
 }
 
+/* graph_get_nodes(graph) -> (status, (node handles...)): the graph's nodes in the driver's
+   order (asked for the count, then the handles); () unless the status is 0. */
+static PyObject *graph_get_nodes(PyObject *self, PyObject *const *args, Py_ssize_t count) {
+    void *graph, **nodes;
+    size_t node_count = 0, filled;
+    int status;
+    PyObject *handles;
+    graph_get_nodes_fn call = (graph_get_nodes_fn)target_of(self);
+    if (check_count(count, 1) < 0 || as_pointer(args[0], &graph, "graph") < 0)
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    status = call(graph, NULL, &node_count);
+    Py_END_ALLOW_THREADS
+    if (status != 0 || node_count == 0)
+        return Py_BuildValue("(i())", status);
+    if (node_count > (size_t)PY_SSIZE_T_MAX / sizeof(void *))
+        return PyErr_NoMemory();
+    nodes = PyMem_Malloc(node_count * sizeof(void *));
+    if (nodes == NULL)
+        return PyErr_NoMemory();
+    filled = node_count;
+    Py_BEGIN_ALLOW_THREADS
+    status = call(graph, nodes, &filled);
+    Py_END_ALLOW_THREADS
+    if (status != 0) {
+        PyMem_Free(nodes);
+        return Py_BuildValue("(i())", status);
+    }
+    if (filled > node_count) /* the graph grew in between: the handles asked for room for */
+        filled = node_count;
+    handles = PyTuple_New((Py_ssize_t)filled);
+    for (size_t i = 0; handles != NULL && i < filled; i++) {
+        PyObject *handle = PyLong_FromVoidPtr(nodes[i]);
+        if (handle == NULL)
+            Py_CLEAR(handles);
+        else
+            PyTuple_SET_ITEM(handles, (Py_ssize_t)i, handle);
+    }
+    PyMem_Free(nodes);
+    return handles == NULL ? NULL : Py_BuildValue("(iN)", status, handles);
+}
+
+/* node_get_type(node) -> (status, the node type's int) */
+static PyObject *node_get_type(PyObject *self, PyObject *const *args, Py_ssize_t count) {
+    void *node;
+    int status, type = -1;
+    node_get_type_fn call = (node_get_type_fn)target_of(self);
+    if (check_count(count, 1) < 0 || as_pointer(args[0], &node, "node") < 0)
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    status = call(node, &type);
+    Py_END_ALLOW_THREADS
+    return Py_BuildValue("(ii)", status, type);
+}
+
+/* kernel_node_get_params(node) -> (status, function, grid x, y, z, block x, y, z, shared
+   bytes, the address of the node's kernel-parameter array); zeros unless the status is 0. */
+static PyObject *kernel_node_get_params(PyObject *self, PyObject *const *args, Py_ssize_t count) {
+    void *node;
+    int status;
+    union {
+        kernel_node_params_head head;
+        unsigned char room[512];
+    } params;
+    kernel_node_get_params_fn call = (kernel_node_get_params_fn)target_of(self);
+    if (check_count(count, 1) < 0 || as_pointer(args[0], &node, "node") < 0)
+        return NULL;
+    memset(&params, 0, sizeof params);
+    Py_BEGIN_ALLOW_THREADS
+    status = call(node, &params);
+    Py_END_ALLOW_THREADS
+    if (status != 0)
+        memset(&params, 0, sizeof params);
+    return Py_BuildValue("(iKIIIIIIIK)", status, (unsigned long long)(uintptr_t)params.head.function,
+                         params.head.grid_x, params.head.grid_y, params.head.grid_z, params.head.block_x,
+                         params.head.block_y, params.head.block_z, params.head.shared_bytes,
+                         (unsigned long long)(uintptr_t)params.head.kernel_params);
+}
+
+/* read_params(address, sizes) -> (bytes, ...): the values a kernel-parameter array (one
+   pointer per parameter, as a kernel node holds it at `address`) points to, sizes[i] bytes
+   each; empty bytes for every parameter where `address` is 0. Replay reads every kernel
+   node's parameters once per recording: this is one call where ctypes made two per parameter. */
+static PyObject *read_params(PyObject *module, PyObject *const *args, Py_ssize_t count) {
+    void *address;
+    PyObject *sizes, *values;
+    Py_ssize_t n;
+    if (check_count(count, 2) < 0 || as_pointer(args[0], &address, "params address") < 0)
+        return NULL;
+    sizes = PySequence_Fast(args[1], "read_params: sizes must be a sequence of ints");
+    if (sizes == NULL)
+        return NULL;
+    n = PySequence_Fast_GET_SIZE(sizes);
+    values = PyTuple_New(n);
+    for (Py_ssize_t i = 0; values != NULL && i < n; i++) {
+        Py_ssize_t size = PyNumber_AsSsize_t(PySequence_Fast_GET_ITEM(sizes, i), PyExc_OverflowError);
+        const char *value = address == NULL ? NULL : ((const char *const *)address)[i];
+        PyObject *item = NULL;
+        if (size == -1 && PyErr_Occurred()) {
+        } else if (size < 0) {
+            PyErr_Format(PyExc_ValueError, "read_params: size %zd of parameter %zd is negative", size, i);
+        } else if (address == NULL) {
+            item = PyBytes_FromStringAndSize(NULL, 0);
+        } else if (value == NULL && size > 0) {
+            PyErr_Format(PyExc_ValueError, "read_params: parameter %zd has no value (a NULL pointer)", i);
+        } else {
+            item = PyBytes_FromStringAndSize(value, size);
+        }
+        if (item == NULL)
+            Py_CLEAR(values);
+        else
+            PyTuple_SET_ITEM(values, i, item);
+    }
+    Py_DECREF(sizes);
+    return values;
+}
+
 /* bind(kind, name, address): a builtin function named `name` calling the vendor function at
    `address` with the prototype of `kind`. The method definition outlives the function, so it
    is allocated and never freed (a backend binds a handful, once). */
@@ -243,9 +378,17 @@ static PyObject *bind(PyObject *module, PyObject *const *args, Py_ssize_t count)
         implementation = (PyCFunction)(void (*)(void))node_set;
     else if (strcmp(kind, "capture_info") == 0)
         implementation = (PyCFunction)(void (*)(void))capture_info;
+    else if (strcmp(kind, "graph_get_nodes") == 0)
+        implementation = (PyCFunction)(void (*)(void))graph_get_nodes;
+    else if (strcmp(kind, "node_get_type") == 0)
+        implementation = (PyCFunction)(void (*)(void))node_get_type;
+    else if (strcmp(kind, "kernel_node_get_params") == 0)
+        implementation = (PyCFunction)(void (*)(void))kernel_node_get_params;
     else {
         PyErr_Format(PyExc_ValueError,
-                     "bind: kind must be kernel_launch, graph_launch, kernel_node_set or capture_info, got %s", kind);
+                     "bind: kind must be kernel_launch, graph_launch, kernel_node_set, capture_info, graph_get_nodes, "
+                     "node_get_type or kernel_node_get_params, got %s",
+                     kind);
         return NULL;
     }
     definition = PyMem_RawMalloc(sizeof(PyMethodDef));
@@ -592,6 +735,8 @@ static PyTypeObject PackedLaunchType = {
 static PyMethodDef module_methods[] = {
     {"bind", (PyCFunction)(void (*)(void))bind, METH_FASTCALL,
      "bind(kind, name, address) -> function calling the vendor function at address (see the module source)"},
+    {"read_params", (PyCFunction)(void (*)(void))read_params, METH_FASTCALL,
+     "read_params(address, sizes) -> the bytes each pointer of a kernel-parameter array points to"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -38,6 +38,8 @@ def _error_string(status: object) -> str:
 _check = StatusCheck(driver.CUresult, _error_string)
 #: CU_STREAM_CAPTURE_STATUS_ACTIVE as the int the C helper's capture query returns.
 _CAPTURE_ACTIVE = int(driver.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_ACTIVE)
+#: CU_GRAPH_NODE_TYPE_KERNEL as the int the C helper's node-type query returns.
+_NODE_KERNEL = int(driver.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL)
 
 
 #: What each native call binds to in libcuda: (prototype kind, symbol, per-thread-stream symbol).
@@ -53,6 +55,14 @@ _NATIVE_SYMBOLS = {
 #: (no edge data) is the one the C helper declares, whatever the toolkit's unversioned name
 #: means today.
 _NATIVE_CAPTURE_INFO = ("capture_info", "cuStreamGetCaptureInfo_v2", "cuStreamGetCaptureInfo_v2_ptsz")
+#: The node reads of a recording's analysis (graph_nodes), bound together where the driver has
+#: all three (else they stay on the binding): (role, kind, symbol). The parameters' getter is
+#: the _v2 entry point, whose struct the C helper reads the head of.
+_NATIVE_NODE_READS = (
+    ("graph_get_nodes", "graph_get_nodes", "cuGraphGetNodes"),
+    ("node_get_type", "node_get_type", "cuGraphNodeGetType"),
+    ("kernel_node_get_params", "kernel_node_get_params", "cuGraphKernelNodeGetParams_v2"),
+)
 
 
 def native_calls() -> dict[str, Callable[..., tuple]] | None:
@@ -83,13 +93,32 @@ def native_calls() -> dict[str, Callable[..., tuple]] | None:
         calls[role] = _native.bind(kind, symbol.removesuffix("_v2").removesuffix("_ptsz"), address)
         if role == "launch":
             calls["packed_launch"] = functools.partial(_native.PackedLaunch, address)
+    calls["read_params"] = _native.read_params  # (no driver call: it reads host memory)
     kind, legacy, ptsz = _NATIVE_CAPTURE_INFO
     symbol = ptsz if per_thread else legacy
     function = getattr(libcuda, symbol, None)  # (every driver of CUDA 11.3 on has it)
     if function is not None:
         address = ctypes.cast(function, ctypes.c_void_p).value
         calls["capture_info"] = _native.bind(kind, "cuStreamGetCaptureInfo", address)
+    functions = [getattr(libcuda, symbol, None) for _, _, symbol in _NATIVE_NODE_READS]
+    if all(function is not None for function in functions):
+        for (role, kind, symbol), function in zip(_NATIVE_NODE_READS, functions):
+            address = ctypes.cast(function, ctypes.c_void_p).value
+            calls[role] = _native.bind(kind, symbol.removesuffix("_v2"), address)
     return calls
+
+
+def _other_node(index: int, handle: object, kind: object) -> GraphNode:
+    """A graph node that is not a kernel: a copy's or a memset's device addresses (through
+    the binding on both paths of ``graph_nodes``: replay reads few of them)."""
+    node_type = driver.CUgraphNodeType
+    if kind == node_type.CU_GRAPH_NODE_TYPE_MEMCPY:
+        p = _check(driver.cuGraphMemcpyNodeGetParams(handle), "cuGraphMemcpyNodeGetParams")
+        return GraphNode(index=index, handle=handle, kind="memcpy", pointers=(int(p.srcDevice), int(p.dstDevice)))
+    if kind == node_type.CU_GRAPH_NODE_TYPE_MEMSET:
+        p = _check(driver.cuGraphMemsetNodeGetParams(handle), "cuGraphMemsetNodeGetParams")
+        return GraphNode(index=index, handle=handle, kind="memset", pointers=(int(p.dst),))
+    return GraphNode(index=index, handle=handle, kind="other")
 
 
 def _remember_stream(cache: dict[int, int], raw_stream: int) -> int:
@@ -212,6 +241,9 @@ class CudaBackend(DriverBackend):
         self._native_node_set = native["node_set"] if native else None
         self._packed_launch = native["packed_launch"] if native else None
         self._native_capture_info = native.get("capture_info") if native else None
+        reads = tuple(native.get(role) for role, _, _ in _NATIVE_NODE_READS) if native else ()
+        self._native_node_reads = reads if reads and all(reads) else None
+        self._native_read_params = native["read_params"] if native else None
         self.raw_stream_handles = self.native
         if native:
             # the C calls take raw handles: the stream cache (for code built from the templates
@@ -322,16 +354,17 @@ class CudaBackend(DriverBackend):
 
     # --- graphs --------------------------------------------------------------------------
     def graph_nodes(self, raw_graph: int) -> list[GraphNode]:
+        if self._native_node_reads is not None:
+            return self._graph_nodes_from_c(raw_graph, *self._native_node_reads)
         graph = driver.CUgraph(raw_graph)
         _, count = _check(driver.cuGraphGetNodes(graph, 0), "cuGraphGetNodes")
         if not count:
             return []
         handles, count = _check(driver.cuGraphGetNodes(graph, count), "cuGraphGetNodes")
-        node_type = driver.CUgraphNodeType
         nodes = []
         for index, handle in enumerate(handles[:count]):
             kind = _check(driver.cuGraphNodeGetType(handle), "cuGraphNodeGetType")
-            if kind == node_type.CU_GRAPH_NODE_TYPE_KERNEL:
+            if kind == driver.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL:
                 p = _check(driver.cuGraphKernelNodeGetParams(handle), "cuGraphKernelNodeGetParams")
                 nodes.append(
                     GraphNode(
@@ -345,16 +378,36 @@ class CudaBackend(DriverBackend):
                         params_address=int(p.kernelParams),
                     )
                 )
-            elif kind == node_type.CU_GRAPH_NODE_TYPE_MEMCPY:
-                p = _check(driver.cuGraphMemcpyNodeGetParams(handle), "cuGraphMemcpyNodeGetParams")
-                nodes.append(
-                    GraphNode(index=index, handle=handle, kind="memcpy", pointers=(int(p.srcDevice), int(p.dstDevice)))
-                )
-            elif kind == node_type.CU_GRAPH_NODE_TYPE_MEMSET:
-                p = _check(driver.cuGraphMemsetNodeGetParams(handle), "cuGraphMemsetNodeGetParams")
-                nodes.append(GraphNode(index=index, handle=handle, kind="memset", pointers=(int(p.dst),)))
             else:
-                nodes.append(GraphNode(index=index, handle=handle, kind="other"))
+                nodes.append(_other_node(index, handle, kind))
+        return nodes
+
+    @staticmethod
+    def _graph_nodes_from_c(raw_graph: int, get_nodes, get_type, get_params) -> list[GraphNode]:
+        """:meth:`graph_nodes` through the C helper: the same nodes, each kernel node read in
+        two C calls (8 to 10 us a node through the binding, which builds an object for every
+        handle and struct it returns). Handles are the binding's node objects as on the
+        other path (node updates and copy retargeting take them)."""
+        nodes = []
+        for index, raw in enumerate(_check(get_nodes(raw_graph), "cuGraphGetNodes")):
+            kind = _check(get_type(raw), "cuGraphNodeGetType")
+            handle = driver.CUgraphNode(raw)
+            if kind == _NODE_KERNEL:
+                function, gx, gy, gz, bx, by, bz, shared, params = _check(get_params(raw), "cuGraphKernelNodeGetParams")
+                nodes.append(
+                    GraphNode(
+                        index=index,
+                        handle=handle,
+                        kind="kernel",
+                        function=function,
+                        grid=(gx, gy, gz),
+                        block=(bx, by, bz),
+                        shared_bytes=shared,
+                        params_address=params,
+                    )
+                )
+            else:
+                nodes.append(_other_node(index, handle, driver.CUgraphNodeType(kind)))
         return nodes
 
     def kernel_param_sizes(self, function: int) -> list[int] | None:
@@ -368,6 +421,8 @@ class CudaBackend(DriverBackend):
         return sizes if sizes else None
 
     def read_kernel_params(self, node: GraphNode, sizes: Sequence[int]) -> list[bytes]:
+        if self._native_read_params is not None:
+            return list(self._native_read_params(node.params_address, sizes))
         if not node.params_address:
             return [b""] * len(sizes)
         pointers = (ctypes.c_void_p * len(sizes)).from_address(node.params_address)

@@ -189,3 +189,56 @@ def test_the_capture_query_names_each_launchs_node(monkeypatch):
     assert {tail for tail, _ in tails} == kernels
     assert all(tail == binding for tail, binding in tails)
     graph.reset()
+
+
+def test_graph_nodes_read_from_c_are_the_bindings(monkeypatch):
+    """The node reads of an analysis through the C helper (where it was built) give the
+    same nodes as cuda-bindings' calls: kernels with their launch geometry and parameters,
+    copies and memsets with their addresses, in the same order."""
+    backend = get_backend()
+    if not getattr(backend, "native", False):
+        pytest.skip("the C helper is not used on this machine (JITCORE_NATIVE=0 or not built)")
+    assert backend._native_node_reads is not None and backend._native_read_params is not None
+    n = 5000
+    x, y, out = torch.randn(n, device="cuda"), torch.randn(n, device="cuda"), torch.empty(n, device="cuda")
+    spec = add_kernel.instantiate(torch.float32)
+    spec[jc.cdiv(n, 256), 256](x, y, out, n)  # compile and load before capture
+    graph = torch.cuda.CUDAGraph(keep_graph=True)
+    with torch.cuda.graph(graph):
+        spec[jc.cdiv(n, 256), 256](x, y, out, n)
+        y.copy_(out)  # a copy node
+        x.zero_()  # a memset node (or a fill kernel)
+        spec[jc.cdiv(n // 2, 128), 128](out, out, y, n // 2)
+    sizes = [t.size for t in spec.layout.types]
+    function = spec.function(torch.cuda.current_device()).address
+
+    def ours(nodes):  # our kernel's nodes, whose parameter sizes are known
+        return [node for node in nodes if node.kind == "kernel" and node.function == function]
+
+    from_c = backend.graph_nodes(graph.raw_cuda_graph())
+    read_from_c = [backend.read_kernel_params(node, sizes) for node in ours(from_c)]
+    monkeypatch.setattr(backend, "_native_node_reads", None)
+    monkeypatch.setattr(backend, "_native_read_params", None)
+    from_binding = backend.graph_nodes(graph.raw_cuda_graph())
+    read_from_binding = [backend.read_kernel_params(node, sizes) for node in ours(from_binding)]
+    assert {node.kind for node in from_c} >= {"kernel", "memcpy"}
+    assert len(from_c) == len(from_binding) >= 4
+    for a, b in zip(from_c, from_binding):
+        assert (a.index, int(a.handle), a.kind, a.function) == (b.index, int(b.handle), b.kind, b.function)
+        assert (a.grid, a.block, a.shared_bytes, a.params_address, a.pointers) == (
+            b.grid,
+            b.block,
+            b.shared_bytes,
+            b.params_address,
+            b.pointers,
+        )
+        assert type(a.handle) is type(b.handle)
+    assert read_from_c == read_from_binding and len(read_from_c) == 2
+    by_block = {node.block: raw for node, raw in zip(ours(from_c), read_from_c)}
+    pointers = {block: [struct.unpack("<Q", raw[i])[0] for i in range(3)] for block, raw in by_block.items()}
+    assert pointers == {
+        (256, 1, 1): [x.data_ptr(), y.data_ptr(), out.data_ptr()],
+        (128, 1, 1): [out.data_ptr(), out.data_ptr(), y.data_ptr()],
+    }
+    assert struct.unpack("<q", by_block[(128, 1, 1)][3])[0] == n // 2
+    graph.reset()

@@ -14,6 +14,7 @@ import struct
 import sysconfig
 import threading
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -197,6 +198,103 @@ def test_a_capture_query_returns_the_status_the_capture_status_and_the_dependenc
     assert len(fake.streams) == 6
 
 
+GRAPH_GET_NODES = ctypes.CFUNCTYPE(ctypes.c_int, VOIDP, ctypes.POINTER(VOIDP), ctypes.POINTER(ctypes.c_size_t))
+NODE_GET_TYPE = ctypes.CFUNCTYPE(ctypes.c_int, VOIDP, ctypes.POINTER(ctypes.c_int))
+KERNEL_NODE_GET_PARAMS = ctypes.CFUNCTYPE(ctypes.c_int, VOIDP, VOIDP)
+
+
+class KernelNodeParams(ctypes.Structure):
+    """CUDA_KERNEL_NODE_PARAMS_v2 as cuda.h declares it."""
+
+    _fields_ = [
+        ("func", VOIDP),
+        *((name, UINT) for name in ("gx", "gy", "gz", "bx", "by", "bz", "shared")),
+        ("kernelParams", VOIDP),
+        ("extra", VOIDP),
+        ("kern", VOIDP),
+        ("ctx", VOIDP),
+    ]
+
+
+class FakeGraph:
+    """cuGraphGetNodes, cuGraphNodeGetType and cuGraphKernelNodeGetParams_v2 as ctypes
+    callbacks over a dict of nodes {handle: (type, params or None)}; ``grow`` nodes appear
+    between the count and the fill (a graph another thread extends)."""
+
+    def __init__(self, nodes: dict, status: int = 0) -> None:
+        self.nodes, self.status, self.grow = nodes, status, 0
+
+        def get_nodes(graph, out, count):
+            handles = list(self.nodes)
+            if not out:
+                count[0] = len(handles)
+            else:
+                room = count[0]
+                for i, handle in enumerate(handles[:room]):
+                    out[i] = handle
+                count[0] = len(handles) + self.grow
+            return self.status
+
+        def get_type(node, out):
+            out[0] = self.nodes[node][0]
+            return self.status
+
+        def get_params(node, out):
+            fields = self.nodes[node][1]
+            struct = KernelNodeParams.from_address(out)
+            for name, value in fields.items():
+                setattr(struct, name, value)
+            struct.ctx = 0xC7  # written by the driver past what the helper reads
+            return self.status
+
+        self.callbacks = (GRAPH_GET_NODES(get_nodes), NODE_GET_TYPE(get_type), KERNEL_NODE_GET_PARAMS(get_params))
+        self.addresses = [ctypes.cast(c, ctypes.c_void_p).value for c in self.callbacks]
+
+
+KERNEL_FIELDS = dict(func=0xF00, gx=4, gy=2, gz=1, bx=256, by=1, bz=1, shared=96, kernelParams=0x7000)
+
+
+@needs_native
+def test_the_node_reads_return_each_nodes_handle_type_and_kernel_parameters():
+    graph = FakeGraph({0xA0: (0, KERNEL_FIELDS), 0xA1: (1, None), 2**64 - 8: (0, dict(KERNEL_FIELDS, gx=2**32 - 1))})
+    get_nodes = _native.bind("graph_get_nodes", "cuGraphGetNodes", graph.addresses[0])
+    get_type = _native.bind("node_get_type", "cuGraphNodeGetType", graph.addresses[1])
+    get_params = _native.bind("kernel_node_get_params", "cuGraphKernelNodeGetParams", graph.addresses[2])
+    assert get_nodes(0x6000) == (0, (0xA0, 0xA1, 2**64 - 8))
+    assert get_type(0xA0) == (0, 0) and get_type(Handle(0xA1)) == (0, 1)
+    assert get_params(0xA0) == (0, 0xF00, 4, 2, 1, 256, 1, 1, 96, 0x7000)
+    assert get_params(2**64 - 8)[2] == 2**32 - 1
+    graph.grow = 5  # more nodes at the fill than at the count: the handles there was room for
+    assert get_nodes(0x6000) == (0, (0xA0, 0xA1, 2**64 - 8))
+    graph.status = 900  # a failed read: nothing but the status
+    assert get_nodes(0x6000) == (900, ())
+    assert get_params(0xA0) == (900, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+    assert get_type(0xA0)[0] == 900
+    empty = FakeGraph({})  # an empty graph: no second call
+    assert _native.bind("graph_get_nodes", "g", empty.addresses[0])(1) == (0, ())
+    with pytest.raises(TypeError, match="expected 1 arguments"):
+        get_params(1, 2)
+    with pytest.raises(TypeError, match="node"):
+        get_type("n")
+
+
+@needs_native
+def test_read_params_copies_what_each_parameter_pointer_points_to():
+    values = [ctypes.create_string_buffer(bytes(range(1, 9))), ctypes.create_string_buffer(b"\xff\x00\x7f\x01")]
+    array = (VOIDP * 3)(ctypes.addressof(values[0]), ctypes.addressof(values[1]), None)
+    address = ctypes.addressof(array)
+    assert _native.read_params(address, (8, 4)) == (bytes(range(1, 9)), b"\xff\x00\x7f\x01")
+    assert _native.read_params(address, [2, 0]) == (b"\x01\x02", b"")
+    assert _native.read_params(address, (8, 4, 0)) == (bytes(range(1, 9)), b"\xff\x00\x7f\x01", b"")
+    assert _native.read_params(0, (8, 4)) == (b"", b"")  # a node without parameters
+    with pytest.raises(ValueError, match="parameter 2 has no value"):
+        _native.read_params(address, (8, 4, 4))
+    with pytest.raises(ValueError, match="negative"):
+        _native.read_params(address, (8, -1))
+    with pytest.raises(TypeError, match="sequence"):
+        _native.read_params(address, 8)
+
+
 @needs_native
 def test_binding_is_checked():
     fake = FakeDriver(GRAPH_LAUNCH)
@@ -267,6 +365,7 @@ def test_the_cuda_backend_launches_through_the_helper(monkeypatch):
     monkeypatch.setattr(cuda_backend.ctypes, "CDLL", FakeLibcuda)
     calls = cuda_backend.native_calls()
     packed = calls.pop("packed_launch")
+    assert calls.pop("read_params") is _native.read_params
     assert {role: f.__name__ for role, f in calls.items()} == {
         "launch": "cuLaunchKernel",
         "graph_launch": "cuGraphLaunch",
@@ -288,9 +387,28 @@ def test_the_cuda_backend_launches_through_the_helper(monkeypatch):
     assert backend.capture_tail(0xBEEF) is None
     capture_info.status, capture_info.capture_status = 1, 1
     assert backend.capture_tail(0xBEEF) is None
+    # the node reads of an analysis: kernel nodes read from C, the handles the binding's
+    # objects as on the binding's path; a node of another type (7: an empty node) is "other"
+    assert backend._native_node_reads is None  # the fake libcuda has none: the binding reads
+    fake_graph = FakeGraph({0xB0: (0, KERNEL_FIELDS), 0xB1: (7, None)})
+    for (_, _, symbol), callback in zip(cuda_backend._NATIVE_NODE_READS, fake_graph.callbacks):
+        drivers[symbol] = SimpleNamespace(callback=callback)
+    backend = cuda_backend.CudaBackend()
+    kernel, other = backend.graph_nodes(0x6000)
+    assert (kernel.index, int(kernel.handle), kernel.kind, kernel.function) == (0, 0xB0, "kernel", 0xF00)
+    assert (kernel.grid, kernel.block, kernel.shared_bytes, kernel.params_address) == (
+        (4, 2, 1),
+        (256, 1, 1),
+        96,
+        0x7000,
+    )
+    assert isinstance(kernel.handle, cuda_backend.driver.CUgraphNode)
+    assert (other.index, int(other.handle), other.kind) == (1, 0xB1, "other")
+    for _, _, symbol in cuda_backend._NATIVE_NODE_READS:
+        del drivers[symbol]
     # a driver without the query: the other calls still go through the helper
     del drivers["cuStreamGetCaptureInfo_v2"]
-    assert set(cuda_backend.native_calls()) == {"launch", "graph_launch", "node_set", "packed_launch"}
+    assert set(cuda_backend.native_calls()) == {"launch", "graph_launch", "node_set", "packed_launch", "read_params"}
 
     # the launch template, as a call state runs it
     namespace = dict(backend.hot_namespace, _f=0xF00, _addr=0x5000)
