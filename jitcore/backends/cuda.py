@@ -38,8 +38,10 @@ def _error_string(status: object) -> str:
 _check = StatusCheck(driver.CUresult, _error_string)
 #: CU_STREAM_CAPTURE_STATUS_ACTIVE as the int the C helper's capture query returns.
 _CAPTURE_ACTIVE = int(driver.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_ACTIVE)
-#: CU_GRAPH_NODE_TYPE_KERNEL as the int the C helper's node-type query returns.
+#: Node types as the ints the C helper's node-type query returns.
 _NODE_KERNEL = int(driver.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL)
+_NODE_MEMCPY = int(driver.CUgraphNodeType.CU_GRAPH_NODE_TYPE_MEMCPY)
+_NODE_MEMSET = int(driver.CUgraphNodeType.CU_GRAPH_NODE_TYPE_MEMSET)
 
 
 #: What each native call binds to in libcuda: (prototype kind, symbol, per-thread-stream symbol).
@@ -108,14 +110,15 @@ def native_calls() -> dict[str, Callable[..., tuple]] | None:
     return calls
 
 
-def _other_node(index: int, handle: object, kind: object) -> GraphNode:
-    """A graph node that is not a kernel: a copy's or a memset's device addresses (through
-    the binding on both paths of ``graph_nodes``: replay reads few of them)."""
-    node_type = driver.CUgraphNodeType
-    if kind == node_type.CU_GRAPH_NODE_TYPE_MEMCPY:
+def _other_node(index: int, handle: object, kind: int) -> GraphNode:
+    """A graph node that is not a kernel (``kind``: its type as an int, which a driver newer
+    than the binding may answer with a value the binding's enum lacks: "other"): a copy's or
+    a memset's device addresses, through the binding on both paths of ``graph_nodes``
+    (replay reads few of them)."""
+    if kind == _NODE_MEMCPY:
         p = _check(driver.cuGraphMemcpyNodeGetParams(handle), "cuGraphMemcpyNodeGetParams")
         return GraphNode(index=index, handle=handle, kind="memcpy", pointers=(int(p.srcDevice), int(p.dstDevice)))
-    if kind == node_type.CU_GRAPH_NODE_TYPE_MEMSET:
+    if kind == _NODE_MEMSET:
         p = _check(driver.cuGraphMemsetNodeGetParams(handle), "cuGraphMemsetNodeGetParams")
         return GraphNode(index=index, handle=handle, kind="memset", pointers=(int(p.dst),))
     return GraphNode(index=index, handle=handle, kind="other")
@@ -379,7 +382,7 @@ class CudaBackend(DriverBackend):
                     )
                 )
             else:
-                nodes.append(_other_node(index, handle, kind))
+                nodes.append(_other_node(index, handle, int(kind)))
         return nodes
 
     @staticmethod
@@ -407,7 +410,7 @@ class CudaBackend(DriverBackend):
                     )
                 )
             else:
-                nodes.append(_other_node(index, handle, driver.CUgraphNodeType(kind)))
+                nodes.append(_other_node(index, handle, kind))
         return nodes
 
     def kernel_param_sizes(self, function: int) -> list[int] | None:
