@@ -151,8 +151,9 @@ class LaunchRecord:
         return LaunchRecord(*values)
 
 
-_launch_record_fields = operator.attrgetter(*(field.name for field in attrs.fields(LaunchRecord)))
-_LAUNCH_RECORD_ARGS = [field.name for field in attrs.fields(LaunchRecord)].index("args")
+_LAUNCH_RECORD_FIELDS = tuple(field.name for field in attrs.fields(LaunchRecord))
+_launch_record_fields = operator.attrgetter(*_LAUNCH_RECORD_FIELDS)
+_LAUNCH_RECORD_ARGS = _LAUNCH_RECORD_FIELDS.index("args")
 
 
 class Recorder(Protocol):

@@ -339,6 +339,20 @@ static PyObject *read_params(PyObject *module, PyObject *const *args, Py_ssize_t
     return values;
 }
 
+/* The kinds bind() knows: each a prototype above, by its name. */
+static const struct {
+    const char *kind;
+    PyCFunction implementation;
+} KINDS[] = {
+    {"kernel_launch", (PyCFunction)(void (*)(void))kernel_launch},
+    {"graph_launch", (PyCFunction)(void (*)(void))graph_launch},
+    {"kernel_node_set", (PyCFunction)(void (*)(void))node_set},
+    {"capture_info", (PyCFunction)(void (*)(void))capture_info},
+    {"graph_get_nodes", (PyCFunction)(void (*)(void))graph_get_nodes},
+    {"node_get_type", (PyCFunction)(void (*)(void))node_get_type},
+    {"kernel_node_get_params", (PyCFunction)(void (*)(void))kernel_node_get_params},
+};
+
 /* bind(kind, name, address): a builtin function named `name` calling the vendor function at
    `address` with the prototype of `kind`. The method definition outlives the function, so it
    is allocated and never freed (a backend binds a handful, once). */
@@ -370,21 +384,11 @@ static PyObject *bind(PyObject *module, PyObject *const *args, Py_ssize_t count)
             PyErr_SetString(PyExc_ValueError, "bind: address must not be 0");
         return NULL;
     }
-    if (strcmp(kind, "kernel_launch") == 0)
-        implementation = (PyCFunction)(void (*)(void))kernel_launch;
-    else if (strcmp(kind, "graph_launch") == 0)
-        implementation = (PyCFunction)(void (*)(void))graph_launch;
-    else if (strcmp(kind, "kernel_node_set") == 0)
-        implementation = (PyCFunction)(void (*)(void))node_set;
-    else if (strcmp(kind, "capture_info") == 0)
-        implementation = (PyCFunction)(void (*)(void))capture_info;
-    else if (strcmp(kind, "graph_get_nodes") == 0)
-        implementation = (PyCFunction)(void (*)(void))graph_get_nodes;
-    else if (strcmp(kind, "node_get_type") == 0)
-        implementation = (PyCFunction)(void (*)(void))node_get_type;
-    else if (strcmp(kind, "kernel_node_get_params") == 0)
-        implementation = (PyCFunction)(void (*)(void))kernel_node_get_params;
-    else {
+    implementation = NULL;
+    for (size_t i = 0; i < sizeof KINDS / sizeof KINDS[0]; i++)
+        if (strcmp(kind, KINDS[i].kind) == 0)
+            implementation = KINDS[i].implementation;
+    if (implementation == NULL) {
         PyErr_Format(PyExc_ValueError,
                      "bind: kind must be kernel_launch, graph_launch, kernel_node_set, capture_info, graph_get_nodes, "
                      "node_get_type or kernel_node_get_params, got %s",

@@ -52,19 +52,27 @@ _NATIVE_SYMBOLS = {
     "graph_launch": ("graph_launch", "cuGraphLaunch", "cuGraphLaunch_ptsz"),
     "node_set": ("kernel_node_set", "cuGraphExecKernelNodeSetParams_v2", "cuGraphExecKernelNodeSetParams_v2"),
 }
-#: The capture query replay makes after each launch of a recording (capture_tail), bound where
-#: the driver has it (else the query stays on the binding). The _v2 entry point: its prototype
-#: (no edge data) is the one the C helper declares, whatever the toolkit's unversioned name
-#: means today.
-_NATIVE_CAPTURE_INFO = ("capture_info", "cuStreamGetCaptureInfo_v2", "cuStreamGetCaptureInfo_v2_ptsz")
-#: The node reads of a recording's analysis (graph_nodes), bound together where the driver has
-#: all three (else they stay on the binding): (role, kind, symbol). The parameters' getter is
-#: the _v2 entry point, whose struct the C helper reads the head of.
-_NATIVE_NODE_READS = (
-    ("graph_get_nodes", "graph_get_nodes", "cuGraphGetNodes"),
-    ("node_get_type", "node_get_type", "cuGraphNodeGetType"),
-    ("kernel_node_get_params", "kernel_node_get_params", "cuGraphKernelNodeGetParams_v2"),
+#: Calls bound where the driver has them, each group whole or not at all (else those calls
+#: stay on the binding): {role: (kind, symbol, per-thread-stream symbol)} per group.
+#: - the capture query replay makes after each launch of a recording (capture_tail); the _v2
+#:   entry point, whose prototype (no edge data) is the one the C helper declares, whatever
+#:   the toolkit's unversioned name means today;
+#: - the node reads of a recording's analysis (graph_nodes); the parameters' getter is the _v2
+#:   entry point, whose struct the C helper reads the head of.
+_NATIVE_OPTIONAL = (
+    {"capture_info": ("capture_info", "cuStreamGetCaptureInfo_v2", "cuStreamGetCaptureInfo_v2_ptsz")},
+    {
+        "graph_get_nodes": ("graph_get_nodes", "cuGraphGetNodes", "cuGraphGetNodes"),
+        "node_get_type": ("node_get_type", "cuGraphNodeGetType", "cuGraphNodeGetType"),
+        "kernel_node_get_params": (
+            "kernel_node_get_params",
+            "cuGraphKernelNodeGetParams_v2",
+            "cuGraphKernelNodeGetParams_v2",
+        ),
+    },
 )
+#: The roles of the node reads, in the order graph_nodes takes them.
+_NATIVE_NODE_READS = tuple(_NATIVE_OPTIONAL[1])
 
 
 def native_calls() -> dict[str, Callable[..., tuple]] | None:
@@ -92,22 +100,23 @@ def native_calls() -> dict[str, Callable[..., tuple]] | None:
             address = ctypes.cast(getattr(libcuda, symbol), ctypes.c_void_p).value
         except AttributeError:  # a driver without the symbol: every call stays on the binding
             return None
-        calls[role] = _native.bind(kind, symbol.removesuffix("_v2").removesuffix("_ptsz"), address)
+        calls[role] = _native.bind(kind, _display_name(symbol), address)
         if role == "launch":
             calls["packed_launch"] = functools.partial(_native.PackedLaunch, address)
     calls["read_params"] = _native.read_params  # (no driver call: it reads host memory)
-    kind, legacy, ptsz = _NATIVE_CAPTURE_INFO
-    symbol = ptsz if per_thread else legacy
-    function = getattr(libcuda, symbol, None)  # (every driver of CUDA 11.3 on has it)
-    if function is not None:
-        address = ctypes.cast(function, ctypes.c_void_p).value
-        calls["capture_info"] = _native.bind(kind, "cuStreamGetCaptureInfo", address)
-    functions = [getattr(libcuda, symbol, None) for _, _, symbol in _NATIVE_NODE_READS]
-    if all(function is not None for function in functions):
-        for (role, kind, symbol), function in zip(_NATIVE_NODE_READS, functions):
-            address = ctypes.cast(function, ctypes.c_void_p).value
-            calls[role] = _native.bind(kind, symbol.removesuffix("_v2"), address)
+    for group in _NATIVE_OPTIONAL:
+        symbols = {role: ptsz if per_thread else legacy for role, (_, legacy, ptsz) in group.items()}
+        functions = {role: getattr(libcuda, symbol, None) for role, symbol in symbols.items()}
+        if all(function is not None for function in functions.values()):
+            for role, (kind, _, _) in group.items():
+                address = ctypes.cast(functions[role], ctypes.c_void_p).value
+                calls[role] = _native.bind(kind, _display_name(symbols[role]), address)
     return calls
+
+
+def _display_name(symbol: str) -> str:
+    """A driver symbol without its version and per-thread-stream suffixes (the bound call's name)."""
+    return symbol.removesuffix("_ptsz").removesuffix("_v2")
 
 
 def _other_node(index: int, handle: object, kind: int) -> GraphNode:
@@ -244,7 +253,7 @@ class CudaBackend(DriverBackend):
         self._native_node_set = native["node_set"] if native else None
         self._packed_launch = native["packed_launch"] if native else None
         self._native_capture_info = native.get("capture_info") if native else None
-        reads = tuple(native.get(role) for role, _, _ in _NATIVE_NODE_READS) if native else ()
+        reads = tuple(native.get(role) for role in _NATIVE_NODE_READS) if native else ()
         self._native_node_reads = reads if reads and all(reads) else None
         self._native_read_params = native["read_params"] if native else None
         self.raw_stream_handles = self.native

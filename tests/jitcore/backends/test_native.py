@@ -391,7 +391,8 @@ def test_the_cuda_backend_launches_through_the_helper(monkeypatch):
     # objects as on the binding's path; a node of another type (7: an empty node) is "other"
     assert backend._native_node_reads is None  # the fake libcuda has none: the binding reads
     fake_graph = FakeGraph({0xB0: (0, KERNEL_FIELDS), 0xB1: (7, None)})
-    for (_, _, symbol), callback in zip(cuda_backend._NATIVE_NODE_READS, fake_graph.callbacks):
+    node_reads = [cuda_backend._NATIVE_OPTIONAL[1][role][1] for role in cuda_backend._NATIVE_NODE_READS]
+    for symbol, callback in zip(node_reads, fake_graph.callbacks):
         drivers[symbol] = SimpleNamespace(callback=callback)
     backend = cuda_backend.CudaBackend()
     kernel, other = backend.graph_nodes(0x6000)
@@ -404,7 +405,7 @@ def test_the_cuda_backend_launches_through_the_helper(monkeypatch):
     )
     assert isinstance(kernel.handle, cuda_backend.driver.CUgraphNode)
     assert (other.index, int(other.handle), other.kind) == (1, 0xB1, "other")
-    for _, _, symbol in cuda_backend._NATIVE_NODE_READS:
+    for symbol in node_reads:
         del drivers[symbol]
     # a driver without the query: the other calls still go through the helper
     del drivers["cuStreamGetCaptureInfo_v2"]
