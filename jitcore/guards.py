@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 import attrs
 import torch
 
-from jitcore import generated
+from jitcore import generated, torch_native
 
 try:  # torch's C++ guard evaluator (used by torch.compile on every call)
     from torch._C._dynamo.guards import TensorGuards as _TensorGuards
@@ -42,19 +42,35 @@ def tensor_guard(
 ) -> Callable[..., bool] | None:
     """A ``check(*tensors) -> bool`` for tensors like ``examples``, checking each static size
     and stride (``None`` entries are left unchecked); None if guards are unavailable."""
-    raw = _raw_tensor_guard(examples, sizes, strides)
-    return None if raw is None else _screened(raw, len(examples))
+    found = _raw_tensor_guard(examples, sizes, strides)
+    if found is None:
+        return None
+    raw, safe = found
+    return raw if safe else _screened(raw, len(examples))
 
 
 def _raw_tensor_guard(
     examples: Sequence[torch.Tensor],
     sizes: Sequence[Sequence[int | None]],
     strides: Sequence[Sequence[int | None]],
-) -> Callable[..., bool] | None:
-    """torch's evaluator for ``examples``, unscreened: the caller must keep nested tensors
-    away from it (see :func:`_screened`). None where it is unavailable or refuses its own
-    examples."""
-    if _TensorGuards is None or not examples:
+) -> tuple[Callable[..., bool], bool] | None:
+    """(check, safe): the torch-side native helper's guard where it is built (safe: it says no
+    to anything it is not, nested tensors included), else torch's evaluator, unscreened (not
+    safe: the caller must keep nested tensors away from it, see :func:`_screened`). None where
+    neither is available or the guard refuses its own examples."""
+    if not examples:
+        return None
+    native = torch_native.module()
+    if native is not None and all(_plain_strided(t) and t.layout is torch.strided for t in examples):
+        try:
+            check = native.tensor_guard(
+                tuple(examples), tuple(tuple(s) for s in sizes), tuple(tuple(s) for s in strides)
+            )
+        except (TypeError, ValueError):
+            check = None
+        if check is not None and check(*examples):  # self-test, as below
+            return check, True
+    if _TensorGuards is None:
         return None
     if not all(_plain_strided(t) for t in examples):
         return None  # the evaluator's self-test below would abort on a nested example
@@ -69,7 +85,7 @@ def _raw_tensor_guard(
             return None
     except Exception:
         return None
-    return check
+    return check, False
 
 
 def _plain_strided(tensor: object) -> bool:
@@ -211,19 +227,22 @@ def make_guard(
         tests.append(test)
     tensor_tests = []
     if tensors:
-        tensor_tests.append("not (" + " or ".join(f"{name}.is_nested" for name, _ in tensors) + ")")
         distinct = len({id(check.example) for _, check in tensors}) == len(tensors)
         groups = [tensors] if distinct else [[one] for one in tensors]
+        every_safe = True
         for number, group in enumerate(groups):
-            raw = _raw_tensor_guard(
+            found = _raw_tensor_guard(
                 [check.example for _, check in group],
                 [check.sizes for _, check in group],
                 [check.strides for _, check in group],
             )
-            if raw is None:
+            if found is None:
                 return None
-            namespace[f"_tensor_guard{number}"] = raw
+            namespace[f"_tensor_guard{number}"], safe = found
+            every_safe = every_safe and safe
             tensor_tests.append(f"_tensor_guard{number}({', '.join(name for name, _ in group)})")
+        if not every_safe:  # the nested screen, before any evaluator that needs it
+            tensor_tests.insert(0, "not (" + " or ".join(f"{name}.is_nested" for name, _ in tensors) + ")")
     body = " and ".join([*tests, *tensor_tests, f"_device() == {int(device)}"])
     if not packed:
         source = f"def guard({', '.join(names)}):\n    return {body}\n"

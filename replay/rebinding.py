@@ -180,10 +180,13 @@ class Plan:
     retry_later: str | None = None  # why this capture cannot be used, though a later one may
 
 
+_POINTER = struct.Struct("<Q")
+
+
 def _owners(inputs: Sequence[InputRange], address: int) -> list[InputRange]:
     found = [r for r in inputs if r.lo <= address < r.hi]
-    if not found:
-        found = [r for r in inputs if r.lo == r.hi == address and address]
+    if not found and address:
+        found = [r for r in inputs if r.lo == r.hi == address]
     return found
 
 
@@ -391,7 +394,7 @@ class _Planner:
     def depends_on_dynamic(self, launch: LaunchView, args: Sequence[int], what: str) -> bool:
         """Whether a value computed from jit arguments ``args`` changes from replay to replay
         (it depends on a dynamic scalar): refused where replay cannot recompute it."""
-        if not set(args) & launch.dynamic_args:
+        if not (args and launch.dynamic_args and not launch.dynamic_args.isdisjoint(args)):
             return False  # depends on constants only: fixed for this graph
         missing = [k for k in args if k not in launch.scalar_sources]
         if missing:
@@ -432,7 +435,7 @@ class _Planner:
         """Rebind a pointer into exactly one input; stage the inputs it may point into where
         that is ambiguous. Returns the jit arguments its offset is recomputed from."""
         raw = launch.param_bytes[param.offset : param.offset + param.size]
-        (address,) = struct.unpack("<Q", raw)
+        (address,) = _POINTER.unpack(raw)
         owners, staging_copy = self.pointer_owners(launch, address)
         dynamic = self.depends_on_dynamic(launch, param.offset_scalar_args, f"the offset of pointer {param.index}")
         if dynamic and not owners:

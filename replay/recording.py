@@ -291,14 +291,28 @@ def _param_view(p) -> rebinding.ParamView:
     return view
 
 
+def _param_views(params: Sequence) -> tuple[rebinding.ParamView, ...]:
+    views = []
+    for p in params:
+        cached = _PARAM_VIEWS.get(id(p))
+        views.append(cached[1] if cached is not None and cached[0] is p else _param_view(p))
+    return tuple(views)
+
+
 def _launch_view(record, node: int | None, staging_input: int | None = None) -> rebinding.LaunchView:
-    params = tuple(_param_view(p) for p in record.params)
-    config = tuple(
-        rebinding.ConfigView(c.field, tuple(c.scalar_args), c.evaluate, getattr(c, "expression", ""))
-        for c in getattr(record, "dynamic_config", ())
+    dynamic_config = getattr(record, "dynamic_config", ())
+    config = (
+        tuple(
+            rebinding.ConfigView(c.field, tuple(c.scalar_args), c.evaluate, getattr(c, "expression", ""))
+            for c in dynamic_config
+        )
+        if dynamic_config
+        else ()
     )
     sources, dynamic, constants = {}, set(), {}
     for k, arg in enumerate(record.args):
+        if arg is None:
+            continue  # a tensor, dropped from the record (scalar_or_none)
         if isinstance(arg, DynamicScalar):
             sources[k] = arg.source
             constants.update(arg.constants)
@@ -308,20 +322,25 @@ def _launch_view(record, node: int | None, staging_input: int | None = None) -> 
             name = f"_lit{next(_literal_names)}"
             constants[name] = arg.__jit_scalar__() if hasattr(arg, "__jit_scalar__") else arg
             sources[k] = name
-    checks = tuple(rebinding.CheckView(tuple(c.scalar_args), c.value, c.size) for c in getattr(record, "checks", ()))
+    record_checks = getattr(record, "checks", ())
+    checks = (
+        tuple(rebinding.CheckView(tuple(c.scalar_args), c.value, c.size) for c in record_checks)
+        if record_checks
+        else ()
+    )
     return rebinding.LaunchView(
-        checks=checks,
-        staging_input=staging_input,
         function=record.function,
         kernel=record.kernel,
         param_bytes=record.param_bytes,
-        params=params,
+        params=_param_views(record.params),
         scalar_sources=sources,
         dynamic_args=frozenset(dynamic),
         constants=constants,
         config=config,
         launched=getattr(record, "launched", True),
         node=node,
+        checks=checks,
+        staging_input=staging_input,
     )
 
 

@@ -464,6 +464,15 @@ typedef struct {
 
 static PyObject *S_DATA_PTR; /* "data_ptr" */
 
+/* A faster reader of a tensor's data pointer for 'P', from the torch-side helper
+ * (jitcore/_torch_native.cpp, built against the installed torch): it answers 1 with the
+ * address where it read what data_ptr() would return, 0 where the method must be called
+ * (anything but a plain tensor, a torch function mode, an error). NULL: always the method. */
+typedef int (*data_pointer_reader_fn)(PyObject *, uint64_t *);
+static data_pointer_reader_fn DATA_POINTER_READER;
+static PyObject *DATA_POINTER_READER_OWNER; /* the capsule, kept while its function is in use */
+#define DATA_POINTER_READER_NAME "jitcore._torch_native.data_pointer_reader"
+
 static void packed_dealloc(PackedLaunch *self) {
     Py_XDECREF(self->failed);
     PyMem_Free(self->template);
@@ -643,6 +652,11 @@ static int pack_one(char code, PyObject *value, char *place) {
                              : _PyFloat_Pack8(x, (unsigned char *)place, 1);
 #endif
     case 'P': { /* a tensor's data pointer, packed as 'Q' (what value.data_ptr() returns) */
+        uint64_t address;
+        if (DATA_POINTER_READER != NULL && DATA_POINTER_READER(value, &address)) {
+            memcpy(place, &address, sizeof address);
+            return 0;
+        }
         PyObject *pointer = PyObject_CallMethodNoArgs(value, S_DATA_PTR);
         if (pointer == NULL)
             return -1;
@@ -736,7 +750,25 @@ static PyTypeObject PackedLaunchType = {
     .tp_call = PyVectorcall_Call,
 };
 
+/* use_data_pointer_reader(capsule or None): the reader 'P' tries first (None: the method only). */
+static PyObject *use_data_pointer_reader(PyObject *module, PyObject *capsule) {
+    data_pointer_reader_fn reader = NULL;
+    if (capsule != Py_None) {
+        reader = (data_pointer_reader_fn)PyCapsule_GetPointer(capsule, DATA_POINTER_READER_NAME);
+        if (reader == NULL)
+            return NULL;
+    }
+    PyObject *previous = DATA_POINTER_READER_OWNER;
+    Py_INCREF(capsule);
+    DATA_POINTER_READER = reader;
+    DATA_POINTER_READER_OWNER = capsule;
+    Py_XDECREF(previous);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef module_methods[] = {
+    {"use_data_pointer_reader", use_data_pointer_reader, METH_O,
+     "use_data_pointer_reader(capsule or None): how 'P' reads a tensor's data pointer (see the module source)"},
     {"bind", (PyCFunction)(void (*)(void))bind, METH_FASTCALL,
      "bind(kind, name, address) -> function calling the vendor function at address (see the module source)"},
     {"read_params", (PyCFunction)(void (*)(void))read_params, METH_FASTCALL,

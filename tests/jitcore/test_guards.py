@@ -113,7 +113,7 @@ def test_the_tests_run_in_the_generated_order_and_the_first_no_ends_it(monkeypat
         return evaluator.answer
 
     evaluator.answer = True
-    monkeypatch.setattr(guards, "_raw_tensor_guard", lambda examples, sizes, strides: evaluator)
+    monkeypatch.setattr(guards, "_raw_tensor_guard", lambda examples, sizes, strides: (evaluator, False))
 
     def through(value):
         log.append(("through", value))

@@ -11,3 +11,69 @@ def test_a_failure_without_a_message_still_has_a_reason():
     assert _first_line(RuntimeError("")) == "RuntimeError"
     assert _first_line(RuntimeError("   \n  ")) == "RuntimeError"
     assert _first_line(RuntimeError("first\nsecond")) == "first"
+
+
+def _record(args, params, dynamic_config=(), checks=(), launched=True):
+    from jitcore.backends.abi import ParamLayout, parse_param
+    from jitcore.recorder import LaunchRecord
+
+    layout = ParamLayout.of([parse_param("float* x")])
+    return LaunchRecord(
+        jit_function="f",
+        kernel="k<float>",
+        function=0xABC,
+        device=0,
+        grid=(4, 1, 1),
+        block=(64, 1, 1),
+        shared_bytes=0,
+        layout=layout,
+        param_bytes=bytes(8),
+        params=params,
+        args=args,
+        stream=0,
+        launched=launched,
+        dynamic_config=dynamic_config,
+        checks=checks,
+    )
+
+
+class _JitScalar:
+    def __jit_scalar__(self):
+        return 7
+
+
+def test_launch_views_carry_every_kind_of_argument_and_each_record_once():
+    # every argument kind a kept record holds: a dropped tensor (None), a dynamic scalar
+    # (its source, constants and index), plain numbers and objects with __jit_scalar__
+    # (bound by a fresh name, never by repr), with configs and checks passed through
+    import math
+
+    from jitcore.recorder import CheckRecord, ConfigRecord, ParamRecord
+    from replay.dynamic import DynamicScalar
+    from replay.recording import launch_views
+
+    pointer = ParamRecord(index=0, name="x", offset=0, size=8, fmt="Q", kind="pointer", arg_index=0, byte_offset=16)
+    scalar = ParamRecord(index=1, name="s", offset=8, size=4, fmt="f", kind="scalar", scalar_args=(1,), evaluate=abs)
+    config = ConfigRecord("grid_x", [1], abs, "{1}")
+    check = CheckRecord([2], abs, len, "{2}")
+    d = DynamicScalar("(_d0 + _k9)", 3, "n", {"_k9": 2})
+    first = _record((None, d, 2.5, math.nan, _JitScalar(), True), (pointer, scalar), (config,), (check,))
+    second = _record((None, None), (pointer,), launched=False)
+    views = launch_views([first, second], [11, None], {1: 0})
+    a, b = views
+    assert [p.kind for p in a.params] == ["pointer", "scalar"] and a.params[0].byte_offset == 16
+    assert a.params[1].evaluate is abs and a.params[1].scalar_args == (1,)
+    assert b.params[0] is a.params[0]  # one view per parameter record
+    assert a.dynamic_args == {1} and a.scalar_sources[1] == "(_d0 + _k9)"
+    assert set(a.scalar_sources) == {1, 2, 3, 4, 5}
+    names = [a.scalar_sources[k] for k in (2, 3, 4, 5)]
+    assert all(n.startswith("_lit") for n in names) and len(set(names)) == 4
+    values = [a.constants[n] for n in names]
+    assert values[0] == 2.5 and math.isnan(values[1]) and values[2] == 7 and values[3] is True
+    assert a.constants["_k9"] == 2
+    assert [(c.field, c.scalar_args, c.evaluate, c.expression) for c in a.config] == [("grid_x", (1,), abs, "{1}")]
+    assert [(c.scalar_args, c.value, c.size) for c in a.checks] == [((2,), abs, len)]
+    assert (a.node, a.staging_input, a.launched) == (11, None, True)
+    assert (b.node, b.staging_input, b.launched) == (None, 0, False)
+    assert b.scalar_sources == {} and b.constants == {} and b.config == () and b.checks == ()
+    assert (a.function, a.kernel, a.param_bytes) == (0xABC, "k<float>", bytes(8))
