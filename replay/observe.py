@@ -81,6 +81,10 @@ class TorchOpObserver(TorchDispatchMode):
         self.ranges = list(ranges)
         self.read: set[int] = set()
         self.written: set[int] = set()
+        # watched ranges an op reached through a tensor that none of the ranges holds whole (a
+        # global or closure tensor holding an argument, or a view wider than it): staging such
+        # an input, or rebinding it, would part it from memory the op reads at a fixed address
+        self.reached_beyond: set[int] = set()
         self.host = list(host)
         self.describe = describe
         self.rewrite_blocking = rewrite_blocking
@@ -92,7 +96,10 @@ class TorchOpObserver(TorchDispatchMode):
         lo, hi = byte_range(tensor)
         if lo == hi:
             return []
-        return [i for i, (a, b) in enumerate(self.ranges) if a < hi and lo < b]
+        hits = [i for i, (a, b) in enumerate(self.ranges) if a < hi and lo < b]
+        if hits and not any(a <= lo and hi <= b for a, b in self.ranges):
+            self.reached_beyond.update(hits)
+        return hits
 
     def _host_hits(self, arguments: tuple, args: tuple, kwargs: dict) -> tuple[dict, dict]:
         """The op's arguments by name, and which of them touch a host buffer (name -> input)."""

@@ -571,9 +571,10 @@ def make_variant(
             views.append(rebinding.NodeView(node.index, "other", handle=recording.node_handle(node)))
     tensors = {i: leaf for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)}
     ranges = recording.input_ranges(tensors, paths)
+    extents = recording.pointer_extents(observation.records, ranges, tensors.values())
     plan = rebinding.build_plan(
         ranges,
-        recording.launch_views(records, launch_nodes),
+        recording.launch_views(records, launch_nodes, None, extents),
         views,
         staged=set(),
         copied_back=set(),

@@ -108,6 +108,9 @@ class LaunchView:
     node: int | None = None  # the graph node it became (raw handle), where the backend says
     checks: tuple[CheckView, ...] = ()
     staging_input: int | None = None  # a staging copy of this input (leaf index) made by replay itself
+    # pointer parameter -> (first byte, one past the last) of the jit argument it came from, where
+    # that is not the input tensor it points into (replay.recording.pointer_extents)
+    extents: Mapping[int, tuple[int, int]] = attrs.Factory(dict)
 
 
 @attrs.frozen
@@ -452,6 +455,13 @@ class _Planner:
             # (a staged input's own memory is reached only by our staging copies,
             # whose pointers must follow the input like any other)
             owner = owners[0]
+            extent = None if staging_copy else launch.extents.get(param.index)
+            if extent is not None and not (owner.lo <= extent[0] and extent[1] <= owner.hi):
+                raise _Refused(
+                    f"{launch.kernel}: pointer parameter {param.index} points into input {owner.path} but came from "
+                    "a tensor that reaches beyond it (a global or closure tensor holding the input, or a view wider "
+                    "than it): replay cannot tell whether it moves with the input"
+                )
             self.plan.pointers.append(
                 PointerBinding(
                     node_index,

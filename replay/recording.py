@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import itertools
+import struct
 import time
 import warnings
 import weakref
@@ -42,6 +43,7 @@ _NUMBERS = (int, float, bool)
 class _NoObservation:
     read: frozenset = frozenset()
     written: frozenset = frozenset()
+    reached_beyond: frozenset = frozenset()
     host_refusals: tuple = ()
 
 
@@ -123,6 +125,9 @@ class Capture:
     host: host_inputs.HostInputs | None = None
     # per launch record, {parameter index: replay.polymorphic.StorageUse}; None unless asked for
     pointer_storages: list | None = None
+    # per launch record: {pointer parameter: byte range of the jit argument it came from}, for
+    # pointers into an input that did not come from the input tensor itself (pointer_extents)
+    pointer_extents: list = attrs.Factory(list)
 
 
 class KeptPool:
@@ -299,7 +304,9 @@ def _param_views(params: Sequence) -> tuple[rebinding.ParamView, ...]:
     return tuple(views)
 
 
-def _launch_view(record, node: int | None, staging_input: int | None = None) -> rebinding.LaunchView:
+def _launch_view(
+    record, node: int | None, staging_input: int | None = None, extents: dict | None = None
+) -> rebinding.LaunchView:
     dynamic_config = getattr(record, "dynamic_config", ())
     config = (
         tuple(
@@ -341,15 +348,24 @@ def _launch_view(record, node: int | None, staging_input: int | None = None) -> 
         node=node,
         checks=checks,
         staging_input=staging_input,
+        extents=extents or {},
     )
 
 
 def launch_views(
-    records: Sequence, nodes: Sequence[int | None] | None = None, staging: dict[int, int] | None = None
+    records: Sequence,
+    nodes: Sequence[int | None] | None = None,
+    staging: dict[int, int] | None = None,
+    extents: Sequence[dict] | None = None,
 ) -> list[rebinding.LaunchView]:
+    """The plan's view of each launch record (``extents``: :func:`pointer_extents`, per record)."""
     nodes = nodes if nodes is not None else [None] * len(records)
     staging = staging or {}
-    return [_launch_view(record, node, staging.get(n)) for n, (record, node) in enumerate(zip(records, nodes))]
+    extents = extents or [None] * len(records)
+    return [
+        _launch_view(record, node, staging.get(n), extent)
+        for n, (record, node, extent) in enumerate(zip(records, nodes, extents))
+    ]
 
 
 def node_handle(node) -> int:
@@ -492,6 +508,20 @@ def _inputs_written(prepared: _CaptureInputs, observation: object, region_record
     return written
 
 
+def _refuse_reads_beyond_inputs(prepared: _CaptureInputs, observation: object) -> None:
+    """A torch op read a tensor that holds an input and reaches beyond it (``cache`` while
+    ``cache[0]`` is the argument): the op reads that memory at a fixed address, while replay
+    would rebind or stage the input apart from it, so the key runs eagerly."""
+    beyond = sorted(getattr(observation, "reached_beyond", ()))
+    if beyond:
+        paths = {r.index: r.path for r in prepared.inputs}
+        names = sorted({paths.get(prepared.watched_index[w], f"input {prepared.watched_index[w]}") for w in beyond})
+        raise CaptureFailed(
+            f"a torch op reads a tensor that holds {', '.join(names)} and reaches beyond it (a global or closure "
+            "tensor holding the argument, or a view wider than it): replay cannot move the argument apart from it"
+        )
+
+
 def _refuse_host_misuse(prepared: _CaptureInputs, observation: object, region_records: Sequence) -> None:
     """Inside the capture, before the graph is ever launched: a torch op used a host input's
     values on the CPU (or wrote it), or a jit launch writes its pinned buffer."""
@@ -564,6 +594,7 @@ def _record(
             first_region_launch = len(recorder.records)
             outputs = fn(*args, **kwargs)
             _refuse_host_misuse(prepared, observation, recorder.records[first_region_launch:])
+            _refuse_reads_beyond_inputs(prepared, observation)
             written = _inputs_written(prepared, observation, recorder.records[first_region_launch:])
             _copy_staged_back(prepared, recorder, written, copy_back, staging_launches, copied_back)
             _refuse_written_overlaps(prepared.inputs, prepared.staged, written | copied_back)
@@ -632,6 +663,7 @@ def _capture_record(
     memory: int,
     timings: dict,
     storage_uses: list | None,
+    extents: list,
 ) -> Capture:
     """The Capture: the graph, with what analysis and replay need to know of its recording."""
     return Capture(
@@ -658,6 +690,7 @@ def _capture_record(
         timings=timings,
         host=prepared.host,
         pointer_storages=storage_uses,
+        pointer_extents=extents,
     )
 
 
@@ -728,6 +761,7 @@ def capture(
             storage_uses = pointer_storages(
                 recorder.records, lambda base: any(a <= base < a + size for a, size in segments)
             )
+        extents = pointer_extents(recorder.records, prepared.inputs, prepared.tensors.values())
         # Records must not keep the capture's tensors alive: intermediates freed now return to
         # the pool, where the next graph recorded into it reuses them.
         records = [r.with_args(tuple(map(scalar_or_none, r.args))) for r in recorder.records]
@@ -750,6 +784,7 @@ def capture(
             memory=memory,
             timings=timings,
             storage_uses=storage_uses,
+            extents=extents,
         )
 
 
@@ -762,6 +797,39 @@ class StorageUse:
     base: int
     nbytes: int
     made: bool
+
+
+_POINTER = struct.Struct("<Q")
+
+
+def pointer_extents(
+    records: Sequence, inputs: Sequence[rebinding.InputRange], tensors: Iterable[torch.Tensor]
+) -> list[dict[int, tuple[int, int]]]:
+    """Per launch record (its ``args`` still the tensors), ``{parameter index: (first byte,
+    one past the last)}`` of the jit argument a pointer parameter came from, for each pointer
+    into an input whose jit argument is not that input tensor itself (a view of it, or a
+    global or closure tensor that happens to hold it). The plan binds a pointer to an input
+    by its address; it must not where the tensor the pointer came from reaches beyond that
+    input (``cache`` passed to a kernel while ``cache[0]`` is the argument: the global must
+    stay where it is, the argument moves), see rebinding's bind_pointer."""
+    ranges = [(r.lo, r.hi) for r in inputs if r.lo < r.hi or r.lo]
+    if not ranges:
+        return [{} for _ in records]
+    own = {id(t) for t in tensors}
+    result = []
+    for record in records:
+        found = {}
+        for param in record.params:
+            if param.kind != "pointer" or param.arg_index is None:
+                continue
+            tensor = record.args[param.arg_index]
+            if id(tensor) in own or not isinstance(tensor, torch.Tensor):
+                continue  # the input itself (most pointers into inputs): its range is the input's
+            (address,) = _POINTER.unpack_from(record.param_bytes, param.offset)
+            if any(lo <= address < hi or lo == hi == address for lo, hi in ranges):
+                found[param.index] = byte_range(tensor)
+        result.append(found)
+    return result
 
 
 def pointer_storages(records: Sequence, made: Callable[[int], bool]) -> list[dict]:
@@ -795,7 +863,9 @@ def analyse(capture: Capture) -> None:
     views, scanned = node_views(backend, capture.nodes, capture.records)
     plan = rebinding.build_plan(
         capture.inputs,
-        launch_views(capture.records, capture.launch_nodes or None, capture.staging_launches),
+        launch_views(
+            capture.records, capture.launch_nodes or None, capture.staging_launches, capture.pointer_extents or None
+        ),
         views,
         staged=set(capture.staged),
         copied_back=capture.copied_back,

@@ -748,3 +748,43 @@ def test_an_output_fed_back_into_its_own_graph_runs_eagerly():
             x = torch.randn(128, device="cuda")
             h = differential(step, recurrent, h, x)
         assert session.stats().declined >= 1
+
+
+# --- a global tensor that holds an argument -------------------------------------------------------
+def _rows_then_global(cache):
+    def step(row, x):
+        add_one(x, row)  # writes the argument: a row of the global
+        out = torch.empty(cache.numel(), device="cuda")
+        scaled(cache.view(-1), out, 2.0)  # reads the whole global: its pointer is row 0's address
+        return out
+
+    return step
+
+
+def _rows_then_torch_reads_global(cache):
+    def step(row, x):
+        add_one(x, row)  # writes the argument: a row of the global
+        return cache.sum(0)  # a torch op reading the whole global, the argument's row included
+
+    return step
+
+
+@pytest.mark.parametrize("region", [_rows_then_global, _rows_then_torch_reads_global])
+def test_a_global_that_holds_the_argument_stays_where_it_is(region):
+    """Recorded with row = cache[0], the global's pointer equals the argument's; bound by address
+    it would follow the argument to cache[i] on replay (reading past the end), and staged, the
+    argument would be parted from the global a torch op reads. The tensor the kernel or op got
+    reaches beyond the input, so the key is refused loudly and runs eagerly: exact."""
+    initial = torch.randn(4, 256, device="cuda")
+    eager_cache, replay_cache = initial.clone(), initial.clone()
+    eager_step = region(eager_cache)
+    with replay.capture() as session:
+        step = session.region(region(replay_cache))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", replay.ReplayWarning)
+            for i in [0, 0, 0, 2, 3, 0, 1]:
+                x = torch.randn(256, device="cuda")
+                expected = eager_step(eager_cache[i], x.clone())
+                got = step(replay_cache[i], x)
+                assert same(got, expected) and same(replay_cache, eager_cache), i
+        assert any("reaches beyond it" in str(w.message) for w in caught), [str(w.message) for w in caught]

@@ -49,3 +49,28 @@ def test_metadata_only_ops_do_not_count_as_reads():
         torch.zeros_like(x)
         x.new_empty(3)
     assert observer.read == set()
+
+
+def test_an_op_reading_a_tensor_that_holds_a_watched_range_is_noted():
+    """``cache`` read by an op while ``cache[1]`` is the watched argument: noted (the capture
+    refuses the key); views inside a watched range, and overlapping watched ranges each
+    holding the tensor read, are not."""
+    cache = torch.randn(4, 8)
+    observer = watch(cache[1], torch.randn(3))
+    with observer:
+        cache[1][2:5] * 2  # inside the argument
+    assert observer.read == {0} and observer.reached_beyond == set()
+    with observer:
+        cache.sum()  # the whole global: reaches beyond the argument
+    assert observer.reached_beyond == {0}
+
+    base = torch.randn(16)
+    x, y = base[:10], base[6:]
+    observer = watch(x, y)
+    with observer:
+        x * 2  # overlaps y too, but x holds it whole
+        y + 1
+    assert observer.read == {0, 1} and observer.reached_beyond == set()
+    with observer:
+        base[4:12].sum()  # held by neither
+    assert observer.reached_beyond == {0, 1}

@@ -314,3 +314,53 @@ def test_the_inputs_each_node_reaches_are_decided_at_once_as_node_by_node(bounds
         owners = {r.index for word in words for r in _owners(inputs, word)}
         order = [r.index for r in inputs if r.lo < r.hi] + [r.index for r in inputs if not r.lo < r.hi]
         assert [r.index for r in found] == [i for i in order if i in owners]
+
+
+# --- pointers from tensors that reach beyond the input they point into --------------------------
+
+
+def _with_extents(view: LaunchView, extents: dict[int, tuple[int, int]]) -> LaunchView:
+    return attrs.evolve(view, extents=extents)
+
+
+def test_a_global_holding_the_argument_is_never_rebound_to_it():
+    """A region called as step(cache[i]) that also passes the global ``cache`` to a kernel:
+    recorded with i = 0, the global's pointer is the argument's address. Bound by address it
+    would follow the argument to row i on replay; its jit argument reaches beyond the input,
+    so the capture is refused instead (the key runs eagerly)."""
+    base, row = 0x7F0000000000, 8 * 4
+    row0 = InputRange(0, "args[0]", base, base + row)
+    write_row = launch(0xA1, [(row0.lo, False)], kernel="write_row")
+    col_sums = _with_extents(launch(0xB2, [(base, True)], kernel="col_sums"), {0: (base, base + 4 * row)})
+    result = plan([row0], [write_row, col_sums], [node_for(0, write_row), node_for(1, col_sums)])
+    assert result.failure is not None and "reaches beyond it" in result.failure and "args[0]" in result.failure
+    assert "col_sums: pointer parameter 0" in result.failure
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    lo_shift=st.integers(-64, 64),
+    hi_shift=st.integers(-64, 64),
+    offset=st.integers(0, 4095),
+)
+def test_a_pointer_binds_to_an_input_only_where_its_tensor_lies_inside_it(lo_shift, hi_shift, offset):
+    """The class: any jit argument whose byte range is inside the input (a view of it) binds
+    as before; any that starts before or ends after it refuses the capture."""
+    address = X.lo + offset
+    lo, hi = min(X.lo + lo_shift, address), max(X.hi + hi_shift, address + 1)
+    view = _with_extents(launch(0xF1, [(address, True)]), {0: (lo, hi)})
+    result = plan([X, Y], [view], [node_for(0, view)])
+    inside = X.lo <= lo and hi <= X.hi
+    if inside:
+        assert result.failure is None and [(b.input, b.delta) for b in result.pointers] == [(0, offset)]
+    else:
+        assert result.failure is not None and "reaches beyond it" in result.failure and result.pointers == []
+
+
+def test_extents_of_pointers_outside_inputs_or_of_staging_copies_are_ignored():
+    outside = _with_extents(launch(0xF1, [(0x50000, True)]), {0: (0x40000, 0x90000)})
+    result = plan([X, Y], [outside], [node_for(0, outside)])
+    assert result.failure is None and result.pointers == []
+    copy = attrs.evolve(launch(0xC0, [(X.lo, True)]), staging_input=0, extents={0: (X.lo - 64, X.hi + 64)})
+    result = plan([X, Y], [copy], [node_for(0, copy)], staged={0})
+    assert result.failure is None and [(b.input, b.delta) for b in result.pointers] == [(0, 0)]

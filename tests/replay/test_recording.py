@@ -77,3 +77,42 @@ def test_launch_views_carry_every_kind_of_argument_and_each_record_once():
     assert (b.node, b.staging_input, b.launched) == (None, 0, False)
     assert b.scalar_sources == {} and b.constants == {} and b.config == () and b.checks == ()
     assert (a.function, a.kernel, a.param_bytes) == (0xABC, "k<float>", bytes(8))
+
+
+def test_pointer_extents_name_the_tensors_that_are_not_the_input_itself():
+    """Per record: the byte range of each pointer's jit argument where it points into an input
+    and is not that input tensor (a view of it, a global holding it); nothing for the input
+    itself, for pointers outside every input, or for scalars."""
+    import struct
+
+    import torch
+
+    from jitcore.recorder import ParamRecord
+    from replay import rebinding
+    from replay.recording import pointer_extents
+    from replay.region_keys import byte_range
+
+    cache = torch.randn(4, 8)
+    row = cache[0]
+    inner = row[2:6]
+    elsewhere = torch.randn(16)
+    inputs = [rebinding.InputRange(0, "args[0]", *byte_range(row))]
+
+    def record(*tensors):
+        params = tuple(
+            ParamRecord(index=i, name=None, offset=8 * i, size=8, fmt="Q", kind="pointer", arg_index=i)
+            for i in range(len(tensors))
+        )
+        data = b"".join(struct.pack("<Q", t.data_ptr()) for t in tensors)
+        return _record_with(tensors, params, data)
+
+    records = [record(row, inner), record(cache, elsewhere), record(elsewhere)]
+    extents = pointer_extents(records, inputs, [row])
+    assert extents == [{1: byte_range(inner)}, {0: byte_range(cache)}, {}]
+    assert pointer_extents(records, [], [row]) == [{}, {}, {}]
+
+
+def _record_with(args, params, data):
+    import attrs
+
+    return attrs.evolve(_record(args, params), param_bytes=data)
