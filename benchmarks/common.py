@@ -76,6 +76,10 @@ def per_call_us(fn: Callable[[], object], calls: int, sync: Callable[[], object]
     return elapsed / calls / 1000.0
 
 
+def _nothing() -> None:
+    pass
+
+
 def compare(
     paths: dict[str, Callable[[], object]],
     *,
@@ -83,15 +87,21 @@ def compare(
     repeats: int,
     warmup: int = 200,
     sync: Callable[[], object] | None = None,
+    setups: dict[str, Callable[[], object]] | None = None,
 ) -> dict[str, dict[str, float]]:
     """Time every path in round-robin order (so drift of a noisy machine hits all alike) and
-    report the median, min and max of the per-loop means, in microseconds per call."""
-    for fn in paths.values():
+    report the median, min and max of the per-loop means, in microseconds per call.
+    ``setups[name]``, where given, runs (untimed) before each warm-up and timed loop of that
+    path: process-wide switches two paths differ in."""
+    setups = setups or {}
+    for name, fn in paths.items():
+        setups.get(name, _nothing)()
         for _ in range(warmup):
             fn()
     samples: dict[str, list[float]] = {name: [] for name in paths}
     for _ in range(repeats):
         for name, fn in paths.items():
+            setups.get(name, _nothing)()
             samples[name].append(per_call_us(fn, calls, sync))
     return {
         name: {"median_us": statistics.median(s), "min_us": min(s), "max_us": max(s), "loops": len(s), "calls": calls}

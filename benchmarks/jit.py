@@ -8,11 +8,15 @@ The ``@jit`` time is broken down into key, lookup, drift check, fill and launch.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 import jitcore as jc
 from benchmarks import common
-from benchmarks.launch import SOURCE, N, launch_axpy, raw_paths
+from benchmarks.launch import SOURCE, N, kernel, launch_axpy, raw_paths
+from jitcore import torch_native
+from jitcore.backends import compiled_helpers_enabled
 
 
 def triton_path(x, y, out, alpha):
@@ -29,16 +33,50 @@ def triton_path(x, y, out, alpha):
     return lambda: axpy_triton[grid](x, y, out, alpha, N, BLOCK=256)
 
 
+WITH_HELPER_JIT = "jitcore @jit call, torch-side helper"
+WITH_HELPER_HANDLE = "jitcore compile() handle, torch-side helper"
+
+
+def launch_axpy_source(x, y, out, alpha):
+    """benchmarks.launch's launcher again, to be made into a second @jit with the helper."""
+    n = x.numel()
+    kernel[jc.cdiv(n, 256), 256](x, y, out, alpha, n)
+
+
+def torch_side_helper():
+    """(the torch-side native helper for this torch, built here if it was not, or None; why not)."""
+    found, reason = torch_native.load()
+    if found is None and compiled_helpers_enabled():
+        try:
+            torch_native.build(quiet=True)
+        except (RuntimeError, OSError) as error:
+            return None, f"it could not be built ({str(error).splitlines()[0]})"
+        found, reason = torch_native.load()
+    return found, reason
+
+
 def main() -> None:
     args = common.parser(__doc__.splitlines()[0]).parse_args()
     repeats, calls = (3, 500) if args.quick else (25, 2000)
     x, y = torch.randn(N, device="cuda"), torch.randn(N, device="cuda")
     out = torch.full((N,), float("nan"), device="cuda")
     alpha = 1.5
-    launch_axpy(x, y, out, alpha)
-    torch.cuda.synchronize()
-    torch.testing.assert_close(out, alpha * x + y, rtol=1e-6, atol=1e-5)  # the kernel may fuse into an FMA
-    handle = jc.compile(launch_axpy, x, y, out, alpha)
+    with torch_native.using(None):  # the paths without the torch-side helper, as before it
+        launch_axpy(x, y, out, alpha)
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out, alpha * x + y, rtol=1e-6, atol=1e-5)  # the kernel may fuse into an FMA
+        launch_axpy(x, y, out, alpha)
+        handle = jc.compile(launch_axpy, x, y, out, alpha)
+    helper, helper_note = torch_side_helper()
+    if helper is not None:  # the same launcher again, its guard and launch made with the helper
+        with torch_native.using(helper):
+            launch_with = jc.jit(launch_axpy_source)
+            for _ in range(2):
+                out.fill_(float("nan"))
+                launch_with(x, y, out, alpha)
+                torch.cuda.synchronize()
+                torch.testing.assert_close(out, alpha * x + y, rtol=1e-6, atol=1e-5)
+            handle_with = jc.compile(launch_with, x, y, out, alpha)
     prepacked, _tuple, _backend_launch, _keep, native = raw_paths(x, y, out, alpha)
     steps = jc.hit_path_parts(launch_axpy, x, y, out, alpha)  # each step of a hit, run alone
     paths = {
@@ -48,6 +86,14 @@ def main() -> None:
         "jitcore @jit call": lambda: launch_axpy(x, y, out, alpha),
         "torch.add(out=)": lambda: torch.add(y, x, alpha=alpha, out=out),
     }
+    without = functools.partial(torch_native.use_data_pointer_reader, None)
+    setups = {name: without for name in paths}
+    if helper is not None:
+        paths[WITH_HELPER_JIT] = lambda: launch_with(x, y, out, alpha)
+        paths[WITH_HELPER_HANDLE] = lambda: handle_with(x, y, out, alpha)
+        setups[WITH_HELPER_JIT] = setups[WITH_HELPER_HANDLE] = functools.partial(
+            torch_native.use_data_pointer_reader, helper
+        )
     try:
         paths["Triton kernel[grid](...)"] = triton_path(x, y, out, alpha)
     except Exception as exc:
@@ -61,7 +107,8 @@ def main() -> None:
         paths["CuPy RawKernel"] = lambda: raw((N // 256,), (256,), cargs)
     except Exception as exc:
         print(f"CuPy skipped: {exc}")
-    results = common.compare(paths, calls=calls, repeats=repeats, sync=torch.cuda.synchronize)
+    results = common.compare(paths, calls=calls, repeats=repeats, sync=torch.cuda.synchronize, setups=setups)
+    torch_native.use_data_pointer_reader(torch_native.module())
     breakdown = common.compare(
         {
             "key (lean key + current device)": steps["key"],
@@ -81,6 +128,16 @@ def main() -> None:
         f"\n\n`@jit` / raw: **{jit_ratio:.3f}x** (target at most 1.25x); "
         f"`compile()` handle / raw: **{pinned_ratio:.3f}x** (target at most 1.05x).\n\n"
     )
+    if helper is not None:
+        helper_jit = results[WITH_HELPER_JIT]["median_us"] / floor
+        helper_handle = results[WITH_HELPER_HANDLE]["median_us"] / floor
+        results.update(helper_jit_over_raw=helper_jit, helper_pinned_over_raw=helper_handle)
+        body += (
+            f"With the torch-side native helper (`python -m jitcore.torch_native`; docs/kernels.md): "
+            f"`@jit` / raw **{helper_jit:.3f}x**, `compile()` handle / raw **{helper_handle:.3f}x**.\n\n"
+        )
+    else:
+        body += f"The torch-side native helper was not measured: {helper_note}.\n\n"
     body += "Breakdown of the `@jit` hit path (each part timed alone):\n\n"
     parts = [[name, r["median_us"]] for name, r in breakdown.items()]
     parts.append(["launch (raw prepacked driver call)", floor])

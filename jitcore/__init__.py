@@ -13,7 +13,7 @@ See docs/ for the guide; ``jitcore.recorder`` is the replay layer's hook, and
 ``hit_path_parts`` the benchmarks' (the steps of a cache hit, each callable alone).
 """
 
-from jitcore import recorder
+from jitcore import recorder, torch_native
 from jitcore.drift import GlobalsSnapshot
 from jitcore.errors import (
     ArgumentError,
@@ -75,4 +75,5 @@ __all__ = [
     "min",
     "recorder",
     "tensor_guard",
+    "torch_native",
 ]

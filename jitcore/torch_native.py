@@ -22,6 +22,7 @@ fails to load or ``JITCORE_NATIVE=0``, the same checks and reads run through tor
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.machinery
 import importlib.util
@@ -33,6 +34,7 @@ import sysconfig
 import tempfile
 import threading
 import types
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -84,6 +86,25 @@ def module() -> types.ModuleType | None:
             if reason:
                 _why_not.append(reason)
     return _loaded[0]
+
+
+@contextlib.contextmanager
+def using(helper: types.ModuleType | None) -> Iterator[None]:
+    """Inside the block, :func:`module` answers ``helper`` (None: no helper) and its reader
+    serves the C launch helper, so the guards and packed launches made inside are made with it
+    or without it; both are put back after. For side-by-side measurements and tests in one
+    process (``benchmarks/jit.py``): a guard keeps the evaluator it was made with, while the
+    reader is process-wide (switch it with :func:`use_data_pointer_reader` between timings)."""
+    with _lock:
+        saved = list(_loaded)
+        _loaded[:] = [helper]
+    use_data_pointer_reader(helper)
+    try:
+        yield
+    finally:
+        with _lock:
+            _loaded[:] = saved
+        use_data_pointer_reader(saved[0] if saved else None)
 
 
 def why_not() -> str | None:

@@ -19,6 +19,7 @@ import torch
 
 import jitcore
 import replay
+from benchmarks import common
 from tests.jitcore.fakes import ListRecorder
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -143,3 +144,16 @@ def test_scaling_grid_report_reads_slopes_from_the_numbers():
     assert "grows most with arguments" in body
     with pytest.raises(ValueError):
         scaling.plan(0, 1)
+
+
+def test_compare_runs_each_paths_setup_before_its_warm_up_and_every_loop():
+    log = []
+    common.compare(
+        {"a": lambda: log.append("a"), "b": lambda: log.append("b")},
+        calls=2,
+        repeats=3,
+        warmup=1,
+        setups={"a": lambda: log.append("setup a")},
+    )
+    assert log.count("setup a") == 4 and log[0] == "setup a" and "setup b" not in log
+    assert all(log[i + 1] == "a" for i, entry in enumerate(log) if entry == "setup a")

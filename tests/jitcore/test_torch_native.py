@@ -396,3 +396,18 @@ def test_unusual_tensors_are_refused_on_every_call_in_a_fresh_process_with_the_h
         lines = done.stdout.splitlines()
         expected = test_adaptors.run_isolated(script)
         assert lines == expected
+
+
+@needs_compiler
+def test_using_switches_the_helper_for_what_is_made_inside_and_puts_it_back(helper):
+    before = torch_native.module()
+    x = torch.randn(8)
+    checks = [guards.ArgumentCheck.tensor(x, [None], [1])]
+    with torch_native.using(helper):
+        assert torch_native.module() is helper
+        inside = guards.make_guard(checks, device=-1, current_device=lambda: -1, description="made with the helper")
+        with torch_native.using(None):
+            assert torch_native.module() is None
+        assert torch_native.module() is helper
+    assert torch_native.module() is before
+    assert "is_nested" not in inside.source and inside(x)
