@@ -45,6 +45,11 @@ struct Expectation {
 
 struct Guard {
     std::vector<Expectation> tensors;
+    // a reference to each example's type, so that no other type can take its address
+    ~Guard() {
+        for (const Expectation &expected : tensors)
+            Py_DECREF(reinterpret_cast<PyObject *>(expected.type));
+    }
 };
 
 uint64_t applied_keys(const at::Tensor &tensor) {
@@ -174,6 +179,7 @@ PyObject *tensor_guard(PyObject *, PyObject *args) {
                 delete guard;
                 return nullptr;
             }
+            Py_INCREF(reinterpret_cast<PyObject *>(expected.type));
             guard->tensors.push_back(std::move(expected));
         }
     } catch (const std::exception &error) {
