@@ -29,6 +29,11 @@ launch raised by it, and the call state keeps no buffers::
 The recording variant (``__rec``) always packs into the thread's buffers, which the recorder
 reads.
 
+A call state of several launches computes and checks everything first (every launch's grid,
+block and shared memory, the index checks, and every parameter packed with struct into the
+thread's buffers, also where the backend has a packed launch), then launches: a value one
+launch refuses raises before any launch ran, as docs/kernels.md promises.
+
 Every generated function follows the rules of :mod:`jitcore.generated` (mangled names,
 values through the namespace, sources registered with linecache, compiled once).
 
@@ -257,7 +262,11 @@ class CallState:
 
     def _generate_one(self, *, recording: bool) -> str:
         trace = self.trace
-        packed = None if recording else self._packed_launchers()
+        # A packed launch packs and launches in one call, so in a call state of several launches
+        # a later launch's refused value would come after the earlier launches ran: there,
+        # every launch packs with struct into this thread's buffers first (measured on the
+        # CPU proxy: no slower than packed launches with a checking call of each before).
+        packed = None if recording or len(trace.launches) > 1 else self._packed_launchers()
         args = [f"_a{i}" for i in range(len(self.param_names))]
         args_tuple = "(" + "".join(f"{a}, " for a in args) + ")"
         if recording:
@@ -307,8 +316,20 @@ class CallState:
             }
         )
         body += [f"_a{index}_ptr = _a{index}.data_ptr()" for index in pointer_args]
+        # Two phases, so that a refused value on any launch raises before the first launch
+        # (docs/kernels.md: errors, all raised before any GPU work): every launch's
+        # configuration checked and parameters packed, then every launch made.
+        checked: list[str] = []
+        launching: list[str] = []
         for number, launch in enumerate(trace.launches):
-            body += self._launch_lines(number, launch, recording, args_tuple, packed[number] if packed else None)
+            check, launch_lines = self._launch_lines(
+                number, launch, recording, args_tuple, packed[number] if packed else None
+            )
+            checked += check
+            launching += launch_lines
+        if len(trace.launches) > 1:
+            launching.insert(0, "# every launch checked and packed: launch them")
+        body += checked + launching
         lines += ["        " + line for line in body] or ["        pass"]
         lines += [
             "    except _PACK_ERRORS as _e:",
@@ -374,7 +395,12 @@ class CallState:
 
     def _launch_lines(
         self, number: int, launch: TraceLaunch, recording: bool, args_tuple: str, packed: object = None
-    ) -> list[str]:
+    ) -> tuple[list[str], list[str]]:
+        """(check, launch): the lines that compute and check launch ``number`` without launching
+        anything (its grid, block and shared memory computed and checked, its parameters packed
+        into this thread's buffer, where it has one: a packed launch packs in its launch call),
+        and the lines that launch it. The call state runs every launch's check lines before any
+        launch's launch lines."""
         lines: list[str] = []
         limits = self.trace.limits
         function = launch.function
@@ -405,48 +431,51 @@ class CallState:
         if not symbolic.is_static(launch.shared):
             available = limits.max_shared_per_block_optin - function.static_shared_bytes
             lines.append(f"if not 0 <= {shared} <= {int(available)}: _bad_config({number}, 'shared', {shared})")
+        empty = any(symbolic.is_static(g) and g == 0 for g in launch.grid)  # a static grid of zero: never launched
         layout = launch.kernel.layout
         dynamic = _changing(launch)
         if packed is not None:
-            return lines + self._packed_launch_lines(number, launch, packed, dynamic, grid, block, shared, dynamic_axes)
-        for run_number, run in enumerate(layout.runs(dynamic)):
-            offset, packer = layout.struct_for(run)
-            packer_name = f"_pack{number}_{run_number}"
-            self.namespace[packer_name] = packer.pack_into
-            values = ", ".join(self._param_source(launch, i) for i in run)
-            lines.append(f"{packer_name}(_b[{2 * number}], {int(offset)}, {values})")
-        launching: list[str] = []
-        if not symbolic.is_static(launch.shared):
-            launching.append(f"if {shared} > _fn{number}.dynamic_shared_limit: _grow_shared({number}, {shared})")
-        launching += self.backend.launch_template.format(
-            function=f"_f{number}",
-            gx=grid[0],
-            gy=grid[1],
-            gz=grid[2],
-            bx=block[0],
-            by=block[1],
-            bz=block[2],
-            shared=shared,
-            stream="stream" if self.backend.raw_stream_handles else "_so",
-            params=f"_b[{2 * number + 1}]",
-            label=bind(launch.kernel.name_expression),
-        ).splitlines()
-        if any(symbolic.is_static(g) and g == 0 for g in launch.grid):
-            launched = "False"  # a static grid of zero: nothing to launch, ever
-        elif dynamic_axes:
-            # a dynamic grid of zero (an empty tensor): skip the launch
-            lines.append(f"if {' and '.join(grid[axis] for axis in dynamic_axes)}:")
-            lines += ["    " + line for line in launching]
+            launching = self._packed_launch_lines(number, launch, packed, dynamic, grid, block, shared)
+        else:
+            for run_number, run in enumerate(layout.runs(dynamic)):
+                offset, packer = layout.struct_for(run)
+                packer_name = f"_pack{number}_{run_number}"
+                self.namespace[packer_name] = packer.pack_into
+                values = ", ".join(self._param_source(launch, i) for i in run)
+                lines.append(f"{packer_name}(_b[{2 * number}], {int(offset)}, {values})")
+            launching = self.backend.launch_template.format(
+                function=f"_f{number}",
+                gx=grid[0],
+                gy=grid[1],
+                gz=grid[2],
+                bx=block[0],
+                by=block[1],
+                bz=block[2],
+                shared=shared,
+                stream="stream" if self.backend.raw_stream_handles else "_so",
+                params=f"_b[{2 * number + 1}]",
+                label=bind(launch.kernel.name_expression),
+            ).splitlines()
+        if not symbolic.is_static(launch.shared) and not empty:  # checked above: within the device's limits
+            grow = f"{shared} > _fn{number}.dynamic_shared_limit"
+            if dynamic_axes:  # an empty launch needs no shared memory
+                grow = " and ".join([*(grid[axis] for axis in dynamic_axes), grow])
+            lines.append(f"if {grow}: _grow_shared({number}, {shared})")
+        if packed is not None:  # it packs (refusing what struct refuses) and skips an empty grid itself
+            return lines, launching
+        if empty:
+            launching, launched = [], "False"  # nothing to launch, ever
+        elif dynamic_axes:  # a dynamic grid of zero (an empty tensor): skip the launch
+            launching = [f"if {' and '.join(grid[axis] for axis in dynamic_axes)}:", *("    " + x for x in launching)]
             launched = " and ".join(f"{grid[axis]} != 0" for axis in dynamic_axes)
         else:
-            lines += launching
             launched = "True"
         if recording:
-            lines.append(
+            launching.append(
                 f"if _hook is not None: _report(_hook, {number}, _b, {args_tuple}, _original, stream, "
                 f"{grid_t}, {block_t}, {shared}, {launched})"
             )
-        return lines
+        return lines, launching
 
     def _packed_launch_lines(
         self,
@@ -457,18 +486,12 @@ class CallState:
         grid: list[str],
         block: list[str],
         shared: str,
-        dynamic_axes: list[int],
     ) -> list[str]:
         """The launch through the backend's packed launcher: one call packs the changing
         parameters (exactly as struct would, refusing what struct refuses, also for an empty
-        grid) and launches (nothing for a grid with a zero dimension)."""
+        grid) and launches (nothing for a grid with a zero dimension). Only for a call state of
+        one launch (see :meth:`_generate_one`)."""
         self.namespace[f"_L{number}"] = packed
-        lines = []
-        if not symbolic.is_static(launch.shared):
-            grow = f"{shared} > _fn{number}.dynamic_shared_limit"
-            if dynamic_axes:  # an empty launch needs no shared memory
-                grow = " and ".join([*(grid[axis] for axis in dynamic_axes), grow])
-            lines.append(f"if {grow}: _grow_shared({number}, {shared})")
         values = "".join(
             f", _a{launch.sources[i].arg_index}"
             if _direct_pointer(launch.sources[i])
@@ -476,8 +499,7 @@ class CallState:
             for i in dynamic
         )
         config = ", ".join([*grid, *block, shared])
-        lines.append(f"_L{number}({config}, stream{values})  # raises the backend's error if the launch fails")
-        return lines
+        return [f"_L{number}({config}, stream{values})  # raises the backend's error if the launch fails"]
 
     def _param_source(self, launch: TraceLaunch, index: int) -> str:
         source = launch.sources[index]

@@ -8,7 +8,9 @@ closure cell is baked into that call state (a replay region's graph bakes them i
 - identity-stable values (modules, functions, classes, kernels, any other object) are compared
   with ``is``; the snapshot holds them alive, so an ``id`` can never be reused under it;
 - scalars (int, float, str, ...) are compared by type and value, so rebinding to an equal
-  value is not drift;
+  value is not drift; floats (and complex numbers) by their bits, as Constexpr keys are
+  (:func:`jitcore.keys.exact`): ``0.0`` rebound to ``-0.0`` is drift, a NaN rebound to a NaN
+  of the same bits is not;
 - containers (list, tuple, dict, set) are compared by a frozen deep copy, so in-place mutation
   is caught; one of up to :data:`MAX_UNROLLED` values without sets is compared by generated
   straight-line tests that mean the same (its class, its length, each element by identity or,
@@ -90,6 +92,7 @@ import torch
 
 from jitcore import generated
 from jitcore.errors import GlobalDriftError
+from jitcore.keys import exact
 
 _MISSING = object()
 _SCALAR_TYPES = (bool, int, float, complex, str, bytes, type(None))
@@ -159,10 +162,32 @@ class _Identity:
         return f"<{type(self.obj).__qualname__} at {id(self.obj):#x}>"
 
 
+class _Bits:
+    """A frozen float or complex number: equal to another only for the same bits (the rule of
+    :func:`jitcore.keys.exact`, where ``==`` makes ``-0.0`` equal ``0.0`` and a NaN unequal to
+    itself); it keeps the value for :func:`thaw`."""
+
+    __slots__ = ("value", "bits")
+
+    def __init__(self, value: float | complex):
+        self.value = value
+        self.bits = exact(value)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Bits) and other.bits == self.bits
+
+    def __hash__(self) -> int:
+        return hash(self.bits)
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
 def freeze(value: object) -> object:
-    """A comparable deep snapshot of a container: scalars by value, others by identity."""
+    """A comparable deep snapshot of a container: scalars by value (floats and complex numbers
+    by their bits), others by identity."""
     if isinstance(value, _SCALAR_TYPES):
-        return (type(value), value)
+        return (type(value), _Bits(value) if isinstance(value, (float, complex)) else value)
     if isinstance(value, (list, tuple)):
         return (type(value), tuple(freeze(item) for item in value))
     if isinstance(value, dict):
@@ -179,7 +204,7 @@ def thaw(frozen: object) -> object:
         return frozen.obj
     kind, payload = frozen  # type: ignore[misc]
     if issubclass(kind, _SCALAR_TYPES):
-        return payload
+        return payload.value if isinstance(payload, _Bits) else payload
     if issubclass(kind, dict):
         items = {thaw(k): thaw(v) for k, v in payload}
         return items if kind is dict else _rebuild(kind, items, items)
@@ -201,7 +226,8 @@ def _rebuild(kind: type, items: object, fallback: object, star: bool = False) ->
 
 
 def _same_scalar(current: object, snapshot: object) -> bool:
-    return type(current) is type(snapshot) and current == snapshot
+    """The same type and value; floats and complex numbers the same bits (see :class:`_Bits`)."""
+    return type(current) is type(snapshot) and exact(current) == exact(snapshot)
 
 
 #: A container of at most this many values in all (elements, dict keys, nested containers) is
@@ -222,10 +248,10 @@ class _Unrolled:
     """The straight-line form of ``freeze(current) == freeze(value)`` for a container ``value``:
     the class by identity and the length before any element is read (so a value that became
     another type or a shorter list fails a test instead of raising), then each element in the
-    order freeze() compares them: a scalar by identity, else by exact type and ``==`` (freeze's
-    tuple comparison tries identity first, so -0.0 equals 0.0 and a NaN only itself), anything
-    else by identity, a nested list, tuple or dict the same way through a local, a dict by its
-    items in order.
+    order freeze() compares them: a scalar by identity, else by exact type and ``==`` (a float
+    or complex number by its bits, as freeze() holds it: -0.0 is not 0.0, a NaN equals a NaN
+    of the same bits), anything else by identity, a nested list, tuple or dict the same way
+    through a local, a dict by its items in order.
 
     Passing the tests implies that the frozen copies compare equal; failing them need not imply
     the converse (a metaclass could make two classes compare equal), so callers confirm a
@@ -260,7 +286,11 @@ class _Unrolled:
             name = self._bind(value)
             if value is None or type(value) is bool:
                 return [f"{subject} is {name}"]  # the only value of its type equal to it
-            return [f"({subject} is {name} or type({subject}) is {self._class(type(value))} and {subject} == {name})"]
+            kind = self._class(type(value))
+            if isinstance(value, (float, complex)):  # by bits, as freeze() compares them
+                same = f"{self.prefix}same_scalar({subject}, {name})"
+                return [f"({subject} is {name} or type({subject}) is {kind} and {same})"]
+            return [f"({subject} is {name} or type({subject}) is {kind} and {subject} == {name})"]
         if isinstance(value, (list, tuple)):
             kind, base = type(value), list if isinstance(value, list) else tuple
             if any(getattr(kind, method) is not getattr(base, method) for method in _SEQUENCE_PROTOCOL):

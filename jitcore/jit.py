@@ -36,7 +36,7 @@ from jitcore import generated, guards, keys, recorder, tensors
 from jitcore.backends import Backend, get_backend
 from jitcore.codegen import CallState, never
 from jitcore.drift import GlobalsSnapshot
-from jitcore.errors import ArgumentError, CaptureMissError, DeviceError
+from jitcore.errors import ArgumentError, CaptureMissError, DeviceError, LayoutError, UnsupportedTensorError
 from jitcore.generated import dump_enabled
 from jitcore.symbolic import Sym
 from jitcore.tracing import Trace, TracedTensor
@@ -217,7 +217,10 @@ class JitFunction:
         concrete = tuple(_unwrap_scalar(a) for a in args)
         backend = get_backend()
         device = backend.current_device()
-        key = (device, *self.plan.full_key(*args))
+        try:
+            key = (device, *self.plan.full_key(*args))
+        except (UnsupportedTensorError, LayoutError) as error:
+            raise self._name_refused_tensor(error, args) from None
         if self.snapshot is not None:
             self.snapshot.check()
         run = self.states.get(key)
@@ -226,6 +229,21 @@ class JitFunction:
         else:
             self.states.move_to_end(key)
         return concrete, run
+
+    def _name_refused_tensor(self, error: Exception, args: tuple) -> Exception:
+        """``error`` (a tensor the key refused: its description says what the tensor is, not
+        which argument it was) as the same exception naming the launcher and the parameter,
+        found by describing each argument again; ``error`` itself where none refuses."""
+        for param, value in zip(self.parameters, args):
+            if param.constexpr:
+                continue
+            try:
+                keys.argument_signature(value, param.name, full=True)
+            except type(error) as found:
+                return type(error)(f"{self.name}: parameter {param.name!r}: {found}")
+            except Exception:
+                continue  # refused otherwise: not the argument that raised this error
+        return error
 
     def _build(self, key: tuple, args: tuple, device: int, backend) -> CallState:
         hook = recorder.current()
@@ -353,12 +371,19 @@ def jit(fn: Callable | None = None, *, cache_size: int = DEFAULT_CACHE_SIZE) -> 
     return JitFunction(fn, cache_size=cache_size).dispatcher
 
 
-def compile(fn: Callable, *args: object) -> Callable:
+def compile(fn: Callable, *args: object, **kwargs: object) -> Callable:
     """Trace and compile ``fn`` for ``args`` without launching; return a pinned handle.
 
-    The handle is the call state itself: ``handle(*args, stream=None)`` with positional
-    arguments only, no key and no drift check, so it costs what the packing and the driver
-    launch cost. Between calls these may change: tensor data pointers, dynamic sizes and
+    ``args`` and ``kwargs`` are bound to the launcher's parameters as a call of the launcher
+    binds them (``inspect.Signature.bind``: keywords by name, then the launcher's defaults
+    for what is left out), so ``compile(f, x, 3)`` compiles what ``f(x, 3)`` would run, a
+    defaulted ``Constexpr`` at its default; a call the launcher would refuse (a missing or
+    unknown argument) is Python's own ``TypeError``, naming the launcher.
+
+    The handle is the call state itself: ``handle(*args, stream=None)`` with every argument
+    positional, defaulted ones included (the handle applies no defaults: it was compiled for
+    the values bound here), no key and no drift check, so it costs what the packing and the
+    driver launch cost. Between calls these may change: tensor data pointers, dynamic sizes and
     strides (those a layout-dynamic or marked argument leaves dynamic), and runtime scalar
     values. These must not: dtypes, ranks, the unit-stride axis, static sizes and strides,
     scalar types, Constexpr values, the device, and the globals the launcher read. The handle
@@ -368,7 +393,12 @@ def compile(fn: Callable, *args: object) -> Callable:
     controller = getattr(fn, "jit", None)
     if not isinstance(controller, JitFunction):
         controller = JitFunction(fn)
-    return controller.state_for(args).run
+    try:
+        bound = inspect.signature(controller.fn).bind(*args, **kwargs)
+    except TypeError as error:
+        raise TypeError(f"jitcore.compile({controller.name}, ...): {error}") from None
+    bound.apply_defaults()
+    return controller.state_for(bound.args).run
 
 
 def hit_path_parts(launcher: Callable, *args: object, **kwargs: object) -> dict[str, Callable[[], object]]:

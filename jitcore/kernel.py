@@ -27,8 +27,10 @@ _IDENTIFIER = re.compile(r"^[A-Za-z_]\w*$")
 
 
 def template_argument(value: object, backend=None) -> str:
-    """The C++ spelling of one template argument."""
-    if isinstance(value, bool):
+    """The C++ spelling of one template argument: what identifies a specialization (two
+    arguments with one spelling are one kernel; ``True`` and ``1`` are not, since
+    ``template <auto V>`` makes them a bool and an int)."""
+    if isinstance(value, (bool, np.bool_)):
         return "true" if value else "false"
     if isinstance(value, (int, np.integer)):
         return str(int(value))
@@ -42,6 +44,29 @@ def template_argument(value: object, backend=None) -> str:
         f"template argument {value!r} ({type(value).__qualname__}): expected a torch dtype, an "
         "int, a bool or a C++ spelling as str"
     )
+
+
+def _resolved_default(
+    kernel: str, name: str, default: str, earlier: dict[str, str], params: Sequence[tuple[str, str, str | None]]
+) -> str:
+    """The text a defaulted template parameter stands for in this specialization: its default
+    with the earlier parameters' arguments substituted, as C++ reads it
+    (``template <typename T, typename Out = T>`` makes ``Out`` the type given for ``T``).
+
+    Left as written, ``Out* out`` would read as a pointer to the unknown type ``T``: an opaque
+    pointee, which takes a tensor of any dtype. A default that still names a template parameter
+    after the substitution (a later one, or itself: not valid C++) cannot be resolved, and is
+    refused with an ``ArgumentError`` saying to pass the argument explicitly."""
+    resolved = abi.substitute(default, earlier)
+    later = [other for _kind, other, _default in params if other not in earlier]  # name itself included
+    unresolved = [other for other in later if re.search(rf"\b{re.escape(other)}\b", resolved)]
+    if unresolved:
+        raise ArgumentError(
+            f"{kernel}: the default of template parameter {name!r} ({default!r}) names "
+            f"{', '.join(repr(n) for n in unresolved)}, which has no argument before it, so jitcore "
+            f"cannot tell what {name!r} is; pass it explicitly to instantiate()"
+        )
+    return resolved
 
 
 class Kernel:
@@ -70,20 +95,21 @@ class Kernel:
                 raise TypeError(f"signature must be a str, got {type(signature).__qualname__}")
             abi.parse_signature(signature)  # fail early on a bad signature
             self.declaration = None
-        self._specializations: dict[tuple, KernelSpecialization] = {}
+        self._specializations: dict[tuple[str, ...], KernelSpecialization] = {}  # by spelled arguments
         self._lock = threading.Lock()
 
     def instantiate(self, *template_args: object) -> KernelSpecialization:
-        """The specialization for these template arguments (torch dtypes, ints, bools, str)."""
-        key = tuple(template_args)
-        try:
-            specialization = self._specializations.get(key)
-        except TypeError:
-            raise TypeError(f"template arguments must be hashable, got {template_args!r}") from None
+        """The specialization for these template arguments (torch dtypes, ints, bools, str).
+
+        Cached by the arguments' C++ spellings (:func:`template_argument`, for the current
+        backend), not by Python equality: ``True == 1 == 1.0`` in Python, but ``s<true>`` and
+        ``s<1>`` are different kernels and ``1.0`` is no template argument at all, so each is
+        spelled (or refused) on every call, whatever was instantiated before."""
+        backend = get_backend()
+        key = tuple(template_argument(a, backend) for a in template_args)
+        specialization = self._specializations.get(key)
         if specialization is None:
-            backend = get_backend()
-            spelled = tuple(template_argument(a, backend) for a in template_args)
-            specialization = KernelSpecialization(self, spelled)
+            specialization = KernelSpecialization(self, key)
             with self._lock:
                 specialization = self._specializations.setdefault(key, specialization)
         return specialization
@@ -111,7 +137,8 @@ class KernelSpecialization:
             if missing:
                 raise ArgumentError(f"{kernel.name}: missing template arguments for {', '.join(missing)}")
             mapping = {name: arg for (kind, name, _), arg in zip(params, template_args)}
-            mapping.update({name: default for kind, name, default in params[len(template_args) :]})
+            for _kind, name, default in params[len(template_args) :]:
+                mapping[name] = _resolved_default(kernel.name, name, default, mapping, params)
             self.param_types = tuple(
                 abi.parse_param(abi.substitute(text, mapping), i) for i, text in enumerate(declaration.params_text)
             )

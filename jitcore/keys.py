@@ -13,10 +13,12 @@ Key elements:
 - runtime scalars: the type only (``"int"``, ``"float"``, ``"bool"``, ``"numpy.float32"``, ...);
   objects with ``__jit_scalar__`` (the replay layer's dynamic scalars) by the type of the value
   they carry;
-- ``Constexpr`` parameters: ``(type name, value)``; the value must be hashable. Floats (and
-  complex numbers, and floats inside tuples and frozensets) are keyed by their bit pattern, so
+- ``Constexpr`` parameters: ``(type, value)`` (a builtin type by its name, any other by the
+  class: ``np.True_`` is not ``True``); the value must be hashable by value (see
+  :func:`constexpr_signature`: one hashed by identity is refused). Floats (and complex numbers,
+  and floats inside tuples, frozensets and dataclasses) are keyed by their bit pattern, so
   ``-0.0`` never shares ``0.0``'s call state and a NaN finds its own entry again; container
-  elements are keyed with their types (``(1, 2.0)`` is not ``(1.0, 2.0)``).
+  elements are keyed with their types (``(1, 2.0)`` is not ``(1.0, 2.0)``): :func:`exact`.
 
 The generated ``lean_key`` (and the dispatcher lines of :meth:`KeyPlan.key_lines`) read the
 arguments as ``_a0``, ``_a1``, ...; the user's parameter names are never identifiers in them.
@@ -24,6 +26,7 @@ arguments as ``_a0``, ``_a1``, ...; the user's parameter names are never identif
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import struct
 import typing
@@ -63,25 +66,36 @@ NUMBERS: tuple[type, ...] = (int, float, bool, np.integer, np.floating, np.bool_
 # Keyed by class alone (their values reach call states at run time). None is here too: an
 # optional tensor left out (a null pointer) selects its own call state, apart from tensors.
 SCALAR_SIGNATURES: dict[type, str] = {bool: "bool", int: "int", float: "float", type(None): "None"}
-for _np_type in (
-    np.bool_,
-    np.int8,
-    np.int16,
-    np.int32,
-    np.int64,
-    np.uint8,
-    np.uint16,
-    np.uint32,
-    np.uint64,
-    np.float16,
-    np.float32,
-    np.float64,
-):
-    SCALAR_SIGNATURES[_np_type] = f"numpy.{_np_type.__name__}"
+
+
+def _numpy_scalar_types() -> dict[type, str]:
+    """Every numpy scalar type a kernel parameter can take exactly, found by what it is (a
+    bool, an integer or a float of at most 8 bytes: dtype kind and itemsize), not by a list of
+    names: ``numpy.longlong`` is a type of its own next to ``numpy.int64`` on Linux (what
+    ``np.array([3], dtype='q')[0]`` is), ``numpy.intc`` next to ``numpy.int32`` elsewhere. Each
+    is keyed by its dtype's name (``"numpy.int64"`` for both), since their values are the same
+    numbers in the same width. ``numpy.longdouble`` (wider than a double) stays refused."""
+    found: dict[type, str] = {}
+    for kind in set(np.sctypeDict.values()):
+        if issubclass(kind, (np.bool_, np.integer, np.floating)):
+            dtype = np.dtype(kind)
+            if dtype.kind in "biuf" and dtype.itemsize <= 8:
+                found[kind] = f"numpy.{dtype.name}"
+    return found
+
+
+SCALAR_SIGNATURES.update(_numpy_scalar_types())
 
 # Constexpr values of these types are hashable, immutable and equal only to themselves: the lean
 # path keys them inline. (Not float: 0.0 == -0.0 and NaN != NaN; floats are keyed by their bits.)
 _CONSTEXPR_TYPE_NAMES: dict[type, str] = {t: t.__qualname__ for t in (bool, int, str, type(None), torch.dtype)}
+
+# Types hashed by identity (object.__hash__) whose values are immutable singletons: a Constexpr
+# may be one of them. Any other value hashed by identity is refused (see constexpr_signature).
+_IDENTITY_HASHED_VALUES: frozenset[type] = frozenset(
+    [type(None), type(Ellipsis), type(NotImplemented), torch.dtype, torch.layout, torch.memory_format]
+)
+_IMMUTABLE_TYPE = 1 << 8  # Py_TPFLAGS_IMMUTABLETYPE: a class whose attributes cannot be set
 
 
 def scalar_signature(value: object, name: str) -> str:
@@ -98,7 +112,19 @@ def scalar_signature(value: object, name: str) -> str:
     return signature
 
 
+_HASHABLE_BY_VALUE = (
+    "ints, floats, bools, strings, None, torch dtypes, enums, and tuples, frozensets and frozen dataclasses of those"
+)
+
+
 def constexpr_signature(value: object, name: str) -> tuple:
+    """The key element of a Constexpr argument: ``(type, exact value)`` (see :func:`exact`).
+
+    The value must be hashable *by value*: a call state is found again by the value's hash and
+    ``==``, and its launcher ran with the value's contents. A value hashed by identity (a
+    plain object, a function, a class whose attributes can be set: ``object.__hash__``) would
+    find the call state built for its old contents after an in-place change, so it is refused
+    with a ``TypeError``, also where a tuple, frozenset or frozen dataclass holds one."""
     if isinstance(value, torch.Tensor) or hasattr(value, "__dlpack__"):
         raise TypeError(f"Constexpr parameter {name!r} needs a hashable Python value, got a tensor")
     try:
@@ -107,24 +133,74 @@ def constexpr_signature(value: object, name: str) -> tuple:
         raise TypeError(
             f"Constexpr parameter {name!r} needs a hashable value, got unhashable {type(value).__qualname__}"
         ) from None
-    return (type(value).__qualname__, _exact(value))
+    culprit = _hashed_by_identity(value)
+    if culprit is not None:
+        held = "" if culprit is value else f", which holds a {type(culprit).__qualname__}"
+        raise TypeError(
+            f"Constexpr parameter {name!r} needs a value hashed by its value ({_HASHABLE_BY_VALUE}), "
+            f"got a {type(value).__qualname__}{held} hashed by identity: a change made to it in place "
+            "would find the call state compiled for its old contents. Pass the values it holds instead"
+        )
+    element = (constexpr_type(type(value)), exact(value))
+    try:
+        hash(element)
+    except TypeError:  # a field left out of the value's own hash (dataclasses.field(hash=False))
+        raise TypeError(
+            f"Constexpr parameter {name!r} needs a hashable value, got a {type(value).__qualname__} "
+            "holding an unhashable field"
+        ) from None
+    return element
+
+
+def constexpr_type(kind: type) -> object:
+    """How a Constexpr key names a value's type: a builtin type (and ``torch.dtype``) by its
+    name, so keys read ``("int", 3)``; any other type by the class itself, since names collide
+    (``numpy.bool``'s qualname is ``"bool"``, and two classes may share a qualname), and
+    ``np.True_`` must not share ``True``'s call state."""
+    name = _CONSTEXPR_TYPE_NAMES.get(kind)
+    if name is not None:
+        return name
+    return kind.__qualname__ if kind.__module__ == "builtins" else kind
+
+
+def _hashed_by_identity(value: object) -> object | None:
+    """``value`` itself, or the value it holds (in a tuple, frozenset or dataclass field), that
+    is hashed by identity and may change in place; None when there is none."""
+    kind = type(value)
+    if isinstance(value, (tuple, frozenset)):
+        return next((found for item in value if (found := _hashed_by_identity(item)) is not None), None)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = (getattr(value, field.name) for field in dataclasses.fields(value))
+        return next((found for item in fields if (found := _hashed_by_identity(item)) is not None), None)
+    if kind.__hash__ is not object.__hash__ or kind in _IDENTITY_HASHED_VALUES:
+        return None
+    if isinstance(value, type) and value.__flags__ & _IMMUTABLE_TYPE:
+        return None  # a builtin or extension class (int, numpy.float32): nothing to change in place
+    return value
 
 
 def _float_bits(value: object) -> bytes:
     return value.tobytes() if isinstance(value, np.generic) else struct.pack("<d", value)
 
 
-def _exact(value: object) -> object:
-    """A stand-in for a Constexpr value that equals another only for the same value: floats by
-    their bit pattern, tuple and frozenset elements with their types."""
+def exact(value: object) -> object:
+    """A stand-in for a value that equals another's only for the same value, where ``==``
+    says more: floats (and complex numbers) by their bit pattern, so ``-0.0`` is not ``0.0``
+    and a NaN equals a NaN of the same bits; tuple, frozenset and dataclass elements with
+    their types (``(1, 2.0)`` is not ``(1.0, 2.0)``, nor ``(True,)`` ``(1,)``). Other values
+    stand for themselves. Constexpr keys use it, and so does the drift check of globals
+    (:mod:`jitcore.drift`): one rule for what "the same value" means."""
     if isinstance(value, (float, np.floating)):
         return ("bits", _float_bits(value))
     if isinstance(value, (complex, np.complexfloating)):
         return ("bits", _float_bits(value.real), _float_bits(value.imag))
     if isinstance(value, tuple):
-        return tuple((type(v).__qualname__, _exact(v)) for v in value)
+        return tuple((constexpr_type(type(v)), exact(v)) for v in value)
     if isinstance(value, frozenset):
-        return frozenset((type(v).__qualname__, _exact(v)) for v in value)
+        return frozenset((constexpr_type(type(v)), exact(v)) for v in value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        items = [(field.name, getattr(value, field.name)) for field in dataclasses.fields(value)]
+        return ("fields", tuple((field, constexpr_type(type(v)), exact(v)) for field, v in items))
     return value
 
 
@@ -239,7 +315,7 @@ class KeyPlan:
                 slow = f"_constexpr({value}, {name})"
                 lines += [
                     f"_t = _CONSTEXPR.get({value}.__class__)",
-                    f"{element} = ({value}.__class__.__qualname__, {value}) if _t else {slow}",
+                    f"{element} = (_t, {value}) if _t else {slow}",
                 ]
                 continue
             lines += [

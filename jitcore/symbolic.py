@@ -13,8 +13,11 @@ replay's dynamic scalars (``replay.dynamic.DynamicScalar``) share with :class:`S
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from typing import NoReturn
+
+import numpy as np
 
 from jitcore.errors import SymbolicValueError
 from jitcore.generated import Expression
@@ -89,23 +92,48 @@ class DeferredScalar:
 
 
 class Sym(DeferredScalar):
-    """An expression over call-time values. ``op`` is "leaf" or an operator name."""
+    """An expression over call-time values. ``op`` is "leaf" or an operator name.
 
-    __slots__ = ("op", "args", "is_float", "_source", "label", "_expression")
+    ``is_float``: the value may be a float (it is one when any operand is, or after ``/``).
+    ``is_int``: the value is known to be an integer that is not a bool (a Python int or a
+    numpy integer) on every call; only such values take the arithmetic identities of
+    :func:`_binary`, since ``x // 1``, ``x + 0`` and ``x * 1`` change floats (floor, the sign
+    of zero, a signalling NaN's bits) and bools (``True * 1`` is the int 1). ``is_pyint``: it
+    is moreover a Python int (unbounded), never a numpy integer, which computes in its own
+    width (see :func:`as_index`). A leaf is neither unless its maker says so (:meth:`leaf`),
+    so an unknown value never simplifies and is converted where exactness needs an int.
+    """
 
-    def __init__(self, op: str, args: tuple, is_float: bool = False, label: str | None = None):
+    __slots__ = ("op", "args", "is_float", "is_int", "is_pyint", "_source", "label", "_expression")
+
+    def __init__(
+        self,
+        op: str,
+        args: tuple,
+        is_float: bool = False,
+        label: str | None = None,
+        *,
+        is_int: bool = False,
+        is_pyint: bool = False,
+    ):
         self.op = op
         self.args = args
         self.is_float = is_float
+        self.is_int = (is_int or is_pyint) and not is_float
+        self.is_pyint = is_pyint and not is_float
         self._source: str | None = None
         self._expression: Expression | None = None  # made by the first evaluate()
         self.label = label  # human name of a leaf, e.g. "x.shape[0]"
 
     # --- leaves --------------------------------------------------------------------------
     @classmethod
-    def leaf(cls, variable: str, label: str, *, is_float: bool = False) -> Sym:
-        """A value the generated code reads into ``variable``."""
-        return cls("leaf", (variable,), is_float, label)
+    def leaf(
+        cls, variable: str, label: str, *, is_float: bool = False, is_int: bool = False, is_pyint: bool = False
+    ) -> Sym:
+        """A value the generated code reads into ``variable``. ``is_int``: the caller knows it
+        is an integer and never a bool on every call (an int or numpy integer argument);
+        ``is_pyint``: a Python int on every call (a size, a stride, an int argument)."""
+        return cls("leaf", (variable,), is_float, label, is_int=is_int, is_pyint=is_pyint)
 
     # --- rendering -----------------------------------------------------------------------
     def source(self, bind: Callable[[object], str] | None = None) -> str:
@@ -182,7 +210,12 @@ class Sym(DeferredScalar):
         return id(self)
 
     def __neg__(self) -> Sym:
-        return Sym("neg", (self,), self.is_float)
+        return Sym("neg", (self,), self.is_float, is_int=self.is_int, is_pyint=self.is_pyint)
+
+    def __pos__(self) -> Sym:
+        """``+x`` is ``x`` for ints and floats (their bits included); a value that may be a bool
+        keeps the ``+``, which makes ``True`` the int 1 as Python does."""
+        return self if self.is_int or self.is_float else Sym("pos", (self,))
 
 
 def _check_operand(value: object, op: str) -> None:
@@ -194,26 +227,69 @@ def _is_int(value: object, constant: int) -> bool:
     return type(value) is int and value == constant
 
 
+def _integer(value: object) -> bool:
+    """Whether ``value`` is an integer and not a bool on every call (see :attr:`Sym.is_int`):
+    a plain ``int`` constant (not a bool, not an ``IntEnum`` member), or an integer Sym."""
+    return value.is_int if isinstance(value, Sym) else type(value) is int
+
+
+def _floating(value: object) -> bool:
+    return value.is_float if isinstance(value, Sym) else isinstance(value, float)
+
+
+def _integers(*values: object) -> dict[str, bool]:
+    """``is_int`` and ``is_pyint`` of a result computed from ``values`` by an integer
+    operation: an int of either kind when all are, a Python int when all are Python ints."""
+    return {
+        "is_int": all(map(_integer, values)),
+        "is_pyint": all(v.is_pyint if isinstance(v, Sym) else type(v) is int for v in values),
+    }
+
+
 def _binary(op: str, left: object, right: object) -> Sym | int | float:
     _check_operand(left, op)
     _check_operand(right, op)
-    left_float = left.is_float if isinstance(left, Sym) else isinstance(left, float)
-    right_float = right.is_float if isinstance(right, Sym) else isinstance(right, float)
-    # Cheap simplifications (int identities only) keep generated code readable.
-    if (op == "*" and _is_int(left, 1)) or (op == "+" and _is_int(left, 0)):
-        return right
-    if (op in ("*", "//") and _is_int(right, 1)) or (op in ("+", "-") and _is_int(right, 0)):
-        return left
-    return Sym(op, (left, right), left_float or right_float or op == "/")
+    integers = _integer(left) and _integer(right)
+    # Identities keep generated code readable, and apply only where they are exact: for two
+    # integers. For a float, x // 1 floors, x + 0 makes -0.0 into 0.0 and x * 1 or x - 0 quiet
+    # a signalling NaN (other bits); for a bool, each gives the int 0 or 1 (a numpy bool's is
+    # numpy.int64), which a bool parameter refuses and a numpy bool is not.
+    if integers:
+        if (op == "*" and _is_int(left, 1)) or (op == "+" and _is_int(left, 0)):
+            return right
+        if (op in ("*", "//") and _is_int(right, 1)) or (op in ("+", "-") and _is_int(right, 0)):
+            return left
+    if op == "/":
+        return Sym(op, (left, right), True)
+    return Sym(op, (left, right), _floating(left) or _floating(right), **_integers(left, right))
 
 
 def cdiv(a, b):
-    """Ceiling division, for ints and symbolic values alike."""
+    """Ceiling division, for ints and symbolic values alike: for integers the exact ceiling of
+    ``a / b``, computed on Python ints (``-(-a // b)`` in a numpy integer's own width is wrong:
+    ``-numpy.uint8(3)`` wraps to 253), so a numpy integer operand gives a Python int; with a
+    float operand Python's ``-(-a // b)``, a float."""
     if not isinstance(a, Sym) and not isinstance(b, Sym):
+        if isinstance(a, (int, np.integer)) and isinstance(b, (int, np.integer)):
+            return -(-operator.index(a) // operator.index(b))
         return -(-a // b)
     _check_operand(a, "cdiv")
     _check_operand(b, "cdiv")
-    return Sym("cdiv", (a, b))
+    if _floating(a) or _floating(b):
+        return Sym("cdiv", (a, b), True)
+    # a numpy integer is made a Python int first; a bool or int subclass computes as an int
+    a, b = (as_index(v) if isinstance(v, Sym) and v.is_int and not v.is_pyint else v for v in (a, b))
+    return Sym("cdiv", (a, b), **_integers(a, b))
+
+
+def as_index(value: Sym) -> Sym:
+    """``operator.index(value)`` on every call: the plain Python int that address, size and
+    launch arithmetic must use. A numpy integer there would compute in its own width (NEP 50:
+    ``data_ptr + numpy.int32(1)`` is an int32, which overflows), where torch and Python use
+    the index's value; the caller refuses floats and bools first."""
+    if value.op == "index":
+        return value
+    return Sym("index", (value,), is_pyint=True)
 
 
 def minimum(*values):
@@ -223,7 +299,7 @@ def minimum(*values):
         return min(values)
     for v in values:
         _check_operand(v, "min")
-    return Sym("min", tuple(values), any(getattr(v, "is_float", isinstance(v, float)) for v in values))
+    return Sym("min", tuple(values), any(map(_floating, values)), **_integers(*values))
 
 
 def maximum(*values):
@@ -232,7 +308,7 @@ def maximum(*values):
         return max(values)
     for v in values:
         _check_operand(v, "max")
-    return Sym("max", tuple(values), any(getattr(v, "is_float", isinstance(v, float)) for v in values))
+    return Sym("max", tuple(values), any(map(_floating, values)), **_integers(*values))
 
 
 class Binder:
@@ -290,6 +366,10 @@ def _render(
     parts = [_render(a, label=label, substitutions=substitutions, bind=bind) for a in node.args]
     if node.op == "neg":
         return f"(-{parts[0]})"
+    if node.op == "pos":
+        return f"(+{parts[0]})"
+    if node.op == "index":  # see as_index(): the user wrote the value, the conversion is ours
+        return parts[0] if label else f"{(bind or _no_binding)(operator.index)}({parts[0]})"
     if node.op == "cdiv":
         return f"cdiv({parts[0]}, {parts[1]})" if label else f"(-(-{parts[0]} // {parts[1]}))"
     if node.op in ("min", "max"):
@@ -324,7 +404,7 @@ def slice_index(value, size):
         return minimum(value, size) if value >= 0 else maximum(size - -value, 0)
     _check_operand(value, "slice_index")
     _check_operand(size, "slice_index")
-    return Sym("slice_index", (value, size))
+    return Sym("slice_index", (value, size), **_integers(value, size))
 
 
 def wrap_index(value, size):
@@ -335,4 +415,4 @@ def wrap_index(value, size):
         return size - -value if value < 0 else value
     _check_operand(value, "wrap_index")
     _check_operand(size, "wrap_index")
-    return Sym("wrap_index", (value, size))
+    return Sym("wrap_index", (value, size), **_integers(value, size))

@@ -22,6 +22,7 @@ import threading
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 
+import numpy as np
 import torch
 
 from jitcore import dlpack, dtypes, generated
@@ -74,6 +75,13 @@ def device_name(device: torch.device) -> str:
 _plain_torch_dispatch = torch.Tensor.__torch_dispatch__
 _strided = torch.strided
 
+try:  # functorch's wrappers (BatchedTensor, GradTrackingTensor, functionalize's) have no memory of their own
+    _functorch_wrapped: Callable[[torch.Tensor], bool] = torch._C._functorch.is_functorch_wrapped_tensor
+except AttributeError:  # pragma: no cover - torch builds without functorch
+
+    def _functorch_wrapped(tensor: torch.Tensor) -> bool:
+        return False
+
 
 def describe_torch_tensor(tensor: torch.Tensor) -> dtypes.DType:
     """Refuse what no signature can describe; both paths call this, in this order, so they
@@ -108,6 +116,18 @@ def describe_torch_tensor(tensor: torch.Tensor) -> dtypes.DType:
     if tensor.is_neg():
         raise UnsupportedTensorError(
             "tensor has the negative bit set: its memory holds the negated values; call .resolve_neg() first"
+        )
+    if tensor._is_zerotensor():
+        raise UnsupportedTensorError(
+            "tensor is an efficient zero tensor (torch._efficientzerotensor, as autograd makes for "
+            "undefined gradients): it has no memory, its data pointer is null; pass "
+            "torch.zeros(t.shape, dtype=t.dtype, device=t.device) instead"
+        )
+    if _functorch_wrapped(tensor) or torch._is_functional_tensor(tensor):
+        raise UnsupportedTensorError(
+            "tensor is a wrapper of a torch.func transform (vmap, grad, jvp, functionalize): its "
+            "memory is not that of the values it shows (a batched tensor has no data pointer); "
+            "call the launcher outside the transform"
         )
     return dtype
 
@@ -196,14 +216,18 @@ def lean_token_lines(value: str, result: str) -> list[str]:
     (:meth:`~jitcore.keys.KeyPlan.key_lines`), so the two cannot drift apart and the hit path
     makes no call for them. A hit is one dict lookup on (dtype, ndim, unit axis, device
     index); everything else (a key never validated, 0-d, negative bit, meta or non-strided
-    CPU-side tensors, a stride() that raises) falls back to the validating slow path."""
+    CPU-side tensors, a stride() that raises) falls back to the validating slow path. So does
+    a tensor without a data pointer of its own (``data_ptr()`` 0 or raising): efficient zero
+    tensors, torch.func wrappers, meta tensors, which the slow path refuses, and empty
+    tensors, whose data pointer may be null too (the slow path accepts them, at its cost)."""
     return [
         "try:",
         f"    _s = {value}.stride()",
         "    _n = len(_s)",
         f"    _d = {value}.get_device()",
         f"    {result} = _LEAN[({value}.dtype, _n, _n - 1 if _s[-1] == 1 else _last_unit(_s), _d)]",
-        f"    if {value}.is_neg() or _d < 0 and ({value}.is_meta or {value}.layout is not _strided):",
+        f"    if {value}.is_neg() or not {value}.data_ptr()"
+        f" or _d < 0 and ({value}.is_meta or {value}.layout is not _strided):",
         f"        {result} = _lean_slow({value})",
         "except (KeyError, IndexError, RuntimeError):",
         f"    {result} = _lean_slow({value})",
@@ -288,6 +312,8 @@ class TensorAdaptor:
         "_leading_dim",
         "_signature",
         "_live",
+        "_checked",
+        "_recorded",
     )
 
     def __init__(self, tensor: object, *, static: bool = False, assumed_align: int | None = None):
@@ -337,9 +363,12 @@ class TensorAdaptor:
         self._stride_marks: list[int | None] = [None] * ndim
         self._leading_dim: int | None = None
         self._signature: Signature | None = None
-        # A torch source can change under the adaptor (resize_, set_, .data = ...): the
-        # adaptor is a snapshot, so it re-checks the tensor whenever it is used (see _stale).
+        # A torch source can change under the adaptor (resize_, set_, .data = ...), a numpy
+        # array too (a.resize, a.shape = ..., a.dtype = ...): the adaptor is a snapshot, so it
+        # re-checks every fact its description depends on whenever it is used (see _stale).
         self._live = tensor if isinstance(tensor, torch.Tensor) else None
+        self._checked: object = tensor if self._live is not None or isinstance(tensor, np.ndarray) else None
+        self._recorded = _facts(self._checked) if self._checked is not None else None
         if not static:
             unit = last_unit_axis(strides)
             if unit < 0 and ndim:
@@ -359,26 +388,35 @@ class TensorAdaptor:
         return self.data
 
     def check_fresh(self) -> None:
-        """Raise if the torch tensor behind this adaptor no longer has the data pointer, shape
-        and strides the adaptor recorded (it was resized or re-pointed in place)."""
-        live = self._live
-        if live is not None and (
-            live.data_ptr() != self.data or live.shape != self.shape or live.stride() != self.strides
-        ):
+        """Raise if the tensor behind this adaptor is no longer what the adaptor describes:
+        a torch tensor's data pointer, shape, strides, dtype, device, class, conjugate,
+        negative or zero-tensor bit changed in place (``resize_``, ``set_``, ``.data =``;
+        ``t.data = t.conj()`` keeps the pointer), or a numpy array's data pointer, shape,
+        strides or dtype (``a.resize``, ``a.shape =``, ``a.dtype =``).
+        Every one of them is in the adaptor's description (its signature, its alignment, or
+        the refusals of :func:`describe_torch_tensor`), so a change of any is a stale
+        adaptor. Other DLPack producers are not re-checked: rewrap them after changing one."""
+        checked = self._checked
+        if checked is not None and _facts(checked) != self._recorded:
             self._stale()
 
     def _stale(self) -> None:
         """Refuse a stale snapshot. After ``t.resize_(...)`` the old storage may be freed, so
-        launching with the recorded pointer and shape would read freed memory; refreshing in
-        place would change a signature the caller may have marked, so the caller rewraps."""
-        live = self._live
-        now = (live.data_ptr(), tuple(live.shape), tuple(live.stride()))
+        launching with the recorded pointer and shape would read freed memory; after
+        ``t.data = t.view(torch.int32)`` a kernel compiled for float32 would read int32 bits.
+        Refreshing in place would change a signature the caller may have marked, so the
+        caller rewraps."""
+        now = _facts(self._checked)
+        changed = [
+            f"{name} {_shown(name, before)} -> {_shown(name, after)}"
+            for name, before, after in zip(_FACT_NAMES, self._recorded, now)
+            if before != after
+        ]
+        how = "torch tensor (resize_, set_ or .data =)" if self._live is not None else "array (resize, shape or dtype)"
         raise ArgumentError(
-            f"stale jitcore.from_dlpack adaptor {self!r}: its torch tensor changed in place after "
-            f"it was wrapped (resize_, set_ or .data =): the adaptor recorded data pointer "
-            f"{self.data:#x}, shape {self.shape} and strides {self.strides}, the tensor now has "
-            f"{now[0]:#x}, {now[1]} and {now[2]}. Call jitcore.from_dlpack(t) again after "
-            "changing the tensor (and re-apply any mark_* calls)"
+            f"stale jitcore.from_dlpack adaptor {self!r}: its {how} changed in place after it was "
+            f"wrapped: {'; '.join(changed)}. Call jitcore.from_dlpack(t) again after changing the "
+            "tensor (and re-apply any mark_* calls)"
         )
 
     def stride(self, dim: int | None = None):
@@ -467,7 +505,7 @@ class TensorAdaptor:
         return -1
 
     def __cache_signature__(self) -> Signature:
-        if self._live is not None:
+        if self._checked is not None:
             self.check_fresh()
         return self._recorded_signature()
 
@@ -489,6 +527,50 @@ class TensorAdaptor:
 
     def __repr__(self) -> str:
         return f"TensorAdaptor({self._recorded_signature()})"
+
+
+#: What an adaptor records of its source and re-checks on every use (:meth:`TensorAdaptor.check_fresh`).
+_FACT_NAMES = (
+    "data pointer",
+    "shape",
+    "strides",
+    "dtype",
+    "device",
+    "class",
+    "conjugate bit",
+    "negative bit",
+    "efficient zero tensor",
+)
+
+
+def _facts(source: object) -> tuple:
+    """The facts of ``source`` (a torch tensor or a numpy array) that an adaptor's description
+    depends on, in the order of :data:`_FACT_NAMES` (a numpy array has the first four).
+
+    For a torch tensor these are what ``.data =``, ``set_`` and ``resize_`` can change on a
+    plain tensor: the dispatch bits among them (conjugate, negative, zero tensor) travel with
+    ``t.data = t.conj()``; a tensor cannot become sparse, nested, meta or a functorch wrapper
+    in place (torch refuses ``.data =`` across those kinds). Read one by one: comparing the
+    whole dispatch key set would cost twice as much."""
+    if isinstance(source, torch.Tensor):
+        return (
+            source.data_ptr(),
+            source.shape,
+            source.stride(),
+            source.dtype,
+            source.device,
+            source.__class__,
+            source.is_conj(),
+            source.is_neg(),
+            source._is_zerotensor(),
+        )
+    return (source.__array_interface__["data"][0], source.shape, source.strides, source.dtype)
+
+
+def _shown(name: str, value: object) -> str:
+    if name == "data pointer":
+        return f"{value:#x}"
+    return str(tuple(value)) if name in ("shape", "strides") else str(value)
 
 
 def _framework_strides(obj: object, view: dlpack.DLPackView, dtype: dtypes.DType) -> tuple[int, ...]:

@@ -158,7 +158,34 @@ class Trace:
             "scalar": name,
         }[kind]
         self.leaves.setdefault(variable, Leaf(variable, arg_index, name, kind, dim, value_type))
-        return Sym.leaf(variable, label, is_float=is_float)
+        # sizes, strides and numel are Python ints; a scalar is an integer (for the identities
+        # of jitcore.symbolic and exact index arithmetic) only as an int or numpy integer,
+        # never as a bool (nor an int subclass, whose arithmetic is its own)
+        is_pyint = kind != "scalar" or value_type is int
+        is_int = value_type is not None and issubclass(value_type, np.integer)
+        return Sym.leaf(variable, label, is_float=is_float, is_int=is_int, is_pyint=is_pyint)
+
+    def bare_scalar_type(self, value: object) -> type | None:
+        """The type of the launcher argument ``value`` is, when it is one scalar argument
+        itself (a bare leaf), else None: callers refuse a bare bool where Python or torch
+        would (``x[flag]`` is advanced indexing to torch, not ``x[1]``)."""
+        if isinstance(value, Sym) and value.op == "leaf":
+            leaf = self.leaves.get(value.args[0])
+            if leaf is not None and leaf.kind == "scalar":
+                return leaf.value_type
+        return None
+
+    def plain_int(self, value: object) -> object:
+        """``value`` (an int or an integer :class:`Sym`) as address, size and launch arithmetic
+        must use it: a plain Python int on every call, exactly as Python and torch use an
+        index. A Sym over scalar arguments that are not all Python ints (numpy integers, bools,
+        int subclasses) is wrapped in ``operator.index`` (:func:`symbolic.as_index`): a numpy
+        int32 index would otherwise make ``data_ptr + i * stride`` an int32, which overflows
+        (NEP 50). Sizes, strides and Python int arguments need nothing, so their generated code
+        is unchanged."""
+        if not isinstance(value, Sym) or value.is_pyint:
+            return value
+        return symbolic.as_index(value)
 
     # --- launches ------------------------------------------------------------------------
     def record_launch(self, kernel, grid, block, shared, args: Sequence[object]) -> None:
@@ -169,9 +196,19 @@ class Trace:
             for index, (param, value) in enumerate(zip(kernel.param_types, args))
         ]
         grid3, block3, shared = launch_dims(grid, block, shared, label)
+        grid3 = tuple(self._config_int(label, "grid", dim) for dim in grid3)
+        block3 = tuple(self._config_int(label, "block", dim) for dim in block3)
+        shared = self._config_int(label, "shared memory", shared)
         function = self.loader(kernel)
         check_static_config(label, grid3, block3, shared, self.limits, function)
         self.launches.append(TraceLaunch(kernel, function, grid3, block3, shared, sources))
+
+    def _config_int(self, label: str, what: str, value: object) -> object:
+        """A launch dimension or shared-memory size as the driver must get it: a plain int on
+        every call (:meth:`plain_int`); a bare bool argument is refused as a static bool is."""
+        if self.bare_scalar_type(value) in (bool, np.bool_):
+            raise LaunchConfigError(f"{label}: {what} sizes must be ints, got the bool argument {value.describe()}")
+        return self.plain_int(value)
 
     def _source(self, kernel, index: int, param: abi.ParamType, value: object) -> ParamSource:
         where = f"{self.owner}: {argument_place(index, param, kernel.name_expression)}"
@@ -349,13 +386,19 @@ def _index_kind(item: object) -> tuple[str, object]:
 _SLICE_TYPES = "slice indices must be integers or None or have an __index__ method"
 
 
-def _slice_bound(value: object) -> object:
+def _slice_bound(value: object, trace: Trace | None = None) -> object:
+    """A slice bound as Python's ``slice.indices`` reads it: ``operator.index`` of it (also on
+    every call, for a runtime bound: see :meth:`Trace.plain_int`)."""
     if value is None:
         return None
     if isinstance(value, Sym):
         if value.is_float:
             raise TypeError(f"{_SLICE_TYPES} (got the float {value.describe()})")
-        return value
+        if trace is None:
+            return value
+        if trace.bare_scalar_type(value) is np.bool_:  # no __index__: Python and torch refuse it too
+            raise TypeError(f"{_SLICE_TYPES} (got the numpy bool {value.describe()})")
+        return trace.plain_int(value)
     if isinstance(value, int) or hasattr(type(value), "__index__"):
         return operator.index(value)
     raise TypeError(_SLICE_TYPES)
@@ -478,7 +521,7 @@ class TracedTensor:
         Ellipsis (torch's multi-ellipsis results are inconsistent) and advanced indexing.
         """
         single = not isinstance(index, tuple)
-        items = [_index_kind(item) for item in ([index] if single else index)]
+        items = [self._exact_item(*_index_kind(item)) for item in ([index] if single else index)]
         if sum(1 for kind, _ in items if kind == "ellipsis") > 1:
             raise IndexError("an index can only have a single ellipsis ('...') inside a launcher")
         ndim = self.ndim
@@ -509,7 +552,7 @@ class TracedTensor:
                 offset = offset + self._select(item, shape[dim], position) * strides[dim]
                 del shape[dim], strides[dim]
             else:
-                start, length, step = _slice_view(item, shape[dim])
+                start, length, step = _slice_view(item, shape[dim], self.trace)
                 offset = offset + start * strides[dim]
                 shape[dim] = length
                 strides[dim] = strides[dim] * step
@@ -524,6 +567,15 @@ class TracedTensor:
             offset=offset,
             is_view=True,
         )
+
+    def _exact_item(self, kind: str, item: object) -> tuple[str, object]:
+        """A runtime int index as torch reads it: a bare bool argument is advanced indexing
+        (refused, as a static bool is), anything else its ``operator.index`` on every call."""
+        if kind == "int" and isinstance(item, Sym):
+            if self.trace.bare_scalar_type(item) in (bool, np.bool_):
+                raise ArgumentError(_ADVANCED.format(what=f"the bool argument {item.describe()}"))
+            item = self.trace.plain_int(item)
+        return kind, item
 
     def _select(self, value: object, size: object, position: int) -> object:
         """The element index an int selects, checked now when static, else at call time."""
@@ -555,10 +607,10 @@ class TracedTensor:
         return f"TracedTensor({self.arg_name}: {self.jdtype.name}[{shape}] on {self.device})"
 
 
-def _slice_view(item: slice, size: object) -> tuple[object, object, int]:
+def _slice_view(item: slice, size: object, trace: Trace) -> tuple[object, object, int]:
     """(start element, length, step) of ``item`` over a dimension of ``size``, exactly as
     Python's ``slice.indices`` (which torch follows) for a positive step."""
-    start, stop, step = _slice_bound(item.start), _slice_bound(item.stop), _slice_step(item.step)
+    start, stop, step = _slice_bound(item.start, trace), _slice_bound(item.stop, trace), _slice_step(item.step)
     if all(symbolic.is_static(v) for v in (start, stop, size)):
         first, last, _ = slice(start, stop, step).indices(size)
         return first, max(0, -(-(last - first) // step)), step

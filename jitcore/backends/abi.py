@@ -10,6 +10,7 @@ array the driver reads; call states write only the slots whose value can change,
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 import re
 import struct
@@ -19,99 +20,155 @@ import attrs
 
 from jitcore.errors import ArgumentError
 
-# C scalar spelling (normalised: single spaces, no qualifiers) -> (struct format, size, kind).
-# kind: "int" (signed), "uint", "float", "bool", "half", "bfloat16".
-_SCALARS: dict[str, tuple[str, int, str]] = {}
-
-
-def _register(names: Iterable[str], fmt: str, size: int, kind: str) -> None:
-    for name in names:
-        _SCALARS[name] = (fmt, size, kind)
-
-
-_register(["signed char", "int8_t", "char"], "b", 1, "int")
-_register(["unsigned char", "uint8_t"], "B", 1, "uint")
-_register(["short", "short int", "signed short", "signed short int", "int16_t"], "h", 2, "int")
-_register(["unsigned short", "unsigned short int", "uint16_t"], "H", 2, "uint")
-_register(["int", "signed", "signed int", "int32_t"], "i", 4, "int")
-_register(["unsigned", "unsigned int", "uint32_t"], "I", 4, "uint")
-_register(
+# The C types the ABI knows, in one place: everything below is derived from these tables, so a
+# spelling that parses as a scalar always has its pointee dtypes too (and is never an opaque
+# pointee, which would take a tensor of any dtype).
+#
+# Canonical C scalar type -> (struct format, size, kind). kind: "int" (signed), "uint",
+# "float", "bool", "half", "bfloat16". LP64 (long is 8 bytes) and a signed char, as on the
+# Linux hosts and the GPUs jitcore targets.
+_SCALAR_TYPES: dict[str, tuple[str, int, str]] = {
+    "char": ("b", 1, "int"),
+    "signed char": ("b", 1, "int"),
+    "unsigned char": ("B", 1, "uint"),
+    "short": ("h", 2, "int"),
+    "unsigned short": ("H", 2, "uint"),
+    "int": ("i", 4, "int"),
+    "unsigned int": ("I", 4, "uint"),
+    "long": ("q", 8, "int"),
+    "unsigned long": ("Q", 8, "uint"),
+    "long long": ("q", 8, "int"),
+    "unsigned long long": ("Q", 8, "uint"),
+    "bool": ("?", 1, "bool"),
+    "float": ("f", 4, "float"),
+    "double": ("d", 8, "float"),
+    "__half": ("e", 2, "half"),
+    "__nv_bfloat16": ("H", 2, "bfloat16"),
+    "__hip_bfloat16": ("H", 2, "bfloat16"),
+}
+# Other names of those types: the fixed-width and size typedefs (also written ``std::name`` or
+# ``::name``, see _STD_TYPEDEFS) and the vendors' aliases.
+_ALIASES: dict[str, str] = {
+    "int8_t": "signed char",
+    "uint8_t": "unsigned char",
+    "int16_t": "short",
+    "uint16_t": "unsigned short",
+    "int32_t": "int",
+    "uint32_t": "unsigned int",
+    "int64_t": "long long",
+    "uint64_t": "unsigned long long",
+    "ptrdiff_t": "long",
+    "intptr_t": "long",
+    "ssize_t": "long",
+    "size_t": "unsigned long",
+    "uintptr_t": "unsigned long",
+    "half": "__half",
+    "nv_bfloat16": "__nv_bfloat16",
+    "hip_bfloat16": "__hip_bfloat16",
+}
+_STD_TYPEDEFS = frozenset(name for name in _ALIASES if name.endswith("_t") and name != "ssize_t")
+# The torch dtype a scalar type's values are, by (kind, size): a pointer to the scalar takes it.
+_SCALAR_DTYPES: dict[tuple[str, int], str] = {
+    ("int", 1): "int8",
+    ("uint", 1): "uint8",
+    ("int", 2): "int16",
+    ("uint", 2): "uint16",
+    ("int", 4): "int32",
+    ("uint", 4): "uint32",
+    ("int", 8): "int64",
+    ("uint", 8): "uint64",
+    ("bool", 1): "bool",
+    ("float", 4): "float32",
+    ("float", 8): "float64",
+    ("half", 2): "float16",
+    ("bfloat16", 2): "bfloat16",
+}
+_BYTE_STORAGE = frozenset(
     [
-        "long",
-        "long int",
-        "signed long",
-        "long long",
-        "long long int",
-        "signed long long",
-        "int64_t",
-        "ptrdiff_t",
-        "intptr_t",
-        "ssize_t",
-    ],
-    "q",
-    8,
-    "int",
+        "uint8",
+        "bool",
+        "float8_e4m3fn",
+        "float8_e4m3fnuz",
+        "float8_e5m2",
+        "float8_e5m2fnuz",
+        "float8_e8m0fnu",
+        "float4_e2m1fn_x2",
+    ]
 )
-_register(
-    [
-        "unsigned long",
-        "unsigned long int",
-        "unsigned long long",
-        "unsigned long long int",
-        "uint64_t",
-        "size_t",
-        "uintptr_t",
-    ],
-    "Q",
-    8,
-    "uint",
-)
-_register(["bool"], "?", 1, "bool")
-_register(["float"], "f", 4, "float")
-_register(["double"], "d", 8, "float")
-_register(["__half", "half"], "e", 2, "half")
-_register(["__nv_bfloat16", "nv_bfloat16", "__hip_bfloat16", "hip_bfloat16"], "H", 2, "bfloat16")
-
-# Pointee C type -> torch dtype names a tensor argument may have. Types not listed here
-# (vector types aside) are opaque: any dtype is accepted, as for void*.
-_POINTEE_DTYPES: dict[str, frozenset[str]] = {}
-
-
-def _pointee(names: Iterable[str], dtype_names: Iterable[str]) -> None:
-    for name in names:
-        _POINTEE_DTYPES[name] = frozenset(dtype_names)
+# Pointees whose dtypes are not just their scalar's: bytes (any byte-sized storage behind
+# unsigned char, char as int8, uint8 or bool), vector types, fp8 types (no by-value form), and
+# long double, which no torch dtype is (so it takes none).
+_POINTEE_ONLY: dict[str, frozenset[str]] = {
+    "char": frozenset(["int8", "uint8", "bool"]),
+    "unsigned char": _BYTE_STORAGE,
+    "float2": frozenset(["float32"]),
+    "float4": frozenset(["float32"]),
+    "double2": frozenset(["float64"]),
+    "__half2": frozenset(["float16"]),
+    "half2": frozenset(["float16"]),
+    "__nv_bfloat162": frozenset(["bfloat16"]),
+    "int2": frozenset(["int32"]),
+    "int4": frozenset(["int32"]),
+    "__nv_fp8_e4m3": frozenset(["float8_e4m3fn"]),
+    "__hip_fp8_e4m3": frozenset(["float8_e4m3fn"]),
+    "__nv_fp8_e5m2": frozenset(["float8_e5m2"]),
+    "__hip_fp8_e5m2": frozenset(["float8_e5m2"]),
+    "__hip_fp8_e4m3_fnuz": frozenset(["float8_e4m3fnuz"]),
+    "__hip_fp8_e5m2_fnuz": frozenset(["float8_e5m2fnuz"]),
+    "__nv_fp8_e8m0": frozenset(["float8_e8m0fnu"]),
+    "long double": frozenset(),
+}
+# The words of C's integer types, which a declaration may write in any order.
+_INTEGER_WORDS = frozenset(["signed", "unsigned", "char", "short", "int", "long"])
 
 
-_BYTE_STORAGE = [
-    "uint8",
-    "bool",
-    "float8_e4m3fn",
-    "float8_e4m3fnuz",
-    "float8_e5m2",
-    "float8_e5m2fnuz",
-    "float8_e8m0fnu",
-    "float4_e2m1fn_x2",
-]
-_pointee(["float", "float2", "float4"], ["float32"])
-_pointee(["double", "double2"], ["float64"])
-_pointee(["__half", "half", "__half2", "half2"], ["float16"])
-_pointee(["__nv_bfloat16", "nv_bfloat16", "__nv_bfloat162", "__hip_bfloat16", "hip_bfloat16"], ["bfloat16"])
-_pointee(["signed char", "int8_t"], ["int8"])
-_pointee(["char"], ["int8", "uint8", "bool"])
-_pointee(["unsigned char", "uint8_t"], _BYTE_STORAGE)
-_pointee(["short", "short int", "int16_t"], ["int16"])
-_pointee(["unsigned short", "unsigned short int", "uint16_t"], ["uint16"])
-_pointee(["int", "signed", "signed int", "int32_t", "int2", "int4"], ["int32"])
-_pointee(["unsigned", "unsigned int", "uint32_t"], ["uint32"])
-_pointee(["long", "long int", "long long", "long long int", "int64_t"], ["int64"])
-_pointee(["unsigned long", "unsigned long long", "uint64_t", "size_t"], ["uint64"])
-_pointee(["bool"], ["bool"])
-_pointee(["__nv_fp8_e4m3", "__hip_fp8_e4m3"], ["float8_e4m3fn"])
-_pointee(["__nv_fp8_e5m2", "__hip_fp8_e5m2"], ["float8_e5m2"])
-_pointee(["__hip_fp8_e4m3_fnuz"], ["float8_e4m3fnuz"])
-_pointee(["__hip_fp8_e5m2_fnuz"], ["float8_e5m2fnuz"])
-_pointee(["__nv_fp8_e8m0"], ["float8_e8m0fnu"])
+@functools.lru_cache(maxsize=4096)
+def canonical_type(spelling: str) -> str:
+    """The canonical spelling of a C type (no qualifiers, no ``*``), by which the tables are
+    keyed: integer keywords in any order and with the redundant ``signed`` or ``int`` as
+    C allows (``long unsigned int`` and ``unsigned long`` are one type, ``signed short int``
+    is ``short``), typedefs with or without ``std::``, and vendor aliases, resolved to the
+    type they name (``std::int64_t`` is ``long long``). Anything else is returned as it is
+    (whitespace normalized): a type the ABI does not know."""
+    text = re.sub(r"\s*::\s*", "::", " ".join(spelling.split()))
+    for prefix in ("std::", "::"):
+        if text.startswith(prefix) and text[len(prefix) :] in _STD_TYPEDEFS:
+            text = text[len(prefix) :]
+    words = text.split()
+    if words and all(word in _INTEGER_WORDS for word in words):
+        return _integer_type(words) or text
+    return _ALIASES.get(text, text)
 
+
+def _integer_type(words: list[str]) -> str | None:
+    """The canonical integer type these keywords name, or None for no valid type."""
+    count = {word: words.count(word) for word in _INTEGER_WORDS}
+    signed, unsigned = count["signed"], count["unsigned"]
+    if signed + unsigned > 1 or count["char"] > 1 or count["short"] > 1 or count["int"] > 1 or count["long"] > 2:
+        return None
+    if count["char"]:
+        if count["short"] or count["int"] or count["long"]:
+            return None
+        return "unsigned char" if unsigned else "signed char" if signed else "char"
+    if count["short"] and count["long"]:
+        return None
+    base = "short" if count["short"] else {0: "int", 1: "long", 2: "long long"}[count["long"]]
+    return f"unsigned {base}" if unsigned else base
+
+
+# Every spelling of each table, derived (word-order variants are found by canonical_type):
+# spelling -> (struct format, size, kind), for parameters passed by value.
+_SCALARS: dict[str, tuple[str, int, str]] = {
+    **_SCALAR_TYPES,
+    **{alias: _SCALAR_TYPES[canonical] for alias, canonical in _ALIASES.items()},
+}
+# Pointee spelling -> torch dtype names a tensor argument may have. Types not listed here are
+# opaque (a user's struct or typedef): any dtype is accepted, as for void*.
+_POINTEE_DTYPES: dict[str, frozenset[str]] = {
+    **{name: frozenset([_SCALAR_DTYPES[kind, size]]) for name, (_fmt, size, kind) in _SCALARS.items()},
+    **_POINTEE_ONLY,
+    **{alias: _POINTEE_ONLY[canonical] for alias, canonical in _ALIASES.items() if canonical in _POINTEE_ONLY},
+}
 _KNOWN_TYPES = frozenset(_SCALARS) | frozenset(_POINTEE_DTYPES) | {"void"}
 # Template-argument spellings of torch dtypes, per vendor (data, not bindings: the null test
 # backend uses the CUDA names too).
@@ -190,10 +247,12 @@ class ParamType:
         return self.kind == "pointer"
 
     def accepts_dtype(self, dtype_name: str) -> bool:
-        """Whether a tensor of this dtype may be passed to this pointer parameter."""
+        """Whether a tensor of this dtype may be passed to this pointer parameter: the dtypes
+        of its pointee however it is spelled (:func:`canonical_type`), any dtype for a pointee
+        the ABI does not know (``void``, a user's struct or typedef)."""
         if self.pointee is None:
             return False
-        allowed = _POINTEE_DTYPES.get(self.pointee)
+        allowed = _POINTEE_DTYPES.get(canonical_type(self.pointee))
         return allowed is None or dtype_name in allowed
 
     def describe(self) -> str:
@@ -221,7 +280,11 @@ def parse_param(declaration: str, index: int = 0) -> ParamType:
     words = [t for t in bare.split() if t != "*"]
     # The last word is the parameter's name unless all the words spell a known type.
     name = None
-    if len(words) >= 2 and " ".join(words) not in _KNOWN_TYPES and re.match(r"^[A-Za-z_]\w*$", words[-1]):
+    if (
+        len(words) >= 2
+        and canonical_type(" ".join(words)) not in _KNOWN_TYPES
+        and re.match(r"^[A-Za-z_]\w*$", words[-1])
+    ):
         name = words.pop()
     base_type = " ".join(words)
     if stars:
@@ -237,7 +300,7 @@ def parse_param(declaration: str, index: int = 0) -> ParamType:
             const_pointee=const_pointee,
             name=name,
         )
-    scalar = _SCALARS.get(base_type)
+    scalar = _SCALARS.get(canonical_type(base_type))
     if scalar is None:
         raise ArgumentError(
             f"kernel parameter {index} ({declaration.strip()!r}): type {base_type!r} is not "

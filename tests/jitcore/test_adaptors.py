@@ -1,8 +1,11 @@
 """Arguments that change or surprise after a first call: stale adaptors, unusual tensors.
 
 - A ``jc.from_dlpack(t)`` adaptor is a snapshot; after ``t.resize_(...)`` (or ``set_``,
-  ``.data =``) it must be refused, never launched with the freed storage's pointer.
-- Nested, sparse, meta and subclass tensors must be refused cleanly on every call, including
+  ``.data =``) it must be refused, never launched with the freed storage's pointer, nor with
+  a dtype or conjugate/negative bit the tensor no longer has (``t.data = t.view(torch.int32)``
+  keeps pointer, shape and strides); a numpy array's adaptor likewise after ``a.resize``,
+  ``a.shape =`` or ``a.dtype =``.
+- Nested, sparse, meta, efficient-zero and subclass tensors must be refused cleanly on every call, including
   once a call state's C++ tensor guard is on the fast path (a strided nested tensor used to
   abort the process there). Those checks run in a subprocess, so an abort fails the test
   instead of killing pytest.
@@ -15,10 +18,14 @@ import struct
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import jitcore as jc
 from jitcore.backends import use_backend
@@ -103,6 +110,126 @@ def test_in_place_value_changes_keep_the_adaptor_valid(setup):
     assert launched(backend) == (t.data_ptr(), 8)
 
 
+RAW = "__global__ void raw(const void* p, long long n) {}"  # an opaque pointee: any dtype reaches it
+
+
+@pytest.fixture
+def raw_setup():
+    backend = CountingBackend()
+    kernel = jc.Kernel(RAW, "raw")
+    with use_backend(backend):
+        track_layouts(backend, kernel.instantiate())
+
+        @jc.jit
+        def launch(x):
+            kernel[1, 32](x, x.numel())
+
+        yield backend, launch
+
+
+@pytest.mark.parametrize(
+    "make, change, what",
+    [
+        pytest.param(
+            lambda: torch.arange(16.0), lambda t: setattr(t, "data", t.view(torch.int32)), "dtype", id="dtype"
+        ),
+        pytest.param(
+            lambda: torch.randn(16, dtype=torch.complex64),
+            lambda t: setattr(t, "data", t.conj()),
+            "conjugate bit",
+            id="conjugate-bit",
+        ),
+        pytest.param(
+            lambda: torch.randn(16),
+            lambda t: setattr(t, "data", torch._neg_view(t)),
+            "negative bit",
+            id="negative-bit",
+        ),
+        pytest.param(
+            lambda: torch.randn(16),
+            lambda t: setattr(t, "data", torch._efficientzerotensor(16)),
+            "data pointer",
+            id="efficient-zero",
+        ),
+    ],
+)
+def test_a_change_that_keeps_pointer_shape_and_strides_still_makes_the_adaptor_refuse(raw_setup, make, change, what):
+    """``t.data = t.view(torch.int32)`` or ``t.data = t.conj()`` keeps the data pointer, shape
+    and strides: the adaptor's dtype, or what its memory means, changed all the same."""
+    backend, launch = raw_setup
+    t = make()
+    adaptor = jc.from_dlpack(t)
+    launch(adaptor)
+    launch(adaptor)
+    change(t)
+    calls = len(backend.calls)
+    for _ in range(2):
+        with pytest.raises(ArgumentError, match=rf"stale jitcore\.from_dlpack adaptor .*: {what} "):
+            launch(adaptor)
+    assert len(backend.calls) == calls  # nothing launched
+
+
+_SAME_SIZE = [
+    (torch.float32, torch.int32),
+    (torch.int32, torch.float32),
+    (torch.float32, torch.uint32),
+    (torch.float16, torch.bfloat16),
+    (torch.int16, torch.float16),
+    (torch.int64, torch.float64),
+    (torch.uint8, torch.int8),
+    (torch.int8, torch.float8_e4m3fn),
+    (torch.float8_e4m3fn, torch.float8_e5m2),
+    (torch.float32, torch.float32),
+    (torch.int64, torch.int64),
+]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(_SAME_SIZE), st.integers(1, 4), st.integers(1, 5), st.booleans())
+def test_property_an_adaptor_is_stale_exactly_when_its_dtype_changed(dtypes, rows, cols, transposed):
+    """``t.data = t.view(other)`` between dtypes of one element size: same pointer, shape and
+    strides; the adaptor refuses exactly when the dtype differs, and otherwise keeps its
+    signature."""
+    before, after = dtypes
+    t = torch.zeros(rows, cols).to(before)
+    if transposed:
+        t = t.t()
+    adaptor = jc.from_dlpack(t)
+    signature = adaptor.__cache_signature__()
+    t.data = t.view(after)
+    if before == after:
+        assert adaptor.__cache_signature__() == signature
+    else:
+        with pytest.raises(ArgumentError, match=rf"stale .*dtype {before} -> {after}"):
+            adaptor.__cache_signature__()
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        pytest.param(lambda a: setattr(a, "shape", (4, 4)), id="shape="),
+        pytest.param(lambda a: a.resize(4096, refcheck=False), id="resize"),
+        pytest.param(lambda a: setattr(a, "dtype", np.int32), id="dtype="),
+    ],
+)
+def test_a_changed_numpy_array_makes_its_adaptor_refuse(raw_setup, change):
+    backend, launch = raw_setup
+    array = np.zeros(16, dtype=np.float32)
+    adaptor = jc.from_dlpack(array)
+    launch(adaptor)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # numpy deprecates setting a dtype in place
+        change(array)
+    calls = len(backend.calls)
+    with pytest.raises(
+        ArgumentError, match=r"stale jitcore\.from_dlpack adaptor .*its array \(resize, shape or dtype\)"
+    ):
+        launch(adaptor)
+    assert len(backend.calls) == calls
+    launch(jc.from_dlpack(array))  # rewrapping describes the array as it is now
+    assert launched(backend) == (array.__array_interface__["data"][0], array.size)
+
+
 # --- item 7: unusual tensors after a first call --------------------------------------------
 _UNUSUAL = textwrap.dedent(
     """
@@ -137,6 +264,7 @@ _UNUSUAL = textwrap.dedent(
         "sparse_coo": lambda: dense.to_sparse(),
         "sparse_csr": lambda: dense.to_sparse_csr(),
         "meta": lambda: torch.empty(4, 4, device="meta"),
+        "efficient_zero": lambda: torch._efficientzerotensor((4, 4)),
         "dispatch_subclass": lambda: Dispatching(torch.randn(4, 4)),
         "plain_subclass": lambda: torch.randn(4, 4).as_subclass(Plain),
     }
@@ -194,7 +322,8 @@ def run_isolated(script: str) -> list[str]:
 @pytest.mark.skipif(not GUARDS, reason="torch has no C++ tensor guard evaluator")
 def test_unusual_tensors_are_refused_on_every_call_after_a_normal_one():
     outcomes = dict((line.split()[0], line.split()[1:]) for line in run_isolated(JIT_SCRIPT))
-    for name in ("nested", "nested_1d", "nested_jagged", "sparse_coo", "sparse_csr", "meta", "dispatch_subclass"):
+    refused = ("nested", "nested_1d", "nested_jagged", "sparse_coo", "sparse_csr", "meta", "efficient_zero")
+    for name in (*refused, "dispatch_subclass"):
         assert outcomes[name] == ["UnsupportedTensorError"] * 3, name
     assert outcomes["plain_subclass"] == ["ok"] * 3  # a subclass without its own dispatch is plain memory
 

@@ -7,6 +7,7 @@ import enum
 import io
 import linecache
 import math
+import re
 import struct
 import token
 import tokenize
@@ -21,7 +22,7 @@ from jitcore import generated, symbolic
 from jitcore.backends import use_backend
 from jitcore.errors import ArgumentError, LaunchConfigError
 
-from .fakes import CountingBackend, track_layouts
+from .fakes import PACKINGS, CountingBackend, track_layouts
 
 SOURCE = "__global__ void k(const float* x, long long n, long long v, float f) {}"
 
@@ -351,3 +352,45 @@ def test_argument_errors_still_raise_for_an_empty_launch(backend):
 
     with pytest.raises(ArgumentError, match=r"argument 1 \(int n\) of k gets 8589934592"):
         launch(torch.randn(0), 2**33)
+
+
+# --- several launches: everything checked and packed, then every launch (finding #2) ------------
+def _launch_line_numbers(source: str, marker: str) -> list[int]:
+    return [number for number, line in enumerate(source.splitlines()) if re.search(marker, line)]
+
+
+@pytest.mark.parametrize("packing", PACKINGS)
+def test_a_call_state_of_several_launches_checks_and_packs_all_before_any_launch(packing):
+    """Both generated functions (``run`` and its recording variant ``__rec``): every grid check
+    and every packing comes before the first launch, under one readable comment; a call state
+    of one launch keeps the backend's packed launch where it has one."""
+    fake = CountingBackend(packed=packing == "packed")
+    with use_backend(fake):
+        kernel = new_kernel(fake, "__global__ void k(const float* x, int n) {}")
+
+        @jc.jit
+        def several(x, n):
+            kernel[jc.cdiv(x.numel(), 32), 32](x, n)
+            kernel[n, 32, n](x[1:], n + 1)
+            kernel[1, n](x, n * 2)
+
+        @jc.jit
+        def one(x, n):
+            kernel[jc.cdiv(x.numel(), 32), 32](x, n)
+
+        several(torch.randn(8), 3)
+        one(torch.randn(8), 3)
+        source = several.jit.states[next(iter(several.jit.states))].source
+        for function in source.split("\ndef ")[1:]:
+            launches = _launch_line_numbers(function, r"_null_launch\(")
+            checks = [
+                *_launch_line_numbers(function, r"_pack\d+_\d+\("),
+                *_launch_line_numbers(function, r"_check_grid\(|_bad_config\(|_grow_shared\("),
+            ]
+            assert len(launches) == 3 and len(checks) >= 7, function
+            assert max(checks) < min(launches), function
+            assert "# every launch checked and packed: launch them" in function
+            assert "_L0(" not in function  # several launches: packed with struct first
+        one_source = one.jit.states[next(iter(one.jit.states))].source
+        assert ("_L0(" in one_source) == (packing == "packed")
+        assert "# every launch checked" not in one_source

@@ -872,3 +872,73 @@ def test_unrolled_checks_mean_exactly_what_comparing_frozen_copies_means(origina
     else:
         snapshot.check()
         assert spy.calls == (0 if unrolled else 1)  # the unrolled tests alone accept every unchanged value
+
+
+# --- floats by their bits, as Constexpr keys compare them ---------------------------------------
+SHIFT = 0.0
+SHIFTS = [0.0, 1.5]
+NAN_PAYLOAD = struct.unpack("<d", bytes.fromhex("010000000000f87f"))[0]
+
+
+def shift_reader():
+    return SHIFT + SHIFTS[0]
+
+
+FLOAT_REBINDINGS = [
+    (0.0, -0.0, True),
+    (-0.0, 0.0, True),
+    (0.0, struct.unpack("<d", struct.pack("<d", 0.0))[0], False),  # another object, same bits
+    (math.nan, struct.unpack("<d", struct.pack("<d", math.nan))[0], False),  # a NaN of the same bits
+    (math.nan, NAN_PAYLOAD, True),  # another NaN payload
+    (complex(0.0, 0.0), complex(0.0, -0.0), True),
+    (np.float64(0.0), np.float64(-0.0), True),
+]
+
+
+@pytest.mark.parametrize("old, new, drifts", FLOAT_REBINDINGS)
+def test_a_float_global_is_compared_by_its_bits(monkeypatch, old, new, drifts):
+    monkeypatch.setitem(globals(), "SHIFT", old)
+    snapshot = GlobalsSnapshot(shift_reader)
+    monkeypatch.setitem(globals(), "SHIFT", new)
+    if drifts:
+        with pytest.raises(GlobalDriftError, match="global 'SHIFT' read by .* changed"):
+            snapshot.check()
+    else:
+        snapshot.check()
+
+
+@pytest.mark.parametrize("old, new, drifts", FLOAT_REBINDINGS)
+@pytest.mark.parametrize("size", [2, drift.MAX_UNROLLED + 1])  # the unrolled tests, then the frozen copies
+def test_a_float_in_a_container_is_compared_by_its_bits(monkeypatch, old, new, drifts, size):
+    values = [old] + [1.5] * (size - 1)
+    monkeypatch.setitem(globals(), "SHIFTS", values)
+    snapshot = GlobalsSnapshot(shift_reader)
+    assert (size <= drift.MAX_UNROLLED) == any(line == "if not (" for line in snapshot.check_lines)
+    snapshot.check()
+    values[0] = new  # in place
+    if drifts:
+        with pytest.raises(GlobalDriftError, match="global 'SHIFTS' read by .* changed"):
+            snapshot.check()
+    else:
+        snapshot.check()
+    assert thaw(freeze(values)) == values or math.isnan(new)
+
+
+def test_a_float_global_rebound_to_negative_zero_is_drift_for_a_launcher(monkeypatch):
+    from .fakes import track_layouts
+
+    backend = CountingBackend()
+    kernel = jc.Kernel("__global__ void k(float v) {}", "k")
+
+    @jc.jit
+    def launch():
+        kernel[1, 1](SHIFT)
+
+    with use_backend(backend):
+        track_layouts(backend, kernel.instantiate())
+        launch()
+        assert backend.calls[-1][7] == (struct.pack("<f", 0.0),)
+        monkeypatch.setitem(globals(), "SHIFT", -0.0)
+        with pytest.raises(GlobalDriftError, match="global 'SHIFT'.*it was 0.0 when first compiled, now -0.0"):
+            launch()
+    assert len(backend.calls) == 1

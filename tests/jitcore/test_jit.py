@@ -939,3 +939,199 @@ def test_a_launch_the_driver_refuses_raises_both_ways(backend):
     launch = make_axpy()
     with pytest.raises(RuntimeError, match="null launch"):
         launch(torch.randn(64), torch.randn(64), torch.empty(64), 2.0)
+
+
+# --- a launcher of several launches: every error before the first launch (finding #2) ------------
+_INT_TYPES = {
+    "signed char": (-(2**7), 2**7 - 1),
+    "short": (-(2**15), 2**15 - 1),
+    "int": (-(2**31), 2**31 - 1),
+    "long long": (-(2**63), 2**63 - 1),
+    "unsigned char": (0, 2**8 - 1),
+    "unsigned short": (0, 2**16 - 1),
+    "unsigned int": (0, 2**32 - 1),
+    "unsigned long long": (0, 2**64 - 1),
+}
+_TAKES = {c_type: jc.Kernel(f"__global__ void takes(float* x, {c_type} n) {{}}", "takes") for c_type in _INT_TYPES}
+
+
+def _several(backend, c_types: tuple[str, ...]):
+    """A launcher launching one kernel per C type, each given the same runtime scalar."""
+    track_layouts(backend, *(_TAKES[c].instantiate() for c in c_types))
+    kernels = [_TAKES[c] for c in c_types]
+
+    @jc.jit
+    def several(x, n):
+        for kernel in kernels:
+            kernel[1, 32](x, n)
+
+    return several
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.sampled_from(PACKINGS),
+    st.lists(st.sampled_from(sorted(_INT_TYPES)), min_size=2, max_size=4),
+    st.integers(-(2**64), 2**65),
+)
+def test_property_a_value_any_launch_refuses_is_refused_before_the_first_launch(packing, c_types, n):
+    """A call either makes every launch, each with the value, or raises ArgumentError and
+    makes none (each launch packs the same value into its own C type: one that fits the
+    first launch's type may overflow a later one's)."""
+    backend = CountingBackend(packed=packing == "packed")
+    with use_backend(backend):
+        several = _several(backend, tuple(c_types))
+        x = torch.zeros(4)
+        several(x, 0)
+        several(x, 0)  # the guarded hit path
+        before = len(backend.calls)
+        fits = all(low <= n <= high for low, high in (_INT_TYPES[c] for c in c_types))
+        if fits:
+            several(x, n)
+            assert len(backend.calls) == before + len(c_types)
+            for call, c_type in zip(backend.calls[before:], c_types):
+                assert int.from_bytes(call[7][1], "little", signed=_INT_TYPES[c_type][0] < 0) == n
+        else:
+            with pytest.raises(ArgumentError, match=r"of takes gets -?\d+ \(launcher argument 'n'\)"):
+                several(x, n)
+            assert len(backend.calls) == before  # no launch ran
+        several(x, 1)  # and the call state is intact
+        assert len(backend.calls) == before + len(c_types) * (2 if fits else 1)
+        assert several.cache_info().states == 1
+
+
+@pytest.mark.parametrize(
+    "second, value, error",
+    [
+        pytest.param("grid", -1, LaunchConfigError, id="dynamic-grid"),
+        pytest.param("grid", 2**31, LaunchConfigError, id="grid-too-large"),
+        pytest.param("block", 0, LaunchConfigError, id="dynamic-block"),
+        pytest.param("shared", 1 << 40, LaunchConfigError, id="dynamic-shared"),
+        pytest.param("index", 9, IndexError, id="runtime-index"),
+        pytest.param("scalar", 2**31, ArgumentError, id="int-overflow"),
+        pytest.param("float", 2**24 + 1, ArgumentError, id="inexact-int-for-float"),
+    ],
+)
+def test_an_error_on_a_later_launch_comes_before_the_first_launch(backend, second, value, error):
+    first_kernel = jc.Kernel("__global__ void first(float* x, long long n) {}", "first")
+    second_kernel = jc.Kernel("__global__ void second(float* x, int n) {}", "second")
+    float_kernel = jc.Kernel("__global__ void second_float(float* x, float a) {}", "second_float")
+    track_layouts(backend, first_kernel.instantiate(), second_kernel.instantiate(), float_kernel.instantiate())
+
+    @jc.jit
+    def two(x, v):
+        first_kernel[1, 32](x, 7)
+        if second == "grid":
+            second_kernel[v, 32](x, 1)
+        elif second == "block":
+            second_kernel[1, v](x, 1)
+        elif second == "shared":
+            second_kernel[1, 32, v](x, 1)
+        elif second == "index":
+            second_kernel[1, 32](x[v], 1)
+        elif second == "float":
+            float_kernel[1, 32](x, v)
+        else:
+            second_kernel[1, 32](x, v)
+
+    x = torch.zeros(8)
+    good = 1
+    two(x, good)
+    two(x, good)
+    hook = ListRecorder()
+    for recording in (False, True):  # the call state and its recording variant (__rec)
+        before = len(backend.calls)
+        with pytest.raises(error):
+            if recording:
+                with recorder.recording(hook):
+                    two(x, value)
+            else:
+                two(x, value)
+        assert len(backend.calls) == before  # the first launch did not run
+        assert hook.records == []
+    two(x, good)
+    assert len(backend.calls) == before + 2 and two.cache_info().states == 1
+
+
+# --- tensors whose memory does not hold their values (finding #7, #11) -------------------------
+def test_efficient_zero_tensors_are_refused_on_every_path_naming_the_argument(backend):
+    """torch._efficientzerotensor (autograd's undefined gradients) has a null data pointer: as
+    an input or an output, on a miss, on the lean hit path and after the guarded hit path."""
+    launch = make_axpy()
+    track_layouts(backend, axpy.instantiate(torch.float32))
+    x, y, out = torch.randn(4, 6), torch.randn(4, 6), torch.empty(4, 6)
+    zero = torch._efficientzerotensor((4, 6))
+    for name, args in (("x", (zero, y, out, 1.0)), ("out", (x, y, zero, 1.0))):
+        launch(x, y, out, 1.0)
+        launch(x, y, out, 1.0)  # the guarded hit path is warm, and the lean table knows the layout
+        before = len(backend.calls)
+        for _ in range(2):
+            with pytest.raises(UnsupportedTensorError, match=rf"launch_axpy: parameter '{name}': .*efficient zero"):
+                launch(*args)
+        assert len(backend.calls) == before
+    with pytest.raises(UnsupportedTensorError, match="parameter 'x'"):
+        jc.compile(launch, zero, y, out, 1.0)
+    assert launch.cache_info().states == 1
+
+
+@pytest.mark.parametrize("transform", ["vmap", "grad"])
+def test_a_launcher_inside_a_torch_func_transform_is_refused_naming_the_argument(backend, transform):
+    """A functorch wrapper passes for a plain tensor in a key and has no data pointer: the
+    launcher refuses it with UnsupportedTensorError naming the parameter, not torch's bare
+    RuntimeError from data_ptr(), and launches nothing."""
+    launch = make_axpy()
+    track_layouts(backend, axpy.instantiate(torch.float32))
+    base = torch.randn(3, 4)
+    launch(base[0], base[0], torch.empty(4), 1.0)
+    launch(base[0], base[0], torch.empty(4), 1.0)
+    before = len(backend.calls)
+    errors = []
+    x, out = torch.randn(4), torch.empty(4)
+
+    def inner(row):
+        for _ in range(2):
+            try:
+                launch(x, row, out, 1.0)
+            except Exception as error:  # collected: a transform may wrap what escapes it
+                errors.append(error)
+        return row.sum()
+
+    (torch.func.vmap if transform == "vmap" else torch.func.grad)(inner)(base if transform == "vmap" else base[0])
+    assert [type(e) for e in errors] == [UnsupportedTensorError] * 2, errors
+    assert all("launch_axpy: parameter 'y'" in str(e) and "torch.func transform" in str(e) for e in errors)
+    assert len(backend.calls) == before and launch.cache_info().states == 1
+
+
+def test_layout_errors_name_the_argument(backend):
+    launch = make_axpy()
+    with pytest.raises(LayoutError, match=r"launch_axpy: parameter 'out': tensor with strides \(2,\)"):
+        launch(torch.randn(4), torch.randn(4), torch.randn(8)[::2], 1.0)
+
+
+# --- jc.compile binds arguments as the launcher does (finding #11) ---------------------------
+def test_compile_applies_the_launchers_defaults_and_keywords(backend):
+    kernel = jc.Kernel("__global__ void scaled(float* x, long long n, int block) {}", "scaled")
+    track_layouts(backend, kernel.instantiate())
+
+    @jc.jit
+    def launch(x, n, block: jc.Constexpr[int] = 128, extra=7):
+        kernel[1, block](x, n, extra)
+
+    x = torch.zeros(4)
+    handle = jc.compile(launch, x, 3)  # what launch(x, 3) runs: block 128, extra 7
+    assert launch.cache_info().states == 1 and backend.calls == []
+    handle(x, 5, 128, 7)  # every argument positional, the defaulted ones too
+    assert backend.calls[-1][2] == (128, 1, 1)
+    assert [unpack(f, raw) for f, raw in zip("Qqi", backend.calls[-1][7])] == [x.data_ptr(), 5, 7]
+    launch(x, 3)
+    assert launch.cache_info().states == 1  # the state compile built serves the launcher's call
+    jc.compile(launch, x, n=3, block=64)(x, 4, 64, 9)
+    assert backend.calls[-1][2] == (64, 1, 1) and launch.cache_info().states == 2
+    assert unpack("i", backend.calls[-1][7][2]) == 9
+    with pytest.raises(TypeError, match=r"jitcore.compile\(launch, ...\): missing a required argument: 'n'"):
+        jc.compile(launch, x)
+    with pytest.raises(TypeError, match=r"jitcore.compile\(launch, ...\): got an unexpected keyword argument 'm'"):
+        jc.compile(launch, x, 3, m=1)
+    with pytest.raises(TypeError, match="too many positional arguments"):
+        jc.compile(launch, x, 3, 64, 7, 8)
+    assert launch.cache_info().states == 2

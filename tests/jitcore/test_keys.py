@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import collections
+import dataclasses
+import enum
+
 import numpy as np
 import pytest
 import torch
@@ -158,3 +162,130 @@ def test_generated_lean_key_source_is_readable(count):
     plan = KeyPlan([Parameter(f"t{i}") for i in range(count)])
     assert plan.source.startswith("def lean_key(")
     assert plan.lean_key(*[torch.randn(3)] * count) == plan.full_key(*[torch.randn(3)] * count)
+
+
+# --- Constexpr values: hashed by value, keyed by exact type -------------------------------------
+class Settings:  # a plain class: hashed by identity, its attributes settable
+    block = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class Frozen:
+    block: int
+    eps: float
+    extra: object = None
+
+
+class Mode(enum.IntEnum):
+    ONE = 1
+
+
+Pair = collections.namedtuple("Pair", "a b")
+
+
+@pytest.mark.parametrize(
+    "value, holds",
+    [
+        (Settings(), ""),
+        (Settings, ""),  # a class: its attributes can change in place too
+        (lambda: 1, ""),
+        ((1, Settings()), ", which holds a Settings"),
+        (frozenset({Settings()}), ", which holds a Settings"),
+        (Frozen(1, 0.5, extra=Settings()), ", which holds a Settings"),
+    ],
+)
+def test_constexpr_values_hashed_by_identity_are_refused_on_both_paths(value, holds):
+    plan = KeyPlan([Parameter("cfg", constexpr=True)])
+    lean, full = outcome(plan.lean_key, value), outcome(plan.full_key, value)
+    assert lean == full and lean[1] is TypeError
+    assert "Constexpr parameter 'cfg' needs a value hashed by its value" in lean[2]
+    assert f"got a {type(value).__qualname__}{holds} hashed by identity" in lean[2]
+
+
+@pytest.mark.parametrize(
+    "value",
+    [None, ..., torch.float16, torch.strided, int, np.float32, Mode.ONE, Frozen(1, 0.5), Pair(1, "a"), (1, "a", 2.0)],
+)
+def test_constexpr_values_hashed_by_value_are_keyed(value):
+    plan = KeyPlan([Parameter("cfg", constexpr=True)])
+    assert canonical_bytes(plan.lean_key(value)) == canonical_bytes(plan.full_key(value))
+    assert plan.lean_key(value) == plan.lean_key(value)
+
+
+def test_a_mutable_constexpr_is_refused_before_anything_is_cached():
+    from .fakes import CountingBackend
+
+    backend = CountingBackend()
+    kernel = jc.Kernel("__global__ void k(int block) {}", "k")
+
+    @jc.jit
+    def launch(cfg: jc.Constexpr[object]):
+        kernel[1, 1](cfg.block)
+
+    with jc.backends.use_backend(backend):
+        with pytest.raises(TypeError, match="hashed by identity: a change made to it in place"):
+            launch(Settings())
+        launch(Frozen(256, 0.0))
+    assert launch.cache_info().states == 1 and len(backend.calls) == 1
+
+
+# Values equal to each other under ==, of different types or bits: each must have its own key.
+TWINS = [
+    True,
+    1,
+    np.True_,
+    np.int64(1),
+    np.int32(1),
+    1.0,
+    np.float64(1.0),
+    np.float32(1.0),
+    Mode.ONE,
+    (True,),
+    (1,),
+    (np.True_,),
+    Pair(1, 0.0),
+    (1, 0.0),
+    (1, -0.0),
+    frozenset({1}),
+    frozenset({True}),
+    Frozen(1, 0.0),
+    Frozen(1, -0.0),
+    Frozen(True, 0.0),
+]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from(TWINS), st.sampled_from(TWINS))
+def test_property_constexpr_keys_collide_only_for_the_same_type_and_value(first, second):
+    """``True == 1 == np.True_ == 1.0`` and ``0.0 == -0.0`` in Python, but a launcher traced
+    with one may compile other code than with the other (a template argument, a float's sign):
+    their keys differ unless the values are the same object of one type."""
+    plan = KeyPlan([Parameter("c", constexpr=True)])
+    same = first is second
+    assert (plan.lean_key(first) == plan.lean_key(second)) == same, (first, second)
+    assert (plan.full_key(first) == plan.full_key(second)) == same
+    assert canonical_bytes(plan.lean_key(first)) == canonical_bytes(plan.full_key(first))
+
+
+# --- numpy scalars: every bool, integer and float type, by what it is ---------------------------
+NUMPY_SCALAR_TYPES = sorted(
+    {t for t in np.sctypeDict.values() if issubclass(t, (np.bool_, np.integer, np.floating))}, key=str
+)
+
+
+@pytest.mark.parametrize("kind", NUMPY_SCALAR_TYPES, ids=lambda t: t.__name__)
+def test_every_numpy_bool_integer_and_float_type_up_to_8_bytes_is_a_runtime_scalar(kind):
+    plan = KeyPlan([Parameter("n")])
+    value = kind(3)
+    dtype = np.dtype(kind)
+    if dtype.kind not in "biuf" or dtype.itemsize > 8:  # timedelta64 (an integer with a unit), longdouble
+        with pytest.raises(ArgumentError, match="parameter 'n': unsupported argument type"):
+            plan.lean_key(value)
+        return
+    assert plan.lean_key(value) == plan.full_key(value) == (f"numpy.{dtype.name}",)
+
+
+def test_a_numpy_longlong_is_keyed_like_the_int64_it_is():
+    plan = KeyPlan([Parameter("n")])
+    value = np.array([3], dtype="q")[0]  # numpy.longlong on Linux, a type apart from numpy.int64
+    assert plan.lean_key(value) == plan.lean_key(np.int64(3)) == ("numpy.int64",)

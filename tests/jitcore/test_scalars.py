@@ -436,3 +436,20 @@ def test_property_bfloat16_rounding_is_the_nearest(value):
         return
     got = struct.unpack("<f", struct.pack("<I", bits << 16))[0]
     assert got == wanted and math.copysign(1, got) == math.copysign(1, wanted)
+
+
+@pytest.mark.parametrize("ctype, fmt", [("long long", "<q"), ("int", "<i"), ("double", "<d")])
+def test_a_numpy_longlong_is_passed_like_an_int64(backend, ctype, fmt):
+    """``np.array([3], dtype='q')[0]`` is a numpy.longlong, a type apart from numpy.int64 on
+    Linux (printed as np.int64(3)): accepted as what it is, an 8-byte integer."""
+    kernel = jc.Kernel(f"__global__ void k({ctype} n) {{}}", "k")
+    track_layouts(backend, kernel.instantiate())
+
+    @jc.jit
+    def launch(n):
+        kernel[1, 1](n)
+
+    for value in (np.array([3], dtype="q")[0], np.longlong(-7), np.int64(5), np.array([9], dtype="Q")[0]):
+        launch(value)
+        assert backend.calls[-1][7][0] == struct.pack(fmt, int(value))
+    assert launch.cache_info().states == 2  # the 8-byte signed ints share one; the unsigned has its own

@@ -127,6 +127,10 @@ def refused_tensors():
         "nested_strided": torch.nested.nested_tensor([torch.randn(2, 3), torch.randn(4, 3)]),
         "nested_jagged": torch.nested.nested_tensor([torch.randn(2, 3), torch.randn(4, 3)], layout=torch.jagged),
         "sparse_0d": torch.tensor(1.0).to_sparse(),
+        # no memory of their own: a null data pointer (or none at all) for values they show
+        "efficient_zero": torch._efficientzerotensor((3, 4)),
+        "efficient_zero_1d": torch._efficientzerotensor(5, dtype=torch.int32),
+        "functional_wrapper": torch._to_functional_tensor(dense),
     }
     if torch.backends.mkldnn.is_available():
         cases["mkldnn"] = dense.to_mkldnn()
@@ -152,6 +156,52 @@ def test_refused_tensors_stay_refused_after_the_fast_path_has_seen_valid_twins()
     lean_cache_signature(torch.randn(4))
     for name, tensor in refused_tensors().items():
         assert outcome(lean_cache_signature, tensor)[0] == "error", name
+
+
+def _inside(transform: str, body):
+    """Run ``body`` on the tensor a torch.func transform passes its function, return its result."""
+    seen = []
+
+    def function(t):
+        seen.append(body(t))
+        return t.sum()
+
+    base = torch.randn(3, 4)
+    if transform == "vmap":
+        torch.func.vmap(function)(base)
+    elif transform == "grad":
+        torch.func.grad(function)(base)
+    elif transform == "jvp":
+        torch.func.jvp(function, (base,), (torch.ones_like(base),))
+    else:
+        torch.func.functionalize(function)(base)
+    return seen[0]
+
+
+@pytest.mark.parametrize("transform", ["vmap", "grad", "jvp", "functionalize"])
+def test_torch_func_wrappers_are_refused_by_both_paths_with_the_same_error(transform):
+    """Inside a transform the function sees a wrapper (a BatchedTensor has no data pointer, a
+    functionalized one a null one): every path refuses it the same way, after a valid twin
+    filled the fast path too."""
+    lean_cache_signature(torch.randn(4))
+    lean_cache_signature(torch.randn(3, 4))
+    results = _inside(
+        transform,
+        lambda t: [
+            outcome(f, t)
+            for f in (
+                lean_cache_signature,
+                _INLINE,
+                lambda t: TensorAdaptor(t).__cache_signature__(),
+                lean_static_signature,
+                lambda t: jc.from_dlpack(t).__cache_signature__(),
+            )
+        ],
+    )
+    for result in results:
+        assert result[0] == "error" and result[1] is UnsupportedTensorError, result
+        assert "torch.func transform" in result[2]
+    assert len({repr(result) for result in results}) == 1
 
 
 def test_requires_grad_is_accepted_by_both_and_described_like_its_data():
@@ -326,6 +376,8 @@ def _unusual(tensor, how):
         return tensor.requires_grad_() if how == "requires grad" else torch.nn.Parameter(tensor)
     if how == "subclass":
         return tensor.as_subclass(_Plain)
+    if how == "efficient zero":
+        return torch._efficientzerotensor(tensor.shape, dtype=tensor.dtype)
     return tensor
 
 
@@ -339,6 +391,7 @@ _UNUSUAL = [
     "requires grad",
     "parameter",
     "subclass",
+    "efficient zero",
 ]
 
 

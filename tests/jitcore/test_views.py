@@ -383,3 +383,90 @@ def test_symbolic_bounds_render_to_readable_source():
     assert [wrapped.evaluate({"n": v, "x_size0": 10}) for v in (-1, 0, 9)] == [9, 0, 9]
     assert symbolic.slice_index(-3, size).describe() == "max((x.shape[0] - 3), 0)"
     assert symbolic.slice_index(-3, 10) == 7 and symbolic.wrap_index(-1, 4) == 3
+
+
+# --- numpy integers and bools as runtime indexes ------------------------------------------
+RUNTIME_TYPES = [np.int64, np.int32, np.int16, np.int8, np.longlong, np.intc]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    data=st.data(),
+    template=templates(),
+    rank=st.integers(0, 3),
+    kind=st.sampled_from(RUNTIME_TYPES),
+)
+def test_fuzz_views_with_numpy_runtime_indexes_match_torch(data, template, rank, kind):
+    """Runtime indexes and bounds of a numpy integer type address exactly what a Python int of
+    their value addresses (torch takes them alike): the call state converts them with
+    operator.index before any pointer arithmetic, so ``data_ptr + i * stride`` never computes
+    in the index's own width."""
+    backend, view_kernel, _ = fresh_backend()
+    with use_backend(backend):
+        launch = make_launcher(template, view_kernel)
+        for _ in range(3):
+            base = data.draw(bases(rank))
+            if base.ndim and 1 not in base.stride():
+                continue
+            runtime = tuple(kind(v) for v in data.draw(st.lists(small, min_size=SLOTS, max_size=SLOTS)))
+            check_instance(backend, launch, template, base, base, runtime)
+
+
+@pytest.mark.parametrize("kind", [np.int32, np.int16, np.uint8, np.longlong])
+def test_a_narrow_numpy_index_moves_the_pointer_like_an_int(backend, kind):
+    @jc.jit
+    def row(x, i):
+        backend.plain_kernel[1, 1](x[i], x.shape[1])
+
+    @jc.jit
+    def tail(x, i):
+        backend.plain_kernel[1, 1](x[i:], x.shape[1])
+
+    x = torch.zeros(4, 8)
+    for launch in (row, tail, row):
+        launch(x, kind(1))
+        (pointer,) = struct.unpack("<Q", backend.calls[-1][7][0])
+        assert pointer - x.data_ptr() == x[1].data_ptr() - x.data_ptr() == 32
+
+
+def test_a_runtime_bool_index_is_refused_like_a_static_one(backend):
+    @jc.jit
+    def pick(x, flag):
+        backend.plain_kernel[1, 1](x[flag], 1)
+
+    for flag in (True, np.True_):
+        with pytest.raises(ArgumentError, match="the bool argument flag as an index.*advanced indexing"):
+            pick(torch.zeros(3, 4), flag)
+    assert pick.cache_info().states == 0
+
+
+def test_runtime_bool_slice_bounds_follow_python(backend):
+    @jc.jit
+    def tail(x, flag):
+        backend.plain_kernel[1, 1](x[flag:], 1)
+
+    x = torch.zeros(4)
+    tail(x, True)  # Python and torch read True as 1 in a slice
+    (pointer,) = struct.unpack("<Q", backend.calls[-1][7][0])
+    assert pointer - x.data_ptr() == x[True:].data_ptr() - x.data_ptr() == 4
+    with pytest.raises(TypeError, match="slice indices must be integers.*numpy bool flag"):
+        tail(x, np.True_)  # numpy bools have no __index__: torch refuses x[np.True_:] too
+
+
+def test_numpy_integers_in_launch_sizes_reach_the_driver_as_ints(backend):
+    @jc.jit
+    def sized(x, n):
+        backend.plain_kernel[jc.cdiv(n, 2), n, n * 4](x, 1)
+
+    for n in (np.int16(5), np.int16(5), np.uint8(3)):
+        sized(torch.zeros(4), n)
+        grid, block, shared = backend.calls[-1][1:4]
+        assert all(type(v) is int for v in (*grid, *block, shared))
+        assert (grid[0], block[0], shared) == (-(-int(n) // 2), int(n), int(n) * 4)
+
+    @jc.jit
+    def flagged(x, flag):
+        backend.plain_kernel[flag, 1](x, 1)
+
+    with pytest.raises(jc.LaunchConfigError, match="grid sizes must be ints, got the bool argument flag"):
+        flagged(torch.zeros(4), True)

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from jitcore import dtypes
 from jitcore.backends import abi
 from jitcore.errors import ArgumentError
 
@@ -209,3 +210,117 @@ def test_bfloat16_rounding():
     assert abi.float_to_bfloat16_bits(-2.5) == 0xC020
     assert abi.float_to_bfloat16_bits(1.00390625) == 0x3F80  # ties to even
     assert abi.float_to_bfloat16_bits(float("nan")) == 0x7FC0
+
+
+# --- every spelling of a scalar type, by value and behind a pointer -----------------------------
+ALL_DTYPES = frozenset(d.name for d in dtypes.ALL)
+BYTE_STORAGE = frozenset(
+    ["uint8", "bool", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu"]
+    + ["float4_e2m1fn_x2"]
+)
+# An oracle written apart from the ABI's tables: (struct format, dtypes a pointer to it takes)
+# of each integer type, by its base keywords and signedness (None: not written).
+INTEGER_ORACLE = {
+    ("char", None): ("b", {"int8", "uint8", "bool"}),  # plain char: signed here, and any byte
+    ("char", "signed"): ("b", {"int8"}),
+    ("char", "unsigned"): ("B", BYTE_STORAGE),
+    ("short", None): ("h", {"int16"}),
+    ("short", "signed"): ("h", {"int16"}),
+    ("short", "unsigned"): ("H", {"uint16"}),
+    ("int", None): ("i", {"int32"}),
+    ("int", "signed"): ("i", {"int32"}),
+    ("int", "unsigned"): ("I", {"uint32"}),
+    ("long", None): ("q", {"int64"}),
+    ("long", "signed"): ("q", {"int64"}),
+    ("long", "unsigned"): ("Q", {"uint64"}),
+    ("long long", None): ("q", {"int64"}),
+    ("long long", "signed"): ("q", {"int64"}),
+    ("long long", "unsigned"): ("Q", {"uint64"}),
+}
+
+
+def accepted_dtypes(declaration: str) -> frozenset[str]:
+    param = abi.parse_param(declaration)
+    assert param.is_pointer
+    return frozenset(name for name in ALL_DTYPES if param.accepts_dtype(name))
+
+
+@st.composite
+def integer_spellings(draw) -> tuple[str, tuple[str, str | None]]:
+    """Any spelling C allows of one integer type: its keywords in any order, with or without
+    a redundant ``int`` (and, for int itself, ``signed``/``unsigned`` alone)."""
+    base, sign = draw(st.sampled_from(sorted(INTEGER_ORACLE, key=str)))
+    words = base.split()
+    if base != "char" and (draw(st.booleans()) or (base == "int" and sign is None)):
+        words = [w for w in words if w != "int"] + ["int"]
+    elif base == "int":
+        words = []
+    if sign is not None:
+        words.append(sign)
+    return " ".join(draw(st.permutations(words))), (base, sign)
+
+
+@settings(max_examples=300, deadline=None)
+@given(spelled=integer_spellings(), qualified=st.booleans(), restrict=st.booleans())
+def test_property_every_word_order_of_an_integer_type_is_that_type(spelled, qualified, restrict):
+    spelling, key = spelled
+    fmt, pointee = INTEGER_ORACLE[key]
+    for declaration, name in ((spelling, None), (f"{spelling} value", "value"), (f"const {spelling} n", "n")):
+        param = abi.parse_param(declaration)
+        assert (param.fmt, param.kind, param.name) == (fmt, "int" if fmt.islower() else "uint", name), declaration
+    const = "const " if qualified else ""
+    pointer = f"{const}{spelling}* {'__restrict__ ' if restrict else ''}p"
+    assert accepted_dtypes(pointer) == pointee, pointer
+    assert accepted_dtypes(f"{spelling} const* q") == pointee
+
+
+STD_TYPEDEFS = ["int8_t", "uint8_t", "int16_t", "uint16_t", "int32_t", "uint32_t", "int64_t", "uint64_t"]
+STD_TYPEDEFS += ["size_t", "ptrdiff_t", "intptr_t", "uintptr_t"]
+
+
+@pytest.mark.parametrize("spelling", sorted(abi._SCALARS))
+def test_no_spelling_of_a_scalar_is_an_opaque_pointee(spelling):
+    """A type the ABI takes by value has the dtypes of its own kind and size behind a pointer
+    (never every dtype, as an opaque struct or typedef has), under every name it has."""
+    fmt, size, _kind = abi._SCALARS[spelling]
+    accepted = accepted_dtypes(f"const {spelling}* x")
+    assert accepted != ALL_DTYPES and accepted
+    assert all(dtypes.BY_NAME[name].itemsize == size for name in accepted if not name.startswith("float4"))
+    names = [spelling] + (
+        [f"std::{spelling}", f"::{spelling}", f"std :: {spelling}"] if spelling in STD_TYPEDEFS else []
+    )
+    for name in names:
+        assert accepted_dtypes(f"{name}* y") == accepted, name
+        assert abi.parse_param(f"{name} v").fmt == fmt, name
+
+
+@pytest.mark.parametrize(
+    "declaration, dtypes_taken",
+    [
+        ("const unsigned long long int* x", {"uint64"}),  # the spellings the review found opaque
+        ("const signed long long* x", {"int64"}),
+        ("const unsigned long int* x", {"uint64"}),
+        ("const signed short* x", {"int16"}),
+        ("const signed short int* x", {"int16"}),
+        ("const signed long* x", {"int64"}),
+        ("const ptrdiff_t* x", {"int64"}),
+        ("const intptr_t* x", {"int64"}),
+        ("const ssize_t* x", {"int64"}),
+        ("const uintptr_t* x", {"uint64"}),
+        ("const long unsigned int* x", {"uint64"}),
+        ("const std::int64_t* x", {"int64"}),
+        ("const std::uint8_t* x", BYTE_STORAGE),
+        ("long double* x", set()),  # no torch dtype is a long double: none is taken
+    ],
+)
+def test_pointees_the_review_found_opaque_take_their_dtypes(declaration, dtypes_taken):
+    assert accepted_dtypes(declaration) == dtypes_taken
+
+
+def test_canonical_type_resolves_spellings_and_leaves_unknown_types_alone():
+    assert abi.canonical_type("int long unsigned") == "unsigned long"
+    assert abi.canonical_type("char signed") == "signed char"
+    assert abi.canonical_type("std::size_t") == abi.canonical_type("size_t") == "unsigned long"
+    for unknown in ("scalar_t", "short long", "signed unsigned", "long long long", "std::scalar_t", "MyStruct"):
+        assert abi.canonical_type(unknown) == unknown
+        assert abi.parse_param(f"{unknown}* p").accepts_dtype("float32")  # opaque: any dtype
