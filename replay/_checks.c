@@ -16,8 +16,12 @@
  *   'i': identity (`value is not expected`; bools, None, dtypes: singletons),
  *   'e': equality (`value != expected`; strings, lists),
  *   'v': a pybind enum by its int (`value.value != expected`).
- * A reader that raises, or a comparison that does, raises out of the call, as the Python
- * check does. The readers are called with their arguments (a tuple each) through vectorcall.
+ * A reader that raises, or a comparison that does, raises out of the call; where the optional
+ * `unreadable` callable was given (replay.region_keys gives it, as its generated check does),
+ * an Exception (not a KeyboardInterrupt or other BaseException) is cleared instead and the
+ * check returns what `unreadable()` returns: the replay is refused (True) with a warning,
+ * never made without the setting. The readers are called with their arguments (a tuple each)
+ * through vectorcall.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -31,6 +35,7 @@ typedef struct {
     PyObject *readers;   /* tuple of callables */
     PyObject *arguments; /* tuple of tuples */
     PyObject *expected;  /* tuple */
+    PyObject *unreadable; /* callable or NULL: what a reader's exception turns into */
     char *ways;          /* one of "iev" per reader */
     Py_ssize_t count;
     vectorcallfunc vectorcall;
@@ -42,6 +47,7 @@ static int settings_traverse(SettingsCheck *self, visitproc visit, void *arg) {
     Py_VISIT(self->readers);
     Py_VISIT(self->arguments);
     Py_VISIT(self->expected);
+    Py_VISIT(self->unreadable);
     return 0;
 }
 
@@ -49,6 +55,7 @@ static int settings_clear(SettingsCheck *self) {
     Py_CLEAR(self->readers);
     Py_CLEAR(self->arguments);
     Py_CLEAR(self->expected);
+    Py_CLEAR(self->unreadable);
     return 0;
 }
 
@@ -77,6 +84,21 @@ static int differs(char way, PyObject *value, PyObject *expected) {
     }
 }
 
+/* A reader or a comparison raised: with `unreadable`, an Exception becomes its answer. */
+static PyObject *settings_failed(SettingsCheck *self) {
+    if (self->unreadable == NULL || !PyErr_ExceptionMatches(PyExc_Exception))
+        return NULL;
+    PyErr_Clear();
+    PyObject *answer = PyObject_CallNoArgs(self->unreadable);
+    if (answer == NULL)
+        return NULL;
+    int truth = PyObject_IsTrue(answer);
+    Py_DECREF(answer);
+    if (truth < 0)
+        return NULL;
+    return Py_NewRef(truth ? Py_True : Py_False);
+}
+
 static PyObject *settings_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
     SettingsCheck *self = (SettingsCheck *)callable;
     if (PyVectorcall_NARGS(nargsf) != 0 || (kwnames != NULL && PyTuple_GET_SIZE(kwnames))) {
@@ -88,11 +110,11 @@ static PyObject *settings_vectorcall(PyObject *callable, PyObject *const *args, 
         PyObject *value = PyObject_Vectorcall(PyTuple_GET_ITEM(self->readers, i),
                                               &PyTuple_GET_ITEM(arguments, 0), PyTuple_GET_SIZE(arguments), NULL);
         if (value == NULL)
-            return NULL;
+            return settings_failed(self);
         int result = differs(self->ways[i], value, PyTuple_GET_ITEM(self->expected, i));
         Py_DECREF(value);
         if (result < 0)
-            return NULL;
+            return settings_failed(self);
         if (result)
             Py_RETURN_TRUE;
     }
@@ -100,13 +122,17 @@ static PyObject *settings_vectorcall(PyObject *callable, PyObject *const *args, 
 }
 
 static PyObject *settings_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
-    PyObject *readers, *arguments, *expected;
+    PyObject *readers, *arguments, *expected, *unreadable = Py_None;
     const char *ways;
     Py_ssize_t ways_length;
-    static char *names[] = {"readers", "arguments", "expected", "ways", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!O!O!s#", names, &PyTuple_Type, &readers, &PyTuple_Type,
-                                     &arguments, &PyTuple_Type, &expected, &ways, &ways_length))
+    static char *names[] = {"readers", "arguments", "expected", "ways", "unreadable", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!O!O!s#|$O", names, &PyTuple_Type, &readers, &PyTuple_Type,
+                                     &arguments, &PyTuple_Type, &expected, &ways, &ways_length, &unreadable))
         return NULL;
+    if (unreadable != Py_None && !PyCallable_Check(unreadable)) {
+        PyErr_SetString(PyExc_TypeError, "unreadable must be callable or None");
+        return NULL;
+    }
     Py_ssize_t count = PyTuple_GET_SIZE(readers);
     if (PyTuple_GET_SIZE(arguments) != count || PyTuple_GET_SIZE(expected) != count || ways_length != count) {
         PyErr_SetString(PyExc_ValueError, "readers, arguments, expected and ways must have one entry per setting");
@@ -140,6 +166,7 @@ static PyObject *settings_new(PyTypeObject *type, PyObject *args, PyObject *kwar
     self->readers = Py_NewRef(readers);
     self->arguments = Py_NewRef(arguments);
     self->expected = Py_NewRef(expected);
+    self->unreadable = unreadable == Py_None ? NULL : Py_NewRef(unreadable);
     self->vectorcall = settings_vectorcall;
     return (PyObject *)self;
 }
@@ -157,6 +184,8 @@ static PyMemberDef settings_members[] = {
     {"readers", T_OBJECT, offsetof(SettingsCheck, readers), READONLY, "the reader of each setting"},
     {"arguments", T_OBJECT, offsetof(SettingsCheck, arguments), READONLY, "each reader's arguments"},
     {"expected", T_OBJECT, offsetof(SettingsCheck, expected), READONLY, "each setting's recorded value"},
+    {"unreadable", T_OBJECT, offsetof(SettingsCheck, unreadable), READONLY,
+     "what a reader's exception turns into (None: it raises out)"},
     {NULL},
 };
 
@@ -165,8 +194,8 @@ static PyTypeObject SettingsCheckType = {
     .tp_basicsize = sizeof(SettingsCheck),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
     .tp_vectorcall_offset = offsetof(SettingsCheck, vectorcall),
-    .tp_doc = "SettingsCheck(readers, arguments, expected, ways)() -> True when a setting differs "
-              "(see replay/_checks.c).",
+    .tp_doc = "SettingsCheck(readers, arguments, expected, ways, *, unreadable=None)() -> True when a setting "
+              "differs (see replay/_checks.c).",
     .tp_new = settings_new,
     .tp_dealloc = (destructor)settings_dealloc,
     .tp_traverse = (traverseproc)settings_traverse,

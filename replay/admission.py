@@ -13,7 +13,9 @@ replay from ever costing more than it saves:
   often recently as the graph it would replace, which is the least frequently replayed one
   (the least recently replayed among equals): a hot key is never evicted for a cold one, and
   keys of about equal frequency (a uniform mix of more shapes than graphs) do not take turns,
-  each recording paid for by nothing.
+  each recording paid for by nothing. Recordings not analysed yet take a place and are
+  victims like graphs (see Admission.victim): a key recorded on its last call is never
+  analysed, and must not keep its place for good.
 - **A recording budget**: recording (captures and compactions alike) may take at most
   ``record_budget`` of the session's time since its first call (with ``GRACE_SECONDS`` counted
   as elapsed from the start, so the first recordings of a loop are not held back, and
@@ -362,7 +364,8 @@ class Admission(Generic[Resident]):
 
     # --- graphs held -----------------------------------------------------------------------
     def held(self, resident: Resident, key: Hashable) -> None:
-        """A graph was recorded for ``key``: it starts with the key's recent count."""
+        """A graph was recorded for ``key`` (or captured, awaiting its analysis: see
+        :meth:`victim`): it starts with the key's recent count."""
         self.restarted(resident, self.sketch.count(key))
 
     def restarted(self, resident: Resident, frequency: int) -> None:
@@ -385,30 +388,33 @@ class Admission(Generic[Resident]):
         return count.aged + replays - count.base
 
     def victim(
-        self, key: Hashable, held_oldest_first: Iterable[Resident], pending: int = 0
+        self, key: Hashable, held_oldest_first: Iterable[Resident], pending: Iterable[Resident] = ()
     ) -> tuple[bool, Resident | None]:
-        """(admit, victim) for recording ``key`` now, with ``pending`` recordings on their way
-        to the cache. With room left: (True, None). With the cache full: the least frequently
-        used graph (the oldest among equals), and whether ``key`` was called
-        ``ADMISSION_MARGIN`` times as often recently as it was replayed."""
-        held = list(held_oldest_first)
-        if len(held) + pending < self.max_graphs:
+        """(admit, victim) for recording ``key`` now. ``pending``: recordings on their way to
+        the cache (captured, not analysed yet, oldest first), residents like the held graphs
+        (registered with :meth:`held` at their capture, used as often as their key was called).
+        With room left: (True, None). With the cache full: the least frequently used of the
+        pending recordings and held graphs (among equals a pending one, then the oldest), and
+        whether ``key`` was called ``ADMISSION_MARGIN`` times as often recently as it was used.
+
+        Why pending recordings are victims too: a key recorded on its last call is never
+        analysed, and its recording took a place for good; once they held every place, no key
+        was admitted again (a hot key ran eagerly 9,999 times of 10,000)."""
+        candidates = [*pending, *held_oldest_first]
+        if len(candidates) < self.max_graphs:
             return True, None
-        if not held:
-            return False, None  # the room is taken by recordings not yet analysed
-        victim = min(held, key=self.frequency)  # min keeps the first (oldest) of equals
+        victim = min(candidates, key=self.frequency)  # min keeps the first (pending, then oldest) of equals
         least = self.frequency(victim)
         self._floor = (least, self.sketch.halvings)
         return self.sketch.count(key) > ADMISSION_MARGIN * least, victim
 
-    def admits(self, key: Hashable, held: Collection[Resident], pending: int = 0) -> bool:
-        """:meth:`victim`'s first answer, without going over every held graph when a lower
-        bound of their least use, remembered from the last time, already refuses ``key``: a
-        key that is not admitted is asked again on each of its calls, which then cost what
-        eager costs."""
+    def admits(self, key: Hashable, held: Collection[Resident], pending: Collection[Resident] = ()) -> bool:
+        """:meth:`victim`'s first answer, without going over every resident when a lower bound of
+        their least use, remembered from the last time, already refuses ``key``: a key that is
+        not admitted is asked again on each of its calls, which then cost what eager costs."""
         floor = self._floor
-        if floor is not None and floor[1] == self.sketch.halvings and len(held) + pending >= self.max_graphs:
-            if held and self.sketch.count(key) <= ADMISSION_MARGIN * floor[0]:
+        if floor is not None and floor[1] == self.sketch.halvings and len(held) + len(pending) >= self.max_graphs:
+            if self.sketch.count(key) <= ADMISSION_MARGIN * floor[0]:
                 return False
         return self.victim(key, held, pending)[0]
 

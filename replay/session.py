@@ -16,16 +16,19 @@ from then on, with one warning naming the reason.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
 import logging
 import threading
 import time
 import warnings
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 import attrs
+import numpy as np
 import torch
 
 import jitcore
@@ -269,6 +272,10 @@ class Hints:
     stage: set[int] = attrs.Factory(set)
     copy_back: set[int] = attrs.Factory(set)
     clean: bool = False  # the observed warm-up saw no torch op touch an input
+    #: Why keys of this structure run eagerly under grad mode ("" if nothing says so): the
+    #: observed warm-up ran under grad mode, none of its tensor arguments required grad, and
+    #: outputs did (weights the region reads that require grad, as module parameters do).
+    autograd: str = ""
 
 
 @attrs.define
@@ -294,10 +301,126 @@ class _Forgotten:
     replays: int = 0
 
 
+class _KeyMark(enum.Enum):
+    """Key elements the session adds to region_keys' key (after the leaves' elements)."""
+
+    #: followed by the indices of the tensor leaves that require grad (see _region_key)
+    REQUIRES_GRAD = "requires grad"
+
+
+def _region_key(device: int, spec: object, leaves: Sequence, paths: Sequence[str]) -> tuple:
+    """The full key of a call (region_keys.region_key), plus which tensor arguments require
+    grad, where any does: ``(..., (_KeyMark.REQUIRES_GRAD, indices))``.
+
+    Why: a graph cannot carry autograd (a replay hands out detached views of its memory), so
+    a call whose tensors require grad must never find the key of a call whose tensors do not
+    (the finding: a graph recorded for ``x`` served ``w = x.requires_grad_()`` under grad mode
+    and returned an output without ``grad_fn``: gradients silently lost). The tensor leaf's
+    own signature (jitcore's lean static signature) does not hold ``requires_grad``; the fast
+    path's guards compare it already (jitcore.guards), so both paths tell the two apart. A
+    call with no tensor requiring grad keeps region_keys' key unchanged. Grad and inference
+    mode are in every key already (its torch settings)."""
+    key = region_keys.region_key(device, spec, leaves, paths)
+    for leaf in leaves:  # a plain loop: about 0.1 us a tensor (a generator cost 0.5 us more per key)
+        if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+            grads = tuple(i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and leaf.requires_grad)
+            return (*key, (_KeyMark.REQUIRES_GRAD, grads))
+    return key
+
+
+def _grad_leaves(key: tuple) -> tuple[int, ...]:
+    """The tensor leaves of ``key`` that require grad (see :func:`_region_key`)."""
+    last = key[-1] if len(key) > region_keys.LEAVES_START else None
+    return last[1] if last.__class__ is tuple and last and last[0] is _KeyMark.REQUIRES_GRAD else ()
+
+
+def _outputs_requiring_grad(outputs: object) -> list[str]:
+    """Where in a region's ``outputs`` tensors require grad (``output[0]``), as the recording
+    refuses them (recording.own_outputs); outputs it cannot walk are left to the recording."""
+    try:
+        _spec, leaves, paths = region_keys.flatten((outputs,), {}, walk_dataclasses=True)
+    except (TypeError, ReplayError):  # (the recording refuses such outputs with its reason)
+        return []
+    return [
+        path.replace("args[0]", "output", 1)
+        for leaf, path in zip(leaves, paths)
+        if isinstance(leaf, torch.Tensor) and leaf.requires_grad
+    ]
+
+
+#: Leaves admission counts as they are (Region._counted): values that hold no other object
+#: (an enum member lives as long as its class anyway).
+_VALUE_LEAVES = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, enum.Enum, np.generic)
+#: How deep Region._counted looks into constants (dataclasses, tuples of their fields).
+_COUNT_DEPTH = 8
+
+
+class _WeakIdentity:
+    """An object's identity in admission's counts, without keeping the object alive.
+
+    Why: the counts keep up to two windows of keys (``2 * max(1024, 16 * max_graphs)``), and a
+    constant argument that holds tensors (a ``Batch`` object new every step) kept every batch
+    of the window alive, memory eager would have freed at once (500 steps held 500 batches).
+    Equal while both name the same live object; once the object is gone, equal to nothing new:
+    a later object at the same address is another object, which the strong reference this
+    replaces would have told apart too (it kept the address taken). So counts are the same
+    as before, for objects compared by identity."""
+
+    __slots__ = ("_ref", "_hash")
+
+    def __init__(self, target: object):
+        self._ref = weakref.ref(target)  # TypeError where the type has no weak references
+        self._hash = id(target)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is not _WeakIdentity:
+            return NotImplemented
+        target = self._ref()
+        return target is not None and target is other._ref()  # type: ignore[attr-defined]
+
+
+def _count_element(leaf: object, depth: int = 0) -> object:
+    """What admission counts a constant leaf under, holding no tensor and no object compared
+    by identity (see _WeakIdentity): values as they are; tensors and objects hashed by
+    identity as weak identities; dataclasses compared by value (``Batch(ids)``, frozen) as
+    their type and their compared fields' elements, and tuples inside them item by item, so
+    a new ``Batch`` of the same tensors still counts as the same constant. Anything else
+    (hashed by value, or without weak references) is kept as it is: counted by value, it
+    must stay alive to be compared."""
+    if isinstance(leaf, _VALUE_LEAVES):
+        return leaf
+    kind = type(leaf)
+    if isinstance(leaf, torch.Tensor) or kind.__hash__ is object.__hash__:
+        try:
+            return _WeakIdentity(leaf)
+        except TypeError:  # no weak references (__slots__ without __weakref__): kept
+            return leaf
+    if depth < _COUNT_DEPTH:
+        if isinstance(leaf, tuple):
+            return (kind, tuple(_count_element(item, depth + 1) for item in leaf))
+        params = getattr(kind, "__dataclass_params__", None)
+        if params is not None and params.eq and dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+            compared = [f.name for f in dataclasses.fields(leaf) if f.compare]
+            return (kind, tuple(_count_element(getattr(leaf, name), depth + 1) for name in compared))
+    return leaf
+
+
+def _counted_constant(leaf: object) -> object:
+    """:func:`_count_element` of a constant argument, hashed first: an unhashable constant raises
+    TypeError here, as its key would (Region._counted then takes the key, which says why)."""
+    hash(leaf)
+    return _count_element(leaf)
+
+
 def _describe_key(key: tuple, limit: int = 96) -> str:
     parts = []
     for element in key[region_keys.LEAVES_START :]:
-        if isinstance(element, tuple) and len(element) == 6 and isinstance(element[1], tuple):
+        if isinstance(element, tuple) and element and element[0] is _KeyMark.REQUIRES_GRAD:
+            parts.append(f"requiring grad: leaf {', '.join(map(str, element[1]))}")
+        elif isinstance(element, tuple) and len(element) == 6 and isinstance(element[1], tuple):
             parts.append(f"{element[0]}[{','.join(map(str, element[1]))}]")
         elif isinstance(element, tuple) and element and element[0] == "dynamic":
             parts.append(f"dynamic {element[1]}")
@@ -325,6 +448,7 @@ class Region:
         # keys that were recorded at least once, least recently called first
         self.entries: OrderedDict[tuple, Entry] = OrderedDict()
         self.forgotten = _Forgotten()  # calls of keys that have (or kept) no entry
+        self.refusals: set[str] = set()  # reasons of calls no key could be made for, warned once each
         self.padded_calls = 0  # calls that took the padded path (for verify_every)
         self.eager_seconds = 0.0  # what an eager call usually takes, 0 until known (see _eager_took)
         self.eager_sample = 0.0  # the same, from the first timed call on
@@ -357,6 +481,7 @@ class Region:
         self.variants: dict[tuple, object] = {}
         self.bucket_bases: dict[tuple, Entry] = {}
         self._stream_now: Callable[[int], int] | None = None  # the current stream's handle (_pad_in_place)
+        self.said_autograd = False  # the ReplayWarning of keys that need autograd was given (_refuse_autograd)
         functools.update_wrapper(self, fn)
 
     # --- the call ------------------------------------------------------------------------
@@ -541,11 +666,17 @@ class Region:
         session.check_open()
         if buckets.has_padded(args, kwargs):
             return self._call_padded(args, kwargs)
-        spec, leaves, paths = region_keys.flatten(args, kwargs)
+        try:
+            spec, leaves, paths = region_keys.flatten(args, kwargs)
+        except region_keys.RefusedKey as refused:  # a dict key no graph may bake
+            return self._refused(refused, None, args, kwargs)
         if not session.can_record():
             session.say_eager_once()
             return self._eager(spec, leaves)
-        counted = self._counted(spec, leaves, paths)
+        try:
+            counted = self._counted(spec, leaves, paths)
+        except region_keys.RefusedKey as refused:
+            return self._refused(refused, spec, leaves)
         decision = None
         if counted[1] not in self.entry_shapes:
             # No key with these shapes has an entry, so whatever this call's full key is, it
@@ -575,7 +706,10 @@ class Region:
             except GlobalDriftError:
                 return self._rekey(args, kwargs)
         device = session.current_device()
-        key = region_keys.region_key(device, spec, leaves, paths)
+        try:
+            key = _region_key(device, spec, leaves, paths)
+        except region_keys.RefusedKey as refused:
+            return self._refused(refused, spec, leaves)
         entry = self.entries.get(key)
         if entry is not None:
             self.entries.move_to_end(key)
@@ -589,6 +723,7 @@ class Region:
             decision = self._decide(counted, spec)
             if decision is not _RECORD:
                 return self._run_eagerly(decision, spec, leaves, paths, entry, key)
+        autograd = self._needs_autograd(key, spec, paths) if torch.is_grad_enabled() else ""
         if entry is None:
             entry = self.entries[key] = Entry(self, key, counted)
             self.entry_shapes[counted[1]] = self.entry_shapes.get(counted[1], 0) + 1
@@ -597,7 +732,44 @@ class Region:
             if hints is not None:
                 entry.stage_hint, entry.copy_back_hint = set(hints.stage), set(hints.copy_back)
                 entry.observed_clean = hints.clean and hints.observed_key == key
+        if autograd:
+            return self._refuse_autograd(entry, spec, leaves, autograd)
         return self._record(entry, key, spec, leaves, paths, device)
+
+    def _needs_autograd(self, key: tuple, spec: object, paths: Sequence[str]) -> str:
+        """Why a key about to be recorded under grad mode must run eagerly instead ("" if
+        nothing says so): tensor arguments that require grad (its key says which), or outputs
+        that required grad in its structure's observed warm-up (Hints.autograd). A graph's
+        outputs are detached views of its memory: it would return them without ``grad_fn``.
+        Outputs requiring grad in a capture are refused by the recording itself
+        (recording.own_outputs), for the keys no observed warm-up spoke for."""
+        grads = _grad_leaves(key)
+        if grads:
+            return f"{', '.join(paths[i] for i in grads)} {'requires' if len(grads) == 1 else 'require'} grad"
+        hints = self.hints.get(spec)
+        return hints.autograd if hints is not None else ""
+
+    def _refuse_autograd(self, entry: Entry, spec: object, leaves: Sequence, why: str):
+        """The key runs eagerly from now on (exactly as eager: outputs keep their ``grad_fn``),
+        with one ReplayWarning per region saying why and what to do. The key holds grad mode
+        and which tensors require grad, so the same shapes under ``torch.no_grad()``, or with
+        tensors that do not require grad, are other keys: they record and replay as usual."""
+        reason = f"under grad mode {why}; a graph cannot record autograd"
+        entry.state = EAGER_ONLY
+        entry.reason = reason
+        self.session.counters.eager_only_keys += 1
+        log.info("region %s, key %s: runs eagerly from now on: %s", self.name, _describe_key(entry.key), reason)
+        if not self.said_autograd:
+            self.said_autograd = True
+            warnings.warn(
+                ReplayWarning(
+                    f"region {self.name}: runs eagerly under grad mode: {why}, and a CUDA graph cannot record "
+                    "autograd (its outputs would come back without grad_fn, and gradients would be lost). Run the "
+                    "loop under torch.no_grad() or torch.inference_mode() to replay it"
+                ),
+                stacklevel=4,
+            )
+        return self._eager(spec, leaves, entry)
 
     def _counted(self, spec: object, leaves: Sequence, paths: list) -> tuple:
         """What admission counts a call under: ``(region, shapes)``, the call's structure with
@@ -606,14 +778,26 @@ class Region:
         above: a call it leaves warming or refuses needs no full key at all. Keys that share
         shapes but differ otherwise (dtypes, strides, aliasing, torch modes) share a count,
         which can only make them record sooner. Unhashable constants, and tensors without a
-        shape (a strided nested tensor), take the full key, which refuses those loudly."""
+        shape (a strided nested tensor), take the full key, which refuses those loudly.
+
+        Constants other than plain values are counted without keeping what they hold alive
+        (:func:`_count_element`): admission's counts outlive the call by up to two windows of
+        calls, and a ``Batch`` object of tensors new every step kept every batch of the window
+        alive. (The hash of the constant itself is taken first, so an unhashable one is still
+        refused.)"""
         try:
             shapes = (
                 spec,
                 tuple(
                     leaf.shape
                     if isinstance(leaf, torch.Tensor)
-                    else (_DYNAMIC_MARK if isinstance(leaf, Dynamic) else leaf)
+                    else (
+                        _DYNAMIC_MARK
+                        if isinstance(leaf, Dynamic)
+                        else leaf
+                        if leaf.__class__ in _PLAIN_CONSTANTS
+                        else _counted_constant(leaf)
+                    )
                     for leaf in leaves
                 ),
             )
@@ -641,7 +825,7 @@ class Region:
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("region %s, shapes %s: not recorded, too rare to pay for a recording", self.name, spec)
             return _TOO_RARE
-        if not admission.admits(counted, session.lru, len(session.pending)):
+        if not admission.admits(counted, session.lru, session.pending):
             session.counters.refused += 1
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("region %s, shapes %s: not recorded, graphs held are used more", self.name, spec)
@@ -682,7 +866,10 @@ class Region:
         hints = None
         if decision is _OBSERVE:
             if key is None:
-                key = region_keys.region_key(self.session.current_device(), spec, leaves, paths)
+                try:
+                    key = _region_key(self.session.current_device(), spec, leaves, paths)
+                except region_keys.RefusedKey as refused:
+                    return self._refused(refused, spec, leaves)
             hints = self.hints[spec] = Hints(observed_key=key)
         return self._eager(spec, leaves, entry, observe=hints)
 
@@ -837,7 +1024,12 @@ class Region:
                 self.snapshot.check()
             except GlobalDriftError:
                 return self._rekey(args, kwargs), None
-        key = region_keys.region_key(session.current_device(), spec, leaves, paths)
+        try:
+            key = _region_key(session.current_device(), spec, leaves, paths)
+        except region_keys.RefusedKey as refused:
+            return self._refused(refused, spec, leaves), None
+        if _grad_leaves(key) and torch.is_grad_enabled():
+            return _MISS, None  # padded: its key runs eagerly (Region._needs_autograd)
         state = self.variants.get(key)
         if isinstance(state, polymorphic.VariantGraph):
             return self._run_graph(state, spec, leaves, None), None
@@ -851,7 +1043,7 @@ class Region:
         # within the recording budget (which it is charged to). A size that never comes back,
         # or comes while the budget is spent, is padded: a replay, cheaper than eager.
         admission = session.admission
-        count = admission.called((self, _VARIANT, key))
+        count = admission.called((self, _VARIANT, self._counted(spec, leaves, paths)[1]))  # (not the key: see _counted)
         if count <= admission.record_after or not admission.may_record():
             return _MISS, None
         started = time.perf_counter()
@@ -866,8 +1058,11 @@ class Region:
         grown = iter([tensor for _marker, tensor in pads])
         padded_args = tuple(next(grown) if a.__class__ is buckets.Padded else a for a in args)
         padded_kwargs = {k: next(grown) if v.__class__ is buckets.Padded else v for k, v in kwargs.items()}
-        spec, leaves, paths = region_keys.flatten(padded_args, padded_kwargs)
-        entry = self.entries.get(region_keys.region_key(self.session.current_device(), spec, leaves, paths))
+        try:
+            spec, leaves, paths = region_keys.flatten(padded_args, padded_kwargs)
+            entry = self.entries.get(_region_key(self.session.current_device(), spec, leaves, paths))
+        except region_keys.RefusedKey:
+            return  # its calls run eagerly
         if entry is not None and entry.state == RECORDED and entry.graph is not None:
             self.bucket_bases[bucket] = entry
 
@@ -948,6 +1143,22 @@ class Region:
     def outputs_changed(self) -> None:
         """A graph or capture of this region came or went: its output memory is looked up afresh."""
         self._output_ranges = None
+
+    def _refused(self, refused: region_keys.RefusedKey, spec: object, leaves: Sequence, kwargs: dict | None = None):
+        """A call whose key cannot be made exactly (region_keys.RefusedKey: an argument a graph
+        would bake without seeing it change, a constant whose equality is not exact, a torch
+        setting that cannot be read) runs eagerly, with one ReplayWarning per reason (naming
+        the argument). ``spec`` None: flatten refused it, ``leaves`` are then the arguments."""
+        if refused.reason not in self.refusals:
+            if len(self.refusals) < MAX_IDLE_ENTRIES:
+                self.refusals.add(refused.reason)
+            log.info("region %s: runs eagerly: %s", self.name, refused.reason)
+            warnings.warn(ReplayWarning(f"region {self.name}: runs eagerly: {refused.reason}"), stacklevel=4)
+        if spec is None:
+            self._count_eager(None)
+            with _SHARED_CAPTURE_EXCLUSION:
+                return self.fn(*leaves, **(kwargs or {}))
+        return self._eager(spec, leaves)
 
     def _eager_declined(self, *args, **kwargs):
         """A call no graph may serve exactly (see buckets.call): eagerly, counted as declined."""
@@ -1045,6 +1256,16 @@ class Region:
         observe.stage |= {tensors[w][0] for w in observer.read}
         observe.copy_back |= {tensors[w][0] for w in observer.written}
         observe.clean = not observer.read and not observer.written
+        if torch.is_grad_enabled() and not _grad_leaves(observe.observed_key or ()):
+            # no argument required grad, so outputs that do come from what the region reads
+            # (its weights): its keys under grad mode would record a graph that drops them
+            grads = _outputs_requiring_grad(result)
+            if grads:
+                shown = f"{', '.join(grads[:3])}{', ...' if len(grads) > 3 else ''}"
+                observe.autograd = (
+                    f"{shown} of an eager run required grad with no argument requiring it (tensors the region "
+                    "reads require it: module parameters do by default)"
+                )
         return result
 
     # --- recording -----------------------------------------------------------------------
@@ -1088,6 +1309,8 @@ class Region:
             self.outputs_changed()
             entry.state = PENDING
             session.pending[entry] = None
+            session.admission.held(entry, entry.counted)  # a candidate for eviction like a graph
+            session.make_room(entry, allowance=1)
             stats = session.counters
             stats.records += 1
             stats.replays += 1  # the first launch of the new graph serves this call
@@ -1124,6 +1347,7 @@ class Region:
             capture, entry.unanalysed = entry.unanalysed, None
             self.outputs_changed()
             session.pending.pop(entry, None)
+            session.admission.dropped(entry)  # add_graph holds it again, with its graph
             analysed = time.perf_counter()
             try:
                 session.analyse(capture)
@@ -1453,21 +1677,43 @@ class Session:
         self.lru.move_to_end(entry)
 
     def add_graph(self, entry: Entry) -> None:
-        """Hold ``entry``'s new graph; beyond ``max_graphs``, release the least frequently
-        replayed other graph (admission let this key in only if it was called more often)."""
-        while len(self.lru) >= self.policy.max_graphs:
-            _admit, victim = self.admission.victim(entry.counted, self.lru)
-            self.release(victim)
-            self.counters.evictions += 1
-            log.info(
-                "region %s, key %s: graph released for key %s, used more recently",
-                victim.region.name,
-                _describe_key(victim.key),
-                _describe_key(entry.key),
-            )
+        """Hold ``entry``'s new graph; beyond ``max_graphs`` graphs and captures awaiting their
+        analysis, release the least frequently used other one (admission let this key in only
+        if it was called more often)."""
+        self.make_room(entry, allowance=0)
         self.lru[entry] = None
         self.admission.held(entry, entry.counted)
         self.counters.graphs = len(self.lru)
+
+    def make_room(self, entry: Entry, allowance: int) -> None:
+        """Release the least frequently used graphs and captures awaiting analysis (``pending``;
+        the oldest first among equals, pending ones before graphs) other than ``entry`` until,
+        with ``entry``, at most ``max_graphs + allowance`` of them are held.
+
+        Why pending captures too: a key recorded on its last call is never analysed, and its
+        capture kept a place in ``max_graphs`` (and its pool memory) for good: once
+        ``max_graphs`` of them were pending, no key was ever admitted again (a hot key refused
+        9,999 times of 10,000). They are admission's residents from their capture on, used
+        as often as their key was called, and go as graphs go. A new capture (``allowance``
+        1) leaves the graph it will replace serving until its analysis, when it joins the
+        graphs (``allowance`` 0): a key that never comes back then evicted nothing; a second
+        capture before that makes room at once, so at most one is held beyond ``max_graphs``."""
+        limit = self.policy.max_graphs + allowance
+        while len(self.lru) + len(self.pending) + (entry not in self.pending) > limit:
+            others = [e for e in self.pending if e is not entry]
+            _admit, victim = self.admission.victim(entry.counted, self.lru, others)
+            if victim is None:
+                return
+            what = "capture (never analysed)" if victim in self.pending else "graph"
+            self.release(victim)
+            self.counters.evictions += 1
+            log.info(
+                "region %s, key %s: %s released for key %s, used more recently",
+                victim.region.name,
+                _describe_key(victim.key),
+                what,
+                _describe_key(entry.key),
+            )
 
     def retire_pool(self, device: int) -> None:
         """Record into a fresh pool from now on (a failed capture left the current one

@@ -4,14 +4,27 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import copy
+import dataclasses
+import decimal
+import enum
+import fractions
+import functools
 import itertools
+import os
+import struct
+import subprocess
+import sys
+import typing
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import replay
 from replay import dynamic, region_keys
 from replay.region_keys import FLAT, extent_bytes, flatten, leaf_key, plain_leaves, region_key, unflatten
 
@@ -215,6 +228,31 @@ MODE_CHANGES = {
 }
 
 
+def _fp32_precision_change(backend: str, op: str):
+    """A context that sets one of torch's per-backend float32 precisions (torch >= 2.9) to
+    another value and restores them all: a setter also changes the precisions below it
+    (generic "all" every backend's), so each is put back, parents first."""
+
+    @contextlib.contextmanager
+    def change():
+        get, put = _C._get_fp32_precision_getter, _C._set_fp32_precision_setter
+        before = [(pair, get(*pair)) for pair in region_keys._FP32_PRECISIONS]
+        try:
+            put(backend, op, "ieee" if get(backend, op) != "ieee" else "tf32")
+            yield
+        finally:
+            for pair, value in before:
+                put(*pair, value)
+
+    return change
+
+
+if region_keys._FP32_PRECISION is not None:
+    MODE_CHANGES.update(
+        {f"fp32 precision ({b} {op})": _fp32_precision_change(b, op) for b, op in region_keys._FP32_PRECISIONS}
+    )
+
+
 def test_every_mode_the_key_holds_has_a_change_in_this_test():
     assert set(region_keys.MODE_NAMES) <= set(MODE_CHANGES)
 
@@ -290,7 +328,9 @@ def test_with_autocast_off_one_call_checks_it_for_every_device(checks_kind):
         assert not any(reader in autocast_readers for reader in changed.readers)  # per-device settings
     else:
         source = "".join(__import__("linecache").getlines(changed.__code__.co_filename))
-        assert "_any_autocast() is not _v0" in source.splitlines()[2]
+        lines = source.splitlines()
+        first_test = lines[lines.index("        return (") + 1]  # the first setting the check reads
+        assert "_any_autocast() is not _v0" in first_test
         autocast_cuda = region_keys._MODE_READERS[region_keys.MODE_NAMES.index("autocast (cuda)")].function
         assert autocast_cuda not in changed.__globals__.values()
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -351,6 +391,23 @@ def test_the_c_check_makes_the_same_calls_and_comparisons():
         check_type((1,), ((),), (1,), "i")
     with pytest.raises(TypeError, match="no arguments"):
         same(1)
+    # with `unreadable`, an Exception becomes its answer; a BaseException still comes out
+    answers = []
+
+    def unreadable():
+        answers.append(1)
+        return True
+
+    assert check_type((broken,), ((),), (True,), "i", unreadable=unreadable)() is True and answers == [1]
+    assert check_type((reader(5),), ((),), (5,), "v", unreadable=lambda: 0)() is False
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        check_type((interrupted,), ((),), (True,), "i", unreadable=unreadable)()
+    with pytest.raises(TypeError, match="callable"):
+        check_type((reader(1),), ((),), (1,), "i", unreadable=1)
 
 
 _SPAN = st.tuples(st.integers(0, 200), st.integers(0, 40)).map(lambda t: (t[0], t[0] + t[1]))
@@ -363,3 +420,510 @@ def test_merged_ranges_answer_as_a_walk_over_every_range_would(spans, asked):
     lo, hi = asked
     walk = any(a < b and lo < hi and lo < b and a < hi for a, b in spans)
     assert region_keys.MergedRanges(spans).overlaps(lo, hi) == walk
+
+
+# --- constants: keyed by their exact class and value (floats by bits), or refused ------------
+@dataclasses.dataclass(frozen=True)
+class Cfg:
+    n: object
+
+
+class NT(typing.NamedTuple):
+    a: object
+
+
+class Color(enum.Enum):
+    RED = 1
+
+
+class Sampling:  # compared by identity (object.__hash__): a mutable holder of values
+    def __init__(self, temperature):
+        self.temperature = temperature
+
+
+class Loose:  # equality of its own: not known to be exact
+    def __init__(self, v):
+        self.v = v
+
+    def __eq__(self, other):
+        return isinstance(other, Loose) and self.v == other.v
+
+    def __hash__(self):
+        return hash(self.v)
+
+
+_X = torch.zeros(2)
+
+#: Pairs the old keys (a type name and ==) merged, each of which a graph bakes differently.
+COLLIDING_PAIRS = {
+    "frozen dataclass field 4 vs 4.0": (Cfg(4), Cfg(4.0)),
+    "frozen dataclass field True vs 1": (Cfg(True), Cfg(1)),
+    "frozen dataclass field 0.0 vs -0.0": (Cfg(0.0), Cfg(-0.0)),
+    "dict key 1 vs 1.0": ({1: _X}, {1.0: _X}),
+    "dict key 1 vs True": ({1: _X}, {True: _X}),
+    "dict key 0.0 vs -0.0": ({0.0: _X}, {-0.0: _X}),
+    "frozenset {0.0} vs {-0.0}": (frozenset({0.0}), frozenset({-0.0})),
+    "frozenset {1} vs {True}": (frozenset({1}), frozenset({True})),
+    "True vs np.True_": (True, np.True_),
+    "np.complex64 0 vs -0": (np.complex64(0), np.complex64(complex(-0.0, 0))),
+    "np.float16 0 vs -0": (np.float16(0.0), np.float16(-0.0)),
+    "np.int64(1) vs np.int32(1)": (np.int64(1), np.int32(1)),
+    "datetime64 units": (np.datetime64(1, "D"), np.datetime64(1, "s")),
+    "range(0) vs range(2, 2)": (range(0), range(2, 2)),
+    "Decimal 1.0 vs 1.00": (decimal.Decimal("1.0"), decimal.Decimal("1.00")),
+    "Fraction 1/2 vs 0.5": (fractions.Fraction(1, 2), 0.5),
+    "torch.Size([2]) vs (2,)": (torch.Size([2]), (2,)),
+    "named tuple 2 vs 2.0": (NT(2), NT(2.0)),
+    "tuple in a frozenset (1,) vs (1.0,)": (frozenset({(1,)}), frozenset({(1.0,)})),
+}
+
+
+@pytest.mark.parametrize("name", COLLIDING_PAIRS)
+def test_constants_that_differ_in_type_or_bits_get_keys_of_their_own(name):
+    first, second = COLLIDING_PAIRS[name]
+    assert key_of(_X, first) != key_of(_X, second)
+    assert key_of(_X, first) == key_of(_X, first) and hash(key_of(_X, second)) == hash(key_of(_X, second))
+
+
+def test_dynamic_scalars_are_keyed_by_their_type_object():
+    assert key_of(_X, dynamic(True)) != key_of(_X, dynamic(np.True_))
+    assert key_of(_X, dynamic(np.float32(1))) != key_of(_X, dynamic(np.float64(1)))
+    assert key_of(_X, dynamic(np.float32(1))) == key_of(_X, dynamic(np.float32(2)))
+
+
+def _exact(value):
+    """What a graph bakes of a constant, written out plainly (the test's own reference): its
+    class and, for floats and complex numbers anywhere, their bits."""
+    if isinstance(value, float) and type(value) is float:
+        return (float, struct.pack("<d", value))
+    if type(value) is complex:
+        return (complex, struct.pack("<dd", value.real, value.imag))
+    if isinstance(value, np.generic):
+        return (type(value), value.dtype.str, value.tobytes())
+    if type(value) in (tuple, frozenset) or isinstance(value, NT):
+        return (type(value), tuple(_exact(v) for v in value))
+    if isinstance(value, Cfg):
+        return (Cfg, _exact(value.n))
+    return (type(value), value)
+
+
+_NAN_PAYLOADS = [struct.unpack("<d", struct.pack("<Q", bits))[0] for bits in (0x7FF8000000000000, 0x7FF8000000000001)]
+_SCALARS = st.sampled_from(
+    [0, 1, -1, True, False, 0.0, -0.0, 1.0, *_NAN_PAYLOADS, float("inf"), 0j, complex(-0.0, 0.0), 1 + 0j]
+    + [np.bool_(True), np.bool_(False), np.int64(1), np.int32(1), np.float32(0.0), np.float32(-0.0)]
+    + [np.float64(1.0), np.float16(-0.0), np.complex64(0), np.complex64(complex(-0.0, 0)), "1", b"1", None]
+)
+_CONSTANTS = st.recursive(
+    _SCALARS,
+    lambda inner: st.one_of(
+        st.tuples(inner),
+        st.tuples(inner, inner),
+        st.frozensets(inner, max_size=1),  # one element: its iteration order is the only one
+        inner.map(Cfg),
+        inner.map(NT),
+    ),
+    max_leaves=4,
+)
+#: Where a constant may sit in a call: each place is walked or keyed element by element.
+_PLACES = {
+    "argument": lambda c: (c,),
+    "inside a tuple": lambda c: ((c, 1),),
+    "dict key": lambda c: ({c: _X},),
+    "frozen dataclass field": lambda c: (Cfg(c),),
+    "named tuple field": lambda c: (NT(c),),
+    "keyword": lambda c: ((), {"flag": c}),
+}
+
+
+def _call_key(place, constant):
+    made = _PLACES[place](constant)
+    args, kwargs = (made[0], made[1]) if len(made) == 2 else (made, {})
+    return key_of(_X, *args, **kwargs)
+
+
+@settings(max_examples=400, deadline=None)
+@given(first=_CONSTANTS, second=_CONSTANTS, place=st.sampled_from(sorted(_PLACES)))
+def test_property_two_constants_share_a_key_exactly_when_their_types_and_bits_agree(first, second, place):
+    """Any two constants that differ in class (anywhere inside) or in a float's bits get
+    different keys, wherever they sit in the call; equal ones (distinct objects too) the same."""
+    try:
+        hash(first), hash(second)
+    except TypeError:
+        return  # a frozenset of a NaN and another value: not this test's subject
+    assert (_call_key(place, first) == _call_key(place, second)) == (_exact(first) == _exact(second))
+    rebuilt = copy.deepcopy(first)  # equal, other objects
+    assert _call_key(place, rebuilt) == _call_key(place, first)
+
+
+ALLOWED_CONSTANTS = {
+    "a class": torch.nn.Linear,
+    "a function": torch.nn.functional.relu,
+    "a builtin": len,
+    "a torch function": torch.relu,
+    "a bound builtin of a string": "ab".upper,
+    "a classmethod": dict.fromkeys,
+    "a method descriptor": str.upper,
+    "a ufunc": np.add,
+    "a module": np,
+    "an enum member": Color.RED,
+    "a dtype": torch.float16,
+    "a device": torch.device("cpu"),
+    "a layout": torch.strided,
+    "a memory format": torch.channels_last,
+    "a numpy dtype": np.dtype("float32"),
+    "None": None,
+    "Ellipsis": ...,
+    "bytes": b"x",
+    "a Fraction": fractions.Fraction(1, 3),
+    "a frozen dataclass of allowed values": Cfg((1, "a", torch.float32)),
+    "a named tuple of allowed values": NT(Color.RED),
+}
+
+
+@pytest.mark.parametrize("name", ALLOWED_CONSTANTS)
+def test_constants_that_hold_no_state_are_keyed(name):
+    value = ALLOWED_CONSTANTS[name]
+    assert key_of(_X, value) == key_of(_X, value)
+
+
+REFUSED_ARGUMENTS = {
+    "an object compared by identity": ((Sampling(1.0),), r"args\[1\] is a .*Sampling, an object compared by identity"),
+    "the same, in a frozen dataclass": ((Cfg(Sampling(1.0)),), r"args\[1\]\.n is a .*Sampling"),
+    "the same, in a named tuple": ((NT(Sampling(1.0)),), r"args\[1\]\[0\] is a .*Sampling"),
+    "an nn.Module": ((torch.nn.Linear(2, 2),), r"args\[1\] is an nn.Module .*Close over the module"),
+    "a torch.Generator": ((torch.Generator(),), r"args\[1\] is a torch\._C\.Generator"),
+    "a functools.partial": ((functools.partial(len),), r"args\[1\] is a functools\.partial"),
+    "a bound method of a mutable object": ((Sampling(1.0).__init__,), r"args\[1\]\.__self__ is a .*Sampling"),
+    "a tensor's bound method": ((torch.zeros(2).add,), r"args\[1\]\.__self__ is a tensor inside a constant"),
+    "an equality of its own": ((Loose(1),), r"args\[1\] is a .*Loose, a constant whose equality is its own"),
+    "a tensor as a dict key": (({torch.zeros(1): 1},), r"args\[1\] key .* is a tensor inside a constant"),
+}
+
+
+@pytest.mark.parametrize("name", REFUSED_ARGUMENTS)
+def test_arguments_a_graph_would_bake_without_seeing_them_change_are_refused_naming_the_path(name):
+    args, message = REFUSED_ARGUMENTS[name]
+    with pytest.raises(region_keys.RefusedKey, match=message) as refused:
+        key_of(_X, *args)
+    assert refused.value.path is not None and refused.value.path.startswith("args[")
+
+
+def test_a_mutated_object_argument_never_keeps_its_key():
+    """The finding's loop: params.temperature changed between calls. Refused, never the same key."""
+    params = Sampling(1.0)
+    with pytest.raises(region_keys.RefusedKey, match="pass the values themselves|Pass the values themselves"):
+        key_of(_X, params)
+    assert key_of(_X, params.temperature) != key_of(_X, 0.5)  # what the message advises: keyed by value
+
+
+def test_unhashable_dataclasses_say_to_freeze_them():
+    @dataclasses.dataclass
+    class Mutable:
+        n: int
+
+    with pytest.raises(TypeError, match=r"args\[1\] is an unhashable .*Mutable .*frozen=True"):
+        key_of(_X, Mutable(1))
+
+
+# --- containers: every kind flatten walks comes back as its own class ------------------------
+class ModelOutput(collections.OrderedDict):  # transformers' pattern: keys as properties
+    @property
+    def logits(self):
+        return self["logits"]
+
+
+class Tagged(tuple):
+    pass
+
+
+class Items(list):
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    ids: torch.Tensor
+    n: int
+
+
+def _containers():
+    t = torch.arange(6.0).reshape(2, 3)
+    counts = collections.defaultdict(list, {"a": t})
+    return {
+        "tuple": (t, 1),
+        "list": [t, 2.5],
+        "dict": {"k": t, 3: None},
+        "named tuple": Pair(t, 1),
+        "typing.NamedTuple": NT(t),
+        "torch.Size": t.shape,
+        "empty torch.Size": torch.Size([]),
+        "topk (structseq)": torch.topk(t.flatten(), 2),
+        "max (structseq)": torch.max(t, 1),
+        "sort (structseq)": torch.sort(t, 1),
+        "OrderedDict": collections.OrderedDict([("b", t), ("a", 1)]),
+        "defaultdict": counts,
+        "frozen dataclass": Batch(t, 3),
+        "nested": {"out": [Pair(torch.topk(t.flatten(), 1), t.shape)], "od": collections.OrderedDict(x=(t,))},
+    }
+
+
+def _same(a, b):
+    """Equal, of the same class at every level (a defaultdict with the same factory)."""
+    assert type(a) is type(b), (type(a), type(b))
+    if isinstance(a, torch.Tensor):
+        assert a is b
+    elif isinstance(a, dict):
+        assert list(a) == list(b) and getattr(a, "default_factory", None) is getattr(b, "default_factory", None)
+        for k in a:
+            _same(a[k], b[k])
+    elif isinstance(a, (tuple, list)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            _same(x, y)
+    elif dataclasses.is_dataclass(a):
+        for f in dataclasses.fields(a):
+            _same(getattr(a, f.name), getattr(b, f.name))
+    else:
+        assert a == b
+
+
+@pytest.mark.parametrize("name", list(_containers()))
+@pytest.mark.parametrize("side", ["argument", "output"])
+def test_every_container_kind_round_trips_as_its_own_class(name, side):
+    value = _containers()[name]
+    spec, leaves, _ = flatten((value,), {}, walk_dataclasses=side == "output")
+    _same(unflatten(spec, leaves)[0][0], value)
+    if side == "argument":
+        assert key_of(value) == key_of(_containers()[name])  # equal containers, other objects: one key
+
+
+@pytest.mark.parametrize("name", ["named tuple", "torch.Size", "topk (structseq)", "OrderedDict", "nested"])
+def test_a_graphs_replay_rebuilds_every_container_kind(name):
+    """The generated replay function (graph.py) calls a spec's kind: the same classes come back."""
+    from replay.rebinding import Plan
+    from tests.replay.test_graph import build
+
+    value = _containers()[name]
+    x = torch.randn(4)
+    graph, _ = build([x], Plan(), outputs=value)
+    _same(graph.replay(x), value)
+
+
+REFUSED_CONTAINERS = {
+    "a dict subclass (ModelOutput-like)": (ModelOutput(logits=_X), r"args\[0\] is a .*ModelOutput \(a dict subclass\)"),
+    "a list subclass": (Items([_X]), r"args\[0\] is a .*Items \(a list subclass\)"),
+    "a tuple subclass": (Tagged((_X,)), r"args\[0\] is a .*Tagged, a tuple subclass that cannot be rebuilt"),
+    "a structseq with hidden fields": (os.stat("."), r"args\[0\] is a stat_result, a structseq with fields"),
+    "a dict subclass inside a list": ([ModelOutput(logits=_X)], r"args\[0\]\[0\] is a .*ModelOutput"),
+}
+
+
+@pytest.mark.parametrize("name", REFUSED_CONTAINERS)
+@pytest.mark.parametrize("side", ["argument", "output"])
+def test_containers_that_cannot_be_rebuilt_exactly_are_a_clear_error(name, side):
+    value, message = REFUSED_CONTAINERS[name]
+    with pytest.raises(TypeError, match=message):
+        flatten((value,), {}, walk_dataclasses=side == "output")
+
+
+def test_frozen_dataclasses_holding_tensors_make_their_tensors_leaves():
+    """A fresh Batch every step: one key per shape (its tensors rebound like any argument),
+    not a key per object; its other fields are constants of the key."""
+    x = torch.zeros(4)
+    first, second = Batch(torch.ones(4), 1), Batch(torch.ones(4), 1)
+    spec, leaves, paths = flatten((x, first), {})
+    assert leaves[1] is first.ids and paths == ["args[0]", "args[1].ids", "args[1].n"]
+    assert key_of(x, first) == key_of(x, second)
+    assert key_of(x, first) != key_of(x, Batch(torch.ones(5), 1)) != key_of(x, Batch(torch.ones(4), 1.0))
+    rebuilt = unflatten(spec, leaves)[0][1]
+    assert type(rebuilt) is Batch and rebuilt.ids is first.ids and rebuilt.n == 1
+
+
+def test_a_dataclass_that_is_not_frozen_is_not_walked():
+    @dataclasses.dataclass(eq=False)
+    class State:  # hashable by identity: the region may write it, a rebuilt copy would take the writes
+        t: torch.Tensor
+
+    with pytest.raises(region_keys.RefusedKey, match=r"args\[1\] is a .*State, an object compared by identity"):
+        key_of(_X, State(torch.ones(2)))
+
+
+# --- through the session (the tests' double): arguments reach the region as given ------------
+@pytest.fixture
+def double():
+    from jitcore.backends import use_backend
+    from jitcore.backends.null import NullBackend
+    from tests.replay import test_session as ts
+
+    with use_backend(NullBackend()):
+        session = ts.DoubleSession(record_after=1, record_budget=1)
+        ts.DoubleSession.current = session
+        yield session
+
+
+def test_torch_size_defaultdict_and_batch_arguments_run_and_replay(double):
+    def step(x, size, counts, batch):
+        return x.new_zeros(size) + len(counts["missing"]) + batch.ids.sum() + batch.n
+
+    region = double.region(step)
+    for _ in range(4):
+        batch = Batch(torch.ones(3), 2)  # fresh every call: one key, rebound
+        got = region(torch.zeros(2), torch.Size([2, 3]), collections.defaultdict(list), batch)
+        assert torch.equal(got, torch.full((2, 3), 5.0))
+    assert double.stats().replays >= 2
+
+
+class BakingGraph:
+    """A graph double that bakes what a capture bakes: each leaf that is not a tensor or a
+    dynamic scalar keeps (a deep copy of) its value at recording."""
+
+    @staticmethod
+    def make(base):
+        class Baking(base):
+            def __init__(self, region, key, capture, spec, leaves, paths, session, number):
+                super().__init__(region, key, capture, spec, leaves, paths, session, number)
+                self.baked = [
+                    leaf if isinstance(leaf, (torch.Tensor, region_keys.Dynamic)) else copy.deepcopy(leaf)
+                    for leaf in leaves
+                ]
+
+            def replay(self, *leaves):
+                self.replays += 1
+                self.session.counters.replays += 1
+                now = [
+                    n if isinstance(n, (torch.Tensor, region_keys.Dynamic)) else b for n, b in zip(leaves, self.baked)
+                ]
+                args, kwargs = region_keys.unflatten(self.key[1], region_keys.plain_leaves(now))
+                return self.region.fn(*args, **kwargs)
+
+        return Baking
+
+
+def test_a_mutated_object_argument_is_never_served_by_a_stale_graph(double):
+    """The finding's loop: the graph recorded at temperature 1.0 must not serve 0.5. Refused
+    loudly: RefusedKey naming the argument (until the session catches it), or a ReplayWarning
+    and the eager result."""
+    double.build_graph = BakingGraph.make(type(double).build_graph)
+
+    def step(logits, params):
+        return logits / params.temperature
+
+    region = double.region(step)
+    params, logits = Sampling(1.0), torch.full((4,), 2.0)
+    results = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for temperature in (1.0, 1.0, 1.0, 0.5, 0.5):
+            params.temperature = temperature
+            try:
+                results.append(region(logits, params).tolist())
+            except region_keys.RefusedKey as refused:
+                assert "args[1]" in str(refused) and "frozen dataclass" in str(refused)
+                results.append(None)
+    assert [2.0] * 4 not in results[3:], "a stale graph served the call"
+    assert any(r is None for r in results) or any("args[1]" in str(w.message) for w in caught)
+
+
+def test_a_refused_argument_runs_eagerly_with_one_warning(double):
+    def step(logits, params):
+        return logits / params.temperature
+
+    region = double.region(step)
+    params, logits = Sampling(1.0), torch.full((4,), 2.0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for temperature in (1.0, 1.0, 1.0, 0.5, 0.25):
+            params.temperature = temperature
+            assert region(logits, params).tolist() == [2.0 / temperature] * 4
+    refusals = [w for w in caught if issubclass(w.category, replay.ReplayWarning) and "args[1]" in str(w.message)]
+    assert len(refusals) == 1 and double.stats().replays == 0
+
+
+# --- torch settings: the new TF32 API (torch >= 2.9) in either import order ------------------
+_NEW_API_SCRIPT = r"""
+import os, sys, warnings
+warnings.simplefilter("error")  # a reader dropped or a refusal would show
+import torch
+order = sys.argv[1]
+if order == "before":
+    torch.backends.cuda.matmul.fp32_precision = "tf32"
+from replay import region_keys as rk
+wanted = {"fp32 precision (cuda matmul)", "fp32 precision (cuda conv)", "fp32 precision (generic all)"}
+assert wanted <= set(rk.MODE_NAMES), rk.MODE_NAMES
+torch.backends.cuda.matmul.fp32_precision = "tf32"
+tf32 = rk.torch_modes()  # never raises, in either order
+changed = rk.modes_changed(tf32)
+assert changed() is False
+torch.backends.cuda.matmul.fp32_precision = "ieee"
+ieee = rk.torch_modes()
+assert ieee != tf32 and changed() is True, (ieee, tf32)
+torch.backends.cuda.matmul.fp32_precision = "tf32"
+assert changed() is False
+def toggled(holder):
+    return lambda: setattr(holder, "fp32_precision", "tf32" if holder.fp32_precision == "ieee" else "ieee")
+b = torch.backends
+for change in (
+    # the legacy API writes the map too ("high" and "medium" differ in oneDNN's entries only)
+    lambda: torch.set_float32_matmul_precision("highest" if b.cuda.matmul.fp32_precision == "tf32" else "high"),
+    toggled(b), toggled(b.cudnn), toggled(b.cudnn.conv), toggled(b.cudnn.rnn), toggled(b.cuda.matmul),
+):
+    before = rk.torch_modes()
+    check = rk.modes_changed(before)
+    change()
+    assert rk.torch_modes() != before and check() is True
+# oneDNN's precisions (CPU ops, which no graph holds) are neither keyed nor checked
+for change in (toggled(b.mkldnn.matmul), toggled(b.mkldnn.conv), toggled(b.mkldnn.rnn)):
+    before = rk.torch_modes()
+    check = rk.modes_changed(before)
+    change()
+    assert rk.torch_modes() == before and check() is False
+print("ok", os.environ.get("JITCORE_NATIVE", "1"))
+"""
+
+
+@pytest.mark.skipif(region_keys._FP32_PRECISION is None, reason="torch < 2.9 has no per-backend fp32_precision")
+@pytest.mark.parametrize("order", ["before", "after"])
+def test_the_new_tf32_api_is_keyed_and_checked_in_either_import_order(order, checks_kind):
+    """In a fresh process (torch's settings are process-wide): the API set before replay is
+    imported (the old readers were dropped: silently wrong) or after (every key raised)."""
+    import pathlib
+
+    root = pathlib.Path(region_keys.__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    done = subprocess.run(
+        [sys.executable, "-c", _NEW_API_SCRIPT, order], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("ok")
+
+
+def test_a_setting_that_cannot_be_read_refuses_the_key_and_the_replay(monkeypatch, checks_kind):
+    """Never a key or a replay without a setting: a reader that raises makes torch_modes
+    raise RefusedKey naming it, and a replay's check answer True (refused) with one warning."""
+    recorded = region_keys.torch_modes()
+    state = {"broken": False}
+
+    def flaky():
+        if state["broken"]:
+            raise RuntimeError("cannot say")
+        return True
+
+    readers = [*region_keys._MODE_READERS, region_keys._ModeReader("a flaky setting", flaky, (), False)]
+    monkeypatch.setattr(region_keys, "_MODE_READERS", readers)
+    monkeypatch.setattr(region_keys, "MODE_NAMES", (*region_keys.MODE_NAMES, "a flaky setting"))
+    monkeypatch.setattr(region_keys, "_modes_changed_cache", {})
+    monkeypatch.setattr(region_keys, "_WARNED_UNREADABLE", set())
+    modes = region_keys._make_torch_modes()
+    recorded = modes()
+    check = region_keys.modes_changed(recorded)
+    assert check() is False
+    state["broken"] = True
+    with pytest.raises(region_keys.RefusedKey, match="the torch setting a flaky setting cannot be read"):
+        modes()
+    with pytest.warns(replay.ReplayWarning, match="a flaky setting cannot be read"):
+        assert check() is True
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert check() is True  # warned once
+    state["broken"] = False
+    assert check() is False

@@ -693,3 +693,82 @@ def test_an_output_fed_back_padded_is_left_as_eager_leaves_it():
                 assert out.untyped_storage().data_ptr() != h.untyped_storage().data_ptr()
                 h = out if number % 2 else torch.randn(3, 16, device="cuda")
             assert session.stats().replays >= 2 and session.stats().declined >= 1, session.report()
+
+
+def _grad_step(x, w):
+    """A jit kernel (no autograd, eagerly either) then torch ops that autograd records."""
+    h = torch.empty_like(x)
+    scaled(x, h, 2.0)
+    return torch.relu(h @ w)
+
+
+def _replay_warnings(caught) -> list[str]:
+    return [str(w.message) for w in caught if issubclass(w.category, replay.ReplayWarning)]
+
+
+def _same_autograd(got: torch.Tensor, expected: torch.Tensor, wrt: list[torch.Tensor]) -> None:
+    """``got`` is what eager gives: the same values, requires_grad and grad_fn, and the same
+    gradients through it."""
+    assert torch.equal(got, expected)
+    assert got.requires_grad == expected.requires_grad
+    assert type(got.grad_fn) is type(expected.grad_fn)
+    if expected.requires_grad:
+        for a, b in zip(torch.autograd.grad(got.sum(), wrt), torch.autograd.grad(expected.sum(), wrt)):
+            assert torch.equal(a, b)
+
+
+def test_an_argument_requiring_grad_under_grad_mode_runs_eagerly_with_its_grad_fn_and_one_warning():
+    # A graph recorded for w serves no call whose w requires grad (a replay's outputs are
+    # detached views of its memory: the gradients would be lost silently).
+    torch.manual_seed(0)
+    x = torch.randn(8, 16, device="cuda")
+    w = torch.randn(16, 4, device="cuda")
+    with replay.capture(record_budget=1.0) as session:
+        step = session.region(_grad_step)
+        for _ in range(4):  # nothing requires grad: recorded and replayed
+            _same_autograd(step(x, w), _grad_step(x, w), [])
+        replays = session.stats().replays
+        assert replays >= 2, session.report()
+        trained = w.clone().requires_grad_()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(4):
+                _same_autograd(step(x, trained), _grad_step(x, trained), [trained])
+        said = _replay_warnings(caught)
+        assert len(said) == 1 and "requires grad" in said[0] and "torch.no_grad()" in said[0], said
+        assert session.stats().replays == replays, session.report()
+        _same_autograd(step(x, w), _grad_step(x, w), [])  # the key without grad still replays
+        assert session.stats().replays == replays + 1
+        with torch.no_grad():  # nothing needs autograd: the same tensors record and replay
+            for _ in range(4):
+                _same_autograd(step(x, trained), _grad_step(x, trained), [])
+        assert session.stats().replays >= replays + 3, session.report()
+
+
+@pytest.mark.parametrize("record_after", [1, 0], ids=["observed-warm-up", "refused-at-capture"])
+def test_weights_requiring_grad_under_grad_mode_run_eagerly_with_their_grad_fn_and_one_warning(record_after):
+    # No argument requires grad, the region's weights do (as a module's parameters do by
+    # default). With a warm-up, its observed run shows it before any capture; without one,
+    # the capture refuses outputs that require grad. Either way: eager, as eager computes.
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(16, 4, device="cuda")
+
+    def model_step(x):
+        h = torch.empty_like(x)
+        scaled(x, h, 2.0)
+        return torch.relu(linear(h))
+
+    x = torch.randn(8, 16, device="cuda")
+    with replay.capture(record_after=record_after, record_budget=1.0) as session:
+        step = session.region(model_step)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(5):
+                _same_autograd(step(x), model_step(x), list(linear.parameters()))
+        said = _replay_warnings(caught)
+        assert len(said) == 1 and "grad" in said[0] and "torch.inference_mode()" in said[0], said
+        assert session.stats().replays == 0, session.report()
+        with torch.inference_mode():  # the loop as it should run: recorded and replayed
+            for _ in range(4):
+                assert torch.equal(step(x), model_step(x))
+        assert session.stats().replays >= 2, session.report()

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
+import gc
 import logging
 import random
 import types
 import warnings
+import weakref
 
 import attrs
 import pytest
@@ -1416,3 +1419,242 @@ _FACTOR = 3.0
 
 def _factored(x):
     return x * _FACTOR
+
+
+# --- autograd (finding #2), pending captures (finding #9), what admission keeps alive (finding #8) ---
+
+
+class DetachingGraph(FakeGraph):
+    """FakeGraph returning what a real replay returns: outputs without autograd (RecordedGraph
+    hands out detached views of its output memory)."""
+
+    def replay(self, *leaves):
+        outputs = super().replay(*leaves)
+        return outputs.detach() if isinstance(outputs, torch.Tensor) else outputs
+
+
+@pytest.fixture
+def detaching_session_factory(session_factory, monkeypatch):
+    monkeypatch.setattr(DoubleSession, "build_graph", DetachingGraph)
+    return session_factory
+
+
+def _double(x):
+    return x * 2
+
+
+@pytest.mark.parametrize("gate", [True, False], ids=["c", "python"])
+def test_under_grad_mode_an_argument_requiring_grad_never_replays_and_keeps_its_grad_fn(
+    detaching_session_factory, monkeypatch, gate
+):
+    # The finding: a graph recorded for x served w = x.requires_grad_() under grad mode (its
+    # key did not hold requires_grad), and a real replay returns a detached output: w.grad
+    # stayed None where eager gives 2.
+    if not gate:
+        monkeypatch.setattr(session_module, "_native_enabled", lambda: False)
+    session = detaching_session_factory(record_after=1)
+    step = session.region(_double)
+    x = torch.ones(4)
+    for _ in range(3):  # warm-up, recording, analysis and replay
+        step(x)
+    assert session.stats().replays == 2
+    w = torch.ones(4, requires_grad=True)
+    with pytest.warns(replay.ReplayWarning, match=r"args\[0\] requires grad.*torch\.no_grad\(\)") as caught:
+        for _ in range(3):
+            out = step(w)
+            assert out.grad_fn is not None and out.requires_grad
+            out.sum().backward()
+        step(torch.ones(5, requires_grad=True))  # another shape: no second warning from this region
+        step(torch.ones(5, requires_grad=True))
+    assert len([w for w in caught if issubclass(w.category, replay.ReplayWarning)]) == 1
+    assert w.grad.tolist() == [6.0] * 4  # three backward passes of 2 each, as eagerly
+    stats = session.stats()
+    assert stats.replays == 2 and stats.records == 1 and len(session.captures) == 1
+    refused = [e for e in step.entries.values() if e.state == EAGER_ONLY]
+    assert len(refused) == 2 and all("requires grad" in e.reason for e in refused)
+    assert "requiring grad" in session.report()
+    # the no-grad key of the same shape is another key: it still replays, and its graph was never touched
+    assert step(x).grad_fn is None and session.stats().replays == 3
+    # under torch.no_grad() the argument's requires_grad is keyed but nothing needs autograd:
+    # recorded and replayed, its output as eager's (no grad_fn)
+    with torch.no_grad():
+        for _ in range(3):
+            out = step(w)
+            assert not out.requires_grad and torch.equal(out, torch.full((4,), 2.0))
+    assert session.stats().records == 2 and session.stats().replays == 6  # (its recording launch serves a call)
+    keys = [e.key for e in step.entries.values() if e.state == RECORDED]
+    assert len(keys) == 2 and keys[0] != keys[1]
+
+
+def test_a_requires_grad_key_is_its_own_and_equal_to_region_keys_without_one():
+    x, w = torch.ones(4), torch.ones(4, requires_grad=True)
+    spec, leaves, paths = region_keys.flatten((x, 3), {})
+    assert session_module._region_key(-1, spec, leaves, paths) == region_keys.region_key(-1, spec, leaves, paths)
+    spec, grad_leaves, paths = region_keys.flatten((w, 3), {})
+    key = session_module._region_key(-1, spec, grad_leaves, paths)
+    assert key != session_module._region_key(-1, spec, leaves, paths)
+    assert session_module._grad_leaves(key) == (0,) and session_module._grad_leaves(key[:-1]) == ()
+    assert "requiring grad" in session_module._describe_key(key)
+
+
+class _Weighted:
+    """A region reading a weight that requires grad, as a module's parameters do by default."""
+
+    def __init__(self):
+        self.weight = torch.full((4,), 3.0, requires_grad=True)
+
+    def __call__(self, x):
+        return x * self.weight
+
+
+def test_outputs_requiring_grad_in_an_observed_warm_up_keep_its_keys_eager_under_grad_mode(
+    detaching_session_factory,
+):
+    # No argument requires grad, the region's weight does: eagerly the output has a grad_fn
+    # and backward reaches the weight; a graph would hand out detached outputs.
+    session = detaching_session_factory(record_after=1)
+    model = _Weighted()
+    step = session.region(model, name="weighted")
+    x = torch.ones(4)
+    with pytest.warns(replay.ReplayWarning, match=r"output of an eager run required grad.*inference_mode") as caught:
+        for _ in range(4):
+            out = step(x)
+            assert out.grad_fn is not None
+            out.sum().backward()
+        for _ in range(3):  # another shape of the same argument structure: eager too, no second warning
+            assert step(torch.ones(2, 4)).grad_fn is not None
+    assert len([w for w in caught if issubclass(w.category, replay.ReplayWarning)]) == 1
+    assert model.weight.grad.tolist() == [4.0] * 4
+    assert session.captures == [] and session.stats().replays == 0  # never even captured
+    # under torch.inference_mode() the same calls record and replay
+    with torch.inference_mode():
+        for _ in range(3):
+            assert torch.equal(step(x), torch.full((4,), 3.0))
+    assert session.stats().records == 1 and session.stats().replays >= 2
+
+
+def test_pending_captures_never_analysed_give_way_to_a_hot_key_and_free_their_graphs(session_factory):
+    # The finding: four sizes seen twice (recorded on their last call, never analysed), then
+    # one hot size: pending 4, graphs 0, the hot key refused 9,999 times of 10,000 and the four
+    # captures kept for good.
+    session = session_factory(record_after=1, max_graphs=4, record_budget=1)
+    step = session.region(lambda x: x + 1)
+    for n in range(1, 5):
+        for _ in range(2):
+            step(torch.zeros(n))
+    pending = list(session.pending)
+    assert len(pending) == 4 and all(e.state == PENDING for e in pending)
+    captured = [e.unanalysed.graph for e in pending]
+    hot = torch.zeros(100)
+    for _ in range(1000):
+        assert torch.equal(step(hot), torch.ones(100))
+    stats = session.stats()
+    assert stats.replays - 4 >= 990 and stats.refused <= 4  # the hot key records on its fifth call
+    assert stats.graphs == 1 and len(session.pending) == 3 and stats.evictions == 1
+    released = [graph for graph in captured if graph.resets]
+    assert len(released) == 1 and released[0] is captured[0]  # the oldest of equals, its graph reset
+    assert pending[0].unanalysed is None and pending[0].state == WARMING
+    assert len(session.lru) + len(session.pending) <= 4
+
+
+def test_captures_of_keys_that_never_come_back_are_evicted_as_graphs_are_and_stay_within_max_graphs(session_factory):
+    # Keys each recorded on their last call, one after another, beside a hot graph: a capture
+    # is a victim like a graph (least used first), the hot graph stays, and at most one
+    # capture beyond max_graphs is held at any time.
+    session = session_factory(record_after=4, max_graphs=2, record_budget=1)
+    step = session.region(lambda x: x + 1)
+    hot = torch.zeros(100)
+    for _ in range(20):
+        step(hot)
+    captured = {}
+    calls = {1: 5, 2: 11, 3: 11}  # 5: room left; 11: more than twice the 5 of the capture it replaces
+    for n, count in calls.items():
+        for _ in range(count):
+            step(torch.zeros(n))
+            assert len(session.lru) + len(session.pending) <= 3
+        captured[n] = next(reversed(session.pending)).unanalysed.graph  # the capture just made
+    state = {e.key[region_keys.LEAVES_START][1][0]: e for e in step.entries.values()}
+    assert state[100].state == RECORDED and state[100] in session.lru
+    assert [e.key[region_keys.LEAVES_START][1][0] for e in session.pending] == [2, 3]
+    assert state[1].state == WARMING and state[1].unanalysed is None and session.stats().evictions == 1
+    assert [captured[n].resets for n in calls] == [1, 0, 0]  # key 1's capture released: its memory freed
+    for _ in range(11):  # a key as often called as the captures held: not admitted (equals do not take turns)
+        step(torch.zeros(4))
+    assert session.stats().refused >= 6 and [e.key[region_keys.LEAVES_START][1][0] for e in session.pending] == [2, 3]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Batch:
+    """A constant holding a tensor (the finding's ``Batch``): compared field by field."""
+
+    ids: torch.Tensor
+
+
+class _Holder:
+    """A constant compared by identity, holding a tensor."""
+
+    def __init__(self, ids: torch.Tensor):
+        self.ids = ids
+
+
+class _NoHash:
+    """An unhashable constant."""
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def test_admission_keeps_no_argument_alive_and_counts_constants_as_before(session_factory):
+    # The finding: a constant holding tensors, new every step, is a leaf of its key, and
+    # admission's counts kept every key of a window (1024 calls) alive: 500 steps held 500
+    # batches, memory eager frees at once.
+    session = session_factory(record_after=3, record_budget=1)  # (no key computed for these calls)
+    step = session.region(lambda x, holder: x + holder.ids)
+    x = torch.zeros(1024)
+    refs = []
+    for _ in range(500):
+        ids = torch.ones(1024)
+        refs.append(weakref.ref(ids))
+        step(x, _Holder(ids))
+        del ids
+    gc.collect()
+    assert sum(ref() is not None for ref in refs) == 0
+    assert session.stats().eager_runs == 500  # each holder a key of its own, as before
+    # the same object passed again counts as the same constant, as before
+    held = _Holder(torch.ones(1024))
+    step(x, held)
+    step(x, held)
+    assert sorted(session.admission.sketch.counts.values())[-1] == 2
+    # an unhashable constant is still refused loudly, by its key
+    with pytest.raises(TypeError, match="unhashable _NoHash"):
+        step(x, _NoHash())
+
+
+def test_constants_are_counted_by_what_they_are_compared_by_without_holding_their_tensors():
+    count = session_module._count_element
+    t = torch.ones(3)
+    counted = count(_Batch(t))  # a dataclass compared field by field: its fields, the tensor by identity
+    assert counted == count(_Batch(t)) and counted != count(_Batch(torch.ones(3)))
+    assert count(_Batch(t)) == count(_Batch(t))
+    ref = weakref.ref(t)
+    del t
+    gc.collect()
+    assert ref() is None  # the count did not keep the tensor alive
+    assert count(4) == 4 and count("a") == "a" and count(torch.float32) is torch.float32
+    frozen = frozenset({1, 2})
+    assert count(frozen) is frozen  # compared by value: kept, to be compared
+
+
+def test_a_weak_identity_is_equal_only_to_the_same_live_object():
+    a, b = _Holder(None), _Holder(None)
+    assert session_module._WeakIdentity(a) == session_module._WeakIdentity(a)
+    assert session_module._WeakIdentity(a) != session_module._WeakIdentity(b)
+    gone = session_module._WeakIdentity(a)
+    address = id(a)
+    del a
+    later = session_module._WeakIdentity(b)
+    later._hash = address  # as if b had taken a's address: still another object
+    assert gone != later and hash(gone) == hash(later)
+    # tensors by identity too, never by their elements (a tensor's == is elementwise)
+    t = torch.ones(3)
+    assert session_module._WeakIdentity(t) == session_module._WeakIdentity(t)
+    assert session_module._WeakIdentity(t) != session_module._WeakIdentity(torch.ones(3))
