@@ -128,10 +128,11 @@ def main() -> None:
         f"\n\n`@jit` / raw: **{jit_ratio:.3f}x** (target at most 1.25x); "
         f"`compile()` handle / raw: **{pinned_ratio:.3f}x** (target at most 1.05x).\n\n"
     )
+    ratios = {}
     if helper is not None:
         helper_jit = results[WITH_HELPER_JIT]["median_us"] / floor
         helper_handle = results[WITH_HELPER_HANDLE]["median_us"] / floor
-        results.update(helper_jit_over_raw=helper_jit, helper_pinned_over_raw=helper_handle)
+        ratios.update(helper_jit_over_raw=helper_jit, helper_pinned_over_raw=helper_handle)
         body += (
             f"With the torch-side native helper (`python -m jitcore.torch_native`; docs/kernels.md): "
             f"`@jit` / raw **{helper_jit:.3f}x**, `compile()` handle / raw **{helper_handle:.3f}x**.\n\n"
@@ -153,7 +154,7 @@ def main() -> None:
         bars=True,
     )
     body += "\n\n![host time per call](jit.png)"
-    results.update(breakdown=breakdown, jit_over_raw=jit_ratio, pinned_over_raw=pinned_ratio)
+    results.update(breakdown=breakdown, jit_over_raw=jit_ratio, pinned_over_raw=pinned_ratio, **ratios)
     common.write(
         args.out,
         "jit",
