@@ -96,6 +96,7 @@ def test_a_file_built_for_another_torch_is_refused_even_under_this_torchs_name(h
 def test_nothing_loads_where_it_was_not_built_or_is_turned_off(tmp_path, monkeypatch):
     os.chmod(tmp_path, 0o700)
     monkeypatch.setenv("JITCORE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("JITCORE_NATIVE", "1")
     found, reason = torch_native.load()
     assert found is None and "not built for this torch" in reason
     monkeypatch.setenv("JITCORE_NATIVE", "0")
