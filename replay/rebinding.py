@@ -186,7 +186,9 @@ class Plan:
 _POINTER = struct.Struct("<Q")
 
 
-def _owners(inputs: Sequence[InputRange], address: int) -> list[InputRange]:
+def inputs_at(inputs: Sequence[InputRange], address: int) -> list[InputRange]:
+    """The inputs ``address`` points into: those whose bytes hold it, else an empty input at
+    exactly that (nonzero) address."""
     found = [r for r in inputs if r.lo <= address < r.hi]
     if not found and address:
         found = [r for r in inputs if r.lo == r.hi == address]
@@ -209,7 +211,7 @@ def _pointer_words(data: bytes) -> np.ndarray:
 
 
 def inputs_reached(inputs: Sequence[InputRange], words: np.ndarray) -> list[InputRange]:
-    """The inputs some word points into: :func:`_owners` of every word at once (an empty
+    """The inputs some word points into: :func:`inputs_at` of every word at once (an empty
     input at an address counts only where no other input holds that address); the inputs
     in their order, the empty ones last."""
     return inputs_reached_by_each(inputs, [words])[0]
@@ -427,7 +429,7 @@ class _Planner:
     def pointer_owners(self, launch: LaunchView, address: int) -> tuple[list[InputRange], bool]:
         """The inputs a pointer points into, and whether it is replay's own staging copy of
         its launch's input (bound to that input, overlaps or not)."""
-        owners = _owners(self.inputs, address)
+        owners = inputs_at(self.inputs, address)
         own = self.by_index.get(launch.staging_input) if launch.staging_input is not None else None
         staging_copy = own is not None and address == own.lo
         if staging_copy:

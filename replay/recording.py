@@ -21,7 +21,7 @@ import struct
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import attrs
 import numpy as np
@@ -812,24 +812,30 @@ def pointer_extents(
     by its address; it must not where the tensor the pointer came from reaches beyond that
     input (``cache`` passed to a kernel while ``cache[0]`` is the argument: the global must
     stay where it is, the argument moves), see rebinding's bind_pointer."""
-    ranges = [(r.lo, r.hi) for r in inputs if r.lo < r.hi or r.lo]
-    if not ranges:
+    if not inputs:
         return [{} for _ in records]
     own = {id(t) for t in tensors}
     result = []
     for record in records:
         found = {}
-        for param in record.params:
-            if param.kind != "pointer" or param.arg_index is None:
-                continue
-            tensor = record.args[param.arg_index]
-            if id(tensor) in own or not isinstance(tensor, torch.Tensor):
+        for param, tensor in _pointer_tensors(record):
+            if id(tensor) in own:
                 continue  # the input itself (most pointers into inputs): its range is the input's
             (address,) = _POINTER.unpack_from(record.param_bytes, param.offset)
-            if any(lo <= address < hi or lo == hi == address for lo, hi in ranges):
+            if rebinding.inputs_at(inputs, address):  # the plan's own rule for "points into an input"
                 found[param.index] = byte_range(tensor)
         result.append(found)
     return result
+
+
+def _pointer_tensors(record) -> Iterator[tuple[object, torch.Tensor]]:
+    """(parameter record, tensor) for each pointer parameter of a launch record whose jit
+    argument is a tensor (``args`` still the tensors)."""
+    for param in record.params:
+        if param.kind == "pointer" and param.arg_index is not None:
+            tensor = record.args[param.arg_index]
+            if isinstance(tensor, torch.Tensor):
+                yield param, tensor
 
 
 def pointer_storages(records: Sequence, made: Callable[[int], bool]) -> list[dict]:
@@ -839,12 +845,7 @@ def pointer_storages(records: Sequence, made: Callable[[int], bool]) -> list[dic
     result = []
     for record in records:
         uses = {}
-        for param in record.params:
-            if param.kind != "pointer" or param.arg_index is None:
-                continue
-            tensor = record.args[param.arg_index]
-            if not isinstance(tensor, torch.Tensor):
-                continue
+        for param, tensor in _pointer_tensors(record):
             storage = tensor.untyped_storage()
             base, nbytes = storage.data_ptr(), storage.nbytes()
             if nbytes:

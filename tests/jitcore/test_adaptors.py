@@ -38,10 +38,10 @@ GUARDS = jc.tensor_guard([torch.zeros(1)], [[1]], [[1]]) is not None  # None whe
 SOURCE = "__global__ void touch(float* p, long long n) {}"
 
 
-@pytest.fixture
-def setup():
+def _tracked_launcher(source: str, name: str):
+    """(backend, launcher of ``name``(x, x.numel())), the launches' layouts tracked."""
     backend = CountingBackend()
-    kernel = jc.Kernel(SOURCE, "touch")  # loaded by this backend only (handles are per backend)
+    kernel = jc.Kernel(source, name)  # loaded by this backend only (handles are per backend)
     with use_backend(backend):
         track_layouts(backend, kernel.instantiate())
 
@@ -50,6 +50,11 @@ def setup():
             kernel[1, 32](x, x.numel())
 
         yield backend, launch
+
+
+@pytest.fixture
+def setup():
+    yield from _tracked_launcher(SOURCE, "touch")
 
 
 def launched(backend) -> tuple[int, int]:
@@ -115,16 +120,7 @@ RAW = "__global__ void raw(const void* p, long long n) {}"  # an opaque pointee:
 
 @pytest.fixture
 def raw_setup():
-    backend = CountingBackend()
-    kernel = jc.Kernel(RAW, "raw")
-    with use_backend(backend):
-        track_layouts(backend, kernel.instantiate())
-
-        @jc.jit
-        def launch(x):
-            kernel[1, 32](x, x.numel())
-
-        yield backend, launch
+    yield from _tracked_launcher(RAW, "raw")
 
 
 @pytest.mark.parametrize(

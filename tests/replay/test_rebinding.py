@@ -18,9 +18,9 @@ from replay.rebinding import (
     LaunchView,
     NodeView,
     ParamView,
-    _owners,
     _pointer_words,
     build_plan,
+    inputs_at,
     inputs_reached,
     inputs_reached_by_each,
     match_launches,
@@ -294,7 +294,7 @@ def test_inputs_reached_is_the_owners_of_every_word(bounds, words):
     input's address where no other input holds it."""
     inputs = [InputRange(i, f"args[{i}]", lo, min(lo + size, 2**64 - 1)) for i, (lo, size) in enumerate(bounds)]
     array = np.array(words, dtype=np.uint64)
-    expected = {r.index for word in words for r in _owners(inputs, word)}
+    expected = {r.index for word in words for r in inputs_at(inputs, word)}
     assert {r.index for r in inputs_reached(inputs, array)} == expected
 
 
@@ -311,7 +311,7 @@ def test_the_inputs_each_node_reaches_are_decided_at_once_as_node_by_node(bounds
     reached = inputs_reached_by_each(inputs, arrays)
     assert len(reached) == len(nodes)
     for words, found in zip(nodes, reached):
-        owners = {r.index for word in words for r in _owners(inputs, word)}
+        owners = {r.index for word in words for r in inputs_at(inputs, word)}
         order = [r.index for r in inputs if r.lo < r.hi] + [r.index for r in inputs if not r.lo < r.hi]
         assert [r.index for r in found] == [i for i in order if i in owners]
 
