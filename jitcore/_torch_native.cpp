@@ -17,19 +17,45 @@
 //   torch.Tensor or Parameter, while a torch function mode is active (the method would go to
 //   the mode), and where torch throws (the method raises the same error properly).
 //
+// - settings_watch(exact, residual): a check() -> bool of the global torch settings a recorded
+//   graph bakes in (replay's per-replay check, replay.region_keys.modes_changed). It reads
+//   them through the C++ getters that torch's Python getters call (about 30 reads, a few
+//   nanoseconds each, where the Python getters cost 60 to 200 ns a call) into a state, and
+//   answers from it: while the state equals the one it had when `exact` (replay's full check,
+//   in Python or replay/_checks.c) last said "unchanged", it calls only `residual` (the check
+//   of the settings this build does not read, or None); any other state calls `exact`, and
+//   keeps the state as the new reference where `exact` says "unchanged" and nothing moved
+//   while it ran. So it can only ever say what `exact` would: the state is a function of the
+//   settings read, so an equal state means equal settings. settings_state() is the state as
+//   a tuple and SETTINGS_COVERED names the Python getters (with their arguments) whose value
+//   it determines; tests/replay/test_region_keys.py changes each of them and checks that the
+//   state moves.
+//
 // Every entry point catches C++ exceptions: a check that cannot read a tensor says no.
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <ATen/Context.h>
 #include <ATen/PythonTorchFunctionTLS.h>
+#include <ATen/autocast_mode.h>
 #include <ATen/core/Tensor.h>
+#include <c10/core/DefaultDtype.h>
+#include <c10/core/DeviceType.h>
+#include <c10/core/GradMode.h>
+#include <c10/core/InferenceMode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
+#include <cstring>
+#include <iterator>
 #include <optional>
+#include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -215,11 +241,353 @@ PyObject *data_pointer(PyObject *, PyObject *object) {
     return PyLong_FromUnsignedLongLong(address);
 }
 
+// --- the global torch settings (settings_watch) --------------------------------------------------
+
+// A string read is kept in the state as its number in the table of strings seen so far (the
+// same string, the same number, for the life of the process). Called with the GIL held.
+int64_t intern(const std::string &text) {
+    static std::vector<std::string> seen;
+    for (size_t i = 0; i < seen.size(); ++i)
+        if (seen[i] == text)
+            return static_cast<int64_t>(i);
+    seen.push_back(text);
+    return static_cast<int64_t>(seen.size() - 1);
+}
+
+// The values read, in a fixed order: bools, enums and dtypes as ints, strings interned, arrays
+// as their length and then their items.
+struct SettingsState {
+    static constexpr size_t CAPACITY = 256;
+    std::array<int64_t, CAPACITY> values;
+    size_t count = 0;
+    bool overflow = false;
+
+    void push(int64_t value) {
+        if (count < CAPACITY)
+            values[count++] = value;
+        else
+            overflow = true;
+    }
+
+    template <class T> void add(const T &value) {
+        if constexpr (std::is_enum<T>::value || std::is_integral<T>::value) {
+            push(static_cast<int64_t>(value));
+        } else if constexpr (std::is_convertible<const T &, std::string>::value) {
+            push(intern(value));
+        } else {
+            push(static_cast<int64_t>(std::size(value)));
+            for (const auto &item : value)
+                add(item);
+        }
+    }
+
+    bool same_as(const SettingsState &other) const {
+        return !overflow && !other.overflow && count == other.count &&
+               std::memcmp(values.data(), other.values.data(), count * sizeof(int64_t)) == 0;
+    }
+};
+
+// The Python getters (torch._C names, with their arguments) whose values a state determines.
+using Covered = std::vector<std::pair<std::string, std::vector<std::string>>>;
+
+// at::Context's getters, each with the torch._C getter that returns it to Python. A getter this
+// torch does not have is skipped at compile time (has_<member> below), so one source builds
+// against every torch; the Python side checks what SETTINGS_COVERED leaves out itself.
+#define CONTEXT_SETTINGS(_)                                                                         \
+    _(deterministicAlgorithms, "_get_deterministic_algorithms")                                     \
+    _(deterministicAlgorithmsWarnOnly, "_get_deterministic_algorithms_warn_only")                   \
+    _(deterministicFillUninitializedMemory, "_get_deterministic_fill_uninitialized_memory")         \
+    _(allowFP16ReductionCuBLAS, "_get_cublas_allow_fp16_reduced_precision_reduction")               \
+    _(allowBF16ReductionCuBLAS, "_get_cublas_allow_bf16_reduced_precision_reduction")               \
+    _(allowFP16AccumulationCuBLAS, "_get_cublas_allow_fp16_accumulation")                           \
+    _(userEnabledCuDNN, "_get_cudnn_enabled")                                                       \
+    _(benchmarkCuDNN, "_get_cudnn_benchmark")                                                       \
+    _(deterministicCuDNN, "_get_cudnn_deterministic")                                               \
+    _(cudnnDepthwiseKernel, "_get_cudnn_depthwise_kernel")                                          \
+    _(userEnabledFlashSDP, "_get_flash_sdp_enabled")                                                \
+    _(userEnabledMemEfficientSDP, "_get_mem_efficient_sdp_enabled")                                 \
+    _(userEnabledMathSDP, "_get_math_sdp_enabled")                                                  \
+    _(userEnabledCuDNNSDP, "_get_cudnn_sdp_enabled")                                                \
+    _(userEnabledFA3SDP, "_get_fa3_sdp_enabled")                                                    \
+    _(allowFP16BF16ReductionMathSDP, "_get_math_sdp_allow_fp16_bf16_reduction")                     \
+    _(sDPPriorityOrder, "_get_sdp_priority_order")                                                  \
+    _(blasPreferredBackend, "_get_blas_preferred_backend")                                          \
+    _(linalgPreferredBackend, "_get_linalg_preferred_backend")                                      \
+    _(getROCmFAPreferredBackend, "_get_rocm_fa_preferred_backend")
+
+// The legacy TF32 getters: read only in a torch without the per-backend float32 precisions,
+// where they are the state (in one with them, they throw once the new API was used).
+#define LEGACY_TF32_SETTINGS(_)                                                                     \
+    _(float32MatmulPrecision, "_get_float32_matmul_precision")                                      \
+    _(allowTF32CuBLAS, "_get_cublas_allow_tf32")                                                    \
+    _(allowTF32CuDNN, "_get_cudnn_allow_tf32")
+
+#define SETTING_PROBE(member, getter)                                                               \
+    template <class C, class = void> struct has_##member : std::false_type {};                      \
+    template <class C>                                                                              \
+    struct has_##member<C, std::void_t<decltype(std::declval<C &>().member())>> : std::true_type {};
+CONTEXT_SETTINGS(SETTING_PROBE)
+LEGACY_TF32_SETTINGS(SETTING_PROBE)
+#undef SETTING_PROBE
+
+// float32Precision(backend, op): its parameter types, from the member's type (strings in some
+// torch versions, enums in others).
+template <class F> struct two_parameters {
+    static constexpr bool known = false;
+};
+template <class R, class K, class A, class B> struct two_parameters<R (K::*)(A, B) const> {
+    static constexpr bool known = true;
+    using first = std::decay_t<A>;
+    using second = std::decay_t<B>;
+};
+template <class R, class K, class A, class B> struct two_parameters<R (K::*)(A, B)> {
+    static constexpr bool known = true;
+    using first = std::decay_t<A>;
+    using second = std::decay_t<B>;
+};
+template <class C, class = void> struct has_float32Precision : std::false_type {};
+template <class C>
+struct has_float32Precision<C, std::void_t<decltype(&C::float32Precision)>>
+    : std::integral_constant<bool, two_parameters<decltype(&C::float32Precision)>::known> {};
+template <class C> using Float32Parameters = two_parameters<decltype(&C::float32Precision)>;
+
+// The (backend, operation) pairs replay keys (replay.region_keys._FP32_PRECISIONS).
+const std::array<std::pair<const char *, const char *>, 5> FP32_PAIRS = {
+    {{"generic", "all"}, {"cuda", "all"}, {"cuda", "matmul"}, {"cuda", "conv"}, {"cuda", "rnn"}}};
+
+// Where float32Precision takes enums: every (backend, op) pair of small ints it answers for
+// without throwing, found once. The state holds them all, so each pair Python asks for by name
+// (one of these, however torch maps names to enums) is determined by it.
+template <class C> const std::vector<std::pair<int, int>> &float32_pairs(C &context) {
+    static const std::vector<std::pair<int, int>> pairs = [&context] {
+        using Backend = typename Float32Parameters<C>::first;
+        using Op = typename Float32Parameters<C>::second;
+        std::vector<std::pair<int, int>> found;
+        for (int backend = 0; backend < 4; ++backend)
+            for (int op = 0; op < 4; ++op) {
+                try {
+                    context.float32Precision(static_cast<Backend>(backend), static_cast<Op>(op));
+                } catch (...) {
+                    continue;
+                }
+                found.emplace_back(backend, op);
+            }
+        return found;
+    }();
+    return pairs;
+}
+
+// The device types autocast answers for (is_autocast_enabled throws for the others), found once.
+const std::vector<c10::DeviceType> &autocast_devices() {
+    static std::vector<c10::DeviceType> devices = [] {
+        std::vector<c10::DeviceType> found;
+        for (int i = 0; i < static_cast<int>(c10::COMPILE_TIME_MAX_DEVICE_TYPES); ++i) {
+            c10::DeviceType device = static_cast<c10::DeviceType>(i);
+            try {
+                at::autocast::is_autocast_enabled(device);
+                at::autocast::get_autocast_dtype(device);
+            } catch (...) {
+                continue;
+            }
+            found.push_back(device);
+        }
+        return found;
+    }();
+    return devices;
+}
+
+// Name what a read covers, where asked (once, at import); the arguments are not even made on
+// the per-call reads.
+#define COVER(covered, getter, ...)                                                                 \
+    if ((covered) != nullptr)                                                                       \
+        (covered)->emplace_back(getter, std::vector<std::string>{__VA_ARGS__});
+
+template <class C> void read_context(C &context, SettingsState &state, Covered *covered) {
+#define READ_SETTING(member, getter)                                                                \
+    if constexpr (has_##member<C>::value) {                                                         \
+        state.add(context.member());                                                                \
+        COVER(covered, getter);                                                                     \
+    }
+    CONTEXT_SETTINGS(READ_SETTING)
+    if constexpr (has_float32Precision<C>::value) {
+        using Backend = typename Float32Parameters<C>::first;
+        using Op = typename Float32Parameters<C>::second;
+        if constexpr (std::is_convertible<const char *, Backend>::value) {
+            for (const auto &pair : FP32_PAIRS)
+                state.add(context.float32Precision(pair.first, pair.second));
+        } else {
+            for (const auto &pair : float32_pairs(context))
+                state.add(context.float32Precision(static_cast<Backend>(pair.first), static_cast<Op>(pair.second)));
+        }
+        for (const auto &pair : FP32_PAIRS)
+            COVER(covered, "_get_fp32_precision_getter", pair.first, pair.second);
+    } else {
+        LEGACY_TF32_SETTINGS(READ_SETTING)
+    }
+#undef READ_SETTING
+}
+
+// The whole state: the thread's grad, inference and autocast modes, the default dtype and
+// at::Context's settings. False where a getter threw (the caller then asks `exact`).
+bool read_settings(SettingsState &state, Covered *covered) {
+    try {
+        state.add(c10::GradMode::is_enabled());
+        COVER(covered, "is_grad_enabled");
+        state.add(c10::InferenceMode::is_enabled());
+        COVER(covered, "is_inference_mode_enabled");
+        for (c10::DeviceType device : autocast_devices()) {
+            state.add(at::autocast::is_autocast_enabled(device));
+            state.add(at::autocast::get_autocast_dtype(device));
+            COVER(covered, "is_autocast_enabled", c10::DeviceTypeName(device, /*lower_case=*/true));
+            COVER(covered, "get_autocast_dtype", c10::DeviceTypeName(device, /*lower_case=*/true));
+        }
+        COVER(covered, "_is_any_autocast_enabled");  // any of the devices above
+        state.add(at::autocast::is_autocast_cache_enabled());
+        COVER(covered, "is_autocast_cache_enabled");
+        state.add(c10::get_default_dtype_as_scalartype());
+        COVER(covered, "get_default_dtype");
+        read_context(at::globalContext(), state, covered);
+    } catch (...) {
+        return false;
+    }
+    return !state.overflow;
+}
+
+struct Watch {
+    PyObject *exact;     // replay's full check: () -> bool, True where a setting changed
+    PyObject *residual;  // the check of the settings not covered, or nullptr
+    SettingsState reference;
+    bool armed = false;  // reference is a state in which `exact` said False
+    ~Watch() {
+        Py_XDECREF(exact);
+        Py_XDECREF(residual);
+    }
+};
+
+const char *WATCH_CAPSULE = "jitcore._torch_native.settings_watch";
+
+void watch_destructor(PyObject *capsule) {
+    delete static_cast<Watch *>(PyCapsule_GetPointer(capsule, WATCH_CAPSULE));
+}
+
+PyObject *watch_check(PyObject *capsule, PyObject *const *, Py_ssize_t count) {
+    Watch *watch = static_cast<Watch *>(PyCapsule_GetPointer(capsule, WATCH_CAPSULE));
+    if (watch == nullptr)
+        return nullptr;
+    if (count != 0) {
+        PyErr_SetString(PyExc_TypeError, "a settings watch takes no arguments");
+        return nullptr;
+    }
+    SettingsState now;
+    bool read = read_settings(now, nullptr);
+    if (read && watch->armed && now.same_as(watch->reference)) {
+        if (watch->residual == nullptr)
+            Py_RETURN_FALSE;
+        return PyObject_CallNoArgs(watch->residual);
+    }
+    PyObject *changed = PyObject_CallNoArgs(watch->exact);
+    if (changed == Py_False && read) {
+        // keep it only where nothing moved while `exact` ran (another thread may set a global)
+        SettingsState after;
+        if (read_settings(after, nullptr) && after.same_as(now)) {
+            watch->reference = now;
+            watch->armed = true;
+        }
+    }
+    return changed;
+}
+
+PyMethodDef WATCH_CHECK = {"check", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(watch_check)),
+                           METH_FASTCALL, "check() -> bool: whether a setting changed, as exact() says"};
+
+PyObject *settings_watch(PyObject *, PyObject *args) {
+    PyObject *exact, *residual;
+    if (!PyArg_ParseTuple(args, "OO:settings_watch", &exact, &residual))
+        return nullptr;
+    if (!PyCallable_Check(exact) || (residual != Py_None && !PyCallable_Check(residual))) {
+        PyErr_SetString(PyExc_TypeError, "settings_watch(exact, residual): exact callable, residual callable or None");
+        return nullptr;
+    }
+    Watch *watch = new Watch();
+    Py_INCREF(exact);
+    watch->exact = exact;
+    watch->residual = nullptr;
+    if (residual != Py_None) {
+        Py_INCREF(residual);
+        watch->residual = residual;
+    }
+    PyObject *capsule = PyCapsule_New(watch, WATCH_CAPSULE, watch_destructor);
+    if (capsule == nullptr) {
+        delete watch;
+        return nullptr;
+    }
+    PyObject *check = PyCFunction_New(&WATCH_CHECK, capsule);
+    Py_DECREF(capsule);
+    return check;
+}
+
+PyObject *settings_state(PyObject *, PyObject *) {
+    SettingsState state;
+    if (!read_settings(state, nullptr)) {
+        PyErr_SetString(PyExc_RuntimeError, "a torch setting could not be read through its C++ getter");
+        return nullptr;
+    }
+    PyObject *values = PyTuple_New(static_cast<Py_ssize_t>(state.count));
+    if (values == nullptr)
+        return nullptr;
+    for (size_t i = 0; i < state.count; ++i) {
+        PyObject *value = PyLong_FromLongLong(state.values[i]);
+        if (value == nullptr) {
+            Py_DECREF(values);
+            return nullptr;
+        }
+        PyTuple_SET_ITEM(values, static_cast<Py_ssize_t>(i), value);
+    }
+    return values;
+}
+
+// SETTINGS_COVERED: ((getter name, (arguments...)), ...), or None where the settings cannot be read.
+PyObject *settings_covered() {
+    SettingsState state;
+    Covered covered;
+    if (!read_settings(state, &covered))
+        Py_RETURN_NONE;
+    PyObject *result = PyTuple_New(static_cast<Py_ssize_t>(covered.size()));
+    if (result == nullptr)
+        return nullptr;
+    for (size_t i = 0; i < covered.size(); ++i) {
+        PyObject *arguments = PyTuple_New(static_cast<Py_ssize_t>(covered[i].second.size()));
+        if (arguments == nullptr) {
+            Py_DECREF(result);
+            return nullptr;
+        }
+        for (size_t j = 0; j < covered[i].second.size(); ++j) {
+            PyObject *text = PyUnicode_FromString(covered[i].second[j].c_str());
+            if (text == nullptr) {
+                Py_DECREF(arguments);
+                Py_DECREF(result);
+                return nullptr;
+            }
+            PyTuple_SET_ITEM(arguments, static_cast<Py_ssize_t>(j), text);
+        }
+        PyObject *entry = Py_BuildValue("(sN)", covered[i].first.c_str(), arguments);
+        if (entry == nullptr) {
+            Py_DECREF(result);
+            return nullptr;
+        }
+        PyTuple_SET_ITEM(result, static_cast<Py_ssize_t>(i), entry);
+    }
+    return result;
+}
+
 PyMethodDef METHODS[] = {
     {"tensor_guard", tensor_guard, METH_VARARGS,
      "tensor_guard(examples, sizes, strides) -> check(*tensors) -> bool, as torch's TensorGuards"},
     {"data_pointer", data_pointer, METH_O,
      "data_pointer(tensor) -> int, what the capsule's reader reads (None where it would not read)"},
+    {"settings_watch", settings_watch, METH_VARARGS,
+     "settings_watch(exact, residual) -> check() -> bool, exact()'s answer from a state read in C++"},
+    {"settings_state", settings_state, METH_NOARGS, "settings_state() -> tuple of ints, the settings read in C++"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef MODULE = {PyModuleDef_HEAD_INIT, "_torch_native", nullptr, -1, METHODS};
@@ -234,6 +602,12 @@ PyMODINIT_FUNC PyInit__torch_native(void) {
                                      "jitcore._torch_native.data_pointer_reader", nullptr);
     if (reader == nullptr || PyModule_AddObject(module, "data_pointer_reader", reader) < 0) {
         Py_XDECREF(reader);
+        Py_DECREF(module);
+        return nullptr;
+    }
+    PyObject *covered = settings_covered();
+    if (covered == nullptr || PyModule_AddObject(module, "SETTINGS_COVERED", covered) < 0) {
+        Py_XDECREF(covered);
         Py_DECREF(module);
         return nullptr;
     }

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -60,3 +62,49 @@ def _recording_budget_out_of_the_way_on_gpus(request, monkeypatch):
         from replay import admission
 
         monkeypatch.setattr(admission, "GRACE_SECONDS", 3600.0)
+
+
+@pytest.fixture(scope="session")
+def torch_native_cache(tmp_path_factory):
+    """A cache directory holding the torch-side helper (jitcore/_torch_native.cpp) built for
+    this torch, for real, once per test session (about 20 s); skipped without a C++ compiler
+    or under ``JITCORE_NATIVE=0`` (the fallback's own run)."""
+    from jitcore import torch_native
+    from jitcore.backends import compiled_helpers_enabled
+
+    if not compiled_helpers_enabled():
+        pytest.skip("JITCORE_NATIVE=0: no compiled helper is loaded (the fallback's own run)")
+    if shutil.which(os.environ.get("CXX", "c++").split()[0]) is None:
+        pytest.skip("no C++ compiler on this machine")
+    directory = tmp_path_factory.mktemp("jitcore-cache")
+    os.chmod(directory, 0o700)
+    previous = os.environ.get("JITCORE_CACHE_DIR")
+    os.environ["JITCORE_CACHE_DIR"] = str(directory)
+    try:
+        path = torch_native.build(quiet=True)
+        assert path.is_file() and path.parent == Path(os.path.realpath(directory)) / "torch-native"
+    finally:
+        if previous is None:
+            os.environ.pop("JITCORE_CACHE_DIR", None)
+        else:
+            os.environ["JITCORE_CACHE_DIR"] = previous
+    return directory
+
+
+@pytest.fixture(scope="session")
+def torch_native_helper(torch_native_cache):
+    """The helper built by :func:`torch_native_cache`, loaded (not installed process-wide:
+    a test that wants it installs it with ``jitcore.torch_native.using``)."""
+    from jitcore import torch_native
+
+    previous = os.environ.get("JITCORE_CACHE_DIR")
+    os.environ["JITCORE_CACHE_DIR"] = str(torch_native_cache)
+    try:
+        found, reason = torch_native.load()
+    finally:
+        if previous is None:
+            os.environ.pop("JITCORE_CACHE_DIR", None)
+        else:
+            os.environ["JITCORE_CACHE_DIR"] = previous
+    assert found is not None, reason
+    return found

@@ -27,7 +27,7 @@ from torch.overrides import TorchFunctionMode
 
 import jitcore as jc
 from jitcore import guards, torch_native
-from jitcore.backends import compiled_helpers_enabled, use_backend
+from jitcore.backends import use_backend
 from jitcore.backends.null import NullBackend
 
 from .backends.test_native import ParamReader, needs_native
@@ -43,23 +43,9 @@ needs_compiler = pytest.mark.skipif(COMPILER is None, reason="no C++ compiler on
 
 
 @pytest.fixture(scope="module")
-def native_cache(tmp_path_factory):
-    """A cache directory holding the helper built for this torch (once per module: ~20 s)."""
-    if not compiled_helpers_enabled():
-        pytest.skip("JITCORE_NATIVE=0: no compiled helper is loaded (the fallback's own run)")
-    directory = tmp_path_factory.mktemp("jitcore-cache")
-    os.chmod(directory, 0o700)
-    previous = os.environ.get("JITCORE_CACHE_DIR")
-    os.environ["JITCORE_CACHE_DIR"] = str(directory)
-    try:
-        path = torch_native.build(quiet=True)
-        assert path.is_file() and path.parent == Path(os.path.realpath(directory)) / "torch-native"
-        yield directory
-    finally:
-        if previous is None:
-            os.environ.pop("JITCORE_CACHE_DIR", None)
-        else:
-            os.environ["JITCORE_CACHE_DIR"] = previous
+def native_cache(torch_native_cache):
+    """The cache directory holding the helper built for this torch (tests/conftest.py)."""
+    return torch_native_cache
 
 
 @pytest.fixture

@@ -2,20 +2,43 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 
 import pytest
 
+from jitcore import torch_native
+
+
+@contextlib.contextmanager
+def _checks_made(kind, request, monkeypatch):
+    if kind == "python":
+        monkeypatch.setenv("JITCORE_NATIVE", "0")
+        with torch_native.using(None):
+            yield kind
+        return
+    if importlib.util.find_spec("replay._checks") is None:
+        pytest.skip("replay._checks is not built here")
+    monkeypatch.delenv("JITCORE_NATIVE", raising=False)
+    helper = request.getfixturevalue("torch_native_helper") if kind == "watch" else None
+    with torch_native.using(helper):
+        yield kind
+
+
+@pytest.fixture(params=["watch", "c", "python"])
+def checks_kind(request, monkeypatch):
+    """A test of replay's settings check runs against each way it can be made: the torch-side
+    helper's settings watch in front of replay/_checks.c ("watch": the helper built for real,
+    see tests/conftest.py), replay/_checks.c alone ("c", no helper; skipped where it was not
+    built) and the generated Python check ("python": JITCORE_NATIVE=0). The check is chosen
+    when a graph or a check is made, so inside the test."""
+    with _checks_made(request.param, request, monkeypatch) as kind:
+        yield kind
+
 
 @pytest.fixture(params=["c", "python"])
-def checks_kind(request, monkeypatch):
-    """A test of a replay exactness check runs against replay/_checks.c ("c", skipped where it
-    was not built) and against the generated Python check ("python": JITCORE_NATIVE=0); the
-    check is chosen when a graph or a check is made, so inside the test."""
-    if request.param == "c":
-        if importlib.util.find_spec("replay._checks") is None:
-            pytest.skip("replay._checks is not built here")
-        monkeypatch.delenv("JITCORE_NATIVE", raising=False)
-    else:
-        monkeypatch.setenv("JITCORE_NATIVE", "0")
-    return request.param
+def c_or_python(request, monkeypatch):
+    """A test of a replay check that replay/_checks.c makes ("c") or generated Python does
+    ("python": JITCORE_NATIVE=0), without the torch-side helper in either."""
+    with _checks_made(request.param, request, monkeypatch) as kind:
+        yield kind

@@ -270,25 +270,25 @@ def test_a_graph_never_serves_another_aliasing_pattern():
     assert shared.replay(x, y) is MISMATCH  # recorded overlapping, now disjoint
 
 
-def test_many_tensor_arguments_check_aliasing_with_one_sort(checks_kind):
+def test_many_tensor_arguments_check_aliasing_with_one_sort(c_or_python):
     tensors = [torch.randn(4) for _ in range(10)]
     graph, _ = build(tensors, Plan())
-    assert ("_disjoint(" if checks_kind == "c" else "_pattern_of") in graph.source
+    assert ("_disjoint(" if c_or_python == "c" else "_pattern_of") in graph.source
     assert graph.replay(*tensors) is not MISMATCH
     assert graph.replay(*tensors[:9], tensors[0]) is MISMATCH
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())  # (the fixture sets the environment once for every example)
-def test_many_arguments_recorded_apart_are_checked_apart_like_the_general_pattern(checks_kind, data):
+def test_many_arguments_recorded_apart_are_checked_apart_like_the_general_pattern(c_or_python, data):
     """Tensors recorded apart are checked by one sort in C (from replay.graph._C_DISJOINT_FROM)
     or, without it, by numpy (above _NUMPY_DISJOINT_FROM): either must decline exactly when the
     general pattern finds an overlap (views of one buffer at random offsets, touching ones too)."""
-    count = data.draw(st.integers(graph_module._C_DISJOINT_FROM if checks_kind == "c" else 13, 24))
+    count = data.draw(st.integers(graph_module._C_DISJOINT_FROM if c_or_python == "c" else 13, 24))
     base = torch.zeros(4096)
     recorded = [base[64 * i : 64 * i + 16] for i in range(count)]
     graph, _ = build(recorded, Plan())
-    if checks_kind == "c":
+    if c_or_python == "c":
         assert "_disjoint(" in graph.source and "_np_array" not in graph.source
     else:
         assert "_np_array" in graph.source and "_pattern_of" not in graph.source

@@ -21,10 +21,11 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import replay
+from jitcore import torch_native
 from replay import dynamic, region_keys
 from replay.region_keys import FLAT, extent_bytes, flatten, leaf_key, plain_leaves, region_key, unflatten
 
@@ -251,6 +252,19 @@ if region_keys._FP32_PRECISION is not None:
     MODE_CHANGES.update(
         {f"fp32 precision ({b} {op})": _fp32_precision_change(b, op) for b, op in region_keys._FP32_PRECISIONS}
     )
+_ROCM_FA = getattr(_C, "_ROCmFABackend", None)
+#: Settings of newer torches (each where this torch has its getter and setter).
+for _name, _getter, _setter, _other in (
+    ("deterministic fill of uninitialized memory", "_get_deterministic_fill_uninitialized_memory",
+     "_set_deterministic_fill_uninitialized_memory", lambda v: not v),
+    ("cuDNN depthwise kernel", "_get_cudnn_depthwise_kernel", "_set_cudnn_depthwise_kernel",
+     lambda k: "native" if k != "native" else "cudnn"),
+    ("SDPA FlashAttention-3", "_get_fa3_sdp_enabled", "_set_sdp_use_fa3", lambda v: not v),
+    ("preferred ROCm flash-attention library", "_get_rocm_fa_preferred_backend", "_set_rocm_fa_preferred_backend",
+     lambda b: next(m for m in _ROCM_FA.__members__.values() if m != b)),
+):  # fmt: skip
+    if hasattr(_C, _getter) and hasattr(_C, _setter):
+        MODE_CHANGES[_name] = _flipped(getattr(_C, _getter), getattr(_C, _setter), _other)
 
 
 def test_every_mode_the_key_holds_has_a_change_in_this_test():
@@ -263,7 +277,8 @@ AUTOCAST_ONLY = {"autocast dtype (cuda)", "autocast dtype (cpu)", "autocast cach
 
 def test_the_check_kind_is_the_one_asked_for(checks_kind):
     changed = region_keys.modes_changed(region_keys.torch_modes())
-    assert (type(changed).__name__ == "SettingsCheck") is (checks_kind == "c")
+    kind = {"SettingsCheck": "c", "function": "python", "builtin_function_or_method": "watch"}
+    assert kind[type(changed).__name__] == checks_kind
 
 
 @pytest.mark.parametrize("name", region_keys.MODE_NAMES)
@@ -321,12 +336,15 @@ def test_autocast_dtype_and_cache_count_while_autocast_is_on(device, checks_kind
 
 def test_with_autocast_off_one_call_checks_it_for_every_device(checks_kind):
     recorded = region_keys.torch_modes()
+    tests = region_keys._mode_tests(recorded)
+    assert tests[0].getter == "_is_any_autocast_enabled"
+    assert not {"is_autocast_enabled", "get_autocast_dtype", "is_autocast_cache_enabled"} & {t.getter for t in tests}
     changed = region_keys.modes_changed(recorded)
     if checks_kind == "c":
         assert changed.readers[0] is region_keys._any_autocast and changed.arguments[0] == ()
         autocast_readers = {torch._C.is_autocast_enabled, getattr(torch._C, "get_autocast_dtype", None)}
         assert not any(reader in autocast_readers for reader in changed.readers)  # per-device settings
-    else:
+    elif checks_kind == "python":
         source = "".join(__import__("linecache").getlines(changed.__code__.co_filename))
         lines = source.splitlines()
         first_test = lines[lines.index("        return (") + 1]  # the first setting the check reads
@@ -335,6 +353,153 @@ def test_with_autocast_off_one_call_checks_it_for_every_device(checks_kind):
         assert autocast_cuda not in changed.__globals__.values()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert changed() is True
+
+
+# --- torch settings read in C++: the torch-side helper's settings watch ------------------------
+def _covered_readers(helper) -> list[tuple[str, object]]:
+    """(name, a reader) for every per-replay reading the helper's state covers on this torch."""
+    covered = set(helper.SETTINGS_COVERED)
+    readers = [(r.what, r.read) for r in region_keys._MODE_READERS if (r.getter, r.args) in covered]
+    if ("_is_any_autocast_enabled", ()) in covered and region_keys._any_autocast is not None:
+        readers.append(("any autocast", region_keys._any_autocast))
+    return readers
+
+
+@contextlib.contextmanager
+def _fp32_precisions_kept():
+    """Puts every per-backend float32 precision back afterwards: a legacy TF32 setter writes
+    them, and setting it back writes "ieee" where "none" was."""
+    if region_keys._FP32_PRECISION is None:
+        yield
+        return
+    get, put = _C._get_fp32_precision_getter, _C._set_fp32_precision_setter
+    before = []
+    for pair in itertools.product(("generic", "cuda", "mkldnn"), ("all", "matmul", "conv", "rnn")):
+        with contextlib.suppress(RuntimeError, ValueError, TypeError):  # a pair this torch lacks
+            before.append((pair, get(*pair)))
+    try:
+        yield
+    finally:
+        for pair, value in sorted(before, key=lambda entry: entry[0][1] != "all"):  # parents first
+            put(*pair, value)
+
+
+def _entered(name) -> contextlib.ExitStack | None:
+    """MODE_CHANGES[name] entered (as a context to exit), or None where this torch build cannot
+    make that change."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(_fp32_precisions_kept())
+    try:
+        stack.enter_context(MODE_CHANGES[name]())
+    except RuntimeError as error:  # a backend this torch build lacks (cuBLASLt on a CPU build)
+        stack.close()
+        if "compiled with" not in str(error) and "not available" not in str(error):
+            raise
+        return None
+    return stack
+
+
+@pytest.mark.parametrize("name", sorted(MODE_CHANGES))
+def test_the_helpers_state_moves_with_every_setting_it_covers(name, torch_native_helper):
+    """The watch's soundness: whatever changes a reading the state covers (each setting the
+    key holds, and the legacy TF32 setters that write the per-backend precisions) changes
+    the state read in C++, and putting it back puts the state back."""
+    readers = _covered_readers(torch_native_helper)
+    assert len(readers) >= 25  # the torches tested cover (nearly) every setting
+    state = torch_native_helper.settings_state
+    before, values = state(), [read() for _, read in readers]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # deprecations (MAGMA), CPU autocast dtypes
+        change = _entered(name)
+        if change is None:
+            pytest.skip(f"this torch build cannot change {name}")
+        try:
+            moved = [what for (what, read), value in zip(readers, values) if read() != value]
+            if not moved:
+                pytest.skip(f"{name} changes no reading the state covers on this torch")
+            assert state() != before, f"{name} changed {moved} but not the state read in C++"
+        finally:
+            change.__exit__(None, None, None)
+    assert [read() for _, read in readers] == values
+    assert state() == before
+
+
+def test_a_watch_runs_the_full_check_whenever_its_state_moved(torch_native_helper):
+    """settings_watch(exact, residual): the full check until it says "unchanged", then only
+    the residual while the state stays; any other state runs the full check again, and
+    becomes the reference only where the full check says "unchanged"."""
+    calls, answer = [], [False]
+
+    def exact():
+        calls.append("exact")
+        return answer[0]
+
+    def residual():
+        calls.append("residual")
+        return False
+
+    watch = torch_native_helper.settings_watch(exact, residual)
+    assert watch() is False and calls == ["exact"]
+    assert watch() is False and watch() is False and calls == ["exact", "residual", "residual"]
+    calls.clear()
+    with torch.no_grad():  # another state: the full check decides
+        answer[0] = True
+        assert watch() is True and watch() is True and calls == ["exact", "exact"]
+        answer[0] = False
+        assert watch() is False and watch() is False and calls == ["exact", "exact", "exact", "residual"]
+    calls.clear()
+    assert watch() is False and calls == ["exact"]  # grad mode again: not the reference now
+    without_residual = torch_native_helper.settings_watch(exact, None)
+    calls.clear()
+    assert without_residual() is False and without_residual() is False and calls == ["exact"]
+
+
+def test_a_watch_passes_its_checks_errors_and_refuses_bad_arguments(torch_native_helper):
+    def broken():
+        raise ValueError("cannot say")
+
+    watch = torch_native_helper.settings_watch(broken, None)
+    with pytest.raises(ValueError, match="cannot say"):
+        watch()
+    with pytest.raises(ValueError, match="cannot say"):
+        watch()  # never armed by an error
+    with pytest.raises(TypeError, match="no arguments"):
+        watch(1)
+    with pytest.raises(TypeError, match="exact callable"):
+        torch_native_helper.settings_watch(1, None)
+    with pytest.raises(TypeError, match="residual callable or None"):
+        torch_native_helper.settings_watch(broken, 2)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_a_watch_answers_as_the_full_check_through_any_sequence_of_changes(torch_native_helper, monkeypatch, data):
+    """Settings changed and put back in any order, nested: after every step the replay check
+    made with the helper answers what the full (generated) check answers."""
+    monkeypatch.setattr(region_keys, "_modes_changed_cache", {})
+    recorded = region_keys.torch_modes()
+    with torch_native.using(torch_native_helper):
+        watch = region_keys.modes_changed(recorded)
+    assert type(watch).__name__ == "builtin_function_or_method"
+    full = region_keys.modes_changed(recorded, compiled=False)
+    names = sorted(MODE_CHANGES)
+    entered = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            for _ in range(data.draw(st.integers(1, 10), label="steps")):
+                if entered and data.draw(st.booleans(), label="put one back"):
+                    entered.pop().__exit__(None, None, None)
+                else:
+                    change = _entered(data.draw(st.sampled_from(names), label="change"))
+                    if change is not None:
+                        entered.append(change)
+                expected = full()
+                assert watch() is expected and watch() is expected
+        finally:
+            while entered:
+                entered.pop().__exit__(None, None, None)
+    assert watch() is False and full() is False
 
 
 def test_the_c_check_makes_the_same_calls_and_comparisons():
@@ -908,7 +1073,7 @@ def test_a_setting_that_cannot_be_read_refuses_the_key_and_the_replay(monkeypatc
             raise RuntimeError("cannot say")
         return True
 
-    readers = [*region_keys._MODE_READERS, region_keys._ModeReader("a flaky setting", flaky, (), False)]
+    readers = [*region_keys._MODE_READERS, region_keys._ModeReader("a flaky setting", "flaky", flaky, (), False)]
     monkeypatch.setattr(region_keys, "_MODE_READERS", readers)
     monkeypatch.setattr(region_keys, "MODE_NAMES", (*region_keys.MODE_NAMES, "a flaky setting"))
     monkeypatch.setattr(region_keys, "_modes_changed_cache", {})
