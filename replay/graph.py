@@ -204,12 +204,19 @@ def measure_without_checks(graphs: Sequence[RecordedGraph]) -> contextlib.Abstra
     return _namespaces_swapped(graphs, skipped)
 
 
-def measure_with_generated_settings_check(graphs: Sequence[RecordedGraph]) -> contextlib.AbstractContextManager:
-    """Benchmarks only: while the context lasts, ``graphs`` check the torch settings with the
-    generated Python check instead of replay/_checks.c's (the check that runs where the C
-    helper was not built), so a benchmark can time what the helper saves. Both are exact."""
+#: The ways :func:`measure_with_settings_check` can make the settings check: (compiled, watch).
+_SETTINGS_CHECK_WAYS = {"python": (False, False), "c": (True, False)}
+
+
+def measure_with_settings_check(graphs: Sequence[RecordedGraph], way: str) -> contextlib.AbstractContextManager:
+    """Benchmarks only: while the context lasts, ``graphs`` check the torch settings another
+    way than the fastest one built, so a benchmark can time what each step saves: ``"python"``
+    the generated Python check (where no C helper was built), ``"c"`` replay/_checks.c's
+    without the torch-side helper's settings watch. Every way is exact."""
+    compiled, watch = _SETTINGS_CHECK_WAYS[way]
     return _namespaces_swapped(
-        graphs, lambda graph: {"_modes_changed": region_keys.modes_changed(graph.key[2], compiled=False)}
+        graphs,
+        lambda graph: {"_modes_changed": region_keys.modes_changed(graph.key[2], compiled=compiled, watch=watch)},
     )
 
 

@@ -808,7 +808,7 @@ def _is_pybind_enum(value: object) -> bool:
     return hasattr(type(value), "__members__") and isinstance(getattr(value, "value", None), int)
 
 
-def modes_changed(recorded: tuple, *, compiled: bool = True) -> Callable[[], bool]:
+def modes_changed(recorded: tuple, *, compiled: bool = True, watch: bool = True) -> Callable[[], bool]:
     """A function telling whether any torch setting differs from ``recorded`` (a
     ``torch_modes()`` tuple) in a way that can change what a region computes, for replay's
     per-call check. It reads the same settings as ``torch_modes`` but builds no tuple and
@@ -834,12 +834,14 @@ def modes_changed(recorded: tuple, *, compiled: bool = True) -> Callable[[], boo
       replay/_checks.c);
     - a generated function (``JITCORE_NATIVE=0`` or ``compiled=False`` picks it).
 
+    ``watch=False`` leaves the helper's watch out (benchmarks time each way).
+
     Made once per distinct recorded tuple and helper. Where a setting cannot be read (its
     reader raises), every way says True, a change, so the replay is refused and the call runs
     eagerly, and warns once per setting (:func:`_unreadable_in_check`): never a replay checked
     without it."""
     native = _settings_check_type() if compiled else None
-    helper = _settings_helper() if compiled else None
+    helper = _settings_helper() if compiled and watch else None
     cache_key = (recorded, native, helper)
     check = _modes_changed_cache.get(cache_key)
     if check is not None:

@@ -45,7 +45,7 @@ from replay.graph import (
     RecordedGraph,
     compile_function,
     guard_outputs,
-    measure_with_generated_settings_check,
+    measure_with_settings_check,
     measure_without_checks,
 )
 from replay.observe import TorchOpObserver
@@ -1536,11 +1536,10 @@ class Region:
         context."""
         return measure_without_checks([e.graph for e in self.entries.values() if e.graph is not None])
 
-    def measure_with_generated_settings_check(self):
-        """Benchmarks only (see :func:`replay.graph.measure_with_generated_settings_check`):
-        this region's graphs held now check the torch settings in generated Python inside the
-        context."""
-        return measure_with_generated_settings_check([e.graph for e in self.entries.values() if e.graph is not None])
+    def measure_with_settings_check(self, way: str):
+        """Benchmarks only (see :func:`replay.graph.measure_with_settings_check`): this
+        region's graphs held now check the torch settings the way named inside the context."""
+        return measure_with_settings_check([e.graph for e in self.entries.values() if e.graph is not None], way)
 
     def __repr__(self) -> str:
         return f"<replay region {self.name}: {len(self.entries)} keys>"

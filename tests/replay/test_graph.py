@@ -27,7 +27,7 @@ from replay.graph import (
     MISMATCH,
     RecordedGraph,
     clone_preserving_sharing,
-    measure_with_generated_settings_check,
+    measure_with_settings_check,
     measure_without_checks,
 )
 from replay.policy import Policy
@@ -356,17 +356,20 @@ def test_checks_are_skipped_only_inside_the_measurement_hook_and_restored_after(
         assert graph.replay(x) is MISMATCH
 
 
-def test_the_generated_settings_check_runs_only_inside_its_measurement_hook_and_is_as_exact():
+@pytest.mark.parametrize(("way", "kind"), [("python", "function"), ("c", "SettingsCheck")])
+def test_each_settings_check_runs_only_inside_its_measurement_hook_and_is_as_exact(way, kind):
+    if way == "c" and region_keys._SettingsCheck is None:
+        pytest.skip("replay._checks is not built here")
     x = torch.randn(8)
     graph, _ = build([x], Plan())
-    compiled = graph.namespace["_modes_changed"]
-    with measure_with_generated_settings_check([graph]):
-        generated_check = graph.namespace["_modes_changed"]
-        assert type(generated_check).__name__ == "function"  # the generated Python check
+    fastest = graph.namespace["_modes_changed"]
+    with measure_with_settings_check([graph], way):
+        check = graph.namespace["_modes_changed"]
+        assert type(check).__name__ == kind
         assert graph.replay(x) is not MISMATCH
         with torch.no_grad():
             assert graph.replay(x) is MISMATCH
-    assert graph.namespace["_modes_changed"] is compiled
+    assert graph.namespace["_modes_changed"] is fastest
 
 
 def test_pointer_offsets_from_dynamic_scalars_follow_the_scalar():
