@@ -1,7 +1,8 @@
 // The torch-side native helper: what the hot paths read from torch (tensors, its global
 // settings), read through torch's C++ API instead of Python calls. Built against the installed
 // torch by jitcore/torch_native.py (its C++ ABI is that torch's alone, so it is compiled per
-// torch build and cached, never shipped). Three things, each optional (Python does the same where it is not built):
+// torch build and cached, never shipped). Three things, each optional (Python does the same
+// where it is not built):
 //
 // - tensor_guard(examples, sizes, strides): a check(*tensors) -> bool with the semantics of
 //   torch's dynamo TensorGuards (torch/csrc/dynamo/guards.cpp, TensorCheck): the Python type,
