@@ -341,11 +341,8 @@ template <class R, class K, class A, class B> struct two_parameters<R (K::*)(A, 
     using first = std::decay_t<A>;
     using second = std::decay_t<B>;
 };
-template <class R, class K, class A, class B> struct two_parameters<R (K::*)(A, B)> {
-    static constexpr bool known = true;
-    using first = std::decay_t<A>;
-    using second = std::decay_t<B>;
-};
+template <class R, class K, class A, class B>
+struct two_parameters<R (K::*)(A, B)> : two_parameters<R (K::*)(A, B) const> {};
 template <class C, class = void> struct has_float32Precision : std::false_type {};
 template <class C>
 struct has_float32Precision<C, std::void_t<decltype(&C::float32Precision)>>

@@ -78,16 +78,10 @@ def torch_native_cache(tmp_path_factory):
         pytest.skip("no C++ compiler on this machine")
     directory = tmp_path_factory.mktemp("jitcore-cache")
     os.chmod(directory, 0o700)
-    previous = os.environ.get("JITCORE_CACHE_DIR")
-    os.environ["JITCORE_CACHE_DIR"] = str(directory)
-    try:
+    with pytest.MonkeyPatch.context() as patch:  # session-scoped: the environment put back here
+        patch.setenv("JITCORE_CACHE_DIR", str(directory))
         path = torch_native.build(quiet=True)
-        assert path.is_file() and path.parent == Path(os.path.realpath(directory)) / "torch-native"
-    finally:
-        if previous is None:
-            os.environ.pop("JITCORE_CACHE_DIR", None)
-        else:
-            os.environ["JITCORE_CACHE_DIR"] = previous
+    assert path.is_file() and path.parent == Path(os.path.realpath(directory)) / "torch-native"
     return directory
 
 
@@ -97,14 +91,8 @@ def torch_native_helper(torch_native_cache):
     a test that wants it installs it with ``jitcore.torch_native.using``)."""
     from jitcore import torch_native
 
-    previous = os.environ.get("JITCORE_CACHE_DIR")
-    os.environ["JITCORE_CACHE_DIR"] = str(torch_native_cache)
-    try:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("JITCORE_CACHE_DIR", str(torch_native_cache))
         found, reason = torch_native.load()
-    finally:
-        if previous is None:
-            os.environ.pop("JITCORE_CACHE_DIR", None)
-        else:
-            os.environ["JITCORE_CACHE_DIR"] = previous
     assert found is not None, reason
     return found

@@ -229,6 +229,25 @@ MODE_CHANGES = {
 }
 
 
+@contextlib.contextmanager
+def _fp32_precisions_kept():
+    """Puts every per-backend float32 precision back afterwards: a legacy TF32 setter writes
+    them, and setting it back writes "ieee" where "none" was."""
+    if region_keys._FP32_PRECISION is None:
+        yield
+        return
+    get, put = _C._get_fp32_precision_getter, _C._set_fp32_precision_setter
+    before = []
+    for pair in itertools.product(("generic", "cuda", "mkldnn"), ("all", "matmul", "conv", "rnn")):
+        with contextlib.suppress(RuntimeError, ValueError, TypeError):  # a pair this torch lacks
+            before.append((pair, get(*pair)))
+    try:
+        yield
+    finally:
+        for pair, value in sorted(before, key=lambda entry: entry[0][1] != "all"):  # parents first
+            put(*pair, value)
+
+
 def _fp32_precision_change(backend: str, op: str):
     """A context that sets one of torch's per-backend float32 precisions (torch >= 2.9) to
     another value and restores them all: a setter also changes the precisions below it
@@ -237,13 +256,9 @@ def _fp32_precision_change(backend: str, op: str):
     @contextlib.contextmanager
     def change():
         get, put = _C._get_fp32_precision_getter, _C._set_fp32_precision_setter
-        before = [(pair, get(*pair)) for pair in region_keys._FP32_PRECISIONS]
-        try:
+        with _fp32_precisions_kept():
             put(backend, op, "ieee" if get(backend, op) != "ieee" else "tf32")
             yield
-        finally:
-            for pair, value in before:
-                put(*pair, value)
 
     return change
 
@@ -363,25 +378,6 @@ def _covered_readers(helper) -> list[tuple[str, object]]:
     if ("_is_any_autocast_enabled", ()) in covered and region_keys._any_autocast is not None:
         readers.append(("any autocast", region_keys._any_autocast))
     return readers
-
-
-@contextlib.contextmanager
-def _fp32_precisions_kept():
-    """Puts every per-backend float32 precision back afterwards: a legacy TF32 setter writes
-    them, and setting it back writes "ieee" where "none" was."""
-    if region_keys._FP32_PRECISION is None:
-        yield
-        return
-    get, put = _C._get_fp32_precision_getter, _C._set_fp32_precision_setter
-    before = []
-    for pair in itertools.product(("generic", "cuda", "mkldnn"), ("all", "matmul", "conv", "rnn")):
-        with contextlib.suppress(RuntimeError, ValueError, TypeError):  # a pair this torch lacks
-            before.append((pair, get(*pair)))
-    try:
-        yield
-    finally:
-        for pair, value in sorted(before, key=lambda entry: entry[0][1] != "all"):  # parents first
-            put(*pair, value)
 
 
 def _entered(name) -> contextlib.ExitStack | None:
