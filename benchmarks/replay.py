@@ -29,9 +29,12 @@ with its capture + instantiate (the session's ``capture_seconds``) alone.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import statistics
+import struct
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -57,6 +60,13 @@ WITHOUT_CHECKS = "replay, exactness checks skipped (measurement only)"
 #: generated Python, as it runs where no C helper was built (Region.measure_with_settings_check).
 C_SETTINGS = "replay, settings checked by replay/_checks.c (without the torch-side helper)"
 PYTHON_SETTINGS = "replay, settings checked in generated Python (without C helpers)"
+#: The pointer + scalar row replayed by each graph's generated Python function alone, without
+#: replay/_step.c in front of it (Region.measure_generated_python).
+GENERATED = "replay, pointer + dynamic scalar, generated Python (without replay/_step.c)"
+#: What any replay that rebinds the input and the scalar must do, and nothing else: write both
+#: into the node's parameters, push the node to the exec, launch (from Python, through the same
+#: C driver calls as replay).
+FLOOR = "floor: node update + graph launch (pointer + scalar, no checks, no outputs)"
 
 
 @jc.jit
@@ -121,6 +131,53 @@ def graph_launcher(graph: torch.cuda.CUDAGraph):
     body = backend.graph_launch_template.format(exec="_exec", stream="_stream")
     exec("def launch():\n" + "".join(f"    {line}\n" for line in body.splitlines()), namespace)
     return namespace["launch"]
+
+
+def floor_steps(region_object, shapes) -> tuple[dict, Callable]:
+    """Per batch size, ``step(x, slope)`` doing what any replay of the scaled region that
+    rebinds ``x`` and ``slope`` must do, through its recorded graph's own node and exec:
+    write the pointer and the scalar into the node's parameter buffer, push the node, launch.
+    And ``restore()``, which puts the graphs back to a state their next replay repairs (their
+    interrupted-patch rollback: recorded bytes, every value pushed again)."""
+    backend = get_backend()
+    launch, _failed = backend.graph_launch_parts()
+    current_stream = backend.hot_namespace["_current_stream"]
+    steps, graphs = {}, []
+    for entry in region_object.entries.values():
+        graph = entry.graph
+        if graph is None or graph.template[0].shape[0] not in shapes:
+            continue
+        scalar = graph.plan.scalars[0]
+        pointer = next(p for p in graph.plan.pointers if p.node == scalar.node)
+        updater = graph.updaters[scalar.node]
+        buffer, graph_exec = updater.params.buffer, graph.namespace["_EXEC"]
+        pack_pointer = functools.partial(struct.Struct("<Q").pack_into, buffer, pointer.offset)
+        pack_scalar = functools.partial(struct.Struct("<" + scalar.fmt).pack_into, buffer, scalar.offset)
+        set_call, set_args, delta = updater.set_call, updater.set_args, pointer.delta
+
+        def step(
+            x,
+            slope,
+            pack_pointer=pack_pointer,
+            pack_scalar=pack_scalar,
+            set_call=set_call,
+            set_args=set_args,
+            delta=delta,
+            graph_exec=graph_exec,
+        ):
+            pack_pointer(x.data_ptr() + delta)
+            pack_scalar(slope)
+            set_call(*set_args)
+            launch(graph_exec, current_stream(0))
+
+        steps[graph.template[0].shape[0]] = step
+        graphs.append(graph)
+
+    def restore():
+        for graph in graphs:
+            graph._interrupted()
+
+    return steps, restore
 
 
 def loop(step, inputs, order, sync=torch.cuda.synchronize) -> tuple[float, float]:
@@ -262,6 +319,11 @@ def main() -> None:
     def replayed_with_scalar(b, x):
         return scaled_step(x, next_slope())
 
+    floors, restore_floored = floor_steps(scaled_step, set(SHAPES))
+
+    def floor(b, x):
+        floors[b](x, next_slope().value)
+
     paths = {
         "eager jit": eager,
         "replay": replayed,
@@ -269,6 +331,8 @@ def main() -> None:
         C_SETTINGS: replayed,
         PYTHON_SETTINGS: replayed,
         "replay, pointer + dynamic scalar": replayed_with_scalar,
+        GENERATED: replayed_with_scalar,
+        FLOOR: floor,
         "static-copy torch graphs": static_copy,
         "torch CUDAGraph.replay": torch_replay,
         "raw graph launch": raw,
@@ -287,8 +351,12 @@ def main() -> None:
                 measured = step_region.measure_with_settings_check("c")
             elif name == PYTHON_SETTINGS:
                 measured = step_region.measure_with_settings_check("python")
+            elif name == GENERATED:
+                measured = scaled_step.measure_generated_python()
             with measured:
                 host, total = loop(step, inputs, order)
+            if name == FLOOR:
+                restore_floored()
             samples[name][0].append(host)
             samples[name][1].append(total)
         host, total = loop(replayed_host, pairs, order)
@@ -337,7 +405,12 @@ def main() -> None:
         f"(replay / torch: **{results['replay']['host_us'] / torch_host:.2f}x**, target at most 1x); "
         f"rebinding one pointer and one dynamic scalar per step "
         f"{results['replay, pointer + dynamic scalar']['host_us']:.2f} us "
-        f"(**{results['replay, pointer + dynamic scalar']['host_us'] / torch_host:.2f}x** torch's). "
+        f"(**{results['replay, pointer + dynamic scalar']['host_us'] / torch_host:.2f}x** torch's; "
+        f"{results[GENERATED]['host_us']:.2f} us through the generated Python alone, without replay/_step.c). "
+        f"The floor of any replay that rebinds them, the node update and the launch alone, costs "
+        f"{results[FLOOR]['host_us']:.2f} us (**{results[FLOOR]['host_us'] / torch_host:.2f}x** torch's replay): "
+        f"the pointer + scalar replay spends "
+        f"{results['replay, pointer + dynamic scalar']['host_us'] - results[FLOOR]['host_us']:.2f} us above it. "
         f"The per-call exactness checks beyond the key (torch settings, launchers' globals) cost "
         f"{results['replay']['host_us'] - results[WITHOUT_CHECKS]['host_us']:.2f} us per step "
         f"(replay with them skipped: {results[WITHOUT_CHECKS]['host_us']:.2f} us); the settings checked by "
@@ -385,6 +458,9 @@ def main() -> None:
         settings_watch_saves_us=results[C_SETTINGS]["host_us"] - results["replay"]["host_us"],
         settings_check_in_c_saves_us=results[PYTHON_SETTINGS]["host_us"] - results["replay"]["host_us"],
         replay_over_torch_replay=results["replay"]["host_us"] / torch_host,
+        rebinding_over_torch_replay=results["replay, pointer + dynamic scalar"]["host_us"] / torch_host,
+        floor_over_torch_replay=results[FLOOR]["host_us"] / torch_host,
+        step_in_c_saves_us=results[GENERATED]["host_us"] - results["replay, pointer + dynamic scalar"]["host_us"],
         host_budget_us=host_budget,
         first_record_us=first,
         raw_capture_us=raw_capture,

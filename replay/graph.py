@@ -34,6 +34,7 @@ import attrs
 import numpy as np
 import torch
 
+import jitcore.torch_native
 from jitcore import generated
 from jitcore.backends import compiled_helpers_enabled, get_backend
 from replay import host as host_inputs
@@ -46,6 +47,11 @@ try:  # the aliasing check in C (replay/_checks.c; optional, built by setup.py)
     from replay._checks import disjoint as _disjoint
 except ImportError:
     _disjoint = None
+
+try:  # a replay's steady state in C (replay/_step.c; optional, built by setup.py)
+    from replay._step import ReplayStep
+except ImportError:
+    ReplayStep = None
 
 
 class _Mismatch:
@@ -150,6 +156,8 @@ _NUMPY_DISJOINT_FROM = 12
 #: From this many, with replay/_checks.c built, by its ``disjoint`` (one sort in C: 0.33 us for
 #: 4 ranges, 1.1 us for 16, against 0.52 and 7.4 us compared pair by pair, on the CPU box).
 _C_DISJOINT_FROM = 4
+#: At most this many tensor arguments for replay/_step.c (its fixed-size pointer array).
+_STEP_MAX_TENSORS = 64
 
 
 def _disjoint_check() -> Callable | None:
@@ -189,6 +197,11 @@ def _unchanged() -> bool:
 
 def _no_check() -> None:
     return None
+
+
+def generated_replay(run: Callable) -> Callable:
+    """The generated Python function behind a replay (``run`` itself where it is one)."""
+    return run.fallback if ReplayStep is not None and isinstance(run, ReplayStep) else run
 
 
 def measure_without_checks(graphs: Sequence[RecordedGraph]) -> contextlib.AbstractContextManager:
@@ -281,6 +294,9 @@ class _Slot:
     index: int
     value: str  # the expression of what this call needs the node to hold
     writes: list[str]  # the statements writing it into the node's buffer or dimensions
+    # the same for replay/_step.c: ("pointer", input, ((address, delta, params), ...)) or
+    # ("scalar", number, ((address, size, params), ...)); None for anything else
+    program: tuple | None = None
 
     @property
     def changed(self) -> str:
@@ -298,9 +314,9 @@ class _Patches:
     # node -> when a staging copy has nothing to do: the caller passed the staged buffer itself
     in_place: dict[int, list[str]] = attrs.Factory(dict)
 
-    def add(self, node: int, value: str, writes: list[str], *, held: object) -> None:
+    def add(self, node: int, value: str, writes: list[str], *, held: object, program: tuple | None = None) -> None:
         """A slot of ``node`` whose node holds ``held`` now (the recorded value)."""
-        self.slots.setdefault(node, []).append(_Slot(len(self.last), value, writes))
+        self.slots.setdefault(node, []).append(_Slot(len(self.last), value, writes, program))
         self.last.append(held)
 
 
@@ -467,6 +483,12 @@ class RecordedGraph:
         self.replay = compile_function(
             self.source, self.name, f"replay graph {number} of region {region.name}", self.namespace
         )
+        #: why this graph replays through its generated Python rather than replay/_step.c
+        #: (None: through the C step, which runs that function itself for what it does not decide)
+        self.step_refused: str | None = None
+        step = self._step(backend, leaves)
+        if step is not None:
+            self.replay = step
         if generated.dump_enabled("REPLAY_DUMP"):
             print(f"# replay graph\n{self.source}")
 
@@ -687,7 +709,157 @@ class RecordedGraph:
             code.line("_o.streams.add(_s)")  # freed later, it waits for this stream
         self._count_replay(code)
         self._return_outputs(code)
+        self._patches = patches
         return code.text()
+
+    # --- the C step ----------------------------------------------------------------------
+    def _step(self, backend, leaves: Sequence) -> Callable | None:
+        """The replay as replay/_step.c runs it, where this graph's generated function has no
+        step outside what that file runs (else None, and ``step_refused`` says why). The C
+        step makes the generated function's calls in its order; for what it does not decide
+        (a slot that OutputSlots.choose must pick, a tensor its reader does not read) it runs
+        the generated function itself, so it can only ever do what that function does."""
+        if ReplayStep is None or not compiled_helpers_enabled():
+            self.step_refused = "replay/_step.c is not built (or JITCORE_NATIVE=0)"
+            return None
+        helper = jitcore.torch_native.module()
+        support = getattr(helper, "replay_support", None)
+        if support is None:
+            self.step_refused = "the torch-side helper is not built for this torch (python -m jitcore.torch_native)"
+            return None
+        program, refused = self._step_program(backend, leaves, support)
+        if program is None:
+            self.step_refused = refused
+            return None
+        return ReplayStep(program)
+
+    def _step_program(self, backend, leaves: Sequence, support: object) -> tuple[tuple | None, str]:
+        """replay/_step.c's program for this graph (its layout is that file's), or None and
+        what the generated function does that the C step does not."""
+        policy, plan = self.session.policy, self.plan
+        parts = backend.graph_launch_parts()
+        refusals = [
+            (policy.polymorphic, "a polymorphic session (an exec shared by several graphs)"),
+            (policy.clone_outputs or policy.check_stale, "outputs cloned or guarded against staleness"),
+            (self.uses_rng, "random numbers (torch's replay advances the generators)"),
+            (self.host is not None, "host inputs"),
+            (bool(self.in_place), "staged inputs taken in place"),
+            (bool(plan.configs or plan.checks), "grid sizes or index checks computed per call"),
+            (any(b.dynamic for b in plan.pointers), "pointer offsets computed per call"),
+            (bool(self.key[3]), "arguments recorded overlapping"),
+            (parts is None or not backend.raw_stream_handles, "a backend launching from Python"),
+            (len([leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]) > _STEP_MAX_TENSORS, "many tensors"),
+        ]
+        for refused, why in refusals:
+            if refused:
+                return None, why
+        launches = sorted(plan.arguments)
+        argument_of = {launch: n for n, launch in enumerate(launches)}
+        texts = [text for launch in launches for text in plan.arguments[launch] if text is not None]
+        dynamic = sorted({int(m) for text in texts for m in re.findall(r"\b_d(\d+)\b", text)})
+        if all(re.fullmatch(r"_d\d+", text) for text in texts):  # each argument a dynamic value itself
+            arguments = tuple(
+                tuple(-1 if text is None else int(text[2:]) for text in plan.arguments[launch]) for launch in launches
+            )
+        else:  # expressions: one generated function of the values computes them all
+            arguments = (self._argument_maker(launches, dynamic), len(launches))
+        scalars = []
+        for binding in plan.scalars:
+            packer = struct.Struct("<" + binding.fmt).pack
+            scalars.append((argument_of[binding.launch], binding.evaluate, binding.convert, packer))
+        nodes = []
+        for node, slots in self._patches.slots.items():
+            values = []
+            for slot in slots:
+                if slot.program is None:
+                    return None, "a node value replay/_step.c does not write"
+                kind, number, writes = slot.program
+                values.append(
+                    (slot.index, number if kind == "pointer" else -1, number if kind == "scalar" else -1, writes)
+                )
+            updater = self.updaters[node]
+            nodes.append((updater.set_call, tuple(updater.set_args), node, tuple(values)))
+        outputs = []
+        for item in self.outputs:
+            if isinstance(item, SlotOutput):
+                outputs.append((0, int(item.number)))
+            elif isinstance(item, InputView) and item.whole:
+                outputs.append((1, int(item.input)))
+            elif isinstance(item, OwnedOutput):
+                outputs.append((2, item.tensor))
+            elif isinstance(item, ConstantOutput):
+                outputs.append((2, item.value))
+            else:
+                return None, "outputs rebuilt per call (views of inputs, dynamic values)"
+        spec = self.output_spec[0][0]
+        if spec is None:
+            container = 0
+        elif spec[0] == "tuple" and all(child is None for child in spec[1]):
+            container = 1
+        else:
+            return None, "outputs in a structure other than one tensor or a flat tuple"
+        aligned = {(b.input, b.delta, bool(b.aligned)): None for b in self.plan.pointers if b.aligned is not None}
+        slotted = self.output_slots is not None
+        ns = self.namespace
+        check_names = tuple(
+            next(name for name, value in ns.items() if value is check and name.startswith("_check"))
+            for check in self.checks
+        )
+        tensors = [
+            (i, region_keys.extent_bytes(leaf)) for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)
+        ]
+        launch, launch_failed = parts
+        program = (
+            self.replay,
+            ns,
+            check_names,
+            MISMATCH,
+            self if slotted else None,
+            len(leaves),
+            tuple(tensors),
+            len(self.slot_need) if slotted else 0,
+            () if slotted else tuple((int(lo), int(size)) for lo, size in self.output_memory.items()),
+            tuple((i, int(delta), int(want)) for i, delta, want in aligned),
+            tuple(dynamic),
+            arguments,
+            tuple(scalars),
+            _ARITHMETIC_ERRORS,
+            tuple(nodes),
+            ns["_last"],
+            self._interrupted,
+            self._set_failed,
+            self._retarget,
+            backend.hot_namespace["_current_stream"],
+            int(self.device),
+            self.session.last_stream,
+            self.session.stream_switch,
+            launch,
+            ns["_EXEC"],
+            launch_failed,
+            self.session.counters,
+            self,
+            len(self.staged) + len(self.copied_back),
+            tuple(outputs),
+            container,
+            support,
+            "_modes_changed",
+        )
+        return program, ""
+
+    def _argument_maker(self, launches: list[int], dynamic: list[int]) -> Callable:
+        """``arguments(*values)``: each launch's jit arguments (the generated replay's
+        ``_a{launch}``), from the dynamic leaves' values in ``dynamic``'s order, for the C step."""
+        code = _Source({})
+        tuples = []
+        for launch in launches:
+            values = "".join(
+                f"{code.with_constants(text, self.plan.constants) if text is not None else 'None'}, "
+                for text in self.plan.arguments[launch]
+            )
+            tuples.append(f"({values})")
+        code.lines.append(f"def step_arguments({', '.join(f'_d{i}' for i in dynamic)}):")
+        code.line(f"return ({''.join(t + ', ' for t in tuples)})")
+        return compile_function(code.text(), "step_arguments", f"jit arguments of {self.name}", code.namespace)
 
     def _emit_guards(self, code: _Source, count: int) -> None:
         """The signature, then what must hold for any call: the region's globals unchanged,
@@ -794,7 +966,10 @@ class RecordedGraph:
             )
         for (input_index, node), bound in sorted(static.items()):
             writes = [f"_pack_Q({buffer}, {b.offset}, _p{input_index} + {int(b.delta)})" for buffer, b in bound]
-            patches.add(node, f"_p{input_index}", writes, held=recorded_pointer[input_index])
+            params = self.updaters[node].params
+            targets = tuple((params.buffer_address + b.offset, b.delta, params) for _, b in bound)
+            program = ("pointer", input_index, targets)
+            patches.add(node, f"_p{input_index}", writes, held=recorded_pointer[input_index], program=program)
 
     def _skip_copies_in_place(self, code: _Source, patches: _Patches) -> None:
         """A staged input passed as its staged buffer (``_S{i}``) needs no copy in or back:
@@ -816,12 +991,14 @@ class RecordedGraph:
             if binding.convert is not None:
                 computed = f"{code.bind(binding.convert, '_convert')}({computed})"
             code.line(f"_v{number} = {packer}({computed})", 2)
-            buffer = code.bind(self.updaters[binding.node].params.buffer, "_buf")
+            params = self.updaters[binding.node].params
+            buffer = code.bind(params.buffer, "_buf")
             patches.add(
                 binding.node,
                 f"_v{number}",
                 [f"{buffer}[{binding.offset}:{binding.offset + size}] = _v{number}"],
                 held=state.held[binding.offset : binding.offset + size],
+                program=("scalar", number, ((params.buffer_address + binding.offset, size, params),)),
             )
 
     def _compute_grids(self, code: _Source, backend, patches: _Patches) -> None:

@@ -16,6 +16,7 @@ from then on, with one warning naming the reason.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import functools
@@ -44,6 +45,7 @@ from replay.graph import (
     MISMATCH,
     RecordedGraph,
     compile_function,
+    generated_replay,
     guard_outputs,
     measure_with_settings_check,
     measure_without_checks,
@@ -1535,6 +1537,20 @@ class Region:
         graphs held now skip the torch-settings and launcher-globals checks inside the
         context."""
         return measure_without_checks([e.graph for e in self.entries.values() if e.graph is not None])
+
+    @contextlib.contextmanager
+    def measure_generated_python(self):
+        """Benchmarks only: inside the context, this region's recorded keys replay through
+        their generated Python function alone, without replay/_step.c in front of it (what
+        a replay costs where that file is not built)."""
+        saved = [(candidates, list(candidates)) for candidates in self.fast.values()]
+        for candidates, held in saved:
+            candidates[:] = [(guard, generated_replay(run), entry) for guard, run, entry in held]
+        try:
+            yield
+        finally:
+            for candidates, held in saved:
+                candidates[:] = held
 
     def measure_with_settings_check(self, way: str):
         """Benchmarks only (see :func:`replay.graph.measure_with_settings_check`): this

@@ -273,6 +273,14 @@ class Backend(abc.ABC):
         handle, or its raw address where the backend calls the driver from C."""
         return function.handle
 
+    def graph_launch_parts(self) -> tuple[Callable, Callable] | None:
+        """What ``graph_launch_template`` calls, for replay's C step (replay/_step.c), which
+        runs the same launch without the template's text: ``(launch, failed)``, where
+        ``launch(exec, stream)`` returns a status tuple and ``failed(status)`` raises for a
+        nonzero status. None where the template is anything else (then replay runs its
+        generated Python)."""
+        return None
+
     @abc.abstractmethod
     def graph_exec_object(self, raw_exec: int) -> object:
         """What ``graph_launch_template``'s {exec} takes for a raw graph-exec handle: the

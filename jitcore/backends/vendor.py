@@ -246,6 +246,9 @@ class DriverBackend(Backend):
             f"_r = _{self._graph_launch_name}({{exec}}, {{stream}})\nif _r[0]: _graph_launch_failed(_r[0])"
         )
 
+    def graph_launch_parts(self) -> tuple[Callable, Callable]:
+        return self.hot_namespace[f"_{self._graph_launch_name}"], self.hot_namespace["_graph_launch_failed"]
+
     # --- what a vendor implements --------------------------------------------------------
     @abc.abstractmethod
     def _start_driver(self) -> None:

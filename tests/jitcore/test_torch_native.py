@@ -13,6 +13,7 @@ uses and puts it back.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import shutil
@@ -297,6 +298,68 @@ def test_the_reader_leaves_a_torch_function_mode_to_the_method(helper):
     with _AnswersDataPtr():
         assert x.data_ptr() == 0x1234560
         assert helper.data_pointer(x) is None
+
+
+def _described(tensor: torch.Tensor) -> tuple:
+    """What a caller can see of a handed-out output besides its values."""
+    return (
+        type(tensor),
+        tensor.dtype,
+        tensor.device,
+        tuple(tensor.shape),
+        tensor.stride(),
+        tensor.storage_offset(),
+        tensor.data_ptr(),
+        tensor.requires_grad,
+        tensor.grad_fn,
+        tensor.is_inference(),
+        tensor._is_view(),
+        tensor._base is None,
+        tensor._version,
+    )
+
+
+@needs_compiler
+@pytest.mark.parametrize("mode", ["grad", "no_grad", "inference_mode"])
+def test_a_fresh_output_is_what_detach_makes(helper, mode):
+    """replay/_step.c hands out fresh_output(view) where generated replays hand out
+    view.detach(): the same tensor in every way a caller can see, under every grad mode."""
+    lane = torch.empty(4096, dtype=torch.uint8)
+    views = [
+        torch.as_strided(lane[:4096].view(torch.float32), (8, 16), (16, 1), 4),
+        torch.as_strided(lane[:4096].view(torch.float16), (3, 5), (1, 7), 9),
+        lane[:100].view(torch.int32),
+    ]
+    context = {"grad": contextlib.nullcontext, "no_grad": torch.no_grad, "inference_mode": torch.inference_mode}[mode]
+    for view in views:
+        with context():
+            made, reference = helper.fresh_output(view), view.detach()
+        assert made is not view and made is not reference
+        assert _described(made) == _described(reference)
+        view.add_(0)  # an in-place write bumps the version the outputs share with the view, as detach()'s do
+        assert made._version == reference._version
+
+
+class _SeesDetach(TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.seen = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.detach:
+            self.seen += 1
+        return func(*args, **(kwargs or {}))
+
+
+@needs_compiler
+def test_a_fresh_output_under_a_torch_function_mode_is_made_by_the_method(helper):
+    view = torch.randn(8)[2:]
+    with _SeesDetach() as mode:
+        made = helper.fresh_output(view)
+    assert mode.seen == 1 and made.data_ptr() == view.data_ptr()
+    assert _described(made)[:8] == _described(view.detach())[:8]
+    with pytest.raises(AttributeError):  # not a tensor: the method's own error
+        helper.fresh_output(3)
 
 
 @needs_native

@@ -42,3 +42,20 @@ def c_or_python(request, monkeypatch):
     ("python": JITCORE_NATIVE=0), without the torch-side helper in either."""
     with _checks_made(request.param, request, monkeypatch) as kind:
         yield kind
+
+
+@pytest.fixture(params=["c", "python"])
+def replay_step(request, monkeypatch):
+    """A test of replaying a recorded graph runs against both ways it replays: replay/_step.c
+    in front of the generated function ("c": the torch-side helper built for real; skipped
+    where replay._step was not built) and the generated function alone ("python": no helper,
+    so no graph gets a C step). Chosen when a graph is made, so inside the test."""
+    if request.param == "python":
+        with torch_native.using(None):
+            yield request.param
+        return
+    if importlib.util.find_spec("replay._step") is None:
+        pytest.skip("replay._step is not built here")
+    monkeypatch.delenv("JITCORE_NATIVE", raising=False)
+    with torch_native.using(request.getfixturevalue("torch_native_helper")):
+        yield request.param

@@ -96,12 +96,31 @@ class SimUpdater(NodeUpdater):
         return tuple(self._dims)
 
 
+def _launched(launch):
+    """A graph launch as the backends make it for replay/_step.c: (exec, stream) -> status."""
+
+    def graph_launch(_exec, _stream):
+        launch()
+        return (0,)
+
+    return graph_launch
+
+
+def _launch_failed(status):
+    raise DriverError("graph launch", int(status), str(status))
+
+
 class SimBackend(NullBackend):
+    raw_stream_handles = True
+
     def __init__(self, sim: SimExec) -> None:
         super().__init__()
         self.sim = sim
         self.hot_namespace = dict(self.hot_namespace, _SIM=sim)
         self.graph_launch_template = "_SIM.launch()"
+
+    def graph_launch_parts(self):
+        return _launched(self.sim.launch), _launch_failed
 
     def node_updater(self, raw_exec, node, layout, initial):
         return SimUpdater(self.sim, node, layout, initial)
@@ -146,6 +165,13 @@ class FakeRegion:
 
     def __init__(self, key):
         self.entries = {key: attrs.make_class("E", {"generation": attrs.field(default=0)})()}
+
+
+@pytest.fixture(autouse=True)
+def _replayed_both_ways(replay_step):
+    """Every test here runs against both ways a graph replays: replay/_step.c ("c", with the
+    torch-side helper built for real) and the generated Python alone ("python")."""
+    return replay_step
 
 
 LAYOUT = ParamLayout.of([parse_param("float* x"), parse_param("float s"), parse_param("long long n")])
@@ -477,6 +503,10 @@ class SlotSimBackend(SimBackend):
 
         self.hot_namespace = dict(self.hot_namespace, _SIM_COPY=launch)
         self.graph_launch_template = "_SIM_COPY()"
+        self._copying_launch = launch
+
+    def graph_launch_parts(self):
+        return _launched(self._copying_launch), _launch_failed
 
     def memcpy_retargeter(self, raw_exec, node, device):
         def set_destination(address):
@@ -720,3 +750,95 @@ def test_recordings_that_name_their_constants_apart_generate_one_text_and_compil
     small = torch.randn(32, 16)
     assert second.replay(small, Dynamic(1))[1] == 1 + 5
     assert node_pointer(second_sim) == small.data_ptr() + (1 + 5) * 16 * 4
+
+
+# --- replay/_step.c against the generated function ------------------------------------------
+
+
+def test_the_c_step_serves_what_it_runs_and_says_why_it_leaves_the_rest_to_python(replay_step):
+    x = torch.randn(8)
+    plan = scalar_plan()
+    plan.pointers.append(PointerBinding(0, 0, 0, 0, 0, 16))
+    graph, _ = build([x, Dynamic(1.0)], plan)
+    if replay_step == "c":
+        assert isinstance(graph.replay, graph_module.ReplayStep) and graph.step_refused is None
+        assert graph.replay.fallback.__code__.co_filename.startswith("<")  # the generated function
+    else:
+        assert not isinstance(graph.replay, graph_module.ReplayStep)
+        assert "torch-side helper" in graph.step_refused
+    offset = Plan(
+        pointers=[PointerBinding(0, 0, 0, 0, 0, 0, True, 0, lambda s: 4 * s[1])], arguments={0: (None, "_d1")}
+    )
+    graph, _ = build([x, Dynamic(1)], offset)  # a pointer offset computed per call: Python's
+    assert not isinstance(graph.replay, graph_module.ReplayStep)
+    if replay_step == "c":
+        assert graph.step_refused == "pointer offsets computed per call"
+
+
+def _both_ways(leaves, plan, helper):
+    """The same recording as a C step and as the generated function alone, each over its own
+    simulated exec."""
+    from jitcore import torch_native
+
+    made = []
+    for chosen in (helper, None):
+        with torch_native.using(chosen):
+            made.append(build(leaves, plan, sim=SimExec()))
+    return made
+
+
+_VALUES = st.one_of(
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from([0.0, -0.0, 1e39, -1e39, float("nan"), 3.0]),
+    st.integers(min_value=-(2**70), max_value=2**70),
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    computed=st.booleans(),
+    steps=st.lists(
+        st.tuples(st.integers(0, 4), st.integers(0, 4), _VALUES, st.booleans()),
+        min_size=1,
+        max_size=12,
+    ),
+)
+def test_the_c_step_does_what_the_generated_function_does_call_for_call(torch_native_helper, computed, steps):
+    """Random calls (pointers rebound, aliasing arguments, scalars that differ only in bits or
+    do not fit, failed node updates) to a C step and to the generated function alone: the same
+    answers, the same exceptions, the same node parameters launched, the same remembered
+    values and counts after every call. The scalar is the dynamic value itself, or computed
+    from it by an expression with a named constant (which raises for 0: the call declines)."""
+    base = torch.randn(64)
+    pool = [base[:16], base[16:32], base[8:24], torch.randn(16), torch.randn(16)]
+    plan = Plan(
+        pointers=[PointerBinding(0, 0, 0, 0, 0, 16), PointerBinding(0, 0, 0, 0, 1, 0)],
+        scalars=[ScalarBinding(0, 0, 1, 8, "f", lambda s: s[1])],
+        arguments={0: (None, "(_k9 / _d2)" if computed else "_d2")},
+        constants={"_k9": 3.0},
+    )
+    (c_graph, c_sim), (py_graph, py_sim) = _both_ways([pool[0], pool[1], Dynamic(1.0)], plan, torch_native_helper)
+    assert isinstance(c_graph.replay, graph_module.ReplayStep), c_graph.step_refused
+    assert not isinstance(py_graph.replay, graph_module.ReplayStep)
+    for first, second, value, fail in steps:
+        answers = []
+        for graph, sim in ((c_graph, c_sim), (py_graph, py_sim)):
+            sim.fail_next_set = int(fail)
+            with use_backend(SimBackend(sim)):
+                try:
+                    result = graph.replay(pool[first], pool[second], Dynamic(value))
+                    answers.append(("mismatch" if result is MISMATCH else "replayed", None))
+                except Exception as error:  # compared below, not swallowed
+                    answers.append(("raised", type(error)))
+            sim.fail_next_set = 0
+        assert answers[0] == answers[1]
+        assert c_sim.params == py_sim.params and len(c_sim.launched) == len(py_sim.launched)
+        assert c_sim.launched == py_sim.launched
+        c_last, py_last = c_graph.namespace["_last"], py_graph.namespace["_last"]
+        assert [v if isinstance(v, (int, bytes)) else "unknown" for v in c_last] == [
+            v if isinstance(v, (int, bytes)) else "unknown" for v in py_last
+        ]
+        assert (c_graph.replays, c_graph.session.counters.patches) == (
+            py_graph.replays,
+            py_graph.session.counters.patches,
+        )
