@@ -31,12 +31,14 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* What the torch-side helper exports (its copy of this struct, version 1). */
+/* What the torch-side helper exports (its copy of this struct, version 2). */
 typedef struct {
     int version;
     int (*read_data_pointer)(PyObject *, uint64_t *);
     PyObject *(*fresh_output)(PyObject *);
+    int64_t (*storage_use_count)(PyObject *); /* -1: not a storage */
 } replay_support;
+#define SUPPORT_VERSION 2
 
 #define SUPPORT_NAME "jitcore._torch_native.replay_support"
 #define MAX_TENSORS 64
@@ -113,10 +115,11 @@ typedef struct {
     Py_ssize_t *output_number;
     int container; /* 0: the one output, 1: a tuple */
     const replay_support *support;
+    PyObject *use_count; /* output_slots' own use-count reader: the slots whose held() this file may answer */
     vectorcallfunc vectorcall;
 } ReplayStep;
 
-static PyObject *s_slot, *s_writer, *s_freed, *s_bound_slot, *s_held, *s_lanes, *s_address, *s_size, *s_streams,
+static PyObject *s_own, *s_own_storage_refs_c, *s_storage, *s_use_count, *s_slot, *s_writer, *s_freed, *s_bound_slot, *s_held, *s_lanes, *s_address, *s_size, *s_streams,
     *s_views, *s_value, *s_replays, *s_patches, *s_staged_copies, *s_add, *ONE;
 
 static int step_traverse(ReplayStep *self, visitproc visit, void *arg) {
@@ -196,8 +199,9 @@ static int as_address(PyObject *value, char **out) {
    ((address, delta or size), ...)), ...)), ...), 15 last, 16 rollback, 17 set_failed, 18 retarget,
    19 current_stream, 20 device, 21 last_stream, 22 stream_switch, 23 launch, 24 exec,
    25 launch_failed, 26 stats, 27 entry, 28 staged copies, 29 outputs ((kind, item), ...),
-   30 container (0 one, 1 tuple), 31 the support capsule, 32 modes name */
-#define PROGRAM_FIELDS 33
+   30 container (0 one, 1 tuple), 31 the support capsule, 32 modes name,
+   33 replay.output_slots' use-count reader */
+#define PROGRAM_FIELDS 34
 
 static int build(ReplayStep *self, PyObject *program) {
     if (!PyTuple_Check(program) || PyTuple_GET_SIZE(program) != PROGRAM_FIELDS) {
@@ -430,11 +434,12 @@ scalars:;
     self->support = PyCapsule_GetPointer(FIELD(31), SUPPORT_NAME);
     if (self->support == NULL)
         return -1;
-    if (self->support->version != 1) {
+    if (self->support->version != SUPPORT_VERSION) {
         PyErr_SetString(PyExc_ValueError, "ReplayStep: the torch-side helper's replay support is another version");
         return -1;
     }
     self->modes_name = FIELD(32);
+    self->use_count = FIELD(33);
 #undef FIELD
     return 0;
 }
@@ -466,8 +471,70 @@ static int failed_status(PyObject *status, PyObject **first) {
     return truth;
 }
 
+/* A lane's storage object's reference count, as read with one reference of the reader's own
+   (what `own_storage_refs_c` holds of a lane with nothing else referring to it). */
+static Py_ssize_t references(PyObject *storage) { return Py_REFCNT(storage); }
+
+static long long int_attribute(PyObject *owner, PyObject *name, int *failed) {
+    PyObject *value = PyObject_GetAttr(owner, name);
+    if (value == NULL) {
+        *failed = 1;
+        return -1;
+    }
+    long long read = PyLong_AsLongLong(value);
+    Py_DECREF(value);
+    if (read == -1 && PyErr_Occurred())
+        *failed = 1;
+    return read;
+}
+
+/* Slot.held() (replay.output_slots) answered in C: 1 held, 0 not, -1 error, -2 where this
+   file cannot answer it (a use-count reader of the tests', a lane without its C baseline, not
+   a torch storage): the method answers then. Per lane, as Lane.held: its storage's use count
+   above what the lane holds itself, or its storage object referred to by more than the lane. */
+static int slot_held(ReplayStep *self, PyObject *slot) {
+    PyObject *reader = PyObject_GetAttr(slot, s_use_count);
+    if (reader == NULL)
+        return -1;
+    int ours = reader == self->use_count;
+    Py_DECREF(reader);
+    if (!ours)
+        return -2;
+    PyObject *lanes = PyObject_GetAttr(slot, s_lanes);
+    if (lanes == NULL)
+        return -1;
+    PyObject *fast = PySequence_Fast(lanes, "slot lanes");
+    Py_DECREF(lanes);
+    if (fast == NULL)
+        return -1;
+    int answer = 0;
+    for (Py_ssize_t l = 0; l < PySequence_Fast_GET_SIZE(fast) && answer == 0; l++) {
+        PyObject *lane = PySequence_Fast_GET_ITEM(fast, l);
+        PyObject *storage = PyObject_GetAttr(lane, s_storage);
+        if (storage == NULL) {
+            answer = -1;
+            break;
+        }
+        if (storage != Py_None) {
+            int failed = 0;
+            long long own = int_attribute(lane, s_own, &failed);
+            long long baseline = failed ? -1 : int_attribute(lane, s_own_storage_refs_c, &failed);
+            int64_t uses = self->support->storage_use_count(storage);
+            if (failed)
+                answer = -1;
+            else if (baseline < 0 || uses < 0)
+                answer = -2;
+            else if (uses > own || references(storage) > baseline)
+                answer = 1;
+        }
+        Py_DECREF(storage);
+    }
+    Py_DECREF(fast);
+    return answer;
+}
+
 /* 1: the bound slot is free to write (not freed, nobody holds outputs in it), 0: not, -1 error. */
-static int usable(PyObject *slot) {
+static int usable(ReplayStep *self, PyObject *slot) {
     if (slot == Py_None)
         return 0;
     PyObject *freed = PyObject_GetAttr(slot, s_freed);
@@ -477,11 +544,14 @@ static int usable(PyObject *slot) {
     Py_DECREF(freed);
     if (truth != 0)
         return truth < 0 ? -1 : 0;
-    PyObject *held = PyObject_CallMethodNoArgs(slot, s_held);
-    if (held == NULL)
-        return -1;
-    truth = PyObject_IsTrue(held);
-    Py_DECREF(held);
+    truth = slot_held(self, slot);
+    if (truth == -2) { /* the method answers what this file cannot */
+        PyObject *held = PyObject_CallMethodNoArgs(slot, s_held);
+        if (held == NULL)
+            return -1;
+        truth = PyObject_IsTrue(held);
+        Py_DECREF(held);
+    }
     return truth < 0 ? -1 : !truth;
 }
 
@@ -519,7 +589,7 @@ static PyObject *own_slot(ReplayStep *self) {
     PyObject *bound = PyObject_GetAttr(self->me, s_bound_slot);
     if (bound == NULL)
         return NULL;
-    int free_to_write = usable(bound);
+    int free_to_write = usable(self, bound);
     if (free_to_write > 0)
         return bound;
     Py_DECREF(bound);
@@ -762,7 +832,8 @@ static PyObject *step_call(ReplayStep *self, PyObject *const *leaves, Py_ssize_t
         return fall_back(self, leaves, count);
     uint64_t pointers[MAX_TENSORS];
     for (Py_ssize_t t = 0; t < self->tensor_count; t++)
-        if (!self->support->read_data_pointer(leaves[self->tensor_index[t]], &pointers[t]))
+        if (!self->support->read_data_pointer(leaves[self->tensor_index[t]], &pointers[t]) ||
+            pointers[t] > UINT64_MAX - self->extent[t]) /* ranges past 2**64: Python's ints compare them */
             return fall_back(self, leaves, count);
     /* every rebound pointer's write must fit '<Q' (the function raises struct.error there) */
     for (Py_ssize_t n = 0; n < self->node_count; n++)
@@ -1026,13 +1097,52 @@ static PyTypeObject ReplayStepType = {
     .tp_getset = step_getset,
 };
 
+/* storage_references(lane) -> the lane's storage object's reference count as slot_held reads
+   it (with its one reference of its own): replay.output_slots keeps it as the lane's
+   `own_storage_refs_c` when the lane is made, nothing else referring to the storage. */
+static PyObject *storage_references(PyObject *module, PyObject *lane) {
+    PyObject *storage = PyObject_GetAttr(lane, s_storage);
+    if (storage == NULL)
+        return NULL;
+    PyObject *count = PyLong_FromSsize_t(references(storage));
+    Py_DECREF(storage);
+    return count;
+}
+
+/* held(step, slot) -> True/False, or None where the step leaves it to Slot.held (for tests). */
+static PyObject *held_for_tests(PyObject *module, PyObject *const *args, Py_ssize_t count) {
+    if (count != 2 || !PyObject_TypeCheck(args[0], &ReplayStepType)) {
+        PyErr_SetString(PyExc_TypeError, "held(step, slot)");
+        return NULL;
+    }
+    int answer = slot_held((ReplayStep *)args[0], args[1]);
+    if (answer == -1)
+        return NULL;
+    if (answer == -2)
+        Py_RETURN_NONE;
+    return PyBool_FromLong(answer);
+}
+
+static PyMethodDef module_methods[] = {
+    {"storage_references", storage_references, METH_O,
+     "storage_references(lane) -> its storage object's reference count, as the step reads it"},
+    {"held", (PyCFunction)(void (*)(void))held_for_tests, METH_FASTCALL,
+     "held(step, slot) -> whether the step sees the slot held (None: Slot.held() answers)"},
+    {NULL, NULL, 0, NULL},
+};
+
 static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "replay._step",
-                                        "A recorded graph's replay run from C (see replay/_step.c).", -1, NULL};
+                                        "A recorded graph's replay run from C (see replay/_step.c).", -1,
+                                        module_methods};
 
 PyMODINIT_FUNC PyInit__step(void) {
 #define INTERN(var, text)                                                                                              \
     if ((var = PyUnicode_InternFromString(text)) == NULL)                                                              \
         return NULL;
+    INTERN(s_own, "own")
+    INTERN(s_own_storage_refs_c, "own_storage_refs_c")
+    INTERN(s_storage, "storage")
+    INTERN(s_use_count, "use_count")
     INTERN(s_slot, "slot")
     INTERN(s_writer, "writer")
     INTERN(s_freed, "freed")

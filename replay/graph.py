@@ -1,7 +1,8 @@
 """A recorded graph and its generated replay function.
 
 Replaying is straight-line Python generated per graph (print it with ``REPLAY_DUMP=1`` or
-``Session.dump()``). It runs in two phases:
+``Session.dump()``); where replay/_step.c and the torch-side helper are built, most graphs run
+the same steps from C in front of it (:meth:`RecordedGraph._step`). It runs in two phases:
 
 1. Check and compute, changing nothing: the region's globals, the torch modes, how the tensor
    arguments overlap (it must be the pattern the graph was recorded for), the new pointers and
@@ -38,7 +39,7 @@ import jitcore.torch_native
 from jitcore import generated
 from jitcore.backends import compiled_helpers_enabled, get_backend
 from replay import host as host_inputs
-from replay import recording, region_keys
+from replay import output_slots, recording, region_keys
 from replay.dynamic import DynamicScalar
 from replay.errors import ReplayMismatchError, StaleOutputError
 from replay.recording import Capture, CaptureFailed
@@ -490,7 +491,14 @@ class RecordedGraph:
         if step is not None:
             self.replay = step
         if generated.dump_enabled("REPLAY_DUMP"):
-            print(f"# replay graph\n{self.source}")
+            print(f"# replay graph, {self.how_it_replays()}\n{self.source}")
+
+    def how_it_replays(self) -> str:
+        """One line for dumps: through replay/_step.c, or through the generated function alone
+        and why."""
+        if self.step_refused is None:
+            return "replayed by replay/_step.c, which runs this function for what it does not decide"
+        return f"replayed by this function alone: {self.step_refused}"
 
     def _inputs_taken_in_place(self, capture: Capture) -> dict[int, tuple[torch.Tensor, tuple[int, ...]]]:
         """Staged inputs whose replay skips its staging copies when the caller passes the
@@ -843,6 +851,7 @@ class RecordedGraph:
             container,
             support,
             "_modes_changed",
+            output_slots._use_count,
         )
         return program, ""
 

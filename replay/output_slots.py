@@ -40,6 +40,11 @@ from collections.abc import Callable, Sequence
 import attrs
 import torch
 
+try:  # the replay step in C answers held() too (replay/_step.c; optional, built by setup.py)
+    from replay._step import storage_references as _storage_references
+except ImportError:
+    _storage_references = None
+
 #: Slots nobody holds outputs of that a region keeps besides the one just chosen, for the
 #: next change of shape (the alternation of ``out = step(x)`` needs one).
 SPARE_SLOTS = 1
@@ -65,6 +70,9 @@ class Lane:
     storage: torch.UntypedStorage | None  # held, so its own reference to itself is constant
     own: int = 0  # the storage's use count with only the lane's own references
     own_storage_refs: int = 0  # references to the storage's Python object, the lane's alone
+    # the same as replay/_step.c counts them (its own read's reference included); -1: not known,
+    # so the C step asks held() of Python
+    own_storage_refs_c: int = -1
     bases: dict[torch.dtype, torch.Tensor] = attrs.Factory(dict)  # one typed view per dtype
 
     @classmethod
@@ -74,6 +82,9 @@ class Lane:
         lane = cls(buffer, size, buffer.data_ptr(), storage)
         lane.own = use_count(storage)
         lane.own_storage_refs = sys.getrefcount(storage)  # counted as in held(): the same references
+        del storage  # (the C step reads the storage with only the lane's own references left)
+        if _storage_references is not None:
+            lane.own_storage_refs_c = _storage_references(lane)
         return lane
 
     def held(self, use_count) -> bool:

@@ -477,6 +477,7 @@ class VariantGraph(RecordedGraph):
             f"size variant {len(family.members)} of a replay graph of region {base.region_name}",
             self.namespace,
         )
+        self.step_refused = "a size variant (its exec shared with its family)"
 
     def _place_outputs(self, observation: Observation, moved: Match) -> None:
         """Outputs in memory the run made: the same views of the output slot its graph copies

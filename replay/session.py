@@ -1960,8 +1960,15 @@ class Session:
         return text
 
     def dump(self) -> str:
-        """The generated replay source of every graph held."""
-        return "\n".join(entry.graph.source for entry in self.lru if entry.graph is not None)
+        """The generated replay source of every graph held, each after a line saying whether
+        replay/_step.c runs it (and if not, why)."""
+        parts = []
+        for entry in self.lru:
+            graph = entry.graph
+            if graph is not None:
+                how = graph.how_it_replays() if hasattr(graph, "how_it_replays") else "replayed by this function"
+                parts.append(f"# {how}\n{graph.source}")
+        return "\n".join(parts)
 
 
 def _cuda_generator(device: int):

@@ -765,7 +765,7 @@ def test_the_c_step_serves_what_it_runs_and_says_why_it_leaves_the_rest_to_pytho
         assert graph.replay.fallback.__code__.co_filename.startswith("<")  # the generated function
     else:
         assert not isinstance(graph.replay, graph_module.ReplayStep)
-        assert "torch-side helper" in graph.step_refused
+        assert "torch-side helper" in graph.step_refused or "JITCORE_NATIVE=0" in graph.step_refused
     offset = Plan(
         pointers=[PointerBinding(0, 0, 0, 0, 0, 0, True, 0, lambda s: 4 * s[1])], arguments={0: (None, "_d1")}
     )
@@ -842,3 +842,43 @@ def test_the_c_step_does_what_the_generated_function_does_call_for_call(torch_na
             py_graph.replays,
             py_graph.session.counters.patches,
         )
+
+
+def test_the_c_step_sees_a_slot_held_exactly_when_the_slot_says_so(replay_step):
+    """The C step answers Slot.held() itself for the slot it is bound to (replay/_step.c): the
+    same answer as the method whatever still reaches an output (the tensor, a view, its
+    storage object alone, a DLPack capsule), and nothing held once they are gone."""
+    if replay_step != "c":
+        pytest.skip("the C step's own answer")
+    from replay import _step
+
+    slots, sim, backend = slot_setup()
+    with use_backend(backend):
+        graph, _ = build_slotted(slots, sim, 4)
+        step = graph.replay
+        assert isinstance(step, graph_module.ReplayStep)
+        keepers = {
+            "nothing": lambda out: None,
+            "the output": lambda out: out,
+            "a view of it": lambda out: out[1:],
+            "its storage object": lambda out: out.untyped_storage(),
+            "a DLPack capsule": lambda out: torch.utils.dlpack.to_dlpack(out),
+            "its storage's data pointer only": lambda out: out.untyped_storage().data_ptr(),
+        }
+        for what, keep in keepers.items():
+            kept = keep(step(torch.randn(4, 4))[0])
+            slot = graph.slot
+            assert _step.held(step, slot) == slot.held(), what
+            assert slot.held() == (what not in ("nothing", "its storage's data pointer only")), what
+            del kept
+            assert _step.held(step, slot) is False and slot.held() is False, what
+
+
+def test_a_dump_says_how_each_graph_replays(replay_step):
+    x = torch.randn(8)
+    graph, _ = build([x, Dynamic(1.0)], scalar_plan())
+    line = graph.how_it_replays()
+    if replay_step == "c":
+        assert line.startswith("replayed by replay/_step.c")
+    else:
+        assert line.startswith("replayed by this function alone: ") and graph.step_refused in line
