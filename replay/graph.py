@@ -773,6 +773,8 @@ class RecordedGraph:
             arguments = (self._argument_maker(launches, dynamic), len(launches))
         scalars = []
         for binding in plan.scalars:
+            if binding.launch not in argument_of:
+                return None, "a scalar computed without its launch's arguments"
             packer = struct.Struct("<" + binding.fmt).pack
             scalars.append((argument_of[binding.launch], binding.evaluate, binding.convert, packer))
         nodes = []
@@ -857,8 +859,9 @@ class RecordedGraph:
 
     def _argument_maker(self, launches: list[int], dynamic: list[int]) -> Callable:
         """``arguments(*values)``: each launch's jit arguments (the generated replay's
-        ``_a{launch}``), from the dynamic leaves' values in ``dynamic``'s order, for the C step."""
-        code = _Source({})
+        ``_a{launch}``), from the dynamic leaves' values in ``dynamic``'s order, for the C step.
+        Its builtins are the replay function's own, so its expressions resolve as they do there."""
+        code = _Source({"__builtins__": self.namespace["__builtins__"]} if "__builtins__" in self.namespace else {})
         tuples = []
         for launch in launches:
             values = "".join(

@@ -28,6 +28,11 @@ torch's use count of that storage exceeds what the slot holds itself (its buffer
 object, one typed view per dtype, its templates); a caller holding only the storage's Python
 object (there is one per storage) shows in that object's reference count.
 
+Replay's C step (replay/_step.c) answers ``held()`` for the slot it is bound to from C with
+the same two counts: the use count through the torch-side helper, and the storage object's
+references against ``Lane.own_storage_refs_c``, the count its own read saw when the lane was
+made (where either is missing it calls :meth:`Slot.held`).
+
 This module is bookkeeping over tensors, with no driver call: pointing the copies at a slot
 is the graph's (replay.graph).
 """
