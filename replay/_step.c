@@ -766,7 +766,7 @@ failed: {
     PyObject *type, *error, *trace;
     PyErr_Fetch(&type, &error, &trace);
     PyObject *done = PyObject_CallNoArgs(self->rollback);
-    if (done == NULL) { /* the rollback's own error goes, chained, as Python's except would */
+    if (done == NULL) { /* the rollback's own error is raised (Python would chain the first one to it) */
         Py_XDECREF(type);
         Py_XDECREF(error);
         Py_XDECREF(trace);

@@ -7,6 +7,7 @@ exactly what a real graph would compute with, including after failed updates.
 
 from __future__ import annotations
 
+import contextlib
 import struct
 
 import attrs
@@ -882,3 +883,33 @@ def test_a_dump_says_how_each_graph_replays(replay_step):
         assert line.startswith("replayed by replay/_step.c")
     else:
         assert line.startswith("replayed by this function alone: ") and graph.step_refused in line
+
+
+def test_the_c_step_leaves_what_its_reader_does_not_read_to_the_generated_function(torch_native_helper):
+    """A tensor subclass (a Parameter), a call under a torch function mode and keyword
+    arguments are run by the generated function itself: the same node parameters and answers
+    as the generated function alone."""
+    from torch.overrides import TorchFunctionMode
+
+    class Counting(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(16)
+    plan = scalar_plan()
+    plan.pointers.append(PointerBinding(0, 0, 0, 0, 0, 16))
+    (c_graph, c_sim), (py_graph, py_sim) = _both_ways([x, Dynamic(1.0)], plan, torch_native_helper)
+    assert isinstance(c_graph.replay, graph_module.ReplayStep)
+    for argument in (torch.nn.Parameter(torch.randn(16)), torch.randn(16)):
+        for mode in (contextlib.nullcontext(), Counting()):
+            answers = []
+            for graph, sim in ((c_graph, c_sim), (py_graph, py_sim)):
+                with use_backend(SimBackend(sim)), mode:
+                    answers.append(graph.replay(argument, Dynamic(2.5)) is MISMATCH)
+            assert answers[0] == answers[1]
+            assert c_sim.params == py_sim.params and len(c_sim.launched) == len(py_sim.launched) > 0
+    y = torch.randn(16)
+    for graph, sim in ((c_graph, c_sim), (py_graph, py_sim)):  # keywords: the generated function's call
+        with use_backend(SimBackend(sim)):
+            assert graph.replay(l0=y, l1=Dynamic(4.0)) is not MISMATCH
+    assert c_sim.params == py_sim.params and node_pointer(c_sim) == y.data_ptr() + 16
