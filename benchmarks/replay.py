@@ -205,7 +205,7 @@ def main() -> None:
     # first capture: each shape recorded by a fresh session with the default policy (one
     # eager warm-up run, observed; then the recording call, timed; then the second call, which
     # analyses the capture and builds the replay code)
-    first, phases, second = {}, {}, {}
+    first, phases, second, steps_of_recording = {}, {}, {}, {}
     for b in SHAPES:
         fresh = replay.capture()
         fresh_region = fresh.region(region)
@@ -224,6 +224,12 @@ def main() -> None:
         second.setdefault("second call (analysis, replay code, replay)", []).append(
             (time.perf_counter() - analysed) * 1e6
         )
+        # the recording's own timings of its steps (replay.recording: prepare, capture,
+        # instantiate; its second call's analyse and build replay), where item 3's time goes
+        for entry in fresh_region.entries.values():
+            if entry.graph is not None:
+                for step_name, seconds in entry.graph.capture.timings.items():
+                    steps_of_recording.setdefault(step_name, []).append(seconds * 1e6)
         fresh.close()
     capture_only = statistics.median(phases["capture + instantiate"])
 
@@ -437,7 +443,9 @@ def main() -> None:
         "The fresh session's recording call, in parts (median us): "
         + ", ".join(f"{name} {statistics.median(values):.0f}" for name, values in phases.items())
         + f"; the key's second call (analysis and replay code, then a replay) "
-        f"{statistics.median(next(iter(second.values()))):.0f} us"
+        f"{statistics.median(next(iter(second.values()))):.0f} us. The recording's own timings of its steps "
+        "(median us): "
+        + ", ".join(f"{name} {statistics.median(values):.0f}" for name, values in steps_of_recording.items())
         + f".\n\nRecording all 8 shapes smallest first in one session took {record_all / 1e3:.1f} ms, "
         f"{session.stats().compactions} pool compactions included; the pool then holds "
         f"{session.stats().graph_memory_bytes / 2**20:.1f} MiB."
@@ -471,6 +479,7 @@ def main() -> None:
         in_session_first_ratio=in_session_ratio,
         in_session_two_calls_ratio=two_calls_ratio,
         first_record_phases_us=phases,
+        first_record_steps_us=steps_of_recording,
         second_call_us=second,
         record_all_us=record_all,
         host_input_idle_us=idle_us,
