@@ -286,21 +286,19 @@ PyObject *make_fresh_output(PyObject *view) {
 
 PyObject *fresh_output(PyObject *, PyObject *view) { return make_fresh_output(view); }
 
-int64_t storage_use_count(PyObject *storage);
-
-PyObject *use_count_of(PyObject *, PyObject *storage) {
-    int64_t count = storage_use_count(storage);
-    if (count < 0)
-        Py_RETURN_NONE;
-    return PyLong_FromLongLong(count);
-}
-
 // A storage's use count, what torch._C._storage_Use_Count(storage._cdata) answers; -1 for
 // anything but a torch storage (the caller then asks Python).
 int64_t storage_use_count(PyObject *storage) {
     if (!THPStorage_Check(storage))
         return -1;
     return static_cast<int64_t>(THPStorage_Unpack(storage).use_count());
+}
+
+PyObject *use_count_of(PyObject *, PyObject *storage) {
+    int64_t count = storage_use_count(storage);
+    if (count < 0)
+        Py_RETURN_NONE;
+    return PyLong_FromLongLong(count);
 }
 
 // What replay/_step.c reads from torch; its copy of this struct must match (the version says).

@@ -64,10 +64,6 @@ typedef struct {
 } node_patch;
 
 typedef struct {
-    Py_ssize_t source; /* an argument of the launch: the dynamic leaf it is, or -1 (None) */
-} argument_source;
-
-typedef struct {
     Py_ssize_t launch_argument; /* which argument tuple it is computed from */
     PyObject *evaluate, *convert, *packer;
 } scalar_value;
@@ -89,13 +85,13 @@ typedef struct {
     Py_ssize_t owned_count;    /* unslotted: output memory (lo, size) pairs */
     unsigned long long *owned; /* 2 * owned_count */
     Py_ssize_t aligned_count;
-    long long *aligned; /* triples: input, delta, 1 aligned / 0 not */
+    long long *aligned; /* triples: the input's place among the tensors, delta, 1 aligned / 0 not */
     Py_ssize_t dynamic_count;
     Py_ssize_t *dynamic; /* leaves whose .value is read */
     Py_ssize_t argument_count;
     PyObject *argument_maker;   /* a function of the dynamic values making every argument tuple, or NULL */
     Py_ssize_t *argument_sizes; /* per argument tuple, its length (without a maker) */
-    Py_ssize_t **argument_sources;
+    Py_ssize_t **argument_sources; /* per argument, its dynamic value's place in `dynamic`, or -1 (None) */
     Py_ssize_t scalar_count;
     scalar_value *scalars;
     PyObject *arithmetic; /* the exceptions a computation declines the call on */
@@ -181,6 +177,38 @@ static PyObject *tuple_field(PyObject *program, Py_ssize_t at, const char *what)
     return item;
 }
 
+/* Zeroed memory for count items (one more, so that none is a zero-size request); NULL with
+   MemoryError set where none is left. */
+static void *allocate(Py_ssize_t count, size_t size) {
+    void *memory = PyMem_Calloc((size_t)count + 1, size);
+    if (memory == NULL)
+        PyErr_NoMemory();
+    return memory;
+}
+
+/* A container's item `at`, which must be a tuple (of `size` items, unless size < 0). */
+static PyObject *item_tuple(PyObject *container, Py_ssize_t at, Py_ssize_t size, const char *what) {
+    PyObject *item = PyTuple_GET_ITEM(container, at);
+    if (!PyTuple_Check(item) || (size >= 0 && PyTuple_GET_SIZE(item) != size)) {
+        if (size >= 0)
+            PyErr_Format(PyExc_TypeError, "ReplayStep: %s must be a tuple of %zd items", what, size);
+        else
+            PyErr_Format(PyExc_TypeError, "ReplayStep: %s must be a tuple", what);
+        return NULL;
+    }
+    return item;
+}
+
+/* Where leaf `input` is among the tensors read (the place of its pointer); -1 with
+   ValueError where it is none of them. */
+static Py_ssize_t tensor_place(ReplayStep *self, Py_ssize_t input) {
+    for (Py_ssize_t t = 0; t < self->tensor_count; t++)
+        if (self->tensor_index[t] == input)
+            return t;
+    PyErr_SetString(PyExc_ValueError, "ReplayStep: a pointer of a leaf that is not a tensor read");
+    return -1;
+}
+
 /* A writable address from an int. */
 static int as_address(PyObject *value, char **out) {
     unsigned long long wide = PyLong_AsUnsignedLongLong(value);
@@ -230,10 +258,9 @@ static int build(ReplayStep *self, PyObject *program) {
         return -1;
     }
     for (Py_ssize_t i = 0; i < self->tensor_count; i++) {
-        PyObject *pair = PyTuple_GET_ITEM(tensors, i);
-        if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2 ||
-            as_index(PyTuple_GET_ITEM(pair, 0), &self->tensor_index[i], "a tensor's leaf") < 0)
-            return PyErr_Occurred() ? -1 : (PyErr_SetString(PyExc_TypeError, "ReplayStep: tensors"), -1);
+        PyObject *pair = item_tuple(tensors, i, 2, "a tensor");
+        if (pair == NULL || as_index(PyTuple_GET_ITEM(pair, 0), &self->tensor_index[i], "a tensor's leaf") < 0)
+            return -1;
         self->extent[i] = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(pair, 1));
         if (PyErr_Occurred())
             return -1;
@@ -245,119 +272,142 @@ static int build(ReplayStep *self, PyObject *program) {
     if (as_index(FIELD(7), &self->lane_count, "the lane count") < 0)
         return -1;
     PyObject *owned = tuple_field(program, 8, "owned");
-    if (owned == NULL)
+    if (owned == NULL || (self->owned = allocate(2 * PyTuple_GET_SIZE(owned), sizeof(unsigned long long))) == NULL)
         return -1;
     self->owned_count = PyTuple_GET_SIZE(owned);
-    self->owned = PyMem_Calloc(2 * self->owned_count + 1, sizeof(unsigned long long));
     for (Py_ssize_t i = 0; i < self->owned_count; i++) {
-        PyObject *pair = PyTuple_GET_ITEM(owned, i);
+        PyObject *pair = item_tuple(owned, i, 2, "an owned output range");
+        if (pair == NULL)
+            return -1;
         self->owned[2 * i] = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(pair, 0));
         self->owned[2 * i + 1] = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(pair, 1));
         if (PyErr_Occurred())
             return -1;
     }
     PyObject *aligned = tuple_field(program, 9, "aligned");
-    if (aligned == NULL)
+    if (aligned == NULL || (self->aligned = allocate(3 * PyTuple_GET_SIZE(aligned), sizeof(long long))) == NULL)
         return -1;
     self->aligned_count = PyTuple_GET_SIZE(aligned);
-    self->aligned = PyMem_Calloc(3 * self->aligned_count + 1, sizeof(long long));
-    for (Py_ssize_t i = 0; i < self->aligned_count; i++)
+    for (Py_ssize_t i = 0; i < self->aligned_count; i++) {
+        PyObject *triple = item_tuple(aligned, i, 3, "an alignment");
+        if (triple == NULL)
+            return -1;
         for (int k = 0; k < 3; k++) {
-            self->aligned[3 * i + k] = PyLong_AsLongLong(PyTuple_GET_ITEM(PyTuple_GET_ITEM(aligned, i), k));
+            self->aligned[3 * i + k] = PyLong_AsLongLong(PyTuple_GET_ITEM(triple, k));
             if (PyErr_Occurred())
                 return -1;
         }
+        Py_ssize_t place = tensor_place(self, (Py_ssize_t)self->aligned[3 * i]); /* kept as its place */
+        if (place < 0)
+            return -1;
+        self->aligned[3 * i] = place;
+    }
     PyObject *dynamic = tuple_field(program, 10, "dynamic");
-    if (dynamic == NULL)
+    if (dynamic == NULL || (self->dynamic = allocate(PyTuple_GET_SIZE(dynamic), sizeof(Py_ssize_t))) == NULL)
         return -1;
     self->dynamic_count = PyTuple_GET_SIZE(dynamic);
-    self->dynamic = PyMem_Calloc(self->dynamic_count + 1, sizeof(Py_ssize_t));
     for (Py_ssize_t i = 0; i < self->dynamic_count; i++)
         if (as_index(PyTuple_GET_ITEM(dynamic, i), &self->dynamic[i], "a dynamic leaf") < 0)
             return -1;
     PyObject *arguments = tuple_field(program, 11, "arguments");
     if (arguments == NULL)
         return -1;
-    if (PyTuple_GET_SIZE(arguments) == 2 && PyCallable_Check(PyTuple_GET_ITEM(arguments, 0))) {
-        /* (maker, count): the arguments' generated expressions, in one function of the values */
+    int made = PyTuple_GET_SIZE(arguments) == 2 && PyCallable_Check(PyTuple_GET_ITEM(arguments, 0));
+    Py_ssize_t argument_count = PyTuple_GET_SIZE(arguments);
+    if (made) { /* (maker, count): the arguments' generated expressions, in one function of the values */
         self->argument_maker = PyTuple_GET_ITEM(arguments, 0);
-        if (as_index(PyTuple_GET_ITEM(arguments, 1), &self->argument_count, "the argument count") < 0)
+        if (as_index(PyTuple_GET_ITEM(arguments, 1), &argument_count, "the argument count") < 0)
             return -1;
-        self->argument_sizes = PyMem_Calloc(self->argument_count + 1, sizeof(Py_ssize_t));
-        self->argument_sources = PyMem_Calloc(self->argument_count + 1, sizeof(Py_ssize_t *));
-        goto scalars;
     }
-    self->argument_count = PyTuple_GET_SIZE(arguments);
-    self->argument_sizes = PyMem_Calloc(self->argument_count + 1, sizeof(Py_ssize_t));
-    self->argument_sources = PyMem_Calloc(self->argument_count + 1, sizeof(Py_ssize_t *));
-    for (Py_ssize_t a = 0; a < self->argument_count; a++) {
-        PyObject *sources = PyTuple_GET_ITEM(arguments, a);
+    if ((self->argument_sizes = allocate(argument_count, sizeof(Py_ssize_t))) == NULL ||
+        (self->argument_sources = allocate(argument_count, sizeof(Py_ssize_t *))) == NULL)
+        return -1;
+    self->argument_count = argument_count;
+    for (Py_ssize_t a = 0; !made && a < self->argument_count; a++) {
+        PyObject *sources = item_tuple(arguments, a, -1, "a launch's arguments");
+        if (sources == NULL)
+            return -1;
         Py_ssize_t n = PyTuple_GET_SIZE(sources);
+        if ((self->argument_sources[a] = allocate(n, sizeof(Py_ssize_t))) == NULL)
+            return -1;
         self->argument_sizes[a] = n;
-        self->argument_sources[a] = PyMem_Calloc(n + 1, sizeof(Py_ssize_t));
-        for (Py_ssize_t i = 0; i < n; i++)
-            if (as_index(PyTuple_GET_ITEM(sources, i), &self->argument_sources[a][i], "an argument source") < 0)
+        for (Py_ssize_t i = 0; i < n; i++) { /* each kept as its dynamic leaf's place, or -1 */
+            Py_ssize_t source;
+            if (as_index(PyTuple_GET_ITEM(sources, i), &source, "an argument source") < 0)
                 return -1;
+            Py_ssize_t place = -1;
+            for (Py_ssize_t d = 0; source >= 0 && d < self->dynamic_count; d++)
+                if (self->dynamic[d] == source)
+                    place = d;
+            if (source >= 0 && place < 0) {
+                PyErr_SetString(PyExc_ValueError, "ReplayStep: an argument's source is not a dynamic leaf read");
+                return -1;
+            }
+            self->argument_sources[a][i] = place;
+        }
     }
-scalars:;
     PyObject *scalars = tuple_field(program, 12, "scalars");
-    if (scalars == NULL)
+    if (scalars == NULL || (self->scalars = allocate(PyTuple_GET_SIZE(scalars), sizeof(scalar_value))) == NULL)
         return -1;
     self->scalar_count = PyTuple_GET_SIZE(scalars);
-    self->scalars = PyMem_Calloc(self->scalar_count + 1, sizeof(scalar_value));
     for (Py_ssize_t i = 0; i < self->scalar_count; i++) {
-        PyObject *item = PyTuple_GET_ITEM(scalars, i);
-        if (as_index(PyTuple_GET_ITEM(item, 0), &self->scalars[i].launch_argument, "a scalar's argument") < 0)
+        PyObject *item = item_tuple(scalars, i, 4, "a scalar");
+        if (item == NULL ||
+            as_index(PyTuple_GET_ITEM(item, 0), &self->scalars[i].launch_argument, "a scalar's argument") < 0)
             return -1;
+        if (self->scalars[i].launch_argument < 0 || self->scalars[i].launch_argument >= self->argument_count) {
+            PyErr_SetString(PyExc_ValueError, "ReplayStep: a scalar's argument tuple is out of range");
+            return -1;
+        }
         self->scalars[i].evaluate = PyTuple_GET_ITEM(item, 1);
         self->scalars[i].convert = PyTuple_GET_ITEM(item, 2) == Py_None ? NULL : PyTuple_GET_ITEM(item, 2);
         self->scalars[i].packer = PyTuple_GET_ITEM(item, 3);
     }
     self->arithmetic = FIELD(13);
     PyObject *nodes = tuple_field(program, 14, "nodes");
-    if (nodes == NULL)
+    if (nodes == NULL || (self->nodes = allocate(PyTuple_GET_SIZE(nodes), sizeof(node_patch))) == NULL)
         return -1;
     self->node_count = PyTuple_GET_SIZE(nodes);
-    self->nodes = PyMem_Calloc(self->node_count + 1, sizeof(node_patch));
     self->value_count = 0;
     for (Py_ssize_t n = 0; n < self->node_count; n++) {
-        PyObject *item = PyTuple_GET_ITEM(nodes, n);
+        PyObject *item = item_tuple(nodes, n, 4, "a node");
+        if (item == NULL)
+            return -1;
         node_patch *node = &self->nodes[n];
         node->set_call = PyTuple_GET_ITEM(item, 0);
-        node->set_args = PyTuple_GET_ITEM(item, 1);
-        if (!PyTuple_Check(node->set_args) || as_index(PyTuple_GET_ITEM(item, 2), &node->node, "a node") < 0)
-            return PyErr_Occurred() ? -1 : (PyErr_SetString(PyExc_TypeError, "ReplayStep: set args"), -1);
-        PyObject *slots = PyTuple_GET_ITEM(item, 3);
-        node->count = PyTuple_GET_SIZE(slots);
-        node->slots = PyMem_Calloc(node->count + 1, sizeof(value_slot));
+        node->set_args = item_tuple(item, 1, -1, "a node's set arguments");
+        PyObject *slots = item_tuple(item, 3, -1, "a node's values");
+        if (node->set_args == NULL || slots == NULL || as_index(PyTuple_GET_ITEM(item, 2), &node->node, "a node") < 0)
+            return -1;
+        if ((node->slots = allocate(PyTuple_GET_SIZE(slots), sizeof(value_slot))) == NULL)
+            return -1;
+        node->count = PyTuple_GET_SIZE(slots); /* (set once its slots exist: the deallocator reads them) */
         for (Py_ssize_t k = 0; k < node->count; k++) {
-            PyObject *slot = PyTuple_GET_ITEM(slots, k);
+            PyObject *slot = item_tuple(slots, k, 4, "a node value");
             value_slot *value = &node->slots[k];
-            if (as_index(PyTuple_GET_ITEM(slot, 0), &value->last, "a last index") < 0 ||
+            if (slot == NULL || as_index(PyTuple_GET_ITEM(slot, 0), &value->last, "a last index") < 0 ||
                 as_index(PyTuple_GET_ITEM(slot, 1), &value->input, "a pointer's input") < 0 ||
                 as_index(PyTuple_GET_ITEM(slot, 2), &value->scalar, "a scalar's number") < 0)
                 return -1;
-            value->tensor = 0;
-            while (value->input >= 0 && value->tensor < self->tensor_count &&
-                   self->tensor_index[value->tensor] != value->input)
-                value->tensor++;
-            if ((value->input < 0) == (value->scalar < 0) || value->scalar >= self->scalar_count ||
-                (value->input >= 0 && value->tensor == self->tensor_count)) {
+            if ((value->input < 0) == (value->scalar < 0) || value->scalar >= self->scalar_count) {
                 PyErr_SetString(PyExc_ValueError, "ReplayStep: a value is one tensor's pointer or one scalar");
                 return -1;
             }
+            if (value->input >= 0 && (value->tensor = tensor_place(self, value->input)) < 0)
+                return -1;
             if (value->last < 0) {
                 PyErr_SetString(PyExc_ValueError, "ReplayStep: a last index is negative");
                 return -1;
             }
-            PyObject *writes = PyTuple_GET_ITEM(slot, 3);
+            PyObject *writes = item_tuple(slot, 3, -1, "a value's writes");
+            if (writes == NULL || (value->targets = allocate(PyTuple_GET_SIZE(writes), sizeof(char *))) == NULL ||
+                (value->deltas = allocate(PyTuple_GET_SIZE(writes), sizeof(long long))) == NULL ||
+                (value->sizes = allocate(PyTuple_GET_SIZE(writes), sizeof(Py_ssize_t))) == NULL)
+                return -1;
             value->writes = PyTuple_GET_SIZE(writes);
-            value->targets = PyMem_Calloc(value->writes + 1, sizeof(char *));
-            value->deltas = PyMem_Calloc(value->writes + 1, sizeof(long long));
-            value->sizes = PyMem_Calloc(value->writes + 1, sizeof(Py_ssize_t));
             for (Py_ssize_t w = 0; w < value->writes; w++) {
-                PyObject *write = PyTuple_GET_ITEM(writes, w);
-                if (as_address(PyTuple_GET_ITEM(write, 0), &value->targets[w]) < 0)
+                PyObject *write = item_tuple(writes, w, 3, "a write");
+                if (write == NULL || as_address(PyTuple_GET_ITEM(write, 0), &value->targets[w]) < 0)
                     return -1;
                 if (value->input >= 0) {
                     value->deltas[w] = PyLong_AsLongLong(PyTuple_GET_ITEM(write, 1));
@@ -370,7 +420,8 @@ scalars:;
             self->value_count++;
         }
     }
-    self->flat = PyMem_Calloc(self->value_count + 1, sizeof(value_slot *));
+    if ((self->flat = allocate(self->value_count, sizeof(value_slot *))) == NULL)
+        return -1;
     for (Py_ssize_t n = 0, at = 0; n < self->node_count; n++)
         for (Py_ssize_t k = 0; k < self->nodes[n].count; k++)
             self->flat[at++] = &self->nodes[n].slots[k];
@@ -403,17 +454,20 @@ scalars:;
     if (as_index(FIELD(28), &self->staged_copies, "the staged copies") < 0)
         return -1;
     PyObject *outputs = tuple_field(program, 29, "outputs");
-    if (outputs == NULL)
+    if (outputs == NULL || (self->output_kind = allocate(PyTuple_GET_SIZE(outputs), sizeof(int))) == NULL ||
+        (self->output_item = allocate(PyTuple_GET_SIZE(outputs), sizeof(PyObject *))) == NULL ||
+        (self->output_number = allocate(PyTuple_GET_SIZE(outputs), sizeof(Py_ssize_t))) == NULL)
         return -1;
     self->output_count = PyTuple_GET_SIZE(outputs);
-    self->output_kind = PyMem_Calloc(self->output_count + 1, sizeof(int));
-    self->output_item = PyMem_Calloc(self->output_count + 1, sizeof(PyObject *));
-    self->output_number = PyMem_Calloc(self->output_count + 1, sizeof(Py_ssize_t));
     for (Py_ssize_t i = 0; i < self->output_count; i++) {
-        PyObject *pair = PyTuple_GET_ITEM(outputs, i);
+        PyObject *pair = item_tuple(outputs, i, 2, "an output");
         Py_ssize_t kind;
-        if (as_index(PyTuple_GET_ITEM(pair, 0), &kind, "an output's kind") < 0)
+        if (pair == NULL || as_index(PyTuple_GET_ITEM(pair, 0), &kind, "an output's kind") < 0)
             return -1;
+        if (kind < 0 || kind > 2 || (kind == 0 && self->me == Py_None)) {
+            PyErr_SetString(PyExc_ValueError, "ReplayStep: an output is a slot view (of a slotted graph), a leaf or a value");
+            return -1;
+        }
         self->output_kind[i] = (int)kind;
         self->output_item[i] = PyTuple_GET_ITEM(pair, 1);
         if (kind != 2 && as_index(self->output_item[i], &self->output_number[i], "an output's number") < 0)
@@ -661,14 +715,8 @@ static int compute(ReplayStep *self, PyObject *const *leaves, const uint64_t *po
         if (arguments[a] == NULL)
             return -1;
         for (Py_ssize_t i = 0; i < n; i++) {
-            Py_ssize_t source = self->argument_sources[a][i];
-            PyObject *item = Py_None;
-            if (source >= 0) {
-                for (Py_ssize_t d = 0; d < self->dynamic_count; d++)
-                    if (self->dynamic[d] == source)
-                        item = dynamic[d];
-            }
-            PyTuple_SET_ITEM(arguments[a], i, Py_NewRef(item));
+            Py_ssize_t place = self->argument_sources[a][i];
+            PyTuple_SET_ITEM(arguments[a], i, Py_NewRef(place >= 0 ? dynamic[place] : Py_None));
         }
     }
     /* the scalars inside the try: an arithmetic error declines the call */
@@ -933,11 +981,8 @@ static PyObject *step_call(ReplayStep *self, PyObject *const *leaves, Py_ssize_t
             goto done;
         }
     for (Py_ssize_t i = 0; i < self->aligned_count; i++) {
-        long long input = self->aligned[3 * i], delta = self->aligned[3 * i + 1], want = self->aligned[3 * i + 2];
-        Py_ssize_t t = 0;
-        while (t < self->tensor_count && self->tensor_index[t] != input)
-            t++;
-        int is_aligned = ((pointers[t] + (uint64_t)delta) & 15) == 0;
+        long long place = self->aligned[3 * i], delta = self->aligned[3 * i + 1], want = self->aligned[3 * i + 2];
+        int is_aligned = ((pointers[place] + (uint64_t)delta) & 15) == 0;
         if (is_aligned != (int)want) {
             result = mismatch(self);
             goto done;

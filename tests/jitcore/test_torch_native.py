@@ -340,6 +340,17 @@ def test_a_fresh_output_is_what_detach_makes(helper, mode):
         assert made._version == reference._version
 
 
+@needs_compiler
+def test_a_storage_use_count_is_what_torch_answers(helper):
+    x = torch.randn(16)
+    storage = x.untyped_storage()
+    views = [x[2:], x.view(4, 4)]
+    assert helper.storage_use_count(storage) == torch._C._storage_Use_Count(storage._cdata)
+    del views
+    assert helper.storage_use_count(storage) == torch._C._storage_Use_Count(storage._cdata)
+    assert helper.storage_use_count(x) is None and helper.storage_use_count(3) is None
+
+
 class _SeesDetach(TorchFunctionMode):
     def __init__(self):
         super().__init__()

@@ -913,3 +913,32 @@ def test_the_c_step_leaves_what_its_reader_does_not_read_to_the_generated_functi
         with use_backend(SimBackend(sim)):
             assert graph.replay(l0=y, l1=Dynamic(4.0)) is not MISMATCH
     assert c_sim.params == py_sim.params and node_pointer(c_sim) == y.data_ptr() + 16
+
+
+def test_a_malformed_step_program_is_refused_with_an_error_naming_the_part(torch_native_helper):
+    """replay.graph builds the C step's program; a malformed one (a graph's bug, not a user's)
+    raises naming the part at construction, never crashes a later call."""
+    from jitcore import torch_native
+
+    x = torch.randn(8)
+    plan = scalar_plan()
+    plan.pointers.append(PointerBinding(0, 0, 0, 0, 0, 16))
+    with torch_native.using(torch_native_helper):
+        graph, sim = build([x, Dynamic(1.0)], plan)
+    with use_backend(SimBackend(sim)):
+        program = list(
+            graph._step_program(SimBackend(sim), graph.placeholder_leaves(), torch_native_helper.replay_support)[0]
+        )
+    program[0] = graph.replay.fallback
+    assert isinstance(graph_module.ReplayStep(tuple(program)), graph_module.ReplayStep)
+    broken = {
+        "program": lambda p: p[:-1],
+        "a tensor": lambda p: p[:6] + [((0,),)] + p[7:],
+        "a node": lambda p: p[:14] + [((1, 2),)] + p[15:],
+        "a scalar's argument tuple": lambda p: p[:12] + [((5, *p[12][0][1:]),)] + p[13:],
+        "a pointer of a leaf": lambda p: p[:14] + [((p[14][0][0], p[14][0][1], 0, ((0, 1, -1, ()),)),)] + p[15:],
+        "an output": lambda p: p[:29] + [((0, 0),)] + p[30:],
+    }
+    for part, damage in broken.items():
+        with pytest.raises((TypeError, ValueError), match=part.split()[-1] if part != "program" else "program"):
+            graph_module.ReplayStep(tuple(damage(program)))
