@@ -491,7 +491,12 @@ class RecordedGraph:
         if step is not None:
             self.replay = step
         if generated.dump_enabled("REPLAY_DUMP"):
-            print(f"# replay graph, {self.how_it_replays()}\n{self.source}")
+            print(f"# replay graph, {self.how_it_replays()}\n{self.full_source()}")
+
+    def full_source(self) -> str:
+        """The replay function's source, and the C step's argument function where it has one."""
+        maker = getattr(self, "step_arguments_source", "")
+        return f"{self.source}\n# the C step's jit arguments\n{maker}" if maker else self.source
 
     def how_it_replays(self) -> str:
         """One line for dumps: through replay/_step.c, or through the generated function alone
@@ -738,6 +743,7 @@ class RecordedGraph:
         program, refused = self._step_program(backend, leaves, support)
         if program is None:
             self.step_refused = refused
+            self.step_arguments_source = ""  # an argument function made before the refusal serves nothing
             return None
         return ReplayStep(program)
 
@@ -770,7 +776,9 @@ class RecordedGraph:
                 tuple(-1 if text is None else int(text[2:]) for text in plan.arguments[launch]) for launch in launches
             )
         else:  # expressions: one generated function of the values computes them all
-            arguments = (self._argument_maker(launches, dynamic), len(launches))
+            maker = self._argument_maker(launches, dynamic)
+            arguments = (maker, len(launches))
+            self.step_arguments_source = maker.source
         scalars = []
         for binding in plan.scalars:
             if binding.launch not in argument_of:

@@ -1967,7 +1967,8 @@ class Session:
             graph = entry.graph
             if graph is not None:
                 how = graph.how_it_replays() if hasattr(graph, "how_it_replays") else "replayed by this function"
-                parts.append(f"# {how}\n{graph.source}")
+                source = graph.full_source() if hasattr(graph, "full_source") else graph.source
+                parts.append(f"# {how}\n{source}")
         return "\n".join(parts)
 
 

@@ -883,6 +883,15 @@ def test_a_dump_says_how_each_graph_replays(replay_step):
         assert line.startswith("replayed by replay/_step.c")
     else:
         assert line.startswith("replayed by this function alone: ") and graph.step_refused in line
+    assert graph.full_source() == graph.source  # its arguments are the dynamic value itself
+    computed = Plan(
+        scalars=[ScalarBinding(0, 0, 1, 8, "f", lambda s: s[1])],
+        arguments={0: (None, "(_k9 / _d1)")},
+        constants={"_k9": 3.0},
+    )
+    graph, _ = build([x, Dynamic(1.0)], computed)
+    if replay_step == "c":  # the C step's generated argument function is shown with the replay's
+        assert "def step_arguments(_d1):" in graph.full_source() and "_k9" not in graph.full_source()
 
 
 def test_the_c_step_leaves_what_its_reader_does_not_read_to_the_generated_function(torch_native_helper):
