@@ -250,11 +250,15 @@ class SpoiledPool(CaptureFailed):
     (see :func:`_end_capture_after_error`); the session moves to a fresh pool."""
 
 
+_KEPT_ARGUMENTS = (DynamicScalar, *_NUMBERS)
+
+
 def scalar_or_none(value: object) -> object:
     """What analysis needs of a jit argument: dynamic scalars and numbers; nothing else."""
-    if value.__class__ is torch.Tensor:  # (most arguments: answered before the isinstance tests)
+    kind = value.__class__
+    if kind is torch.Tensor:  # most arguments, then plain numbers: answered before the isinstance test
         return None
-    if isinstance(value, (DynamicScalar, *_NUMBERS)) or hasattr(value, "__jit_scalar__"):
+    if kind is float or kind is int or isinstance(value, _KEPT_ARGUMENTS) or hasattr(value, "__jit_scalar__"):
         return value
     return None
 
@@ -815,6 +819,9 @@ def pointer_extents(
     if not inputs:
         return [{} for _ in records]
     own = {id(t) for t in tensors}
+    # every address inputs_at can place lies in [lowest, highest]: most pointers (the
+    # region's intermediates) are answered by this one comparison
+    lowest, highest = min(r.lo for r in inputs), max(r.hi for r in inputs)
     result = []
     for record in records:
         found = {}
@@ -822,7 +829,7 @@ def pointer_extents(
             if id(tensor) in own:
                 continue  # the input itself (most pointers into inputs): its range is the input's
             (address,) = _POINTER.unpack_from(record.param_bytes, param.offset)
-            if rebinding.inputs_at(inputs, address):  # the plan's own rule for "points into an input"
+            if lowest <= address <= highest and rebinding.inputs_at(inputs, address):  # the plan's rule
                 found[param.index] = byte_range(tensor)
         result.append(found)
     return result

@@ -111,6 +111,14 @@ def test_pointer_extents_name_the_tensors_that_are_not_the_input_itself():
     assert extents == [{1: byte_range(inner)}, {0: byte_range(cache)}, {}]
     assert pointer_extents(records, [], [row]) == [{}, {}, {}]
 
+    # the edges of the inputs' span: one past an input's last byte is outside it, but an empty
+    # input sits exactly at its address (inputs_at's two rules, which the quick span test keeps)
+    after = cache[1]  # starts one past row's last byte
+    empty = rebinding.InputRange(1, "args[1]", after.data_ptr(), after.data_ptr())
+    at_end = [record(after), record(cache[0, :1])]
+    assert pointer_extents(at_end, inputs, [row]) == [{}, {0: byte_range(cache[0, :1])}]
+    assert pointer_extents(at_end, [*inputs, empty], [row]) == [{0: byte_range(after)}, {0: byte_range(cache[0, :1])}]
+
 
 def _record_with(args, params, data):
     import attrs
