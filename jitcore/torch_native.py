@@ -157,6 +157,7 @@ def compile_command(output: Path) -> list[str]:
     return [
         *compiler,
         "-O2",
+        "-DNDEBUG",  # release asserts only, as torch's own build (the helper checks it)
         "-std=c++17",
         "-fPIC",
         "-shared",

@@ -10,6 +10,13 @@ observer maps them to region inputs by address range (so views and slices count)
 This is exact for torch ops, including indirect ones (pointer arrays built inside a library
 kernel) because it looks at op arguments, not at kernel parameters. Kernels neither torch nor
 jitcore launched (Triton, CuPy) are caught after capture by scanning graph nodes instead.
+
+:func:`op_observer` picks how: where the torch-side helper is built (:mod:`jitcore.torch_native`),
+:class:`NativeOpObserver`, the same answers from a C++ record-function callback at about a
+tenth of the cost per op (the dispatch mode's Python frames cost 8 to 28 us an op on the CPU
+machine, and an observed recording runs one per op of its region); else
+:class:`TorchOpObserver`. Host inputs are always watched by :class:`TorchOpObserver`, which
+must also rewrite their copies before they run.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+import jitcore.torch_native
 from replay import host as host_inputs
 from replay.region_keys import byte_range
 
@@ -117,6 +125,14 @@ class TorchOpObserver(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if _runs_as_its_parts(func):
+            # only under inference mode (no autograd key) does a composite op reach a mode
+            # whole; skipped as a view (``contiguous``, ``to``) it would hide the copy inside
+            # it. Its own C++ kernel runs it as its parts, each seen here, as outside inference
+            # mode (not ``decompose``, which prefers Python decompositions that may differ:
+            # torch's ``dropout`` outside training returns its input, the Python one a clone)
+            with self:
+                return func._op_dk(_COMPOSITE, *args, **kwargs)
         arguments = _schema_arguments(func)
         if arguments and self.host:
             named, hits = self._host_hits(arguments, args, kwargs)
@@ -162,6 +178,46 @@ def _arguments_and_tensors(arguments: tuple, args: tuple, kwargs: dict):
         yield name, written, value, tensors
 
 
+#: Kernels that make an op more than its parts (jitcore/_torch_native.cpp's runs_as_its_parts
+#: checks the same keys).
+_OWN_KERNEL_KEYS = (
+    "CPU",
+    "CUDA",
+    "HIP",
+    "Meta",
+    "MPS",
+    "XPU",
+    "PrivateUse1",
+    "QuantizedCPU",
+    "QuantizedCUDA",
+    "SparseCPU",
+    "SparseCUDA",
+    "NestedTensorCPU",
+    "NestedTensorCUDA",
+    "CompositeExplicitAutograd",
+    "CompositeExplicitAutogradNonFunctional",
+    "Autograd",
+    "AutogradCPU",
+    "AutogradCUDA",
+    "Python",
+    "FuncTorchBatched",
+)
+_PARTS: dict = {}
+_COMPOSITE = torch._C.DispatchKey.CompositeImplicitAutograd
+
+
+def _runs_as_its_parts(func) -> bool:
+    """Whether an op only ever runs as the ops it is made of: a CompositeImplicitAutograd
+    kernel and no kernel of its own. Cached per op."""
+    found = _PARTS.get(func)
+    if found is None:
+        name = func.name()
+        has = torch._C._dispatch_has_kernel_for_dispatch_key
+        found = has(name, "CompositeImplicitAutograd") and not any(has(name, key) for key in _OWN_KERNEL_KEYS)
+        _PARTS[func] = found
+    return found
+
+
 _ARGUMENTS: dict = {}
 _prepared = []
 
@@ -189,3 +245,46 @@ def _schema_arguments(func) -> tuple:
             )
         _ARGUMENTS[func] = arguments
     return arguments
+
+
+class NativeOpObserver:
+    """:class:`TorchOpObserver`'s answers (``read``, ``written``, ``reached_beyond``) for byte
+    ranges, noted by the torch-side helper's record-function callback (op_observer_begin in
+    jitcore/_torch_native.cpp): every operator the dispatcher runs on this thread, with the
+    dispatch mode's rules (views, metadata-only ops, and composite ops seen as their parts).
+    Sets accumulate over several ``with`` blocks, as the mode's do. Where the helper says the
+    observation cannot be trusted (record functions turned off on the thread, an op whose
+    inputs could not be read), every range counts as read, written and reached beyond, and
+    ``failure`` says why: the caller then stages or refuses what it must."""
+
+    def __init__(self, ranges: Sequence[tuple[int, int]], helper) -> None:
+        self.ranges = list(ranges)
+        self.read: set[int] = set()
+        self.written: set[int] = set()
+        self.reached_beyond: set[int] = set()
+        self.host_refusals: list[str] = []  # (host inputs are TorchOpObserver's alone)
+        self.failure: str | None = None
+        self._helper = helper
+        self._token = None
+
+    def __enter__(self) -> NativeOpObserver:
+        self._token = self._helper.op_observer_begin(self.ranges)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        token, self._token = self._token, None
+        read, written, beyond, failure = self._helper.op_observer_end(token)
+        if failure is not None:
+            self.failure = failure
+            read = written = beyond = range(len(self.ranges))
+        self.read.update(read)
+        self.written.update(written)
+        self.reached_beyond.update(beyond)
+
+
+def op_observer(ranges: Sequence[tuple[int, int]]) -> TorchOpObserver | NativeOpObserver:
+    """The observer of torch ops over these byte ranges: the helper's where it is built."""
+    helper = jitcore.torch_native.module()
+    if helper is not None and hasattr(helper, "op_observer_begin"):
+        return NativeOpObserver(ranges, helper)
+    return TorchOpObserver(ranges)

@@ -34,7 +34,7 @@ from replay import host as host_inputs
 from replay import rebinding, staging, triton_launches
 from replay.dynamic import Dynamic, DynamicScalar
 from replay.errors import DynamicScalarError
-from replay.observe import TorchOpObserver
+from replay.observe import TorchOpObserver, op_observer
 from replay.region_keys import byte_range, extent_bytes, flatten, unflatten
 
 _NUMBERS = (int, float, bool)
@@ -515,7 +515,11 @@ def _inputs_written(prepared: _CaptureInputs, observation: object, region_record
 def _refuse_reads_beyond_inputs(prepared: _CaptureInputs, observation: object) -> None:
     """A torch op read a tensor that holds an input and reaches beyond it (``cache`` while
     ``cache[0]`` is the argument): the op reads that memory at a fixed address, while replay
-    would rebind or stage the input apart from it, so the key runs eagerly."""
+    would rebind or stage the input apart from it, so the key runs eagerly. So does a capture
+    whose observer could not watch every op (observe.NativeOpObserver.failure)."""
+    failure = getattr(observation, "failure", None)
+    if failure is not None:
+        raise CaptureFailed(f"the torch-op observer could not watch the capture: {failure}")
     beyond = sorted(getattr(observation, "reached_beyond", ()))
     if beyond:
         paths = {r.index: r.path for r in prepared.inputs}
@@ -732,7 +736,7 @@ def capture(
     if host is not None:  # always observed: a torch op reading host values would bake them in
         observer = TorchOpObserver(prepared.watched, host.ranges(), host.paths.get, rewrite_blocking=True)
     elif observe:
-        observer = TorchOpObserver(prepared.watched)
+        observer = op_observer(prepared.watched)
     else:
         observer = contextlib.nullcontext(_NoObservation())
     with CAPTURES.exclusive():  # no other thread's work may break this capture

@@ -50,7 +50,7 @@ from replay.graph import (
     measure_with_settings_check,
     measure_without_checks,
 )
-from replay.observe import TorchOpObserver
+from replay.observe import op_observer
 from replay.output_slots import OutputSlots
 from replay.policy import Policy
 from replay.rebinding import STAGED
@@ -1252,7 +1252,7 @@ class Region:
             self._eager_took(time.perf_counter() - started)  # rarer than the flat path's: every call
             return result
         tensors = [(i, leaf) for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-        observer = TorchOpObserver([region_keys.byte_range(t) for _, t in tensors])
+        observer = op_observer([region_keys.byte_range(t) for _, t in tensors])
         with _SHARED_CAPTURE_EXCLUSION, observer:
             result = self.fn(*args, **kwargs)
         observe.stage |= {tensors[w][0] for w in observer.read}

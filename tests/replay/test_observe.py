@@ -1,18 +1,30 @@
-"""The torch-op observer: which watched inputs non-view torch ops read and write."""
+"""The torch-op observer: which watched inputs non-view torch ops read and write, through
+torch's dispatch mode (TorchOpObserver) and through the torch-side helper's record-function
+callback (NativeOpObserver), which must answer the same."""
 
 from __future__ import annotations
 
-import torch
+import contextlib
 
-from replay.observe import TorchOpObserver
+import pytest
+import torch
+import torch.nn.functional as F
+
+import jitcore.torch_native
+from replay.observe import NativeOpObserver, TorchOpObserver, op_observer
 from replay.region_keys import byte_range
 
 
-def watch(*tensors):
-    return TorchOpObserver([byte_range(t) for t in tensors])
+@pytest.fixture(params=["python", "native"])
+def watch(request):
+    """``watch(*tensors)``: an observer of their byte ranges, of each kind."""
+    if request.param == "python":
+        return lambda *tensors: TorchOpObserver([byte_range(t) for t in tensors])
+    helper = request.getfixturevalue("torch_native_helper")
+    return lambda *tensors: NativeOpObserver([byte_range(t) for t in tensors], helper)
 
 
-def test_reads_writes_and_views():
+def test_reads_writes_and_views(watch):
     x, y, z = torch.randn(8), torch.randn(8), torch.randn(8)
     observer = watch(x, y, z)
     with observer:
@@ -25,7 +37,7 @@ def test_reads_writes_and_views():
     assert 2 not in observer.read
 
 
-def test_out_arguments_count_as_writes():
+def test_out_arguments_count_as_writes(watch):
     x, out = torch.randn(4), torch.empty(4)
     observer = watch(x, out)
     with observer:
@@ -33,7 +45,7 @@ def test_out_arguments_count_as_writes():
     assert observer.written == {1} and observer.read == {0, 1}
 
 
-def test_unwatched_and_empty_tensors_are_ignored():
+def test_unwatched_and_empty_tensors_are_ignored(watch):
     x = torch.randn(4)
     observer = watch(x, torch.empty(0))
     with observer:
@@ -41,7 +53,7 @@ def test_unwatched_and_empty_tensors_are_ignored():
     assert observer.read == set() and observer.written == set()
 
 
-def test_metadata_only_ops_do_not_count_as_reads():
+def test_metadata_only_ops_do_not_count_as_reads(watch):
     x = torch.randn(4)
     observer = watch(x)
     with observer:
@@ -51,7 +63,7 @@ def test_metadata_only_ops_do_not_count_as_reads():
     assert observer.read == set()
 
 
-def test_an_op_reading_a_tensor_that_holds_a_watched_range_is_noted():
+def test_an_op_reading_a_tensor_that_holds_a_watched_range_is_noted(watch):
     """``cache`` read by an op while ``cache[1]`` is the watched argument: noted (the capture
     refuses the key); views inside a watched range, and overlapping watched ranges each
     holding the tensor read, are not."""
@@ -74,3 +86,146 @@ def test_an_op_reading_a_tensor_that_holds_a_watched_range_is_noted():
     with observer:
         base[4:12].sum()  # held by neither
     assert observer.reached_beyond == {0, 1}
+
+
+# What both observers see, op by op: each case runs on x = base[:4], y = base[4:8] (watched)
+# and w (not watched); the pair of answers (read, written, reached beyond) must be equal.
+OPS = {
+    "add": lambda x, y, w: x + y,
+    "mul_": lambda x, y, w: x.mul_(2),
+    "out=": lambda x, y, w: torch.add(w, 1, out=y),
+    "index_select": lambda x, y, w: x.index_select(0, torch.tensor([0, 2])),
+    "cat (a tensor list)": lambda x, y, w: torch.cat([x, y]),
+    "copy_": lambda x, y, w: x.copy_(w),
+    "contiguous, already": lambda x, y, w: x.contiguous(),
+    "contiguous of a transpose": lambda x, y, w: x.t().contiguous(),
+    "reshape": lambda x, y, w: x.reshape(-1),
+    "where": lambda x, y, w: torch.where(x > 0, x, y),
+    "linear (composite)": lambda x, y, w: F.linear(x, w),
+    "softmax": lambda x, y, w: F.softmax(x, -1),
+    "index_put_ (optional tensors)": lambda x, y, w: x.index_put_((torch.tensor([0]),), torch.tensor(1.0)),
+    "_foreach_add_ (written list)": lambda x, y, w: torch._foreach_add_([x, y], 1.0),
+    "setitem": lambda x, y, w: x.__setitem__(slice(0, 2), w[:2]),
+    "empty_like and zeros_like": lambda x, y, w: (torch.empty_like(x), torch.zeros_like(y)),
+    "to another dtype": lambda x, y, w: x.to(torch.float64),
+    "item": lambda x, y, w: x[0, 0].item(),
+    "masked_fill_": lambda x, y, w: x.masked_fill_(y > 0, 0.0),
+    "scatter_": lambda x, y, w: x.scatter_(0, torch.zeros(1, 4, dtype=torch.long), y[:1]),
+    "embedding": lambda x, y, w: F.embedding(torch.tensor([0, 1]), x),
+    "layer_norm": lambda x, y, w: F.layer_norm(x, (4,), w[0], w[1]),
+    "einsum": lambda x, y, w: torch.einsum("ij,jk->ik", x, w),
+    "split": lambda x, y, w: [part + 1 for part in x.split(2)],
+    "expand": lambda x, y, w: x[0].expand(4, 4) + y,
+    "as_strided": lambda x, y, w: torch.as_strided(x, (2, 2), (1, 1)) * 2,
+    "dropout, eval (composite)": lambda x, y, w: F.dropout(x, 0.5, training=False),
+    "result_type (composite)": lambda x, y, w: torch.result_type(x, y),
+    "lerp_": lambda x, y, w: x.lerp_(y, 0.5),
+    "beyond: the whole base": lambda x, y, w: x.untyped_storage() and torch.as_strided(x, (12,), (1,)).sum(),
+    "attention": lambda x, y, w: F.scaled_dot_product_attention(x[None, None], y[None, None], w[None, None]),
+}
+
+
+@pytest.mark.parametrize("grad", ["grad", "no_grad"])
+@pytest.mark.parametrize("name", sorted(OPS))
+def test_both_observers_answer_the_same_for_every_op(name, grad, torch_native_helper):
+    answers = []
+    for make in (TorchOpObserver, lambda ranges: NativeOpObserver(ranges, torch_native_helper)):
+        with torch.no_grad() if grad == "no_grad" else contextlib.nullcontext():
+            base = torch.randn(12, 4)
+            x, y, w = base[:4], base[4:8], torch.randn(4, 4)
+            observer = make([byte_range(x), byte_range(y)])
+            with observer:
+                OPS[name](x, y, w)
+        answers.append((observer.read, observer.written, observer.reached_beyond))
+    assert answers[0] == answers[1]
+
+
+@pytest.mark.parametrize("name", sorted(OPS))
+def test_under_inference_mode_both_observers_see_composite_ops_as_their_parts(name, torch_native_helper):
+    """Under inference mode (no autograd key) a composite op reaches a dispatch mode whole:
+    ``contiguous`` or ``to`` would be skipped as views, hiding the copy inside them, and
+    ``dropout`` outside training would count as a read of what it only returns. Both
+    observers see such ops as their parts, as outside inference mode."""
+    answers = []
+    for make in (TorchOpObserver, lambda ranges: NativeOpObserver(ranges, torch_native_helper)):
+        with torch.inference_mode():
+            base = torch.randn(12, 4)
+            x, y, w = base[:4], base[4:8], torch.randn(4, 4)
+            observer = make([byte_range(x), byte_range(y)])
+            with observer:
+                OPS[name](x, y, w)
+        answers.append((observer.read, observer.written, observer.reached_beyond))
+    assert answers[0] == answers[1]
+
+
+@pytest.mark.parametrize("kind", ["python", "native"])
+def test_the_copy_inside_a_composite_op_is_a_read_under_inference_mode(kind, torch_native_helper):
+    with torch.inference_mode():
+        for op, expected in (
+            (lambda x: x.t().contiguous(), {0}),
+            (lambda x: x.to(torch.float64), {0}),
+            (lambda x: x.contiguous(), set()),  # already contiguous: itself, nothing read
+            (lambda x: F.dropout(x, 0.5, training=False), set()),
+        ):
+            x = torch.randn(4, 4)
+            ranges = [byte_range(x)]
+            observer = TorchOpObserver(ranges) if kind == "python" else NativeOpObserver(ranges, torch_native_helper)
+            with observer:
+                op(x)
+            assert observer.read == expected
+
+
+def test_a_native_observation_without_record_functions_assumes_the_worst(torch_native_helper):
+    x, y = torch.randn(4), torch.randn(4)
+    observer = NativeOpObserver([byte_range(x), byte_range(y)], torch_native_helper)
+    torch.autograd._enable_record_function(False)
+    try:
+        with observer:
+            torch.randn(4) + 1  # touches neither, but nothing could be seen
+    finally:
+        torch.autograd._enable_record_function(True)
+    assert "record functions" in observer.failure
+    assert observer.read == observer.written == observer.reached_beyond == {0, 1}
+
+
+def test_native_observers_nest_and_each_sees_the_ops_inside_it(torch_native_helper):
+    x, y = torch.randn(4), torch.randn(4)
+    outer = NativeOpObserver([byte_range(x), byte_range(y)], torch_native_helper)
+    inner = NativeOpObserver([byte_range(y)], torch_native_helper)
+    with outer:
+        x + 1
+        with inner:
+            y.add_(1)
+        x.mul_(2)
+    assert (outer.read, outer.written) == ({0, 1}, {0, 1})
+    assert (inner.read, inner.written) == ({0}, {0})
+    with outer:  # nothing left watching between observations: a later block starts afresh
+        pass
+    assert outer.failure is None
+
+
+def test_an_observation_ended_on_another_thread_is_refused(torch_native_helper):
+    import threading
+
+    token = torch_native_helper.op_observer_begin([(0, 8)])
+    errors = []
+    thread = threading.Thread(target=lambda: errors.append(_end_error(torch_native_helper, token)))
+    thread.start()
+    thread.join()
+    assert "another thread" in errors[0]
+    torch_native_helper.op_observer_end(token)
+
+
+def _end_error(helper, token) -> str:
+    try:
+        helper.op_observer_end(token)
+    except RuntimeError as error:
+        return str(error)
+    return ""
+
+
+def test_op_observer_takes_the_helper_where_it_is_loaded(torch_native_helper):
+    with jitcore.torch_native.using(torch_native_helper):
+        assert isinstance(op_observer([(0, 8)]), NativeOpObserver)
+    with jitcore.torch_native.using(None):
+        assert isinstance(op_observer([(0, 8)]), TorchOpObserver)
