@@ -125,14 +125,14 @@ class TorchOpObserver(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if _runs_as_its_parts(func):
+        if runs_as_its_parts(func):
             # only under inference mode (no autograd key) does a composite op reach a mode
             # whole; skipped as a view (``contiguous``, ``to``) it would hide the copy inside
             # it. Its own C++ kernel runs it as its parts, each seen here, as outside inference
             # mode (not ``decompose``, which prefers Python decompositions that may differ:
             # torch's ``dropout`` outside training returns its input, the Python one a clone)
             with self:
-                return func._op_dk(_COMPOSITE, *args, **kwargs)
+                return run_as_parts(func, args, kwargs)
         arguments = _schema_arguments(func)
         if arguments and self.host:
             named, hits = self._host_hits(arguments, args, kwargs)
@@ -206,7 +206,7 @@ _PARTS: dict = {}
 _COMPOSITE = torch._C.DispatchKey.CompositeImplicitAutograd
 
 
-def _runs_as_its_parts(func) -> bool:
+def runs_as_its_parts(func) -> bool:
     """Whether an op only ever runs as the ops it is made of: a CompositeImplicitAutograd
     kernel and no kernel of its own. Cached per op."""
     found = _PARTS.get(func)
@@ -216,6 +216,13 @@ def _runs_as_its_parts(func) -> bool:
         found = has(name, "CompositeImplicitAutograd") and not any(has(name, key) for key in _OWN_KERNEL_KEYS)
         _PARTS[func] = found
     return found
+
+
+def run_as_parts(func, args: tuple, kwargs: dict):
+    """Run a composite op (:func:`runs_as_its_parts`) through its own C++ kernel, so the ops it
+    is made of are dispatched, and reach the active mode, one by one; call it with the mode
+    active (``with mode:``)."""
+    return func._op_dk(_COMPOSITE, *args, **kwargs)
 
 
 _ARGUMENTS: dict = {}

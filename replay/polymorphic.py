@@ -66,7 +66,7 @@ from replay.graph import (
     ValueTemplate,
     compile_function,
 )
-from replay.observe import METADATA_QUERIES
+from replay.observe import METADATA_QUERIES, run_as_parts, runs_as_its_parts
 from replay.recording import CaptureFailed, StorageUse
 
 log = logging.getLogger("replay")
@@ -204,6 +204,9 @@ class LaunchFreeObserver(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if runs_as_its_parts(func):  # under inference mode: its parts are what may launch (observe.py)
+            with self:
+                return run_as_parts(func, args, kwargs)
         result = func(*args, **kwargs)
         packet = func.overloadpacket
         if packet in _FACTORIES:

@@ -135,6 +135,24 @@ def test_the_observer_sees_allocations_views_and_anything_that_may_launch():
     assert "zeros" in observer.launching  # the first one that may launch a kernel
 
 
+def test_under_inference_mode_the_observer_sees_what_a_composite_op_launches_and_makes():
+    """``contiguous`` of a transpose is a composite op marked as a view: under inference mode
+    it reaches the dispatch mode whole, and would hide the copy inside it, as it does not
+    outside inference mode."""
+    for mode in (torch.inference_mode, torch.no_grad):
+        with mode():
+            x = torch.randn(4, 8)
+            observer = LaunchFreeObserver(device_types=("cpu",))
+            with observer:
+                x.t().contiguous()
+            assert observer.launching == "aten.clone.default"
+    with torch.inference_mode():
+        observer = LaunchFreeObserver(device_types=("cpu",))
+        with observer:
+            z = x.contiguous().reshape(-1)  # already contiguous: views alone
+        assert observer.launching is None and z.data_ptr() == x.data_ptr()
+
+
 def test_the_observer_lets_ops_on_other_devices_pass():
     observer = LaunchFreeObserver(device_types=("cuda",))
     with observer:
