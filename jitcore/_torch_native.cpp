@@ -694,17 +694,33 @@ struct OpInfo {
     std::vector<char> writes;
 };
 
+// The ops a dispatch mode's observer treats as reading nothing: replay.observe's
+// METADATA_ONLY_NAMES, by operator name (all overloads); tests/replay/test_observe.py checks
+// that the two lists (exported as OBSERVER_METADATA_ONLY) are the same.
+const char *const METADATA_ONLY_OP_NAMES[] = {
+    "aten::size",         "aten::stride",      "aten::numel",      "aten::dim",
+    "aten::sym_size",     "aten::sym_stride",  "aten::sym_numel",  "aten::sym_storage_offset",
+    "aten::is_contiguous", "aten::is_same_size", "aten::empty_like", "aten::zeros_like",
+    "aten::ones_like",    "aten::full_like",   "aten::rand_like",  "aten::randn_like",
+    "aten::randint_like", "aten::new_empty",   "aten::new_empty_strided", "aten::new_zeros",
+    "aten::new_ones",     "aten::new_full",    "aten::is_pinned"};
+
 const std::unordered_set<std::string> &metadata_only_ops() {
-    // replay.observe.METADATA_QUERIES and _METADATA_ONLY, by operator name (all overloads)
-    static const std::unordered_set<std::string> names = {
-        "aten::size",       "aten::stride",       "aten::numel",          "aten::dim",
-        "aten::sym_size",   "aten::sym_stride",   "aten::sym_numel",      "aten::sym_storage_offset",
-        "aten::is_contiguous", "aten::is_same_size", "aten::empty_like",  "aten::zeros_like",
-        "aten::ones_like",  "aten::full_like",    "aten::rand_like",      "aten::randn_like",
-        "aten::randint_like", "aten::new_empty",  "aten::new_empty_strided", "aten::new_zeros",
-        "aten::new_ones",   "aten::new_full",     "aten::is_pinned"};
+    static const std::unordered_set<std::string> names(std::begin(METADATA_ONLY_OP_NAMES),
+                                                        std::end(METADATA_ONLY_OP_NAMES));
     return names;
 }
+
+// Kernels that make an op more than its parts: replay.observe.OWN_KERNEL_KEYS (exported as
+// OBSERVER_OWN_KERNEL_KEYS, compared by the same test).
+const c10::DispatchKey OWN_KERNEL_KEYS[] = {
+    c10::DispatchKey::CPU, c10::DispatchKey::CUDA, c10::DispatchKey::HIP, c10::DispatchKey::Meta,
+    c10::DispatchKey::MPS, c10::DispatchKey::XPU, c10::DispatchKey::PrivateUse1,
+    c10::DispatchKey::QuantizedCPU, c10::DispatchKey::QuantizedCUDA, c10::DispatchKey::SparseCPU,
+    c10::DispatchKey::SparseCUDA, c10::DispatchKey::NestedTensorCPU, c10::DispatchKey::NestedTensorCUDA,
+    c10::DispatchKey::CompositeExplicitAutograd, c10::DispatchKey::CompositeExplicitAutogradNonFunctional,
+    c10::DispatchKey::Autograd, c10::DispatchKey::AutogradCPU, c10::DispatchKey::AutogradCUDA,
+    c10::DispatchKey::Python, c10::DispatchKey::FuncTorchBatched};
 
 // A composite op that only ever runs as the ops it is made of (its CompositeImplicitAutograd
 // kernel, and no kernel of its own for any backend): a dispatch mode sees those ops, not it.
@@ -712,17 +728,40 @@ bool runs_as_its_parts(const c10::FunctionSchema &schema) {
     auto handle = c10::Dispatcher::singleton().findOp(c10::OperatorName(schema.name(), schema.overload_name()));
     if (!handle || !handle->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd))
         return false;
-    for (c10::DispatchKey key :
-         {c10::DispatchKey::CPU, c10::DispatchKey::CUDA, c10::DispatchKey::HIP, c10::DispatchKey::Meta,
-          c10::DispatchKey::MPS, c10::DispatchKey::XPU, c10::DispatchKey::PrivateUse1,
-          c10::DispatchKey::QuantizedCPU, c10::DispatchKey::QuantizedCUDA, c10::DispatchKey::SparseCPU,
-          c10::DispatchKey::SparseCUDA, c10::DispatchKey::NestedTensorCPU, c10::DispatchKey::NestedTensorCUDA,
-          c10::DispatchKey::CompositeExplicitAutograd, c10::DispatchKey::CompositeExplicitAutogradNonFunctional,
-          c10::DispatchKey::Autograd, c10::DispatchKey::AutogradCPU, c10::DispatchKey::AutogradCUDA,
-          c10::DispatchKey::Python, c10::DispatchKey::FuncTorchBatched})
+    for (c10::DispatchKey key : OWN_KERNEL_KEYS)
         if (handle->hasKernelForDispatchKey(key))
             return false;
     return true;
+}
+
+// The two lists above as tuples of names, for the test that compares them with Python's.
+PyObject *observer_lists(PyObject *module) {
+    PyObject *names = PyTuple_New(static_cast<Py_ssize_t>(std::size(METADATA_ONLY_OP_NAMES)));
+    PyObject *keys = PyTuple_New(static_cast<Py_ssize_t>(std::size(OWN_KERNEL_KEYS)));
+    if (names == nullptr || keys == nullptr)
+        goto failed;
+    for (size_t i = 0; i < std::size(METADATA_ONLY_OP_NAMES); ++i) {
+        PyObject *name = PyUnicode_FromString(METADATA_ONLY_OP_NAMES[i]);
+        if (name == nullptr)
+            goto failed;
+        PyTuple_SET_ITEM(names, static_cast<Py_ssize_t>(i), name);
+    }
+    for (size_t i = 0; i < std::size(OWN_KERNEL_KEYS); ++i) {
+        PyObject *key = PyUnicode_FromString(c10::toString(OWN_KERNEL_KEYS[i]));
+        if (key == nullptr)
+            goto failed;
+        PyTuple_SET_ITEM(keys, static_cast<Py_ssize_t>(i), key);
+    }
+    if (PyModule_AddObject(module, "OBSERVER_METADATA_ONLY", names) < 0)
+        goto failed;
+    names = nullptr;  // the module holds it
+    if (PyModule_AddObject(module, "OBSERVER_OWN_KERNEL_KEYS", keys) < 0)
+        goto failed;
+    return module;
+failed:
+    Py_XDECREF(names);
+    Py_XDECREF(keys);
+    return nullptr;
 }
 
 struct NamePairHash {
@@ -990,6 +1029,10 @@ PyMODINIT_FUNC PyInit__torch_native(void) {
     PyObject *covered = settings_covered();
     if (covered == nullptr || PyModule_AddObject(module, "SETTINGS_COVERED", covered) < 0) {
         Py_XDECREF(covered);
+        Py_DECREF(module);
+        return nullptr;
+    }
+    if (observer_lists(module) == nullptr) {
         Py_DECREF(module);
         return nullptr;
     }

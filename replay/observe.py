@@ -46,27 +46,25 @@ METADATA_QUERIES = (
     "is_contiguous",
     "is_same_size",
 )
-# Ops that take a tensor for its metadata (shape, dtype, device) and never read its data.
-_METADATA_ONLY = {
-    getattr(_aten, name)
-    for name in (
-        *METADATA_QUERIES,
-        "empty_like",
-        "zeros_like",
-        "ones_like",
-        "full_like",
-        "rand_like",
-        "randn_like",
-        "randint_like",
-        "new_empty",
-        "new_empty_strided",
-        "new_zeros",
-        "new_ones",
-        "new_full",
-        "is_pinned",  # so ids.pin_memory() on a host input's (pinned) buffer is just the buffer
-    )
-    if hasattr(_aten, name)
-}
+#: Ops that take a tensor for its metadata (shape, dtype, device) and never read its data
+#: (jitcore/_torch_native.cpp's observer keeps the same list: tests/replay/test_observe.py).
+METADATA_ONLY_NAMES = (
+    *METADATA_QUERIES,
+    "empty_like",
+    "zeros_like",
+    "ones_like",
+    "full_like",
+    "rand_like",
+    "randn_like",
+    "randint_like",
+    "new_empty",
+    "new_empty_strided",
+    "new_zeros",
+    "new_ones",
+    "new_full",
+    "is_pinned",  # so ids.pin_memory() on a host input's (pinned) buffer is just the buffer
+)
+_METADATA_ONLY = {getattr(_aten, name) for name in METADATA_ONLY_NAMES if hasattr(_aten, name)}
 
 
 class TorchOpObserver(TorchDispatchMode):
@@ -179,8 +177,8 @@ def _arguments_and_tensors(arguments: tuple, args: tuple, kwargs: dict):
 
 
 #: Kernels that make an op more than its parts (jitcore/_torch_native.cpp's runs_as_its_parts
-#: checks the same keys).
-_OWN_KERNEL_KEYS = (
+#: checks the same keys: tests/replay/test_observe.py).
+OWN_KERNEL_KEYS = (
     "CPU",
     "CUDA",
     "HIP",
@@ -213,7 +211,7 @@ def runs_as_its_parts(func) -> bool:
     if found is None:
         name = func.name()
         has = torch._C._dispatch_has_kernel_for_dispatch_key
-        found = has(name, "CompositeImplicitAutograd") and not any(has(name, key) for key in _OWN_KERNEL_KEYS)
+        found = has(name, "CompositeImplicitAutograd") and not any(has(name, key) for key in OWN_KERNEL_KEYS)
         _PARTS[func] = found
     return found
 
@@ -292,6 +290,6 @@ class NativeOpObserver:
 def op_observer(ranges: Sequence[tuple[int, int]]) -> TorchOpObserver | NativeOpObserver:
     """The observer of torch ops over these byte ranges: the helper's where it is built."""
     helper = jitcore.torch_native.module()
-    if helper is not None and hasattr(helper, "op_observer_begin"):
+    if helper is not None:
         return NativeOpObserver(ranges, helper)
     return TorchOpObserver(ranges)

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import jitcore.torch_native
-from replay.observe import NativeOpObserver, TorchOpObserver, op_observer
+from replay.observe import METADATA_ONLY_NAMES, OWN_KERNEL_KEYS, NativeOpObserver, TorchOpObserver, op_observer
 from replay.region_keys import byte_range
 
 
@@ -125,30 +125,20 @@ OPS = {
 }
 
 
-@pytest.mark.parametrize("grad", ["grad", "no_grad"])
-@pytest.mark.parametrize("name", sorted(OPS))
-def test_both_observers_answer_the_same_for_every_op(name, grad, torch_native_helper):
-    answers = []
-    for make in (TorchOpObserver, lambda ranges: NativeOpObserver(ranges, torch_native_helper)):
-        with torch.no_grad() if grad == "no_grad" else contextlib.nullcontext():
-            base = torch.randn(12, 4)
-            x, y, w = base[:4], base[4:8], torch.randn(4, 4)
-            observer = make([byte_range(x), byte_range(y)])
-            with observer:
-                OPS[name](x, y, w)
-        answers.append((observer.read, observer.written, observer.reached_beyond))
-    assert answers[0] == answers[1]
+#: The thread states both observers are compared under.
+MODES = {"grad": contextlib.nullcontext, "no_grad": torch.no_grad, "inference": torch.inference_mode}
 
 
+@pytest.mark.parametrize("mode", sorted(MODES))
 @pytest.mark.parametrize("name", sorted(OPS))
-def test_under_inference_mode_both_observers_see_composite_ops_as_their_parts(name, torch_native_helper):
-    """Under inference mode (no autograd key) a composite op reaches a dispatch mode whole:
-    ``contiguous`` or ``to`` would be skipped as views, hiding the copy inside them, and
-    ``dropout`` outside training would count as a read of what it only returns. Both
-    observers see such ops as their parts, as outside inference mode."""
+def test_both_observers_answer_the_same_for_every_op(name, mode, torch_native_helper):
+    """Also under inference mode (no autograd key), where a composite op reaches a dispatch
+    mode whole: ``contiguous`` or ``to`` would be skipped as views, hiding the copy inside
+    them, and ``dropout`` outside training would count as a read of what it only returns.
+    Both observers see such ops as their parts, as outside inference mode."""
     answers = []
     for make in (TorchOpObserver, lambda ranges: NativeOpObserver(ranges, torch_native_helper)):
-        with torch.inference_mode():
+        with MODES[mode]():
             base = torch.randn(12, 4)
             x, y, w = base[:4], base[4:8], torch.randn(4, 4)
             observer = make([byte_range(x), byte_range(y)])
@@ -229,3 +219,10 @@ def test_op_observer_takes_the_helper_where_it_is_loaded(torch_native_helper):
         assert isinstance(op_observer([(0, 8)]), NativeOpObserver)
     with jitcore.torch_native.using(None):
         assert isinstance(op_observer([(0, 8)]), TorchOpObserver)
+
+
+def test_both_observers_skip_the_same_ops(torch_native_helper):
+    """The metadata-only ops and the kernels that make an op more than its parts are written
+    twice, in Python and in the helper's C++: the same lists."""
+    assert torch_native_helper.OBSERVER_METADATA_ONLY == tuple(f"aten::{name}" for name in METADATA_ONLY_NAMES)
+    assert torch_native_helper.OBSERVER_OWN_KERNEL_KEYS == OWN_KERNEL_KEYS
