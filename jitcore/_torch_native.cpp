@@ -951,23 +951,8 @@ PyObject *flags_to_tuple(const std::vector<char> &flags) {
     return tuple;
 }
 
-// op_observer_end(token) -> (read, written, reached beyond, failure or None): stops watching.
-PyObject *op_observer_end(PyObject *, PyObject *token) {
-    auto *observation = static_cast<OpObservation *>(PyCapsule_GetPointer(token, OBSERVATION));
-    if (observation == nullptr)
-        return nullptr;
-    if (observation->thread != std::this_thread::get_id()) {
-        PyErr_SetString(PyExc_RuntimeError, "op_observer_end: the observation was begun on another thread");
-        return nullptr;
-    }
-    if (!observation->ended) {
-        try {
-            end_observation(observation);
-        } catch (const std::exception &error) {
-            PyErr_Format(PyExc_RuntimeError, "the torch-op observer could not stop: %s", error.what());
-            return nullptr;
-        }
-    }
+// (read, written, reached beyond, failure or None) of an observation, open or ended.
+PyObject *observation_answers(const OpObservation *observation) {
     PyObject *result = PyTuple_New(4);
     if (result == nullptr)
         return nullptr;
@@ -986,6 +971,45 @@ PyObject *op_observer_end(PyObject *, PyObject *token) {
     return result;
 }
 
+// The observation behind a token, on the thread that began it (its callback writes it there).
+OpObservation *own_observation(PyObject *token, const char *caller) {
+    auto *observation = static_cast<OpObservation *>(PyCapsule_GetPointer(token, OBSERVATION));
+    if (observation == nullptr)
+        return nullptr;
+    if (observation->thread != std::this_thread::get_id()) {
+        PyErr_Format(PyExc_RuntimeError, "%s: the observation was begun on another thread", caller);
+        return nullptr;
+    }
+    return observation;
+}
+
+// op_observer_peek(token) -> op_observer_end's answer so far, still watching: what the
+// region's ops did up to now, for the checks made before the observation ends.
+PyObject *op_observer_peek(PyObject *, PyObject *token) {
+    OpObservation *observation = own_observation(token, "op_observer_peek");
+    if (observation == nullptr)
+        return nullptr;
+    if (!observation->ended && !at::isRecordFunctionEnabled() && observation->failure == nullptr)
+        observation->failure = "record functions were turned off on this thread while it watched";
+    return observation_answers(observation);
+}
+
+// op_observer_end(token) -> (read, written, reached beyond, failure or None): stops watching.
+PyObject *op_observer_end(PyObject *, PyObject *token) {
+    OpObservation *observation = own_observation(token, "op_observer_end");
+    if (observation == nullptr)
+        return nullptr;
+    if (!observation->ended) {
+        try {
+            end_observation(observation);
+        } catch (const std::exception &error) {
+            PyErr_Format(PyExc_RuntimeError, "the torch-op observer could not stop: %s", error.what());
+            return nullptr;
+        }
+    }
+    return observation_answers(observation);
+}
+
 PyMethodDef METHODS[] = {
     {"tensor_guard", tensor_guard, METH_VARARGS,
      "tensor_guard(examples, sizes, strides) -> check(*tensors) -> bool, as torch's TensorGuards"},
@@ -999,6 +1023,8 @@ PyMethodDef METHODS[] = {
     {"settings_state", settings_state, METH_NOARGS, "settings_state() -> tuple of ints, the settings read in C++"},
     {"op_observer_begin", op_observer_begin, METH_O,
      "op_observer_begin(ranges) -> token: note which of the byte ranges this thread's torch ops read and write"},
+    {"op_observer_peek", op_observer_peek, METH_O,
+     "op_observer_peek(token) -> op_observer_end's answer so far, without ending the observation"},
     {"op_observer_end", op_observer_end, METH_O,
      "op_observer_end(token) -> (read, written, reached_beyond, failure): the ranges' indices, and why not to trust "
      "them (None: trusted)"},

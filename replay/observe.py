@@ -260,15 +260,19 @@ class NativeOpObserver:
     Sets accumulate over several ``with`` blocks, as the mode's do. Where the helper says the
     observation cannot be trusted (record functions turned off on the thread, an op whose
     inputs could not be read), every range counts as read, written and reached beyond, and
-    ``failure`` says why: the caller then stages or refuses what it must."""
+    ``failure`` says why: the caller then stages or refuses what it must.
+
+    The answers are live, as the mode's sets are: read inside the block, they ask the helper
+    what the ops did so far. The capture's refusals are made there, before the block ends
+    (replay.recording._record): answers kept until the end would let them pass unseen."""
 
     def __init__(self, ranges: Sequence[tuple[int, int]], helper) -> None:
         self.ranges = list(ranges)
-        self.read: set[int] = set()
-        self.written: set[int] = set()
-        self.reached_beyond: set[int] = set()
         self.host_refusals: list[str] = []  # (host inputs are TorchOpObserver's alone)
-        self.failure: str | None = None
+        self._read: set[int] = set()
+        self._written: set[int] = set()
+        self._beyond: set[int] = set()
+        self._failure: str | None = None
         self._helper = helper
         self._token = None
 
@@ -278,13 +282,37 @@ class NativeOpObserver:
 
     def __exit__(self, *exc_info) -> None:
         token, self._token = self._token, None
-        read, written, beyond, failure = self._helper.op_observer_end(token)
+        self._take(self._helper.op_observer_end(token))
+
+    def _take(self, answers: tuple) -> None:
+        read, written, beyond, failure = answers
         if failure is not None:
-            self.failure = failure
+            self._failure = failure
             read = written = beyond = range(len(self.ranges))
-        self.read.update(read)
-        self.written.update(written)
-        self.reached_beyond.update(beyond)
+        self._read.update(read)
+        self._written.update(written)
+        self._beyond.update(beyond)
+
+    def _answers_so_far(self) -> NativeOpObserver:
+        if self._token is not None:
+            self._take(self._helper.op_observer_peek(self._token))
+        return self
+
+    @property
+    def read(self) -> set[int]:
+        return self._answers_so_far()._read
+
+    @property
+    def written(self) -> set[int]:
+        return self._answers_so_far()._written
+
+    @property
+    def reached_beyond(self) -> set[int]:
+        return self._answers_so_far()._beyond
+
+    @property
+    def failure(self) -> str | None:
+        return self._answers_so_far()._failure
 
 
 def op_observer(ranges: Sequence[tuple[int, int]]) -> TorchOpObserver | NativeOpObserver:

@@ -64,6 +64,26 @@ def _recording_budget_out_of_the_way_on_gpus(request, monkeypatch):
         monkeypatch.setattr(admission, "GRACE_SECONDS", 3600.0)
 
 
+@pytest.fixture(autouse=True)
+def _gpu_tests_run_with_the_helper(request):
+    """A GPU test runs as a user's loop does once the README's commands built the torch-side
+    helper: with it loaded, where it can be built here (jitcore.torch_native.module() loads
+    once per process, and each test has its own cache directory, so without this the helper
+    a GPU test met depended on which test first asked for it). Replay's GPU hazard tests run
+    without it too (``with_and_without_helper``); ``JITCORE_NATIVE=0`` runs them all without."""
+    if "gpu" not in request.keywords and "multigpu" not in request.keywords:
+        yield
+        return
+    from jitcore import torch_native
+
+    try:
+        helper = request.getfixturevalue("torch_native_helper")
+    except pytest.skip.Exception:  # no compiler, or JITCORE_NATIVE=0: the fallback's own run
+        helper = None
+    with torch_native.using(helper):
+        yield
+
+
 @pytest.fixture(scope="session")
 def torch_native_cache(tmp_path_factory):
     """A cache directory holding the torch-side helper (jitcore/_torch_native.cpp) built for

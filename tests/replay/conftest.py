@@ -59,3 +59,13 @@ def replay_step(request, monkeypatch):
     monkeypatch.delenv("JITCORE_NATIVE", raising=False)
     with torch_native.using(request.getfixturevalue("torch_native_helper")):
         yield request.param
+
+
+@pytest.fixture(params=["helper", "no helper"])
+def with_and_without_helper(request):
+    """A GPU test of what torch ops do inside a region runs with the torch-side helper (its
+    torch-op observer, guards and settings watch) and without it (the dispatch-mode observer,
+    as on a machine without a compiler): the two must be equally exact."""
+    helper = request.getfixturevalue("torch_native_helper") if request.param == "helper" else None
+    with torch_native.using(helper):
+        yield request.param

@@ -22,7 +22,8 @@ from jitcore.errors import ArgumentError
 from replay import dynamic, recording
 from replay.graph import clone_preserving_sharing
 
-pytestmark = pytest.mark.gpu
+# each hazard with the torch-side helper (its torch-op observer) and without it
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("with_and_without_helper")]
 
 SOURCE = r"""
 __global__ void add_one(const float* x, float* y, long long n) {

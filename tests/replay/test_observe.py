@@ -53,6 +53,36 @@ def test_unwatched_and_empty_tensors_are_ignored(watch):
     assert observer.read == set() and observer.written == set()
 
 
+def test_answers_inside_the_block_are_what_the_ops_did_so_far(watch):
+    """The capture refuses a key from the answers before its observer's block ends (a read
+    beyond the argument, a torch op's write to a staged input): each answer, asked inside the
+    block, is what the ops did up to then, and the end keeps them."""
+    cache, other = torch.randn(4, 8), torch.randn(8)
+    observer = watch(cache[1], other)
+    with observer:
+        assert (observer.read, observer.written, observer.reached_beyond) == (set(), set(), set())
+        other.mul_(2)
+        assert (observer.read, observer.written, observer.reached_beyond) == ({1}, {1}, set())
+        cache.sum(0)
+        assert (observer.read, observer.written, observer.reached_beyond) == ({0, 1}, {1}, {0})
+        assert observer.failure is None if isinstance(observer, NativeOpObserver) else True
+    assert (observer.read, observer.written, observer.reached_beyond) == ({0, 1}, {1}, {0})
+
+
+def test_a_native_failure_is_seen_inside_the_block(torch_native_helper):
+    """Record functions turned off while the block runs: the answers asked before it ends
+    already assume the worst, as the capture's refusals must."""
+    observer = NativeOpObserver([(0, 8), (8, 16)], torch_native_helper)
+    with observer:
+        torch.autograd._enable_record_function(False)
+        try:
+            assert observer.failure is not None and "turned off" in observer.failure
+            assert observer.read == observer.written == observer.reached_beyond == {0, 1}
+        finally:
+            torch.autograd._enable_record_function(True)
+    assert observer.reached_beyond == {0, 1}
+
+
 def test_metadata_only_ops_do_not_count_as_reads(watch):
     x = torch.randn(4)
     observer = watch(x)
