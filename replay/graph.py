@@ -24,6 +24,7 @@ through torch's own ``CUDAGraph.replay()``, which advances the generators' offse
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import itertools
 import re
@@ -39,7 +40,7 @@ import jitcore.torch_native
 from jitcore import generated
 from jitcore.backends import compiled_helpers_enabled, get_backend
 from replay import host as host_inputs
-from replay import output_slots, recording, region_keys
+from replay import output_slots, rebinding, recording, region_keys
 from replay.dynamic import DynamicScalar
 from replay.errors import ReplayMismatchError, StaleOutputError
 from replay.recording import Capture, CaptureFailed
@@ -406,6 +407,18 @@ class _Unknown:
 _UNKNOWN = _Unknown()
 
 
+def _fixed_addresses(capture) -> tuple[int, ...] | None:
+    """replay.rebinding.fixed_addresses of a capture: the recorded inputs and the staging
+    buffers are what each replay points elsewhere."""
+    if capture.node_views is None:
+        return None
+    per_call = [(r.lo, r.hi) for r in capture.inputs]
+    for buffer in capture.staged.values():
+        storage = buffer.untyped_storage()
+        per_call.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes()))
+    return rebinding.fixed_addresses(capture.node_views, per_call)
+
+
 class RecordedGraph:
     """One key's graph: its exec, node updaters, outputs and the generated replay."""
 
@@ -431,6 +444,7 @@ class RecordedGraph:
         self.plan = capture.plan
         self.staged = capture.staged
         self.copied_back = capture.copied_back
+        self.fixed_addresses = _fixed_addresses(capture) if self.staged else ()
         self.host = getattr(capture, "host", None)  # host inputs' pinned buffers (replay.host)
         self.paths = list(paths)
         self.spec = spec
@@ -703,6 +717,7 @@ class RecordedGraph:
         self._emit_guards(code, len(leaves))
         self._alias_checks(code, leaves)
         self._own_output_checks(code, leaves)
+        self._staged_storage_checks(code)
         self._alignment_checks(code)
         self._load_own_state(code)
         # --- phase 1: compute, change nothing ---
@@ -758,6 +773,7 @@ class RecordedGraph:
             (self.uses_rng, "random numbers (torch's replay advances the generators)"),
             (self.host is not None, "host inputs"),
             (bool(self.in_place), "staged inputs taken in place"),
+            (bool(self.staged) and self.fixed_addresses != (), "staged inputs checked against its fixed addresses"),
             (bool(plan.configs or plan.checks), "grid sizes or index checks computed per call"),
             (any(b.dynamic for b in plan.pointers), "pointer offsets computed per call"),
             (bool(self.key[3]), "arguments recorded overlapping"),
@@ -1216,6 +1232,32 @@ class RecordedGraph:
                     continue  # an empty tensor overlaps nothing
                 code.line(f"if {'not (' + overlap + ')' if (i, j) in pattern else overlap}:")
                 code.line("return _MISMATCH", 2)
+
+    def _staged_storage_checks(self, code: _Source) -> None:
+        """Decline a call whose staged input shares its storage with memory the graph reaches
+        at a fixed address (``step(cache[0])`` where a node reads ``cache`` itself, recorded
+        while the argument was a tensor of its own): staged, the input is copied apart from
+        that memory, so a write through one is not seen through the other, where eagerly it
+        is. Storage by storage: the graph's fixed addresses (replay.rebinding.fixed_addresses)
+        are sorted, so one bisection per staged input. Where a node's addresses could not be
+        read, a staged input must be its storage's whole."""
+        if not self.staged or self.fixed_addresses == ():
+            return
+        ns = code.namespace
+        if self.fixed_addresses is None:
+            for i in sorted(self.staged):
+                code.line(f"_st = l{i}.untyped_storage()")
+                code.line(f"if _st.data_ptr() != _p{i} or _st.nbytes() != _e{i}:")
+                code.line("return _MISMATCH", 2)
+            return
+        ns["_bisect"], ns["_FIXED"] = bisect.bisect_left, self.fixed_addresses
+        ns["_FIXED_COUNT"] = len(self.fixed_addresses)
+        for i in sorted(self.staged):
+            code.line(f"_st = l{i}.untyped_storage()")
+            code.line("_sb = _st.data_ptr()")
+            code.line("_sn = _bisect(_FIXED, _sb)")
+            code.line("if _sn < _FIXED_COUNT and _FIXED[_sn] < _sb + _st.nbytes():")
+            code.line("return _MISMATCH", 2)
 
     def _own_output_checks(self, code: _Source, leaves: Sequence) -> None:
         """Decline a call whose tensor argument lies in the output memory this replay writes

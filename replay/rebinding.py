@@ -362,6 +362,27 @@ def _addresses_in(node: NodeView) -> np.ndarray | None:
 addresses_in = _addresses_in
 
 
+def fixed_addresses(nodes: Sequence[NodeView], per_call: Sequence[tuple[int, int]]) -> tuple[int, ...] | None:
+    """Every address the graph's nodes hold that no replay changes: the words of each kernel
+    node's parameters (where a pointer could be, as :func:`_pointer_words`) and the addresses
+    of its copies and memsets, sorted, without those inside ``per_call`` (the recorded
+    inputs, rebound or staged per call, and the graph's own staging buffers). A word that
+    merely looks like an address only makes a replay decline. None where a node's addresses
+    cannot be read."""
+    arrays = [_NO_WORDS]
+    for node in nodes:
+        if node.kind in ("kernel", "memcpy", "memset"):
+            words = _addresses_in(node)
+            if words is None:
+                return None
+            arrays.append(words)
+    every = np.unique(np.concatenate(arrays))
+    keep = every != 0
+    for lo, hi in per_call:
+        keep &= (every < lo) | (every >= hi)
+    return tuple(every[keep].tolist())
+
+
 @attrs.define
 class _Planner:
     """One :func:`build_plan` in progress: the plan it fills and what its steps share.

@@ -119,6 +119,8 @@ class Capture:
     staging_launches: dict = attrs.Factory(dict)  # record index -> input index (our staging copies)
     launch_nodes: list = attrs.Factory(list)  # per record: the graph node it became (raw handle) or None
     nodes: list = attrs.Factory(list)
+    # rebinding.NodeView of each node, read by analyse (None: a kernel's parameters could not be read)
+    node_views: list | None = attrs.Factory(list)
     plan: rebinding.Plan | None = None
     # host (CPU) tensor inputs: their pinned buffers and the event of the last launch
     # (replay.host); None without any. Not in ``inputs``: the graph never sees their memory.
@@ -416,6 +418,14 @@ class _CaptureInputs:
     watched: list[tuple[int, int]]
     watched_index: list[int]
     host: host_inputs.HostInputs | None = None  # host tensor inputs, staged through pinned buffers
+    # staged input -> the byte range of its caller's storage, where that holds more than the
+    # input: memory a global or closure tensor may reach it through (watched too, after
+    # ``watched``: see observed_ranges and _refuse_staged_inputs_reached_otherwise)
+    staged_storages: dict[int, tuple[int, int]] = attrs.Factory(dict)
+
+    def observed_ranges(self) -> list[tuple[int, int]]:
+        """What the torch-op observer watches: ``watched``, then ``staged_storages``."""
+        return self.watched + list(self.staged_storages.values())
 
     def host_ranges(self) -> list[tuple[int, int]]:
         return [r for _, r in self.host.ranges()] if self.host is not None else []
@@ -423,7 +433,8 @@ class _CaptureInputs:
     def leaves_seen(self, watched_numbers: Iterable[int]) -> set[int]:
         """The inputs behind the watched ranges the observer saw touched, staged ones left
         out (their staging copies, not the region, touch the caller's memory)."""
-        return {self.watched_index[w] for w in watched_numbers if self.watched_index[w] not in self.staged}
+        inputs = [self.watched_index[w] for w in watched_numbers if w < len(self.watched)]
+        return {i for i in inputs if i not in self.staged}
 
 
 @attrs.define
@@ -469,7 +480,18 @@ def _prepare_inputs(leaves: Sequence, paths: Sequence[str], *, device: int, stag
         staging.prepare(staged[i], tensors[i])
     watched = [(r.lo, r.hi) for r in inputs] + [byte_range(b) for b in staged.values()]
     watched_index = [r.index for r in inputs] + list(staged)
-    return _CaptureInputs(tensors, inputs, staged, watched, watched_index, host)
+    return _CaptureInputs(tensors, inputs, staged, watched, watched_index, host, _storages_beyond(tensors, staged))
+
+
+def _storages_beyond(tensors: dict[int, torch.Tensor], staged: dict) -> dict[int, tuple[int, int]]:
+    """The caller's storage of each staged input that holds more than the input itself."""
+    spans = {}
+    for i in staged:
+        storage = tensors[i].untyped_storage()
+        lo, hi = storage.data_ptr(), storage.data_ptr() + storage.nbytes()
+        if (lo, hi) != byte_range(tensors[i]):
+            spans[i] = (lo, hi)
+    return spans
 
 
 def region_arguments(
@@ -501,7 +523,8 @@ def _copy_staged_in(prepared: _CaptureInputs, recorder: _Recorder, staging_launc
 def _inputs_written(prepared: _CaptureInputs, observation: object, region_records: Sequence) -> set[int]:
     """The inputs the region wrote: those torch ops wrote, and the staged inputs whose buffer
     a jit launch of the region writes through a pointer."""
-    written = {prepared.watched_index[w] for w in observation.written}
+    watched = len(prepared.watched)
+    written = {prepared.watched_index[w] for w in observation.written if w < watched}
     for record in region_records:
         for param in record.params:
             if param.kind == "pointer" and not param.read_only:
@@ -520,13 +543,40 @@ def _refuse_reads_beyond_inputs(prepared: _CaptureInputs, observation: object) -
     failure = getattr(observation, "failure", None)
     if failure is not None:
         raise CaptureFailed(f"the torch-op observer could not watch the capture: {failure}")
-    beyond = sorted(getattr(observation, "reached_beyond", ()))
+    beyond = sorted(w for w in getattr(observation, "reached_beyond", ()) if w < len(prepared.watched))
     if beyond:
         paths = {r.index: r.path for r in prepared.inputs}
         names = sorted({paths.get(prepared.watched_index[w], f"input {prepared.watched_index[w]}") for w in beyond})
         raise CaptureFailed(
             f"a torch op reads a tensor that holds {', '.join(names)} and reaches beyond it (a global or closure "
             "tensor holding the argument, or a view wider than it): replay cannot move the argument apart from it"
+        )
+
+
+def _refuse_staged_inputs_reached_otherwise(prepared: _CaptureInputs, observation: object, region_records) -> None:
+    """A staged input is a copy of the caller's tensor: exact only while the region reaches
+    that memory through the input alone. A torch op or a jit launch that reaches the caller's
+    storage of a staged input otherwise (a global or closure tensor holding it: ``cache``
+    while ``cache[0]`` is the argument and a torch op writes it) would see it apart from its
+    copy, so the key runs eagerly. Replays check the same for every call's staged inputs
+    (replay.graph: the memory the graph reaches at fixed addresses)."""
+    if not prepared.staged_storages:
+        return
+    spans = list(prepared.staged_storages.items())
+    first = len(prepared.watched)
+    seen = set(observation.read) | set(observation.written)
+    reached = {spans[w - first][0] for w in seen if w >= first}
+    for record in region_records:
+        for param in record.params:
+            if param.kind == "pointer":
+                address = int.from_bytes(record.param_bytes[param.offset : param.offset + 8], "little")
+                reached |= {i for i, (lo, hi) in spans if lo <= address < hi}
+    if reached:
+        paths = {r.index: r.path for r in prepared.inputs}
+        names = ", ".join(paths.get(i, f"input {i}") for i in sorted(reached))
+        raise CaptureFailed(
+            f"{names} must be staged (a torch op reads or writes it), and the region also reaches its memory "
+            "through another tensor (a global or closure tensor holding it): a staged copy would part them"
         )
 
 
@@ -603,6 +653,7 @@ def _record(
             outputs = fn(*args, **kwargs)
             _refuse_host_misuse(prepared, observation, recorder.records[first_region_launch:])
             _refuse_reads_beyond_inputs(prepared, observation)
+            _refuse_staged_inputs_reached_otherwise(prepared, observation, recorder.records[first_region_launch:])
             written = _inputs_written(prepared, observation, recorder.records[first_region_launch:])
             _copy_staged_back(prepared, recorder, written, copy_back, staging_launches, copied_back)
             _refuse_written_overlaps(prepared.inputs, prepared.staged, written | copied_back)
@@ -734,9 +785,9 @@ def capture(
     host = prepared.host
     args, kwargs = region_arguments(spec, leaves, paths, prepared.staged, host.buffers if host else None)
     if host is not None:  # always observed: a torch op reading host values would bake them in
-        observer = TorchOpObserver(prepared.watched, host.ranges(), host.paths.get, rewrite_blocking=True)
+        observer = TorchOpObserver(prepared.observed_ranges(), host.ranges(), host.paths.get, rewrite_blocking=True)
     elif observe:
-        observer = op_observer(prepared.watched)
+        observer = op_observer(prepared.observed_ranges())
     else:
         observer = contextlib.nullcontext(_NoObservation())
     with CAPTURES.exclusive():  # no other thread's work may break this capture
@@ -873,6 +924,7 @@ def analyse(capture: Capture) -> None:
     backend = get_backend()
     capture.nodes = backend.graph_nodes(capture.graph.raw_cuda_graph())
     views, scanned = node_views(backend, capture.nodes, capture.records)
+    capture.node_views = views if scanned else None
     plan = rebinding.build_plan(
         capture.inputs,
         launch_views(

@@ -364,3 +364,23 @@ def test_extents_of_pointers_outside_inputs_or_of_staging_copies_are_ignored():
     copy = attrs.evolve(launch(0xC0, [(X.lo, True)]), staging_input=0, extents={0: (X.lo - 64, X.hi + 64)})
     result = plan([X, Y], [copy], [node_for(0, copy)], staged={0})
     assert result.failure is None and [(b.input, b.delta) for b in result.pointers] == [(0, 0)]
+
+
+def test_fixed_addresses_are_every_node_word_a_replay_does_not_change():
+    """Sorted, unique, without zero and without the per-call ranges (the recorded inputs,
+    the staging buffers); a kernel's words at every 4-byte offset, copies' and memsets'
+    addresses; None once a node's addresses cannot be read."""
+    from replay.rebinding import fixed_addresses
+
+    weight, global_row, inside_x = 0x50000, 0x60010, X.lo + 64
+    kernel = NodeView(0, "kernel", 0xF, (struct.pack("<QQ", weight, inside_x), struct.pack("<Q", 0)))
+    copy = NodeView(1, "memcpy", pointers=(global_row, X.lo))
+    memset = NodeView(2, "memset", pointers=(weight,))
+    other = NodeView(3, "other")
+    words = fixed_addresses([kernel, copy, memset, other], [(X.lo, X.hi)])
+    assert words == tuple(sorted(set(words)))
+    assert {weight, global_row} <= set(words) and 0 not in words
+    assert not any(X.lo <= w < X.hi for w in words)
+    assert fixed_addresses([], [(X.lo, X.hi)]) == ()
+    assert fixed_addresses([kernel, NodeView(4, "kernel", 0xF, None)], []) is None
+    assert fixed_addresses([NodeView(5, "memcpy", pointers=None)], []) is None

@@ -124,3 +124,56 @@ def _record_with(args, params, data):
     import attrs
 
     return attrs.evolve(_record(args, params), param_bytes=data)
+
+
+def test_a_staged_input_reached_through_other_memory_refuses_the_capture():
+    """A staged input (a copy of the caller's tensor) whose caller storage the region also
+    reaches otherwise: a torch op seen in that storage (observer ranges after ``watched``) or
+    a jit pointer into it. Refused, naming the input; a storage that is the input's own, an
+    observation of the input's range alone, and pointers elsewhere pass."""
+    import struct
+
+    import pytest
+    import torch
+
+    from jitcore.recorder import ParamRecord
+    from replay.recording import (
+        CaptureFailed,
+        _CaptureInputs,
+        _refuse_staged_inputs_reached_otherwise,
+        _storages_beyond,
+        input_ranges,
+    )
+    from replay.region_keys import byte_range
+
+    cache, own, other = torch.randn(4, 8), torch.randn(8), torch.randn(16)
+    tensors = {0: cache[1], 1: own}
+    staged = {0: torch.empty(8), 1: torch.empty(8)}
+    inputs = input_ranges(tensors, ["args[0]", "args[1]"])
+    watched = [(r.lo, r.hi) for r in inputs] + [byte_range(b) for b in staged.values()]
+    storages = _storages_beyond(tensors, staged)
+    storage = cache.untyped_storage()
+    assert storages == {0: (storage.data_ptr(), storage.data_ptr() + storage.nbytes())}  # own's is its own
+    prepared = _CaptureInputs(tensors, inputs, staged, watched, [0, 1, 0, 1], None, storages)
+    assert prepared.observed_ranges() == [*watched, storages[0]]
+    first = len(watched)
+
+    def observation(read=(), written=()):
+        return type("Seen", (), {"read": set(read), "written": set(written)})()
+
+    def pointing_at(*pointed):
+        params = tuple(
+            ParamRecord(index=i, name=None, offset=8 * i, size=8, fmt="Q", kind="pointer", arg_index=i)
+            for i in range(len(pointed))
+        )
+        return _record_with(pointed, params, b"".join(struct.pack("<Q", t.data_ptr()) for t in pointed))
+
+    _refuse_staged_inputs_reached_otherwise(prepared, observation(read=range(first)), [pointing_at(other, own)])
+    for seen, records in (
+        (observation(read=[first]), []),
+        (observation(written=[first]), []),
+        (observation(), [pointing_at(other, cache[3])]),
+    ):
+        with pytest.raises(CaptureFailed, match=r"args\[0\] must be staged .* another tensor"):
+            _refuse_staged_inputs_reached_otherwise(prepared, seen, records)
+    assert prepared.leaves_seen(range(first + 1)) == set()  # (both inputs staged; the storage's range ignored)
