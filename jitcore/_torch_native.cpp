@@ -323,15 +323,42 @@ PyObject *use_count_of(PyObject *, PyObject *storage) {
     return PyLong_FromLongLong(count);
 }
 
+// The first byte and the size of a plain tensor's storage, as tensor.untyped_storage()'s
+// data_ptr() and nbytes() answer them (replay/_step.c's check of staged inputs); 0 where the
+// reader would not read the tensor, or it has no storage.
+int read_storage_span(PyObject *object, uint64_t *base, uint64_t *nbytes) {
+    if (!THPVariable_CheckExact(object) || at::impl::torch_function_mode_enabled())
+        return 0;
+    try {
+        const at::Tensor &tensor = THPVariable_Unpack(object);
+        if (!tensor.has_storage())
+            return 0;
+        const c10::Storage &storage = tensor.storage();
+        *base = static_cast<uint64_t>(reinterpret_cast<uintptr_t>(storage.data()));
+        *nbytes = static_cast<uint64_t>(storage.nbytes());
+        return 1;
+    } catch (...) {
+        return 0;
+    }
+}
+
+PyObject *storage_span(PyObject *, PyObject *object) {
+    uint64_t base = 0, nbytes = 0;
+    if (!read_storage_span(object, &base, &nbytes))
+        Py_RETURN_NONE;
+    return Py_BuildValue("(KK)", static_cast<unsigned long long>(base), static_cast<unsigned long long>(nbytes));
+}
+
 // What replay/_step.c reads from torch; its copy of this struct must match (the version says).
 struct ReplaySupport {
     int version;
     int (*read_data_pointer)(PyObject *, uint64_t *);
     PyObject *(*fresh_output)(PyObject *);
     int64_t (*storage_use_count)(PyObject *);
+    int (*read_storage_span)(PyObject *, uint64_t *, uint64_t *);
 };
 
-const ReplaySupport REPLAY_SUPPORT = {2, read_data_pointer, make_fresh_output, storage_use_count};
+const ReplaySupport REPLAY_SUPPORT = {3, read_data_pointer, make_fresh_output, storage_use_count, read_storage_span};
 
 PyObject *data_pointer(PyObject *, PyObject *object) {
     uint64_t address;
@@ -1018,6 +1045,8 @@ PyMethodDef METHODS[] = {
     {"settings_watch", settings_watch, METH_VARARGS,
      "settings_watch(exact, residual) -> check() -> bool, exact()'s answer from a state read in C++"},
     {"fresh_output", fresh_output, METH_O, "fresh_output(view) -> view.detach(), as replay/_step.c makes it"},
+    {"storage_span", storage_span, METH_O,
+     "storage_span(tensor) -> (first byte, bytes) of its storage as replay/_step.c reads it (None where it would not)"},
     {"storage_use_count", use_count_of, METH_O,
      "storage_use_count(storage) -> its use count, as replay/_step.c reads it (None: not a storage)"},
     {"settings_state", settings_state, METH_NOARGS, "settings_state() -> tuple of ints, the settings read in C++"},

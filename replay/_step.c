@@ -31,14 +31,15 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* What the torch-side helper exports (its copy of this struct, version 2). */
+/* What the torch-side helper exports (its copy of this struct, version 3). */
 typedef struct {
     int version;
     int (*read_data_pointer)(PyObject *, uint64_t *);
     PyObject *(*fresh_output)(PyObject *);
     int64_t (*storage_use_count)(PyObject *); /* -1: not a storage */
+    int (*read_storage_span)(PyObject *, uint64_t *, uint64_t *);
 } replay_support;
-#define SUPPORT_VERSION 2
+#define SUPPORT_VERSION 3
 
 #define SUPPORT_NAME "jitcore._torch_native.replay_support"
 #define MAX_TENSORS 64
@@ -86,6 +87,10 @@ typedef struct {
     unsigned long long *owned; /* 2 * owned_count */
     Py_ssize_t aligned_count;
     long long *aligned; /* triples: the input's place among the tensors, delta, 1 aligned / 0 not */
+    Py_ssize_t staged_count;
+    Py_ssize_t *staged;            /* the staged inputs' places among the tensors */
+    Py_ssize_t fixed_count;
+    unsigned long long *fixed;     /* the addresses the graph holds fixed, sorted */
     Py_ssize_t dynamic_count;
     Py_ssize_t *dynamic; /* leaves whose .value is read */
     Py_ssize_t argument_count;
@@ -133,6 +138,8 @@ static void step_dealloc(ReplayStep *self) {
     step_clear(self);
     PyMem_Free(self->owned);
     PyMem_Free(self->aligned);
+    PyMem_Free(self->staged);
+    PyMem_Free(self->fixed);
     PyMem_Free(self->dynamic);
     if (self->argument_sources != NULL)
         for (Py_ssize_t i = 0; i < self->argument_count; i++)
@@ -228,8 +235,9 @@ static int as_address(PyObject *value, char **out) {
    19 current_stream, 20 device, 21 last_stream, 22 stream_switch, 23 launch, 24 exec,
    25 launch_failed, 26 stats, 27 entry, 28 staged copies, 29 outputs ((kind, item), ...),
    30 container (0 one, 1 tuple), 31 the support capsule, 32 modes name,
-   33 replay.output_slots' use-count reader */
-#define PROGRAM_FIELDS 34
+   33 replay.output_slots' use-count reader, 34 staged inputs checked against the fixed
+   addresses ((leaf, ...), (address, ...) sorted) */
+#define PROGRAM_FIELDS 35
 
 static int build(ReplayStep *self, PyObject *program) {
     if (!PyTuple_Check(program) || PyTuple_GET_SIZE(program) != PROGRAM_FIELDS) {
@@ -494,6 +502,31 @@ static int build(ReplayStep *self, PyObject *program) {
     }
     self->modes_name = FIELD(32);
     self->use_count = FIELD(33);
+    PyObject *storage_check = item_tuple(program, 34, 2, "the staged inputs' storage check");
+    if (storage_check == NULL)
+        return -1;
+    PyObject *staged = tuple_field(storage_check, 0, "the staged inputs");
+    PyObject *fixed = staged == NULL ? NULL : tuple_field(storage_check, 1, "the fixed addresses");
+    if (fixed == NULL || (self->staged = allocate(PyTuple_GET_SIZE(staged), sizeof(Py_ssize_t))) == NULL ||
+        (self->fixed = allocate(PyTuple_GET_SIZE(fixed), sizeof(unsigned long long))) == NULL)
+        return -1;
+    self->staged_count = PyTuple_GET_SIZE(staged);
+    for (Py_ssize_t i = 0; i < self->staged_count; i++) {
+        Py_ssize_t leaf;
+        if (as_index(PyTuple_GET_ITEM(staged, i), &leaf, "a staged input") < 0 ||
+            (self->staged[i] = tensor_place(self, leaf)) < 0)
+            return -1;
+    }
+    self->fixed_count = PyTuple_GET_SIZE(fixed);
+    for (Py_ssize_t i = 0; i < self->fixed_count; i++) {
+        self->fixed[i] = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(fixed, i));
+        if (PyErr_Occurred())
+            return -1;
+        if (i > 0 && self->fixed[i] <= self->fixed[i - 1]) {
+            PyErr_SetString(PyExc_ValueError, "ReplayStep: the fixed addresses must be sorted and unique");
+            return -1;
+        }
+    }
 #undef FIELD
     return 0;
 }
@@ -875,6 +908,19 @@ static PyObject *outputs(ReplayStep *self, PyObject *const *leaves) {
     return result;
 }
 
+/* Whether a fixed address lies in [lo, hi): the first one at or after lo, by bisection. */
+static int holds_fixed(ReplayStep *self, uint64_t lo, uint64_t hi) {
+    Py_ssize_t first = 0, last = self->fixed_count;
+    while (first < last) {
+        Py_ssize_t middle = first + (last - first) / 2;
+        if (self->fixed[middle] < lo)
+            first = middle + 1;
+        else
+            last = middle;
+    }
+    return first < self->fixed_count && self->fixed[first] < hi;
+}
+
 static PyObject *step_call(ReplayStep *self, PyObject *const *leaves, Py_ssize_t count) {
     if (count != self->leaves) /* the generated function raises the TypeError */
         return fall_back(self, leaves, count);
@@ -883,6 +929,15 @@ static PyObject *step_call(ReplayStep *self, PyObject *const *leaves, Py_ssize_t
         if (!self->support->read_data_pointer(leaves[self->tensor_index[t]], &pointers[t]) ||
             pointers[t] > UINT64_MAX - self->extent[t]) /* ranges past 2**64: Python's ints compare them */
             return fall_back(self, leaves, count);
+    uint64_t storage_end[MAX_TENSORS]; /* per staged input: one past its storage's last byte */
+    uint64_t storage_base[MAX_TENSORS];
+    for (Py_ssize_t i = 0; i < self->staged_count; i++) {
+        uint64_t nbytes;
+        if (!self->support->read_storage_span(leaves[self->tensor_index[self->staged[i]]], &storage_base[i], &nbytes) ||
+            storage_base[i] > UINT64_MAX - nbytes)
+            return fall_back(self, leaves, count);
+        storage_end[i] = storage_base[i] + nbytes;
+    }
     /* every rebound pointer's write must fit '<Q' (the function raises struct.error there) */
     for (Py_ssize_t n = 0; n < self->node_count; n++)
         for (Py_ssize_t k = 0; k < self->nodes[n].count; k++) {
@@ -977,6 +1032,11 @@ static PyObject *step_call(ReplayStep *self, PyObject *const *leaves, Py_ssize_t
     }
     for (Py_ssize_t i = 0; i < self->owned_count; i++)
         if (overlaps(self, pointers, self->owned[2 * i], self->owned[2 * i] + self->owned[2 * i + 1])) {
+            result = mismatch(self);
+            goto done;
+        }
+    for (Py_ssize_t i = 0; i < self->staged_count; i++) /* the generated function's _staged_storage_checks */
+        if (holds_fixed(self, storage_base[i], storage_end[i])) {
             result = mismatch(self);
             goto done;
         }

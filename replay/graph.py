@@ -409,10 +409,11 @@ _UNKNOWN = _Unknown()
 
 def _fixed_addresses(capture) -> tuple[int, ...] | None:
     """replay.rebinding.fixed_addresses of a capture: the recorded inputs and the staging
-    buffers are what each replay points elsewhere."""
+    buffers are what each replay points elsewhere, and the session's pool is memory no
+    caller's tensor shares (most of a graph's words point there: its intermediates)."""
     if capture.node_views is None:
         return None
-    per_call = [(r.lo, r.hi) for r in capture.inputs]
+    per_call = [(r.lo, r.hi) for r in capture.inputs] + list(getattr(capture, "pool_memory", ()))
     for buffer in capture.staged.values():
         storage = buffer.untyped_storage()
         per_call.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes()))
@@ -773,7 +774,10 @@ class RecordedGraph:
             (self.uses_rng, "random numbers (torch's replay advances the generators)"),
             (self.host is not None, "host inputs"),
             (bool(self.in_place), "staged inputs taken in place"),
-            (bool(self.staged) and self.fixed_addresses != (), "staged inputs checked against its fixed addresses"),
+            (
+                bool(self.staged) and self.fixed_addresses is None,
+                "staged inputs of a graph whose addresses were not all read",
+            ),
             (bool(plan.configs or plan.checks), "grid sizes or index checks computed per call"),
             (any(b.dynamic for b in plan.pointers), "pointer offsets computed per call"),
             (bool(self.key[3]), "arguments recorded overlapping"),
@@ -878,6 +882,7 @@ class RecordedGraph:
             support,
             "_modes_changed",
             output_slots._use_count,
+            (tuple(sorted(self.staged)), self.fixed_addresses) if self.fixed_addresses else ((), ()),
         )
         return program, ""
 

@@ -362,13 +362,19 @@ def _addresses_in(node: NodeView) -> np.ndarray | None:
 addresses_in = _addresses_in
 
 
+#: No allocation starts below this (Linux keeps the first 64 KiB unmapped, and device and host
+#: allocators map far above it): a smaller word in a node's parameters is a number.
+LOWEST_ADDRESS = 1 << 16
+
+
 def fixed_addresses(nodes: Sequence[NodeView], per_call: Sequence[tuple[int, int]]) -> tuple[int, ...] | None:
     """Every address the graph's nodes hold that no replay changes: the words of each kernel
     node's parameters (where a pointer could be, as :func:`_pointer_words`) and the addresses
     of its copies and memsets, sorted, without those inside ``per_call`` (the recorded
     inputs, rebound or staged per call, and the graph's own staging buffers). A word that
-    merely looks like an address only makes a replay decline. None where a node's addresses
-    cannot be read."""
+    merely looks like an address only makes a replay decline; words below
+    :data:`LOWEST_ADDRESS` (sizes, strides, counts: most of a library kernel's parameters) are
+    no address of any allocation. None where a node's addresses cannot be read."""
     arrays = [_NO_WORDS]
     for node in nodes:
         if node.kind in ("kernel", "memcpy", "memset"):
@@ -377,7 +383,7 @@ def fixed_addresses(nodes: Sequence[NodeView], per_call: Sequence[tuple[int, int
                 return None
             arrays.append(words)
     every = np.unique(np.concatenate(arrays))
-    keep = every != 0
+    keep = every >= LOWEST_ADDRESS
     for lo, hi in per_call:
         keep &= (every < lo) | (every >= hi)
     return tuple(every[keep].tolist())

@@ -130,6 +130,9 @@ class Capture:
     # per launch record: {pointer parameter: byte range of the jit argument it came from}, for
     # pointers into an input that did not come from the input tensor itself (pointer_extents)
     pointer_extents: list = attrs.Factory(list)
+    # (first byte, one past the last) of each segment of the session's pool after the capture:
+    # memory only graphs use, which no caller's tensor can share
+    pool_memory: list = attrs.Factory(list)
 
 
 class KeptPool:
@@ -723,6 +726,7 @@ def _capture_record(
     timings: dict,
     storage_uses: list | None,
     extents: list,
+    pool_memory: list,
 ) -> Capture:
     """The Capture: the graph, with what analysis and replay need to know of its recording."""
     return Capture(
@@ -750,6 +754,7 @@ def _capture_record(
         host=prepared.host,
         pointer_storages=storage_uses,
         pointer_extents=extents,
+        pool_memory=pool_memory,
     )
 
 
@@ -844,6 +849,7 @@ def capture(
             timings=timings,
             storage_uses=storage_uses,
             extents=extents,
+            pool_memory=[(address, address + size) for address, size in segments],
         )
 
 

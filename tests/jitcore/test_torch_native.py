@@ -351,6 +351,21 @@ def test_a_storage_use_count_is_what_torch_answers(helper):
     assert helper.storage_use_count(x) is None and helper.storage_use_count(3) is None
 
 
+@needs_compiler
+def test_a_storage_span_is_what_torch_answers(helper):
+    """replay/_step.c's check of staged inputs reads each one's storage: its first byte and
+    size as untyped_storage() says, for views at offsets too; nothing for what its reader
+    would not read (a subclass, a non-tensor, under a torch function mode)."""
+    base = torch.randn(4, 8)
+    for tensor in (base, base[1], base[:, 2:], base.t(), torch.empty(0), torch.randn(3, dtype=torch.float64)):
+        storage = tensor.untyped_storage()
+        assert helper.storage_span(tensor) == (storage.data_ptr(), storage.nbytes())
+    subclass = type("Sub", (torch.Tensor,), {})
+    assert helper.storage_span(base.as_subclass(subclass)) is None and helper.storage_span(3) is None
+    with _SeesDetach():
+        assert helper.storage_span(base) is None
+
+
 class _SeesDetach(TorchFunctionMode):
     def __init__(self):
         super().__init__()

@@ -178,7 +178,7 @@ def _replayed_both_ways(replay_step):
 LAYOUT = ParamLayout.of([parse_param("float* x"), parse_param("float s"), parse_param("long long n")])
 
 
-def build(leaves, plan, *, outputs=None, sim=None, grid=(4, 1, 1), **policy):
+def build(leaves, plan, *, outputs=None, sim=None, grid=(4, 1, 1), staged=None, node_views=(), **policy):
     sim = sim or SimExec()
     spec, flat, paths = region_keys.flatten(tuple(leaves), {})
     key = region_keys.region_key(-1, spec, flat, paths)
@@ -199,12 +199,13 @@ def build(leaves, plan, *, outputs=None, sim=None, grid=(4, 1, 1), **policy):
             "inputs",
             "input_dtypes",
             "dynamic_values",
+            "node_views",
         ],
     )(
         FakeTorchGraph(sim),
         -1,
         plan,
-        {},
+        staged or {},
         set(),
         0,
         [GraphNode(0, None, "kernel", 0xF, grid, (64, 1, 1), 0)],
@@ -213,6 +214,7 @@ def build(leaves, plan, *, outputs=None, sim=None, grid=(4, 1, 1), **policy):
         [InputRange(i, paths[i], t.data_ptr(), t.data_ptr() + region_keys.extent_bytes(t)) for i, t in tensors],
         {i: t.dtype for i, t in tensors},
         {},
+        list(node_views) if node_views is not None else None,
     )
     region = FakeRegion(key)
     with use_backend(SimBackend(sim)):
@@ -947,7 +949,40 @@ def test_a_malformed_step_program_is_refused_with_an_error_naming_the_part(torch
         "a scalar's argument tuple": lambda p: p[:12] + [((5, *p[12][0][1:]),)] + p[13:],
         "a pointer of a leaf": lambda p: p[:14] + [((p[14][0][0], p[14][0][1], 0, ((0, 1, -1, ()),)),)] + p[15:],
         "an output": lambda p: p[:29] + [((0, 0),)] + p[30:],
+        "check": lambda p: p[:34] + [((0,),)],
+        "a leaf that is not a tensor": lambda p: p[:34] + [((5,), (16,))],
+        "sorted": lambda p: p[:34] + [((0,), (32, 16))],
     }
     for part, damage in broken.items():
         with pytest.raises((TypeError, ValueError), match=part.split()[-1] if part != "program" else "program"):
             graph_module.ReplayStep(tuple(damage(program)))
+
+
+def test_a_staged_input_sharing_its_storage_with_a_fixed_address_is_declined(replay_step):
+    """A staged input whose storage holds an address the graph's nodes keep fixed (a global
+    that holds the argument, recorded while the argument was a tensor of its own) is
+    declined, by the C step as by the generated function; other tensors, views of other
+    storages among them, replay. Where a node's addresses could not be read, a staged input
+    must be its storage's whole."""
+    from replay.rebinding import NodeView
+
+    x, cache, other = torch.randn(8), torch.randn(4, 8), torch.randn(4, 8)
+    weight = torch.randn(16)
+    global_node = NodeView(0, "kernel", 0xF, (struct.pack("<QQ", cache.data_ptr(), weight.data_ptr()),))
+    graph, sim = build([x, Dynamic(1.0)], scalar_plan(), staged={0: torch.empty(8)}, node_views=[global_node])
+    assert {cache.data_ptr(), weight.data_ptr()} <= set(graph.fixed_addresses)
+    if replay_step == "c":
+        assert isinstance(graph.replay, graph_module.ReplayStep)
+    assert graph.replay(torch.randn(8), Dynamic(2.0)) is not MISMATCH
+    assert graph.replay(other[2], Dynamic(2.0)) is not MISMATCH  # a view, of a storage the graph never reaches
+    launched = len(sim.launched)
+    for held in (cache[0], cache[3], weight[:8]):
+        assert graph.replay(held, Dynamic(2.0)) is MISMATCH
+    assert len(sim.launched) == launched  # declined before anything ran
+
+    unread, _ = build([x, Dynamic(1.0)], scalar_plan(), staged={0: torch.empty(8)}, node_views=None)
+    assert unread.fixed_addresses is None
+    if replay_step == "c":
+        assert unread.step_refused == "staged inputs of a graph whose addresses were not all read"
+    assert unread.replay(torch.randn(8), Dynamic(2.0)) is not MISMATCH
+    assert unread.replay(other[2], Dynamic(2.0)) is MISMATCH
