@@ -921,3 +921,111 @@ def test_an_argument_inside_memory_the_graph_reaches_otherwise_is_exact(region, 
                 expected, got = eager_step(eager_cache[i], x.clone()), step(replay_cache[i], x)
             assert same(got, expected), (number, kind, i)
             assert same(replay_cache, eager_cache), (number, kind, i)
+
+
+# --- random regions over an argument and a global that may hold it -----------------------------
+def _random_region(rng, cache):
+    """A region ``step(row, x)`` of 2 to 4 steps drawn from what a torch op or a kernel can do
+    with the argument ``row`` and a global ``cache`` ([4, 256]) that a call may pass a row of:
+    read or write the argument, read the whole global or one of its rows, write one of its
+    rows. Returns (step, description)."""
+    steps = []
+
+    def torch_reads_argument(row, x, out):
+        out.append(row * 2)
+
+    def torch_writes_argument(row, x, out):
+        row.add_(x)
+
+    def kernel_reads_argument(row, x, out):
+        y = torch.empty(256, device="cuda")
+        add_one(row, y)
+        out.append(y)
+
+    def kernel_writes_argument(row, x, out):
+        add_one(x, row)
+
+    def torch_reads_global(row, x, out):
+        out.append(cache.sum(0))
+
+    def kernel_reads_global(row, x, out):
+        y = torch.empty(cache.numel(), device="cuda")
+        add_one(cache.view(-1), y)
+        out.append(y)
+
+    def torch_reads_a_row(k):
+        def read(row, x, out):
+            out.append(cache[k] * 3)
+
+        return read
+
+    def torch_writes_a_row(k):
+        def write(row, x, out):
+            cache[k].mul_(0.5)
+
+        return write
+
+    def kernel_writes_a_row(k):
+        def write(row, x, out):
+            add_one(x, cache[k])
+
+        return write
+
+    fixed = [
+        torch_reads_argument,
+        torch_writes_argument,
+        kernel_reads_argument,
+        kernel_writes_argument,
+        torch_reads_global,
+        kernel_reads_global,
+    ]
+    rowed = [torch_reads_a_row, torch_writes_a_row, kernel_writes_a_row]
+    names = []
+    for _ in range(rng.randint(2, 4)):
+        if rng.random() < 0.6:
+            chosen = rng.choice(fixed)
+            steps.append(chosen)
+            names.append(chosen.__name__)
+        else:
+            make, k = rng.choice(rowed), rng.randrange(4)
+            steps.append(make(k))
+            names.append(f"{make.__name__}({k})")
+
+    def step(row, x):
+        out = []
+        for each in steps:
+            each(row, x, out)
+        return tuple(out)
+
+    return step, " -> ".join(names)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_regions_over_an_argument_and_a_global_that_may_hold_it(seed):
+    """The class of the two tests above, drawn at random: each call passes a tensor of its
+    own or a row of the global, in a random order, so graphs are recorded with either and
+    replayed with the other. Every call is exact (replayed, declined or refused: eager), and
+    so are the argument and the global after it."""
+    import random
+
+    rng = random.Random(seed)
+    for number in range(4):
+        initial = torch.randn(4, 256, device="cuda")
+        eager_cache, replay_cache = initial.clone(), initial.clone()
+        eager_step, shown = _random_region(random.Random(f"{seed}-{number}"), eager_cache)
+        replay_region, _ = _random_region(random.Random(f"{seed}-{number}"), replay_cache)
+        with replay.capture(record_after=rng.choice((0, 1))) as session, warnings.catch_warnings():
+            warnings.simplefilter("ignore", replay.ReplayWarning)
+            step = session.region(replay_region)
+            for call in range(10):
+                x = torch.randn(256, device="cuda")
+                k = rng.randrange(5)
+                if k == 4:  # a tensor of its own
+                    mine = torch.randn(256, device="cuda")
+                    theirs = mine.clone()
+                    expected, got = eager_step(theirs, x.clone()), step(mine, x)
+                    assert same(mine, theirs), (shown, call)
+                else:
+                    expected, got = eager_step(eager_cache[k], x.clone()), step(replay_cache[k], x)
+                assert same(got, expected), (shown, call, k)
+                assert same(replay_cache, eager_cache), (shown, call, k)
