@@ -15,7 +15,8 @@ from replay import dynamic
 
 from . import fuzz_grammar as fz
 
-pytestmark = pytest.mark.gpu
+# every test with the torch-side helper (its observer, guards, C step) and without it
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("with_and_without_helper")]
 
 SOURCE = r"""
 __global__ void gather_add(const long long* __restrict__ tokens, const float* __restrict__ table,
