@@ -69,8 +69,9 @@ def _gpu_tests_run_with_the_helper(request):
     """A GPU test runs as a user's loop does once the README's commands built the torch-side
     helper: with it loaded, where it can be built here (jitcore.torch_native.module() loads
     once per process, and each test has its own cache directory, so without this the helper
-    a GPU test met depended on which test first asked for it). Replay's GPU hazard tests run
-    without it too (``with_and_without_helper``); ``JITCORE_NATIVE=0`` runs them all without."""
+    a GPU test met depended on which test first asked for it). Replay's GPU hazard and replay
+    tests run without it too (``with_and_without_helper``); ``JITCORE_NATIVE=0`` runs them
+    all without."""
     if "gpu" not in request.keywords and "multigpu" not in request.keywords:
         yield
         return
