@@ -891,6 +891,12 @@ std::unique_ptr<at::ObserverContext> observe_op(const at::RecordFunction &record
     return nullptr;
 }
 
+// Record functions off on the thread now: the callback may have missed ops since the start.
+void notice_record_functions_off(OpObservation *observation) {
+    if (!at::isRecordFunctionEnabled() && observation->failure == nullptr)
+        observation->failure = "record functions were turned off on this thread while it watched";
+}
+
 void end_observation(OpObservation *observation) {
     auto &open = open_observations;
     open.erase(std::remove(open.begin(), open.end(), observation), open.end());
@@ -898,8 +904,7 @@ void end_observation(OpObservation *observation) {
         at::removeCallback(observer_callback);
         observer_callback = 0;
     }
-    if (!at::isRecordFunctionEnabled() && observation->failure == nullptr)
-        observation->failure = "record functions were turned off on this thread while it watched";
+    notice_record_functions_off(observation);
     observation->ended = true;
 }
 
@@ -1016,8 +1021,8 @@ PyObject *op_observer_peek(PyObject *, PyObject *token) {
     OpObservation *observation = own_observation(token, "op_observer_peek");
     if (observation == nullptr)
         return nullptr;
-    if (!observation->ended && !at::isRecordFunctionEnabled() && observation->failure == nullptr)
-        observation->failure = "record functions were turned off on this thread while it watched";
+    if (!observation->ended)
+        notice_record_functions_off(observation);
     return observation_answers(observation);
 }
 

@@ -414,9 +414,7 @@ def _fixed_addresses(capture) -> tuple[int, ...] | None:
     if capture.node_views is None:
         return None
     per_call = [(r.lo, r.hi) for r in capture.inputs] + list(getattr(capture, "pool_memory", ()))
-    for buffer in capture.staged.values():
-        storage = buffer.untyped_storage()
-        per_call.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes()))
+    per_call += [region_keys.storage_range(buffer) for buffer in capture.staged.values()]
     return rebinding.fixed_addresses(capture.node_views, per_call)
 
 

@@ -35,7 +35,7 @@ from replay import rebinding, staging, triton_launches
 from replay.dynamic import Dynamic, DynamicScalar
 from replay.errors import DynamicScalarError
 from replay.observe import TorchOpObserver, op_observer
-from replay.region_keys import byte_range, extent_bytes, flatten, unflatten
+from replay.region_keys import byte_range, extent_bytes, flatten, storage_range, unflatten
 
 _NUMBERS = (int, float, bool)
 
@@ -490,10 +490,9 @@ def _storages_beyond(tensors: dict[int, torch.Tensor], staged: dict) -> dict[int
     """The caller's storage of each staged input that holds more than the input itself."""
     spans = {}
     for i in staged:
-        storage = tensors[i].untyped_storage()
-        lo, hi = storage.data_ptr(), storage.data_ptr() + storage.nbytes()
-        if (lo, hi) != byte_range(tensors[i]):
-            spans[i] = (lo, hi)
+        span = storage_range(tensors[i])
+        if span != byte_range(tensors[i]):
+            spans[i] = span
     return spans
 
 
@@ -523,18 +522,24 @@ def _copy_staged_in(prepared: _CaptureInputs, recorder: _Recorder, staging_launc
         staging.copy(prepared.tensors[i], buffer)
 
 
+def _pointer_addresses(records: Sequence, *, written_only: bool = False) -> Iterator[tuple[object, int]]:
+    """(record, address) of every pointer parameter the records' jit launches pass (only
+    those not read-only, with ``written_only``)."""
+    for record in records:
+        for param in record.params:
+            if param.kind == "pointer" and not (written_only and param.read_only):
+                yield record, int.from_bytes(record.param_bytes[param.offset : param.offset + 8], "little")
+
+
 def _inputs_written(prepared: _CaptureInputs, observation: object, region_records: Sequence) -> set[int]:
     """The inputs the region wrote: those torch ops wrote, and the staged inputs whose buffer
     a jit launch of the region writes through a pointer."""
     watched = len(prepared.watched)
     written = {prepared.watched_index[w] for w in observation.written if w < watched}
-    for record in region_records:
-        for param in record.params:
-            if param.kind == "pointer" and not param.read_only:
-                address = int.from_bytes(record.param_bytes[param.offset : param.offset + 8], "little")
-                for i, buffer in prepared.staged.items():
-                    if buffer.data_ptr() <= address < buffer.data_ptr() + max(extent_bytes(buffer), 1):
-                        written.add(i)
+    for _record, address in _pointer_addresses(region_records, written_only=True):
+        for i, buffer in prepared.staged.items():
+            if buffer.data_ptr() <= address < buffer.data_ptr() + max(extent_bytes(buffer), 1):
+                written.add(i)
     return written
 
 
@@ -569,11 +574,8 @@ def _refuse_staged_inputs_reached_otherwise(prepared: _CaptureInputs, observatio
     first = len(prepared.watched)
     seen = set(observation.read) | set(observation.written)
     reached = {spans[w - first][0] for w in seen if w >= first}
-    for record in region_records:
-        for param in record.params:
-            if param.kind == "pointer":
-                address = int.from_bytes(record.param_bytes[param.offset : param.offset + 8], "little")
-                reached |= {i for i, (lo, hi) in spans if lo <= address < hi}
+    for _record, address in _pointer_addresses(region_records):
+        reached |= {i for i, (lo, hi) in spans if lo <= address < hi}
     if reached:
         paths = {r.index: r.path for r in prepared.inputs}
         names = ", ".join(paths.get(i, f"input {i}") for i in sorted(reached))
@@ -591,16 +593,12 @@ def _refuse_host_misuse(prepared: _CaptureInputs, observation: object, region_re
         raise CaptureFailed(refusals[0])
     if prepared.host is None:
         return
-    for record in region_records:
-        for param in record.params:
-            if param.kind == "pointer" and not param.read_only:
-                address = int.from_bytes(record.param_bytes[param.offset : param.offset + 8], "little")
-                owner = prepared.host.owner(address)
-                if owner is not None:
-                    raise CaptureFailed(
-                        f"{record.kernel} writes host input {prepared.host.paths[owner]}: "
-                        "a graph cannot copy it back exactly"
-                    )
+    for record, address in _pointer_addresses(region_records, written_only=True):
+        owner = prepared.host.owner(address)
+        if owner is not None:
+            raise CaptureFailed(
+                f"{record.kernel} writes host input {prepared.host.paths[owner]}: a graph cannot copy it back exactly"
+            )
 
 
 def _copy_staged_back(

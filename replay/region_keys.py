@@ -976,6 +976,13 @@ def byte_range(tensor: torch.Tensor) -> tuple[int, int]:
     return start, start + extent_bytes(tensor)
 
 
+def storage_range(tensor: torch.Tensor) -> tuple[int, int]:
+    """(first byte, one past the last byte) of the tensor's whole storage."""
+    storage = tensor.untyped_storage()
+    start = storage.data_ptr()
+    return start, start + storage.nbytes()
+
+
 def extent_bytes(tensor: torch.Tensor) -> int:
     """Bytes from the data pointer to one past the last element the tensor can reach."""
     if tensor.is_contiguous():  # the usual tensor, without a walk of its sizes and strides
