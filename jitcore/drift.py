@@ -590,6 +590,13 @@ class GlobalsSnapshot:
         self.check: Callable[[], None] = defined["check"]  # type: ignore[assignment]
         weakref.finalize(self, generated.forget_source, self.filename)
 
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors among the values the snapshot holds (a global, a closure value or a
+        module attribute the code reads): memory the code reaches by name, which replay
+        compares its arguments with."""
+        return [value for value in self.namespace.values() if isinstance(value, torch.Tensor)]
+
     # --- building ------------------------------------------------------------------------
     def _build(self, root: types.FunctionType | None, target: types.FunctionType | None, state: frozenset) -> None:
         p = self.prefix

@@ -240,18 +240,25 @@ class Observation:
     made: set[int]
     launching: str | None
     outputs: object  # what the region returned (dynamic scalars as DynamicScalar)
+    doubts: dict = attrs.Factory(dict)  # recording.input_doubts, taken before the run
 
 
-def observe(fn, spec: object, leaves: Sequence, paths: Sequence[str]) -> Observation:
+def observe(
+    fn, spec: object, leaves: Sequence, paths: Sequence[str], region_tensors: Sequence[torch.Tensor] = ()
+) -> Observation:
     """Run the region eagerly on the call's arguments (dynamic scalars as
     :class:`~replay.dynamic.DynamicScalar`, as a capture passes them, so that launches
-    report where their scalars came from), recording its launches and watching torch."""
+    report where their scalars came from), recording its launches and watching torch.
+    ``region_tensors`` as for a capture (recording.input_doubts)."""
+    doubts = recording.input_doubts(
+        {i: leaf for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)}, region_tensors
+    )
     args, kwargs = recording.region_arguments(spec, leaves, paths, {}, None)
     launches = _Launches()
     observer = LaunchFreeObserver()
     with jitcore.recorder.recording(launches), triton_launches.recording(launches), observer:
         outputs = fn(*args, **kwargs)
-    return Observation(launches.records, observer.made, observer.launching, outputs)
+    return Observation(launches.records, observer.made, observer.launching, outputs, doubts)
 
 
 def plain_outputs(outputs: object) -> object:
@@ -575,7 +582,7 @@ def make_variant(
             views.append(rebinding.NodeView(node.index, "other", handle=recording.node_handle(node)))
     tensors = {i: leaf for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)}
     ranges = recording.input_ranges(tensors, paths)
-    extents = recording.pointer_extents(observation.records, ranges, tensors.values())
+    extents = recording.pointer_extents(observation.records, ranges, tensors.values(), observation.doubts)
     plan = rebinding.build_plan(
         ranges,
         recording.launch_views(records, launch_nodes, None, extents),

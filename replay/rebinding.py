@@ -45,6 +45,20 @@ class InputRange:
 
 
 @attrs.frozen
+class Extent:
+    """The byte range ``[lo, hi)`` of the tensor a pointer parameter came from, recorded for a
+    pointer into an input where the plan cannot take the address alone as proof that the
+    pointer follows the input: the tensor was not the input itself (a view the region made, or
+    another tensor over the same memory), or the recording call's arguments gave another route
+    to that memory. ``doubt`` says why the pointer may belong to another holder of the memory,
+    whose address stays where it is while the input moves (empty: only the range decides)."""
+
+    lo: int
+    hi: int
+    doubt: str = ""
+
+
+@attrs.frozen
 class ParamView:
     """A jit parameter as the plan needs it (a subset of jitcore's ParamRecord).
 
@@ -108,9 +122,9 @@ class LaunchView:
     node: int | None = None  # the graph node it became (raw handle), where the backend says
     checks: tuple[CheckView, ...] = ()
     staging_input: int | None = None  # a staging copy of this input (leaf index) made by replay itself
-    # pointer parameter -> (first byte, one past the last) of the jit argument it came from, where
-    # that is not the input tensor it points into (replay.recording.pointer_extents)
-    extents: Mapping[int, tuple[int, int]] = attrs.Factory(dict)
+    # pointer parameter -> where the jit argument it came from lies, for pointers into an input
+    # whose provenance the plan must check (replay.recording.pointer_extents)
+    extents: Mapping[int, Extent] = attrs.Factory(dict)
 
 
 @attrs.frozen
@@ -485,7 +499,12 @@ class _Planner:
             # whose pointers must follow the input like any other)
             owner = owners[0]
             extent = None if staging_copy else launch.extents.get(param.index)
-            if extent is not None and not (owner.lo <= extent[0] and extent[1] <= owner.hi):
+            if extent is not None and extent.doubt:
+                raise _Refused(
+                    f"{launch.kernel}: pointer parameter {param.index} points into input {owner.path}, but "
+                    f"{extent.doubt}: replay cannot tell whether the pointer moves with the input"
+                )
+            if extent is not None and not (owner.lo <= extent.lo and extent.hi <= owner.hi):
                 raise _Refused(
                     f"{launch.kernel}: pointer parameter {param.index} points into input {owner.path} but came from "
                     "a tensor that reaches beyond it (a global or closure tensor holding the input, or a view wider "

@@ -15,13 +15,17 @@ session's pool is private and nothing captured runs until the graph is launched)
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import enum
 import itertools
+import logging
+import os
 import struct
+import sys
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 import attrs
 import numpy as np
@@ -36,6 +40,8 @@ from replay.dynamic import Dynamic, DynamicScalar
 from replay.errors import DynamicScalarError
 from replay.observe import TorchOpObserver, op_observer
 from replay.region_keys import byte_range, extent_bytes, flatten, storage_range, unflatten
+
+log = logging.getLogger("replay")
 
 _NUMBERS = (int, float, bool)
 
@@ -171,18 +177,65 @@ def _forget_pool(device: int, pool: tuple) -> None:
 
 def pool_segments(device: int, pool: tuple) -> list[tuple[int, int]]:
     """(address, bytes) of each segment of a private memory pool, from the allocator's
-    snapshot (which also updates :func:`known_pool_bytes`)."""
-    try:
-        segments = torch.cuda.memory_snapshot(mempool_id=pool, include_traces=False)
-        found = [(s["address"], s["total_size"]) for s in segments if s.get("device", device) == device]
-    except TypeError:  # older torch: no per-pool snapshot
+    snapshot (which also updates :func:`known_pool_bytes`). Asked of the pool alone where
+    torch answers that safely (see :func:`_one_pool_snapshot_takes_its_ids`), else taken
+    from the whole allocator's snapshot, each segment's pool read from it."""
+    found = None
+    if not _one_pool_snapshot_takes_its_ids():
+        try:
+            segments = torch.cuda.memory_snapshot(mempool_id=pool, include_traces=False)
+            found = [(s["address"], s["total_size"]) for s in segments if s.get("device", device) == device]
+        except TypeError:  # older torch: no per-pool snapshot
+            pass
+    if found is None:
         found = [
             (s["address"], s["total_size"])
-            for s in torch.cuda.memory_snapshot()
+            for s in _whole_snapshot()
             if s.get("device") == device and tuple(s.get("segment_pool_id", ())) == tuple(pool)
         ]
     _KNOWN_POOL_BYTES[(device, tuple(pool))] = sum(size for _, size in found)
     return found
+
+
+def _whole_snapshot() -> list[dict]:
+    try:
+        return torch.cuda.memory_snapshot(include_traces=False)
+    except TypeError:  # older torch: traces always
+        return torch.cuda.memory_snapshot()
+
+
+#: Whether torch's snapshot of one pool takes a reference from each number of the pool's id
+#: (empty: not asked yet). torch 2.11's ``_cuda_memorySnapshot`` does: each call frees a
+#: reference it never held. Numbers up to 256 are shared forever and survive it; a process's
+#: 257th pool has ids that do not, and a few recordings later the interpreter read freed
+#: memory (crashes in unrelated code, found by the GPU suite). Where it does, pool_segments
+#: filters the whole snapshot instead, which costs more per recording but takes nothing.
+_SNAPSHOT_TAKES_POOL_IDS: list[bool] = []
+
+
+def _one_pool_snapshot_takes_its_ids() -> bool:
+    """Asked once per process, of numbers no pool has (made now, so that nothing else holds
+    them): whether a one-pool snapshot leaves them with fewer references than it found. What
+    it took from them is given back (through the C API, as torch took it), so that they are
+    freed once, when their last holder lets go."""
+    if not _SNAPSHOT_TAKES_POOL_IDS:
+        numbers = ((1 << 52) + os.getpid(), (1 << 53) + os.getpid())
+        spare = list(numbers)  # a second holder of each while the snapshot may take one
+        before = [sys.getrefcount(n) for n in numbers]
+        try:
+            torch.cuda.memory_snapshot(mempool_id=numbers, include_traces=False)
+        except TypeError:  # older torch: no per-pool snapshot (pool_segments falls back)
+            pass
+        after = [sys.getrefcount(n) for n in numbers]  # (read as `before` was: no other holder between)
+        taken = [held - now for held, now in zip(before, after)]
+        for number, count in zip(numbers, taken):
+            for _ in range(max(count, 0)):
+                ctypes.pythonapi.Py_IncRef(ctypes.py_object(number))
+        del spare
+        _SNAPSHOT_TAKES_POOL_IDS.append(any(taken))
+        if any(taken):
+            log.info("torch's one-pool memory snapshot takes references from the pool's id: filtering whole snapshots")
+    return _SNAPSHOT_TAKES_POOL_IDS[0]
 
 
 def pool_bytes(device: int, pool: tuple) -> int:
@@ -425,6 +478,8 @@ class _CaptureInputs:
     # input: memory a global or closure tensor may reach it through (watched too, after
     # ``watched``: see observed_ranges and _refuse_staged_inputs_reached_otherwise)
     staged_storages: dict[int, tuple[int, int]] = attrs.Factory(dict)
+    # input -> why a pointer into it may not follow it (input_doubts, taken before the region ran)
+    doubts: dict[int, InputDoubt] = attrs.Factory(dict)
 
     def observed_ranges(self) -> list[tuple[int, int]]:
         """What the torch-op observer watches: ``watched``, then ``staged_storages``."""
@@ -457,9 +512,12 @@ def input_ranges(tensors: dict[int, torch.Tensor], paths: Sequence[str]) -> list
     return [rebinding.InputRange(i, paths[i], *byte_range(t)) for i, t in tensors.items()]
 
 
-def _prepare_inputs(leaves: Sequence, paths: Sequence[str], *, device: int, stage: set[int]) -> _CaptureInputs:
-    """Check the tensor inputs are on the capture's device and make the staged inputs'
-    buffers (refusing inputs that cannot be staged). Raises CaptureFailed."""
+def _prepare_inputs(
+    leaves: Sequence, paths: Sequence[str], *, device: int, stage: set[int], region_tensors: Iterable = ()
+) -> _CaptureInputs:
+    """Check the tensor inputs are on the capture's device, note which of them the region may
+    reach by another route (:func:`input_doubts`), and make the staged inputs' buffers
+    (refusing inputs that cannot be staged). Raises CaptureFailed."""
     tensors = {i: leaf for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)}
     on_host = {i: t for i, t in tensors.items() if t.device.type == "cpu"}
     for i, tensor in on_host.items():
@@ -470,6 +528,10 @@ def _prepare_inputs(leaves: Sequence, paths: Sequence[str], *, device: int, stag
     for i, tensor in tensors.items():
         if tensor.device.type != "cuda" or tensor.device.index != device:
             raise CaptureFailed(f"input {paths[i]} is on {tensor.device}, the current device is cuda:{device}")
+    doubts = input_doubts(tensors, region_tensors)
+    for i, doubt in doubts.items():
+        if doubt.itself:  # every route to it, torch ops' included, is the global's as well
+            raise CaptureFailed(f"input {paths[i]}: {doubt.reason}, so replay cannot tell which route reaches it")
     stage = set(stage) - set(on_host)  # a warm-up saw torch read them: they are staged apart
     host = host_inputs.HostInputs(on_host, {i: paths[i] for i in on_host}) if on_host else None
     inputs = input_ranges(tensors, paths)
@@ -483,15 +545,25 @@ def _prepare_inputs(leaves: Sequence, paths: Sequence[str], *, device: int, stag
         staging.prepare(staged[i], tensors[i])
     watched = [(r.lo, r.hi) for r in inputs] + [byte_range(b) for b in staged.values()]
     watched_index = [r.index for r in inputs] + list(staged)
-    return _CaptureInputs(tensors, inputs, staged, watched, watched_index, host, _storages_beyond(tensors, staged))
+    return _CaptureInputs(
+        tensors,
+        inputs,
+        staged,
+        watched,
+        watched_index,
+        host,
+        _storages_beyond(tensors, staged, doubts),
+        doubts,
+    )
 
 
-def _storages_beyond(tensors: dict[int, torch.Tensor], staged: dict) -> dict[int, tuple[int, int]]:
-    """The caller's storage of each staged input that holds more than the input itself."""
+def _storages_beyond(tensors: dict[int, torch.Tensor], staged: dict, doubts: Mapping) -> dict[int, tuple[int, int]]:
+    """The caller's storage of each staged input that holds more than the input itself, or
+    that another tensor held when the call began (``doubts``: a global may reach it)."""
     spans = {}
     for i in staged:
         span = storage_range(tensors[i])
-        if span != byte_range(tensors[i]):
+        if span != byte_range(tensors[i]) or i in doubts:
             spans[i] = span
     return spans
 
@@ -769,6 +841,7 @@ def capture(
     copy_back: set[int],
     observe: bool = True,
     storages: bool = False,
+    region_tensors: Iterable[torch.Tensor] = (),
 ) -> Capture:
     """Record ``fn`` once. Raises CaptureAborted or CaptureFailed.
 
@@ -777,14 +850,16 @@ def capture(
     under the observer and saw no torch op touch an input. The node scan after capture still
     catches foreign kernels and copies that reach an input. ``storages=True`` keeps, per
     launch, the storage each pointer parameter pointed into (``Capture.pointer_storages``,
-    for replay.polymorphic).
+    for replay.polymorphic). ``region_tensors``: the tensors the region's globals and
+    closures hold (an argument that is one of them is reached both ways: see
+    :func:`input_doubts`).
 
     The steps: prepare the inputs; then, holding :data:`CAPTURES` exclusively from capture
     begin to instantiate: record the region, give its outputs memory of their own,
     instantiate the graph, and build the :class:`Capture`."""
     clock = time.perf_counter
     timings = {"start": clock()}
-    prepared = _prepare_inputs(leaves, paths, device=device, stage=stage)
+    prepared = _prepare_inputs(leaves, paths, device=device, stage=stage, region_tensors=region_tensors)
     host = prepared.host
     args, kwargs = region_arguments(spec, leaves, paths, prepared.staged, host.buffers if host else None)
     if host is not None:  # always observed: a torch op reading host values would bake them in
@@ -823,7 +898,7 @@ def capture(
             storage_uses = pointer_storages(
                 recorder.records, lambda base: any(a <= base < a + size for a, size in segments)
             )
-        extents = pointer_extents(recorder.records, prepared.inputs, prepared.tensors.values())
+        extents = pointer_extents(recorder.records, prepared.inputs, prepared.tensors.values(), prepared.doubts)
         # Records must not keep the capture's tensors alive: intermediates freed now return to
         # the pool, where the next graph recorded into it reuses them.
         records = [r.with_args(tuple(map(scalar_or_none, r.args))) for r in recorder.records]
@@ -866,17 +941,24 @@ _POINTER = struct.Struct("<Q")
 
 
 def pointer_extents(
-    records: Sequence, inputs: Sequence[rebinding.InputRange], tensors: Iterable[torch.Tensor]
-) -> list[dict[int, tuple[int, int]]]:
-    """Per launch record (its ``args`` still the tensors), ``{parameter index: (first byte,
-    one past the last)}`` of the jit argument a pointer parameter came from, for each pointer
-    into an input whose jit argument is not that input tensor itself (a view of it, or a
-    global or closure tensor that happens to hold it). The plan binds a pointer to an input
-    by its address; it must not where the tensor the pointer came from reaches beyond that
-    input (``cache`` passed to a kernel while ``cache[0]`` is the argument: the global must
-    stay where it is, the argument moves), see rebinding's bind_pointer."""
+    records: Sequence,
+    inputs: Sequence[rebinding.InputRange],
+    tensors: Iterable[torch.Tensor],
+    doubts: Mapping[int, InputDoubt] | None = None,
+) -> list[dict[int, rebinding.Extent]]:
+    """Per launch record (its ``args`` still the tensors), ``{parameter index: Extent}`` of the
+    jit argument a pointer parameter came from, for each pointer into an input whose jit
+    argument is not that input tensor itself (a view of it, or a global or closure tensor that
+    happens to hold it), and for each pointer into an input ``doubts`` (:func:`input_doubts`)
+    names. The plan binds a pointer to an input by its address; it must not where the tensor
+    the pointer came from reaches beyond that input (``cache`` passed to a kernel while
+    ``cache[0]`` is the argument: the global must stay where it is, the argument moves), nor
+    where another holder of the input's memory may have given it (the extent's ``doubt``; see
+    rebinding's bind_pointer)."""
     if not inputs:
         return [{} for _ in records]
+    doubts = doubts or {}
+    itself_doubted = any(d.itself for d in doubts.values())
     own = {id(t) for t in tensors}
     # every address inputs_at can place lies in [lowest, highest]: most pointers (the
     # region's intermediates) are answered by this one comparison
@@ -885,13 +967,67 @@ def pointer_extents(
     for record in records:
         found = {}
         for param, tensor in _pointer_tensors(record):
-            if id(tensor) in own:
+            itself = id(tensor) in own
+            if itself and not itself_doubted:
                 continue  # the input itself (most pointers into inputs): its range is the input's
             (address,) = _POINTER.unpack_from(record.param_bytes, param.offset)
-            if lowest <= address <= highest and rebinding.inputs_at(inputs, address):  # the plan's rule
-                found[param.index] = byte_range(tensor)
+            if not lowest <= address <= highest:
+                continue
+            owners = rebinding.inputs_at(inputs, address)  # the plan's rule
+            doubt = next(
+                (
+                    doubts[o.index].reason
+                    for o in owners
+                    if o.index in doubts and (doubts[o.index].itself or not itself)
+                ),
+                "",
+            )
+            if owners and (doubt or not itself):
+                found[param.index] = rebinding.Extent(*byte_range(tensor), doubt)
         result.append(found)
     return result
+
+
+@attrs.frozen
+class InputDoubt:
+    """Why a pointer into an input may not follow the input (see :func:`input_doubts`);
+    ``itself``: even a pointer the input tensor itself gave."""
+
+    reason: str
+    itself: bool
+
+
+#: A tensor alone holds its storage twice: its own reference and its Python storage object's.
+_ALONE = 2
+
+
+def input_doubts(tensors: Mapping[int, torch.Tensor], region_tensors: Iterable[torch.Tensor] = ()) -> dict:
+    """The inputs whose memory the region may reach by another route than the argument, as
+    the call begins (before the region makes views of its own), by input index.
+
+    A kernel's pointer into an input binds to the input by its address, so the plan must know
+    the pointer came through the argument. When another tensor holds the input's storage too
+    (the argument is ``cache[1]`` while ``cache`` lives on; a view the caller keeps; a global
+    over the same memory), a tensor the region passes that is not the input itself may be the
+    other holder's (``cache[1]`` made from the global), at an address that stays where it is
+    while the argument moves. When the argument is the very tensor a global or closure of the
+    region holds, even the input itself may have come through the global. Either way the
+    recording cannot tell, and the plan refuses such pointers (exact: the key runs eagerly).
+    ``region_tensors``: the tensors the region's globals and closures hold
+    (``GlobalsSnapshot.tensors``)."""
+    held = {id(t) for t in region_tensors}
+    doubts = {}
+    for i, tensor in tensors.items():
+        if id(tensor) in held:
+            doubts[i] = InputDoubt("the argument is a tensor the region also reads as a global or closure value", True)
+        elif torch._C._storage_Use_Count(tensor.untyped_storage()._cdata) > _ALONE:
+            doubts[i] = InputDoubt(
+                "it came from a tensor other than the argument, and when the call began another tensor held the "
+                "argument's memory too (the argument is a view of a larger tensor, or a global or a view the caller "
+                "keeps shares it), so the pointer may be that tensor's",
+                False,
+            )
+    return doubts
 
 
 def _pointer_tensors(record) -> Iterator[tuple[object, torch.Tensor]]:

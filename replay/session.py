@@ -1075,7 +1075,9 @@ class Region:
         self._count_eager(None)
         with _SHARED_CAPTURE_EXCLUSION:
             try:
-                observation = polymorphic.observe(self.fn, spec, leaves, paths)
+                observation = polymorphic.observe(
+                    self.fn, spec, leaves, paths, self.snapshot.tensors if self.snapshot is not None else ()
+                )
             except DynamicScalarError as error:
                 raise ReplayError(
                     f"region {self.name}: at this size it uses a dynamic() value where the bucket's graph does not "
@@ -1296,6 +1298,7 @@ class Region:
                     copy_back=entry.copy_back_hint - overlapping,
                     observe=not entry.observed_clean,
                     storages=session.policy.polymorphic,
+                    region_tensors=self.snapshot.tensors,
                 )
             except jitcore.recorder.CaptureBusy:
                 return self._eager(spec, leaves, entry)  # called inside another region's eager run

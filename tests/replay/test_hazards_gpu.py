@@ -789,7 +789,8 @@ def test_a_global_that_holds_the_argument_stays_where_it_is(region):
                 got = step(replay_cache[i], x)
                 assert same(got, expected) and same(replay_cache, eager_cache), i
         # (staged, the argument is refused as one the region reaches through another tensor)
-        refusals = ("reaches beyond it", "through another tensor")
+        # (or, before either, as an argument whose memory another tensor held when the call began)
+        refusals = ("reaches beyond it", "through another tensor", "another tensor held the argument's memory")
         assert any(r in str(w.message) for w in caught for r in refusals), [str(w.message) for w in caught]
 
 
@@ -840,6 +841,19 @@ def test_torch_ops_on_the_inputs_are_exact_whichever_call_records(region, record
 
 
 # --- an argument that is a view of memory the graph reaches at a fixed address ------------------
+def _called_alike(step, eager_step, arguments, label) -> None:
+    """One call of the region and one of eager, on the same fresh ``x``: ``arguments`` is the
+    pair (the region's, eager's) of a global's rows or the global itself, or None for a
+    tensor of its own (fresh, and equal after the calls as before)."""
+    x = torch.randn(256, device="cuda")
+    if arguments is None:
+        mine = torch.randn(256, device="cuda")
+        arguments = (mine, mine.clone())
+    expected, got = eager_step(arguments[1], x.clone()), step(arguments[0], x)
+    assert same(arguments[0], arguments[1]), label
+    assert same(got, expected), label
+
+
 def _torch_writes_the_argument_torch_reads_the_global(cache):
     def step(row, x):
         row.add_(x)  # staged (a torch op writes it), copied back after the graph
@@ -883,6 +897,25 @@ def _a_kernel_writes_the_argument_a_kernel_reads_the_global(cache):
     return step
 
 
+def _kernels_write_rows_of_the_global(cache):
+    def step(row, x):  # the argument is untouched; rows of the global, by name, at their address
+        add_one(x, cache[1])
+        add_one(x, cache[0])
+        return x.clone()
+
+    return step
+
+
+def _a_kernel_reads_the_argument_and_writes_a_row_of_the_global(cache):
+    def step(row, x):  # recorded with row = cache[0], both pointers are one address
+        y = torch.empty(256, device="cuda")
+        add_one(row, y)
+        add_one(x, cache[0])
+        return y
+
+    return step
+
+
 @pytest.mark.parametrize("record_after", [0, 1])
 @pytest.mark.parametrize("rows_first", [False, True], ids=["tensors_first", "rows_first"])
 @pytest.mark.parametrize(
@@ -893,6 +926,8 @@ def _a_kernel_writes_the_argument_a_kernel_reads_the_global(cache):
         _a_kernel_writes_the_global_torch_reads_the_argument,
         _torch_writes_the_argument_torch_reads_a_row_of_the_global,
         _a_kernel_writes_the_argument_a_kernel_reads_the_global,
+        _kernels_write_rows_of_the_global,
+        _a_kernel_reads_the_argument_and_writes_a_row_of_the_global,
     ],
 )
 def test_an_argument_inside_memory_the_graph_reaches_otherwise_is_exact(region, rows_first, record_after):
@@ -911,16 +946,56 @@ def test_an_argument_inside_memory_the_graph_reaches_otherwise_is_exact(region, 
         warnings.simplefilter("ignore", replay.ReplayWarning)
         step = session.region(replay_region)
         for number, (kind, i) in enumerate(rows + own if rows_first else own + rows):
-            x = torch.randn(256, device="cuda")
-            if kind == "own":
-                mine = torch.randn(256, device="cuda")
-                theirs = mine.clone()
-                expected, got = eager_step(theirs, x.clone()), step(mine, x)
-                assert same(mine, theirs), number
-            else:
-                expected, got = eager_step(eager_cache[i], x.clone()), step(replay_cache[i], x)
-            assert same(got, expected), (number, kind, i)
+            rows_of = None if kind == "own" else (replay_cache[i], eager_cache[i])
+            _called_alike(step, eager_step, rows_of, (number, kind, i))
             assert same(replay_cache, eager_cache), (number, kind, i)
+
+
+# --- the global itself as the argument -------------------------------------------------------
+def _writes_the_global_reads_the_argument(table):
+    def step(t, x):
+        add_one(x, table)  # the global, by name: it stays where it is
+        y = torch.empty(256, device="cuda")
+        add_one(t, y)  # the argument: it moves
+        return y
+
+    return step
+
+
+def _reads_the_argument_writes_the_global(table):
+    def step(t, x):
+        y = torch.empty(256, device="cuda")
+        add_one(t, y)
+        add_one(x, table)
+        add_one(table, x)  # reads the global after writing it: x is the global plus two
+        return y, x.clone()
+
+    return step
+
+
+@pytest.mark.parametrize("record_after", [0, 1])
+@pytest.mark.parametrize("region", [_writes_the_global_reads_the_argument, _reads_the_argument_writes_the_global])
+def test_the_very_tensor_a_global_holds_as_the_argument_is_exact(region, record_after):
+    """Called first with the global tensor itself, then with tensors of their own, then with
+    the global again: recorded with the global, every pointer into it came from the argument
+    and the global alike (one object), so the key is refused; recorded with a tensor of its
+    own, the replay is exact for the global too (its addresses are the ones eager uses)."""
+    initial = torch.randn(256, device="cuda")
+    eager_table, replay_table = initial.clone(), initial.clone()
+    eager_step, replay_region = region(eager_table), region(replay_table)
+    with replay.capture(record_after=record_after) as session, warnings.catch_warnings():
+        warnings.simplefilter("ignore", replay.ReplayWarning)
+        step = session.region(replay_region)
+        for number, kind in enumerate(["global"] * 3 + ["own"] * 3 + ["global", "own"]):
+            _called_alike(step, eager_step, None if kind == "own" else (replay_table, eager_table), (number, kind))
+            assert same(replay_table, eager_table), (number, kind)
+    with replay.capture(record_after=record_after) as session, warnings.catch_warnings():
+        warnings.simplefilter("ignore", replay.ReplayWarning)
+        step = session.region(replay_region)  # tensors of their own first: replays
+        for number, kind in enumerate(["own"] * 3 + ["global"] * 2 + ["own"]):
+            _called_alike(step, eager_step, None if kind == "own" else (replay_table, eager_table), (number, kind))
+            assert same(replay_table, eager_table), (number, kind)
+        assert session.stats().replays >= 1
 
 
 # --- random regions over an argument and a global that may hold it -----------------------------
@@ -1018,14 +1093,6 @@ def test_random_regions_over_an_argument_and_a_global_that_may_hold_it(seed):
             warnings.simplefilter("ignore", replay.ReplayWarning)
             step = session.region(replay_region)
             for call in range(10):
-                x = torch.randn(256, device="cuda")
-                k = rng.randrange(5)
-                if k == 4:  # a tensor of its own
-                    mine = torch.randn(256, device="cuda")
-                    theirs = mine.clone()
-                    expected, got = eager_step(theirs, x.clone()), step(mine, x)
-                    assert same(mine, theirs), (shown, call)
-                else:
-                    expected, got = eager_step(eager_cache[k], x.clone()), step(replay_cache[k], x)
-                assert same(got, expected), (shown, call, k)
+                k = rng.randrange(5)  # 4: a tensor of its own
+                _called_alike(step, eager_step, None if k == 4 else (replay_cache[k], eager_cache[k]), (shown, call, k))
                 assert same(replay_cache, eager_cache), (shown, call, k)

@@ -14,6 +14,7 @@ from replay.rebinding import (
     STAGED,
     UNUSED,
     ConfigView,
+    Extent,
     InputRange,
     LaunchView,
     NodeView,
@@ -319,8 +320,8 @@ def test_the_inputs_each_node_reaches_are_decided_at_once_as_node_by_node(bounds
 # --- pointers from tensors that reach beyond the input they point into --------------------------
 
 
-def _with_extents(view: LaunchView, extents: dict[int, tuple[int, int]]) -> LaunchView:
-    return attrs.evolve(view, extents=extents)
+def _with_extents(view: LaunchView, extents: dict[int, tuple]) -> LaunchView:
+    return attrs.evolve(view, extents={param: Extent(*extent) for param, extent in extents.items()})
 
 
 def test_a_global_holding_the_argument_is_never_rebound_to_it():
@@ -335,6 +336,25 @@ def test_a_global_holding_the_argument_is_never_rebound_to_it():
     result = plan([row0], [write_row, col_sums], [node_for(0, write_row), node_for(1, col_sums)])
     assert result.failure is not None and "reaches beyond it" in result.failure and "args[0]" in result.failure
     assert "col_sums: pointer parameter 0" in result.failure
+
+
+@settings(max_examples=200, deadline=None)
+@given(offset=st.integers(0, 4095), width=st.integers(1, 4096), itself=st.booleans())
+def test_a_pointer_whose_provenance_is_in_doubt_refuses_the_capture_wherever_it_lies(offset, width, itself):
+    """A pointer into an input that another holder of its memory may have given (the call's
+    argument a row of a live tensor, or the very tensor a global holds) refuses the capture,
+    even where its tensor lies inside the input: the address cannot say whether it follows
+    the input. Without the doubt the same extent binds."""
+    address = X.lo + offset
+    lo, hi = address, min(address + width, X.hi)
+    doubt = "the argument is a tensor the region also reads as a global or closure value" if itself else "maybe"
+    doubted = _with_extents(launch(0xF1, [(address, True)]), {0: (lo, hi, doubt)})
+    result = plan([X, Y], [doubted], [node_for(0, doubted)])
+    assert result.failure is not None and result.pointers == []
+    assert f"points into input {X.path}, but {doubt}" in result.failure and "cannot tell" in result.failure
+    clear = _with_extents(launch(0xF1, [(address, True)]), {0: (lo, hi)})
+    result = plan([X, Y], [clear], [node_for(0, clear)])
+    assert result.failure is None and [(b.input, b.delta) for b in result.pointers] == [(0, offset)]
 
 
 @settings(max_examples=300, deadline=None)
@@ -361,7 +381,7 @@ def test_extents_of_pointers_outside_inputs_or_of_staging_copies_are_ignored():
     outside = _with_extents(launch(0xF1, [(0x50000, True)]), {0: (0x40000, 0x90000)})
     result = plan([X, Y], [outside], [node_for(0, outside)])
     assert result.failure is None and result.pointers == []
-    copy = attrs.evolve(launch(0xC0, [(X.lo, True)]), staging_input=0, extents={0: (X.lo - 64, X.hi + 64)})
+    copy = attrs.evolve(launch(0xC0, [(X.lo, True)]), staging_input=0, extents={0: Extent(X.lo - 64, X.hi + 64)})
     result = plan([X, Y], [copy], [node_for(0, copy)], staged={0})
     assert result.failure is None and [(b.input, b.delta) for b in result.pointers] == [(0, 0)]
 

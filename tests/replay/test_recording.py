@@ -89,7 +89,7 @@ def test_pointer_extents_name_the_tensors_that_are_not_the_input_itself():
 
     from jitcore.recorder import ParamRecord
     from replay import rebinding
-    from replay.recording import pointer_extents
+    from replay.recording import InputDoubt, pointer_extents
     from replay.region_keys import byte_range
 
     cache = torch.randn(4, 8)
@@ -108,16 +108,61 @@ def test_pointer_extents_name_the_tensors_that_are_not_the_input_itself():
 
     records = [record(row, inner), record(cache, elsewhere), record(elsewhere)]
     extents = pointer_extents(records, inputs, [row])
-    assert extents == [{1: byte_range(inner)}, {0: byte_range(cache)}, {}]
+    assert extents == [{1: rebinding.Extent(*byte_range(inner))}, {0: rebinding.Extent(*byte_range(cache))}, {}]
     assert pointer_extents(records, [], [row]) == [{}, {}, {}]
+
+    # an input another tensor held when the call began: pointers from other tensors carry the
+    # doubt, the input's own pointers do not; an input a global holds: every pointer into it
+    some, every = InputDoubt("shared", itself=False), InputDoubt("a global", itself=True)
+    doubted = pointer_extents(records, inputs, [row], {0: some})
+    assert doubted == [
+        {1: rebinding.Extent(*byte_range(inner), "shared")},
+        {0: rebinding.Extent(*byte_range(cache), "shared")},
+        {},
+    ]
+    doubted = pointer_extents(records, inputs, [row], {0: every})
+    assert doubted[0] == {
+        0: rebinding.Extent(*byte_range(row), "a global"),
+        1: rebinding.Extent(*byte_range(inner), "a global"),
+    }
+    assert doubted[2] == {}
 
     # the edges of the inputs' span: one past an input's last byte is outside it, but an empty
     # input sits exactly at its address (inputs_at's two rules, which the quick span test keeps)
     after = cache[1]  # starts one past row's last byte
     empty = rebinding.InputRange(1, "args[1]", after.data_ptr(), after.data_ptr())
     at_end = [record(after), record(cache[0, :1])]
-    assert pointer_extents(at_end, inputs, [row]) == [{}, {0: byte_range(cache[0, :1])}]
-    assert pointer_extents(at_end, [*inputs, empty], [row]) == [{0: byte_range(after)}, {0: byte_range(cache[0, :1])}]
+    first = rebinding.Extent(*byte_range(cache[0, :1]))
+    assert pointer_extents(at_end, inputs, [row]) == [{}, {0: first}]
+    assert pointer_extents(at_end, [*inputs, empty], [row]) == [{0: rebinding.Extent(*byte_range(after))}, {0: first}]
+
+
+def test_input_doubts_name_the_inputs_whose_memory_another_tensor_or_the_region_holds():
+    """Taken before the region runs: a tensor alone (whole or freshly made) is in no doubt; a
+    row of a tensor that lives on, a tensor with a view the caller keeps, or one a detached
+    alias shares, is (for pointers other tensors give); the very tensor a global of the
+    region holds is, for every pointer. The check reads torch's own count of the storage's
+    holders, so it is tested on every kind of holder rather than on one case."""
+    import torch
+
+    from replay.recording import input_doubts
+
+    alone, fresh = torch.randn(4, 8), torch.randn(4, 8)[1].clone()
+    base = torch.randn(4, 8)
+    row = base[1]
+    kept = torch.randn(16)
+    kept_view = kept[2:]  # noqa: F841 (kept alive: the caller holds a view)
+    aliased = torch.randn(16)
+    alias = aliased.detach()  # noqa: F841
+    held = torch.randn(8)
+    tensors = {0: alone, 1: fresh, 2: row, 3: kept, 4: aliased, 5: held}
+    doubts = input_doubts(tensors, [held, torch.randn(3)])
+    assert set(doubts) == {2, 3, 4, 5}
+    assert [doubts[i].itself for i in (2, 3, 4, 5)] == [False, False, False, True]
+    assert "global or closure" in doubts[5].reason and "other than the argument" in doubts[2].reason
+    assert input_doubts({0: alone, 1: fresh}) == {}
+    del base  # the row alone still holds its base alive: still in doubt
+    assert set(input_doubts({2: row})) == {2}
 
 
 def _record_with(args, params, data):
@@ -151,9 +196,12 @@ def test_a_staged_input_reached_through_other_memory_refuses_the_capture():
     staged = {0: torch.empty(8), 1: torch.empty(8)}
     inputs = input_ranges(tensors, ["args[0]", "args[1]"])
     watched = [(r.lo, r.hi) for r in inputs] + [byte_range(b) for b in staged.values()]
-    storages = _storages_beyond(tensors, staged)
+    storages = _storages_beyond(tensors, staged, {})
     storage = cache.untyped_storage()
     assert storages == {0: (storage.data_ptr(), storage.data_ptr() + storage.nbytes())}  # own's is its own
+    # a whole tensor another tensor held when the call began (a global over the same memory):
+    # its storage is watched too, though it holds nothing beyond the input
+    assert _storages_beyond(tensors, staged, {1: None}) == {**storages, 1: byte_range(own)}
     prepared = _CaptureInputs(tensors, inputs, staged, watched, [0, 1, 0, 1], None, storages)
     assert prepared.observed_ranges() == [*watched, storages[0]]
     first = len(watched)
@@ -177,3 +225,57 @@ def test_a_staged_input_reached_through_other_memory_refuses_the_capture():
         with pytest.raises(CaptureFailed, match=r"args\[0\] must be staged .* another tensor"):
             _refuse_staged_inputs_reached_otherwise(prepared, seen, records)
     assert prepared.leaves_seen(range(first + 1)) == set()  # (both inputs staged; the storage's range ignored)
+
+
+def test_pool_segments_never_hand_a_pool_id_to_a_snapshot_that_takes_its_references(monkeypatch):
+    """torch 2.11's one-pool snapshot frees a reference of each number of the pool's id. The
+    probe (numbers of its own, once per process) finds it, and from then on pool_segments
+    filters the whole snapshot by each segment's pool; where the one-pool snapshot takes
+    nothing, it is asked for the pool alone. Stand-ins for torch's snapshot, one that takes a
+    reference the way torch's does (through the C API) and one that does not. The probe's own
+    numbers get back what was taken (else this test would crash the process later)."""
+    import ctypes
+    import sys
+
+    import torch
+
+    from replay import recording
+
+    segments = [
+        {"device": 0, "address": 0x1000, "total_size": 512, "segment_pool_id": (0, 300)},
+        {"device": 0, "address": 0x9000, "total_size": 256, "segment_pool_id": (0, 7)},
+        {"device": 1, "address": 0x5000, "total_size": 128, "segment_pool_id": (0, 300)},
+    ]
+
+    def snapshot(takes):
+        calls = []
+
+        def memory_snapshot(mempool_id=None, include_traces=True):
+            calls.append(mempool_id)
+            if mempool_id is None:
+                return segments
+            if takes:
+                for number in mempool_id:
+                    ctypes.pythonapi.Py_DecRef(ctypes.py_object(number))
+            return [s for s in segments if s["segment_pool_id"] == tuple(mempool_id)]
+
+        return memory_snapshot, calls
+
+    pool = (0, 299 + int("1"))  # 300, made at run time: an object of its own
+    for takes in (True, False):
+        fake, calls = snapshot(takes)
+        monkeypatch.setattr(torch.cuda, "memory_snapshot", fake)
+        monkeypatch.setattr(recording, "_SNAPSHOT_TAKES_POOL_IDS", [])
+        assert recording.pool_segments(0, pool) == [(0x1000, 512)]
+        held = sys.getrefcount(pool[1])  # (known_pool_bytes keeps the id too)
+        for _ in range(4):
+            assert recording.pool_segments(0, pool) == [(0x1000, 512)]
+        assert recording.known_pool_bytes(0, pool) == 512
+        now = sys.getrefcount(pool[1])  # (read outside an assert: pytest's rewrite holds operands)
+        assert now == held
+        probe, *rest = calls
+        assert probe is not None and tuple(probe) != pool and min(probe) > 2**52
+        probe_refs = sys.getrefcount(probe[0])
+        assert probe_refs == 2  # calls and this call's argument: nothing taken
+        assert rest == ([None] * 5 if takes else [pool] * 5)
+        assert recording._one_pool_snapshot_takes_its_ids() is takes

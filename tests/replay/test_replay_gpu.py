@@ -773,3 +773,38 @@ def test_weights_requiring_grad_under_grad_mode_run_eagerly_with_their_grad_fn_a
             for _ in range(4):
                 assert torch.equal(step(x), model_step(x))
         assert session.stats().replays >= 2, session.report()
+
+
+def _double_then_relu(x):
+    y = torch.empty_like(x)
+    scaled(x, y, 2.0)
+    z = torch.empty_like(x)
+    relu(y, z)
+    return z
+
+
+def test_a_session_with_pool_ids_past_256_leaves_their_numbers_every_reference():
+    """torch's pool ids count up from (0, 1), and numbers above 256 are objects of their own.
+    torch 2.11's one-pool memory snapshot takes a reference from each number of the id it is
+    given; every recording measures its pool, so after a few recordings into a session's
+    257th pool the numbers were freed while the session held them (crashes elsewhere, later).
+    Recordings into such a pool take no reference from the id's numbers, and replay exactly."""
+    import sys
+
+    handles = [torch.cuda.graph_pool_handle() for _ in range(300)]  # the next pool's id is past 256
+    assert max(handles[-1]) > 256
+    with replay.capture(record_after=0) as session:
+        step = session.region(_double_then_relu)
+        first = torch.randn(3, 64, device="cuda")
+        assert torch.equal(step(first), _double_then_relu(first))
+        pool = session.pool(torch.cuda.current_device())
+        numbers = [n for n in pool if n > 256]
+        assert numbers, pool
+        before = [sys.getrefcount(n) for n in numbers]
+        for rows in range(4, 16):  # a new key each: a capture and a measure of the pool each
+            for _ in range(2):  # the recording call, then the analysis and a replay
+                x = torch.randn(rows, 64, device="cuda")
+                assert torch.equal(step(x), _double_then_relu(x))
+        after = [sys.getrefcount(n) for n in numbers]  # (outside the assert: pytest's rewrite holds operands)
+        assert all(now >= then for now, then in zip(after, before)), (before, after)  # holders may add, never take
+        assert session.stats().records >= 12 and session.stats().replays >= 12

@@ -87,7 +87,21 @@ class DoubleSession(Session):
         self._gpu = True  # as can_record says: flat calls take the session's flat eager path too
 
     @staticmethod
-    def record_key(fn, spec, leaves, paths, *, device, pool, stream, stage, copy_back, observe=True, storages=False):
+    def record_key(
+        fn,
+        spec,
+        leaves,
+        paths,
+        *,
+        device,
+        pool,
+        stream,
+        stage,
+        copy_back,
+        observe=True,
+        storages=False,
+        region_tensors=(),
+    ):
         session = DoubleSession.current
         session.captures.append((spec, list(leaves), set(stage), set(copy_back), observe))
         if session.capture_script:
