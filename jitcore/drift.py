@@ -545,6 +545,10 @@ class _Budget(Exception):
     pass
 
 
+#: How many values GlobalsSnapshot.tensors looks at, containers' items included.
+_TENSOR_SEARCH_LIMIT = 65536
+
+
 class GlobalsSnapshot:
     """The globals and closure values ``fn`` reads (and those its helpers read, and the module
     attributes they read), as they were when the snapshot was taken."""
@@ -593,9 +597,21 @@ class GlobalsSnapshot:
     @property
     def tensors(self) -> list[torch.Tensor]:
         """The tensors among the values the snapshot holds (a global, a closure value or a
-        module attribute the code reads): memory the code reaches by name, which replay
-        compares its arguments with."""
-        return [value for value in self.namespace.values() if isinstance(value, torch.Tensor)]
+        module attribute the code reads, and those inside the lists, tuples, sets and dicts
+        it reads): memory the code reaches by name, which replay compares its arguments with."""
+        found: list[torch.Tensor] = []
+        pending = [entry.value for entry in self.entries if entry.where != "builtin"]
+        seen = 0
+        while pending and seen < _TENSOR_SEARCH_LIMIT:
+            value = pending.pop()
+            seen += 1
+            if isinstance(value, torch.Tensor):
+                found.append(value)
+            elif isinstance(value, dict):
+                pending.extend(value.values())
+            elif isinstance(value, (list, tuple, set, frozenset)):
+                pending.extend(value)
+        return found
 
     # --- building ------------------------------------------------------------------------
     def _build(self, root: types.FunctionType | None, target: types.FunctionType | None, state: frozenset) -> None:

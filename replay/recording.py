@@ -1001,6 +1001,16 @@ class InputDoubt:
 _ALONE = 2
 
 
+def _storage_holders(tensor: torch.Tensor) -> int:
+    """torch's count of the references to the tensor's storage (with the Python storage
+    object's); where it cannot be read (a tensor without a storage of its own), more than
+    a tensor alone, so that the input is in doubt."""
+    try:
+        return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return _ALONE + 1
+
+
 def input_doubts(tensors: Mapping[int, torch.Tensor], region_tensors: Iterable[torch.Tensor] = ()) -> dict:
     """The inputs whose memory the region may reach by another route than the argument, as
     the call begins (before the region makes views of its own), by input index.
@@ -1019,8 +1029,12 @@ def input_doubts(tensors: Mapping[int, torch.Tensor], region_tensors: Iterable[t
     doubts = {}
     for i, tensor in tensors.items():
         if id(tensor) in held:
-            doubts[i] = InputDoubt("the argument is a tensor the region also reads as a global or closure value", True)
-        elif torch._C._storage_Use_Count(tensor.untyped_storage()._cdata) > _ALONE:
+            doubts[i] = InputDoubt(
+                "the argument is a tensor the region also reads by name (a global, a closure "
+                "value, a module's parameter or buffer)",
+                True,
+            )
+        elif _storage_holders(tensor) > _ALONE:
             doubts[i] = InputDoubt(
                 "it came from a tensor other than the argument, and when the call began another tensor held the "
                 "argument's memory too (the argument is a view of a larger tensor, or a global or a view the caller "

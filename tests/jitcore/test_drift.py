@@ -942,3 +942,31 @@ def test_a_float_global_rebound_to_negative_zero_is_drift_for_a_launcher(monkeyp
         with pytest.raises(GlobalDriftError, match="global 'SHIFT'.*it was 0.0 when first compiled, now -0.0"):
             launch()
     assert len(backend.calls) == 1
+
+
+_HELD_ROW = None  # set by the test below (a module global a helper reads)
+
+
+def test_the_snapshots_tensors_are_every_tensor_the_code_reaches_by_name():
+    """Globals, closure values, module attributes and helpers' globals, and the tensors inside
+    the lists, tuples, sets and dicts they hold (nested): replay compares its arguments with
+    them. Numbers, strings and builtins are not tensors; a tensor nobody reads by name is not
+    among them."""
+    import torch
+
+    from jitcore.drift import GlobalsSnapshot
+
+    global _HELD_ROW
+    table, nested, unread = torch.randn(3), torch.randn(2), torch.randn(5)
+    _HELD_ROW = torch.randn(4)
+    caches = [torch.randn(1), {"k": (nested, 3)}, "text"]
+
+    def helper(x):
+        return x + _HELD_ROW
+
+    def region(x):
+        return helper(x) + table + caches[0] + len(caches)
+
+    held = {id(t) for t in GlobalsSnapshot(region).tensors}
+    assert held == {id(table), id(_HELD_ROW), id(caches[0]), id(nested)}
+    assert id(unread) not in held

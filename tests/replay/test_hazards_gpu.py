@@ -998,6 +998,39 @@ def test_the_very_tensor_a_global_holds_as_the_argument_is_exact(region, record_
         assert session.stats().replays >= 1
 
 
+class _TableModule(torch.nn.Module):
+    """A module whose forward writes its own buffer by attribute and reads its argument."""
+
+    def __init__(self, initial: torch.Tensor):
+        super().__init__()
+        self.register_buffer("table", initial.clone())
+
+    def forward(self, t, x):
+        add_one(x, self.table)
+        y = torch.empty(256, device="cuda")
+        add_one(t, y)
+        return y
+
+
+@pytest.mark.parametrize("record_after", [0, 1])
+def test_a_module_buffer_passed_as_the_argument_is_exact(record_after):
+    """The buffer a module's forward writes by attribute, passed as the argument too (as a
+    KV cache held by the model and handed to its step): recorded so, the key is refused (the
+    buffer is among the module's tensors); tensors of their own replay, and the buffer stays
+    equal to eager's throughout."""
+    initial = torch.randn(256, device="cuda")
+    eager, mine = _TableModule(initial), _TableModule(initial)
+    for order in (["buffer"] * 3 + ["own"] * 3 + ["buffer", "own"], ["own"] * 3 + ["buffer"] * 2 + ["own"]):
+        with replay.capture(record_after=record_after) as session, warnings.catch_warnings():
+            warnings.simplefilter("ignore", replay.ReplayWarning)
+            step = session.region(mine)
+            for number, kind in enumerate(order):
+                _called_alike(step, eager, None if kind == "own" else (mine.table, eager.table), (number, kind))
+                assert same(mine.table, eager.table), (number, kind)
+            if order[0] == "own":  # recorded with a tensor of its own: replays
+                assert session.stats().replays >= 1
+
+
 # --- random regions over an argument and a global that may hold it -----------------------------
 def _random_region(rng, cache):
     """A region ``step(row, x)`` of 2 to 4 steps drawn from what a torch op or a kernel can do

@@ -347,7 +347,7 @@ def test_a_pointer_whose_provenance_is_in_doubt_refuses_the_capture_wherever_it_
     the input. Without the doubt the same extent binds."""
     address = X.lo + offset
     lo, hi = address, min(address + width, X.hi)
-    doubt = "the argument is a tensor the region also reads as a global or closure value" if itself else "maybe"
+    doubt = "the argument is a tensor the region also reads by name" if itself else "maybe"
     doubted = _with_extents(launch(0xF1, [(address, True)]), {0: (lo, hi, doubt)})
     result = plan([X, Y], [doubted], [node_for(0, doubted)])
     assert result.failure is not None and result.pointers == []

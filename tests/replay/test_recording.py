@@ -159,10 +159,17 @@ def test_input_doubts_name_the_inputs_whose_memory_another_tensor_or_the_region_
     doubts = input_doubts(tensors, [held, torch.randn(3)])
     assert set(doubts) == {2, 3, 4, 5}
     assert [doubts[i].itself for i in (2, 3, 4, 5)] == [False, False, False, True]
-    assert "global or closure" in doubts[5].reason and "other than the argument" in doubts[2].reason
+    assert "reads by name" in doubts[5].reason and "other than the argument" in doubts[2].reason
     assert input_doubts({0: alone, 1: fresh}) == {}
     del base  # the row alone still holds its base alive: still in doubt
     assert set(input_doubts({2: row})) == {2}
+
+    class Unreadable(torch.Tensor):  # a storage torch will not hand out: in doubt
+        def untyped_storage(self):
+            raise RuntimeError("no storage of its own")
+
+    odd = torch.randn(3).as_subclass(Unreadable)
+    assert set(input_doubts({0: odd})) == {0} and not input_doubts({0: odd})[0].itself
 
 
 def _record_with(args, params, data):

@@ -1670,3 +1670,36 @@ def test_a_weak_identity_is_equal_only_to_the_same_live_object():
     t = torch.ones(3)
     assert session_module._WeakIdentity(t) == session_module._WeakIdentity(t)
     assert session_module._WeakIdentity(t) != session_module._WeakIdentity(torch.ones(3))
+
+
+def test_a_module_regions_parameters_and_buffers_are_tensors_it_holds_by_name():
+    """forward reads a module's parameters and buffers as attributes, which the globals
+    snapshot does not follow: a module region (or its bound forward) counts them among the
+    tensors it reaches other than through its arguments, beside its globals' (an argument
+    that is one of them is refused at capture: recording.input_doubts)."""
+
+    class Cached(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 4)
+            self.register_buffer("cache", torch.zeros(4))
+
+        def forward(self, x, cache):
+            return self.linear(x) + self.cache + cache + _GLOBAL_WEIGHT
+
+    net = Cached()
+    own = {id(t) for t in [*net.parameters(), *net.buffers()]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        session = replay.capture()
+    for fn in (net, net.forward):
+        region = session.region(fn)
+        assert {id(t) for t in region._tensors_held_by_name()} == own  # no snapshot yet: no globals
+        region.snapshot = jitcore.GlobalsSnapshot(fn, owner="test")
+        assert {id(t) for t in region._tensors_held_by_name()} == own | {id(_GLOBAL_WEIGHT)}
+    plain = session.region(lambda x: x + _GLOBAL_WEIGHT)
+    plain.snapshot = jitcore.GlobalsSnapshot(plain.fn, owner="test")
+    assert {id(t) for t in plain._tensors_held_by_name()} == {id(_GLOBAL_WEIGHT)}
+
+
+_GLOBAL_WEIGHT = torch.ones(4)
