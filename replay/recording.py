@@ -14,6 +14,7 @@ session's pool is private and nothing captured runs until the graph is launched)
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import ctypes
 import enum
@@ -1018,14 +1019,18 @@ def input_doubts(tensors: Mapping[int, torch.Tensor], region_tensors: Iterable[t
     A kernel's pointer into an input binds to the input by its address, so the plan must know
     the pointer came through the argument. When another tensor holds the input's storage too
     (the argument is ``cache[1]`` while ``cache`` lives on; a view the caller keeps; a global
-    over the same memory), a tensor the region passes that is not the input itself may be the
-    other holder's (``cache[1]`` made from the global), at an address that stays where it is
-    while the argument moves. When the argument is the very tensor a global or closure of the
-    region holds, even the input itself may have come through the global. Either way the
-    recording cannot tell, and the plan refuses such pointers (exact: the key runs eagerly).
-    ``region_tensors``: the tensors the region's globals and closures hold
-    (``GlobalsSnapshot.tensors``)."""
+    over the same memory), or a tensor the region reaches by name lies over the input's bytes
+    through a storage of its own (a DLPack or ``from_blob`` alias, which torch's count of the
+    storage's holders does not see), a tensor the region passes that is not the input itself
+    may be the other holder's (``cache[1]`` made from the global), at an address that stays
+    where it is while the argument moves. When the argument is the very tensor a global or
+    closure of the region holds, even the input itself may have come through the global.
+    Either way the recording cannot tell, and the plan refuses such pointers (exact: the key
+    runs eagerly). ``region_tensors``: the tensors the region reaches by name
+    (``Region._tensors_held_by_name``)."""
+    region_tensors = list(region_tensors)
     held = {id(t) for t in region_tensors}
+    overlaps_held = _ByteRanges([_storage_span(t) for t in region_tensors])
     doubts = {}
     for i, tensor in tensors.items():
         if id(tensor) in held:
@@ -1034,7 +1039,7 @@ def input_doubts(tensors: Mapping[int, torch.Tensor], region_tensors: Iterable[t
                 "value, a module's parameter or buffer)",
                 True,
             )
-        elif _storage_holders(tensor) > _ALONE:
+        elif _storage_holders(tensor) > _ALONE or overlaps_held(*byte_range(tensor)):
             doubts[i] = InputDoubt(
                 "it came from a tensor other than the argument, and when the call began another tensor held the "
                 "argument's memory too (the argument is a view of a larger tensor, or a global or a view the caller "
@@ -1042,6 +1047,30 @@ def input_doubts(tensors: Mapping[int, torch.Tensor], region_tensors: Iterable[t
                 False,
             )
     return doubts
+
+
+def _storage_span(tensor: torch.Tensor) -> tuple[int, int]:
+    """The byte range of a tensor's storage; an empty one where it has none to read."""
+    try:
+        return storage_range(tensor)
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return (0, 0)
+
+
+class _ByteRanges:
+    """``ranges(lo, hi)``: whether [lo, hi) overlaps any of the (nonempty) ranges, in a
+    bisection over them sorted (a model region reaches thousands of parameters by name)."""
+
+    def __init__(self, ranges: Iterable[tuple[int, int]]) -> None:
+        spans = sorted((lo, hi) for lo, hi in ranges if hi > lo)
+        self.starts = [lo for lo, _ in spans]
+        self.reach = list(itertools.accumulate((hi for _, hi in spans), max))  # furthest end so far
+
+    def __call__(self, lo: int, hi: int) -> bool:
+        if hi <= lo:
+            return False
+        before = bisect.bisect_left(self.starts, hi)  # the ranges starting before hi
+        return before > 0 and self.reach[before - 1] > lo
 
 
 def _pointer_tensors(record) -> Iterator[tuple[object, torch.Tensor]]:

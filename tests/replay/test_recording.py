@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from replay.recording import _first_line
 
 
@@ -153,7 +156,7 @@ def test_input_doubts_name_the_inputs_whose_memory_another_tensor_or_the_region_
     kept = torch.randn(16)
     kept_view = kept[2:]  # noqa: F841 (kept alive: the caller holds a view)
     aliased = torch.randn(16)
-    alias = aliased.detach()  # noqa: F841
+    alias = aliased.detach()
     held = torch.randn(8)
     tensors = {0: alone, 1: fresh, 2: row, 3: kept, 4: aliased, 5: held}
     doubts = input_doubts(tensors, [held, torch.randn(3)])
@@ -170,6 +173,30 @@ def test_input_doubts_name_the_inputs_whose_memory_another_tensor_or_the_region_
 
     odd = torch.randn(3).as_subclass(Unreadable)
     assert set(input_doubts({0: odd})) == {0} and not input_doubts({0: odd})[0].itself
+
+    # a tensor the region reaches by name over the input's bytes through a storage of its own
+    # (a DLPack alias: torch's count of the storage's holders does not see it)
+    source, elsewhere = torch.randn(16), torch.randn(16)
+    alias = torch.from_dlpack(source)
+    assert input_doubts({0: source}) == {}
+    assert set(input_doubts({0: source, 1: elsewhere}, [alias])) == {0}
+    assert set(input_doubts({0: source[4:8].clone()}, [alias])) == set()  # a copy lies elsewhere
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    ranges=st.lists(st.tuples(st.integers(0, 200), st.integers(0, 40)), max_size=12),
+    probe=st.tuples(st.integers(0, 240), st.integers(0, 40)),
+)
+def test_byte_ranges_answer_overlap_as_a_walk_over_every_range_would(ranges, probe):
+    """The bisection input_doubts asks of the tensors a region reaches by name: any range
+    overlapping [lo, hi), empty ranges (and an empty probe) overlapping nothing."""
+    from replay.recording import _ByteRanges
+
+    spans = [(lo, lo + size) for lo, size in ranges]
+    lo, hi = probe[0], probe[0] + probe[1]
+    expected = hi > lo and any(a < hi and lo < b for a, b in spans if b > a)
+    assert _ByteRanges(spans)(lo, hi) is expected
 
 
 def _record_with(args, params, data):
