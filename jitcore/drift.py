@@ -545,8 +545,9 @@ class _Budget(Exception):
     pass
 
 
-#: How many values GlobalsSnapshot.tensors looks at, containers' items included.
-_TENSOR_SEARCH_LIMIT = 65536
+#: How many values GlobalsSnapshot.tensors looks at, containers' items included (a region that
+#: reads a large dict, a vocabulary, pays for this many at each recording at most).
+_TENSOR_SEARCH_LIMIT = 4096
 
 
 class GlobalsSnapshot:
