@@ -244,15 +244,13 @@ class Observation:
 
 
 def observe(
-    fn, spec: object, leaves: Sequence, paths: Sequence[str], region_tensors: Sequence[torch.Tensor] = ()
+    fn, spec: object, leaves: Sequence, paths: Sequence[str], held: recording.HeldTensors | None = None
 ) -> Observation:
     """Run the region eagerly on the call's arguments (dynamic scalars as
     :class:`~replay.dynamic.DynamicScalar`, as a capture passes them, so that launches
     report where their scalars came from), recording its launches and watching torch.
-    ``region_tensors`` as for a capture (recording.input_doubts)."""
-    doubts = recording.input_doubts(
-        {i: leaf for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)}, region_tensors
-    )
+    ``held`` as for a capture (recording.input_doubts)."""
+    doubts = recording.input_doubts({i: leaf for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)}, held)
     args, kwargs = recording.region_arguments(spec, leaves, paths, {}, None)
     launches = _Launches()
     observer = LaunchFreeObserver()

@@ -514,7 +514,7 @@ def input_ranges(tensors: dict[int, torch.Tensor], paths: Sequence[str]) -> list
 
 
 def _prepare_inputs(
-    leaves: Sequence, paths: Sequence[str], *, device: int, stage: set[int], region_tensors: Iterable = ()
+    leaves: Sequence, paths: Sequence[str], *, device: int, stage: set[int], held: HeldTensors | None = None
 ) -> _CaptureInputs:
     """Check the tensor inputs are on the capture's device, note which of them the region may
     reach by another route (:func:`input_doubts`), and make the staged inputs' buffers
@@ -529,7 +529,7 @@ def _prepare_inputs(
     for i, tensor in tensors.items():
         if tensor.device.type != "cuda" or tensor.device.index != device:
             raise CaptureFailed(f"input {paths[i]} is on {tensor.device}, the current device is cuda:{device}")
-    doubts = input_doubts(tensors, region_tensors)
+    doubts = input_doubts(tensors, held)
     for i, doubt in doubts.items():
         if doubt.itself:  # every route to it, torch ops' included, is the global's as well
             raise CaptureFailed(f"input {paths[i]}: {doubt.reason}, so replay cannot tell which route reaches it")
@@ -842,7 +842,7 @@ def capture(
     copy_back: set[int],
     observe: bool = True,
     storages: bool = False,
-    region_tensors: Iterable[torch.Tensor] = (),
+    held: HeldTensors | None = None,
 ) -> Capture:
     """Record ``fn`` once. Raises CaptureAborted or CaptureFailed.
 
@@ -851,16 +851,15 @@ def capture(
     under the observer and saw no torch op touch an input. The node scan after capture still
     catches foreign kernels and copies that reach an input. ``storages=True`` keeps, per
     launch, the storage each pointer parameter pointed into (``Capture.pointer_storages``,
-    for replay.polymorphic). ``region_tensors``: the tensors the region's globals and
-    closures hold (an argument that is one of them is reached both ways: see
-    :func:`input_doubts`).
+    for replay.polymorphic). ``held``: the tensors the region reaches by name (an argument
+    that is one of them is reached both ways: see :func:`input_doubts`).
 
     The steps: prepare the inputs; then, holding :data:`CAPTURES` exclusively from capture
     begin to instantiate: record the region, give its outputs memory of their own,
     instantiate the graph, and build the :class:`Capture`."""
     clock = time.perf_counter
     timings = {"start": clock()}
-    prepared = _prepare_inputs(leaves, paths, device=device, stage=stage, region_tensors=region_tensors)
+    prepared = _prepare_inputs(leaves, paths, device=device, stage=stage, held=held)
     host = prepared.host
     args, kwargs = region_arguments(spec, leaves, paths, prepared.staged, host.buffers if host else None)
     if host is not None:  # always observed: a torch op reading host values would bake them in
@@ -1012,7 +1011,19 @@ def _storage_holders(tensor: torch.Tensor) -> int:
         return _ALONE + 1
 
 
-def input_doubts(tensors: Mapping[int, torch.Tensor], region_tensors: Iterable[torch.Tensor] = ()) -> dict:
+@attrs.frozen
+class HeldTensors:
+    """The tensors a region reaches other than through its arguments. ``named``: those its
+    globals, closures and module attributes hold, and the containers they hold (few, each
+    compared with the arguments by identity and by the bytes it lies over); ``attributes``: a
+    module region's parameters and buffers (often thousands, compared by identity alone, so
+    that a recording pays a set of their ids rather than a read of each one's storage)."""
+
+    named: Sequence[torch.Tensor] = ()
+    attributes: Sequence[torch.Tensor] = ()
+
+
+def input_doubts(tensors: Mapping[int, torch.Tensor], held: HeldTensors | None = None) -> dict:
     """The inputs whose memory the region may reach by another route than the argument, as
     the call begins (before the region makes views of its own), by input index.
 
@@ -1023,23 +1034,22 @@ def input_doubts(tensors: Mapping[int, torch.Tensor], region_tensors: Iterable[t
     through a storage of its own (a DLPack or ``from_blob`` alias, which torch's count of the
     storage's holders does not see), a tensor the region passes that is not the input itself
     may be the other holder's (``cache[1]`` made from the global), at an address that stays
-    where it is while the argument moves. When the argument is the very tensor a global or
-    closure of the region holds, even the input itself may have come through the global.
-    Either way the recording cannot tell, and the plan refuses such pointers (exact: the key
-    runs eagerly). ``region_tensors``: the tensors the region reaches by name
-    (``Region._tensors_held_by_name``)."""
-    region_tensors = list(region_tensors)
-    held = {id(t) for t in region_tensors}
-    overlaps_held = _ByteRanges([_storage_span(t) for t in region_tensors])
+    where it is while the argument moves. When the argument is the very tensor the region
+    reaches by name, even the input itself may have come that way. Either way the recording
+    cannot tell, and the plan refuses such pointers (exact: the key runs eagerly). ``held``:
+    what the region reaches by name (``Region._tensors_held_by_name``)."""
+    held = held or HeldTensors()
+    by_name = {id(t) for t in (*held.named, *held.attributes)}
+    overlaps_named = _ByteRanges([_storage_span(t) for t in held.named])
     doubts = {}
     for i, tensor in tensors.items():
-        if id(tensor) in held:
+        if id(tensor) in by_name:
             doubts[i] = InputDoubt(
                 "the argument is a tensor the region also reads by name (a global, a closure "
                 "value, a module's parameter or buffer)",
                 True,
             )
-        elif _storage_holders(tensor) > _ALONE or overlaps_held(*byte_range(tensor)):
+        elif _storage_holders(tensor) > _ALONE or overlaps_named(*byte_range(tensor)):
             doubts[i] = InputDoubt(
                 "it came from a tensor other than the argument, and when the call began another tensor held the "
                 "argument's memory too (the argument is a view of a larger tensor, or a global or a view the caller "

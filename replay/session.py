@@ -1271,16 +1271,15 @@ class Region:
         return result
 
     # --- recording -----------------------------------------------------------------------
-    def _tensors_held_by_name(self) -> list[torch.Tensor]:
+    def _tensors_held_by_name(self) -> recording.HeldTensors:
         """The tensors the region reaches other than through its arguments: those its globals
         and closures hold (the snapshot's), and a module region's parameters and buffers
         (``forward`` reads them as attributes, which the snapshot does not follow). An
         argument that is one of them is reached both ways (recording.input_doubts)."""
-        held = self.snapshot.tensors if self.snapshot is not None else []
+        named = self.snapshot.tensors if self.snapshot is not None else []
         module = self.fn if isinstance(self.fn, torch.nn.Module) else getattr(self.fn, "__self__", None)
-        if isinstance(module, torch.nn.Module):
-            held += [*module.parameters(), *module.buffers()]
-        return held
+        attributes = [*module.parameters(), *module.buffers()] if isinstance(module, torch.nn.Module) else []
+        return recording.HeldTensors(named, attributes)
 
     def _record(self, entry: Entry, key: tuple, spec: object, leaves: list, paths: list, device: int):
         """Capture the key and launch the new graph once (this call's result). The node
@@ -1307,7 +1306,7 @@ class Region:
                     copy_back=entry.copy_back_hint - overlapping,
                     observe=not entry.observed_clean,
                     storages=session.policy.polymorphic,
-                    region_tensors=self._tensors_held_by_name(),
+                    held=self._tensors_held_by_name(),
                 )
             except jitcore.recorder.CaptureBusy:
                 return self._eager(spec, leaves, entry)  # called inside another region's eager run

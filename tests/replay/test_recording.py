@@ -148,7 +148,7 @@ def test_input_doubts_name_the_inputs_whose_memory_another_tensor_or_the_region_
     holders, so it is tested on every kind of holder rather than on one case."""
     import torch
 
-    from replay.recording import input_doubts
+    from replay.recording import HeldTensors, input_doubts
 
     alone, fresh = torch.randn(4, 8), torch.randn(4, 8)[1].clone()
     base = torch.randn(4, 8)
@@ -159,7 +159,7 @@ def test_input_doubts_name_the_inputs_whose_memory_another_tensor_or_the_region_
     alias = aliased.detach()
     held = torch.randn(8)
     tensors = {0: alone, 1: fresh, 2: row, 3: kept, 4: aliased, 5: held}
-    doubts = input_doubts(tensors, [held, torch.randn(3)])
+    doubts = input_doubts(tensors, HeldTensors(named=[held, torch.randn(3)]))
     assert set(doubts) == {2, 3, 4, 5}
     assert [doubts[i].itself for i in (2, 3, 4, 5)] == [False, False, False, True]
     assert "reads by name" in doubts[5].reason and "other than the argument" in doubts[2].reason
@@ -179,8 +179,14 @@ def test_input_doubts_name_the_inputs_whose_memory_another_tensor_or_the_region_
     source, elsewhere = torch.randn(16), torch.randn(16)
     alias = torch.from_dlpack(source)
     assert input_doubts({0: source}) == {}
-    assert set(input_doubts({0: source, 1: elsewhere}, [alias])) == {0}
-    assert set(input_doubts({0: source[4:8].clone()}, [alias])) == set()  # a copy lies elsewhere
+    assert set(input_doubts({0: source, 1: elsewhere}, HeldTensors(named=[alias]))) == {0}
+    assert set(input_doubts({0: source[4:8].clone()}, HeldTensors(named=[alias]))) == set()  # a copy lies elsewhere
+
+    # a module's parameters and buffers: by identity alone (a DLPack alias of one is not read)
+    parameter = torch.randn(6)
+    attributes = HeldTensors(attributes=[parameter, torch.from_dlpack(source)])
+    doubts = input_doubts({0: parameter, 1: source}, attributes)
+    assert set(doubts) == {0} and doubts[0].itself
 
 
 @settings(max_examples=300, deadline=None)

@@ -100,7 +100,7 @@ class DoubleSession(Session):
         copy_back,
         observe=True,
         storages=False,
-        region_tensors=(),
+        held=None,
     ):
         session = DoubleSession.current
         session.captures.append((spec, list(leaves), set(stage), set(copy_back), observe))
@@ -1694,12 +1694,15 @@ def test_a_module_regions_parameters_and_buffers_are_tensors_it_holds_by_name():
         session = replay.capture()
     for fn in (net, net.forward):
         region = session.region(fn)
-        assert {id(t) for t in region._tensors_held_by_name()} == own  # no snapshot yet: no globals
+        held = region._tensors_held_by_name()
+        assert held.named == [] and {id(t) for t in held.attributes} == own  # no snapshot yet: no globals
         region.snapshot = jitcore.GlobalsSnapshot(fn, owner="test")
-        assert {id(t) for t in region._tensors_held_by_name()} == own | {id(_GLOBAL_WEIGHT)}
+        held = region._tensors_held_by_name()
+        assert [id(t) for t in held.named] == [id(_GLOBAL_WEIGHT)] and {id(t) for t in held.attributes} == own
     plain = session.region(lambda x: x + _GLOBAL_WEIGHT)
     plain.snapshot = jitcore.GlobalsSnapshot(plain.fn, owner="test")
-    assert {id(t) for t in plain._tensors_held_by_name()} == {id(_GLOBAL_WEIGHT)}
+    held = plain._tensors_held_by_name()
+    assert [id(t) for t in held.named] == [id(_GLOBAL_WEIGHT)] and held.attributes == []
 
 
 _GLOBAL_WEIGHT = torch.ones(4)
