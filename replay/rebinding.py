@@ -499,17 +499,14 @@ class _Planner:
             # whose pointers must follow the input like any other)
             owner = owners[0]
             extent = None if staging_copy else launch.extents.get(param.index)
-            if extent is not None and extent.doubt:
-                raise _Refused(
-                    f"{launch.kernel}: pointer parameter {param.index} points into input {owner.path}, but "
-                    f"{extent.doubt}: replay cannot tell whether the pointer moves with the input"
-                )
             if extent is not None and not (owner.lo <= extent.lo and extent.hi <= owner.hi):
                 raise _Refused(
                     f"{launch.kernel}: pointer parameter {param.index} points into input {owner.path} but came from "
                     "a tensor that reaches beyond it (a global or closure tensor holding the input, or a view wider "
                     "than it): replay cannot tell whether it moves with the input"
                 )
+            if extent is not None and extent.doubt:
+                return self.stage_for_doubt(launch, param, owner, extent.doubt)
             self.plan.pointers.append(
                 PointerBinding(
                     node_index,
@@ -541,6 +538,26 @@ class _Planner:
                 )
                 if not param.read_only:
                     self.written_by_jit.add(owner.index)
+        return set()
+
+    def stage_for_doubt(self, launch: LaunchView, param: ParamView, owner: InputRange, doubt: str) -> set[int]:
+        """A pointer into an input that may be another holder's of the input's memory: the
+        input is staged, so that in the next capture the region's own views of it point into
+        the graph's buffer, and a pointer still into the caller's memory is the other holder's
+        (the capture refuses it: recording's staged inputs reached otherwise). Already staged,
+        this pointer is such a one: refused."""
+        if owner.index in self.staged:
+            raise _Refused(
+                f"{launch.kernel}: pointer parameter {param.index} points into input {owner.path}, but {doubt}: "
+                "replay cannot tell whether the pointer moves with the input"
+            )
+        self.require_staging(
+            owner.index,
+            f"{launch.kernel} points into it through another tensor, which another holder of its memory may have given",
+            copy_back=not param.read_only,
+        )
+        if not param.read_only:
+            self.written_by_jit.add(owner.index)
         return set()
 
     def bind_scalar(self, launch: LaunchView, launch_number: int, node_index: int, param: ParamView) -> set[int]:

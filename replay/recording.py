@@ -653,8 +653,9 @@ def _refuse_staged_inputs_reached_otherwise(prepared: _CaptureInputs, observatio
         paths = {r.index: r.path for r in prepared.inputs}
         names = ", ".join(paths.get(i, f"input {i}") for i in sorted(reached))
         raise CaptureFailed(
-            f"{names} must be staged (a torch op reads or writes it), and the region also reaches its memory "
-            "through another tensor (a global or closure tensor holding it): a staged copy would part them"
+            f"{names} must be staged (a torch op reads or writes it, or a kernel reaches it through a tensor other "
+            "than the argument), and the region also reaches its memory through another tensor (a global or closure "
+            "tensor holding it): a staged copy would part them"
         )
 
 

@@ -339,22 +339,35 @@ def test_a_global_holding_the_argument_is_never_rebound_to_it():
 
 
 @settings(max_examples=200, deadline=None)
-@given(offset=st.integers(0, 4095), width=st.integers(1, 4096), itself=st.booleans())
-def test_a_pointer_whose_provenance_is_in_doubt_refuses_the_capture_wherever_it_lies(offset, width, itself):
+@given(offset=st.integers(0, 4095), width=st.integers(1, 4096), read_only=st.booleans())
+def test_a_pointer_whose_provenance_is_in_doubt_stages_its_input_and_then_refuses(offset, width, read_only):
     """A pointer into an input that another holder of its memory may have given (the call's
-    argument a row of a live tensor, or the very tensor a global holds) refuses the capture,
-    even where its tensor lies inside the input: the address cannot say whether it follows
-    the input. Without the doubt the same extent binds."""
+    argument a row of a live tensor) is never bound to the input by its address, wherever its
+    tensor lies inside the input: the input is staged for the next capture (copied back where
+    the launch writes it), where the region's own views point into the graph's buffer; a
+    doubted pointer into an input already staged is the other holder's, and refuses the
+    capture. Without the doubt the same extent binds."""
     address = X.lo + offset
     lo, hi = address, min(address + width, X.hi)
-    doubt = "the argument is a tensor the region also reads by name" if itself else "maybe"
-    doubted = _with_extents(launch(0xF1, [(address, True)]), {0: (lo, hi, doubt)})
+    doubted = _with_extents(launch(0xF1, [(address, read_only)]), {0: (lo, hi, "maybe another's")})
     result = plan([X, Y], [doubted], [node_for(0, doubted)])
-    assert result.failure is not None and result.pointers == []
-    assert f"points into input {X.path}, but {doubt}" in result.failure and "cannot tell" in result.failure
-    clear = _with_extents(launch(0xF1, [(address, True)]), {0: (lo, hi)})
+    assert result.failure is None and result.pointers == []
+    assert result.needs_staging == {0} and result.needs_copy_back == (set() if read_only else {0})
+    assert "another holder of its memory" in " ".join(result.reasons[0])
+    result = plan([X, Y], [doubted], [node_for(0, doubted)], staged={0})
+    assert result.failure is not None and result.pointers == [] and not result.needs_staging
+    assert f"points into input {X.path}, but maybe another's" in result.failure and "cannot tell" in result.failure
+    clear = _with_extents(launch(0xF1, [(address, read_only)]), {0: (lo, hi)})
     result = plan([X, Y], [clear], [node_for(0, clear)])
     assert result.failure is None and [(b.input, b.delta) for b in result.pointers] == [(0, offset)]
+
+
+def test_a_doubted_pointer_reaching_beyond_its_input_refuses_at_once():
+    """Reaching beyond the input (a global holding it) refuses the capture directly, doubt
+    or not: staging would only lead to the same refusal one capture later."""
+    doubted = _with_extents(launch(0xF1, [(X.lo, True)]), {0: (X.lo, X.hi + 64, "maybe another's")})
+    result = plan([X, Y], [doubted], [node_for(0, doubted)])
+    assert result.failure is not None and "reaches beyond it" in result.failure and not result.needs_staging
 
 
 @settings(max_examples=300, deadline=None)
