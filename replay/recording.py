@@ -1036,9 +1036,11 @@ def input_doubts(tensors: Mapping[int, torch.Tensor], held: HeldTensors | None =
     storage's holders does not see), a tensor the region passes that is not the input itself
     may be the other holder's (``cache[1]`` made from the global), at an address that stays
     where it is while the argument moves. When the argument is the very tensor the region
-    reaches by name, even the input itself may have come that way. Either way the recording
-    cannot tell, and the plan refuses such pointers (exact: the key runs eagerly). ``held``:
-    what the region reaches by name (``Region._tensors_held_by_name``)."""
+    reaches by name, even the input itself may have come that way (the capture is refused).
+    Either way the recording cannot tell from the address, and the plan never binds such a
+    pointer to the input: it stages the input, or refuses the key (rebinding's
+    stage_for_doubt). ``held``: what the region reaches by name
+    (``Region._tensors_held_by_name``)."""
     held = held or HeldTensors()
     by_name = {id(t) for t in (*held.named, *held.attributes)}
     overlaps_named = _ByteRanges([_storage_span(t) for t in held.named])
@@ -1070,7 +1072,8 @@ def _storage_span(tensor: torch.Tensor) -> tuple[int, int]:
 
 class _ByteRanges:
     """``ranges(lo, hi)``: whether [lo, hi) overlaps any of the (nonempty) ranges, in a
-    bisection over them sorted (a model region reaches thousands of parameters by name)."""
+    bisection over them, sorted once (the storages of the tensors a region reaches by name,
+    against each argument of a recording)."""
 
     def __init__(self, ranges: Iterable[tuple[int, int]]) -> None:
         spans = sorted((lo, hi) for lo, hi in ranges if hi > lo)
