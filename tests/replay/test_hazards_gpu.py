@@ -951,6 +951,34 @@ def test_an_argument_inside_memory_the_graph_reaches_otherwise_is_exact(region, 
             assert same(replay_cache, eager_cache), (number, kind, i)
 
 
+def _a_kernel_on_views_the_region_makes(x, y):
+    add_one(x[1:], y[:-1])  # views of both arguments, made inside the region
+    return y * 1
+
+
+@pytest.mark.parametrize("record_after", [0, 1])
+def test_an_argument_viewing_a_tensor_the_caller_keeps_replays_staged(record_after):
+    """The argument is a row of a buffer the caller keeps (another holder of its memory), and
+    the region hands a kernel a view it makes of the row: the view's pointer cannot be told
+    from one another holder gave, so the row is staged (the region's views then point into
+    the graph's buffer) and the key replays, exact for every row and every buffer after."""
+    buffer = torch.randn(6, 256, device="cuda")
+    reference = buffer.clone()
+    with replay.capture(record_after=record_after) as session, warnings.catch_warnings():
+        warnings.simplefilter("error", replay.ReplayWarning)  # nothing refused
+        step = session.region(_a_kernel_on_views_the_region_makes)
+        for number, row in enumerate([0, 3, 1, 5, 2, 4, 0, 3]):
+            y = torch.randn(256, device="cuda")
+            y_reference = y.clone()
+            expected = _a_kernel_on_views_the_region_makes(reference[row], y_reference)
+            got = step(buffer[row], y)
+            assert same(got, expected) and same(y, y_reference), number
+            assert same(buffer, reference), number
+        stats = session.stats()
+    assert stats.replays >= 4, session.report()
+    assert {c.input: c.choice for c in stats.inputs}["args[0]"] == "staged", stats.inputs
+
+
 # --- the global itself as the argument -------------------------------------------------------
 def _writes_the_global_reads_the_argument(table):
     def step(t, x):
