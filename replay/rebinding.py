@@ -531,14 +531,15 @@ class _Planner:
                     "offset computed from a dynamic scalar"
                 )
             for owner in owners:
-                self.require_staging(
-                    owner.index,
-                    f"it overlaps another input and {launch.kernel} points into it",
-                    copy_back=not param.read_only,
-                )
-                if not param.read_only:
-                    self.written_by_jit.add(owner.index)
+                self.stage_pointed_into(owner, param, f"it overlaps another input and {launch.kernel} points into it")
         return set()
+
+    def stage_pointed_into(self, owner: InputRange, param: ParamView, reason: str) -> None:
+        """Stage an input a pointer parameter points into (copied back where the launch may
+        write through the pointer)."""
+        self.require_staging(owner.index, reason, copy_back=not param.read_only)
+        if not param.read_only:
+            self.written_by_jit.add(owner.index)
 
     def stage_for_doubt(self, launch: LaunchView, param: ParamView, owner: InputRange, doubt: str) -> set[int]:
         """A pointer into an input that may be another holder's of the input's memory: the
@@ -551,13 +552,11 @@ class _Planner:
                 f"{launch.kernel}: pointer parameter {param.index} points into input {owner.path}, but {doubt}: "
                 "replay cannot tell whether the pointer moves with the input"
             )
-        self.require_staging(
-            owner.index,
+        self.stage_pointed_into(
+            owner,
+            param,
             f"{launch.kernel} points into it through another tensor, which another holder of its memory may have given",
-            copy_back=not param.read_only,
         )
-        if not param.read_only:
-            self.written_by_jit.add(owner.index)
         return set()
 
     def bind_scalar(self, launch: LaunchView, launch_number: int, node_index: int, param: ParamView) -> set[int]:

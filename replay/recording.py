@@ -134,8 +134,8 @@ class Capture:
     host: host_inputs.HostInputs | None = None
     # per launch record, {parameter index: replay.polymorphic.StorageUse}; None unless asked for
     pointer_storages: list | None = None
-    # per launch record: {pointer parameter: byte range of the jit argument it came from}, for
-    # pointers into an input that did not come from the input tensor itself (pointer_extents)
+    # per launch record: {pointer parameter: rebinding.Extent of the jit argument it came from},
+    # for pointers into an input whose provenance the plan must check (pointer_extents)
     pointer_extents: list = attrs.Factory(list)
     # (first byte, one past the last) of each segment of the session's pool after the capture:
     # memory only graphs use, which no caller's tensor can share
@@ -726,10 +726,11 @@ def _record(
             _copy_staged_in(prepared, recorder, staging_launches)
             first_region_launch = len(recorder.records)
             outputs = fn(*args, **kwargs)
-            _refuse_host_misuse(prepared, observation, recorder.records[first_region_launch:])
+            region_records = recorder.records[first_region_launch:]  # (the staging copies left out)
+            _refuse_host_misuse(prepared, observation, region_records)
             _refuse_reads_beyond_inputs(prepared, observation)
-            _refuse_staged_inputs_reached_otherwise(prepared, observation, recorder.records[first_region_launch:])
-            written = _inputs_written(prepared, observation, recorder.records[first_region_launch:])
+            _refuse_staged_inputs_reached_otherwise(prepared, observation, region_records)
+            written = _inputs_written(prepared, observation, region_records)
             _copy_staged_back(prepared, recorder, written, copy_back, staging_launches, copied_back)
             _refuse_written_overlaps(prepared.inputs, prepared.staged, written | copied_back)
     except CaptureMissError as exc:
