@@ -10,7 +10,7 @@ launch directly, once per recorded kernel launch. Print one with ``JITCORE_DUMP=
     def launch_axpy__state0(_a0, _a1, _a2, _a3, /, stream=None):
         # call state 0 of launch_axpy; arguments: _a0 = x, _a1 = y, _a2 = out, _a3 = alpha
         if _ACTIVE[0]:
-            return _recording((_a0, _a1, _a2, _a3), (_a0, _a1, _a2, _a3), stream)
+            return _recording(_a0, _a1, _a2, _a3, stream, (_a0, _a1, _a2, _a3))
         ...
         _a0_numel = _a0.numel()
         _grid0x = (-(-_a0_numel // 256))
@@ -160,6 +160,7 @@ class _LaunchPlan:
 
 #: How many report parts (records for one launch at one set of fixed sizes) a call state keeps.
 _REPORT_CACHE_SIZE = 256
+_unpack_pointer = struct.Struct("<Q").unpack_from
 #: How many pointer records (one per byte offset from the tensor's data pointer) a part keeps.
 _POINTER_RECORDS = 16
 
@@ -186,7 +187,7 @@ class CallState:
         self.namespace.update(
             {
                 "_ACTIVE": recorder.ACTIVE,
-                "_recording": self.run_recording,
+                "_recording": None,  # this state's recording path, once defined
                 "_tls": self._tls,
                 "_new_buffers": self._new_buffers,
                 "_stream_handle": stream_handle,
@@ -204,17 +205,29 @@ class CallState:
         self._config_sources: dict[int, tuple[str, str, str]] = {}
         self._provenance = [self._plan_provenance(launch) for launch in trace.launches]
         self._evaluators: dict[tuple, tuple[_Evaluator, str]] = {}
-        self._reports: dict[tuple, tuple] = {}  # (launch number, *fixed values) -> _report_parts
+        self._reports: dict[object, tuple] = {}  # launch number or (number, *fixed values) -> _report_parts
         self._check_plans = self._plan_checks()
         self._check_fixed = tuple(
             sorted({leaf.variable for plan in self._check_plans for leaf in plan[4] if leaf.kind != "scalar"})
         )
+        # per launch number, what _report puts in every record of it: (jit_function, kernel,
+        # function, device), the parameter layout, the sizes its cached parts depend on
+        self._report_facts = [
+            (
+                (self.owner, launch.kernel.name_expression, launch.function.address, self.device),
+                launch.kernel.layout,
+                plan.fixed + self._check_fixed,
+            )
+            for launch, plan in zip(trace.launches, self._provenance)
+        ]
         self.source = self._generate()
         self.filename = source_filename(f"call state {self.name}")
         defined = define(self.source, self.filename, self.namespace)
         weakref.finalize(self, forget_source, self.filename)
         self.run = defined[self._ident]
         self._run_recording = defined[f"{self._ident}__rec"]
+        # the state's own recording path, called straight from it (see _generate)
+        self.namespace["_recording"] = self._run_recording
         self.run.source = self.source
         self.run.call_state = self
         for launch in trace.launches:  # static shared memory over the default limit: opt in now
@@ -280,7 +293,7 @@ class CallState:
                 f"def {self._ident}({', '.join([*args, '/', 'stream=None'] if args else ['stream=None'])}):",
                 f"    # {comment(f'call state {self.index} of {self.owner}; arguments: {mapping}')}",
                 "    if _ACTIVE[0]:",
-                f"        return _recording({args_tuple}, {args_tuple}, stream)",
+                f"        return _recording({''.join(f'{a}, ' for a in args)}stream, {args_tuple})",
             ]
         if packed is None:  # the parameter buffers of this thread (a packed launch has its own)
             lines += [
@@ -659,12 +672,10 @@ class CallState:
         comes through here, so it is on the first recording call's path: what does not
         change from call to call, every record but the pointers' byte offsets, is made once
         per set of fixed sizes and reused; records are frozen)."""
-        launch = self.trace.launches[number]
-        plan = self._provenance[number]
-        packed = bytes(buffers[2 * number])
-        fixed = plan.fixed + self._check_fixed
+        facts, layout, fixed = self._report_facts[number]
+        packed = bytes(memoryview(buffers[2 * number])[: layout.size])
         values = leaf_values(self.trace, args) if fixed else None
-        key = (number, *(values[v] for v in fixed)) if fixed else (number,)
+        key = (number, *(values[v] for v in fixed)) if fixed else number
         parts = self._reports.get(key)
         if parts is None:
             if len(self._reports) >= _REPORT_CACHE_SIZE:
@@ -674,8 +685,7 @@ class CallState:
         if pointers:
             params = list(params)
             for position, item, offset_evaluate, by_offset in pointers:
-                (address,) = struct.unpack_from("<Q", packed, item.common["offset"])
-                byte_offset = address - args[item.arg_index].data_ptr()
+                byte_offset = _unpack_pointer(packed, item.common["offset"])[0] - args[item.arg_index].data_ptr()
                 record = by_offset.get(byte_offset)
                 if record is None:
                     record = recorder.ParamRecord(
@@ -690,24 +700,25 @@ class CallState:
                     if len(by_offset) < _POINTER_RECORDS:
                         by_offset[byte_offset] = record
                 params[position] = record
+            params = tuple(params)
+        # the fields in LaunchRecord's order (a record is made per launch: no keywords)
         hook.launch(
-            recorder.LaunchRecord(
-                jit_function=self.owner,
-                kernel=launch.kernel.name_expression,
-                function=launch.function.address,
-                device=self.device,
-                grid=grid,
-                block=block,
-                shared_bytes=shared,
-                layout=launch.kernel.layout,
-                param_bytes=packed[: launch.kernel.layout.size],
-                params=tuple(params),
-                args=tuple(original),
-                stream=stream,
-                check_globals=self.check_globals,
-                launched=bool(launched),
-                dynamic_config=config,
-                checks=checks,
+            recorder.LaunchRecord._make(
+                (
+                    *facts,  # jit_function, kernel, function, device
+                    grid,
+                    block,
+                    shared,
+                    layout,
+                    packed,
+                    params,
+                    original,
+                    stream,
+                    self.check_globals,
+                    bool(launched),
+                    config,
+                    checks,
+                )
             )
         )
 

@@ -557,7 +557,7 @@ def make_variant(
         raise Unmatched("a host tensor argument")
     moved = match(graph_launches, observed, inputs)
     records = [
-        attrs.evolve(record, param_bytes=data, args=tuple(recording.scalar_or_none(a) for a in record.args))
+        record.replace(param_bytes=data, args=tuple(recording.scalar_or_none(a) for a in record.args))
         for record, data in zip(observation.records, moved.param_bytes)
     ]
     launch_nodes = capture.launch_nodes or [None] * len(records)

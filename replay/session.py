@@ -432,6 +432,19 @@ def _describe_key(key: tuple, limit: int = 96) -> str:
     return text if len(text) <= limit else text[: limit - 4] + " ...)"
 
 
+class _KeyText:
+    """A key as :func:`_describe_key` words it, worded only when a log record is emitted
+    (eviction storms and every recording log one)."""
+
+    __slots__ = ("key",)
+
+    def __init__(self, key: tuple) -> None:
+        self.key = key
+
+    def __str__(self) -> str:
+        return _describe_key(self.key)
+
+
 #: The most sizes a polymorphic region remembers a state of (a variant, or why it is padded).
 MAX_VARIANT_STATES = 1024
 #: Marks a size's count in admission's sketch, apart from its key's (see _call_polymorphic).
@@ -760,7 +773,7 @@ class Region:
         entry.state = EAGER_ONLY
         entry.reason = reason
         self.session.counters.eager_only_keys += 1
-        log.info("region %s, key %s: runs eagerly from now on: %s", self.name, _describe_key(entry.key), reason)
+        log.info("region %s, key %s: runs eagerly from now on: %s", self.name, _KeyText(entry.key), reason)
         if not self.said_autograd:
             self.said_autograd = True
             warnings.warn(
@@ -1097,12 +1110,12 @@ class Region:
                     self.variants = {k: v for k, v in self.variants.items() if isinstance(v, polymorphic.VariantGraph)}
                 self.variants[key] = str(why)
                 session.counters.not_polymorphic += 1
-                log.info("region %s, key %s: padded, not served at its size: %s", self.name, _describe_key(key), why)
+                log.info("region %s, key %s: padded, not served at its size: %s", self.name, _KeyText(key), why)
                 return result
             entry.graph = variant
             self.variants[key] = variant
             session.counters.variants += 1
-            log.info("region %s, key %s: served by its bucket's graph at its own size", self.name, _describe_key(key))
+            log.info("region %s, key %s: served by its bucket's graph at its own size", self.name, _KeyText(key))
         return result
 
     def _forget_variant(self, variant: RecordedGraph) -> None:
@@ -1332,7 +1345,7 @@ class Region:
             log.info(
                 "region %s, key %s: recorded in %.2f ms, %.1f MiB",
                 self.name,
-                _describe_key(key),
+                _KeyText(key),
                 capture.seconds * 1e3,
                 capture.memory / 2**20,
             )
@@ -1446,7 +1459,7 @@ class Region:
         again on its next call. Recordings the analysis turned down (``RecordLater``) are
         retried three times at most."""
         self.session.counters.record_retries += 1
-        log.info("region %s, key %s: recording retried later: %s", self.name, _describe_key(entry.key), aborted)
+        log.info("region %s, key %s: recording retried later: %s", self.name, _KeyText(entry.key), aborted)
         if isinstance(aborted, recording.RecordLater):
             entry.later += 1
             if entry.later > 3:
@@ -1457,7 +1470,7 @@ class Region:
         entry.state = EAGER_ONLY
         entry.reason = reason
         self.session.counters.eager_only_keys += 1
-        log.info("region %s, key %s: runs eagerly from now on: %s", self.name, _describe_key(entry.key), reason)
+        log.info("region %s, key %s: runs eagerly from now on: %s", self.name, _KeyText(entry.key), reason)
         warnings.warn(
             ReplayWarning(f"region {self.name}, key {_describe_key(entry.key)}: runs eagerly from now on: {reason}"),
             stacklevel=4,
@@ -1736,9 +1749,9 @@ class Session:
             log.info(
                 "region %s, key %s: %s released for key %s, used more recently",
                 victim.region.name,
-                _describe_key(victim.key),
+                _KeyText(victim.key),
                 what,
-                _describe_key(entry.key),
+                _KeyText(entry.key),
             )
 
     def retire_pool(self, device: int) -> None:

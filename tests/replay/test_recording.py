@@ -206,9 +206,8 @@ def test_byte_ranges_answer_overlap_as_a_walk_over_every_range_would(ranges, pro
 
 
 def _record_with(args, params, data):
-    import attrs
 
-    return attrs.evolve(_record(args, params), param_bytes=data)
+    return _record(args, params).replace(param_bytes=data)
 
 
 def test_a_staged_input_reached_through_other_memory_refuses_the_capture():
