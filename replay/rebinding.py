@@ -198,6 +198,7 @@ class Plan:
 
 
 _POINTER = struct.Struct("<Q")
+_NOTHING: frozenset[int] = frozenset()
 
 
 def inputs_at(inputs: Sequence[InputRange], address: int) -> list[InputRange]:
@@ -417,11 +418,16 @@ class _Planner:
     copied_back: set[int]  # inputs copied back in this capture
     by_index: dict[int, InputRange] = attrs.field(init=False)
     overlaps: dict[int, set[int]] = attrs.field(init=False)
+    # every address inputs_at can place lies in [lowest, highest] (an empty span without inputs)
+    lowest: int = attrs.field(init=False)
+    highest: int = attrs.field(init=False)
     written_by_jit: set[int] = attrs.Factory(set)  # inputs a jit launch writes through a pointer
 
     def __attrs_post_init__(self) -> None:
         self.by_index = {r.index: r for r in self.inputs}
         self.overlaps = overlapping_inputs(self.inputs)
+        self.lowest = min((r.lo for r in self.inputs), default=1)
+        self.highest = max((r.hi for r in self.inputs), default=0)
 
     # --- what replay must do besides patching ---------------------------------------------
     def require_staging(self, index: int, reason: str, copy_back: bool = False) -> None:
@@ -480,8 +486,9 @@ class _Planner:
     def bind_pointer(self, launch: LaunchView, launch_number: int, node_index: int, param: ParamView) -> set[int]:
         """Rebind a pointer into exactly one input; stage the inputs it may point into where
         that is ambiguous. Returns the jit arguments its offset is recomputed from."""
-        raw = launch.param_bytes[param.offset : param.offset + param.size]
-        (address,) = _POINTER.unpack(raw)
+        (address,) = _POINTER.unpack_from(launch.param_bytes, param.offset)
+        if not param.offset_scalar_args and not self.lowest <= address <= self.highest:
+            return _NOTHING  # into no input, at a fixed offset (the region's own memory): left as recorded
         owners, staging_copy = self.pointer_owners(launch, address)
         dynamic = self.depends_on_dynamic(launch, param.offset_scalar_args, f"the offset of pointer {param.index}")
         if dynamic and not owners:
