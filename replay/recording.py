@@ -178,16 +178,21 @@ def _forget_pool(device: int, pool: tuple) -> None:
 
 def pool_segments(device: int, pool: tuple) -> list[tuple[int, int]]:
     """(address, bytes) of each segment of a private memory pool, from the allocator's
-    snapshot (which also updates :func:`known_pool_bytes`). Asked of the pool alone where
-    torch answers that safely (see :func:`_one_pool_snapshot_takes_its_ids`), else taken
-    from the whole allocator's snapshot, each segment's pool read from it."""
+    snapshot (which also updates :func:`known_pool_bytes`). Asked of the pool alone: with the
+    pool's own id where torch's one-pool snapshot takes nothing from it, else with numbers of
+    our own equal to it, given back what torch took (:func:`_one_pool_segments_given_back`).
+    Where neither can be done safely (an older torch; a Python whose small numbers are not
+    immortal, asked of an id that holds one), taken from the whole allocator's snapshot, each
+    segment's pool read from it: that costs a recording milliseconds in a process that holds
+    many blocks (a model's weights), the pool's own snapshot microseconds."""
     found = None
-    if not _one_pool_snapshot_takes_its_ids():
-        try:
-            segments = torch.cuda.memory_snapshot(mempool_id=pool, include_traces=False)
-            found = [(s["address"], s["total_size"]) for s in segments if s.get("device", device) == device]
-        except TypeError:  # older torch: no per-pool snapshot
-            pass
+    try:
+        if not _one_pool_snapshot_takes_its_ids():
+            found = _segments_of(torch.cuda.memory_snapshot(mempool_id=pool, include_traces=False), device)
+        elif all(_can_give_back(n) for n in pool):
+            found, _taken = _one_pool_segments_given_back(device, pool)
+    except TypeError:  # older torch: no per-pool snapshot
+        pass
     if found is None:
         found = [
             (s["address"], s["total_size"])
@@ -196,6 +201,48 @@ def pool_segments(device: int, pool: tuple) -> list[tuple[int, int]]:
         ]
     _KNOWN_POOL_BYTES[(device, tuple(pool))] = sum(size for _, size in found)
     return found
+
+
+def _segments_of(snapshot: list[dict], device: int) -> list[tuple[int, int]]:
+    return [(s["address"], s["total_size"]) for s in snapshot if s.get("device", device) == device]
+
+
+#: Small numbers are shared by the whole interpreter; from Python 3.12 on they are immortal
+#: (taking a reference from one does nothing), before that they are not.
+_SMALL_NUMBERS_IMMORTAL = sys.version_info >= (3, 12)
+
+
+def _can_give_back(number: int) -> bool:
+    """Whether what torch takes from a copy of ``number`` can be measured and given back: the
+    copy is an object of our own, or an immortal one."""
+    return _SMALL_NUMBERS_IMMORTAL or not -5 <= number <= 256
+
+
+def _one_pool_segments_given_back(device: int, pool: tuple) -> tuple[list[tuple[int, int]], bool]:
+    """torch's one-pool snapshot, asked with copies of the pool's numbers that nothing else
+    holds (so that the session's own id is never handed to it). Two spare holders keep each
+    copy alive through the call, whatever it takes; afterwards, with the snapshot dropped,
+    each copy's reference count is compared with its count before, and what was taken is
+    given back through the C API, as torch took it (immortal numbers: nothing to compare).
+    Giving back too much could only keep a number alive; too little never happens, as the
+    count is read when nothing but our holders remains. Returns (segments, whether anything
+    was taken)."""
+    own = tuple(int.from_bytes(n.to_bytes(16, "little", signed=True), "little", signed=True) for n in pool)
+    spares = [*own, *own]
+    before = [sys.getrefcount(n) for n in own]
+    snapshot = None
+    try:
+        snapshot = torch.cuda.memory_snapshot(mempool_id=own, include_traces=False)
+        found = _segments_of(snapshot, device)
+    finally:
+        snapshot = None  # its entries might hold the copies: let go before they are counted
+        after = [sys.getrefcount(n) for n in own]  # (read as `before` was)
+        taken = [held - now for held, now in zip(before, after)]
+        for number, count in zip(own, taken):
+            for _ in range(count):
+                ctypes.pythonapi.Py_IncRef(ctypes.py_object(number))
+        del spares
+    return found, any(count > 0 for count in taken)
 
 
 def _whole_snapshot() -> list[dict]:
@@ -210,32 +257,21 @@ def _whole_snapshot() -> list[dict]:
 #: reference it never held. Numbers up to 256 are shared forever and survive it; a process's
 #: 257th pool has ids that do not, and a few recordings later the interpreter read freed
 #: memory (crashes in unrelated code, found by the GPU suite). Where it does, pool_segments
-#: filters the whole snapshot instead, which costs more per recording but takes nothing.
+#: never hands it the pool's own id (see :func:`_one_pool_segments_given_back`).
 _SNAPSHOT_TAKES_POOL_IDS: list[bool] = []
 
 
 def _one_pool_snapshot_takes_its_ids() -> bool:
-    """Asked once per process, of numbers no pool has (made now, so that nothing else holds
-    them): whether a one-pool snapshot leaves them with fewer references than it found. What
-    it took from them is given back (through the C API, as torch took it), so that they are
-    freed once, when their last holder lets go."""
+    """Asked once per process, of numbers no pool has: whether a one-pool snapshot leaves
+    them with fewer references than it found (what it took is given back)."""
     if not _SNAPSHOT_TAKES_POOL_IDS:
-        numbers = ((1 << 52) + os.getpid(), (1 << 53) + os.getpid())
-        spare = list(numbers)  # a second holder of each while the snapshot may take one
-        before = [sys.getrefcount(n) for n in numbers]
         try:
-            torch.cuda.memory_snapshot(mempool_id=numbers, include_traces=False)
+            _found, taken = _one_pool_segments_given_back(0, ((1 << 52) + os.getpid(), (1 << 53) + os.getpid()))
         except TypeError:  # older torch: no per-pool snapshot (pool_segments falls back)
-            pass
-        after = [sys.getrefcount(n) for n in numbers]  # (read as `before` was: no other holder between)
-        taken = [held - now for held, now in zip(before, after)]
-        for number, count in zip(numbers, taken):
-            for _ in range(max(count, 0)):
-                ctypes.pythonapi.Py_IncRef(ctypes.py_object(number))
-        del spare
-        _SNAPSHOT_TAKES_POOL_IDS.append(any(taken))
-        if any(taken):
-            log.info("torch's one-pool memory snapshot takes references from the pool's id: filtering whole snapshots")
+            taken = False
+        _SNAPSHOT_TAKES_POOL_IDS.append(taken)
+        if taken:
+            log.info("torch's one-pool memory snapshot takes references from the pool's id: asked with copies of it")
     return _SNAPSHOT_TAKES_POOL_IDS[0]
 
 

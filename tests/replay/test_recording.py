@@ -268,11 +268,13 @@ def test_a_staged_input_reached_through_other_memory_refuses_the_capture():
 
 def test_pool_segments_never_hand_a_pool_id_to_a_snapshot_that_takes_its_references(monkeypatch):
     """torch 2.11's one-pool snapshot frees a reference of each number of the pool's id. The
-    probe (numbers of its own, once per process) finds it, and from then on pool_segments
-    filters the whole snapshot by each segment's pool; where the one-pool snapshot takes
-    nothing, it is asked for the pool alone. Stand-ins for torch's snapshot, one that takes a
-    reference the way torch's does (through the C API) and one that does not. The probe's own
-    numbers get back what was taken (else this test would crash the process later)."""
+    probe (numbers of its own, once per process) finds it, and from then on pool_segments asks
+    the one-pool snapshot with copies of the id's numbers and gives back what it took; where
+    a copy cannot be an object of our own (a small number, on a Python where they are not
+    immortal), it filters the whole snapshot by each segment's pool instead. Where the
+    one-pool snapshot takes nothing, it is asked with the pool's id itself. Stand-ins for
+    torch's snapshot, one that takes a reference the way torch's does (through the C API) and
+    one that does not; the process would crash later if anything taken were not given back."""
     import ctypes
     import sys
 
@@ -280,10 +282,12 @@ def test_pool_segments_never_hand_a_pool_id_to_a_snapshot_that_takes_its_referen
 
     from replay import recording
 
+    big = 299 + int("1")  # 300, made at run time: an object of its own
     segments = [
-        {"device": 0, "address": 0x1000, "total_size": 512, "segment_pool_id": (0, 300)},
+        {"device": 0, "address": 0x1000, "total_size": 512, "segment_pool_id": (0, big)},
         {"device": 0, "address": 0x9000, "total_size": 256, "segment_pool_id": (0, 7)},
-        {"device": 1, "address": 0x5000, "total_size": 128, "segment_pool_id": (0, 300)},
+        {"device": 1, "address": 0x5000, "total_size": 128, "segment_pool_id": (0, big)},
+        {"device": 0, "address": 0x7000, "total_size": 64, "segment_pool_id": (big + 1000, big)},
     ]
 
     def snapshot(takes):
@@ -300,21 +304,30 @@ def test_pool_segments_never_hand_a_pool_id_to_a_snapshot_that_takes_its_referen
 
         return memory_snapshot, calls
 
-    pool = (0, 299 + int("1"))  # 300, made at run time: an object of its own
-    for takes in (True, False):
-        fake, calls = snapshot(takes)
-        monkeypatch.setattr(torch.cuda, "memory_snapshot", fake)
-        monkeypatch.setattr(recording, "_SNAPSHOT_TAKES_POOL_IDS", [])
-        assert recording.pool_segments(0, pool) == [(0x1000, 512)]
-        held = sys.getrefcount(pool[1])  # (known_pool_bytes keeps the id too)
-        for _ in range(4):
-            assert recording.pool_segments(0, pool) == [(0x1000, 512)]
-        assert recording.known_pool_bytes(0, pool) == 512
-        now = sys.getrefcount(pool[1])  # (read outside an assert: pytest's rewrite holds operands)
-        assert now == held
-        probe, *rest = calls
-        assert probe is not None and tuple(probe) != pool and min(probe) > 2**52
-        probe_refs = sys.getrefcount(probe[0])
-        assert probe_refs == 2  # calls and this call's argument: nothing taken
-        assert rest == ([None] * 5 if takes else [pool] * 5)
-        assert recording._one_pool_snapshot_takes_its_ids() is takes
+    small_immortal = sys.version_info >= (3, 12)
+    for pool, expected in (((0, big), [(0x1000, 512)]), ((big + 1000, big), [(0x7000, 64)])):
+        copied = small_immortal or min(pool) > 256  # else the whole snapshot is filtered
+        for takes in (True, False):
+            fake, calls = snapshot(takes)
+            monkeypatch.setattr(torch.cuda, "memory_snapshot", fake)
+            monkeypatch.setattr(recording, "_SNAPSHOT_TAKES_POOL_IDS", [])
+            assert recording.pool_segments(0, pool) == expected
+            held = [sys.getrefcount(n) for n in pool]  # (known_pool_bytes keeps the id too)
+            for _ in range(4):
+                assert recording.pool_segments(0, pool) == expected
+            assert recording.known_pool_bytes(0, pool) == sum(size for _, size in expected)
+            now = [sys.getrefcount(n) for n in pool]  # (read outside an assert: pytest's rewrite holds operands)
+            assert now == held
+            probe, *rest = calls
+            assert probe is not None and tuple(probe) != pool and min(probe) > 2**52
+            probe_refs = sys.getrefcount(probe[0])
+            assert probe_refs == 2  # calls and this call's argument: nothing taken
+            if not takes:
+                assert rest == [pool] * 5  # the pool's own id
+            elif not copied:
+                assert rest == [None] * 5  # the whole snapshot
+            else:
+                assert rest == [pool] * 5 and all(c is not p for c in rest for c, p in zip(c, pool) if p > 256)
+                copy_refs = [sys.getrefcount(c[1]) for c in rest]
+                assert copy_refs == [2] * 5  # calls and this call's argument: nothing taken
+            assert recording._one_pool_snapshot_takes_its_ids() is takes
