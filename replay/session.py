@@ -1357,7 +1357,6 @@ class Region:
                 capture.host.launched()  # it reads the host inputs' pinned buffers until done
             entry.uses_rng = generator is not None and generator.get_offset() != offset
             entry.rng_epoch = recording.GENERATOR_EPOCH[0]
-            stats.graph_memory_bytes = session.memory_bytes()
             outputs = recording.first_outputs(capture, leaves)
             if session.policy.clone_outputs:
                 outputs = _clone_tensors(outputs)
@@ -1695,7 +1694,6 @@ class Session:
 
             def changed() -> None:  # a slot came or went
                 region.outputs_changed()
-                self.counters.graph_memory_bytes = self.memory_bytes()
 
             slots = self._output_slots[(region, device)] = OutputSlots(
                 lambda size: torch.empty(size, dtype=torch.uint8, device=target), changed=changed
@@ -1808,7 +1806,6 @@ class Session:
             and self.admission.may_record()
         ):
             self.compact(device)
-        self.counters.graph_memory_bytes = self.memory_bytes()
 
     def compact(self, device: int) -> bool:
         """Record every graph of ``device`` again into a fresh pool (largest inputs first) and
@@ -1910,14 +1907,16 @@ class Session:
         if not self.closed:
             self.invalidate()
             self.counters.invalidations -= 1  # closing is not an invalidation by the user
-            self.counters.graph_memory_bytes = 0
             self._retired_pools.clear()
             self._pools.clear()  # the pools go (memory the caller still holds stays until it is freed)
             self.closed = True
 
     # --- introspection -------------------------------------------------------------------
     def stats(self) -> Stats:
-        stats = self.counters.copy()
+        with self.lock:  # (memory_bytes walks the graphs another thread may be recording)
+            stats = self.counters.copy()
+            # measured when asked, not after every recording: it walks every graph and slot set
+            stats.graph_memory_bytes = 0 if self.closed else self.memory_bytes()
         stats.calls = stats.replays + stats.eager_runs  # every call either replays or runs eagerly
         return stats
 

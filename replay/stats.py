@@ -30,7 +30,7 @@ class Stats:
     staged_copies: int = 0  # staging copies run inside replays
     padded_in_place: int = 0  # padded arguments written straight into a graph's staged buffer (no copies)
     capture_seconds: float = 0.0
-    graph_memory_bytes: int = 0  # bytes the session's memory pools hold (graph outputs, intermediates)
+    graph_memory_bytes: int = 0  # bytes the session's memory pools hold (graph outputs, intermediates), when asked
     graphs: int = 0  # graphs currently held
     evictions: int = 0
     refused: int = 0  # recordings not admitted: every graph held was replayed more often recently
