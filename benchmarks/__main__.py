@@ -4,6 +4,7 @@
 
 Writes <name>.json, <name>.md and PNG plots for: launch (host cost of each dispatch path),
 jit (cache-hit cost against peers), keys (lean vs full keys), replay (the 32-kernel region),
+pool_snapshot (a new shape's recording call with many other blocks alive, beside one whole-allocator snapshot),
 scaling (per-step time against region length and distinct shapes; replay host time against
 tensor arguments and patched nodes), shapes (replay under shape distributions: uniform, Zipf,
 fixed, prefill), triton_region (triton.md: Triton kernels rebound against staged and eager;
@@ -26,7 +27,7 @@ import torch
 
 from benchmarks import common
 
-GPU_BENCHMARKS = ["launch", "jit", "keys", "replay", "scaling", "shapes", "triton_region"]
+GPU_BENCHMARKS = ["launch", "jit", "keys", "replay", "pool_snapshot", "scaling", "shapes", "triton_region"]
 CPU_BENCHMARKS = ["jit_cpu"]
 SAMPLE = "decode_loop"
 
