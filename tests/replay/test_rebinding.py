@@ -246,10 +246,10 @@ def test_launches_are_matched_to_the_node_the_capture_reported():
     a = launch(0xA, [(X.lo, True)])
     b = launch(0xA, [(X.lo, True)])
     nodes = [attrs.evolve(node_for(5, a), handle=0x500), attrs.evolve(node_for(6, b), handle=0x600)]
-    reported = [attrs.evolve(a, node=0x600), attrs.evolve(b, node=0x500)]
+    reported = [a.replace(node=0x600), b.replace(node=0x500)]
     matches, failure = match_launches(reported, nodes)
     assert failure is None and matches == [(0, 6), (1, 5)]
-    _, failure = match_launches([attrs.evolve(a, node=0x999)], nodes)
+    _, failure = match_launches([a.replace(node=0x999)], nodes)
     assert "not the graph node" in failure
 
 
@@ -267,7 +267,7 @@ def test_byte_identical_launches_with_different_provenance_are_refused_without_n
 def test_staging_copies_of_overlapping_inputs_stay_bound_to_their_own_input():
     whole = InputRange(0, "args[0]", 0x10000, 0x10000 + 4096)
     tail = InputRange(1, "args[1]", 0x10000 + 1024, 0x10000 + 4096)
-    copy_in = attrs.evolve(launch(0x5, [(tail.lo, True), (0x80000, False)]), staging_input=1)
+    copy_in = launch(0x5, [(tail.lo, True), (0x80000, False)]).replace(staging_input=1)
     result = plan([whole, tail], [copy_in], [node_for(0, copy_in)], staged={0, 1})
     assert result.failure is None
     assert [(b.input, b.delta) for b in result.pointers] == [(1, 0)]
@@ -321,7 +321,7 @@ def test_the_inputs_each_node_reaches_are_decided_at_once_as_node_by_node(bounds
 
 
 def _with_extents(view: LaunchView, extents: dict[int, tuple]) -> LaunchView:
-    return attrs.evolve(view, extents={param: Extent(*extent) for param, extent in extents.items()})
+    return view.replace(extents={param: Extent(*extent) for param, extent in extents.items()})
 
 
 def test_a_global_holding_the_argument_is_never_rebound_to_it():
@@ -394,7 +394,7 @@ def test_extents_of_pointers_outside_inputs_or_of_staging_copies_are_ignored():
     outside = _with_extents(launch(0xF1, [(0x50000, True)]), {0: (0x40000, 0x90000)})
     result = plan([X, Y], [outside], [node_for(0, outside)])
     assert result.failure is None and result.pointers == []
-    copy = attrs.evolve(launch(0xC0, [(X.lo, True)]), staging_input=0, extents={0: Extent(X.lo - 64, X.hi + 64)})
+    copy = launch(0xC0, [(X.lo, True)]).replace(staging_input=0, extents={0: Extent(X.lo - 64, X.hi + 64)})
     result = plan([X, Y], [copy], [node_for(0, copy)], staged={0})
     assert result.failure is None and [(b.input, b.delta) for b in result.pointers] == [(0, 0)]
 
