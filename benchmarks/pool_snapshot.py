@@ -38,7 +38,7 @@ def _other_blocks(count: int) -> list[torch.Tensor]:
 def _whole_snapshot_us() -> float:
     torch.cuda.synchronize()
     start = time.perf_counter()
-    torch.cuda.memory_snapshot()
+    torch.cuda.memory_snapshot(include_traces=False)  # as stop 38 asked for it
     return (time.perf_counter() - start) * 1e6
 
 

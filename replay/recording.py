@@ -45,6 +45,7 @@ from replay.region_keys import byte_range, extent_bytes, flatten, storage_range,
 log = logging.getLogger("replay")
 
 _NUMBERS = (int, float, bool)
+_POINTER = struct.Struct("<Q")  # a pointer parameter's bytes
 
 
 class _NoObservation:
@@ -637,7 +638,7 @@ def _pointer_addresses(records: Sequence, *, written_only: bool = False) -> Iter
     for record in records:
         for param in record.params:
             if param.kind == "pointer" and not (written_only and param.read_only):
-                yield record, int.from_bytes(record.param_bytes[param.offset : param.offset + 8], "little")
+                yield record, _POINTER.unpack_from(record.param_bytes, param.offset)[0]
 
 
 def _inputs_written(prepared: _CaptureInputs, observation: object, region_records: Sequence) -> set[int]:
@@ -973,9 +974,6 @@ class StorageUse:
     base: int
     nbytes: int
     made: bool
-
-
-_POINTER = struct.Struct("<Q")
 
 
 def pointer_extents(

@@ -1691,12 +1691,9 @@ class Session:
         slots = self._output_slots.get((region, device))
         if slots is None:
             target = f"cuda:{device}"
-
-            def changed() -> None:  # a slot came or went
-                region.outputs_changed()
-
             slots = self._output_slots[(region, device)] = OutputSlots(
-                lambda size: torch.empty(size, dtype=torch.uint8, device=target), changed=changed
+                lambda size: torch.empty(size, dtype=torch.uint8, device=target),
+                changed=region.outputs_changed,  # a slot came or went
             )
         return slots
 
