@@ -7,8 +7,7 @@ snapshot with copies of the id's numbers and gives back what they lost. The whol
 lists every block of the process, so its cost grows with what the process holds (a model's
 weights and caches). This times, with 0, 2,000 and 8,000 other blocks alive, a new shape's
 recording call of a 4-kernel region in a running session (the public path, wait included)
-beside one whole-allocator snapshot (what each recording paid on top at stop 38) and the
-pool's own snapshot as the recording asks it (``replay.recording.pool_segments``), round robin.
+beside one whole-allocator snapshot (what each recording paid on top at stop 38), round robin.
 """
 
 from __future__ import annotations
@@ -22,7 +21,6 @@ import torch
 import replay
 from benchmarks import common
 from benchmarks.replay import WIDTH, chain
-from replay import recording
 
 #: Other live blocks in the process, as a model's weights and caches would be.
 BLOCK_COUNTS = (0, 2000, 8000)
@@ -44,15 +42,6 @@ def _whole_snapshot_us() -> float:
     return (time.perf_counter() - start) * 1e6
 
 
-def _pool_snapshot_us(session: replay.Session) -> float:
-    device = torch.cuda.current_device()
-    pool = session.pool(device)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    recording.pool_segments(device, pool)
-    return (time.perf_counter() - start) * 1e6
-
-
 def main() -> None:
     args = common.parser(__doc__.splitlines()[0]).parse_args()
     repeats = 3 if args.quick else 15
@@ -69,7 +58,7 @@ def main() -> None:
             step(x)
         for count in BLOCK_COUNTS:
             blocks = _other_blocks(count)
-            recording_us, snapshot_us, pool_us = [], [], []
+            recording_us, snapshot_us = [], []
             for _ in range(repeats):
                 x = torch.randn(next(rows_of_new_shape), WIDTH, device="cuda")
                 torch.cuda.synchronize()
@@ -80,35 +69,25 @@ def main() -> None:
                 assert torch.equal(out, REGION(x))
                 step(x)  # its analysis, so that the next shape's call is a recording again
                 snapshot_us.append(_whole_snapshot_us())
-                pool_us.append(_pool_snapshot_us(session))
             results[f"{count} other blocks"] = {
                 "recording_call_us": statistics.median(recording_us),
                 "whole_snapshot_us": statistics.median(snapshot_us),
-                "pool_snapshot_us": statistics.median(pool_us),
                 "recordings": len(recording_us),
             }
-            table.append(
-                (count, statistics.median(recording_us), statistics.median(pool_us), statistics.median(snapshot_us))
-            )
+            table.append((count, statistics.median(recording_us), statistics.median(snapshot_us)))
             del blocks
             torch.cuda.empty_cache()
         records = session.stats().records
     assert records >= len(BLOCK_COUNTS) * repeats, session.report()
     body = common.markdown_table(
-        [
-            "other live blocks",
-            "a new shape's recording call (us)",
-            "of it, the pool's own snapshot (us)",
-            "one whole-allocator snapshot (us)",
-        ],
-        table,
+        ["other live blocks", "a new shape's recording call (us)", "one whole-allocator snapshot (us)"], table
     )
     body += (
         f"\n\nMedians of {repeats} new shapes per row, each recording call timed with its wait, in one session "
         "(4 jit kernels a call). Stop 38 paid one whole-allocator snapshot per recording on top of its call "
-        "(torch 2.11); from stop 39 the recording measures its pool by the pool's own snapshot, timed here alone "
-        "as the recording asks it: torch picks the pool's segments from every block of the allocator, so it still "
-        "grows with the blocks the process holds, far less than the whole snapshot."
+        "(torch 2.11); from stop 39 the recording measures its pool by the pool's own snapshot, for which torch "
+        "still walks every block of the allocator: the call grows with the blocks the process holds, far less "
+        "than by a whole snapshot."
     )
     common.write(args.out, "pool_snapshot", "A recording call in a process holding many blocks", results, body)
 
