@@ -185,7 +185,8 @@ def pool_segments(device: int, pool: tuple) -> list[tuple[int, int]]:
     Where neither can be done safely (an older torch; a Python whose small numbers are not
     immortal, asked of an id that holds one), taken from the whole allocator's snapshot, each
     segment's pool read from it: that costs a recording milliseconds in a process that holds
-    many blocks (a model's weights), the pool's own snapshot microseconds."""
+    many blocks (a model's weights), the pool's own snapshot a tenth of that (torch still walks
+    every block to pick the pool's: 44 us with none, 238 us with 8,000 on the H200)."""
     found = None
     try:
         if not _one_pool_snapshot_takes_its_ids():
