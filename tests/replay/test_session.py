@@ -80,6 +80,11 @@ class DoubleSession(Session):
     build_graph = FakeGraph
 
     def __init__(self, **policy):
+        # The recording budget charges each recording its wall time, so under the default 3%
+        # a loaded machine (CI) could postpone a recording these tests expect: a test of any
+        # other logic must not depend on the machine's speed. Tests of the budget pass their own
+        # fraction and set what it reads (spent, recent, its clock).
+        policy.setdefault("record_budget", 1.0)
         super().__init__(**policy)
         self.captures = []
         self.capture_script = []  # exceptions for the next captures, in order
