@@ -14,7 +14,7 @@ See docs/ for the guide; ``jitcore.recorder`` is the replay layer's hook, and
 """
 
 from jitcore import recorder, torch_native
-from jitcore.drift import GlobalsSnapshot
+from jitcore.drift import GlobalsSnapshot, TensorsByName
 from jitcore.errors import (
     ArgumentError,
     BackendUnavailableError,
@@ -55,6 +55,7 @@ __all__ = [
     "DriverError",
     "GlobalDriftError",
     "GlobalsSnapshot",
+    "TensorsByName",
     "JitError",
     "Kernel",
     "KernelSpecialization",

@@ -545,9 +545,20 @@ class _Budget(Exception):
     pass
 
 
-#: How many values GlobalsSnapshot.tensors looks at, containers' items included (a region that
-#: reads a large dict, a vocabulary, pays for this many at each recording at most).
+#: How many values GlobalsSnapshot.tensors_by_name looks at, containers' items included (a
+#: region that reads a large dict, a vocabulary, pays for this many at each recording at most;
+#: past it the search says it is incomplete).
 _TENSOR_SEARCH_LIMIT = 4096
+
+
+@attrs.frozen
+class TensorsByName:
+    """The tensors among the values a snapshot holds; ``complete`` False where the search
+    stopped at its bound (:data:`_TENSOR_SEARCH_LIMIT` values) with values left unread, so
+    that any tensor may be among them."""
+
+    tensors: list
+    complete: bool
 
 
 class GlobalsSnapshot:
@@ -595,11 +606,12 @@ class GlobalsSnapshot:
         self.check: Callable[[], None] = defined["check"]  # type: ignore[assignment]
         weakref.finalize(self, generated.forget_source, self.filename)
 
-    @property
-    def tensors(self) -> list[torch.Tensor]:
+    def tensors_by_name(self) -> TensorsByName:
         """The tensors among the values the snapshot holds (a global, a closure value or a
         module attribute the code reads, and those inside the lists, tuples, sets and dicts
-        it reads): memory the code reaches by name, which replay compares its arguments with."""
+        it reads): memory the code reaches by name, which replay compares its arguments with.
+        Bounded (:data:`_TENSOR_SEARCH_LIMIT` values); a search cut short says so, since a
+        tensor it did not reach may be an argument (replay then doubts every argument)."""
         found: list[torch.Tensor] = []
         pending = [entry.value for entry in self.entries if entry.where != "builtin"]
         seen = 0
@@ -612,7 +624,7 @@ class GlobalsSnapshot:
                 pending.extend(value.values())
             elif isinstance(value, (list, tuple, set, frozenset)):
                 pending.extend(value)
-        return found
+        return TensorsByName(found, complete=not pending)
 
     # --- building ------------------------------------------------------------------------
     def _build(self, root: types.FunctionType | None, target: types.FunctionType | None, state: frozenset) -> None:

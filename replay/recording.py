@@ -1054,10 +1054,13 @@ class HeldTensors:
     globals, closures and module attributes hold, and the containers they hold (few, each
     compared with the arguments by identity and by the bytes it lies over); ``attributes``: a
     module region's parameters and buffers (often thousands, compared by identity alone, so
-    that a recording pays a set of their ids rather than a read of each one's storage)."""
+    that a recording pays a set of their ids rather than a read of each one's storage).
+    ``complete`` False: the search for ``named`` stopped at its bound with values left unread
+    (jitcore.drift.GlobalsSnapshot.tensors_by_name), so any argument may be one of them."""
 
     named: Sequence[torch.Tensor] = ()
     attributes: Sequence[torch.Tensor] = ()
+    complete: bool = True
 
 
 def input_doubts(tensors: Mapping[int, torch.Tensor], held: HeldTensors | None = None) -> dict:
@@ -1076,13 +1079,20 @@ def input_doubts(tensors: Mapping[int, torch.Tensor], held: HeldTensors | None =
     Either way the recording cannot tell from the address, and the plan never binds such a
     pointer to the input: it stages the input, or refuses the key (rebinding's
     stage_for_doubt). ``held``: what the region reaches by name
-    (``Region._tensors_held_by_name``)."""
+    (``Region._tensors_held_by_name``); where its search was cut short, every argument may be
+    a tensor the region reaches by name, and is doubted so."""
     held = held or HeldTensors()
     by_name = {id(t) for t in (*held.named, *held.attributes)}
     overlaps_named = _ByteRanges([_storage_span(t) for t in held.named])
     doubts = {}
     for i, tensor in tensors.items():
-        if id(tensor) in by_name:
+        if not held.complete:
+            doubts[i] = InputDoubt(
+                "the region reads more values by name (globals, closure values and the items of the containers they "
+                "hold) than replay looks through, so the argument may be a tensor among them",
+                True,
+            )
+        elif id(tensor) in by_name:
             doubts[i] = InputDoubt(
                 "the argument is a tensor the region also reads by name (a global, a closure "
                 "value, a module's parameter or buffer)",

@@ -1289,10 +1289,10 @@ class Region:
         and closures hold (the snapshot's), and a module region's parameters and buffers
         (``forward`` reads them as attributes, which the snapshot does not follow). An
         argument that is one of them is reached both ways (recording.input_doubts)."""
-        named = self.snapshot.tensors if self.snapshot is not None else []
+        named = self.snapshot.tensors_by_name() if self.snapshot is not None else jitcore.TensorsByName([], True)
         module = self.fn if isinstance(self.fn, torch.nn.Module) else getattr(self.fn, "__self__", None)
         attributes = [*module.parameters(), *module.buffers()] if isinstance(module, torch.nn.Module) else []
-        return recording.HeldTensors(named, attributes)
+        return recording.HeldTensors(named.tensors, attributes, complete=named.complete)
 
     def _record(self, entry: Entry, key: tuple, spec: object, leaves: list, paths: list, device: int):
         """Capture the key and launch the new graph once (this call's result). The node

@@ -967,6 +967,35 @@ def test_the_snapshots_tensors_are_every_tensor_the_code_reaches_by_name():
     def region(x):
         return helper(x) + table + caches[0] + len(caches)
 
-    held = {id(t) for t in GlobalsSnapshot(region).tensors}
-    assert held == {id(table), id(_HELD_ROW), id(caches[0]), id(nested)}
+    found = GlobalsSnapshot(region).tensors_by_name()
+    held = {id(t) for t in found.tensors}
+    assert held == {id(table), id(_HELD_ROW), id(caches[0]), id(nested)} and found.complete
     assert id(unread) not in held
+
+
+_WIDE: list = []
+
+
+def test_a_tensor_search_cut_short_by_its_bound_says_so(monkeypatch):
+    """The search looks at a bounded number of values, the containers and their items alike;
+    where values are left unread when it stops, a tensor may be among them, so the answer is
+    marked incomplete (replay then doubts every argument) rather than taken as all there is."""
+    import torch
+
+    from jitcore import drift
+    from jitcore.drift import GlobalsSnapshot
+
+    monkeypatch.setattr(drift, "_TENSOR_SEARCH_LIMIT", 6)
+    weight = torch.randn(2)
+
+    def region(x):
+        return x + len(_WIDE) + weight
+
+    _WIDE[:] = [1, 2, 3, 4]  # the closure tensor, the list and its 4 items: 6 values, all read
+    found = GlobalsSnapshot(region).tensors_by_name()
+    assert found.complete and [id(t) for t in found.tensors] == [id(weight)]
+    _WIDE[:] = [1, 2, 3, 4, torch.randn(1)]  # 7 values: one is left unread
+    found = GlobalsSnapshot(region).tensors_by_name()
+    assert not found.complete
+    monkeypatch.setattr(drift, "_TENSOR_SEARCH_LIMIT", 7)
+    assert GlobalsSnapshot(region).tensors_by_name().complete

@@ -18,6 +18,7 @@ import torch
 
 import jitcore as jc
 import replay
+from jitcore import drift
 from jitcore.errors import ArgumentError
 from replay import dynamic, recording
 from replay.graph import clone_preserving_sharing
@@ -1024,6 +1025,40 @@ def test_the_very_tensor_a_global_holds_as_the_argument_is_exact(region, record_
             _called_alike(step, eager_step, None if kind == "own" else (replay_table, eager_table), (number, kind))
             assert same(replay_table, eager_table), (number, kind)
         assert session.stats().replays >= 1
+
+
+#: A global the next test's region reads: a table, then more values than replay looks through.
+_WIDE_TABLES: list = []
+
+
+def _writes_the_wide_tables_first(t, x):
+    add_one(x, _WIDE_TABLES[0])
+    y = torch.empty(256, device="cuda")
+    add_one(t, y)
+    return y
+
+
+def test_a_region_reading_more_by_name_than_replay_looks_through_refuses_its_captures():
+    """The table the region writes through a global list sits where the search of what the
+    region reads by name, cut short by its bound, does not reach. Passed as the argument too,
+    it would be recorded as the argument alone (the stop 38 hazard: later calls' writes moved
+    into their arguments). Every argument is in doubt then, so every capture is refused with a
+    warning, and every call, the table itself or a tensor of its own, is eager's."""
+    table = torch.randn(256, device="cuda")
+    _WIDE_TABLES[:] = [table, *range(drift._TENSOR_SEARCH_LIMIT)]
+    try:
+        with replay.capture(record_after=0) as session:
+            step = session.region(_writes_the_wide_tables_first)
+            with pytest.warns(replay.ReplayWarning, match="more values by name"):
+                for number, kind in enumerate(["global", "own", "global", "own", "own"]):
+                    t = table if kind == "global" else torch.randn(256, device="cuda")
+                    x = torch.randn(256, device="cuda")
+                    expected = (x + 1 if kind == "global" else t) + 1
+                    out = step(t, x)
+                    assert torch.equal(table, x + 1) and torch.equal(out, expected), (number, kind)
+            assert session.stats().replays == 0
+    finally:
+        _WIDE_TABLES[:] = []
 
 
 class _TableModule(torch.nn.Module):

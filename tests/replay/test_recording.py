@@ -188,6 +188,12 @@ def test_input_doubts_name_the_inputs_whose_memory_another_tensor_or_the_region_
     doubts = input_doubts({0: parameter, 1: source}, attributes)
     assert set(doubts) == {0} and doubts[0].itself
 
+    # a search of what the region reads by name cut short: any argument may be among the rest,
+    # even a tensor alone, even for pointers it gave itself (the capture refuses it)
+    doubts = input_doubts({0: alone, 1: row, 2: held}, HeldTensors(named=[held], complete=False))
+    assert set(doubts) == {0, 1, 2} and all(d.itself for d in doubts.values())
+    assert "more values by name" in doubts[0].reason
+
 
 @settings(max_examples=300, deadline=None)
 @given(

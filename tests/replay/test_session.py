@@ -1707,7 +1707,44 @@ def test_a_module_regions_parameters_and_buffers_are_tensors_it_holds_by_name():
     plain = session.region(lambda x: x + _GLOBAL_WEIGHT)
     plain.snapshot = jitcore.GlobalsSnapshot(plain.fn, owner="test")
     held = plain._tensors_held_by_name()
-    assert [id(t) for t in held.named] == [id(_GLOBAL_WEIGHT)] and held.attributes == []
+    assert [id(t) for t in held.named] == [id(_GLOBAL_WEIGHT)] and held.attributes == [] and held.complete
+
+
+def test_a_region_reading_more_by_name_than_the_search_looks_through_holds_it_incomplete(monkeypatch):
+    """Where the globals snapshot's tensor search stops at its bound, the region's held
+    tensors say so (every argument is then in doubt: recording.input_doubts); a module
+    region's parameters and buffers are listed all the same."""
+    from jitcore import drift
+
+    monkeypatch.setattr(drift, "_TENSOR_SEARCH_LIMIT", 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        session = replay.capture()
+
+    def reads_the_list(x):
+        return x + len(_MANY_NAMES)
+
+    class ReadsTheList(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(2, 2)
+
+        def forward(self, x):
+            return self.linear(x) + len(_MANY_NAMES)
+
+    net = ReadsTheList()
+    for fn, attributes in ((reads_the_list, set()), (net, {id(p) for p in net.parameters()})):
+        region = session.region(fn)
+        region.snapshot = jitcore.GlobalsSnapshot(fn, owner="test")
+        held = region._tensors_held_by_name()
+        assert not held.complete and {id(t) for t in held.attributes} == attributes
+    _MANY_NAMES[8:] = []  # the list and its 8 items: one value over the bound
+    region.snapshot = jitcore.GlobalsSnapshot(net, owner="test")
+    assert not region._tensors_held_by_name().complete
+    _MANY_NAMES[7:] = []  # 8 values: all read
+    region.snapshot = jitcore.GlobalsSnapshot(net, owner="test")
+    assert region._tensors_held_by_name().complete
 
 
 _GLOBAL_WEIGHT = torch.ones(4)
+_MANY_NAMES = list(range(20))
