@@ -44,6 +44,17 @@ def make_region(width: int = WIDTH):
     return logits
 
 
+def fresh_cublas_workspaces() -> None:
+    """Drop torch's cuBLAS workspaces (32 MiB on an H200), so the next session's first matmul
+    capture makes its own in the session's pool. torch keeps one per (handle, stream) after the
+    session that made it, and sessions take capture streams from torch's pool in turn, so
+    without this a session's graph memory held a workspace or not depending on which tests ran
+    before it (the whole GPU suite once measured 31.6 MiB alone and 77.0 MiB for 48 shapes)."""
+    torch.cuda.synchronize()
+    torch._C._cuda_clearCublasWorkspaces()
+    torch.cuda.empty_cache()
+
+
 def reference(fn, x):
     out, head = fn(x)
     return out.clone(), head.clone()
@@ -125,7 +136,7 @@ def test_outputs_of_many_shapes_take_about_two_output_sets_not_one_per_shape():
     fn = make_region(width)
     largest = 48
     set_bytes = largest * width * 4 * 2  # `out` and `h` (a view of h is returned), float32
-    torch.cuda.synchronize()
+    fresh_cublas_workspaces()
     with replay.capture(record_budget=1.0) as alone:
         step = alone.region(fn)
         x = torch.randn(largest, DIM, device="cuda")
@@ -135,6 +146,7 @@ def test_outputs_of_many_shapes_take_about_two_output_sets_not_one_per_shape():
         alone_bytes = alone.stats().graph_memory_bytes
     del out
     for order in (list(range(1, largest + 1)), random.Random(2).sample(range(1, largest + 1), largest)):
+        fresh_cublas_workspaces()
         with replay.capture(record_budget=1.0) as session:
             step = session.region(fn)
             out = None
