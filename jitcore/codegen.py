@@ -237,8 +237,15 @@ class CallState:
     # --- generation ----------------------------------------------------------------------
     def _generate(self) -> str:
         """Two functions: ``run`` (the hot path) and ``run__rec``, the same code that also
-        reports each launch to this thread's recorder (used while any recorder is installed)."""
-        return self._generate_one(recording=False) + "\n" + self._generate_one(recording=True)
+        reports each launch to this thread's recorder (used while any recorder is installed).
+        Both launch through the same packed launchers where the backend has them (the
+        recording path through their ``reporting``, which returns the bytes it packed)."""
+        # A packed launch packs and launches in one call, so in a call state of several launches
+        # a later launch's refused value would come after the earlier launches ran: there,
+        # every launch packs with struct into this thread's buffers first (measured on the
+        # CPU proxy: no slower than packed launches with a checking call of each before).
+        packed = None if len(self.trace.launches) > 1 else self._packed_launchers()
+        return self._generate_one(packed, recording=False) + "\n" + self._generate_one(packed, recording=True)
 
     def _packed_launchers(self) -> list | None:
         """Each launch as the backend's launch that packs its own parameters
@@ -273,13 +280,8 @@ class CallState:
             launchers.append(launcher)
         return launchers
 
-    def _generate_one(self, *, recording: bool) -> str:
+    def _generate_one(self, packed: list | None, *, recording: bool) -> str:
         trace = self.trace
-        # A packed launch packs and launches in one call, so in a call state of several launches
-        # a later launch's refused value would come after the earlier launches ran: there,
-        # every launch packs with struct into this thread's buffers first (measured on the
-        # CPU proxy: no slower than packed launches with a checking call of each before).
-        packed = None if recording or len(trace.launches) > 1 else self._packed_launchers()
         args = [f"_a{i}" for i in range(len(self.param_names))]
         args_tuple = "(" + "".join(f"{a}, " for a in args) + ")"
         if recording:
@@ -448,7 +450,7 @@ class CallState:
         layout = launch.kernel.layout
         dynamic = _changing(launch)
         if packed is not None:
-            launching = self._packed_launch_lines(number, launch, packed, dynamic, grid, block, shared)
+            launching = self._packed_launch_lines(number, launch, packed, dynamic, grid, block, shared, recording)
         else:
             for run_number, run in enumerate(layout.runs(dynamic)):
                 offset, packer = layout.struct_for(run)
@@ -474,18 +476,24 @@ class CallState:
             if dynamic_axes:  # an empty launch needs no shared memory
                 grow = " and ".join([*(grid[axis] for axis in dynamic_axes), grow])
             lines.append(f"if {grow}: _grow_shared({number}, {shared})")
-        if packed is not None:  # it packs (refusing what struct refuses) and skips an empty grid itself
-            return lines, launching
         if empty:
-            launching, launched = [], "False"  # nothing to launch, ever
-        elif dynamic_axes:  # a dynamic grid of zero (an empty tensor): skip the launch
-            launching = [f"if {' and '.join(grid[axis] for axis in dynamic_axes)}:", *("    " + x for x in launching)]
+            launched = "False"  # nothing to launch, ever
+        elif dynamic_axes:  # a dynamic grid of zero (an empty tensor): no launch
             launched = " and ".join(f"{grid[axis]} != 0" for axis in dynamic_axes)
         else:
             launched = "True"
+        if packed is not None:  # it packs (refusing what struct refuses) and skips an empty grid itself
+            packed_bytes = f"_p{number}"
+        else:
+            packed_bytes = f"_b[{2 * number}]"
+            if empty:
+                launching = []
+            elif dynamic_axes:
+                nonzero = " and ".join(grid[axis] for axis in dynamic_axes)
+                launching = [f"if {nonzero}:", *("    " + x for x in launching)]
         if recording:
             launching.append(
-                f"if _hook is not None: _report(_hook, {number}, _b, {args_tuple}, _original, stream, "
+                f"if _hook is not None: _report(_hook, {number}, {packed_bytes}, {args_tuple}, _original, stream, "
                 f"{grid_t}, {block_t}, {shared}, {launched})"
             )
         return lines, launching
@@ -499,11 +507,13 @@ class CallState:
         grid: list[str],
         block: list[str],
         shared: str,
+        recording: bool,
     ) -> list[str]:
         """The launch through the backend's packed launcher: one call packs the changing
         parameters (exactly as struct would, refusing what struct refuses, also for an empty
         grid) and launches (nothing for a grid with a zero dimension). Only for a call state of
-        one launch (see :meth:`_generate_one`)."""
+        one launch (see :meth:`_generate`). The recording path calls its ``reporting``, which
+        returns the bytes it packed, as ``_p{number}``."""
         self.namespace[f"_L{number}"] = packed
         values = "".join(
             f", _a{launch.sources[i].arg_index}"
@@ -512,6 +522,8 @@ class CallState:
             for i in dynamic
         )
         config = ", ".join([*grid, *block, shared])
+        if recording:
+            return [f"_p{number} = _L{number}.reporting({config}, stream{values})  # the bytes it packed"]
         return [f"_L{number}({config}, stream{values})  # raises the backend's error if the launch fails"]
 
     def _param_source(self, launch: TraceLaunch, index: int) -> str:
@@ -667,13 +679,15 @@ class CallState:
             found = self._evaluators[key] = (evaluator, expression)
         return found
 
-    def _report(self, hook, number, buffers, args, original, stream, grid, block, shared, launched=True) -> None:
+    def _report(self, hook, number, packed, args, original, stream, grid, block, shared, launched=True) -> None:
         """Tell ``hook`` about launch ``number`` of this call (every launch of a recording
         comes through here, so it is on the first recording call's path: what does not
         change from call to call, every record but the pointers' byte offsets, is made once
-        per set of fixed sizes and reused; records are frozen)."""
+        per set of fixed sizes and reused; records are frozen). ``packed``: the parameter
+        bytes launched (a packed launcher's) or this thread's buffer holding them."""
         facts, layout, fixed = self._report_facts[number]
-        packed = bytes(memoryview(buffers[2 * number])[: layout.size])
+        if packed.__class__ is not bytes:
+            packed = bytes(memoryview(packed)[: layout.size])
         values = leaf_values(self.trace, args) if fixed else None
         key = (number, *(values[v] for v in fixed)) if fixed else number
         parts = self._reports.get(key)
@@ -681,29 +695,38 @@ class CallState:
             if len(self._reports) >= _REPORT_CACHE_SIZE:
                 self._reports.clear()
             parts = self._reports[key] = self._report_parts(number, values)
-        params, pointers, config, checks = parts
+        params, pointers, config, checks, by_offsets = parts
         if pointers:
-            params = list(params)
-            for position, item, offset_evaluate, by_offset in pointers:
-                byte_offset = _unpack_pointer(packed, item.common["offset"])[0] - args[item.arg_index].data_ptr()
-                record = by_offset.get(byte_offset)
-                if record is None:
-                    record = recorder.ParamRecord(
-                        kind="pointer",
-                        arg_index=item.arg_index,
-                        byte_offset=byte_offset,
-                        read_only=item.read_only,
-                        offset_scalar_args=item.scalar_args,
-                        offset_evaluate=offset_evaluate,
-                        **item.common,
-                    )
-                    if len(by_offset) < _POINTER_RECORDS:
-                        by_offset[byte_offset] = record
-                params[position] = record
-            params = tuple(params)
-        # the fields in LaunchRecord's order (a record is made per launch: no keywords)
+            offsets = tuple(
+                _unpack_pointer(packed, at)[0] - args[item.arg_index].data_ptr() for _, item, at, _, _ in pointers
+            )
+            made = by_offsets.get(offsets)
+            if made is None:
+                made = list(params)
+                for (position, item, _at, offset_evaluate, by_offset), byte_offset in zip(pointers, offsets):
+                    record = by_offset.get(byte_offset)
+                    if record is None:
+                        record = recorder.ParamRecord(
+                            kind="pointer",
+                            arg_index=item.arg_index,
+                            byte_offset=byte_offset,
+                            read_only=item.read_only,
+                            offset_scalar_args=item.scalar_args,
+                            offset_evaluate=offset_evaluate,
+                            **item.common,
+                        )
+                        if len(by_offset) < _POINTER_RECORDS:
+                            by_offset[byte_offset] = record
+                    made[position] = record
+                made = tuple(made)
+                if len(by_offsets) < _POINTER_RECORDS:
+                    by_offsets[offsets] = made
+            params = made
+        # the fields in LaunchRecord's order (a record is made per launch: no keywords, and
+        # tuple.__new__ as LaunchRecord.with_args uses, without _make's classmethod call)
         hook.launch(
-            recorder.LaunchRecord._make(
+            tuple.__new__(
+                recorder.LaunchRecord,
                 (
                     *facts,  # jit_function, kernel, function, device
                     grid,
@@ -718,15 +741,18 @@ class CallState:
                     bool(launched),
                     config,
                     checks,
-                )
+                ),
             )
         )
 
     def _report_parts(self, number: int, values: dict | None) -> tuple:
-        """(params, pointers, config, checks) of launch ``number`` at these fixed sizes:
-        ``params`` holds every record that does not depend on the call (None where a
-        pointer's goes), ``pointers`` lists (position, plan, offset evaluator, records by
-        byte offset) for those."""
+        """(params, pointers, config, checks, params by pointer offsets) of launch ``number``
+        at these fixed sizes: ``params`` holds every record that does not depend on the call
+        (None where a pointer's goes), ``pointers`` lists (position, plan, its offset in the
+        parameter bytes, offset evaluator, records by byte offset) for those. The last maps
+        the pointers' byte offsets to the whole params tuple, so that launches whose pointers
+        sit at the same offsets (most: each at its tensor's start) share one tuple, from
+        recording to recording (replay.recording caches its views of it by identity)."""
         label = self.trace.launches[number].kernel.name_expression
         plan = self._provenance[number]
         params: list[object] = []
@@ -740,7 +766,7 @@ class CallState:
                     offset_evaluate = self._evaluator(
                         f"{label} pointer {item.common['index']}", item.offset, item.leaves, values
                     )[0]
-                pointers.append((len(params), item, offset_evaluate, {}))
+                pointers.append((len(params), item, item.common["offset"], offset_evaluate, {}))
                 params.append(None)
             else:
                 evaluator, expression = self._evaluator(
@@ -766,7 +792,7 @@ class CallState:
             value, shown = self._evaluator(f"index check {check_number}", check.value, value_leaves, values)
             size, _ = self._evaluator(f"index check {check_number} size", check.size, size_leaves, values)
             checks.append(recorder.CheckRecord(scalar_args, value, size, shown))
-        return tuple(params), tuple(pointers), tuple(config), tuple(checks)
+        return tuple(params), tuple(pointers), tuple(config), tuple(checks), {}
 
 
 class _Evaluator:

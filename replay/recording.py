@@ -397,12 +397,26 @@ def _param_view(p) -> rebinding.ParamView:
     return view
 
 
+#: The same for a launch record's whole ``params`` tuple, by its id (the tuple kept beside its
+#: views): call states hand out one tuple for every launch whose pointers sit at the same
+#: byte offsets (jitcore.codegen.CallState._report), so most launches' views are one lookup.
+_PARAMS_VIEWS: dict[int, tuple[tuple, tuple[rebinding.ParamView, ...]]] = {}
+
+
 def _param_views(params: Sequence) -> tuple[rebinding.ParamView, ...]:
+    whole = _PARAMS_VIEWS.get(id(params))
+    if whole is not None and whole[0] is params:
+        return whole[1]
     views = []
     for p in params:
         cached = _PARAM_VIEWS.get(id(p))
         views.append(cached[1] if cached is not None and cached[0] is p else _param_view(p))
-    return tuple(views)
+    views = tuple(views)
+    if isinstance(params, tuple):  # immutable: its views hold as long as it lives
+        if len(_PARAMS_VIEWS) >= _PARAM_VIEWS_LIMIT:
+            _PARAMS_VIEWS.clear()
+        _PARAMS_VIEWS[id(params)] = (params, views)
+    return views
 
 
 def _launch_view(
@@ -421,7 +435,12 @@ def _launch_view(
     for k, arg in enumerate(record.args):
         if arg is None:
             continue  # a tensor, dropped from the record (scalar_or_none)
-        if isinstance(arg, DynamicScalar):
+        kind = arg.__class__
+        if kind is float or kind is int:  # most scalars: as the plain-number branch below, sooner
+            name = f"_lit{next(_literal_names)}"
+            constants[name] = arg
+            sources[k] = name
+        elif isinstance(arg, DynamicScalar):
             sources[k] = arg.source
             constants.update(arg.constants)
             dynamic.add(k)
@@ -789,6 +808,35 @@ def _record(
     return _Recorded(outputs, observation, staging_launches, copied_back)
 
 
+class _OnStream:
+    """``torch.cuda.stream(stream)`` for a stream of the current device, without that context
+    manager's device lookups (torch's ``_get_device_index`` and ``is_available``, on every
+    recording's path: tens of microseconds on the H200). A stream of another device takes
+    torch's context manager, which switches the device as well."""
+
+    __slots__ = ("stream", "previous", "other_device")
+
+    def __init__(self, stream: torch.cuda.Stream) -> None:
+        self.stream = stream
+        self.previous: torch.cuda.Stream | None = None
+        self.other_device = None
+
+    def __enter__(self) -> None:
+        stream = self.stream
+        if stream.device_index != torch.cuda.current_device():
+            self.other_device = torch.cuda.stream(stream)
+            self.other_device.__enter__()
+            return
+        self.previous = torch.cuda.current_stream(stream.device_index)
+        torch.cuda.set_stream(stream)
+
+    def __exit__(self, *exc_info) -> None:
+        if self.other_device is not None:
+            self.other_device.__exit__(*exc_info)
+        else:
+            torch.cuda.set_stream(self.previous)
+
+
 def _give_outputs_their_own_memory(
     outputs: object,
     watched: Sequence[tuple[int, int]],
@@ -917,7 +965,7 @@ def capture(
             pool_before = pool_bytes(device, pool)
         timings["prepare"] = clock() - timings.pop("start")
         started = clock()
-        with torch.cuda.stream(stream):
+        with _OnStream(stream):
             recorded = _record(
                 fn, args, kwargs, prepared, recorder, observer, graph, device=device, pool=pool, copy_back=copy_back
             )

@@ -1218,6 +1218,8 @@ class Region:
         """Keep at most ``MAX_IDLE_ENTRIES`` entries without a graph (eager-only keys, evicted
         ones): a loop over thousands of distinct keys keeps bounded bookkeeping. A forgotten
         eager-only key is retried if it comes back (it warns again, once)."""
+        if len(self.entries) <= MAX_IDLE_ENTRIES:  # no more idle entries than entries: none to drop
+            return
         idle = [k for k, e in self.entries.items() if e.state in (WARMING, EAGER_ONLY)]
         for key in idle[: max(len(idle) - MAX_IDLE_ENTRIES, 0)]:
             entry = self.entries.pop(key)

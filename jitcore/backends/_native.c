@@ -669,16 +669,13 @@ static int pack_one(char code, PyObject *value, char *place) {
     }
 }
 
-static PyObject *packed_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+/* The launch itself: pack, launch, and return the launch's (status,), or with `reporting`
+ * the packed parameter bytes (the recording path reports them: codegen.CallState._report),
+ * a refused launch raising there even without `failed`. */
+static PyObject *packed_run(PackedLaunch *self, PyObject *const *args, Py_ssize_t count, int reporting) {
     static const char *const names[] = {"grid x", "grid y", "grid z", "block x", "block y", "block z", "shared bytes"};
-    PackedLaunch *self = (PackedLaunch *)callable;
-    Py_ssize_t count = PyVectorcall_NARGS(nargsf);
     unsigned dims[7];
     void *stream;
-    if (kwnames != NULL && PyTuple_GET_SIZE(kwnames)) {
-        PyErr_SetString(PyExc_TypeError, "a packed launch takes positional arguments only");
-        return NULL;
-    }
     if (check_count(count, 8 + self->values) < 0)
         return NULL;
     for (int i = 0; i < 7; i++)
@@ -709,7 +706,7 @@ static PyObject *packed_vectorcall(PyObject *callable, PyObject *const *args, si
         }
     }
     if (dims[0] == 0 || dims[1] == 0 || dims[2] == 0) { /* an empty launch: nothing to run */
-        result = status_tuple(0);
+        result = reporting ? PyBytes_FromStringAndSize(buffer, self->size) : status_tuple(0);
         goto done;
     }
     for (Py_ssize_t i = 0; i < self->count; i++)
@@ -729,7 +726,12 @@ static PyObject *packed_vectorcall(PyObject *callable, PyObject *const *args, si
             goto done;
         Py_DECREF(raised);
     }
-    result = status_tuple(status);
+    if (!reporting)
+        result = status_tuple(status);
+    else if (status != 0)
+        PyErr_Format(PyExc_RuntimeError, "the kernel launch failed with status %d", status);
+    else
+        result = PyBytes_FromStringAndSize(buffer, self->size);
 done:
     if (buffer != small)
         PyMem_Free(buffer);
@@ -737,6 +739,26 @@ done:
         PyMem_Free(params);
     return result;
 }
+
+static PyObject *packed_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    if (kwnames != NULL && PyTuple_GET_SIZE(kwnames)) {
+        PyErr_SetString(PyExc_TypeError, "a packed launch takes positional arguments only");
+        return NULL;
+    }
+    return packed_run((PackedLaunch *)callable, args, PyVectorcall_NARGS(nargsf), 0);
+}
+
+/* launcher.reporting(*the call's arguments): the same launch, returning the bytes it packed. */
+static PyObject *packed_reporting(PyObject *self, PyObject *const *args, Py_ssize_t count) {
+    return packed_run((PackedLaunch *)self, args, count, 1);
+}
+
+static PyMethodDef packed_methods[] = {
+    {"reporting", (PyCFunction)(void (*)(void))packed_reporting, METH_FASTCALL,
+     "reporting(gx, gy, gz, bx, by, bz, shared, stream, *values): the same launch, returning the parameter "
+     "bytes it packed (a launch the driver refused raises)"},
+    {NULL, NULL, 0, NULL},
+};
 
 static PyTypeObject PackedLaunchType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "jitcore.backends._native.PackedLaunch",
@@ -746,6 +768,7 @@ static PyTypeObject PackedLaunchType = {
     .tp_doc = "PackedLaunch(launch_address, function, template, offsets, runs, failed=None): a kernel launch "
               "that packs its own parameters (see jitcore/backends/_native.c)",
     .tp_new = packed_new,
+    .tp_methods = packed_methods,
     .tp_dealloc = (destructor)packed_dealloc,
     .tp_call = PyVectorcall_Call,
 };

@@ -265,7 +265,9 @@ class Backend(abc.ABC):
         *values)``, it returns the launch's ``(status,)``, after calling ``failed(status)``
         (which raises) for a launch the driver refused; it packs exactly as ``struct`` would
         (raising ``struct.error`` or ``OverflowError`` where ``struct`` does) and launches
-        nothing when a grid dimension is 0."""
+        nothing when a grid dimension is 0. ``launcher.reporting(...)``, with the same
+        arguments, is the same launch returning the parameter bytes it packed (the recording
+        path of a call state reports them), a refused launch raising."""
         return None
 
     def launch_function(self, function: LoadedFunction) -> object:

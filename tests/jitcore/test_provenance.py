@@ -15,12 +15,12 @@ import jitcore as jc
 from jitcore import recorder
 from jitcore.backends import use_backend
 
-from .fakes import CountingBackend, ListRecorder, track_layouts
+from .fakes import PACKINGS, CountingBackend, ListRecorder, track_layouts
 
 
-@pytest.fixture
-def backend():
-    fake = CountingBackend()
+@pytest.fixture(params=PACKINGS)
+def backend(request):
+    fake = CountingBackend(packed=request.param == "packed")
     with use_backend(fake):
         yield fake
 
@@ -179,6 +179,64 @@ def test_a_static_empty_grid_is_reported_as_not_launched(backend):
     first, second = record(launch, x)
     assert (first.launched, second.launched) == (False, True)
     assert first.grid == (4, 0, 1) and len(backend.calls) == 1
+
+
+def test_a_record_holds_the_bytes_that_were_launched(backend):
+    # the recording path launches through the same packer as the hot path (the C one where
+    # built: PackedLaunch.reporting returns what it packed) and reports those very bytes
+    write_row = make_writer(backend)
+    cache = torch.randn(8, 16)
+    write_row(cache, 3, 100, 1.0)
+    for pos, n, value in ((3, 100, 1.0), (5, 7, -2.5), (0, 1, 1e38)):
+        backend.calls.clear()
+        (launch,) = record(write_row, cache, pos, n, value)
+        (call,) = backend.calls
+        layout = launch.layout
+        assert len(launch.param_bytes) == layout.size
+        for index, launched in enumerate(call[7]):
+            at = layout.offsets[index]
+            assert launch.param_bytes[at : at + len(launched)] == launched, index
+        assert struct.unpack_from("<Q", launch.param_bytes, layout.offsets[0])[0] == cache[pos].data_ptr()
+
+
+def test_launches_with_pointers_at_the_same_offsets_share_one_params_tuple(backend):
+    # replay makes its views of a launch's parameters once per tuple (replay.recording)
+    write_row = make_writer(backend)
+    cache = torch.zeros(8, 16)
+    write_row(cache, 3, 100, 1.0)
+    (first,) = record(write_row, cache, 3, 100, 1.0)
+    (second,) = record(write_row, torch.zeros(8, 16), 3, 64, 2.0)  # another tensor, same row
+    (other,) = record(write_row, cache, 5, 100, 1.0)
+    assert second.params is first.params
+    assert other.params is not first.params and other.params[0].byte_offset == 5 * 16 * 4
+    assert first.params[0].byte_offset == 3 * 16 * 4 and other.params[1:] == first.params[1:]
+    (again,) = record(write_row, cache, 5, 1, 1.0)
+    assert again.params is other.params
+
+
+def test_a_one_launch_state_with_a_static_empty_grid_reports_its_packed_bytes(backend):
+    kernel = new_kernel(backend, WRITE, "write")
+
+    @jc.jit
+    def launch(x, value):
+        kernel[(4, 0), 64](x, value, 1)
+
+    x = torch.zeros(4)
+    launch(x, 1.0)
+    (first,) = record(launch, x, 2.0)
+    assert backend.calls == [] and first.launched is False
+    assert struct.unpack_from("<f", first.param_bytes, first.layout.offsets[1])[0] == 2.0
+
+
+def test_a_value_refused_while_recording_names_its_argument_and_reports_nothing(backend):
+    write_row = make_writer(backend)
+    cache = torch.zeros(8, 16)
+    write_row(cache, 3, 100, 1.0)
+    backend.calls.clear()
+    hook = ListRecorder()
+    with recorder.recording(hook), pytest.raises(jc.ArgumentError, match="does not fit"):
+        write_row(cache, 3, 100, 3e38)  # value * 2.0 overflows the kernel's float
+    assert hook.records == [] and backend.calls == []
 
 
 def test_a_record_with_other_arguments_keeps_every_other_field(backend):

@@ -82,6 +82,27 @@ def test_launch_views_carry_every_kind_of_argument_and_each_record_once():
     assert (a.function, a.kernel, a.param_bytes) == (0xABC, "k<float>", bytes(8))
 
 
+def test_launches_sharing_a_params_tuple_share_its_views_and_plain_numbers_are_bound_by_name():
+    # jit call states hand out one params tuple for launches whose pointers sit at the same
+    # offsets: its views are made once; an equal tuple of the same records gets equal views
+    from jitcore.recorder import ParamRecord
+    from replay.recording import launch_views
+
+    pointer = ParamRecord(index=0, name="x", offset=0, size=8, fmt="Q", kind="pointer", arg_index=0, byte_offset=0)
+    scalar = ParamRecord(index=1, name="s", offset=8, size=4, fmt="f", kind="scalar", scalar_args=(1,), evaluate=abs)
+    shared = (pointer, scalar)
+    a, b, c = launch_views(
+        [_record((None, 4, -0.0), shared), _record((None, 2**70, 1.5), shared), _record((None, 1), (pointer, scalar))]
+    )
+    assert a.params is b.params and c.params == a.params and c.params[0] is a.params[0]
+    for view, values in ((a, (4, -0.0)), (b, (2**70, 1.5))):
+        names = [view.scalar_sources[k] for k in (1, 2)]
+        assert all(n.startswith("_lit") for n in names)
+        got = [view.constants[n] for n in names]
+        assert got == list(values) and [type(v) for v in got] == [type(v) for v in values]
+    assert str(a.constants[a.scalar_sources[2]]) == "-0.0"  # the value itself, sign included
+
+
 def test_pointer_extents_name_the_tensors_that_are_not_the_input_itself():
     """Per record: the byte range of each pointer's jit argument where it points into an input
     and is not that input tensor (a view of it, a global holding it); nothing for the input

@@ -498,15 +498,18 @@ def test_a_packed_launch_packs_exactly_what_struct_packs_and_refuses_what_it_ref
     try:
         expected = [struct.pack("<" + code, value) for code, value in zip(codes, values)]
     except (struct.error, OverflowError, TypeError) as refused:
-        with pytest.raises((struct.error, OverflowError)) as caught:
-            launch(1, 1, 1, 32, 1, 1, 0, 0x5, *values)
-        assert type(caught.value) is type(refused)  # struct.error or OverflowError, as struct says
+        for call in (launch, launch.reporting):
+            with pytest.raises((struct.error, OverflowError)) as caught:
+                call(1, 1, 1, 32, 1, 1, 0, 0x5, *values)
+            assert type(caught.value) is type(refused)  # struct.error or OverflowError, as struct says
         assert reader.seen == []  # nothing launched
         return
     assert launch(1, 1, 1, 32, 1, 1, 0, 0x5, *values) == (0,)
-    ((call, params),) = reader.seen
+    # the recording path's launch: the same, returning the bytes it packed
+    assert launch.reporting(1, 1, 1, 32, 1, 1, 0, 0x5, *values) == b"".join(expected) + constant
+    (call, params), again = reader.seen
     assert call == (0x77, 1, 1, 1, 32, 1, 1, 0, 0x5, None)
-    assert params == [*expected, constant]
+    assert params == [*expected, constant] and again == (call, params)
 
 
 @needs_native
@@ -563,3 +566,21 @@ def test_a_packed_launch_reads_tensors_pointers_and_raises_the_backends_error():
     assert seen == [700]
     plain = _native.PackedLaunch(refusing.address, 1, bytes(16), (0, 8), ((0, "<PQ"),))
     assert plain(1, 1, 1, 32, 1, 1, 0, 0, x, 7) == (700,)  # without failed: the status comes back
+    with pytest.raises(RuntimeError, match="700"):  # the recording path's launch never passes one over
+        launch.reporting(1, 1, 1, 32, 1, 1, 0, 0, x, 7)
+    with pytest.raises(RuntimeError, match="status 700"):
+        plain.reporting(1, 1, 1, 32, 1, 1, 0, 0, x, 7)
+    assert seen == [700, 700]
+
+
+@needs_native
+def test_a_reporting_launch_of_an_empty_grid_returns_its_bytes_without_launching():
+    reader = ParamReader([0, 8], [8, 4])
+    template = bytes(8) + b"\x01\x02\x03\x04"
+    launch = _native.PackedLaunch(reader.address, 1, template, (0, 8), ((0, "<q"),))
+    assert launch.reporting(1, 0, 1, 64, 1, 1, 0, 0, -3) == struct.pack("<q", -3) + b"\x01\x02\x03\x04"
+    assert reader.seen == []
+    with pytest.raises(struct.error):
+        launch.reporting(0, 1, 1, 64, 1, 1, 0, 0, 2**63)  # packed (and refused) all the same
+    with pytest.raises(TypeError, match="expected 9 arguments"):
+        launch.reporting(1, 1, 1, 64, 1, 1, 0, 0)
