@@ -161,7 +161,8 @@ class _LaunchPlan:
 #: How many report parts (records for one launch at one set of fixed sizes) a call state keeps.
 _REPORT_CACHE_SIZE = 256
 _unpack_pointer = struct.Struct("<Q").unpack_from
-#: How many pointer records (one per byte offset from the tensor's data pointer) a part keeps.
+#: How many pointer records (one per byte offset from the tensor's data pointer) a part keeps,
+#: and how many whole params tuples (one per combination of its pointers' offsets).
 _POINTER_RECORDS = 16
 
 

@@ -435,12 +435,7 @@ def _launch_view(
     for k, arg in enumerate(record.args):
         if arg is None:
             continue  # a tensor, dropped from the record (scalar_or_none)
-        kind = arg.__class__
-        if kind is float or kind is int:  # most scalars: as the plain-number branch below, sooner
-            name = f"_lit{next(_literal_names)}"
-            constants[name] = arg
-            sources[k] = name
-        elif isinstance(arg, DynamicScalar):
+        if isinstance(arg, DynamicScalar):
             sources[k] = arg.source
             constants.update(arg.constants)
             dynamic.add(k)
