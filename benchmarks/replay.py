@@ -67,6 +67,20 @@ GENERATED = "replay, pointer + dynamic scalar, generated Python (without replay/
 #: into the node's parameters, push the node to the exec, launch (from Python, through the same
 #: C driver calls as replay).
 FLOOR = "floor: node update + graph launch (pointer + scalar, no checks, no outputs)"
+#: The recording call's own steps (replay.recording.capture's timings, in the order they run,
+#: none inside another).
+RECORDING_CALL_STEPS = (
+    "prepare",
+    "region",
+    "capture begin, checks, end",
+    "pool snapshot",
+    "own outputs",
+    "extents and records",
+    "instantiate",
+)
+#: Steps a raw capture has a counterpart of: the region under capture, and the capture's
+#: begin, end and instantiation. The others exist for exactness alone.
+RAW_COUNTERPARTS = ("region", "capture begin, checks, end", "instantiate")
 
 
 @jc.jit
@@ -192,6 +206,59 @@ def loop(step, inputs, order, sync=torch.cuda.synchronize) -> tuple[float, float
     return (issued - start) / len(order) * 1e6, (done - start) / len(order) * 1e6
 
 
+def recording_parts(
+    first: dict[int, float],
+    steps: dict[str, list[float]],
+    outside: list[float],
+    raw_capture: dict[int, float],
+    raw_region: dict[int, float],
+    raw_first_launch: dict[int, float],
+) -> str:
+    """The in-session recording call of each shape in parts, beside the raw capture's (markdown):
+    where the time above a raw capture goes, by what a raw capture has a counterpart of and what
+    exists for exactness alone."""
+    med = statistics.median
+    raw_rest = [raw_capture[b] - raw_region[b] for b in raw_capture]
+    count = len(outside)
+    exactness = [sum(steps[n][i] for n in RECORDING_CALL_STEPS if n not in RAW_COUNTERPARTS) for i in range(count)]
+    counterparts = [steps["capture begin, checks, end"][i] + steps["instantiate"][i] for i in range(count)]
+    rows = [
+        [
+            "region under capture (the jit's launch reports and the torch-op observer inside)",
+            med(steps["region"]),
+            med(raw_region.values()),
+        ],
+        ["capture begin and end (ours: with the refusal checks), instantiate", med(counterparts), med(raw_rest)],
+        *[
+            [f"{name} (no raw counterpart)", med(steps[name]), 0.0]
+            for name in RECORDING_CALL_STEPS
+            if name not in RAW_COUNTERPARTS
+        ],
+        [
+            "outside the capture (ours: the key, admission, first outputs), the first launch and its wait",
+            med(outside),
+            med(raw_first_launch.values()),
+        ],
+        ["the call", med(first.values()), med(raw_capture[b] + raw_first_launch[b] for b in raw_capture)],
+    ]
+    table = common.markdown_table(
+        ["part (median us over the shapes)", "recording call", "raw capture + first launch"], rows
+    )
+    raw = med(raw_capture.values())
+    return (
+        "The recording call of a new shape in a running session, in parts, beside the raw capture's and its "
+        "first launch (medians per part, so the parts do not add up to the call exactly):\n\n"
+        + table
+        + f"\n\nThe steps a raw capture has no counterpart of (the inputs' doubts and observer, the pool "
+        f"snapshot, the outputs' own memory, the pointer extents and records) cost {med(exactness):.0f} us, "
+        f"{med(exactness) / raw:.2f}x the raw capture, and the region under capture "
+        f"{med(steps['region']) - med(raw_region.values()):.0f} us more than raw's (its launch reports and "
+        f"observer): with the raw capture itself, the first launch and its wait (which any call that "
+        f"records and answers pays), these leave target 3 (at most 2x the raw capture, {2 * raw:.0f} us) "
+        f"{2 * raw - med(raw_capture[b] + raw_first_launch[b] for b in raw_capture):.0f} us for them all."
+    )
+
+
 def main() -> None:
     args = common.parser(__doc__.splitlines()[0]).parse_args()
     repeats, steps = (3, 200) if args.quick else (15, 800)
@@ -241,6 +308,8 @@ def main() -> None:
     session = replay.capture(record_after=0, record_budget=1.0)  # steady state: no key postponed
     step_region = session.region(region)
     in_session_first, in_session_second = {}, {}
+    in_session_steps: dict[str, list[float]] = {}
+    in_session_outside: list[float] = []
     torch.cuda.synchronize()
     start = time.perf_counter()
     for b in SHAPES:
@@ -252,13 +321,21 @@ def main() -> None:
         torch.cuda.synchronize()
         in_session_first[b] = (recorded - called) * 1e6
         in_session_second[b] = (time.perf_counter() - recorded) * 1e6
+        # the recording call in parts: the recording's own timings of its steps (none inside
+        # another; the entry used last is this shape's), and what the call spends outside them
+        # (the key, admission, the first launch and the wait for it, the first outputs)
+        timings = next(reversed(step_region.entries.values())).graph.capture.timings
+        recording_steps = {name: timings[name] * 1e6 for name in RECORDING_CALL_STEPS}
+        for name, us in recording_steps.items():
+            in_session_steps.setdefault(name, []).append(us)
+        in_session_outside.append(in_session_first[b] - sum(recording_steps.values()))
     record_all = (time.perf_counter() - start) * 1e6
 
     # raw: torch.cuda.graph capture + instantiate of the same region, and static-copy graphs
     # raw_first_launch: the new graph's first launch and the wait for it, which the recording
     # call (timed with its wait) must also pay to return its result: with the capture and the
     # instantiation, the floor of any first call that records and answers
-    static_in, static_out, graphs, raw_capture, raw_first_launch = {}, {}, {}, {}, {}
+    static_in, static_out, graphs, raw_capture, raw_first_launch, raw_region = {}, {}, {}, {}, {}, {}
     pool = torch.cuda.graph_pool_handle()
     for b in SHAPES:
         static_in[b] = torch.randn(b, WIDTH, device="cuda")
@@ -266,7 +343,9 @@ def main() -> None:
         torch.cuda.synchronize()
         start = time.perf_counter()
         with torch.cuda.graph(graph, pool=pool):
+            region_started = time.perf_counter()
             static_out[b] = region(static_in[b])
+            raw_region[b] = (time.perf_counter() - region_started) * 1e6
         torch.cuda.synchronize()
         captured = time.perf_counter()
         graph.replay()
@@ -453,7 +532,10 @@ def main() -> None:
         f"session's pool (capturing the empty graph that keeps it); capture + instantiate alone "
         f"{capture_only:.0f} us ({capture_ratio:.2f}x); with the second call "
         f"{fresh_two_calls / raw_median:.2f}x.\n\n"
-        "The fresh session's recording call, in parts (median us): "
+        + recording_parts(
+            in_session_first, in_session_steps, in_session_outside, raw_capture, raw_region, raw_first_launch
+        )
+        + "\n\nThe fresh session's recording call, in parts (median us): "
         + ", ".join(f"{name} {statistics.median(values):.0f}" for name, values in phases.items())
         + f"; the key's second call (analysis and replay code, then a replay) "
         f"{statistics.median(next(iter(second.values()))):.0f} us. The recording's own timings of its steps "
@@ -494,6 +576,9 @@ def main() -> None:
         in_session_first_ratio=in_session_ratio,
         in_session_two_calls_ratio=two_calls_ratio,
         first_record_phases_us=phases,
+        in_session_steps_us=in_session_steps,
+        in_session_outside_steps_us=in_session_outside,
+        raw_region_under_capture_us=raw_region,
         first_record_steps_us=steps_of_recording,
         second_call_us=second,
         record_all_us=record_all,

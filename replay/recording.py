@@ -121,7 +121,11 @@ class Capture:
     torch_written: set[int]
     seconds: float  # capture + instantiate
     memory: int  # bytes the pool grew by
-    timings: dict = attrs.Factory(dict)  # seconds per phase, for benchmarks and reports
+    #: seconds per step, for benchmarks and reports: the recording call's prepare, region,
+    #: capture begin, checks, end, pool snapshot, own outputs, extents and records,
+    #: instantiate (in the order they run, none inside another); the second call's analyse
+    #: and build replay
+    timings: dict = attrs.Factory(dict)
     output_bytes: int = 0  # memory of the outputs' own buffers (outside the pool)
     owned_outputs: set = attrs.Factory(set)  # data pointers of those buffers' storages
     staging_launches: dict = attrs.Factory(dict)  # record index -> input index (our staging copies)
@@ -756,9 +760,12 @@ def _record(
     device: int,
     pool: tuple,
     copy_back: set[int],
+    timings: dict,
 ) -> _Recorded:
     """The capture itself, on the current stream: the staging copies in, the region, the
-    copies back, between ``capture_begin`` and ``capture_end``.
+    copies back, between ``capture_begin`` and ``capture_end``. The region's own call is
+    timed apart (``timings["region"]``): it holds the jit's launch reports and the torch-op
+    observer, the recording's cost per launch and per op.
 
     On any error no capture is left running, and the exception says what the session does
     next: CaptureAborted (a jit miss: compile eagerly, record later), CaptureFailed (run this
@@ -777,7 +784,9 @@ def _record(
         with jitcore.recorder.recording(recorder), triton_launches.recording(recorder), observer as observation:
             _copy_staged_in(prepared, recorder, staging_launches)
             first_region_launch = len(recorder.records)
+            region_started = time.perf_counter()
             outputs = fn(*args, **kwargs)
+            timings["region"] = time.perf_counter() - region_started
             region_records = recorder.records[first_region_launch:]  # (the staging copies left out)
             _refuse_host_misuse(prepared, observation, region_records)
             _refuse_reads_beyond_inputs(prepared, observation)
@@ -962,9 +971,23 @@ def capture(
         started = clock()
         with _OnStream(stream):
             recorded = _record(
-                fn, args, kwargs, prepared, recorder, observer, graph, device=device, pool=pool, copy_back=copy_back
+                fn,
+                args,
+                kwargs,
+                prepared,
+                recorder,
+                observer,
+                graph,
+                device=device,
+                pool=pool,
+                copy_back=copy_back,
+                timings=timings,
             )
+            timings["capture begin, checks, end"] = clock() - started - timings["region"]
+            snapshot_started = clock()
             segments = pool_segments(device, pool)  # the one snapshot of the recording
+            outputs_started = clock()
+            timings["pool snapshot"] = outputs_started - snapshot_started
             recorded.outputs, output_bytes, owned = _give_outputs_their_own_memory(
                 recorded.outputs,
                 prepared.watched + prepared.host_ranges(),
@@ -974,7 +997,8 @@ def capture(
                 stream=stream,
                 device=device,
             )
-        timings["capture"] = clock() - started
+        extents_started = clock()
+        timings["own outputs"] = extents_started - outputs_started
         # replay.polymorphic matches later runs against these: where each pointer pointed
         storage_uses = None
         if storages:
@@ -986,9 +1010,11 @@ def capture(
         # the pool, where the next graph recorded into it reuses them.
         records = [r.with_args(tuple(map(scalar_or_none, r.args))) for r in recorder.records]
         del args, kwargs
+        instantiate_started = clock()
+        timings["extents and records"] = instantiate_started - extents_started
         _instantiate(graph)
         seconds = clock() - started
-        timings["instantiate"] = seconds - timings["capture"]
+        timings["instantiate"] = clock() - instantiate_started
         memory = max(sum(size for _, size in segments) - pool_before, 0) + output_bytes
         return _capture_record(
             graph=graph,

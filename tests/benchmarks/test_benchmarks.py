@@ -157,3 +157,32 @@ def test_compare_runs_each_paths_setup_before_its_warm_up_and_every_loop():
     )
     assert log.count("setup a") == 4 and log[0] == "setup a" and "setup b" not in log
     assert all(log[i + 1] == "a" for i, entry in enumerate(log) if entry == "setup a")
+
+
+def test_the_recording_call_in_parts_sets_each_step_beside_its_raw_counterpart():
+    from benchmarks import replay as replay_benchmark
+
+    shapes = [1, 2, 4]
+    steps = {name: [10.0 * (k + 1)] * len(shapes) for k, name in enumerate(replay_benchmark.RECORDING_CALL_STEPS)}
+    first = {b: 500.0 for b in shapes}
+    outside = [first[b] - sum(values[i] for values in steps.values()) for i, b in enumerate(shapes)]
+    raw_capture, raw_region, raw_first_launch = (
+        {b: 200.0 for b in shapes},
+        {b: 80.0 for b in shapes},
+        dict.fromkeys(shapes, 30.0),
+    )
+    body = replay_benchmark.recording_parts(first, steps, outside, raw_capture, raw_region, raw_first_launch)
+    # region 20 against raw's 80; begin/checks/end 30 + instantiate 70 against raw's 200 - 80
+    assert (
+        "| region under capture (the jit's launch reports and the torch-op observer inside) | 20.000 | 80.000 |" in body
+    )
+    assert "| 100.000 | 120.000 |" in body
+    assert "| pool snapshot (no raw counterpart) | 40.000 | 0.000 |" in body
+    # outside: 500 - 280; the call against raw capture + first launch
+    assert "| 220.000 | 30.000 |" in body
+    assert "| the call | 500.000 | 230.000 |" in body
+    # prepare 10 + pool snapshot 40 + own outputs 50 + extents and records 60 = 160 = 0.80x raw;
+    # the region 60 us less than raw's; 2 x 200 - 230 = 170 left
+    assert "cost 160 us, 0.80x the raw capture" in body
+    assert "-60 us more than raw's" in body
+    assert "(at most 2x the raw capture, 400 us) 170 us for them all" in body
