@@ -218,6 +218,8 @@ def recording_parts(
     where the time above a raw capture goes, by what a raw capture has a counterpart of and what
     exists for exactness alone."""
     med = statistics.median
+    raw = med(raw_capture.values())
+    floor = med(raw_capture[b] + raw_first_launch[b] for b in raw_capture)  # of a call that records and answers
     raw_rest = [raw_capture[b] - raw_region[b] for b in raw_capture]
     count = len(outside)
     exactness = [sum(steps[n][i] for n in RECORDING_CALL_STEPS if n not in RAW_COUNTERPARTS) for i in range(count)]
@@ -239,12 +241,11 @@ def recording_parts(
             med(outside),
             med(raw_first_launch.values()),
         ],
-        ["the call", med(first.values()), med(raw_capture[b] + raw_first_launch[b] for b in raw_capture)],
+        ["the call", med(first.values()), floor],
     ]
     table = common.markdown_table(
         ["part (median us over the shapes)", "recording call", "raw capture + first launch"], rows
     )
-    raw = med(raw_capture.values())
     return (
         "The recording call of a new shape in a running session, in parts, beside the raw capture's and its "
         "first launch (medians per part, so the parts do not add up to the call exactly):\n\n"
@@ -255,7 +256,7 @@ def recording_parts(
         f"{med(steps['region']) - med(raw_region.values()):.0f} us more than raw's (its launch reports and "
         f"observer): with the raw capture itself, the first launch and its wait (which any call that "
         f"records and answers pays), these leave target 3 (at most 2x the raw capture, {2 * raw:.0f} us) "
-        f"{2 * raw - med(raw_capture[b] + raw_first_launch[b] for b in raw_capture):.0f} us for them all."
+        f"{2 * raw - floor:.0f} us for them all."
     )
 
 

@@ -1013,8 +1013,9 @@ def capture(
         instantiate_started = clock()
         timings["extents and records"] = instantiate_started - extents_started
         _instantiate(graph)
-        seconds = clock() - started
-        timings["instantiate"] = clock() - instantiate_started
+        ended = clock()
+        seconds = ended - started
+        timings["instantiate"] = ended - instantiate_started
         memory = max(sum(size for _, size in segments) - pool_before, 0) + output_bytes
         return _capture_record(
             graph=graph,
