@@ -56,13 +56,13 @@ SHAPES = [1, 2, 4, 8, 12, 16, 24, 32]
 #: settings, launchers' globals; Region.measure_without_checks): the difference is their cost.
 WITHOUT_CHECKS = "replay, exactness checks skipped (measurement only)"
 #: The replay row timed with the torch-settings check made without the torch-side helper's
-#: watch (replay/_checks.c's, reading each setting through torch's Python getters), and in
+#: watch (csrc/replay_checks.c's, reading each setting through torch's Python getters), and in
 #: generated Python, as it runs where no C helper was built (Region.measure_with_settings_check).
-C_SETTINGS = "replay, settings checked by replay/_checks.c (without the torch-side helper)"
+C_SETTINGS = "replay, settings checked by csrc/replay_checks.c (without the torch-side helper)"
 PYTHON_SETTINGS = "replay, settings checked in generated Python (without C helpers)"
 #: The pointer + scalar row replayed by each graph's generated Python function alone, without
-#: replay/_step.c in front of it (Region.measure_generated_python).
-GENERATED = "replay, pointer + dynamic scalar, generated Python (without replay/_step.c)"
+#: csrc/replay_step.c in front of it (Region.measure_generated_python).
+GENERATED = "replay, pointer + dynamic scalar, generated Python (without csrc/replay_step.c)"
 #: What any replay that rebinds the input and the scalar must do, and nothing else: write both
 #: into the node's parameters, push the node to the exec, launch (from Python, through the same
 #: C driver calls as replay).
@@ -500,7 +500,7 @@ def main() -> None:
         f"rebinding one pointer and one dynamic scalar per step "
         f"{results['replay, pointer + dynamic scalar']['host_us']:.2f} us "
         f"(**{results['replay, pointer + dynamic scalar']['host_us'] / torch_host:.2f}x** torch's; "
-        f"{results[GENERATED]['host_us']:.2f} us through the generated Python alone, without replay/_step.c). "
+        f"{results[GENERATED]['host_us']:.2f} us through the generated Python alone, without csrc/replay_step.c). "
         f"The floor of any replay that rebinds them, the node update and the launch alone, costs "
         f"{results[FLOOR]['host_us']:.2f} us (**{results[FLOOR]['host_us'] / torch_host:.2f}x** torch's replay): "
         f"the pointer + scalar replay spends "
@@ -508,7 +508,7 @@ def main() -> None:
         f"The per-call exactness checks beyond the key (torch settings, launchers' globals) cost "
         f"{results['replay']['host_us'] - results[WITHOUT_CHECKS]['host_us']:.2f} us per step "
         f"(replay with them skipped: {results[WITHOUT_CHECKS]['host_us']:.2f} us); the settings checked by "
-        f"replay/_checks.c through torch's Python getters instead of the torch-side helper's watch (C++ getters), "
+        f"csrc/replay_checks.c through torch's Python getters instead of the torch-side helper's watch (C++ getters), "
         f"a replay costs {results[C_SETTINGS]['host_us']:.2f} us "
         f"(the watch saves {results[C_SETTINGS]['host_us'] - results['replay']['host_us']:.2f} us), "
         f"in generated Python {results[PYTHON_SETTINGS]['host_us']:.2f} us.\n\n"

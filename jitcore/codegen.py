@@ -20,7 +20,7 @@ launch directly, once per recorded kernel launch. Print one with ``JITCORE_DUMP=
             _r = _cuLaunchKernel(_f0, _grid0x, 1, 1, 256, 1, 1, 0, ...)
 
 Where the backend has a launch that packs its own parameters (``Backend.packed_launcher``: the
-CUDA backend's C helper, jitcore/backends/_native.c), the pack and the launch are one call,
+CUDA backend's C helper, csrc/jitcore_native.c), the pack and the launch are one call,
 the constants in its template, a tensor's pointer read by the launch (``P`` code), a refused
 launch raised by it, and the call state keeps no buffers::
 

@@ -197,7 +197,7 @@ class CaptureBusy(RuntimeError):
 
 class _ExclusionFlags:
     """A capture exclusion's ``owner`` and ``waiting`` where its shared side is Python's (the C
-    side keeps them in its own memory: jitcore/_exclusion.c)."""
+    side keeps them in its own memory: csrc/jitcore_exclusion.c)."""
 
     __slots__ = ("owner", "waiting")
 
@@ -242,7 +242,7 @@ class CaptureExclusion:
     def __init__(self, *, lock_free: bool | None = None, native: bool | None = None) -> None:
         """``lock_free``: the shared side without a lock (the default where the GIL orders
         every read and write, see :class:`_Shared`); False takes the lock each way.
-        ``native``: the lock-free side in C (jitcore/_exclusion.c, the same protocol; the
+        ``native``: the lock-free side in C (csrc/jitcore_exclusion.c, the same protocol; the
         default where it was built and ``JITCORE_NATIVE`` is not 0)."""
         self._lock = threading.Lock()
         self._condition = threading.Condition(self._lock)  # the same mutex, for the waits

@@ -1,4 +1,4 @@
-"""The torch-side native helper (jitcore/_torch_native.cpp): built against the installed torch
+"""The torch-side native helper (csrc/jitcore_torch_native.cpp): built against the installed torch
 by ``python -m jitcore.torch_native``, cached, and loaded only where it was built for this torch.
 
 Why: what is left of a ``@jit`` hit's cost above the driver call is mostly two torch reads
@@ -43,7 +43,17 @@ import torch
 
 from jitcore.backends import cache, compiled_helpers_enabled
 
-SOURCE = Path(__file__).with_name("_torch_native.cpp")
+
+def _source_dir() -> Path:
+    """Where the sources compiled at run time lie: inside the installed package (a wheel
+    carries them under jitcore/_csrc/, see setup.py), else the checkout's csrc/ (an editable
+    install, or the source tree on ``PYTHONPATH``)."""
+    packaged = Path(__file__).with_name("_csrc")
+    return packaged if packaged.is_dir() else Path(__file__).resolve().parent.parent / "csrc"
+
+
+SOURCE_DIR = _source_dir()
+SOURCE = SOURCE_DIR / "jitcore_torch_native.cpp"
 MODULE_NAME = "jitcore._torch_native"
 
 _lock = threading.Lock()
@@ -58,7 +68,8 @@ def torch_identity() -> str:
 
 def artifact_name() -> str:
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), torch_identity().encode(), sys.version.encode()):
+    headers = [h.read_bytes() for h in sorted(SOURCE_DIR.glob("*.h"))]
+    for part in (SOURCE.read_bytes(), *headers, torch_identity().encode(), sys.version.encode()):
         digest.update(part)
         digest.update(b"\0")
     suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
@@ -140,7 +151,7 @@ def load() -> tuple[types.ModuleType | None, str | None]:
 
 
 def use_data_pointer_reader(helper: types.ModuleType | None) -> None:
-    """Tell the C launch helper (jitcore/backends/_native.c, where it is built) to read tensors'
+    """Tell the C launch helper (csrc/jitcore_native.c, where it is built) to read tensors'
     data pointers through ``helper``'s reader (None: through ``data_ptr()``)."""
     try:
         from jitcore.backends import _native
@@ -163,6 +174,7 @@ def compile_command(output: Path) -> list[str]:
         "-shared",
         f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
         f'-DTORCH_VERSION_FOR_CHECK="{torch_identity()}"',
+        f"-I{SOURCE_DIR}",
         f"-I{torch_dir / 'include'}",
         f"-I{sysconfig.get_paths()['include']}",
         str(SOURCE),

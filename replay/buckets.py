@@ -100,7 +100,7 @@ def without_padding(args: tuple, buckets: Sequence[int] | None) -> tuple | None:
     pads the same dimension to the same size and that size needs no padding (beyond the
     largest bucket, or a bucket's own size): what :func:`call` would run, without its checks
     and copies. None for anything else (:func:`call` pads, or says what is wrong). The
-    region's gate in C (replay/_eager.c) takes such calls the same way, before any Python."""
+    region's gate in C (csrc/replay_eager.c) takes such calls the same way, before any Python."""
     marked = [arg for arg in args if arg.__class__ is Padded]
     if not marked or buckets is None:
         return None

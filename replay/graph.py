@@ -1,7 +1,7 @@
 """A recorded graph and its generated replay function.
 
 Replaying is straight-line Python generated per graph (print it with ``REPLAY_DUMP=1`` or
-``Session.dump()``); where replay/_step.c and the torch-side helper are built, most graphs run
+``Session.dump()``); where csrc/replay_step.c and the torch-side helper are built, most graphs run
 the same steps from C in front of it (:meth:`RecordedGraph._step`). It runs in two phases:
 
 1. Check and compute, changing nothing: the region's globals, the torch modes, how the tensor
@@ -45,12 +45,12 @@ from replay.dynamic import DynamicScalar
 from replay.errors import ReplayMismatchError, StaleOutputError
 from replay.recording import Capture, CaptureFailed
 
-try:  # the aliasing check in C (replay/_checks.c; optional, built by setup.py)
+try:  # the aliasing check in C (csrc/replay_checks.c; optional, built by setup.py)
     from replay._checks import disjoint as _disjoint
 except ImportError:
     _disjoint = None
 
-try:  # a replay's steady state in C (replay/_step.c; optional, built by setup.py)
+try:  # a replay's steady state in C (csrc/replay_step.c; optional, built by setup.py)
     from replay._step import ReplayStep
 except ImportError:
     ReplayStep = None
@@ -155,10 +155,10 @@ def clone_preserving_sharing(leaves: Sequence) -> list:
 #: apart with numpy (about 5 us for 16, 8 us for 64 on the CPU box, against 6 and 27 for the
 #: general pattern).
 _NUMPY_DISJOINT_FROM = 12
-#: From this many, with replay/_checks.c built, by its ``disjoint`` (one sort in C: 0.33 us for
+#: From this many, with csrc/replay_checks.c built, by its ``disjoint`` (one sort in C: 0.33 us for
 #: 4 ranges, 1.1 us for 16, against 0.52 and 7.4 us compared pair by pair, on the CPU box).
 _C_DISJOINT_FROM = 4
-#: At most this many tensor arguments for replay/_step.c (its fixed-size pointer array).
+#: At most this many tensor arguments for csrc/replay_step.c (its fixed-size pointer array).
 _STEP_MAX_TENSORS = 64
 
 
@@ -226,7 +226,7 @@ _SETTINGS_CHECK_WAYS = {"python": (False, False), "c": (True, False)}
 def measure_with_settings_check(graphs: Sequence[RecordedGraph], way: str) -> contextlib.AbstractContextManager:
     """Benchmarks only: while the context lasts, ``graphs`` check the torch settings another
     way than the fastest one built, so a benchmark can time what each step saves: ``"python"``
-    the generated Python check (where no C helper was built), ``"c"`` replay/_checks.c's
+    the generated Python check (where no C helper was built), ``"c"`` csrc/replay_checks.c's
     without the torch-side helper's settings watch. Every way is exact."""
     compiled, watch = _SETTINGS_CHECK_WAYS[way]
     return _namespaces_swapped(
@@ -296,7 +296,7 @@ class _Slot:
     index: int
     value: str  # the expression of what this call needs the node to hold
     writes: list[str]  # the statements writing it into the node's buffer or dimensions
-    # the same for replay/_step.c: ("pointer", input, ((address, delta, params), ...)) or
+    # the same for csrc/replay_step.c: ("pointer", input, ((address, delta, params), ...)) or
     # ("scalar", number, ((address, size, params), ...)); None for anything else
     program: tuple | None = None
 
@@ -497,7 +497,7 @@ class RecordedGraph:
         self.replay = compile_function(
             self.source, self.name, f"replay graph {number} of region {region.name}", self.namespace
         )
-        #: why this graph replays through its generated Python rather than replay/_step.c
+        #: why this graph replays through its generated Python rather than csrc/replay_step.c
         #: (None: through the C step, which runs that function itself for what it does not decide)
         self.step_refused: str | None = None
         step = self._step(backend, leaves)
@@ -512,10 +512,10 @@ class RecordedGraph:
         return f"{self.source}\n# the C step's jit arguments\n{maker}" if maker else self.source
 
     def how_it_replays(self) -> str:
-        """One line for dumps: through replay/_step.c, or through the generated function alone
+        """One line for dumps: through csrc/replay_step.c, or through the generated function alone
         and why."""
         if self.step_refused is None:
-            return "replayed by replay/_step.c, which runs this function for what it does not decide"
+            return "replayed by csrc/replay_step.c, which runs this function for what it does not decide"
         return f"replayed by this function alone: {self.step_refused}"
 
     def _inputs_taken_in_place(self, capture: Capture) -> dict[int, tuple[torch.Tensor, tuple[int, ...]]]:
@@ -741,13 +741,13 @@ class RecordedGraph:
 
     # --- the C step ----------------------------------------------------------------------
     def _step(self, backend, leaves: Sequence) -> Callable | None:
-        """The replay as replay/_step.c runs it, where this graph's generated function has no
+        """The replay as csrc/replay_step.c runs it, where this graph's generated function has no
         step outside what that file runs (else None, and ``step_refused`` says why). The C
         step makes the generated function's calls in its order; for what it does not decide
         (a slot that OutputSlots.choose must pick, a tensor its reader does not read) it runs
         the generated function itself, so it can only ever do what that function does."""
         if ReplayStep is None or not compiled_helpers_enabled():
-            self.step_refused = "replay/_step.c is not built (or JITCORE_NATIVE=0)"
+            self.step_refused = "csrc/replay_step.c is not built (or JITCORE_NATIVE=0)"
             return None
         helper = jitcore.torch_native.module()
         support = getattr(helper, "replay_support", None)
@@ -762,7 +762,7 @@ class RecordedGraph:
         return ReplayStep(program)
 
     def _step_program(self, backend, leaves: Sequence, support: object) -> tuple[tuple | None, str]:
-        """replay/_step.c's program for this graph (its layout is that file's), or None and
+        """csrc/replay_step.c's program for this graph (its layout is that file's), or None and
         what the generated function does that the C step does not."""
         policy, plan = self.session.policy, self.plan
         parts = backend.graph_launch_parts()
@@ -808,7 +808,7 @@ class RecordedGraph:
             values = []
             for slot in slots:
                 if slot.program is None:
-                    return None, "a node value replay/_step.c does not write"
+                    return None, "a node value csrc/replay_step.c does not write"
                 kind, number, writes = slot.program
                 values.append(
                     (slot.index, number if kind == "pointer" else -1, number if kind == "scalar" else -1, writes)
@@ -1203,7 +1203,7 @@ class RecordedGraph:
         ranges = [(i, extent) for i, extent in tensors if extent]  # an empty tensor overlaps nothing
         disjoint = _disjoint_check()
         if not pattern and disjoint is not None and len(ranges) >= _C_DISJOINT_FROM:
-            # recorded all apart, and still so: one sort in C (replay/_checks.c)
+            # recorded all apart, and still so: one sort in C (csrc/replay_checks.c)
             code.namespace["_disjoint"] = disjoint
             code.namespace["_EXTENTS"] = tuple(int(extent) for _, extent in ranges)
             code.line(f"if not _disjoint(({''.join(f'_p{i}, ' for i, _ in ranges)}), _EXTENTS):")

@@ -47,7 +47,7 @@ METADATA_QUERIES = (
     "is_same_size",
 )
 #: Ops that take a tensor for its metadata (shape, dtype, device) and never read its data
-#: (jitcore/_torch_native.cpp's observer keeps the same list: tests/replay/test_observe.py).
+#: (csrc/jitcore_torch_native.cpp's observer keeps the same list: tests/replay/test_observe.py).
 METADATA_ONLY_NAMES = (
     *METADATA_QUERIES,
     "empty_like",
@@ -176,7 +176,7 @@ def _arguments_and_tensors(arguments: tuple, args: tuple, kwargs: dict):
         yield name, written, value, tensors
 
 
-#: Kernels that make an op more than its parts (jitcore/_torch_native.cpp's runs_as_its_parts
+#: Kernels that make an op more than its parts (csrc/jitcore_torch_native.cpp's runs_as_its_parts
 #: checks the same keys: tests/replay/test_observe.py).
 OWN_KERNEL_KEYS = (
     "CPU",
@@ -255,7 +255,7 @@ def _schema_arguments(func) -> tuple:
 class NativeOpObserver:
     """:class:`TorchOpObserver`'s answers (``read``, ``written``, ``reached_beyond``) for byte
     ranges, noted by the torch-side helper's record-function callback (op_observer_begin in
-    jitcore/_torch_native.cpp): every operator the dispatcher runs on this thread, with the
+    csrc/jitcore_torch_native.cpp): every operator the dispatcher runs on this thread, with the
     dispatch mode's rules (views, metadata-only ops, and composite ops seen as their parts).
     Sets accumulate over several ``with`` blocks, as the mode's do. Where the helper says the
     observation cannot be trusted (record functions turned off on the thread, an op whose

@@ -28,7 +28,7 @@ torch's use count of that storage exceeds what the slot holds itself (its buffer
 object, one typed view per dtype, its templates); a caller holding only the storage's Python
 object (there is one per storage) shows in that object's reference count.
 
-Replay's C step (replay/_step.c) answers ``held()`` for the slot it is bound to from C with
+Replay's C step (csrc/replay_step.c) answers ``held()`` for the slot it is bound to from C with
 the same two counts: the use count through the torch-side helper, and the storage object's
 references against ``Lane.own_storage_refs_c``, the count its own read saw when the lane was
 made (where either is missing it calls :meth:`Slot.held`).
@@ -45,7 +45,7 @@ from collections.abc import Callable, Sequence
 import attrs
 import torch
 
-try:  # the replay step in C answers held() too (replay/_step.c; optional, built by setup.py)
+try:  # the replay step in C answers held() too (csrc/replay_step.c; optional, built by setup.py)
     from replay._step import storage_references as _storage_references
 except ImportError:
     _storage_references = None
@@ -75,7 +75,7 @@ class Lane:
     storage: torch.UntypedStorage | None  # held, so its own reference to itself is constant
     own: int = 0  # the storage's use count with only the lane's own references
     own_storage_refs: int = 0  # references to the storage's Python object, the lane's alone
-    # the same as replay/_step.c counts them (its own read's reference included); -1: not known,
+    # the same as csrc/replay_step.c counts them (its own read's reference included); -1: not known,
     # so the C step asks held() of Python
     own_storage_refs_c: int = -1
     bases: dict[torch.dtype, torch.Tensor] = attrs.Factory(dict)  # one typed view per dtype

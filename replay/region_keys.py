@@ -38,7 +38,7 @@ from jitcore.backends import compiled_helpers_enabled
 from replay.dynamic import Dynamic
 from replay.errors import ReplayError, ReplayWarning
 
-try:  # the settings check in C (replay/_checks.c; optional, built by setup.py)
+try:  # the settings check in C (csrc/replay_checks.c; optional, built by setup.py)
     from replay._checks import SettingsCheck as _SettingsCheck
 except ImportError:
     _SettingsCheck = None
@@ -831,7 +831,7 @@ def modes_changed(recorded: tuple, *, compiled: bool = True, watch: bool = True)
       the full check. About 0.6 us against 4.7 on the CPU machine.
     - replay._checks.SettingsCheck where that C helper was built (the same calls and
       comparisons in the same order, without a bytecode step per setting: see
-      replay/_checks.c);
+      csrc/replay_checks.c);
     - a generated function (``JITCORE_NATIVE=0`` or ``compiled=False`` picks it).
 
     ``watch=False`` leaves the helper's watch out (benchmarks time each way).
@@ -857,7 +857,7 @@ def modes_changed(recorded: tuple, *, compiled: bool = True, watch: bool = True)
 
 
 def _full_modes_check(tests: list[_ModeTest], native: type | None) -> Callable[[], bool]:
-    """``tests`` as one check: replay/_checks.c's type where given, else generated Python."""
+    """``tests`` as one check: csrc/replay_checks.c's type where given, else generated Python."""
     if native is None:
         return _generated_modes_check(tests)
     return native(
@@ -885,7 +885,7 @@ def _settings_check_type() -> type | None:
     return _SettingsCheck
 
 
-#: How a mode test compares a reader's value with the recorded one (replay/_checks.c's ways).
+#: How a mode test compares a reader's value with the recorded one (csrc/replay_checks.c's ways).
 _IDENTITY, _EQUALITY, _ENUM_VALUE = "i", "e", "v"
 
 

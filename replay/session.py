@@ -89,7 +89,7 @@ _PLAIN_CONSTANTS = region_keys.PLAIN_CONSTANTS
 #: (jitcore.recorder.CaptureExclusion). The one shared-holding object, looked up once.
 _SHARED_CAPTURE_EXCLUSION = recording.CAPTURES.shared()
 
-try:  # a region's call and its flat eager path in C (replay/_eager.c; optional, built by setup.py)
+try:  # a region's call and its flat eager path in C (csrc/replay_eager.c; optional, built by setup.py)
     from replay._eager import EagerGate, RegionCall
 except ImportError:
     EagerGate = RegionCall = None
@@ -1566,7 +1566,7 @@ class Region:
     @contextlib.contextmanager
     def measure_generated_python(self):
         """Benchmarks only: inside the context, this region's recorded keys replay through
-        their generated Python function alone, without replay/_step.c in front of it (what
+        their generated Python function alone, without csrc/replay_step.c in front of it (what
         a replay costs where that file is not built)."""
         saved = [(candidates, list(candidates)) for candidates in self.fast.values()]
         for candidates, held in saved:
@@ -1587,7 +1587,7 @@ class Region:
 
 
 #: Region.__call__ as Python runs it; replaced below by its C version where that was built
-#: (replay/_eager.c, RegionCall: the same steps, without a Python frame of its own on every call).
+#: (csrc/replay_eager.c, RegionCall: the same steps, without a Python frame of its own on every call).
 PYTHON_REGION_CALL = Region.__call__
 if _native_enabled():
     Region.__call__ = RegionCall(miss=_MISS, drift=_RegionDrift)
@@ -1983,7 +1983,7 @@ class Session:
 
     def dump(self) -> str:
         """The generated replay source of every graph held, each after a line saying whether
-        replay/_step.c runs it (and if not, why)."""
+        csrc/replay_step.c runs it (and if not, why)."""
         parts = []
         for entry in self.lru:
             graph = entry.graph

@@ -87,7 +87,7 @@ def _gpu_tests_run_with_the_helper(request):
 
 @pytest.fixture(scope="session")
 def torch_native_cache(tmp_path_factory):
-    """A cache directory holding the torch-side helper (jitcore/_torch_native.cpp) built for
+    """A cache directory holding the torch-side helper (csrc/jitcore_torch_native.cpp) built for
     this torch, for real, once per test session (about 20 s); skipped without a C++ compiler
     or under ``JITCORE_NATIVE=0`` (the fallback's own run)."""
     from jitcore import torch_native

@@ -25,8 +25,8 @@ _lock = threading.Lock()
 
 
 def compiled_helpers_enabled() -> bool:
-    """Whether the optional C helpers (jitcore/backends/_native.c, jitcore/_exclusion.c,
-    replay/_eager.c) may be used where they were built: ``JITCORE_NATIVE=0`` turns them all
+    """Whether the optional C helpers (csrc/jitcore_native.c, csrc/jitcore_exclusion.c,
+    csrc/replay_eager.c) may be used where they were built: ``JITCORE_NATIVE=0`` turns them all
     off, and their Python equivalents run."""
     return os.environ.get("JITCORE_NATIVE", "1").strip() != "0"
 

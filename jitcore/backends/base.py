@@ -276,7 +276,7 @@ class Backend(abc.ABC):
         return function.handle
 
     def graph_launch_parts(self) -> tuple[Callable, Callable] | None:
-        """What ``graph_launch_template`` calls, for replay's C step (replay/_step.c), which
+        """What ``graph_launch_template`` calls, for replay's C step (csrc/replay_step.c), which
         runs the same launch without the template's text: ``(launch, failed)``, where
         ``launch(exec, stream)`` returns a status tuple and ``failed(status)`` raises for a
         nonzero status. None where the template is anything else (then replay runs its

@@ -318,7 +318,7 @@ class CudaBackend(DriverBackend):
         runs: tuple[tuple[int, str], ...],
         failed: Callable[[int], object] | None = None,
     ) -> Callable[..., tuple] | None:
-        """The C helper's PackedLaunch over cuLaunchKernel (jitcore/backends/_native.c), where
+        """The C helper's PackedLaunch over cuLaunchKernel (csrc/jitcore_native.c), where
         the helper is in use."""
         if self._packed_launch is None:
             return None

@@ -692,7 +692,7 @@ def test_property_a_guard_only_accepts_tensors_its_state_fits(first, second):
 
 
 #: The capture exclusion's shared side every way: without a lock (ordered by the GIL), in C
-#: (jitcore/_exclusion.c, the same protocol; the default where built) and with the lock (the
+#: (csrc/jitcore_exclusion.c, the same protocol; the default where built) and with the lock (the
 #: free-threaded build's).
 _BOTH_SHARED_SIDES = pytest.mark.parametrize("lock_free", ["lock-free", "native", "locked"])
 

@@ -1,4 +1,4 @@
-"""The torch-side native helper (jitcore/_torch_native.cpp, built by jitcore/torch_native.py),
+"""The torch-side native helper (csrc/jitcore_torch_native.cpp, built by jitcore/torch_native.py),
 compiled for real against the installed torch into a temporary cache, on the CPU.
 
 Its guard must answer exactly as torch's dynamo evaluator (``TensorGuards``), which it replaces
@@ -322,7 +322,7 @@ def _described(tensor: torch.Tensor) -> tuple:
 @needs_compiler
 @pytest.mark.parametrize("mode", ["grad", "no_grad", "inference_mode"])
 def test_a_fresh_output_is_what_detach_makes(helper, mode):
-    """replay/_step.c hands out fresh_output(view) where generated replays hand out
+    """csrc/replay_step.c hands out fresh_output(view) where generated replays hand out
     view.detach(): the same tensor in every way a caller can see, under every grad mode."""
     lane = torch.empty(4096, dtype=torch.uint8)
     views = [
@@ -353,7 +353,7 @@ def test_a_storage_use_count_is_what_torch_answers(helper):
 
 @needs_compiler
 def test_a_storage_span_is_what_torch_answers(helper):
-    """replay/_step.c's check of staged inputs reads each one's storage: its first byte and
+    """csrc/replay_step.c's check of staged inputs reads each one's storage: its first byte and
     size as untyped_storage() says, for views at offsets too; nothing for what its reader
     would not read (a subclass, a non-tensor, under a torch function mode)."""
     base = torch.randn(4, 8)

@@ -28,8 +28,8 @@ def _checks_made(kind, request, monkeypatch):
 @pytest.fixture(params=["watch", "c", "python"])
 def checks_kind(request, monkeypatch):
     """A test of replay's settings check runs against each way it can be made: the torch-side
-    helper's settings watch in front of replay/_checks.c ("watch": the helper built for real,
-    see tests/conftest.py), replay/_checks.c alone ("c", no helper; skipped where it was not
+    helper's settings watch in front of csrc/replay_checks.c ("watch": the helper built for real,
+    see tests/conftest.py), csrc/replay_checks.c alone ("c", no helper; skipped where it was not
     built) and the generated Python check ("python": JITCORE_NATIVE=0). The check is chosen
     when a graph or a check is made, so inside the test."""
     with _checks_made(request.param, request, monkeypatch) as kind:
@@ -38,7 +38,7 @@ def checks_kind(request, monkeypatch):
 
 @pytest.fixture(params=["c", "python"])
 def c_or_python(request, monkeypatch):
-    """A test of a replay check that replay/_checks.c makes ("c") or generated Python does
+    """A test of a replay check that csrc/replay_checks.c makes ("c") or generated Python does
     ("python": JITCORE_NATIVE=0), without the torch-side helper in either."""
     with _checks_made(request.param, request, monkeypatch) as kind:
         yield kind
@@ -46,7 +46,7 @@ def c_or_python(request, monkeypatch):
 
 @pytest.fixture(params=["c", "python"])
 def replay_step(request, monkeypatch):
-    """A test of replaying a recorded graph runs against both ways it replays: replay/_step.c
+    """A test of replaying a recorded graph runs against both ways it replays: csrc/replay_step.c
     in front of the generated function ("c": the torch-side helper built for real; skipped
     where replay._step was not built) and the generated function alone ("python": no helper,
     so no graph gets a C step). Chosen when a graph is made, so inside the test."""

@@ -98,7 +98,7 @@ class SimUpdater(NodeUpdater):
 
 
 def _launched(launch):
-    """A graph launch as the backends make it for replay/_step.c: (exec, stream) -> status."""
+    """A graph launch as the backends make it for csrc/replay_step.c: (exec, stream) -> status."""
 
     def graph_launch(_exec, _stream):
         launch()
@@ -170,7 +170,7 @@ class FakeRegion:
 
 @pytest.fixture(autouse=True)
 def _replayed_both_ways(replay_step):
-    """Every test here runs against both ways a graph replays: replay/_step.c ("c", with the
+    """Every test here runs against both ways a graph replays: csrc/replay_step.c ("c", with the
     torch-side helper built for real) and the generated Python alone ("python")."""
     return replay_step
 
@@ -755,7 +755,7 @@ def test_recordings_that_name_their_constants_apart_generate_one_text_and_compil
     assert node_pointer(second_sim) == small.data_ptr() + (1 + 5) * 16 * 4
 
 
-# --- replay/_step.c against the generated function ------------------------------------------
+# --- csrc/replay_step.c against the generated function ------------------------------------------
 
 
 def test_the_c_step_serves_what_it_runs_and_says_why_it_leaves_the_rest_to_python(replay_step):
@@ -848,7 +848,7 @@ def test_the_c_step_does_what_the_generated_function_does_call_for_call(torch_na
 
 
 def test_the_c_step_sees_a_slot_held_exactly_when_the_slot_says_so(replay_step):
-    """The C step answers Slot.held() itself for the slot it is bound to (replay/_step.c): the
+    """The C step answers Slot.held() itself for the slot it is bound to (csrc/replay_step.c): the
     same answer as the method whatever still reaches an output (the tensor, a view, its
     storage object alone, a DLPack capsule), and nothing held once they are gone."""
     if replay_step != "c":
@@ -882,7 +882,7 @@ def test_a_dump_says_how_each_graph_replays(replay_step):
     graph, _ = build([x, Dynamic(1.0)], scalar_plan())
     line = graph.how_it_replays()
     if replay_step == "c":
-        assert line.startswith("replayed by replay/_step.c")
+        assert line.startswith("replayed by csrc/replay_step.c")
     else:
         assert line.startswith("replayed by this function alone: ") and graph.step_refused in line
     assert graph.full_source() == graph.source  # its arguments are the dynamic value itself

@@ -1,4 +1,4 @@
-"""The C helper for the hot driver calls (jitcore/backends/_native.c), run on the CPU.
+"""The C helper for the hot driver calls (csrc/jitcore_native.c), run on the CPU.
 
 The driver is replaced by ctypes callbacks with the vendor prototypes (a test double for the
 driver, as the guide allows in CPU tests of pure logic): each test checks what reaches the C

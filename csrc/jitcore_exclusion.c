@@ -213,7 +213,7 @@ static PyTypeObject SharedSideType = {
 
 static struct PyModuleDef module_definition = {
     PyModuleDef_HEAD_INIT, "jitcore._exclusion",
-    "The capture exclusion's lock-free shared side in C (see jitcore/_exclusion.c).", -1, NULL,
+    "The capture exclusion's lock-free shared side in C (see csrc/jitcore_exclusion.c).", -1, NULL,
 };
 
 PyMODINIT_FUNC PyInit__exclusion(void) {

@@ -465,7 +465,7 @@ typedef struct {
 static PyObject *S_DATA_PTR; /* "data_ptr" */
 
 /* A faster reader of a tensor's data pointer for 'P', from the torch-side helper
- * (jitcore/_torch_native.cpp, built against the installed torch): it answers 1 with the
+ * (csrc/jitcore_torch_native.cpp, built against the installed torch): it answers 1 with the
  * address where it read what data_ptr() would return, 0 where the method must be called
  * (anything but a plain tensor, a torch function mode, an error). NULL: always the method. */
 typedef int (*data_pointer_reader_fn)(PyObject *, uint64_t *);
@@ -766,7 +766,7 @@ static PyTypeObject PackedLaunchType = {
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL,
     .tp_vectorcall_offset = offsetof(PackedLaunch, vectorcall),
     .tp_doc = "PackedLaunch(launch_address, function, template, offsets, runs, failed=None): a kernel launch "
-              "that packs its own parameters (see jitcore/backends/_native.c)",
+              "that packs its own parameters (see csrc/jitcore_native.c)",
     .tp_new = packed_new,
     .tp_methods = packed_methods,
     .tp_dealloc = (destructor)packed_dealloc,
@@ -801,7 +801,7 @@ static PyMethodDef module_methods[] = {
 
 static struct PyModuleDef module_definition = {
     PyModuleDef_HEAD_INIT, "jitcore.backends._native",
-    "Driver calls from C for the hot paths (see jitcore/backends/_native.c).", -1, module_methods,
+    "Driver calls from C for the hot paths (see csrc/jitcore_native.c).", -1, module_methods,
 };
 
 PyMODINIT_FUNC PyInit__native(void) {

@@ -195,7 +195,7 @@ static PyTypeObject SettingsCheckType = {
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
     .tp_vectorcall_offset = offsetof(SettingsCheck, vectorcall),
     .tp_doc = "SettingsCheck(readers, arguments, expected, ways, *, unreadable=None)() -> True when a setting "
-              "differs (see replay/_checks.c).",
+              "differs (see csrc/replay_checks.c).",
     .tp_new = settings_new,
     .tp_dealloc = (destructor)settings_dealloc,
     .tp_traverse = (traverseproc)settings_traverse,
@@ -279,12 +279,12 @@ done:
 
 static PyMethodDef module_methods[] = {
     {"disjoint", (PyCFunction)(void (*)(void))disjoint, METH_FASTCALL,
-     "disjoint(pointers, extents) -> whether the byte ranges are pairwise disjoint (see replay/_checks.c)"},
+     "disjoint(pointers, extents) -> whether the byte ranges are pairwise disjoint (see csrc/replay_checks.c)"},
     {NULL},
 };
 
 static struct PyModuleDef module_definition = {
-    PyModuleDef_HEAD_INIT, "replay._checks", "Two of a replay's exactness checks in C (see replay/_checks.c).", -1,
+    PyModuleDef_HEAD_INIT, "replay._checks", "Two of a replay's exactness checks in C (see csrc/replay_checks.c).", -1,
     module_methods,
 };
 

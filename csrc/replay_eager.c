@@ -720,7 +720,7 @@ static PyTypeObject GateType = {
     .tp_basicsize = sizeof(Gate),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
     .tp_vectorcall_offset = offsetof(Gate, vectorcall),
-    .tp_doc = "A region's flat eager path (Region._eager_flat), in C; see replay/_eager.c.",
+    .tp_doc = "A region's flat eager path (Region._eager_flat), in C; see csrc/replay_eager.c.",
     .tp_new = gate_new,
     .tp_init = (initproc)gate_init,
     .tp_dealloc = (destructor)gate_dealloc,
@@ -839,7 +839,7 @@ static PyTypeObject RegionCallType = {
     .tp_basicsize = sizeof(RegionCall),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL | Py_TPFLAGS_METHOD_DESCRIPTOR,
     .tp_vectorcall_offset = offsetof(RegionCall, vectorcall),
-    .tp_doc = "Region.__call__ in C (see replay/_eager.c).",
+    .tp_doc = "Region.__call__ in C (see csrc/replay_eager.c).",
     .tp_new = region_call_new,
     .tp_init = (initproc)region_call_init,
     .tp_dealloc = (destructor)region_call_dealloc,
@@ -850,7 +850,7 @@ static PyTypeObject RegionCallType = {
 };
 
 static struct PyModuleDef module_definition = {
-    PyModuleDef_HEAD_INIT, "replay._eager", "A region's flat eager path in C (see replay/_eager.c).", -1, NULL,
+    PyModuleDef_HEAD_INIT, "replay._eager", "A region's flat eager path in C (see csrc/replay_eager.c).", -1, NULL,
 };
 
 #define INTERN(var, text)                                                                                       \

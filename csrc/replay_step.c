@@ -6,7 +6,7 @@
  * twice the driver calls, where torch's own CUDAGraph.replay() spends about 1.5 us above its
  * launch. Here the same steps run in C: the pointer reads, the aliasing and output-memory
  * checks, the node patch and the launch, the counters, and the fresh outputs (through the
- * torch-side helper's replay_support capsule, jitcore/_torch_native.cpp).
+ * torch-side helper's replay_support capsule, csrc/jitcore_torch_native.cpp).
  *
  * ReplayStep(program) -> step(*leaves): a program is a tuple that replay.graph builds (see
  * RecordedGraph._step_program, which says what each field is) only for graphs whose generated
@@ -1192,7 +1192,7 @@ static PyTypeObject ReplayStepType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "replay._step.ReplayStep",
     .tp_basicsize = sizeof(ReplayStep),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
-    .tp_doc = "ReplayStep(program) -> step(*leaves): a recorded graph's replay, run from C (replay/_step.c)",
+    .tp_doc = "ReplayStep(program) -> step(*leaves): a recorded graph's replay, run from C (csrc/replay_step.c)",
     .tp_new = step_new,
     .tp_dealloc = (destructor)step_dealloc,
     .tp_traverse = (traverseproc)step_traverse,
@@ -1237,7 +1237,7 @@ static PyMethodDef module_methods[] = {
 };
 
 static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "replay._step",
-                                        "A recorded graph's replay run from C (see replay/_step.c).", -1,
+                                        "A recorded graph's replay run from C (see csrc/replay_step.c).", -1,
                                         module_methods};
 
 PyMODINIT_FUNC PyInit__step(void) {

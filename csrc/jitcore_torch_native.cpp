@@ -23,7 +23,7 @@
 //   them through the C++ getters that torch's Python getters call (about 30 reads, a few
 //   nanoseconds each, where the Python getters cost 60 to 200 ns a call) into a state, and
 //   answers from it: while the state equals the one it had when `exact` (replay's full check,
-//   in Python or replay/_checks.c) last said "unchanged", it calls only `residual` (the check
+//   in Python or csrc/replay_checks.c) last said "unchanged", it calls only `residual` (the check
 //   of the settings this build does not read, or None); any other state calls `exact`, and
 //   keeps the state as the new reference where `exact` says "unchanged" and nothing moved
 //   while it ran. So it can only ever say what `exact` would: the state is a function of the
@@ -33,7 +33,7 @@
 //   state moves.
 //
 // - a capsule, "replay_support", a ReplaySupport struct (the version, then functions) for the C
-//   replay step (replay/_step.c): the data pointer reader above, and `fresh_output`, a
+//   replay step (csrc/replay_step.c): the data pointer reader above, and `fresh_output`, a
 //   replay's handed-out output made from its template view: exactly `template.detach()`
 //   (torch's own C++ detach, through the dispatcher, wrapped as torch's Python method wraps
 //   it), without the Python method call's argument parsing (about 0.15 us against 0.55 on the
@@ -324,7 +324,7 @@ PyObject *use_count_of(PyObject *, PyObject *storage) {
 }
 
 // The first byte and the size of a plain tensor's storage, as tensor.untyped_storage()'s
-// data_ptr() and nbytes() answer them (replay/_step.c's check of staged inputs); 0 where the
+// data_ptr() and nbytes() answer them (csrc/replay_step.c's check of staged inputs); 0 where the
 // reader would not read the tensor, or it has no storage.
 int read_storage_span(PyObject *object, uint64_t *base, uint64_t *nbytes) {
     if (!THPVariable_CheckExact(object) || at::impl::torch_function_mode_enabled())
@@ -349,7 +349,7 @@ PyObject *storage_span(PyObject *, PyObject *object) {
     return Py_BuildValue("(KK)", static_cast<unsigned long long>(base), static_cast<unsigned long long>(nbytes));
 }
 
-// What replay/_step.c reads from torch; its copy of this struct must match (the version says).
+// What csrc/replay_step.c reads from torch; its copy of this struct must match (the version says).
 struct ReplaySupport {
     int version;
     int (*read_data_pointer)(PyObject *, uint64_t *);
@@ -1049,11 +1049,11 @@ PyMethodDef METHODS[] = {
      "data_pointer(tensor) -> int, what the capsule's reader reads (None where it would not read)"},
     {"settings_watch", settings_watch, METH_VARARGS,
      "settings_watch(exact, residual) -> check() -> bool, exact()'s answer from a state read in C++"},
-    {"fresh_output", fresh_output, METH_O, "fresh_output(view) -> view.detach(), as replay/_step.c makes it"},
+    {"fresh_output", fresh_output, METH_O, "fresh_output(view) -> view.detach(), as csrc/replay_step.c makes it"},
     {"storage_span", storage_span, METH_O,
-     "storage_span(tensor) -> (first byte, bytes) of its storage as replay/_step.c reads it (None where it would not)"},
+     "storage_span(tensor) -> (first byte, bytes) of its storage as csrc/replay_step.c reads it (None where it would not)"},
     {"storage_use_count", use_count_of, METH_O,
-     "storage_use_count(storage) -> its use count, as replay/_step.c reads it (None: not a storage)"},
+     "storage_use_count(storage) -> its use count, as csrc/replay_step.c reads it (None: not a storage)"},
     {"settings_state", settings_state, METH_NOARGS, "settings_state() -> tuple of ints, the settings read in C++"},
     {"op_observer_begin", op_observer_begin, METH_O,
      "op_observer_begin(ranges) -> token: note which of the byte ranges this thread's torch ops read and write"},
