@@ -108,7 +108,7 @@ def section(text: str, heading: str) -> str:
 def test_the_readme_headline_table_is_short():
     headline = tables(section((ROOT / "README.md").read_text(), "## Headline numbers"))
     assert len(headline) == 1, "one headline table"
-    header, *rows = headline[0]
+    rows = headline[0][1:]  # below the header row
     assert 0 < len(rows) <= README_ROWS, f"{len(rows)} rows: at most {README_ROWS}, the rest in docs/benchmarks"
     long = [cell for row in headline[0] for cell in row if len(cell) > README_CELL]
     assert long == [], f"README headline cells over {README_CELL} characters: {long}"
