@@ -293,7 +293,7 @@ def main() -> None:
             (time.perf_counter() - analysed) * 1e6
         )
         # the recording's own timings of its steps (replay.recording: prepare, capture,
-        # instantiate; its second call's analyse and build replay), where item 3's time goes
+        # instantiate; its second call's analyse and build replay), where a first recording's time goes
         for entry in fresh_region.entries.values():
             if entry.graph is not None:
                 for step_name, seconds in entry.graph.capture.timings.items():

@@ -127,7 +127,7 @@ ADMISSION_MARGIN = 2
 
 #: A compaction is due when the pool is this many times both its size after the last compaction
 #: and the most any one recording needed: graph memory stays within 1.5x of what the largest
-#: shape needs alone (issue "Never slower than eager", item 6), while the pool's geometric growth
+#: shape needs alone, while the pool's geometric growth
 #: between compactions keeps their recordings proportional to the shapes.
 COMPACTION_GROWTH = 1.5
 
