@@ -537,6 +537,9 @@ class _CaptureInputs:
         """What the torch-op observer watches: ``watched``, then ``staged_storages``."""
         return self.watched + list(self.staged_storages.values())
 
+    def host_buffers(self) -> dict[int, torch.Tensor] | None:
+        return self.host.buffers if self.host is not None else None
+
     def host_ranges(self) -> list[tuple[int, int]]:
         return [r for _, r in self.host.ranges()] if self.host is not None else []
 
@@ -878,7 +881,6 @@ def _give_outputs_their_own_memory(
     recorded: _Recorded,
     prepared: _CaptureInputs,
     graph,
-    *,
     pool_memory: Sequence[tuple[int, int]],
     backend,
     stream,
@@ -941,7 +943,6 @@ def _capture_record(
     recorded: _Recorded,
     recorder: _Recorder,
     kept: _KeptRecords,
-    *,
     seconds: float,
     memory: int,
     pool_memory: list,
@@ -992,27 +993,22 @@ def capture(
 ) -> Capture:
     """Record ``fn`` once. Raises CaptureAborted or CaptureFailed.
 
-    ``observe=False`` skips the torch-op observer during the capture (a cost per torch op):
-    the session passes it when the eager warm-up of this key ran under the observer and saw
-    no torch op touch an input. The node scan after capture still catches foreign kernels and
-    copies that reach an input. ``storages=True`` keeps, per launch, the storage each pointer
-    parameter pointed into (``Capture.pointer_storages``, for replay.polymorphic). ``held``:
-    the tensors the region reaches by name (an argument that is one of them is reached both
-    ways: see :func:`input_doubts`).
+    ``observe=False`` skips the torch-op observer (a cost per torch op): the session passes it
+    when this key's eager warm-up ran observed and saw no torch op touch an input (the node
+    scan after capture still catches foreign kernels and copies that reach an input).
+    ``storages=True`` keeps where each pointer parameter pointed (``Capture.pointer_storages``,
+    for replay.polymorphic). ``held``: the tensors the region reaches by name (:func:`input_doubts`).
 
-    The steps, each marked on :data:`replay.instrumentation.steps`: prepare the inputs; then,
-    holding :data:`CAPTURES` exclusively from capture begin to instantiate: run the region
-    under capture (with the checks of what a graph cannot reproduce), measure the pool, give
-    the outputs memory of their own, keep the pointer extents and the records, instantiate.
+    The steps, each marked on ``replay.instrumentation.steps``: prepare; then, holding
+    :data:`CAPTURES` exclusively, run the region under capture with its checks, snapshot the
+    pool, give the outputs memory of their own, keep the extents and the records, instantiate.
     ``Capture.seconds`` counts from capture begin to the graph instantiated."""
     instrumentation.steps.start()
     prepared = _prepare_inputs(leaves, paths, device=device, stage=stage, held=held)
-    host_buffers = prepared.host.buffers if prepared.host is not None else None
-    args, kwargs = region_arguments(spec, leaves, paths, prepared.staged, host_buffers)
+    args, kwargs = region_arguments(spec, leaves, paths, prepared.staged, prepared.host_buffers())
     observer = _observer(prepared, observe)
     with CAPTURES.exclusive():  # no other thread's work may break this capture
-        backend = get_backend()
-        recorder = _Recorder(backend)
+        recorder = _Recorder(get_backend())
         graph = torch.cuda.CUDAGraph(keep_graph=True)
         pool_before = _pool_bytes_before(device, pool)
         instrumentation.steps.mark("prepare")
@@ -1024,9 +1020,7 @@ def capture(
             instrumentation.steps.mark("capture begin, checks, end")
             pool_memory = _pool_memory(device, pool)
             instrumentation.steps.mark("pool snapshot")
-            _give_outputs_their_own_memory(
-                recorded, prepared, graph, pool_memory=pool_memory, backend=backend, stream=stream, device=device
-            )
+            _give_outputs_their_own_memory(recorded, prepared, graph, pool_memory, recorder.backend, stream, device)
         instrumentation.steps.mark("own outputs")
         kept = _keep_records(recorder.records, prepared, pool_memory, storages)
         del args, kwargs
@@ -1035,18 +1029,7 @@ def capture(
         seconds = time.perf_counter() - started
         instrumentation.steps.mark("instantiate")
         memory = max(sum(hi - lo for lo, hi in pool_memory) - pool_before, 0) + recorded.output_bytes
-        return _capture_record(
-            graph,
-            device,
-            leaves,
-            prepared,
-            recorded,
-            recorder,
-            kept,
-            seconds=seconds,
-            memory=memory,
-            pool_memory=pool_memory,
-        )
+        return _capture_record(graph, device, leaves, prepared, recorded, recorder, kept, seconds, memory, pool_memory)
 
 
 @attrs.frozen
@@ -1364,34 +1347,7 @@ def own_outputs(
     CaptureFailed for outputs a graph cannot reproduce. Returns (outputs, bytes allocated,
     the data pointers of the new buffers' storages)."""
     spec, leaves, paths = flatten((outputs,), {}, walk_dataclasses=True)
-    groups: dict[int, list[int]] = {}
-    for i, leaf in enumerate(leaves):
-        where = paths[i].replace("args[0]", "output", 1)
-        if isinstance(leaf, DynamicScalar) or isinstance(leaf, _CONSTANT_OUTPUTS):
-            continue
-        if not isinstance(leaf, torch.Tensor):
-            raise CaptureFailed(
-                f"the region returned a {type(leaf).__qualname__} ({where}); a replay can only return tensors, "
-                "numbers, strings and tuples, lists, dicts, named tuples or dataclasses of those"
-            )
-        if leaf.requires_grad:
-            raise CaptureFailed(
-                f"{where} requires grad; replay does not record autograd (run the loop under torch.no_grad() "
-                "or torch.inference_mode())"
-            )
-        lo, hi = byte_range(leaf)
-        if any(a <= lo and hi <= b for a, b in watched):
-            continue  # a view of an input: rebuilt on the caller's input at each replay
-        if leaf.device.type == "cuda" and not any(a <= lo < b for a, b in pool_memory):
-            continue  # not made by this capture (a global, a closure tensor): returned as is
-        if leaf.device.type != "cuda":
-            raise CaptureFailed(f"{where} is a tensor on {leaf.device} the region made; a graph cannot produce it")
-        if type(leaf) is not torch.Tensor:
-            raise CaptureFailed(f"{where} is a {type(leaf).__qualname__}; replay returns plain tensors only")
-        if leaf.numel() == 0:  # no bytes to keep (and maybe no address): a fresh empty tensor
-            leaves[i] = torch.empty_strided(leaf.shape, leaf.stride(), dtype=leaf.dtype, device=leaf.device)
-            continue
-        groups.setdefault(leaf.untyped_storage().data_ptr(), []).append(i)
+    groups = _outputs_by_storage(leaves, paths, watched, pool_memory)
     if not groups:
         return unflatten(spec, leaves)[0][0], 0, set()
     new_leaves = list(leaves)
@@ -1399,34 +1355,101 @@ def own_outputs(
     copies = []
     owned: set[int] = set()
     for members in groups.values():
-        storage = leaves[members[0]].untyped_storage()
-        base = storage.data_ptr()
-        lo = max(min(leaves[i].data_ptr() for i in members) & ~15, base)
-        hi = max(leaves[i].data_ptr() + extent_bytes(leaves[i]) for i in members)
-        buffer = torch.empty(max(hi - lo, 1), dtype=torch.uint8, device=f"cuda:{device}")
+        buffer, lo, copy = _own_buffer([leaves[i] for i in members], device)
         total += buffer.numel()
         owned.add(buffer.untyped_storage().data_ptr())
-        if hi > lo:
-            source = torch.empty(0, dtype=torch.uint8, device=f"cuda:{device}")
-            source.set_(storage, lo - base, (hi - lo,), (1,))
-            copies.append((buffer[: hi - lo], source))
+        if copy is not None:
+            copies.append(copy)
         for i in members:
-            leaf = leaves[i]
-            offset, remainder = divmod(leaf.data_ptr() - lo, leaf.element_size())
-            if remainder:
-                raise CaptureFailed(f"an output ({paths[i]}) is misaligned within its storage")
-            view = torch.empty(0, dtype=leaf.dtype, device=leaf.device)
-            view.set_(buffer.untyped_storage(), offset, leaf.shape, leaf.stride())
-            new_leaves[i] = view
-    if copies:
-        try:
-            appending = backend.capture_into(graph.raw_cuda_graph(), stream.cuda_stream)
-        except NotImplementedError as exc:
-            raise CaptureFailed(f"{exc}, so its outputs cannot get memory of their own") from None
-        with appending:
-            for destination, source in copies:
-                destination.copy_(source)
+            new_leaves[i] = _same_view_in(buffer, lo, leaves[i], paths[i])
+    _append_copies(copies, backend, graph, stream)
     return unflatten(spec, new_leaves)[0][0], total, owned
+
+
+def _outputs_by_storage(
+    leaves: list, paths: Sequence[str], watched: Sequence[tuple[int, int]], pool_memory: Sequence[tuple[int, int]]
+) -> dict[int, list[int]]:
+    """The output leaves that get memory of their own, grouped by the storage they share (by
+    its data pointer). An empty one is given a fresh empty tensor in ``leaves`` instead: it
+    has no bytes to keep (and maybe no address)."""
+    groups: dict[int, list[int]] = {}
+    for i, leaf in enumerate(leaves):
+        if not _needs_own_memory(leaf, paths[i].replace("args[0]", "output", 1), watched, pool_memory):
+            continue
+        if leaf.numel() == 0:
+            leaves[i] = torch.empty_strided(leaf.shape, leaf.stride(), dtype=leaf.dtype, device=leaf.device)
+            continue
+        groups.setdefault(leaf.untyped_storage().data_ptr(), []).append(i)
+    return groups
+
+
+def _needs_own_memory(
+    leaf: object, where: str, watched: Sequence[tuple[int, int]], pool_memory: Sequence[tuple[int, int]]
+) -> bool:
+    """Whether an output leaf is a tensor the capture made in the pool; raises CaptureFailed
+    for a leaf a replay cannot return."""
+    if isinstance(leaf, DynamicScalar) or isinstance(leaf, _CONSTANT_OUTPUTS):
+        return False
+    if not isinstance(leaf, torch.Tensor):
+        raise CaptureFailed(
+            f"the region returned a {type(leaf).__qualname__} ({where}); a replay can only return tensors, "
+            "numbers, strings and tuples, lists, dicts, named tuples or dataclasses of those"
+        )
+    if leaf.requires_grad:
+        raise CaptureFailed(
+            f"{where} requires grad; replay does not record autograd (run the loop under torch.no_grad() "
+            "or torch.inference_mode())"
+        )
+    lo, hi = byte_range(leaf)
+    if any(a <= lo and hi <= b for a, b in watched):
+        return False  # a view of an input: rebuilt on the caller's input at each replay
+    if leaf.device.type == "cuda" and not any(a <= lo < b for a, b in pool_memory):
+        return False  # not made by this capture (a global, a closure tensor): returned as is
+    if leaf.device.type != "cuda":
+        raise CaptureFailed(f"{where} is a tensor on {leaf.device} the region made; a graph cannot produce it")
+    if type(leaf) is not torch.Tensor:
+        raise CaptureFailed(f"{where} is a {type(leaf).__qualname__}; replay returns plain tensors only")
+    return True
+
+
+def _own_buffer(members: Sequence[torch.Tensor], device: int) -> tuple[torch.Tensor, int, tuple | None]:
+    """A buffer outside the pool for outputs that share one storage: the bytes from the first
+    one's start (rounded down to 16 bytes, within the storage) to the last one's end. Returns
+    (buffer, the address its first byte stands for, the (destination, source) copy that fills
+    it, None where there are no bytes)."""
+    storage = members[0].untyped_storage()
+    base = storage.data_ptr()
+    lo = max(min(leaf.data_ptr() for leaf in members) & ~15, base)
+    hi = max(leaf.data_ptr() + extent_bytes(leaf) for leaf in members)
+    buffer = torch.empty(max(hi - lo, 1), dtype=torch.uint8, device=f"cuda:{device}")
+    if hi <= lo:
+        return buffer, lo, None
+    source = torch.empty(0, dtype=torch.uint8, device=f"cuda:{device}")
+    source.set_(storage, lo - base, (hi - lo,), (1,))
+    return buffer, lo, (buffer[: hi - lo], source)
+
+
+def _same_view_in(buffer: torch.Tensor, lo: int, leaf: torch.Tensor, path: str) -> torch.Tensor:
+    """``leaf``'s view (dtype, shape, strides) of the bytes ``buffer`` holds from ``lo`` on."""
+    offset, remainder = divmod(leaf.data_ptr() - lo, leaf.element_size())
+    if remainder:
+        raise CaptureFailed(f"an output ({path}) is misaligned within its storage")
+    view = torch.empty(0, dtype=leaf.dtype, device=leaf.device)
+    view.set_(buffer.untyped_storage(), offset, leaf.shape, leaf.stride())
+    return view
+
+
+def _append_copies(copies: Sequence[tuple[torch.Tensor, torch.Tensor]], backend, graph, stream) -> None:
+    """Capture the (destination, source) copies into the graph, after every node it holds."""
+    if not copies:
+        return
+    try:
+        appending = backend.capture_into(graph.raw_cuda_graph(), stream.cuda_stream)
+    except NotImplementedError as exc:
+        raise CaptureFailed(f"{exc}, so its outputs cannot get memory of their own") from None
+    with appending:
+        for destination, source in copies:
+            destination.copy_(source)
 
 
 def owned_output_memory(capture: Capture) -> dict[int, int]:
