@@ -2,11 +2,11 @@
 exactly a bucket's size).
 
 ``torch.constant_pad_nd`` allocates the padded tensor, fills it and copies the call's rows
-through torch's dispatcher: about 20 us of host time a call on the H200 machine, a quarter of a
-bucketed step of a six-layer region. Here a contiguous tensor is padded by one jit launch that
-writes every element of the padded tensor once (the call's rows copied, the others ``fill``)
-into a tensor from ``new_empty``: about 10 us. Anything else goes through ``constant_pad_nd``
-as before: a tensor that is not contiguous, not on a GPU, empty, of an element size other
+through torch's dispatcher, a large part of a bucketed step's host time. Here a contiguous
+tensor is padded by one jit launch that writes every element of the padded tensor once (the
+call's rows copied, the others ``fill``) into a tensor from ``new_empty``, with a single
+dispatch of the allocation on its path. Anything else goes through ``constant_pad_nd``: a
+tensor that is not contiguous, not on a GPU, empty, of an element size other
 than 1, 2, 4 or 8 bytes, or one that requires grad (the kernel records no autograd). Both
 give the same tensor bit for bit (shape, contiguity, every byte), tested against each other
 on the GPU.
@@ -75,7 +75,7 @@ def _refusal(tensor: torch.Tensor, dim: int) -> tuple:
 _SHARED_CAPTURE_EXCLUSION = CAPTURES.shared()
 
 #: ``fill_bits`` answers by (fill's type, fill, its sign, dtype): ``replay.padded()`` runs on
-#: every call of a bucketed loop, and converting the fill through a tensor costs microseconds.
+#: every call of a bucketed loop, where converting the fill through a tensor would be paid each time.
 _FILL_BITS: dict[tuple, int | None] = {}
 _UNKNOWN = object()
 

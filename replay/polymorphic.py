@@ -32,8 +32,8 @@ A size that matches gets a :class:`VariantGraph`: a replay function of its own (
 rebinding plan, outputs, generated like any graph's) over the bucket's exec. The graphs
 sharing an exec form a :class:`Family`; the exec's kernel nodes hold one member's state at a
 time, and a replay of another member first writes its nodes back (a node update per node
-whose bytes or grid differ). A size that does not match is padded as before, and the reason
-is kept (``Region.polymorphic_report``).
+whose bytes or grid differ). A size that does not match is padded as any bucketed call is,
+and the reason is kept (``Region.polymorphic_report``).
 
 What stays assumed, as for every graph: the region's Python takes the same path on every
 call of one key (one size); the observed run shows that path once. Kernels launched by

@@ -114,8 +114,8 @@ class LaunchView(NamedTuple):
     """A recorded jit launch as the plan needs it.
 
     A named tuple rather than an attrs class: the analysis makes one per launch of every
-    recording (a frozen attrs class of these thirteen fields cost 3.2 us to make on the CPU
-    machine, a named tuple about 1). ``view.replace(**fields)`` copies it with fields changed."""
+    recording, and a named tuple of these thirteen fields is the cheaper to make.
+    ``view.replace(**fields)`` copies it with fields changed."""
 
     function: int
     kernel: str
@@ -246,9 +246,8 @@ def inputs_reached(inputs: Sequence[InputRange], words: np.ndarray) -> list[Inpu
 
 def inputs_reached_by_each(inputs: Sequence[InputRange], words: Sequence[np.ndarray]) -> list[list[InputRange]]:
     """:func:`inputs_reached` of each array of ``words`` (a graph's foreign nodes, one array
-    each), computed over all arrays at once. Node by node, the decode sample's captures (a few
-    dozen torch ops) spent about half a millisecond of each recording's analysis here on the
-    H200 (its rebinding plan: 1.77 -> 1.23 ms). Whether a word is held by a non-empty input
+    each), computed over all arrays at once: node by node, a capture of a few dozen torch ops
+    spent a good part of its analysis here. Whether a word is held by a non-empty input
     depends on the word alone, so one pass over all words decides as the node-by-node rule
     does."""
     reached: list[list[InputRange]] = [[] for _ in words]

@@ -8,8 +8,8 @@ nodes read, and :func:`replay.rebinding.build_plan` decides what to patch and wh
 
 Capture goes through ``CUDAGraph.capture_begin/capture_end`` rather than the
 ``torch.cuda.graph`` context manager: the latter synchronizes the device and empties the
-allocator cache on entry, which costs milliseconds per recording and is not needed here (the
-session's pool is private and nothing captured runs until the graph is launched).
+allocator cache on entry, which a recording need not pay (the session's pool is private and
+nothing captured runs until the graph is launched).
 """
 
 from __future__ import annotations
@@ -166,9 +166,8 @@ class KeptPool:
 
 #: The size of each private pool as last measured, by (device, pool id): what the pool held
 #: before a recording, for the recording's memory figure, and what stats and the compaction
-#: rule read, without a snapshot of the allocator (milliseconds once it holds many blocks;
-#: several of them a recording were most of a recording's cost). Only captures grow a pool,
-#: and every capture measures it again.
+#: rule read, without a snapshot of the allocator (whose cost grows with every block the
+#: process holds). Only captures grow a pool, and every capture measures it again.
 _KNOWN_POOL_BYTES: dict[tuple[int, tuple], int] = {}
 
 
@@ -183,9 +182,9 @@ def pool_segments(device: int, pool: tuple) -> list[tuple[int, int]]:
     our own equal to it, given back what torch took (:func:`_one_pool_segments_given_back`).
     Where neither can be done safely (an older torch; a Python whose small numbers are not
     immortal, asked of an id that holds one), taken from the whole allocator's snapshot, each
-    segment's pool read from it: that costs a recording milliseconds in a process that holds
-    many blocks (a model's weights), the pool's own snapshot a tenth of that (torch still walks
-    every block to pick the pool's: 44 us with none, 238 us with 8,000 on the H200)."""
+    segment's pool read from it: that lists every block of the process (a model's weights),
+    where the pool's own snapshot lists the pool's alone (torch still walks every block to
+    pick them: benchmarks/pool_snapshot.py)."""
     found = None
     try:
         if not _one_pool_snapshot_takes_its_ids():
@@ -748,7 +747,7 @@ def _copy_staged_back(
             copied_back.add(i)
 
 
-def _record(
+def _run_under_capture(
     fn,
     args: tuple,
     kwargs: dict,
@@ -935,7 +934,7 @@ def _instantiate(graph: torch.cuda.CUDAGraph) -> None:
         raise CaptureFailed(f"the graph could not be instantiated: {_first_line(exc)}") from exc
 
 
-def _capture_record(
+def _make_capture(
     graph: torch.cuda.CUDAGraph,
     device: int,
     leaves: Sequence,
@@ -1014,7 +1013,7 @@ def capture(
         instrumentation.steps.mark("prepare")
         started = time.perf_counter()
         with _OnStream(stream):
-            recorded = _record(
+            recorded = _run_under_capture(
                 fn, args, kwargs, prepared, recorder, observer, graph, device=device, pool=pool, copy_back=copy_back
             )
             instrumentation.steps.mark("capture begin, checks, end")
@@ -1029,7 +1028,7 @@ def capture(
         seconds = time.perf_counter() - started
         instrumentation.steps.mark("instantiate")
         memory = max(sum(hi - lo for lo, hi in pool_memory) - pool_before, 0) + recorded.output_bytes
-        return _capture_record(graph, device, leaves, prepared, recorded, recorder, kept, seconds, memory, pool_memory)
+        return _make_capture(graph, device, leaves, prepared, recorded, recorder, kept, seconds, memory, pool_memory)
 
 
 @attrs.frozen

@@ -28,7 +28,7 @@ not run a binary specialized for other values, so:
 - a dynamic scalar reaching a ``tl.constexpr`` parameter is refused (DynamicScalarError).
 
 What cannot be mapped (tuples, tensor descriptors, scratch memory, unknown types, a backend
-other than CUDA) is left to the capture as today: a foreign kernel, its inputs staged. Where
+other than CUDA) is left to the capture as any foreign kernel is, its inputs staged. Where
 such a launch receives a dynamic scalar, it is refused (its value would be baked).
 """
 
@@ -49,8 +49,8 @@ from jitcore.recorder import CheckRecord, ConfigRecord, LaunchRecord, ParamRecor
 from replay.dynamic import DynamicScalar
 from replay.errors import DynamicScalarError
 
-#: Set ``ENABLED[0] = False`` to leave Triton launches foreign (staged), as before this module
-#: (benchmarks compare both).
+#: Set ``ENABLED[0] = False`` to leave Triton launches foreign (staged), as without this
+#: module (benchmarks compare both).
 ENABLED = [True]
 
 
@@ -402,7 +402,7 @@ def _wrap(original):
         recorder = getattr(_local, "recorder", None)
         if recorder is None or warmup:
             return original(self, *args, grid=grid, warmup=warmup, **kwargs)
-        _local.recorder = None  # nested runs (none today) pass through
+        _local.recorder = None  # a nested run (Triton makes none) passes through
         try:
             return _record_launch(recorder, original, self, args, kwargs, grid)
         finally:
