@@ -19,7 +19,6 @@ import math
 import torch
 
 import jitcore as jc
-from jitcore import errors
 from jitcore.recorder import CAPTURES
 from replay.staging import ELEMENT_TYPES, INTEGER_VIEWS
 
@@ -55,12 +54,12 @@ def pad_along(src, dst, fill_bits, element: jc.Constexpr[str], dim: jc.Constexpr
 #: What the jit refuses before any GPU work (a dtype or device it does not take, no compiler):
 #: torch pads those calls instead.
 _REFUSALS = (
-    errors.UnsupportedTensorError,
-    errors.ArgumentError,
-    errors.LayoutError,
-    errors.DeviceError,
-    errors.CompileError,
-    errors.BackendUnavailableError,
+    jc.UnsupportedTensorError,
+    jc.ArgumentError,
+    jc.LayoutError,
+    jc.DeviceError,
+    jc.CompileError,
+    jc.BackendUnavailableError,
 )
 
 #: (dtype, rank, dim, device) the jit refused once: not tried again (a failed compile costs much).
@@ -175,6 +174,6 @@ def _pad_with_jit(tensor: torch.Tensor, out: torch.Tensor, dim: int, bits: int) 
     except _REFUSALS:
         _REFUSED.add(_refusal(tensor, dim))
         return False
-    except errors.CaptureMissError:
+    except jc.CaptureMissError:
         return False
     return True

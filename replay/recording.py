@@ -33,8 +33,8 @@ import numpy as np
 import torch
 
 import jitcore
+from jitcore import CaptureMissError
 from jitcore.backends import get_backend
-from jitcore.errors import CaptureMissError
 from replay import host as host_inputs
 from replay import instrumentation, rebinding, staging, triton_launches
 from replay.dynamic import Dynamic, DynamicScalar
