@@ -37,7 +37,7 @@ from jitcore.backends import compiled_helpers_enabled, get_backend
 from jitcore.codegen import never
 from jitcore.errors import GlobalDriftError
 from jitcore.guards import ArgumentCheck, make_guard
-from replay import buckets, observe, padding, polymorphic, recording, region_keys
+from replay import buckets, instrumentation, observe, padding, polymorphic, recording, region_keys
 from replay.admission import Admission, CompactionRule
 from replay.dynamic import Dynamic
 from replay.errors import DynamicScalarError, ReplayError, ReplayWarning, SessionClosedError
@@ -1378,9 +1378,9 @@ class Region:
             analysed = time.perf_counter()
             try:
                 session.analyse(capture)
-                started = time.perf_counter()
+                instrumentation.steps.start()
                 graph = session.build_graph(self, key, capture, spec, leaves, paths, session, len(session.lru))
-                capture.timings["build replay"] = time.perf_counter() - started
+                instrumentation.steps.mark("build replay")
                 session.admission.recorded(time.perf_counter() - analysed)
             except recording.CaptureRetry as retry:
                 capture.graph.reset()
