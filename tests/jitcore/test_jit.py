@@ -207,7 +207,7 @@ def test_a_launcher_without_tensors_and_no_usable_gpu_is_a_device_error():
         rows_kernel[1, 32](0, 0, n, n, n, True)
 
     with use_backend(NoDeviceBackend()):
-        with pytest.raises(DeviceError, match="scalars_only: no GPU device is usable here: Torch not compiled") as raised:
+        with pytest.raises(DeviceError, match="scalars_only: no GPU device is usable here: Torch not") as raised:
             scalars_only(4)
         assert isinstance(raised.value.__cause__, AssertionError)
         with pytest.raises(DeviceError, match="parameter 'x' is a CPU tensor, but kernels launch on a GPU"):
