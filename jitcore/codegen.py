@@ -52,7 +52,7 @@ from collections.abc import Sequence
 
 import attrs
 
-from jitcore import recorder, symbolic, torch_native
+from jitcore import recorder, symbolic
 from jitcore.backends import abi
 from jitcore.backends.abi import PackedParams
 from jitcore.backends.base import Backend
@@ -256,6 +256,8 @@ class CallState:
         has none for some launch: then every launch packs with struct into this thread's
         buffers."""
         launch_failed = self.namespace.get("_launch_failed")  # the backend's error for a status
+        from jitcore import torch_native  # imported on use: `python -m jitcore.torch_native` runs it as __main__
+
         torch_native.module()  # where built, its reader serves the launches' 'P' codes
         launchers = []
         for launch in self.trace.launches:

@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 import attrs
 import torch
 
-from jitcore import generated, torch_native
+from jitcore import generated
 
 try:  # torch's C++ guard evaluator (used by torch.compile on every call)
     from torch._C._dynamo.guards import TensorGuards as _TensorGuards
@@ -60,6 +60,8 @@ def _raw_tensor_guard(
     neither is available or the guard refuses its own examples."""
     if not examples:
         return None
+    from jitcore import torch_native  # imported on use: `python -m jitcore.torch_native` runs it as __main__
+
     native = torch_native.module()
     if native is not None and all(_plain_strided(t) and t.layout is torch.strided for t in examples):
         try:
