@@ -243,8 +243,8 @@ class CallState:
         recording path through their ``reporting``, which returns the bytes it packed)."""
         # A packed launch packs and launches in one call, so in a call state of several launches
         # a later launch's refused value would come after the earlier launches ran: there,
-        # every launch packs with struct into this thread's buffers first (measured on the
-        # CPU proxy: no slower than packed launches with a checking call of each before).
+        # every launch packs with struct into this thread's buffers first (no slower than
+        # packed launches with a checking call of each before, and nothing half-launched).
         packed = None if len(self.trace.launches) > 1 else self._packed_launchers()
         return self._generate_one(packed, recording=False) + "\n" + self._generate_one(packed, recording=True)
 
