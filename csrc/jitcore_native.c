@@ -507,6 +507,60 @@ static int code_size(char code) {
 
 static PyObject *packed_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, PyObject *kwnames);
 
+/* Each parameter's offset in the buffer, from a tuple of ints: 0 with self->offsets filled, or
+   -1 with the error set. */
+static int read_offsets(PackedLaunch *self, PyObject *offsets_obj) {
+    for (Py_ssize_t i = 0; i < self->count; i++) {
+        Py_ssize_t offset = PyLong_AsSsize_t(PyTuple_GET_ITEM(offsets_obj, i));
+        if (offset == -1 && PyErr_Occurred())
+            return -1;
+        if (offset < 0 || offset > self->size) {
+            PyErr_Format(PyExc_ValueError, "parameter %zd: offset %zd outside the %zd-byte buffer", i, offset, self->size);
+            return -1;
+        }
+        self->offsets[i] = offset;
+    }
+    return 0;
+}
+
+/* The codes and places of the runs, each an (offset, '<' format) tuple: 0 with self->codes,
+   places, codes_count and values filled, or -1 with the error set. Every code must lie inside
+   the buffer, checked without overflowing (an offset near 2**63 is refused, not wrapped). */
+static int read_runs(PackedLaunch *self, PyObject *runs_obj) {
+    for (Py_ssize_t r = 0; r < PyTuple_GET_SIZE(runs_obj); r++) {
+        PyObject *run = PyTuple_GET_ITEM(runs_obj, r);
+        Py_ssize_t at;
+        const char *format;
+        if (!PyTuple_Check(run)) {
+            PyErr_Format(PyExc_TypeError, "run %zd: expected an (offset, format) tuple", r);
+            return -1;
+        }
+        if (!PyArg_ParseTuple(run, "ns", &at, &format))
+            return -1;
+        if (format[0] != '<') {
+            PyErr_Format(PyExc_ValueError, "run %zd: expected a little-endian struct format ('<...'), got %s", r, format);
+            return -1;
+        }
+        for (const char *c = format + 1; *c; c++) {
+            int size = code_size(*c);
+            if (size == 0) {
+                PyErr_Format(PyExc_ValueError, "run %zd: struct code %c is not one PackedLaunch packs", r, *c);
+                return -1;
+            }
+            if (self->codes_count >= MAX_PACKED_CODES || at < 0 || at > self->size - size) { /* no overflow */
+                PyErr_Format(PyExc_ValueError, "run %zd: code %c at %zd outside the %zd-byte buffer", r, *c, at, self->size);
+                return -1;
+            }
+            self->codes[self->codes_count] = *c;
+            self->places[self->codes_count++] = at;
+            if (*c != 'x')
+                self->values++;
+            at += size;
+        }
+    }
+    return 0;
+}
+
 /* PackedLaunch(launch_address, function, template, offsets, runs, failed=None): runs are
    (offset, format) pairs, each format a struct format of '<' and single codes (as
    ParamLayout.struct_for makes), where 'P' is a 'Q' whose value is an object's data_ptr();
@@ -551,47 +605,8 @@ static PyObject *packed_new(PyTypeObject *type, PyObject *args, PyObject *kwargs
         goto failed;
     }
     memcpy(self->template, template.buf, (size_t)template.len);
-    for (Py_ssize_t i = 0; i < self->count; i++) {
-        Py_ssize_t offset = PyLong_AsSsize_t(PyTuple_GET_ITEM(offsets_obj, i));
-        if (offset == -1 && PyErr_Occurred())
-            goto failed;
-        if (offset < 0 || offset > self->size) {
-            PyErr_Format(PyExc_ValueError, "parameter %zd: offset %zd outside the %zd-byte buffer", i, offset, self->size);
-            goto failed;
-        }
-        self->offsets[i] = offset;
-    }
-    for (Py_ssize_t r = 0; r < PyTuple_GET_SIZE(runs_obj); r++) {
-        PyObject *run = PyTuple_GET_ITEM(runs_obj, r);
-        Py_ssize_t at;
-        const char *format;
-        if (!PyTuple_Check(run)) {
-            PyErr_Format(PyExc_TypeError, "run %zd: expected an (offset, format) tuple", r);
-            goto failed;
-        }
-        if (!PyArg_ParseTuple(run, "ns", &at, &format))
-            goto failed;
-        if (format[0] != '<') {
-            PyErr_Format(PyExc_ValueError, "run %zd: expected a little-endian struct format ('<...'), got %s", r, format);
-            goto failed;
-        }
-        for (const char *c = format + 1; *c; c++) {
-            int size = code_size(*c);
-            if (size == 0) {
-                PyErr_Format(PyExc_ValueError, "run %zd: struct code %c is not one PackedLaunch packs", r, *c);
-                goto failed;
-            }
-            if (self->codes_count >= MAX_PACKED_CODES || at < 0 || at > self->size - size) { /* no overflow */
-                PyErr_Format(PyExc_ValueError, "run %zd: code %c at %zd outside the %zd-byte buffer", r, *c, at, self->size);
-                goto failed;
-            }
-            self->codes[self->codes_count] = *c;
-            self->places[self->codes_count++] = at;
-            if (*c != 'x')
-                self->values++;
-            at += size;
-        }
-    }
+    if (read_offsets(self, offsets_obj) < 0 || read_runs(self, runs_obj) < 0)
+        goto failed;
     PyBuffer_Release(&template);
     return (PyObject *)self;
 failed:
