@@ -262,36 +262,40 @@ USAGE = "usage: python -m jitcore.torch_native [--if-possible | --check] [--verb
 def main(argv: list[str] | None = None) -> int:
     """``python -m jitcore.torch_native [--if-possible | --check] [--verbose]``: make sure the
     helper built for this torch is in the cache and loads, and say so in one line. A build of
-    the same source for the same torch found there is used as it is; one that is missing,
-    refused or does not load is compiled anew. ``--if-possible``: a build that cannot be made
-    (no C++ compiler, no trusted cache) is reported and exits 0, for install scripts (jitcore
-    works without it); ``--check``: build nothing, say whether it is built and loads;
-    ``--verbose``: print the compiler's command line, and its whole output where it fails."""
+    the same source for the same torch found there, whole and trusted, is used as it is; one
+    that is missing, refused or damaged is compiled anew. ``--if-possible``: a build that
+    cannot be made (no C++ compiler, no trusted cache) is reported and exits 0, for install
+    scripts (jitcore works without it); ``--check``: build nothing, say whether it is built and
+    loads; ``--verbose``: print the compiler's command line, and its whole output where it
+    fails. Building does not depend on ``JITCORE_NATIVE``; loading does."""
     argv = sys.argv[1:] if argv is None else argv
     unknown = [a for a in argv if a not in ("--if-possible", "--check", "--verbose")]
     if unknown:
         print(f"{USAGE} (not {' '.join(unknown)})", file=sys.stderr)
         return 2
-    if not compiled_helpers_enabled():
-        print("jitcore: JITCORE_NATIVE=0: the torch-side native helper is neither built nor loaded", file=sys.stderr)
-        return 0 if "--if-possible" in argv else 1
-    found, reason = load()
-    if found is None and "--check" not in argv:
+    built = False
+    if "--check" not in argv and not _usable_build_present():
         try:
             build(verbose="--verbose" in argv)
         except (RuntimeError, OSError) as error:
             return _not_built(error, argv)
-        found, reason = load()
-        if found is not None:
-            print(f"jitcore: torch-side native helper built for torch {torch_identity()} and loaded ({found.__file__})")
-            return 0
-    elif found is not None:
-        print(
-            f"jitcore: torch-side native helper for torch {torch_identity()} loaded from the cache ({found.__file__})"
-        )
+        built = True
+    found, reason = load()
+    if found is not None:
+        how = "built for torch {} and loaded" if built else "for torch {} loaded from the cache"
+        print(f"jitcore: torch-side native helper {how.format(torch_identity())} ({found.__file__})")
         return 0
     print(f"jitcore: torch-side native helper not loaded: {reason}", file=sys.stderr)
     return 0 if "--if-possible" in argv else 1
+
+
+def _usable_build_present() -> bool:
+    """Whether the cache holds this torch's build, whole and trusted (:func:`_refusal`)."""
+    try:
+        path = artifact_path()
+    except OSError:
+        return False  # the source cannot be read: the build says so
+    return path is not None and _refusal(path) is None
 
 
 def _not_built(error: Exception, argv: list[str]) -> int:

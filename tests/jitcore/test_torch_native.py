@@ -199,6 +199,7 @@ def planted(tmp_path, monkeypatch):
     cache_dir = tmp_path / "cache"
     cache_dir.mkdir(mode=0o700)
     monkeypatch.setenv("JITCORE_CACHE_DIR", str(cache_dir))
+    monkeypatch.setenv("JITCORE_NATIVE", "1")  # loading is what is tested (the fallback's run sets 0)
     path = torch_native.artifact_path()
     path.parent.mkdir(mode=0o700)
     shutil.copyfile(library, path)
