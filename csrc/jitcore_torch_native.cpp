@@ -33,13 +33,14 @@
 //   state moves.
 //
 // - a capsule, "replay_support", the replay_support struct of csrc/replay_support.h (its layout
-//   check, then functions) for the C replay step (csrc/replay_step.c): the data pointer reader above, and `fresh_output`, a
-//   replay's handed-out output made from its template view: exactly `template.detach()`
-//   (torch's own C++ detach, through the dispatcher, wrapped as torch's Python method wraps
-//   it), without the Python method call's argument parsing (about 0.15 us against 0.55 on the
-//   CPU machine). While a torch function mode is active it calls the Python method itself
-//   (the mode must see the call); fresh_output(template) is the same, for tests. And a
-//   storage's use count, for the output slots' check that nobody holds a slot's outputs.
+//   check, then functions) for the C replay step (csrc/replay_step.c): the data pointer reader
+//   above, and `fresh_output`, a replay's handed-out output made from its template view:
+//   exactly `template.detach()` (torch's own C++ detach, through the dispatcher, wrapped as
+//   torch's Python method wraps it), without the Python method call's argument parsing. While
+//   a torch function mode is active it calls the Python method itself (the mode must see the
+//   call); fresh_output(template) is the same, for tests. And a storage's use count, for the
+//   output slots' check that nobody holds a slot's outputs. REPLAY_SUPPORT_LAYOUT is the layout
+//   text it was built with (tests compare it with replay._step.SUPPORT_LAYOUT).
 //
 // - op_observer_begin(ranges) / op_observer_end(token): replay's torch-op observer
 //   (replay.observe) without a Python frame per op. A thread-local at::RecordFunction callback

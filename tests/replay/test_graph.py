@@ -716,10 +716,9 @@ def test_a_replay_notes_the_stream_it_wrote_its_slot_from():
 
 
 def test_recordings_that_name_their_constants_apart_generate_one_text_and_compile_it_once(monkeypatch):
-    # a recording names a dynamic scalar's constants by process-wide counters (_k7, _lit3):
-    # two recordings of one region at two shapes used to generate two texts (a compile each,
-    # about 2 ms on the H200); renamed per function, they generate one, and each graph still
-    # evaluates its own constants
+    # a recording names a dynamic scalar's constants by process-wide counters (_k7, _lit3);
+    # renamed per function, two recordings of one region at two shapes generate one text
+    # (compiled once), and each graph still evaluates its own constants
     from jitcore import generated
 
     compiled = []
