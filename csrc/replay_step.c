@@ -786,15 +786,21 @@ static int slot_held(ReplayStep *self, PyObject *slot) {
     return answer;
 }
 
+/* Whether slot.freed is true: 1, 0, or -1 on error. */
+static int freed(PyObject *slot) {
+    PyObject *value = PyObject_GetAttr(slot, s_freed);
+    if (value == NULL)
+        return -1;
+    int truth = PyObject_IsTrue(value);
+    Py_DECREF(value);
+    return truth;
+}
+
 /* 1: the bound slot is free to write (not freed, nobody holds outputs in it), 0: not, -1 error. */
 static int usable(ReplayStep *self, PyObject *slot) {
     if (slot == Py_None)
         return 0;
-    PyObject *freed = PyObject_GetAttr(slot, s_freed);
-    if (freed == NULL)
-        return -1;
-    int truth = PyObject_IsTrue(freed);
-    Py_DECREF(freed);
+    int truth = freed(slot);
     if (truth != 0)
         return truth < 0 ? -1 : 0;
     truth = slot_held(self, slot);
@@ -819,11 +825,7 @@ static int still_mine(ReplayStep *self, PyObject *slot) {
     Py_DECREF(writer);
     if (!mine)
         return 0;
-    PyObject *freed = PyObject_GetAttr(slot, s_freed);
-    if (freed == NULL)
-        return -1;
-    int truth = PyObject_IsTrue(freed);
-    Py_DECREF(freed);
+    int truth = freed(slot);
     return truth < 0 ? -1 : !truth;
 }
 
