@@ -203,10 +203,10 @@ class ReplaySource:
             _stream_switch=session.stream_switch,
             _LAST_STREAM=session.last_stream,
             _stats=session.counters,
-            _entry=graph,
+            _me=graph,
         )
         if graph.output_slots is not None:
-            ns["_me"], ns["_retarget"], ns["_choose"] = graph, graph._retarget, graph.output_slots.choose
+            ns["_retarget"], ns["_choose"] = graph._retarget, graph.output_slots.choose
 
     def _load_own_state(self) -> None:
         """In a polymorphic session the exec may be shared by several graphs (the graph of a
@@ -216,7 +216,6 @@ class ReplaySource:
         if not self.graph.session.policy.polymorphic:
             return
         code = self.code
-        code.namespace["_me"] = self.graph
         code.line("_fam = _me.family")
         code.line("if _fam is not None and _fam.loaded is not _me:")
         code.line("_fam.load(_me)", 2)
@@ -477,7 +476,7 @@ class ReplaySource:
         if graph.session.policy.check_stale:
             code.namespace["_owner"] = graph.entry
             code.line("_owner.generation += 1")
-        code.line("_entry.replays += 1")
+        code.line("_me.replays += 1")
         code.line("_stats.replays += 1")
         copies = staged_copies(graph)
         skipped = [f"_z{node}" for _buffer, nodes in graph.in_place.values() for node in nodes]

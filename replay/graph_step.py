@@ -51,7 +51,7 @@ NAMESPACE_FIELDS = {
     "stream_switch": "_stream_switch",
     "graph_exec": "_EXEC",
     "counters": "_stats",
-    "graph": "_entry",
+    "graph": "_me",
 }
 
 #: The torch settings check's name in the generated function's namespace.
