@@ -31,14 +31,15 @@
 //   it determines; tests/replay/test_region_keys.py changes each of them and checks that the
 //   state moves.
 //
-// - a capsule, "replay_support", a ReplaySupport struct (the version, then functions) for the C
-//   replay step (csrc/replay_step.c): the data pointer reader above, and `fresh_output`, a
-//   replay's handed-out output made from its template view: exactly `template.detach()`
-//   (torch's own C++ detach, through the dispatcher, wrapped as torch's Python method wraps
-//   it), without the Python method call's argument parsing. While a torch function mode is
-//   active it calls the Python method itself
-//   (the mode must see the call); fresh_output(template) is the same, for tests. And a
-//   storage's use count, for the output slots' check that nobody holds a slot's outputs.
+// - a capsule, "replay_support", the replay_support struct of csrc/replay_support.h (its layout
+//   check, then functions) for the C replay step (csrc/replay_step.c): the data pointer reader
+//   above, and `fresh_output`, a replay's handed-out output made from its template view:
+//   exactly `template.detach()` (torch's own C++ detach, through the dispatcher, wrapped as
+//   torch's Python method wraps it), without the Python method call's argument parsing. While
+//   a torch function mode is active it calls the Python method itself (the mode must see the
+//   call); fresh_output(template) is the same, for tests. And a storage's use count, for the
+//   output slots' check that nobody holds a slot's outputs. REPLAY_SUPPORT_LAYOUT is the layout
+//   text it was built with (tests compare it with replay._step.SUPPORT_LAYOUT).
 //
 // - op_observer_begin(ranges) / op_observer_end(token): replay's torch-op observer
 //   (replay.observe) without a Python frame per op. A thread-local at::RecordFunction callback
@@ -58,6 +59,8 @@
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+
+#include "replay_support.h"
 
 #include <ATen/Context.h>
 #include <ATen/PythonTorchFunctionTLS.h>
@@ -360,16 +363,20 @@ PyObject *storage_span(PyObject *, PyObject *object) {
     return Py_BuildValue("(KK)", static_cast<unsigned long long>(base), static_cast<unsigned long long>(nbytes));
 }
 
-// What csrc/replay_step.c reads from torch; its copy of this struct must match (the version says).
-struct ReplaySupport {
-    int version;
-    int (*read_data_pointer)(PyObject *, uint64_t *);
-    PyObject *(*fresh_output)(PyObject *);
-    int64_t (*storage_use_count)(PyObject *);
-    int (*read_storage_span)(PyObject *, uint64_t *, uint64_t *);
-};
+// What csrc/replay_step.c reads from torch (csrc/replay_support.h), each function set by its
+// field's name, with the layout the step compares before reading any.
+replay_support make_replay_support() {
+    replay_support support{};
+    support.layout = REPLAY_SUPPORT_LAYOUT;
+    support.size = sizeof(replay_support);
+    support.read_data_pointer = read_data_pointer;
+    support.fresh_output = make_fresh_output;
+    support.storage_use_count = storage_use_count;
+    support.read_storage_span = read_storage_span;
+    return support;
+}
 
-const ReplaySupport REPLAY_SUPPORT = {3, read_data_pointer, make_fresh_output, storage_use_count, read_storage_span};
+const replay_support REPLAY_SUPPORT = make_replay_support();
 
 PyObject *data_pointer(PyObject *, PyObject *object) {
     uint64_t address;
@@ -1113,10 +1120,13 @@ PyMODINIT_FUNC PyInit__torch_native(void) {
         Py_DECREF(module);
         return nullptr;
     }
-    PyObject *support = PyCapsule_New(const_cast<ReplaySupport *>(&REPLAY_SUPPORT),
-                                      "jitcore._torch_native.replay_support", nullptr);
+    PyObject *support = PyCapsule_New(const_cast<replay_support *>(&REPLAY_SUPPORT), REPLAY_SUPPORT_CAPSULE, nullptr);
     if (support == nullptr || PyModule_AddObject(module, "replay_support", support) < 0) {
         Py_XDECREF(support);
+        Py_DECREF(module);
+        return nullptr;
+    }
+    if (PyModule_AddStringConstant(module, "REPLAY_SUPPORT_LAYOUT", REPLAY_SUPPORT_LAYOUT) < 0) {
         Py_DECREF(module);
         return nullptr;
     }
