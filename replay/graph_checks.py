@@ -146,20 +146,32 @@ def staged_storage_checks(code: Source, graph) -> None:
         code.line("return _MISMATCH", 2)
 
 
+#: Why a graph keeping its own output memory can serve no call any more (graph.spoil).
+RESIZED = "a caller resized the storage of an output the graph writes (its memory moved)"
+
+
 def own_output_checks(code: Source, graph, leaves: Sequence) -> None:
     """Decline a call whose tensor argument lies in the output memory this replay writes
     (its previous output passed back in, ``h = step(h)``): the replay would overwrite that
     argument with the new output, where an eager call leaves it as it was. A graph using
     the region's output slots first chooses its slot (``_o``: the one it wrote last, while
     no other graph wrote it since, so usually a few attribute reads); an argument anyone
-    still holds keeps every other slot from being chosen, so only that slot can hold it."""
+    still holds keeps every other slot from being chosen, so only that slot can hold it.
+
+    Before either, the memory is where the graph's copies write: a caller may have resized
+    an output's storage (``resize_``), which moves it and gives its old memory back to the
+    allocator. A slot that moved is left to choose (which drops it); a graph's own buffer
+    that moved spoils the graph (its copies cannot be pointed elsewhere): the call runs
+    eagerly, and the session drops the graph."""
     tensors = [(i, extent) for i, extent in tensor_extents(leaves) if extent]
     if graph.output_slots is None:
+        _own_buffer_checks(code, graph)
         for i, extent in tensors:
             for lo, size in graph.output_memory.items():
                 code.line(f"if _p{i} < {lo + size} and {lo} < _p{i} + {extent}:")
                 code.line("return _MISMATCH", 2)
         return
+    need = code.bind(graph.slot_need, "_need")
     code.line("_o = _me.slot")
     code.line("if _o is None or _o.writer is not _me or _o.freed:")
     # OutputSlots.choose's second rule inline (graphs taking turns take it on every
@@ -167,16 +179,36 @@ def own_output_checks(code: Source, graph, leaves: Sequence) -> None:
     # copies only ever point at a slot choose gave this graph, and slots never shrink)
     code.line("_o = _me.bound_slot", 2)
     code.line("if _o is None or _o.freed or _o.held():", 2)
-    code.line(f"_o = _choose(_me, {code.bind(graph.slot_need, '_need')})", 3)
+    code.line(f"_o = _choose(_me, {need})", 3)
+    lanes = range(len(graph.slot_need))
+    for lane in lanes:  # where each lane it writes is (its storage's first byte and size)
+        code.line(f"_ln{lane} = _o.lanes[{lane}]")
+        code.line(f"_ls{lane} = _ln{lane}.storage")
+    moved = " or ".join(f"_ls{k}.data_ptr() != _ln{k}.address or _ls{k}.nbytes() != _ln{k}.size" for k in lanes)
+    code.line(f"if {moved}:")  # a caller resized it: choose drops it, and gives another
+    code.line(f"_o = _choose(_me, {need})", 2)
+    for lane in lanes:
+        code.line(f"_ln{lane} = _o.lanes[{lane}]", 2)
     if not tensors:
         return
-    for lane in range(len(graph.slot_need)):
-        code.line(f"_l = _o.lanes[{lane}]")
-        code.line("_la = _l.address")  # read once per lane, not once per argument
-        code.line("_lz = _la + _l.size")
+    for lane in lanes:
+        code.line(f"_la = _ln{lane}.address")  # read once per lane, not once per argument
+        code.line(f"_lz = _la + _ln{lane}.size")
         for i, _extent in tensors:
             code.line(f"if _p{i} < _lz and _la < _p{i} + _e{i}:")
             code.line("return _MISMATCH", 2)
+
+
+def _own_buffer_checks(code: Source, graph) -> None:
+    """Each of the graph's own output buffers where its copies write (see own_output_checks)."""
+    lanes = getattr(graph, "own_lanes", ())
+    if not lanes:
+        return
+    code.namespace["_RESIZED"] = RESIZED
+    for lane in lanes:
+        storage = code.bind(lane.storage, "_own")
+        code.line(f"if {storage}.data_ptr() != {int(lane.address)} or {storage}.nbytes() != {int(lane.size)}:")
+        code.line("return _me.spoil(_RESIZED)", 2)
 
 
 def alignment_checks(code: Source, graph) -> None:

@@ -436,11 +436,19 @@ class ReplaySource:
 
     def _launch(self) -> None:
         """Launch the graph once on the current stream (telling the session when the stream
-        changed)."""
+        changed), once the streams callers read its output memory on (``record_stream``) have
+        done what was enqueued on them; keep the stream where the graph's release must tell
+        the allocator of it (:func:`notes_stream`)."""
         graph, backend, code = self.graph, self.backend, self.code
         code.line(f"_s = _current_stream({int(graph.device)})")
         code.line("if _s != _LAST_STREAM[0]:")
         code.line("_stream_switch(_s)", 2)
+        readers = readers_holder(graph)
+        if readers is not None:
+            code.line(f"if {readers}.readers:")
+            code.line(f"{readers}.wait_for_readers(_s)", 2)
+        if notes_stream(graph):
+            code.line("_me.stream = _s")
         if graph.uses_rng:
             # torch's replay advances the captured generators' offsets before launching, so
             # each replay draws fresh numbers exactly as the eager sequence would
@@ -467,7 +475,8 @@ class ReplaySource:
         if self.graph.output_slots is not None:
             self.code.line("_o.writer = _me")
             self.code.line("_me.slot = _o")
-            self.code.line("_o.streams.add(_s)")
+            self.code.line("if _s not in _o.streams:")
+            self.code.line("_o.written_from(_s)", 2)
 
     def _count_replay(self) -> None:
         """Count the replay: the entry's generation (which outputs handed out remember, in
@@ -484,6 +493,21 @@ class ReplaySource:
             code.line(f"_stats.staged_copies += {copies} - ({' + '.join(skipped)})")
         elif copies:
             code.line(f"_stats.staged_copies += {copies}")
+
+
+def readers_holder(graph) -> str | None:
+    """The generated name of what notes the streams callers read the memory a replay writes on
+    (replay.output_slots): the slot chosen, the graph itself for its own output buffers, None
+    where a replay writes no output memory."""
+    if graph.output_slots is not None:
+        return "_o"
+    return "_me" if getattr(graph, "own_lanes", ()) else None
+
+
+def notes_stream(graph) -> bool:
+    """Whether a replay keeps its stream (``graph.stream``): where the graph holds memory its
+    replays use that goes with it (staged buffers, output buffers of its own)."""
+    return bool(graph.staged or getattr(graph, "own_lanes", ()))
 
 
 def staged_copies(graph) -> int:

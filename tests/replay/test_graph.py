@@ -22,7 +22,7 @@ from jitcore.backends.base import GraphNode, NodeUpdater
 from jitcore.backends.null import NullBackend
 from jitcore.errors import DriverError
 from replay import graph as graph_module
-from replay import graph_checks, region_keys
+from replay import graph_checks, output_identity, region_keys
 from replay.dynamic import Dynamic, DynamicScalar
 from replay.graph import (
     MISMATCH,
@@ -161,6 +161,13 @@ class FakeSession:
         self.last_stream[0] = stream
 
 
+@attrs.frozen
+class Held:
+    """What a region reaches by name (recording.HeldTensors, as output_identity reads it)."""
+
+    named: tuple = ()
+
+
 class FakeRegion:
     name = "step"
 
@@ -178,7 +185,9 @@ def _replayed_both_ways(replay_step):
 LAYOUT = ParamLayout.of([parse_param("float* x"), parse_param("float s"), parse_param("long long n")])
 
 
-def build(leaves, plan, *, outputs=None, sim=None, grid=(4, 1, 1), staged=None, node_views=(), **policy):
+def build(leaves, plan, *, outputs=None, sim=None, grid=(4, 1, 1), staged=None, node_views=(), held=(), **policy):
+    """A graph recorded over ``leaves`` returning ``outputs`` (``held``: the tensors among them
+    the region reaches by name, as replay.output_identity tells a capture's)."""
     sim = sim or SimExec()
     spec, flat, paths = region_keys.flatten(tuple(leaves), {})
     key = region_keys.region_key(-1, spec, flat, paths)
@@ -200,6 +209,7 @@ def build(leaves, plan, *, outputs=None, sim=None, grid=(4, 1, 1), staged=None, 
             "input_dtypes",
             "dynamic_values",
             "node_views",
+            "identity",
         ],
     )(
         FakeTorchGraph(sim),
@@ -215,6 +225,7 @@ def build(leaves, plan, *, outputs=None, sim=None, grid=(4, 1, 1), staged=None, 
         {i: t.dtype for i, t in tensors},
         {},
         list(node_views) if node_views is not None else None,
+        output_identity.identify(outputs, output_identity.given_objects(flat, staged or {}, None), Held(held)),
     )
     region = FakeRegion(key)
     with use_backend(SimBackend(sim)):
@@ -435,15 +446,15 @@ def test_grid_sizes_from_dynamic_scalars_are_patched_and_zero_disables_the_node(
 
 def test_outputs_come_in_a_fresh_container_every_call():
     x = torch.randn(8)
-    out = torch.randn(8)
-    graph, _ = build([x], Plan(), outputs={"y": out, "n": [1, 2.5], "t": (out, x)})
+    out = torch.randn(8)  # a tensor the region reaches by name, returned twice
+    graph, _ = build([x], Plan(), outputs={"y": out, "n": [1, 2.5], "t": (out, x)}, held=[out])
     first = graph.replay(x)
     second = graph.replay(x)
     assert first is not second and first["n"] is not second["n"]
     first["y"] = None
     first["n"].append(3)
     third = graph.replay(x)
-    assert third["y"] is out and third["n"] == [1, 2.5] and third["t"][1] is x
+    assert third["y"] is out and third["n"] == [1, 2.5] and third["t"][1] is x and third["t"][0] is out
 
 
 def test_dynamic_outputs_are_recomputed_from_the_new_value():
