@@ -37,7 +37,7 @@ import torch
 
 from jitcore import generated
 from jitcore.backends import get_backend
-from replay import graph_outputs, output_slots, rebinding, recording, region_keys
+from replay import graph_outputs, output_slots, rebinding, region_keys
 from replay.errors import ReplayMismatchError
 from replay.graph_outputs import (  # noqa: F401 (the output kinds, where callers import them)
     ConstantOutput,
