@@ -335,7 +335,7 @@ class RecordedGraph:
     def wait_for_readers(self, stream: int) -> None:
         """Before a replay on raw ``stream`` writes the graph's own output buffers: the streams
         callers read them on first (replay.output_slots.wait_for_readers)."""
-        output_slots.wait_for_readers(self.readers, stream, torch.device("cuda", self.device))
+        output_slots.wait_for_readers(self.readers, stream, self.device)
 
     def spoil(self, reason: str) -> object:
         """This graph can serve no call any more (``spoiled``, for the session to drop it); the

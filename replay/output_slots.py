@@ -147,7 +147,7 @@ def _unwatch(lane: Lane) -> None:
         del _WATCHED[lane.address]
 
 
-def wait_for_readers(readers: list, stream: int, device: torch.device) -> None:
+def wait_for_readers(readers: list, stream: int, device: torch.device | int) -> None:
     """Make raw ``stream`` wait for the work enqueued so far on each of ``readers`` (the
     streams a caller named with ``record_stream``), then forget them: the memory they read is
     about to be written on ``stream``. Enqueued before the write, their reads see what eager's
