@@ -4,8 +4,9 @@
  * Why: a replay is two driver calls (a node update, the graph launch) and bookkeeping, and run
  * as generated Python (replay.graph_source) the bookkeeping costs more than the driver calls.
  * Here the same steps run in C: the pointer reads, the aliasing and output-memory checks, the
- * node patch and the launch, the counters, and the fresh outputs (through the torch-side
- * helper's replay_support, csrc/replay_support.h).
+ * node patch and the launch (after the streams callers read the output memory on, where they
+ * named any), the counters, and the fresh outputs (through the torch-side helper's
+ * replay_support, csrc/replay_support.h, and the objects the generated function makes them with).
  *
  * ReplayStep(program) -> step(*leaves): the program is a replay.step_program.StepProgram, which
  * replay.graph_step builds only for graphs whose generated replay has no step outside what this
@@ -16,7 +17,9 @@
  *   - a tensor's data pointer the helper's reader does not read (anything but a plain tensor,
  *     a torch function mode active);
  *   - the output slot to write is not the one the graph wrote last, nor the slot its copies
- *     write with nobody holding outputs in it (OutputSlots.choose decides);
+ *     write with nobody holding outputs in it, or a lane of it no longer spans the memory it was
+ *     made over (a caller resized an output's storage: OutputSlots.choose decides, and drops it);
+ *   - a graph's own output buffer that moved the same way (the function spoils the graph);
  *   - a rebound pointer plus its recorded delta outside 0 .. 2**64-1 (the function raises).
  * Otherwise it makes the generated function's calls, in its order, with its results: the
  * launchers' globals checks and the torch settings check (read from the function's namespace

@@ -330,6 +330,10 @@ class RecordedGraph:
         """What each output leaf is, and so how a replay returns it (replay.graph_outputs);
         ``identity``: which are the caller's own objects (replay.output_identity; by default
         what the capture found)."""
+        if identity is None:
+            identity = getattr(self.capture, "identity", None)
+        #: argument leaves that must be one object for its outputs to be told right (OutputIdentity.same)
+        self.same_arguments = identity.same if identity is not None else ()
         return graph_outputs.classify(self, output_leaves, identity)
 
     def wait_for_readers(self, stream: int) -> None:

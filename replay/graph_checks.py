@@ -119,6 +119,18 @@ def _apart_in_bulk(code: Source, ranges: list[tuple[int, int]]) -> bool:
     return False
 
 
+def same_argument_checks(code: Source, graph) -> None:
+    """Decline a call that passes distinct objects where the recording passed one object it
+    returned (``step(x, x)`` returning it): which argument the region returns cannot be told,
+    so only a call passing one object there too is served (the aliasing check alone would take
+    ``step(x, x.view(x.shape))``, whose eager result is one of two objects)."""
+    for group in getattr(graph, "same_arguments", ()):
+        first = int(group[0])
+        for other in group[1:]:
+            code.line(f"if l{int(other)} is not l{first}:")
+            code.line("return _MISMATCH", 2)
+
+
 def staged_storage_checks(code: Source, graph) -> None:
     """Decline a call whose staged input shares its storage with memory the graph reaches
     at a fixed address (``step(cache[0])`` where a node reads ``cache`` itself, recorded

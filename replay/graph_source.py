@@ -168,6 +168,7 @@ class ReplaySource:
         self._bind_runtime()
         check_names = graph_checks.emit_guards(code, graph, len(leaves))
         graph_checks.alias_checks(code, graph, leaves)
+        graph_checks.same_argument_checks(code, graph)
         graph_checks.own_output_checks(code, graph, leaves)
         graph_checks.staged_storage_checks(code, graph)
         graph_checks.alignment_checks(code, graph)

@@ -102,7 +102,7 @@ def refusal(graph, backend, leaves: Sequence) -> str | None:
         ),
         (bool(plan.configs or plan.checks), "grid sizes or index checks computed per call"),
         (any(b.dynamic for b in plan.pointers), "pointer offsets computed per call"),
-        (bool(graph.key[3]), "arguments recorded overlapping"),
+        (bool(graph.key[3]), "arguments recorded overlapping"),  # (one object as several among them)
         (backend.graph_launch_parts() is None or not backend.raw_stream_handles, "a backend launching from Python"),
         (sum(isinstance(leaf, torch.Tensor) for leaf in leaves) > STEP_MAX_TENSORS, "many tensors"),
         (len(graph.slot_need) > STEP_MAX_LANES, "many groups of outputs sharing memory"),

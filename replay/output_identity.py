@@ -38,6 +38,10 @@ class OutputIdentity:
     # output leaf -> (its storage's first byte, its bytes) when the capture gave it memory of its
     # own: where that memory is, whatever a caller later does to the storage (resize_)
     owned: Mapping[int, tuple[int, int]] = attrs.Factory(dict)
+    # argument leaves the region was given one object for, an output being that object: which
+    # of them the region returned cannot be told, so a replay serves only calls passing one
+    # object there too (then it is every one of them)
+    same: tuple[tuple[int, ...], ...] = ()
 
 
 UNKNOWN = OutputIdentity()  # nothing known: every output is handed out as a fresh object
@@ -51,9 +55,12 @@ def identify(outputs: object, given: Mapping[int, object], held: object = None) 
         _spec, leaves, _paths = flatten((outputs,), {}, walk_dataclasses=True)
     except (TypeError, ValueError):
         return UNKNOWN  # a result no graph can return (the capture refuses it)
-    by_id = {id(value): i for i, value in given.items() if isinstance(value, torch.Tensor)}
+    by_id: dict[int, list[int]] = {}
+    for i, value in sorted(given.items()):
+        if isinstance(value, torch.Tensor):
+            by_id.setdefault(id(value), []).append(i)
     named = {id(t) for t in _held_tensors(held)}
-    inputs, by_name, repeats, first = {}, set(), {}, {}
+    inputs, by_name, repeats, first, same = {}, set(), {}, {}, []
     for n, leaf in enumerate(leaves):
         if not isinstance(leaf, torch.Tensor):
             continue
@@ -61,10 +68,13 @@ def identify(outputs: object, given: Mapping[int, object], held: object = None) 
         if earlier != n:
             repeats[n] = earlier
         elif id(leaf) in by_id:
-            inputs[n] = by_id[id(leaf)]
+            arguments = by_id[id(leaf)]
+            inputs[n] = arguments[0]
+            if len(arguments) > 1:
+                same.append(tuple(arguments))
         elif id(leaf) in named:
             by_name.add(n)
-    return OutputIdentity(inputs, frozenset(by_name), repeats)
+    return OutputIdentity(inputs, frozenset(by_name), repeats, same=tuple(same))
 
 
 def _held_tensors(held: object) -> Iterable[torch.Tensor]:

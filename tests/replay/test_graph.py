@@ -1254,3 +1254,16 @@ def test_a_staged_input_sharing_its_storage_with_a_fixed_address_is_declined(rep
         assert unread.step_refused == "staged inputs of a graph whose addresses were not all read"
     assert unread.replay(torch.randn(8), Dynamic(2.0)) is not MISMATCH
     assert unread.replay(other[2], Dynamic(2.0)) is MISMATCH
+
+
+def test_one_object_passed_twice_and_returned_is_served_only_passed_twice(replay_step):
+    """``step(x, x)`` returning ``x``: which argument the region returns cannot be told, so the
+    graph serves calls passing one object twice (returning it) and declines distinct objects
+    over the same memory, which the aliasing check alone would take."""
+    x = torch.randn(8)
+    graph, sim = build([x, x], Plan(), outputs=(x,))
+    y = torch.randn(8)
+    assert graph.replay(y, y)[0] is y
+    launched = len(sim.launched)
+    assert graph.replay(y, y.view(y.shape)) is MISMATCH and graph.replay(y.view(8), y) is MISMATCH
+    assert len(sim.launched) == launched

@@ -94,3 +94,10 @@ def test_without_identity_every_tensor_is_handed_out_fresh():
     x = torch.randn(4)
     first = output_identity.first_outputs(Capture((x, x)), [x])
     assert first[0] is not x and first[1] is not x and first[0] is not first[1]
+
+
+def test_one_object_given_for_several_arguments_and_returned_is_noted():
+    x, y = torch.randn(4), torch.randn(4)
+    identity = output_identity.identify((x, y), {0: x, 1: y, 2: x})
+    assert identity.inputs == {0: 0, 1: 1} and identity.same == ((0, 2),)
+    assert output_identity.identify((y,), {0: x, 1: y, 2: x}).same == ()  # not returned: nothing to tell
