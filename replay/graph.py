@@ -261,7 +261,7 @@ class RecordedGraph:
         self.checks = _globals_checks(capture.records)
         self.output_spec, output_leaves, _ = region_keys.flatten((capture.outputs,), {}, walk_dataclasses=True)
         self.outputs = self._classify_outputs(output_leaves)
-        self.output_memory = graph_outputs.own_memory(self, capture)  # what each replay writes
+        self.output_memory = graph_outputs.own_memory(capture)  # what each replay writes
         # the region's output slots, when this graph's output copies can be pointed at them
         self.slot = None  # the slot its replay wrote last (replay.output_slots)
         self.bound_slot = None  # the slot its output copies write now

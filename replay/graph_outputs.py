@@ -164,7 +164,7 @@ def _classify_tensor(graph, value: torch.Tensor) -> Output:
 
 
 # --- the graph's own output memory -----------------------------------------------------------
-def own_memory(graph, capture: Capture) -> dict[int, int]:
+def own_memory(capture: Capture) -> dict[int, int]:
     """``{first byte: bytes}`` of the output buffers the capture owns, where the capture put them
     (the identity's spans, read before any output was handed out; recording's reading of the
     outputs' storages where the capture has none)."""

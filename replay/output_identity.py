@@ -91,7 +91,9 @@ def given_objects(leaves: Sequence, staged: Mapping[int, object], host: Mapping[
 
 def with_owned(identity: OutputIdentity, outputs: object, owned_storages: set[int]) -> OutputIdentity:
     """``identity`` with the storage span of each output leaf the capture gave memory of its
-    own (``owned_storages``: those storages' first bytes), read now, before anyone else holds them."""
+    own (``owned_storages``: those storages' first bytes), read now, before anyone else holds them.
+    Such a leaf is a new object the graph writes at every replay, whatever it was when the region
+    returned it (a tensor it made and also stored where it reaches it by name)."""
     if not owned_storages:
         return identity
     _spec, leaves, _paths = flatten((outputs,), {}, walk_dataclasses=True)
@@ -101,7 +103,7 @@ def with_owned(identity: OutputIdentity, outputs: object, owned_storages: set[in
             storage = leaf.untyped_storage()
             if storage.data_ptr() in owned_storages:
                 owned[n] = (storage.data_ptr(), storage.nbytes())
-    return attrs.evolve(identity, owned=owned)
+    return attrs.evolve(identity, owned=owned, held=identity.held - owned.keys())
 
 
 def first_outputs(capture, inputs: Sequence) -> object:

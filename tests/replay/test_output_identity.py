@@ -101,3 +101,15 @@ def test_one_object_given_for_several_arguments_and_returned_is_noted():
     identity = output_identity.identify((x, y), {0: x, 1: y, 2: x})
     assert identity.inputs == {0: 0, 1: 1} and identity.same == ((0, 2),)
     assert output_identity.identify((y,), {0: x, 1: y, 2: x}).same == ()  # not returned: nothing to tell
+
+
+def test_a_tensor_given_memory_of_its_own_is_never_returned_as_itself():
+    """A tensor the region made (in the pool) and also stored where it reaches it by name is
+    copied into memory the graph owns: the graph writes that, not the stored tensor."""
+    made = torch.randn(4)
+    identity = output_identity.identify((made,), {}, Held((made,)))
+    assert identity.held == frozenset({0})
+    buffer = torch.empty(16)
+    own = torch.empty(0).set_(buffer.untyped_storage(), 0, (4,), (1,))
+    identity = output_identity.with_owned(identity, (own,), {buffer.data_ptr()})
+    assert identity.held == frozenset() and identity.owned == {0: (buffer.data_ptr(), 64)}
