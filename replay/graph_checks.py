@@ -193,22 +193,23 @@ def own_output_checks(code: Source, graph, leaves: Sequence) -> None:
     code.line("if _o is None or _o.freed or _o.held():", 2)
     code.line(f"_o = _choose(_me, {need})", 3)
     lanes = range(len(graph.slot_need))
-    for lane in lanes:  # where each lane it writes is (its storage's first byte and size)
-        code.line(f"_ln{lane} = _o.lanes[{lane}]")
-        code.line(f"_ls{lane} = _ln{lane}.storage")
-    moved = " or ".join(f"_ls{k}.data_ptr() != _ln{k}.address or _ls{k}.nbytes() != _ln{k}.size" for k in lanes)
+    _read_lanes(code, lanes, 1)  # where each lane it writes is: its first byte, its size, its storage
+    moved = " or ".join(f"_ls{k}.data_ptr() != _la{k} or _ls{k}.nbytes() != _lb{k}" for k in lanes)
     code.line(f"if {moved}:")  # a caller resized it: choose drops it, and gives another
     code.line(f"_o = _choose(_me, {need})", 2)
-    for lane in lanes:
-        code.line(f"_ln{lane} = _o.lanes[{lane}]", 2)
-    if not tensors:
-        return
-    for lane in lanes:
-        code.line(f"_la = _ln{lane}.address")  # read once per lane, not once per argument
-        code.line(f"_lz = _la + _ln{lane}.size")
+    _read_lanes(code, lanes, 2)
+    for lane in lanes:  # each lane read once, not once per argument
         for i, _extent in tensors:
-            code.line(f"if _p{i} < _lz and _la < _p{i} + _e{i}:")
+            code.line(f"if _p{i} < _la{lane} + _lb{lane} and _la{lane} < _p{i} + _e{i}:")
             code.line("return _MISMATCH", 2)
+
+
+def _read_lanes(code: Source, lanes: range, depth: int) -> None:
+    for lane in lanes:
+        code.line(f"_ln = _o.lanes[{lane}]", depth)
+        code.line(f"_la{lane} = _ln.address", depth)
+        code.line(f"_lb{lane} = _ln.size", depth)
+        code.line(f"_ls{lane} = _ln.storage", depth)
 
 
 def _own_buffer_checks(code: Source, graph) -> None:
