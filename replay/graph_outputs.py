@@ -128,7 +128,7 @@ def classify(graph, output_leaves: list, identity: output_identity.OutputIdentit
         elif n in identity.held:
             classified.append(HeldOutput(value))
         else:
-            classified.append(_classify_tensor(graph, value))
+            classified.append(_classify_tensor(graph, value, identity.addresses.get(n, value.data_ptr())))
     return classified
 
 
@@ -141,9 +141,10 @@ def _input_ranges(graph) -> list[tuple[int, int, int]]:
     ]
 
 
-def _classify_tensor(graph, value: torch.Tensor) -> Output:
-    """A tensor output: a view of an input (rebuilt per call) or a tensor the graph owns."""
-    address, owner, base = value.data_ptr(), None, 0
+def _classify_tensor(graph, value: torch.Tensor, address: int) -> Output:
+    """A tensor output at ``address`` (where the region ran): a view of an input (rebuilt per
+    call) or a tensor the graph owns."""
+    owner, base = None, 0
     for i, lo, extent in _input_ranges(graph):
         # a staged input's buffer (a host input's pinned buffer) has the input's exact
         # layout: a view of it is the same view of the input

@@ -438,8 +438,7 @@ class ReplaySource:
     def _launch(self) -> None:
         """Launch the graph once on the current stream (telling the session when the stream
         changed), once the streams callers read its output memory on (``record_stream``) have
-        done what was enqueued on them; keep the stream where the graph's release must tell
-        the allocator of it (:func:`notes_stream`)."""
+        done what was enqueued on them."""
         graph, backend, code = self.graph, self.backend, self.code
         code.line(f"_s = _current_stream({int(graph.device)})")
         code.line("if _s != _LAST_STREAM[0]:")
@@ -448,8 +447,6 @@ class ReplaySource:
         if readers is not None:
             code.line(f"if {readers}.readers:")
             code.line(f"{readers}.wait_for_readers(_s)", 2)
-        if notes_stream(graph):
-            code.line("_me.stream = _s")
         if graph.uses_rng:
             # torch's replay advances the captured generators' offsets before launching, so
             # each replay draws fresh numbers exactly as the eager sequence would
@@ -472,7 +469,10 @@ class ReplaySource:
             self.code.line(f"{self.code.bind(host.launched_on, '_host_launched')}(_s, {int(self.graph.device)})")
 
     def _mark_the_slot_written(self) -> None:
-        """The slot now holds this graph's outputs; freed later, it waits for this stream."""
+        """The slot now holds this graph's outputs; freed later, it waits for this stream. The
+        graph keeps the stream where its release must tell the allocator of it (:func:`notes_stream`)."""
+        if notes_stream(self.graph):
+            self.code.line("_me.stream = _s")
         if self.graph.output_slots is not None:
             self.code.line("_o.writer = _me")
             self.code.line("_me.slot = _o")

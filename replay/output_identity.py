@@ -38,6 +38,9 @@ class OutputIdentity:
     # output leaf -> (its storage's first byte, its bytes) when the capture gave it memory of its
     # own: where that memory is, whatever a caller later does to the storage (resize_)
     owned: Mapping[int, tuple[int, int]] = attrs.Factory(dict)
+    # output leaf -> its first byte where the region ran: a view of an argument is found by it,
+    # whatever a caller does later to the storage it shares with the argument
+    addresses: Mapping[int, int] = attrs.Factory(dict)
     # argument leaves the region was given one object for, an output being that object: which
     # of them the region returned cannot be told, so a replay serves only calls passing one
     # object there too (then it is every one of them)
@@ -89,21 +92,22 @@ def given_objects(leaves: Sequence, staged: Mapping[int, object], host: Mapping[
     return {i: staged.get(i, host.get(i, leaf)) for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)}
 
 
-def with_owned(identity: OutputIdentity, outputs: object, owned_storages: set[int]) -> OutputIdentity:
-    """``identity`` with the storage span of each output leaf the capture gave memory of its
-    own (``owned_storages``: those storages' first bytes), read now, before anyone else holds them.
-    Such a leaf is a new object the graph writes at every replay, whatever it was when the region
-    returned it (a tensor it made and also stored where it reaches it by name)."""
-    if not owned_storages:
-        return identity
+def with_memory(identity: OutputIdentity, outputs: object, owned_storages: set[int]) -> OutputIdentity:
+    """``identity`` with where each tensor output is (its first byte) and the storage span of
+    each the capture gave memory of its own (``owned_storages``: those storages' first bytes),
+    read now, before anyone else holds them. An output in memory of its own is a new object the
+    graph writes at every replay, whatever it was when the region returned it (a tensor it made
+    and also stored where it reaches it by name)."""
     _spec, leaves, _paths = flatten((outputs,), {}, walk_dataclasses=True)
-    owned = {}
+    addresses, owned = {}, {}
     for n, leaf in enumerate(leaves):
-        if isinstance(leaf, torch.Tensor) and leaf.numel():
-            storage = leaf.untyped_storage()
-            if storage.data_ptr() in owned_storages:
-                owned[n] = (storage.data_ptr(), storage.nbytes())
-    return attrs.evolve(identity, owned=owned, held=identity.held - owned.keys())
+        if not isinstance(leaf, torch.Tensor):
+            continue
+        addresses[n] = leaf.data_ptr()
+        storage = leaf.untyped_storage()
+        if leaf.numel() and storage.data_ptr() in owned_storages:
+            owned[n] = (storage.data_ptr(), storage.nbytes())
+    return attrs.evolve(identity, owned=owned, addresses=addresses, held=identity.held - owned.keys())
 
 
 def first_outputs(capture, inputs: Sequence) -> object:

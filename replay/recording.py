@@ -1034,7 +1034,7 @@ def capture(
         instrumentation.steps.mark("instantiate")
         memory = max(sum(hi - lo for lo, hi in pool_memory) - pool_before, 0) + recorded.output_bytes
         made = _make_capture(graph, device, leaves, prepared, recorded, recorder, kept, seconds, memory, pool_memory)
-        made.identity = output_identity.with_owned(identity, recorded.outputs, recorded.owned_outputs)
+        made.identity = output_identity.with_memory(identity, recorded.outputs, recorded.owned_outputs)
         return made
 
 

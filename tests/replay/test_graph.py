@@ -243,7 +243,7 @@ def build(
         output_identity.identify(outputs, output_identity.given_objects(flat, staged or {}, None), Held(held)),
         {buffer.data_ptr() for buffer in owned},
     )
-    capture.identity = output_identity.with_owned(capture.identity, outputs, capture.owned_outputs)
+    capture.identity = output_identity.with_memory(capture.identity, outputs, capture.owned_outputs)
     region = FakeRegion(key)
     with use_backend(backend or SimBackend(sim)):
         graph = RecordedGraph(region, key, capture, spec, flat, paths, FakeSession(**policy), 0)
@@ -1267,3 +1267,16 @@ def test_one_object_passed_twice_and_returned_is_served_only_passed_twice(replay
     launched = len(sim.launched)
     assert graph.replay(y, y.view(y.shape)) is MISMATCH and graph.replay(y.view(8), y) is MISMATCH
     assert len(sim.launched) == launched
+
+
+def test_a_view_of_an_argument_is_found_where_it_was_when_recorded(replay_step):
+    """The recording call's argument may have its storage moved by the caller (``resize_``)
+    before the graph is built: a view of it returned by the region is still classified by where
+    it was when the region ran, a view of the argument, rebuilt on each call's argument."""
+    x = torch.randn(8)
+    graph, _ = build([x], Plan())
+    outputs = (x[2:],)
+    identity = output_identity.with_memory(output_identity.identify(outputs, {0: x}), outputs, set())
+    x.untyped_storage().resize_(4096)  # the argument, and the view with it, moved
+    (view,) = graph._classify_outputs(list(outputs), identity)
+    assert isinstance(view, graph_module.InputView) and view.input == 0 and view.delta == 2 and not view.whole

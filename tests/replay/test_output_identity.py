@@ -49,7 +49,7 @@ def test_owned_outputs_keep_where_their_memory_was_when_recorded():
     out = torch.empty(0).set_(buffer.untyped_storage(), 2, (4,), (1,))
     other = torch.randn(3)
     address = buffer.data_ptr()
-    identity = output_identity.with_owned(output_identity.UNKNOWN, (other, out), {address})
+    identity = output_identity.with_memory(output_identity.UNKNOWN, (other, out), {address})
     assert identity.owned == {1: (address, 64)}
     out.resize_(1000)  # a caller moving the memory later changes nothing recorded
     assert buffer.data_ptr() != address and identity.owned == {1: (address, 64)}
@@ -111,5 +111,5 @@ def test_a_tensor_given_memory_of_its_own_is_never_returned_as_itself():
     assert identity.held == frozenset({0})
     buffer = torch.empty(16)
     own = torch.empty(0).set_(buffer.untyped_storage(), 0, (4,), (1,))
-    identity = output_identity.with_owned(identity, (own,), {buffer.data_ptr()})
+    identity = output_identity.with_memory(identity, (own,), {buffer.data_ptr()})
     assert identity.held == frozenset() and identity.owned == {0: (buffer.data_ptr(), 64)}
