@@ -1398,12 +1398,12 @@ static int mark_written(ReplayStep *self, PyObject *slot, PyObject *stream) {
     return 0;
 }
 
-/* After the launch: the slot written (mark_written), the graph's stream where it keeps it, and
+/* After the launch: the graph's stream where it keeps it, the slot written (mark_written), and
    the counters; -1 on error. */
 static int after_launch(ReplayStep *self, PyObject *slot, PyObject *stream) {
-    if (slot != NULL && mark_written(self, slot, stream) < 0)
-        return -1;
     if (self->notes_stream && PyObject_SetAttr(self->graph, s_stream, stream) < 0)
+        return -1;
+    if (slot != NULL && mark_written(self, slot, stream) < 0)
         return -1;
     if (bump(self->graph, s_replays, ONE) < 0 || bump(self->stats, s_replays, ONE) < 0)
         return -1;
