@@ -259,25 +259,7 @@ class RecordedGraph:
         self.updaters = self._node_updaters(backend, capture)
         self.node_states = {node: NodeState(updater) for node, updater in self.updaters.items()}
         self.checks = _globals_checks(capture.records)
-        self.output_spec, output_leaves, _ = region_keys.flatten((capture.outputs,), {}, walk_dataclasses=True)
-        self.outputs = self._classify_outputs(output_leaves)
-        self.output_memory = graph_outputs.own_memory(capture)  # what each replay writes
-        # the region's output slots, when this graph's output copies can be pointed at them
-        self.slot = None  # the slot its replay wrote last (replay.output_slots)
-        self.bound_slot = None  # the slot its output copies write now
-        self.views = None  # its outputs' template views in the bound slot
-        self.slot_outputs: list[tuple] = []  # (lane, dtype, size, stride, storage offset) per slotted output
-        self.lane_sources: list[tuple[int, int]] = []  # per lane: (first byte, bytes) its copy reads
-        self.output_slots, self.slot_need, self.retargets = graph_outputs.adopt_slots(self, backend, capture)
-        # without slots, its own output buffers: where they are (a caller's resize_ moves them),
-        # and the streams callers read them on (record_stream), as a slot's
-        self.readers: list = []
-        self.own_lanes = graph_outputs.own_memory_lanes(self, capture) if self.output_memory else []
-        #: why this graph can serve no call any more (None: it can): the session drops it
-        self.spoiled: str | None = None
-        #: the raw stream of its last replay, kept where it has staged buffers or output memory
-        #: of its own (ReplaySource.notes_stream): what the allocator is told on release
-        self.stream: int | None = None
+        self._outputs_of(backend, capture)
         self.in_place = self._inputs_taken_in_place(capture)
         self.namespace: dict[str, object] = dict(backend.hot_namespace)
         self.source = self._generate(backend, leaves)
@@ -291,6 +273,28 @@ class RecordedGraph:
             self.replay = step
         if generated.dump_enabled("REPLAY_DUMP"):
             print(f"# replay graph, {self.how_it_replays()}\n{self.full_source()}")
+
+    def _outputs_of(self, backend, capture: Capture) -> None:
+        """What the graph returns (replay.graph_outputs) and the memory it writes them into: the
+        region's output slots where its copies can be pointed at them, else its own buffers."""
+        self.output_spec, output_leaves, _ = region_keys.flatten((capture.outputs,), {}, walk_dataclasses=True)
+        self.outputs = self._classify_outputs(output_leaves)
+        self.output_memory = graph_outputs.own_memory(capture)  # what each replay writes
+        self.slot = None  # the slot its replay wrote last (replay.output_slots)
+        self.bound_slot = None  # the slot its output copies write now
+        self.views = None  # its outputs' template views in the bound slot
+        self.slot_outputs: list[tuple] = []  # (lane, dtype, size, stride, storage offset) per slotted output
+        self.lane_sources: list[tuple[int, int]] = []  # per lane: (first byte, bytes) its copy reads
+        self.output_slots, self.slot_need, self.retargets = graph_outputs.adopt_slots(self, backend, capture)
+        # without slots, its own output buffers: where they are (a caller's resize_ moves them),
+        # and the streams callers read them on (record_stream), as a slot's
+        self.readers: list = []
+        self.own_lanes = graph_outputs.own_memory_lanes(self, capture) if self.output_memory else []
+        #: why this graph can serve no call any more (None: it can): the session drops it
+        self.spoiled: str | None = None
+        #: the raw stream of its last replay, kept where it has staged buffers or output memory
+        #: of its own (graph_source.notes_stream): what the allocator is told on release
+        self.stream: int | None = None
 
     def _node_updaters(self, backend, capture: Capture) -> dict[int, object]:
         """An updater per kernel node a replay patches (a pointer, a scalar or a grid)."""
