@@ -805,6 +805,17 @@ static PyTypeObject PackedLaunchType = {
     .tp_call = PyVectorcall_Call,
 };
 
+/* A launch that runs nothing and succeeds: what the null backend (jitcore.backends.null) puts
+   behind a PackedLaunch, so that CPU tests and benchmarks run the C packing and a recording's
+   launch records without a driver. Exported as NULL_LAUNCH, its address. */
+static int null_kernel_launch(void *function, unsigned grid_x, unsigned grid_y, unsigned grid_z, unsigned block_x,
+                              unsigned block_y, unsigned block_z, unsigned shared_bytes, void *stream, void **params,
+                              void **extra) {
+    (void)function, (void)grid_x, (void)grid_y, (void)grid_z, (void)block_x, (void)block_y, (void)block_z;
+    (void)shared_bytes, (void)stream, (void)params, (void)extra;
+    return 0;
+}
+
 /* use_data_pointer_reader(capsule or None): the reader 'P' tries first (None: the method only). */
 static PyObject *use_data_pointer_reader(PyObject *module, PyObject *capsule) {
     data_pointer_reader_fn reader = NULL;
@@ -858,6 +869,10 @@ PyMODINIT_FUNC PyInit__native(void) {
     Py_DECREF(struct_module);
     S_DATA_PTR = PyUnicode_InternFromString("data_ptr");
     if (STRUCT_ERROR == NULL || S_DATA_PTR == NULL || PyType_Ready(&PackedLaunchType) < 0) {
+        Py_DECREF(module);
+        return NULL;
+    }
+    if (PyModule_AddObject(module, "NULL_LAUNCH", PyLong_FromVoidPtr((void *)(uintptr_t)null_kernel_launch)) < 0) {
         Py_DECREF(module);
         return NULL;
     }

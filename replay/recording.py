@@ -921,8 +921,12 @@ def _keep_records(
     if storages:  # replay.polymorphic matches later runs against these: where each pointer pointed
         storage_uses = pointer_storages(records, lambda base: any(lo <= base < hi for lo, hi in pool_memory))
     extents = pointer_extents(records, prepared.inputs, prepared.tensors.values(), prepared.doubts)
-    kept = [r.with_args(tuple(map(scalar_or_none, r.args))) for r in records]
-    return _KeptRecords(kept, extents, storage_uses)
+    return _KeptRecords(records_without_tensors(records), extents, storage_uses)
+
+
+def records_without_tensors(records: Sequence) -> list:
+    """Each launch record with its ``args`` as analysis needs them (:func:`scalar_or_none`)."""
+    return [r.with_args(tuple(map(scalar_or_none, r.args))) for r in records]
 
 
 def _instantiate(graph: torch.cuda.CUDAGraph) -> None:
