@@ -86,12 +86,14 @@ CAPTURES = jitcore.recorder.CAPTURES
 
 class _Recorder:
     """The jitcore recorder: keeps every launch (and the graph node it became, where the
-    backend can say), refuses every miss."""
+    backend can say), refuses every miss. Packed launches append their records and nodes
+    themselves (``launch_sink``), as :meth:`launch` does, without a Python call per launch."""
 
     def __init__(self, backend) -> None:
         self.records: list = []
         self.nodes: list[int | None] = []
         self.backend = backend
+        self.launch_sink = (self.records, self.nodes, backend.capture_tail)
 
     def launch(self, record) -> None:
         self.records.append(record)
