@@ -954,6 +954,89 @@ static PyObject *packed_recorded(PyObject *self, PyObject *const *args, Py_ssize
     Py_RETURN_NONE;
 }
 
+/* Whether an argument stays in a kept record: exact ints and floats, instances of `kept`, and
+   objects with `attribute` (replay.recording.scalar_or_none's rule); 1, 0, or -1 with the error
+   set. Exact instances of `dropped` (tensors, most arguments) are answered first. */
+static int argument_kept(PyObject *value, PyObject *dropped, PyObject *kept, PyObject *attribute) {
+    if ((PyObject *)Py_TYPE(value) == dropped)
+        return 0;
+    if (PyLong_CheckExact(value) || PyFloat_CheckExact(value))
+        return 1;
+    int is = PyObject_IsInstance(value, kept);
+    if (is != 0)
+        return is;
+    PyObject *found = PyObject_GetAttr(value, attribute);
+    if (found != NULL) {
+        Py_DECREF(found);
+        return 1;
+    }
+    if (!PyErr_ExceptionMatches(PyExc_AttributeError))
+        return -1;
+    PyErr_Clear();
+    return 0;
+}
+
+/* A copy of `record` (a tuple, of its own class) with its arguments at `position` kept or None. */
+static PyObject *record_without(PyObject *record, Py_ssize_t position, PyObject *dropped, PyObject *kept,
+                                PyObject *attribute) {
+    if (!PyTuple_Check(record) || position >= PyTuple_GET_SIZE(record) ||
+        !PyTuple_Check(PyTuple_GET_ITEM(record, position))) {
+        PyErr_SetString(PyExc_TypeError, "without_tensors: each record must be a tuple holding a tuple at position");
+        return NULL;
+    }
+    PyObject *args = PyTuple_GET_ITEM(record, position);
+    Py_ssize_t count = PyTuple_GET_SIZE(args), size = PyTuple_GET_SIZE(record);
+    PyObject *stripped = PyTuple_New(count);
+    if (stripped == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *value = PyTuple_GET_ITEM(args, i);
+        int keep = argument_kept(value, dropped, kept, attribute);
+        if (keep < 0) {
+            Py_DECREF(stripped);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(stripped, i, Py_NewRef(keep ? value : Py_None));
+    }
+    PyObject *copy = Py_TYPE(record)->tp_alloc(Py_TYPE(record), size);
+    if (copy == NULL) {
+        Py_DECREF(stripped);
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < size; i++)
+        PyTuple_SET_ITEM(copy, i, i == position ? stripped : Py_NewRef(PyTuple_GET_ITEM(record, i)));
+    return copy;
+}
+
+/* without_tensors(records, position, dropped, kept, attribute) -> list: each record (a tuple
+   whose item `position` is its launch's arguments) copied with only the arguments analysis
+   keeps, the others None (see argument_kept): a recording's records, which must not hold its
+   tensors once it ends. */
+static PyObject *without_tensors(PyObject *module, PyObject *const *args, Py_ssize_t count) {
+    if (check_count(count, 5) < 0)
+        return NULL;
+    Py_ssize_t position = PyLong_AsSsize_t(args[1]);
+    if (position == -1 && PyErr_Occurred())
+        return NULL;
+    if (position < 0 || !PyList_Check(args[0]) || !PyType_Check(args[2]) || !PyUnicode_Check(args[4])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "without_tensors(records list, position >= 0, dropped type, kept types, attribute name)");
+        return NULL;
+    }
+    PyObject *records = PySequence_Tuple(args[0]); /* a copy: the caller's list may change */
+    if (records == NULL)
+        return NULL;
+    PyObject *result = PyList_New(0);
+    for (Py_ssize_t i = 0; result != NULL && i < PyTuple_GET_SIZE(records); i++) {
+        PyObject *copy = record_without(PyTuple_GET_ITEM(records, i), position, args[2], args[3], args[4]);
+        if (copy == NULL || PyList_Append(result, copy) < 0)
+            Py_CLEAR(result);
+        Py_XDECREF(copy);
+    }
+    Py_DECREF(records);
+    return result;
+}
+
 static PyMethodDef packed_methods[] = {
     {"reporting", (PyCFunction)(void (*)(void))packed_reporting, METH_FASTCALL,
      "reporting(gx, gy, gz, bx, by, bz, shared, stream, *values): the same launch, returning the parameter "
@@ -1009,6 +1092,9 @@ static PyMethodDef module_methods[] = {
      "use_data_pointer_reader(capsule or None): how 'P' reads a tensor's data pointer (see the module source)"},
     {"bind", (PyCFunction)(void (*)(void))bind, METH_FASTCALL,
      "bind(kind, name, address) -> function calling the vendor function at address (see the module source)"},
+    {"without_tensors", (PyCFunction)(void (*)(void))without_tensors, METH_FASTCALL,
+     "without_tensors(records, position, dropped, kept, attribute) -> the records with only the arguments kept "
+     "(see the module source)"},
     {"use_launch_record", (PyCFunction)(void (*)(void))use_launch_record, METH_FASTCALL,
      "use_launch_record(record_type, positions): the launch record class PackedLaunch.recorded makes, and where "
      "its per-call fields sit"},

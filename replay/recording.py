@@ -34,7 +34,7 @@ import torch
 
 import jitcore
 from jitcore import CaptureMissError
-from jitcore.backends import get_backend
+from jitcore.backends import compiled_helpers_enabled, get_backend
 from replay import host as host_inputs
 from replay import instrumentation, rebinding, staging, triton_launches
 from replay.dynamic import Dynamic, DynamicScalar
@@ -666,6 +666,8 @@ def _inputs_written(prepared: _CaptureInputs, observation: object, region_record
     a jit launch of the region writes through a pointer."""
     watched = len(prepared.watched)
     written = {prepared.watched_index[w] for w in observation.written if w < watched}
+    if not prepared.staged:
+        return written
     for _record, address in _pointer_addresses(region_records, written_only=True):
         for i, buffer in prepared.staged.items():
             if buffer.data_ptr() <= address < buffer.data_ptr() + max(extent_bytes(buffer), 1):
@@ -927,8 +929,27 @@ def _keep_records(
 
 
 def records_without_tensors(records: Sequence) -> list:
-    """Each launch record with its ``args`` as analysis needs them (:func:`scalar_or_none`)."""
+    """Each launch record with its ``args`` as analysis needs them (:func:`scalar_or_none`):
+    in one C call where the helper is built (csrc/jitcore_native.c, the same rule)."""
+    native = _native_helper()
+    if native is not None and isinstance(records, list):
+        return native.without_tensors(records, _ARGS_FIELD, torch.Tensor, _KEPT_ARGUMENTS, "__jit_scalar__")
     return [r.with_args(tuple(map(scalar_or_none, r.args))) for r in records]
+
+
+#: Where a launch record holds its jit call's arguments.
+_ARGS_FIELD = jitcore.recorder.LaunchRecord._fields.index("args")
+
+
+def _native_helper():
+    """jitcore.backends._native where it was built and ``JITCORE_NATIVE`` allows it, else None."""
+    if not compiled_helpers_enabled():
+        return None
+    try:
+        from jitcore.backends import _native
+    except ImportError:
+        return None
+    return _native
 
 
 def _instantiate(graph: torch.cuda.CUDAGraph) -> None:
@@ -1071,29 +1092,60 @@ def pointer_extents(
     # every address inputs_at can place lies in [lowest, highest]: most pointers (the
     # region's intermediates) are answered by this one comparison
     lowest, highest = min(r.lo for r in inputs), max(r.hi for r in inputs)
+    unpack, tensor_class = _POINTER.unpack_from, torch.Tensor
     result = []
     for record in records:
         found = {}
-        for param, tensor in _pointer_tensors(record):
+        args, param_bytes = record.args, record.param_bytes
+        for index, arg_index, offset in _pointers_of(record.params):
+            tensor = args[arg_index]
+            if tensor.__class__ is not tensor_class and not isinstance(tensor, tensor_class):
+                continue
             itself = id(tensor) in own
             if itself and not itself_doubted:
                 continue  # the input itself (most pointers into inputs): its range is the input's
-            (address,) = _POINTER.unpack_from(record.param_bytes, param.offset)
-            if not lowest <= address <= highest:
-                continue
-            owners = rebinding.inputs_at(inputs, address)  # the plan's rule
-            doubt = next(
-                (
-                    doubts[o.index].reason
-                    for o in owners
-                    if o.index in doubts and (doubts[o.index].itself or not itself)
-                ),
-                "",
-            )
-            if owners and (doubt or not itself):
-                found[param.index] = rebinding.Extent(*byte_range(tensor), doubt)
+            (address,) = unpack(param_bytes, offset)
+            if lowest <= address <= highest:
+                extent = _extent_into_inputs(inputs, doubts, address, tensor, itself)
+                if extent is not None:
+                    found[index] = extent
         result.append(found)
     return result
+
+
+def _extent_into_inputs(
+    inputs: Sequence[rebinding.InputRange], doubts: Mapping[int, InputDoubt], address: int, tensor, itself: bool
+) -> rebinding.Extent | None:
+    """The extent pointer_extents records for a pointer at ``address`` that came from
+    ``tensor`` (``itself``: the input tensor itself), or None where the plan needs none."""
+    owners = rebinding.inputs_at(inputs, address)  # the plan's rule
+    doubt = next(
+        (doubts[o.index].reason for o in owners if o.index in doubts and (doubts[o.index].itself or not itself)),
+        "",
+    )
+    if owners and (doubt or not itself):
+        return rebinding.Extent(*byte_range(tensor), doubt)
+    return None
+
+
+#: (parameter index, jit argument index, byte offset) of each pointer parameter of a launch
+#: record's ``params`` that came from a jit argument, by the tuple's id (kept beside it):
+#: records share their params tuples (see _PARAMS_VIEWS), so this is mostly one lookup.
+_POINTERS_OF: dict[int, tuple[tuple, tuple]] = {}
+
+
+def _pointers_of(params: Sequence) -> tuple:
+    cached = _POINTERS_OF.get(id(params))
+    if cached is not None and cached[0] is params:
+        return cached[1]
+    pointers = tuple(
+        (p.index, p.arg_index, p.offset) for p in params if p.kind == "pointer" and p.arg_index is not None
+    )
+    if isinstance(params, tuple):  # immutable: the answer holds as long as it lives
+        if len(_POINTERS_OF) >= _PARAM_VIEWS_LIMIT:
+            _POINTERS_OF.clear()
+        _POINTERS_OF[id(params)] = (params, pointers)
+    return pointers
 
 
 @attrs.frozen

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -101,6 +102,43 @@ def test_launches_sharing_a_params_tuple_share_its_views_and_plain_numbers_are_b
         got = [view.constants[n] for n in names]
         assert got == list(values) and [type(v) for v in got] == [type(v) for v in values]
     assert str(a.constants[a.scalar_sources[2]]) == "-0.0"  # the value itself, sign included
+
+
+class _RaisingAttribute:
+    def __getattr__(self, name):
+        raise KeyError(name)  # not an AttributeError: hasattr lets it through, as must the C rule
+
+
+@pytest.mark.parametrize("native", ["c", "python"])
+def test_records_keep_the_arguments_analysis_needs_and_no_tensor(native, monkeypatch):
+    """records_without_tensors, in C (jitcore.backends._native.without_tensors) or Python
+    (JITCORE_NATIVE=0): scalar_or_none of each argument, every other field the same object."""
+    import numpy as np
+    import torch
+
+    from replay.dynamic import DynamicScalar
+    from replay.recording import records_without_tensors, scalar_or_none
+
+    if native == "python":
+        monkeypatch.setenv("JITCORE_NATIVE", "0")
+    else:
+        pytest.importorskip("jitcore.backends._native")
+    d = DynamicScalar("_d0", 3, "n")
+    parameter = torch.nn.Parameter(torch.randn(2))
+    arguments = (torch.randn(3), parameter, 2, 2.5, True, d, _JitScalar(), None, "text", np.float32(1.5), 2**80)
+    records = [_record(arguments, ()), _record((), ()), _record((torch.randn(1), 7), ())]
+    kept = records_without_tensors(records)
+    assert len(kept) == len(records)
+    for record, copy in zip(records, kept):
+        assert type(copy) is type(record)
+        assert copy.args == tuple(map(scalar_or_none, record.args))
+        assert [type(a) for a in copy.args] == [type(scalar_or_none(a)) for a in record.args]
+        for name in record._fields:
+            if name != "args":
+                assert getattr(copy, name) is getattr(record, name)
+    assert kept[0].args[5] is d and kept[0].args[1] is None
+    with pytest.raises(KeyError):
+        records_without_tensors([_record((_RaisingAttribute(),), ())])
 
 
 def test_pointer_extents_name_the_tensors_that_are_not_the_input_itself():
