@@ -422,49 +422,89 @@ def _param_views(params: Sequence) -> tuple[rebinding.ParamView, ...]:
 def _launch_view(
     record, node: int | None, staging_input: int | None = None, extents: dict | None = None
 ) -> rebinding.LaunchView:
-    dynamic_config = getattr(record, "dynamic_config", ())
-    config = (
-        tuple(
-            rebinding.ConfigView(c.field, tuple(c.scalar_args), c.evaluate, getattr(c, "expression", ""))
-            for c in dynamic_config
-        )
-        if dynamic_config
-        else ()
+    sources, dynamic, constants = _scalar_sources(record.args)
+    # positional, in LaunchView's order (one is made per launch of every recording)
+    return tuple.__new__(
+        rebinding.LaunchView,
+        (
+            record.function,
+            record.kernel,
+            record.param_bytes,
+            _param_views(record.params),
+            sources,
+            frozenset(dynamic),
+            constants,
+            _config_views(getattr(record, "dynamic_config", ())),
+            getattr(record, "launched", True),
+            node,
+            _check_views(getattr(record, "checks", ())),
+            staging_input,
+            extents or {},
+        ),
     )
+
+
+def _scalar_sources(args: Sequence) -> tuple[dict[int, str], set[int], dict[str, object]]:
+    """(jit argument index -> source, the dynamic ones, the constants the sources name) of a
+    record's arguments (tensors dropped: None)."""
     sources, dynamic, constants = {}, set(), {}
-    for k, arg in enumerate(record.args):
+    for k, arg in enumerate(args):
         if arg is None:
             continue  # a tensor, dropped from the record (scalar_or_none)
-        if isinstance(arg, DynamicScalar):
+        kind = arg.__class__
+        if kind is float or kind is int or kind is bool:
+            value = arg  # (the common case, answered first: no such object has __jit_scalar__)
+        elif isinstance(arg, DynamicScalar):
             sources[k] = arg.source
             constants.update(arg.constants)
             dynamic.add(k)
+            continue
         elif isinstance(arg, _NUMBERS) or hasattr(arg, "__jit_scalar__"):
-            # a plain number: bound by name, never pasted into generated code by its repr
-            name = f"_lit{next(_literal_names)}"
-            constants[name] = arg.__jit_scalar__() if hasattr(arg, "__jit_scalar__") else arg
-            sources[k] = name
-    record_checks = getattr(record, "checks", ())
-    checks = (
-        tuple(rebinding.CheckView(tuple(c.scalar_args), c.value, c.size) for c in record_checks)
-        if record_checks
-        else ()
+            value = arg.__jit_scalar__() if hasattr(arg, "__jit_scalar__") else arg
+        else:
+            continue
+        # a plain number: bound by name, never pasted into generated code by its repr
+        name = f"_lit{next(_literal_names)}"
+        constants[name] = value
+        sources[k] = name
+    return sources, dynamic, constants
+
+
+#: The views of a record's ``dynamic_config`` and ``checks`` tuples, by the tuple's id (kept
+#: beside them): call states hand the same tuples to every launch of one key.
+_CONFIG_VIEWS: dict[int, tuple[tuple, tuple]] = {}
+
+
+def _config_views(dynamic_config: Sequence) -> tuple:
+    if not dynamic_config:
+        return ()
+    cached = _CONFIG_VIEWS.get(id(dynamic_config))
+    if cached is not None and cached[0] is dynamic_config:
+        return cached[1]
+    views = tuple(
+        rebinding.ConfigView(c.field, tuple(c.scalar_args), c.evaluate, getattr(c, "expression", ""))
+        for c in dynamic_config
     )
-    return rebinding.LaunchView(
-        function=record.function,
-        kernel=record.kernel,
-        param_bytes=record.param_bytes,
-        params=_param_views(record.params),
-        scalar_sources=sources,
-        dynamic_args=frozenset(dynamic),
-        constants=constants,
-        config=config,
-        launched=getattr(record, "launched", True),
-        node=node,
-        checks=checks,
-        staging_input=staging_input,
-        extents=extents or {},
-    )
+    _remember_views(dynamic_config, views)
+    return views
+
+
+def _check_views(checks: Sequence) -> tuple:
+    if not checks:
+        return ()
+    cached = _CONFIG_VIEWS.get(id(checks))
+    if cached is not None and cached[0] is checks:
+        return cached[1]
+    views = tuple(rebinding.CheckView(tuple(c.scalar_args), c.value, c.size) for c in checks)
+    _remember_views(checks, views)
+    return views
+
+
+def _remember_views(records: Sequence, views: tuple) -> None:
+    if isinstance(records, tuple):  # immutable: its views hold as long as it lives
+        if len(_CONFIG_VIEWS) >= _PARAM_VIEWS_LIMIT:
+            _CONFIG_VIEWS.clear()
+        _CONFIG_VIEWS[id(records)] = (records, views)
 
 
 def launch_views(
@@ -493,25 +533,26 @@ def node_handle(node) -> int:
 def node_views(backend, nodes: Sequence, records: Sequence) -> tuple[list[rebinding.NodeView], bool]:
     """Read each kernel node's parameters: with the sizes of the jit launch that may be in it,
     or the driver's parameter info for foreign kernels (None where unknown)."""
-    layouts = {r.function: r.layout for r in records}
+    sizes_of = {}  # function -> its parameters' sizes: a jit launch's layout, else the driver's
+    for record in records:
+        if record.function not in sizes_of:
+            sizes_of[record.function] = [t.size for t in record.layout.types]
     scanned = True
     views = []
+    new = tuple.__new__
     for node in nodes:
-        if node.kind == "kernel":
-            layout = layouts.get(node.function)
-            sizes = [t.size for t in layout.types] if layout is not None else backend.kernel_param_sizes(node.function)
+        kind, handle = node.kind, node_handle(node)
+        if kind == "kernel":
+            sizes = sizes_of.get(node.function)
             if sizes is None:
-                scanned = False
-                params = None
-            else:
-                params = tuple(backend.read_kernel_params(node, sizes))
-            views.append(rebinding.NodeView(node.index, "kernel", node.function, params, handle=node_handle(node)))
-        elif node.kind in ("memcpy", "memset"):
-            views.append(
-                rebinding.NodeView(node.index, node.kind, pointers=tuple(node.pointers), handle=node_handle(node))
-            )
+                sizes = sizes_of[node.function] = backend.kernel_param_sizes(node.function)
+            params = None if sizes is None else tuple(backend.read_kernel_params(node, sizes))
+            scanned = scanned and params is not None
+            views.append(new(rebinding.NodeView, (node.index, kind, node.function, params, (), handle)))
+        elif kind in ("memcpy", "memset"):
+            views.append(new(rebinding.NodeView, (node.index, kind, 0, None, tuple(node.pointers), handle)))
         else:
-            views.append(rebinding.NodeView(node.index, node.kind, handle=node_handle(node)))
+            views.append(new(rebinding.NodeView, (node.index, kind, 0, None, (), handle)))
     return views, scanned
 
 
