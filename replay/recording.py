@@ -166,15 +166,53 @@ class KeptPool:
                 self.keeper.capture_end()
 
 
-#: The size of each private pool as last measured, by (device, pool id): what the pool held
-#: before a recording, for the recording's memory figure, and what stats and the compaction
-#: rule read, without a snapshot of the allocator (whose cost grows with every block the
-#: process holds). Only captures grow a pool, and every capture measures it again.
-_KNOWN_POOL_BYTES: dict[tuple[int, tuple], int] = {}
+@attrs.frozen
+class _KnownPool:
+    """A private pool's segments as last measured, and the allocator's counts of device
+    allocations and frees on its device read just before (None where torch does not say)."""
+
+    counts: tuple[int, int] | None
+    segments: list[tuple[int, int]]  # (address, bytes)
+
+
+#: Each private pool as last measured, by (device, pool id): what the pool held before a
+#: recording, for the recording's memory figure, and what stats and the compaction rule read,
+#: without a snapshot of the allocator (whose cost grows with every block the process holds).
+#: Only captures grow a pool, and a live pool keeps every segment it has: the segments known
+#: are the pool's (it may have more). While the allocator's counts of device allocations and
+#: frees on the device have not moved since, no segment of any pool came or went, and the
+#: segments known are all the pool's (see current_pool_segments).
+_KNOWN_POOLS: dict[tuple[int, tuple], _KnownPool] = {}
 
 
 def _forget_pool(device: int, pool: tuple) -> None:
-    _KNOWN_POOL_BYTES.pop((device, pool), None)
+    _KNOWN_POOLS.pop((device, pool), None)
+
+
+def _device_segment_counts(device: int) -> tuple[int, int] | None:
+    """(device allocations, device frees) the caching allocator has made on ``device``: every
+    segment it maps or unmaps moves one of them. None where torch does not say."""
+    stats = getattr(torch._C, "_cuda_memoryStats", None)
+    try:
+        found = stats(device) if stats is not None else {}
+    except Exception:
+        return None
+    counts = (found.get("num_device_alloc"), found.get("num_device_free"))
+    return counts if all(isinstance(c, int) for c in counts) else None
+
+
+def current_pool_segments(device: int, pool: tuple) -> tuple[list[tuple[int, int]], bool]:
+    """(the pool's segments now, whether they were measured by a snapshot): the segments last
+    measured while the allocator's counts of device allocations and frees on the device are
+    those read before that measurement (no segment came or went since), else
+    :func:`pool_segments`. The counts can only say "unchanged" wrongly where torch's
+    accumulated statistics were reset in between and then reached the same numbers again:
+    exactness never rests on them (a recording's own outputs check the segments they rely
+    on, see _pool_memory_holding); a memory figure could miss a segment."""
+    known = _KNOWN_POOLS.get((device, tuple(pool)))
+    if known is not None and known.counts is not None and known.counts == _device_segment_counts(device):
+        return known.segments, False
+    return pool_segments(device, pool), True
 
 
 def pool_segments(device: int, pool: tuple) -> list[tuple[int, int]]:
@@ -188,6 +226,7 @@ def pool_segments(device: int, pool: tuple) -> list[tuple[int, int]]:
     where the pool's own snapshot lists the pool's alone (torch still walks every block to
     pick them: benchmarks/pool_snapshot.py)."""
     found = None
+    counts = _device_segment_counts(device)  # before the snapshot: a segment in between moves them
     try:
         if not _one_pool_snapshot_takes_its_ids():
             found = _segments_of(torch.cuda.memory_snapshot(mempool_id=pool, include_traces=False), device)
@@ -201,7 +240,7 @@ def pool_segments(device: int, pool: tuple) -> list[tuple[int, int]]:
             for s in _whole_snapshot()
             if s.get("device") == device and tuple(s.get("segment_pool_id", ())) == tuple(pool)
         ]
-    _KNOWN_POOL_BYTES[(device, tuple(pool))] = sum(size for _, size in found)
+    _KNOWN_POOLS[(device, tuple(pool))] = _KnownPool(counts, found)
     return found
 
 
@@ -278,13 +317,14 @@ def _one_pool_snapshot_takes_its_ids() -> bool:
 
 
 def pool_bytes(device: int, pool: tuple) -> int:
-    """Bytes reserved by a private memory pool (its segments), measured now."""
-    return sum(size for _, size in pool_segments(device, pool))
+    """Bytes reserved by a private memory pool (its segments) now (:func:`current_pool_segments`)."""
+    return sum(size for _, size in current_pool_segments(device, pool)[0])
 
 
 def known_pool_bytes(device: int, pool: tuple) -> int | None:
     """:func:`pool_bytes` as last measured (None if never)."""
-    return _KNOWN_POOL_BYTES.get((device, tuple(pool)))
+    known = _KNOWN_POOLS.get((device, tuple(pool)))
+    return None if known is None else sum(size for _, size in known.segments)
 
 
 def _end_capture_after_error(graph: torch.cuda.CUDAGraph, device: int, pool: tuple) -> bool:
@@ -915,10 +955,30 @@ def _pool_bytes_before(device: int, pool: tuple) -> int:
     return known if known is not None else pool_bytes(device, pool)
 
 
-def _pool_memory(device: int, pool: tuple) -> list[tuple[int, int]]:
-    """(first byte, one past the last) of each segment of the pool, from the one snapshot of
-    the allocator a recording takes."""
-    return [(address, address + size) for address, size in pool_segments(device, pool)]
+def _pool_memory(device: int, pool: tuple) -> tuple[list[tuple[int, int]], bool]:
+    """((first byte, one past the last) of each segment of the pool, whether a snapshot of the
+    allocator measured them): see :func:`current_pool_segments`."""
+    segments, measured = current_pool_segments(device, pool)
+    return [(address, address + size) for address, size in segments], measured
+
+
+def _pool_memory_holding(
+    outputs: object, watched: Sequence[tuple[int, int]], device: int, pool: tuple, pool_memory: list, measured: bool
+) -> list[tuple[int, int]]:
+    """The pool memory own_outputs decides by: ``pool_memory``, unless it was not measured now
+    and a device tensor the region returned lies outside it and outside the inputs; then
+    measured now. Segments known are the pool's whatever the allocator's counts say, so an
+    output inside them was made in the pool; one outside may lie in a segment the pool gained
+    (or be a global's, returned as is): only a snapshot tells."""
+    if measured:
+        return pool_memory
+    _spec, leaves, _paths = flatten((outputs,), {}, walk_dataclasses=True)
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor) and leaf.device.type == "cuda" and leaf.numel():
+            lo, hi = byte_range(leaf)
+            if not any(a <= lo and hi <= b for a, b in watched) and not any(a <= lo < b for a, b in pool_memory):
+                return [(address, address + size) for address, size in pool_segments(device, pool)]
+    return pool_memory
 
 
 def _give_outputs_their_own_memory(
@@ -932,7 +992,8 @@ def _give_outputs_their_own_memory(
 ) -> None:
     """:func:`own_outputs` for a capture that just ended (filling in ``recorded``'s outputs,
     their bytes and their storages); on failure the graph is reset and the error is a
-    CaptureFailed."""
+    CaptureFailed. ``pool_memory``: the pool's segments, checked to hold what own_outputs
+    relies on (see _pool_memory_holding)."""
     watched = prepared.watched + prepared.host_ranges()
     try:
         owned = own_outputs(recorded.outputs, watched, device, backend, graph, stream, pool_memory)
@@ -1085,7 +1146,9 @@ def capture(
                 fn, args, kwargs, prepared, recorder, observer, graph, device=device, pool=pool, copy_back=copy_back
             )
             instrumentation.steps.mark("capture begin, checks, end")
-            pool_memory = _pool_memory(device, pool)
+            pool_memory, measured = _pool_memory(device, pool)
+            watched = prepared.watched + prepared.host_ranges()
+            pool_memory = _pool_memory_holding(recorded.outputs, watched, device, pool, pool_memory, measured)
             instrumentation.steps.mark("pool snapshot")
             _give_outputs_their_own_memory(recorded, prepared, graph, pool_memory, recorder.backend, stream, device)
         instrumentation.steps.mark("own outputs")
