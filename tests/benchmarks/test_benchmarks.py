@@ -189,3 +189,23 @@ def test_the_recording_call_in_parts_sets_each_step_beside_its_raw_counterpart()
     assert "cost 160 us, 0.80x the raw capture" in body
     assert "-60 us more than raw's" in body
     assert "(at most 2x the raw capture, 400 us) 170 us for them all" in body
+
+
+def test_the_targets_are_stated_against_the_exact_floor():
+    """The replay benchmark's floor sentence and fields: what each target leaves above the
+    driver work an exact recording cannot leave out, and what the host steps spend now."""
+    from benchmarks import replay as replay_benchmark
+
+    floor = {1: (300.0, 100.0), 2: (300.0, 100.0)}  # (recording call, second call) per shape
+    text, fields = replay_benchmark.floor_report(250.0, floor, {1: 900.0, 2: 900.0}, {1: 600.0, 2: 600.0})
+    assert fields["exact_floor_us"] == {1: 300.0, 2: 300.0} and fields["exact_floor_second_call_us"][2] == 100.0
+    assert fields["exact_floor_ratio"] == pytest.approx(1.2)
+    assert fields["exact_floor_two_calls_ratio"] == pytest.approx(1.6)
+    assert fields["first_target_left_above_floor_us"] == pytest.approx(200.0)  # 2 x 250 - 300
+    assert fields["two_calls_target_left_above_floor_us"] == pytest.approx(350.0)  # 3 x 250 - 400
+    assert fields["in_session_first_above_floor_us"] == pytest.approx(600.0)
+    assert fields["in_session_two_calls_above_floor_us"] == pytest.approx(1100.0)
+    assert fields["targets_against_floor"] == text
+    assert "costs 300 us, **1.20x** the raw capture: the 2x target leaves 200 us" in text
+    assert "which spend 600 us now" in text and "the floor is 400 us, **1.60x**" in text
+    assert "the 3x target leaves 350 us" in text and "which spend 1100 us now" in text
