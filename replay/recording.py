@@ -1633,13 +1633,14 @@ def first_outputs(capture: Capture, inputs: Sequence) -> object:
     into the same views of the caller's input (``inputs``: the call's leaves), as every
     replay returns them."""
     spec, leaves, _ = flatten((capture.outputs,), {}, walk_dataclasses=True)
+    host = capture.host.buffers if getattr(capture, "host", None) is not None else {}
+    buffers = {**capture.staged, **host}
     values = []
     for leaf in leaves:
         if isinstance(leaf, DynamicScalar):
             leaf = leaf.value
         elif isinstance(leaf, torch.Tensor):
-            host = capture.host.buffers if getattr(capture, "host", None) is not None else {}
-            for i, buffer in {**capture.staged, **host}.items():
+            for i, buffer in buffers.items():
                 lo = buffer.data_ptr()
                 if lo <= leaf.data_ptr() and leaf.data_ptr() + extent_bytes(leaf) <= lo + extent_bytes(buffer):
                     # the same view (dtype included) of the caller's memory
