@@ -32,8 +32,10 @@ import numpy as np
 import torch
 
 import jitcore
+from replay import objects
 from replay.dynamic import Dynamic
 from replay.errors import ReplayError
+from replay.objects import ObjectWalk
 from replay.torch_state import (  # noqa: F401 (what callers read here)
     MODE_NAMES,
     _settings_check_type,
@@ -197,16 +199,18 @@ def _container_refused(value: object, path: str) -> TypeError:
     )
 
 
-def _flatten_into(value: object, leaves: list, path: str, paths: list, outputs: bool) -> object:
+def _flatten_into(
+    value: object, leaves: list, path: str, paths: list, outputs: bool, walk: ObjectWalk | None
+) -> object:
     cls = value.__class__
     if cls is tuple or cls is list:
         return (
             "tuple" if cls is tuple else "list",
-            tuple(_flatten_into(v, leaves, f"{path}[{i}]", paths, outputs) for i, v in enumerate(value)),
+            tuple(_flatten_into(v, leaves, f"{path}[{i}]", paths, outputs, walk) for i, v in enumerate(value)),
         )
     if cls is dict:
         keys = tuple(value)
-        children = tuple(_flatten_into(value[k], leaves, f"{path}[{k!r}]", paths, outputs) for k in keys)
+        children = tuple(_flatten_into(value[k], leaves, f"{path}[{k!r}]", paths, outputs, walk) for k in keys)
         if outputs:  # no key compares an output's structure
             return ("dict", keys, children)
         # graph.py and _rebuild read the first three; the fourth makes the spec compare the
@@ -216,23 +220,8 @@ def _flatten_into(value: object, leaves: list, path: str, paths: list, outputs: 
         leaves.append(value)
         paths.append(path)
         return None
-    if isinstance(value, tuple):
-        kind = _tuple_kind(value, cls, path)
-        return (kind, tuple(_flatten_into(v, leaves, f"{path}[{i}]", paths, outputs) for i, v in enumerate(value)))
-    if isinstance(value, dict):
-        if cls not in _MAPPINGS:
-            raise _container_refused(value, path)
-        keys = tuple(value)
-        factory: tuple = ()
-        if cls is collections.defaultdict:  # the first leaf, as MappingOf takes it
-            leaves.append(value.default_factory)
-            paths.append(f"{path}.default_factory")
-            factory = (None,)
-        children = tuple(_flatten_into(value[k], leaves, f"{path}[{k!r}]", paths, outputs) for k in keys)
-        children = (*factory, *children)
-        return (MappingOf(cls, keys, keys if outputs else _exact_keys(keys, path)), children)
-    if isinstance(value, list):
-        raise _container_refused(value, path)
+    if isinstance(value, (tuple, dict, list)):
+        return _flatten_subclass(value, cls, leaves, path, paths, outputs, walk)
     if hasattr(cls, "__dataclass_fields__") and (outputs or cls.__dataclass_params__.frozen):
         names = _field_names(cls)
         _no_extra_attributes(value, names, path)
@@ -240,11 +229,34 @@ def _flatten_into(value: object, leaves: list, path: str, paths: list, outputs: 
             "dataclass",
             cls,
             names,
-            tuple(_flatten_into(getattr(value, n), leaves, f"{path}.{n}", paths, outputs) for n in names),
+            tuple(_flatten_into(getattr(value, n), leaves, f"{path}.{n}", paths, outputs, walk) for n in names),
         )
+    if walk is not None and objects.is_object(value):
+        return walk.carrier(value, path)
     leaves.append(value)
     paths.append(path)
     return None
+
+
+def _flatten_subclass(
+    value: object, cls: type, leaves: list, path: str, paths: list, outputs: bool, walk: ObjectWalk | None
+) -> object:
+    """A tuple, dict or list subclass: rebuilt as its own class, or a clear TypeError."""
+    if isinstance(value, tuple):
+        kind = _tuple_kind(value, cls, path)
+        items = tuple(_flatten_into(v, leaves, f"{path}[{i}]", paths, outputs, walk) for i, v in enumerate(value))
+        return (kind, items)
+    if isinstance(value, list) or cls not in _MAPPINGS:
+        raise _container_refused(value, path)
+    keys = tuple(value)
+    factory: tuple = ()
+    if cls is collections.defaultdict:  # the first leaf, as MappingOf takes it
+        leaves.append(value.default_factory)
+        paths.append(f"{path}.default_factory")
+        factory = (None,)
+    children = tuple(_flatten_into(value[k], leaves, f"{path}[{k!r}]", paths, outputs, walk) for k in keys)
+    children = (*factory, *children)
+    return (MappingOf(cls, keys, keys if outputs else _exact_keys(keys, path)), children)
 
 
 def _exact_keys(keys: tuple, path: str) -> tuple:
@@ -256,7 +268,9 @@ def _exact_keys(keys: tuple, path: str) -> tuple:
 _FLAT_PATHS: dict[int, list[str]] = {}
 
 
-def flatten(args: tuple, kwargs: dict, *, walk_dataclasses: bool = False) -> tuple[object, list, list[str]]:
+def flatten(
+    args: tuple, kwargs: dict, *, walk_dataclasses: bool = False, walk_objects: bool = False
+) -> tuple[object, list, list[str]]:
     """(spec, leaves, paths): nested tuples, lists and dicts are walked, and so are named
     tuples, ``torch.Size``, structseqs (``torch.return_types.*``), ``OrderedDict``,
     ``defaultdict`` and frozen dataclasses, each rebuilt as its own class by :func:`unflatten`
@@ -271,6 +285,12 @@ def flatten(args: tuple, kwargs: dict, *, walk_dataclasses: bool = False) -> tup
     region makes to it. ``walk_dataclasses=True`` (outputs) walks every dataclass, and leaves
     dict keys out of the spec's comparison (no key compares an output's structure).
 
+    ``walk_objects=True`` walks object arguments (:mod:`replay.objects`: whatever a key would
+    otherwise refuse as compared by identity, a dataclass that is not frozen included): each
+    is a carrier leaf followed by its shadow leaves, and the spec gets a fourth element, an
+    :class:`~replay.objects.ObjectLeaves` saying where they lie. Without it such arguments
+    are leaves, which the key refuses.
+
     ``paths`` name each leaf for messages (``args[1]['kv']``); callers read them and never
     change them (flat calls share theirs)."""
     if not kwargs and not walk_dataclasses:
@@ -278,7 +298,7 @@ def flatten(args: tuple, kwargs: dict, *, walk_dataclasses: bool = False) -> tup
             cls = a.__class__
             if cls is torch.Tensor or cls in _FLAT_LEAVES:
                 continue
-            if _walked(a):
+            if _walked(a) or (walk_objects and objects.is_object(a)):
                 break
         else:
             count = len(args)
@@ -288,11 +308,14 @@ def flatten(args: tuple, kwargs: dict, *, walk_dataclasses: bool = False) -> tup
             return (FLAT, count), list(args), paths
     leaves: list = []
     paths: list[str] = []
+    walk = objects.ObjectWalk(leaves, paths) if walk_objects else None
     spec = (
-        tuple(_flatten_into(a, leaves, f"args[{i}]", paths, walk_dataclasses) for i, a in enumerate(args)),
+        tuple(_flatten_into(a, leaves, f"args[{i}]", paths, walk_dataclasses, walk) for i, a in enumerate(args)),
         tuple(kwargs),
-        tuple(_flatten_into(v, leaves, k, paths, walk_dataclasses) for k, v in kwargs.items()),
+        tuple(_flatten_into(v, leaves, k, paths, walk_dataclasses, walk) for k, v in kwargs.items()),
     )
+    if walk is not None and walk.carriers:
+        spec = (*spec, walk.object_leaves())
     return spec, leaves, paths
 
 
@@ -313,6 +336,10 @@ def _rebuild(spec: object, leaves: Sequence, position: list[int]) -> object:
     kind = spec[0]
     if kind == "dict":
         return {k: _rebuild(s, leaves, position) for k, s in zip(spec[1], spec[2])}
+    if kind == "object":  # the caller's object itself; its shadow leaves follow it
+        value = leaves[position[0]]
+        position[0] += 1 + spec[2]
+        return value
     if kind == "dataclass":
         return make_dataclass_instance(spec[1], spec[2], [_rebuild(s, leaves, position) for s in spec[3]])
     items = [_rebuild(s, leaves, position) for s in spec[1]]
@@ -393,6 +420,40 @@ _IDENTITY_CONSTANTS: tuple[type, ...] = (
 )
 #: Bound callables: keyed by their name and what they are bound to (``x.add`` of a tensor is refused).
 _BOUND_CALLABLES = (types.BuiltinFunctionType, types.MethodWrapperType, types.MethodType)
+#: Classes (and their subclasses) whose values constant_key takes by what they are, or which
+#: flatten walks as containers: never walked as objects.
+_NOT_OBJECTS = (
+    torch.Tensor,
+    Dynamic,
+    tuple,
+    list,
+    dict,
+    set,
+    frozenset,
+    enum.Enum,
+    type,
+    int,
+    float,
+    complex,
+    str,
+    bytes,
+    np.generic,
+    np.dtype,
+    range,
+    slice,
+    fractions.Fraction,
+    decimal.Decimal,
+    *_IDENTITY_CONSTANTS,
+    *_BOUND_CALLABLES,
+)
+
+
+def constant_class(cls: type) -> bool:
+    """Whether values of ``cls`` are constants of a key or containers flatten walks (a frozen
+    dataclass is rebuilt), not objects to walk (:mod:`replay.objects`)."""
+    if cls in _BY_VALUE or issubclass(cls, _NOT_OBJECTS):
+        return True
+    return hasattr(cls, "__dataclass_fields__") and cls.__dataclass_params__.frozen
 
 
 def _other_constant_key(value: object, cls: type, path: str) -> object:
@@ -517,8 +578,21 @@ def region_key(device: int, spec: object, leaves: Sequence, paths: Sequence[str]
     """The full key of one call: device, the torch modes in force, the argument structure,
     how the tensor arguments overlap each other, and each leaf's signature. Raises
     RefusedKey for a call no graph may serve (see :func:`constant_key`, :func:`torch_modes`):
-    the session runs it eagerly."""
+    the session runs it eagerly. A walked object's carrier is keyed as :data:`CARRIER` (its
+    class and structure are in the spec, what it holds in its shadow leaves' elements)."""
+    if len(spec) > 3:
+        return _object_call_key(device, spec, leaves, paths)
     return (device, spec, torch_modes(), alias_pattern(leaves), *map(leaf_key, leaves, paths))
+
+
+#: The key element of a walked object itself (replay.objects): no identity.
+CARRIER = ("carrier",)
+
+
+def _object_call_key(device: int, spec: tuple, leaves: Sequence, paths: Sequence[str]) -> tuple:
+    carriers = set(spec[3].carriers)
+    elements = [CARRIER if i in carriers else leaf_key(leaf, path) for i, (leaf, path) in enumerate(zip(leaves, paths))]
+    return (device, spec, torch_modes(), alias_pattern(leaves), *elements)
 
 
 #: Key elements before the leaves' (device, spec, modes, aliasing).
