@@ -151,9 +151,15 @@ def _computes_state(cls: type) -> bool:
     return False
 
 
+def _python_class(cls: type) -> bool:
+    """Made by a class statement: a heap type that is not immutable (C extension types are
+    static, or heap types made immutable, as ``functools.partial`` and locks are)."""
+    heap, immutable = 1 << 9, 1 << 8  # Py_TPFLAGS_HEAPTYPE, Py_TPFLAGS_IMMUTABLETYPE
+    return bool(cls.__flags__ & heap) and not cls.__flags__ & immutable
+
+
 def _class_walk(cls: type) -> ClassWalk:
-    heap = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class made by a class statement
-    foreign = [klass for klass in cls.__mro__ if not klass.__flags__ & heap and klass not in _STATELESS_C_CLASSES]
+    foreign = [klass for klass in cls.__mro__ if not _python_class(klass) and klass not in _STATELESS_C_CLASSES]
     refusal = ""
     if foreign:
         refusal = f"is a {_name(cls)}, an object of a C extension type ({_name(foreign[0])}) whose state cannot be read"
@@ -435,7 +441,9 @@ def _difference(a: object, b: object, path: str) -> str | None:
         )
     if a[0] == "map":
         if a[2] != b[2]:
-            return _first_of(f"{path}[{_shown(k)}]" for k, other in zip(a[2], b[2]) if k != other) or path
+            keys = [k for k, other in zip(a[2], b[2]) if k != other]
+            longer = max(a[2], b[2], key=len)
+            return f"{path}[{_shown(keys[0] if keys else longer[min(len(a[2]), len(b[2]))])}]"
         found = _first_of(_difference(x, y, f"{path}[{_shown(k)}]") for k, x, y in zip(a[2], a[3], b[3]))
         return found or _members_difference(a[5], b[5], path) or path
     if a[0] == "module":
