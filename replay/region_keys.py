@@ -144,7 +144,7 @@ class MappingOf:
 #: the class it was given or built.
 _MAPPINGS = (collections.OrderedDict, collections.defaultdict)
 
-#: Field names of dataclasses, by class (dataclasses.fields costs microseconds per call).
+#: Field names of dataclasses, by class (dataclasses.fields rebuilds them on every call).
 _FIELD_NAMES: weakref.WeakKeyDictionary[type, tuple[str, ...]] = weakref.WeakKeyDictionary()
 
 
@@ -504,6 +504,12 @@ def _other_constant_key(value: object, cls: type, path: str) -> object:
         )
     if isinstance(value, np.dtype):
         return (cls, value)
+    return _subclass_or_refused_key(value, cls, path)
+
+
+def _subclass_or_refused_key(value: object, cls: type, path: str) -> object:
+    """The key of a subclass of a plain constant (its value through the base class), else the
+    refusal of a value no key may hold: TypeError where it is unhashable, RefusedKey else."""
     for base in (int, float, complex, str, bytes):  # subclasses of the plain constants (enums came first)
         if isinstance(value, base):
             if getattr(value, "__dict__", None):
