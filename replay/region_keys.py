@@ -10,7 +10,10 @@ so two calls may share a key only where a graph recorded for one computes exactl
 other would compute eagerly: values whose equality is looser than that (``1 == 1.0 == True``,
 ``0.0 == -0.0``), and objects compared by identity whose attributes the region reads, are
 refused (:class:`RefusedKey`) rather than keyed. The key also carries the current device,
-since graphs are recorded and replayed per device.
+since graphs are recorded and replayed per device, and the global torch settings in force
+(:mod:`replay.torch_state`). Where the caller asks (``flatten(..., walk_objects=True)``), an
+object argument is walked rather than refused (:mod:`replay.objects`): its class, structure
+and plain values are keyed and its tensors are leaves.
 """
 
 from __future__ import annotations
