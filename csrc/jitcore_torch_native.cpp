@@ -29,8 +29,9 @@
 //   while it ran. So it can only ever say what `exact` would: the state is a function of the
 //   settings read, so an equal state means equal settings. settings_state() is the state as
 //   a tuple and SETTINGS_COVERED names the Python getters (with their arguments) whose value
-//   it determines; tests/replay/test_region_keys.py changes each of them and checks that the
-//   state moves.
+//   it determines; tests/replay/test_torch_state.py changes each of them and checks that the
+//   state moves. SETTINGS_READER, a capsule of Py_ssize_t read(int64_t *values, Py_ssize_t
+//   capacity), reads the same state into an array: replay's settings check (csrc/replay_checks.c).
 //
 // - a capsule, "replay_support", a ReplaySupport struct (the version, then functions) for the C
 //   replay step (csrc/replay_step.c): the data pointer reader above, and `fresh_output`, a
@@ -669,6 +670,16 @@ PyObject *settings_state(PyObject *, PyObject *) {
     return values;
 }
 
+// SETTINGS_READER's function, for replay's settings check (csrc/replay_checks.c): the state into
+// `values`, its length, or -1 where a getter threw or it does not fit.
+Py_ssize_t settings_reader(int64_t *values, Py_ssize_t capacity) {
+    SettingsState state;
+    if (!read_settings(state, nullptr) || static_cast<Py_ssize_t>(state.count) > capacity)
+        return -1;
+    std::memcpy(values, state.values.data(), state.count * sizeof(int64_t));
+    return static_cast<Py_ssize_t>(state.count);
+}
+
 // SETTINGS_COVERED: ((getter name, (arguments...)), ...), or None where the settings cannot be read.
 PyObject *settings_covered() {
     SettingsState state;
@@ -1083,6 +1094,13 @@ PyMODINIT_FUNC PyInit__torch_native(void) {
                                       "jitcore._torch_native.replay_support", nullptr);
     if (support == nullptr || PyModule_AddObject(module, "replay_support", support) < 0) {
         Py_XDECREF(support);
+        Py_DECREF(module);
+        return nullptr;
+    }
+    PyObject *settings = PyCapsule_New(reinterpret_cast<void *>(settings_reader),
+                                       "jitcore._torch_native.settings_reader", nullptr);
+    if (settings == nullptr || PyModule_AddObject(module, "SETTINGS_READER", settings) < 0) {
+        Py_XDECREF(settings);
         Py_DECREF(module);
         return nullptr;
     }

@@ -19,13 +19,15 @@
  *     'i': identity (`value is not expected`; bools, None, dtypes: singletons),
  *     'e': equality (`value != expected`; strings, lists, ints),
  *     'v': a pybind enum by its int (`value.value != expected`);
- *   state: None, or a callable returning the settings state (a tuple);
+ *   state: None, or a capsule named "jitcore._torch_native.settings_reader" (the torch-side
+ *     helper's SETTINGS_READER) holding Py_ssize_t read(int64_t *values, Py_ssize_t capacity):
+ *     the settings state, the count of values written, or -1 where it cannot be read;
  *   uncovered: the indices of the tests the state does not determine.
  * With a state: while the state read now equals the reference (a state in which every test
  * said "the same"), only the uncovered tests run; otherwise every test runs, and where none
  * differs and the state read again afterwards is still the one read before (nothing moved
  * meanwhile, another thread may set a global), that state becomes the reference. A state that
- * cannot be read (its Exception is cleared) runs every test and arms nothing.
+ * cannot be read runs every test and arms nothing.
  * A reader that raises, or a comparison that does, raises out of the call; where the optional
  * `unreadable` callable was given (replay.torch_state gives it, as its generated check does),
  * an Exception (not a KeyboardInterrupt or other BaseException) is cleared instead and the
@@ -39,14 +41,19 @@
 #include <string.h>
 #include <structmember.h>
 
+#define SETTINGS_CAPACITY 256
+#define READER_CAPSULE "jitcore._torch_native.settings_reader"
+
 typedef struct {
     PyObject_HEAD
     PyObject *readers;    /* tuple of callables */
     PyObject *arguments;  /* tuple of tuples */
     PyObject *expected;   /* tuple */
     PyObject *unreadable; /* callable or NULL: what a reader's exception turns into */
-    PyObject *state;      /* callable or NULL: the settings state reader */
-    PyObject *reference;  /* the state in which every test last said "the same", or NULL */
+    PyObject *state;      /* the reader's capsule, or NULL */
+    Py_ssize_t (*read)(int64_t *values, Py_ssize_t capacity); /* the state reader, or NULL */
+    int64_t reference[SETTINGS_CAPACITY]; /* the state in which every test last said "the same" */
+    Py_ssize_t reference_count; /* its length; -1: none yet */
     PyObject *uncovered;  /* tuple of ints, kept for inspection */
     Py_ssize_t *uncovered_at; /* the same indices, read per call */
     Py_ssize_t uncovered_count;
@@ -63,7 +70,6 @@ static int settings_traverse(SettingsCheck *self, visitproc visit, void *arg) {
     Py_VISIT(self->expected);
     Py_VISIT(self->unreadable);
     Py_VISIT(self->state);
-    Py_VISIT(self->reference);
     Py_VISIT(self->uncovered);
     return 0;
 }
@@ -74,7 +80,7 @@ static int settings_clear(SettingsCheck *self) {
     Py_CLEAR(self->expected);
     Py_CLEAR(self->unreadable);
     Py_CLEAR(self->state);
-    Py_CLEAR(self->reference);
+    self->read = NULL;
     Py_CLEAR(self->uncovered);
     return 0;
 }
@@ -127,36 +133,19 @@ static int tests_differ(SettingsCheck *self, const Py_ssize_t *at, Py_ssize_t co
     return 0;
 }
 
-/* The state now, or NULL: with an exception set where it raised a BaseException, without one
- * where an Exception was cleared (a state that cannot be read decides nothing). */
-static PyObject *read_state(SettingsCheck *self) {
-    PyObject *now = PyObject_CallNoArgs(self->state);
-    if (now == NULL && PyErr_ExceptionMatches(PyExc_Exception))
-        PyErr_Clear();
-    return now;
+/* The state now into `values` (SETTINGS_CAPACITY of them): its length, or -1 where it cannot be read. */
+static Py_ssize_t read_state(SettingsCheck *self, int64_t *values) {
+    return self->read(values, SETTINGS_CAPACITY);
 }
 
-/* 1: the states are equal, 0: not (or the comparison raised an Exception, cleared), -1: a
- * BaseException is set. */
-static int same_state(PyObject *a, PyObject *b) {
-    int same = PyObject_RichCompareBool(a, b, Py_EQ);
-    if (same < 0 && PyErr_ExceptionMatches(PyExc_Exception)) {
-        PyErr_Clear();
-        return 0;
+/* Every test said "the same" in the state `now`: it becomes the reference if nothing moved
+ * meanwhile (read again: another thread may set a global). */
+static void arm(SettingsCheck *self, const int64_t *now, Py_ssize_t count) {
+    int64_t after[SETTINGS_CAPACITY];
+    if (read_state(self, after) == count && memcmp(after, now, sizeof(int64_t) * (size_t)count) == 0) {
+        memcpy(self->reference, now, sizeof(int64_t) * (size_t)count);
+        self->reference_count = count;
     }
-    return same;
-}
-
-/* Every test said "the same" in state `now`: it becomes the reference if nothing moved. */
-static int arm(SettingsCheck *self, PyObject *now) {
-    PyObject *after = read_state(self);
-    if (after == NULL)
-        return PyErr_Occurred() ? -1 : 0;
-    int same = same_state(after, now);
-    Py_DECREF(after);
-    if (same > 0)
-        Py_XSETREF(self->reference, Py_NewRef(now));
-    return same < 0 ? -1 : 0;
 }
 
 /* A reader or a comparison raised: with `unreadable`, an Exception becomes its answer. */
@@ -182,21 +171,15 @@ static PyObject *answer(SettingsCheck *self, int result) {
 
 /* The check with a state: the uncovered tests alone while the state is the reference. */
 static PyObject *check_with_state(SettingsCheck *self) {
-    PyObject *now = read_state(self);
-    if (now == NULL && PyErr_Occurred())
-        return NULL;
-    if (now != NULL && self->reference != NULL) {
-        int same = same_state(now, self->reference);
-        if (same != 0) {
-            Py_DECREF(now);
-            return same < 0 ? NULL : answer(self, tests_differ(self, self->uncovered_at, self->uncovered_count));
-        }
-    }
+    int64_t now[SETTINGS_CAPACITY];
+    Py_ssize_t count = read_state(self, now);
+    if (count >= 0 && count == self->reference_count &&
+        memcmp(now, self->reference, sizeof(int64_t) * (size_t)count) == 0)
+        return answer(self, tests_differ(self, self->uncovered_at, self->uncovered_count));
     int result = tests_differ(self, NULL, self->count);
-    if (result == 0 && now != NULL && arm(self, now) < 0)
-        result = -2;
-    Py_XDECREF(now);
-    return result == -2 ? NULL : answer(self, result);
+    if (result == 0 && count >= 0)
+        arm(self, now, count);
+    return answer(self, result);
 }
 
 static PyObject *settings_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
@@ -205,7 +188,7 @@ static PyObject *settings_vectorcall(PyObject *callable, PyObject *const *args, 
         PyErr_SetString(PyExc_TypeError, "a settings check takes no arguments");
         return NULL;
     }
-    if (self->state != NULL)
+    if (self->read != NULL)
         return check_with_state(self);
     return answer(self, tests_differ(self, NULL, self->count));
 }
@@ -253,14 +236,17 @@ static int read_state_fields(SettingsCheck *self, PyObject *program) {
     PyObject *state = PyObject_GetAttr(program, s_state);
     if (state == NULL)
         return -1;
-    if (state != Py_None && !PyCallable_Check(state)) {
+    self->reference_count = -1;
+    if (state == Py_None) {
         Py_DECREF(state);
-        PyErr_SetString(PyExc_TypeError, "a settings program's state must be callable or None");
+    } else if (!PyCapsule_IsValid(state, READER_CAPSULE)) {
+        Py_DECREF(state);
+        PyErr_SetString(PyExc_TypeError, "a settings program's state must be None or a " READER_CAPSULE " capsule");
         return -1;
+    } else {
+        self->state = state;
+        self->read = (Py_ssize_t(*)(int64_t *, Py_ssize_t))PyCapsule_GetPointer(state, READER_CAPSULE);
     }
-    self->state = state == Py_None ? NULL : state;
-    if (state == Py_None)
-        Py_DECREF(state);
     self->uncovered = PyObject_GetAttr(program, s_uncovered);
     if (self->uncovered == NULL)
         return -1;
@@ -309,7 +295,7 @@ static PyObject *settings_ways(SettingsCheck *self, void *unused) {
 }
 
 static PyObject *settings_armed(SettingsCheck *self, void *unused) {
-    return Py_NewRef(self->reference != NULL ? Py_True : Py_False);
+    return Py_NewRef(self->reference_count >= 0 ? Py_True : Py_False);
 }
 
 static PyGetSetDef settings_getset[] = {
@@ -322,7 +308,7 @@ static PyMemberDef settings_members[] = {
     {"readers", T_OBJECT, offsetof(SettingsCheck, readers), READONLY, "the reader of each setting"},
     {"arguments", T_OBJECT, offsetof(SettingsCheck, arguments), READONLY, "each reader's arguments"},
     {"expected", T_OBJECT, offsetof(SettingsCheck, expected), READONLY, "each setting's recorded value"},
-    {"state", T_OBJECT, offsetof(SettingsCheck, state), READONLY, "the settings state reader, or None"},
+    {"state", T_OBJECT, offsetof(SettingsCheck, state), READONLY, "the settings state reader's capsule, or None"},
     {"uncovered", T_OBJECT, offsetof(SettingsCheck, uncovered), READONLY, "the tests the state does not decide"},
     {"unreadable", T_OBJECT, offsetof(SettingsCheck, unreadable), READONLY,
      "what a reader's exception turns into (None: it raises out)"},

@@ -434,16 +434,16 @@ class SettingsProgram:
     """What a replay checks of the torch settings, read by name by csrc/replay_checks.c's
     SettingsCheck and by the generated Python check: a test per setting (``readers`` called
     with ``arguments``, compared with ``expected`` the way ``ways`` says, the first difference
-    ends it), and where ``state`` is given (the torch-side helper's ``settings_state``, which
-    reads most settings through torch's C++ getters into one tuple) the C check answers from
-    it: while the state equals one in which every test said "the same", only the tests it
+    ends it), and where ``state`` is given (the torch-side helper's ``SETTINGS_READER``, a C
+    function reading most settings through torch's C++ getters into an array) the C check
+    answers from it: while the state equals one in which every test said "the same", only the tests it
     does not determine (``uncovered``, indices) run; any other state runs them all, and
     becomes the reference only where they all said "the same" and nothing moved meanwhile.
     So the state can only ever answer what the tests answer."""
 
     tests: tuple[SettingTest, ...]
     uncovered: tuple[int, ...]
-    state: Callable[[], tuple] | None
+    state: object | None  # the helper's SETTINGS_READER capsule
 
     @property
     def readers(self) -> tuple:
@@ -516,7 +516,7 @@ def settings_program(recorded: tuple, state_reader: object | None = None) -> Set
     uncovered = tuple(
         i for i, test in enumerate(tests) if test.getter not in getters or (test.getter, test.args) not in covered
     )
-    return SettingsProgram(tests, uncovered, state_reader.settings_state)
+    return SettingsProgram(tests, uncovered, state_reader.SETTINGS_READER)
 
 
 _modes_changed_cache: dict[tuple, Callable[[], bool]] = {}  # (recorded, the C type or None, helper) -> check
@@ -553,7 +553,7 @@ def modes_changed(recorded: tuple, *, compiled: bool = True, watch: bool = True)
 def _settings_helper() -> object | None:
     """The torch-side helper where it is loaded and reads this torch's settings, else None."""
     helper = jitcore.torch_native.module()
-    if helper is None or getattr(helper, "SETTINGS_COVERED", None) is None:
+    if helper is None or getattr(helper, "SETTINGS_COVERED", None) is None or not hasattr(helper, "SETTINGS_READER"):
         return None
     return helper
 

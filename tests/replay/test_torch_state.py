@@ -5,6 +5,7 @@ state held against torch's own getters."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import itertools
 import os
 import re
@@ -301,7 +302,7 @@ def test_the_check_kind_is_the_one_asked_for(checks_kind):
         assert type(changed).__name__ == "function"
     else:  # the C check, answering from the helper's state with the watch
         assert type(changed).__name__ == "SettingsCheck"
-        assert (changed.state is not None) is (checks_kind == "watch")
+        assert (changed.state is not None) is (checks_kind == "watch")  # the helper's SETTINGS_READER
 
 
 @pytest.mark.parametrize("name", torch_state.MODE_NAMES)
@@ -586,7 +587,7 @@ def test_the_c_check_makes_the_same_calls_and_comparisons():
         same(1)
     with pytest.raises(AttributeError):
         check_type(object())  # a program without its fields
-    with pytest.raises(TypeError, match="state must be callable"):
+    with pytest.raises(TypeError, match="state must be None or a"):
         check_type(_program((reader(1),), ((),), (1,), "i", state=1))
     with pytest.raises(ValueError, match="uncovered"):
         check_type(_program((reader(1),), ((),), (1,), "i", uncovered=(1,)))
@@ -609,14 +610,36 @@ def test_the_c_check_makes_the_same_calls_and_comparisons():
         check((reader(1),), ((),), (1,), "i", unreadable=1)
 
 
+_READER = ctypes.CFUNCTYPE(ctypes.c_ssize_t, ctypes.POINTER(ctypes.c_int64), ctypes.c_ssize_t)
+_CAPSULE_NAME = b"jitcore._torch_native.settings_reader"
+
+
+def _reader_capsule(read):
+    """A SETTINGS_READER-like capsule of a Python function ``read() -> list of ints or None``
+    (None: the state cannot be read), and what must stay alive with it."""
+
+    def reader(values, capacity):
+        state = read()
+        if state is None or len(state) > capacity:
+            return -1
+        for i, value in enumerate(state):
+            values[i] = value
+        return len(state)
+
+    function = _READER(reader)
+    new = ctypes.pythonapi.PyCapsule_New
+    new.restype, new.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+    return new(ctypes.cast(function, ctypes.c_void_p), _CAPSULE_NAME, None), function
+
+
 def test_the_c_check_answers_from_the_state_only_where_its_tests_said_the_same():
     """With a state: every test until they all say "the same" in a state read twice alike,
     then only the uncovered tests while the state stays; any other state runs them all, and
     becomes the reference only where they all said "the same". A state that cannot be read
-    decides nothing; one raising a BaseException comes out."""
+    decides nothing."""
     if torch_state._SettingsCheck is None:
         pytest.skip("replay._checks is not built here")
-    calls, values, states = [], {"a": 1, "b": 2}, [(0,)]
+    calls, values, states = [], {"a": 1, "b": 2}, [[0]]
 
     def reader(name):
         def read():
@@ -625,14 +648,11 @@ def test_the_c_check_answers_from_the_state_only_where_its_tests_said_the_same()
 
         return read
 
-    def state():
-        if isinstance(states[0], BaseException):
-            raise states[0]
-        return states[0]
-
+    capsule, kept = _reader_capsule(lambda: states[0])
     check = torch_state._SettingsCheck(
-        _program((reader("a"), reader("b")), ((), ()), (1, 2), "ee", state=state, uncovered=(1,))
+        _program((reader("a"), reader("b")), ((), ()), (1, 2), "ee", state=capsule, uncovered=(1,))
     )
+    assert check.state is capsule
     assert check.armed is False and check() is False and calls == ["a", "b"] and check.armed is True
     calls.clear()
     assert check() is False and check() is False and calls == ["b", "b"]  # the uncovered test alone
@@ -640,19 +660,22 @@ def test_the_c_check_answers_from_the_state_only_where_its_tests_said_the_same()
     assert check() is True and calls == ["b", "b", "b"]
     values["b"] = 2
     calls.clear()
-    states[0] = (1,)  # another state: every test decides
+    states[0] = [1, 5]  # another state: every test decides
     values["a"] = 5
     assert check() is True and check() is True and calls == ["a", "a"]
     values["a"] = 1
     assert check() is False and calls == ["a", "a", "a", "b"]
     calls.clear()
-    assert check() is False and calls == ["b"]  # (1,) is the reference now
-    states[0] = RuntimeError("no state")
+    assert check() is False and calls == ["b"]  # [1, 5] is the reference now
+    states[0] = None
     calls.clear()
     assert check() is False and calls == ["a", "b"]  # unreadable: the tests decide
-    states[0] = KeyboardInterrupt()
-    with pytest.raises(KeyboardInterrupt):
-        check()
+    states[0] = list(range(300))  # more than the check holds: as unreadable
+    calls.clear()
+    assert check() is False and calls == ["a", "b"]
+    with pytest.raises(TypeError, match="capsule"):
+        torch_state._SettingsCheck(_program((reader("a"),), ((),), (1,), "e", state=lambda: (0,)))
+    del kept
 
 
 # --- torch settings: the new TF32 API (torch >= 2.9) in either import order ------------------
