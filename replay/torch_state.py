@@ -328,7 +328,7 @@ def _unreadable(error: BaseException) -> None:
     raise _refused_key(f"{reason}: no graph may serve a call while a setting it bakes cannot be read") from error
 
 
-def _refused(modes: tuple) -> None:
+def _refuse_required(modes: tuple) -> None:
     """A setting torch_modes read has a value no graph may be recorded under: say which."""
     for setting, value in zip(_SETTINGS, modes):
         if setting.required is not ANY and value != setting.required:
@@ -349,7 +349,7 @@ def _make_torch_modes() -> Callable[[], tuple]:
     """One generated function reading every setting into a tuple (a call per setting, no loop)
     and then comparing the settings that have a required value with it; a reader that raises,
     or a value not the required one, raises RefusedKey naming the setting."""
-    namespace: dict[str, object] = {"_tuple": tuple, "_unreadable": _unreadable, "_refused": _refused}
+    namespace: dict[str, object] = {"_tuple": tuple, "_unreadable": _unreadable, "_refuse": _refuse_required}
     calls, required = [], []
     for number, setting in enumerate(_SETTINGS):
         call = _call_source(number, setting, namespace)
@@ -364,7 +364,7 @@ def _make_torch_modes() -> Callable[[], tuple]:
         "    except Exception as error:\n"
         "        _unreadable(error)\n"
         f"    if {' or '.join(required) or 'False'}:\n"
-        "        _refused(modes)\n"
+        "        _refuse(modes)\n"
         "    return modes\n"
     )
     return generated.define(source, "<replay torch modes>", namespace)["torch_modes"]
