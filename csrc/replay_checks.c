@@ -424,6 +424,10 @@ static PyObject *total_length(PyObject *module, PyObject *const *args, Py_ssize_
         Py_ssize_t length = PyObject_Length(args[i]);
         if (length < 0)
             return NULL;
+        if (length > PY_SSIZE_T_MAX - total) {
+            PyErr_SetString(PyExc_OverflowError, "total_length: the lengths add up past the largest size");
+            return NULL;
+        }
         total += length;
     }
     return PyLong_FromSsize_t(total);
@@ -440,7 +444,7 @@ static PyMethodDef module_methods[] = {
 };
 
 static struct PyModuleDef module_definition = {
-    PyModuleDef_HEAD_INIT, "replay._checks", "Two of a replay's exactness checks in C (see csrc/replay_checks.c).", -1,
+    PyModuleDef_HEAD_INIT, "replay._checks", "A replay's exactness checks in C: torch's settings, the aliasing of arguments (see csrc/replay_checks.c).", -1,
     module_methods,
 };
 

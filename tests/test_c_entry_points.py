@@ -65,6 +65,19 @@ class Clears:
         return self.value
 
 
+def settings_program(**fields):
+    # A settings program (replay.torch_state.SettingsProgram's fields) with no tests unless given.
+    import types
+    base = dict(readers=(), arguments=(), expected=(), ways="", uncovered=(), state=None)
+    return types.SimpleNamespace(**{**base, **fields})
+
+
+class Huge:
+    # A sized object as long as a size can be.
+    def __len__(self):
+        return sys.maxsize
+
+
 def param_array(count, size):
     # The address of `count` pointers, each to `size` bytes: a kernel node's parameter array.
     values = [ctypes.create_string_buffer(size) for _ in range(count)]
@@ -225,11 +238,22 @@ CASES = [Case(*row) for row in [
     (C, "disjoint", "a negative extent", "checks.disjoint((1,), (-1,))", "OverflowError"),
     (C, "disjoint", "a range past 2**64", "checks.disjoint((2**64 - 1,), (2,))", "OverflowError"),
     (C, "disjoint", "one extent too few", "checks.disjoint((1, 2), (1,))", "ValueError"),
-    (C, "SettingsCheck", "ints for its tuples", "checks.SettingsCheck(1, 2, 3, 'i')", "TypeError"),
-    (C, "SettingsCheck", "an unknown way", "checks.SettingsCheck((len,), ((),), (0,), 'z')", "ValueError"),
+    (C, "SettingsCheck", "an int for its program", "checks.SettingsCheck(5)", "TypeError AttributeError"),
+    (C, "SettingsCheck", "a program with ints for its tuples",
+     "checks.SettingsCheck(settings_program(readers=1, arguments=2, expected=3, ways='i'))", "TypeError"),
+    (C, "SettingsCheck", "a program with an unknown way",
+     "checks.SettingsCheck(settings_program(readers=(len,), arguments=((),), expected=(0,), ways='z'))", "ValueError"),
+    (C, "SettingsCheck", "a program with one argument tuple too few",
+     "checks.SettingsCheck(settings_program(readers=(len, len), arguments=((),), expected=(0, 0), ways='ii'))",
+     "ValueError"),
+    (C, "SettingsCheck", "a state that is no capsule",
+     "checks.SettingsCheck(settings_program(state=5))", "TypeError ValueError"),
     (C, "SettingsCheck", "made with __new__ and no arguments", "checks.SettingsCheck.__new__(checks.SettingsCheck)",
      "TypeError"),
-    (C, "SettingsCheck", "called with an argument", "checks.SettingsCheck((), (), (), '')(1)", "TypeError"),
+    (C, "SettingsCheck", "called with an argument", "checks.SettingsCheck(settings_program())(1)", "TypeError"),
+    (C, "flush_denormal", "an argument", "checks.flush_denormal(1)", "TypeError"),
+    (C, "total_length", "an int", "checks.total_length(5)", "TypeError"),
+    (C, "total_length", "lengths past the largest size", "checks.total_length(Huge(), Huge())", "OverflowError"),
     (E, "EagerGate", "called without __init__", "eager.EagerGate.__new__(eager.EagerGate)((1,))",
      "TypeError ValueError RuntimeError"),
     (E, "EagerGate", "with_shapes without __init__", "eager.EagerGate.__new__(eager.EagerGate).with_shapes((1,), (1,))",
