@@ -377,6 +377,10 @@ class Admission(Generic[Resident]):
     def dropped(self, resident: Resident) -> None:
         self._residents.pop(resident, None)
 
+    def residents(self) -> list[Resident]:
+        """The graphs and pending recordings held now (registered with :meth:`held`)."""
+        return list(self._residents)
+
     def frequency(self, resident: Resident) -> int:
         """A held graph's recent use: its aged count plus its replays since."""
         count = self._residents[resident]

@@ -284,14 +284,14 @@ def test_a_buffer_holds_a_pad_only_of_a_tensor_of_its_dtype_and_device():
     meta buffer (on one GPU every graph's buffer is on the call's device, and two GPUs'
     guards already differ by the current device; the jit pad refuses a tensor of another
     device before writing, so no end-to-end test tells this half apart)."""
-    from replay.session import _holds_a_pad_of
+    from replay.routing import holds_a_pad_of
 
     buffer = torch.empty(8, 4)
-    assert _holds_a_pad_of(buffer, torch.randn(3, 4))
-    assert not _holds_a_pad_of(buffer, torch.randn(3, 4, dtype=torch.float64))
-    assert not _holds_a_pad_of(buffer, torch.empty(3, 4, dtype=torch.int32))
-    assert not _holds_a_pad_of(torch.empty(8, 4, device="meta"), torch.randn(3, 4))
-    assert not _holds_a_pad_of(buffer, torch.empty(3, 4, device="meta"))
+    assert holds_a_pad_of(buffer, torch.randn(3, 4))
+    assert not holds_a_pad_of(buffer, torch.randn(3, 4, dtype=torch.float64))
+    assert not holds_a_pad_of(buffer, torch.empty(3, 4, dtype=torch.int32))
+    assert not holds_a_pad_of(torch.empty(8, 4, device="meta"), torch.randn(3, 4))
+    assert not holds_a_pad_of(buffer, torch.empty(3, 4, device="meta"))
 
 
 @pytest.mark.parametrize("other", [torch.int32, torch.float64, torch.bfloat16], ids=str)
@@ -340,7 +340,7 @@ def test_a_marker_whose_size_needs_no_padding_is_an_ordinary_call(session_factor
     # unpadded: the gate (C) takes the marker as its tensor before any Python, the Python path
     # at the top of _call_padded; the same results, counts and recordings as the plain call
     entered = {"_call": 0, "buckets.call": 0}
-    original_call, original_buckets_call = replay.session.Region._call, buckets.call
+    original_call, original_buckets_call = replay.region.Region.full_path, buckets.call
 
     def counting_call(self, *args):
         entered["_call"] += 1
@@ -350,7 +350,7 @@ def test_a_marker_whose_size_needs_no_padding_is_an_ordinary_call(session_factor
         entered["buckets.call"] += 1
         return original_buckets_call(*args, **kwargs)
 
-    monkeypatch.setattr(replay.session.Region, "_call", counting_call)
+    monkeypatch.setattr(replay.region.Region, "full_path", counting_call)
     monkeypatch.setattr(buckets, "call", counting_buckets_call)
     w = torch.randn(4)
 
@@ -399,7 +399,7 @@ def test_a_marker_needing_no_padding_keeps_the_padded_path_where_it_verifies_or_
     step = session.region(lambda x: x * 2)
     x = torch.randn(9, 3)
     assert torch.equal(step(replay.padded(x)), x * 2)
-    assert entered == [1] and step.padded_calls == 1
+    assert entered == [1] and step.router.padded_calls == 1
 
 
 def test_without_padding_takes_markers_that_need_none():

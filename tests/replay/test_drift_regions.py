@@ -13,7 +13,8 @@ import torch
 
 from jitcore.backends import use_backend
 from jitcore.backends.null import NullBackend
-from replay.session import RECORDED, Session
+from replay.lifecycle import REPLAYING
+from replay.session import Session
 
 from .test_session import DoubleSession, FakeGraph
 
@@ -74,7 +75,7 @@ def warm(step, x, call=None):
     """Record and replay the key (three calls: record, analyse + replay, fast replay)."""
     for _ in range(3):
         (call or step)(x)
-    assert [entry.state for entry in step.entries.values()] == [RECORDED]
+    assert [entry.state for entry in step.entries.values()] == [REPLAYING]
 
 
 def test_object_attributes_are_not_seen_and_stay_baked(session_factory):
