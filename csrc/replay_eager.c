@@ -46,7 +46,7 @@ typedef struct {
     PyObject *program; /* the DispatchProgram; NULL until __init__ */
     /* its fixed fields, held */
     PyObject *region, *by_pre_key, *entry_shapes, *session, *owners[AT_COUNT], *fn, *enter, *exit, *touch, *clock,
-        *padded_type, *buckets, *specs, *flat, *tensor_type, *dynamic_type, *dynamic_mark, *plain, *miss, *run_eagerly,
+        *padded_type, *buckets, *specs, *flat, *tensor_type, *dynamic_type, *dynamic_mark, *plain, *miss, *eagerly,
         *declined;
     long long largest, mask, settled, settled_mask;
     Py_ssize_t live[LIVE_COUNT]; /* the live fields' slots in the program */
@@ -57,9 +57,11 @@ typedef struct {
 #define HELD(X)                                                                                                     \
     X(program) X(region) X(by_pre_key) X(entry_shapes) X(session) X(fn) X(enter) X(exit) X(touch) X(clock)           \
         X(padded_type) X(buckets) X(specs) X(flat) X(tensor_type) X(dynamic_type) X(dynamic_mark) X(plain) X(miss)   \
-            X(run_eagerly) X(declined)
+            X(eagerly) X(declined)
 
 static PyObject *s_tensor, *s_dim, *s_closed, *s_gpu, *s_halve, *s_shape, *s_enter, *s_exit;
+/* int_slots' and live_names' names, interned (read as attributes where they have no slot) */
+static PyObject *s_int_slots[AT_COUNT], *s_live[LIVE_COUNT];
 
 static void gate_clear_refs(Gate *g) {
 #define CLEAR(field) Py_CLEAR(g->field);
@@ -194,7 +196,7 @@ static int read_fixed(Gate *g, PyObject *program) {
     FIELD(dynamic_mark, "dynamic_mark", NULL)
     FIELD(plain, "plain", &PyFrozenSet_Type)
     FIELD(miss, "miss", NULL)
-    FIELD(run_eagerly, "run_eagerly", NULL)
+    FIELD(eagerly, "eagerly", NULL)
     FIELD(declined, "declined", NULL)
 #undef FIELD
     if (read_number(program, "largest", &g->largest) < 0 || read_number(program, "mask", &g->mask) < 0 ||
@@ -258,7 +260,7 @@ static PyObject *gate_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) 
 /* A live field of the program (a new reference). */
 static PyObject *live(Gate *g, int which) {
     if (g->live[which] < 0) /* (a free-threaded build) */
-        return PyObject_GetAttrString(g->program, live_names[which]);
+        return PyObject_GetAttr(g->program, s_live[which]);
     PyObject *value = *(PyObject **)((char *)g->program + g->live[which]);
     if (value == NULL)
         PyErr_Format(PyExc_AttributeError, "EagerGate: program.%s is unset", live_names[which]);
@@ -274,7 +276,7 @@ static PyObject *get_at(Gate *g, int which) {
         if (value != NULL)
             return Py_NewRef(value);
     }
-    return PyObject_GetAttrString(owner, int_slots[which].name); /* (an unset slot raises its AttributeError here) */
+    return PyObject_GetAttr(owner, s_int_slots[which]); /* (an unset slot raises its AttributeError here) */
 }
 
 /* owners[which].name = value, written at its slot where it has one. */
@@ -287,7 +289,7 @@ static int set_at(Gate *g, int which, PyObject *value) {
         Py_XDECREF(old);
         return 0;
     }
-    return PyObject_SetAttrString(g->owners[which], int_slots[which].name, value);
+    return PyObject_SetAttr(g->owners[which], s_int_slots[which], value);
 }
 
 /* An int of the program's objects as a C long long; -1 with an exception set on failure. */
@@ -431,7 +433,7 @@ static PyObject *decided(Gate *g, PyObject *args, PyObject *counted, PyObject *s
     PyObject *result = decide == NULL ? NULL : PyObject_CallFunctionObjArgs(decide, args, counted, spec, number, NULL);
     Py_XDECREF(number);
     Py_XDECREF(decide);
-    if (result != g->run_eagerly)
+    if (result != g->eagerly)
         return result;
     Py_DECREF(result);
     return run_eagerly(g, args);
@@ -879,6 +881,12 @@ PyMODINIT_FUNC PyInit__eager(void) {
                     {&s_dispatch, "dispatch"}, {&s_rekey, "rekey"}, {&s_full_path, "full_path"}};
     for (size_t i = 0; i < sizeof(interned) / sizeof(interned[0]); i++)
         if ((*interned[i].var = PyUnicode_InternFromString(interned[i].text)) == NULL)
+            return NULL;
+    for (int i = 0; i < AT_COUNT; i++)
+        if ((s_int_slots[i] = PyUnicode_InternFromString(int_slots[i].name)) == NULL)
+            return NULL;
+    for (int i = 0; i < LIVE_COUNT; i++)
+        if ((s_live[i] = PyUnicode_InternFromString(live_names[i])) == NULL)
             return NULL;
     PyObject *module = PyModule_Create(&module_definition);
     if (module == NULL)

@@ -191,7 +191,7 @@ class DispatchProgram:
     dynamic_mark: tuple = attrs.field(default=DYNAMIC_MARK, on_setattr=_fixed)
     plain: frozenset = attrs.field(default=PLAIN_CONSTANTS, on_setattr=_fixed)
     miss: object = attrs.field(default=MISS, on_setattr=_fixed)
-    run_eagerly: object = attrs.field(default=RUN_EAGERLY, on_setattr=_fixed)
+    eagerly: object = attrs.field(default=RUN_EAGERLY, on_setattr=_fixed)  # decide's answer: run it eagerly
     declined: object = attrs.field(default=MISMATCH, on_setattr=_fixed)  # a replay that declines
     mask: int = attrs.field(default=EAGER_TIMING_MASK, on_setattr=_fixed)
     settled: int = attrs.field(default=EAGER_TIMING_SETTLED, on_setattr=_fixed)
@@ -203,50 +203,88 @@ def make_dispatch(program: DispatchProgram) -> Callable:
     return EagerGate(program) if native_enabled() else FlatDispatch(program)
 
 
+#: The program's fixed fields FlatDispatch reads, held as its own slots (as EagerGate holds them).
+_HELD = (
+    "region",
+    "by_pre_key",
+    "entry_shapes",
+    "session",
+    "admission",
+    "sketch",
+    "budget",
+    "counters",
+    "forgotten",
+    "quiet",
+    "fn",
+    "exclusion",
+    "touch",
+    "clock",
+    "padded_type",
+    "buckets",
+    "largest",
+    "specs",
+    "flat",
+    "tensor_type",
+    "dynamic_type",
+    "dynamic_mark",
+    "plain",
+    "miss",
+    "eagerly",
+    "declined",
+    "mask",
+    "settled",
+    "settled_mask",
+)
+
+
 class FlatDispatch:
-    """EagerGate's Python fallback (csrc/replay_eager.c): the same steps, from the same program."""
+    """EagerGate's Python fallback (csrc/replay_eager.c): the same steps, from the same program
+    (its fixed fields held here when made, its live ones read from it on each use)."""
+
+    __slots__ = ("program", *_HELD)
 
     def __init__(self, program: DispatchProgram) -> None:
         self.program = program
-        self.pad = program.padded_type is not None
+        for name in _HELD:
+            setattr(self, name, getattr(program, name))
 
     def __call__(self, args: tuple) -> object:
         """A flat call: its pre-key, its markers that need no padding taken as their tensors."""
-        program = self.program
         pre, plain, unpadded = [], True, None
+        tensor_type, dynamic_type = self.tensor_type, self.dynamic_type
         try:
-            for i, arg in enumerate(args):
+            for arg in args:
                 kind = arg.__class__
-                if kind is torch.Tensor:
+                if kind is tensor_type:
                     pre.append(arg.shape)  # a strided nested tensor raises: the full path refuses it
-                elif kind is Dynamic:
-                    pre.append(DYNAMIC_MARK)
+                elif kind is dynamic_type:
+                    pre.append(self.dynamic_mark)
                     plain = False
-                elif self.pad and kind is program.padded_type:
+                elif kind is self.padded_type:
                     tensor = self._unpadded(arg, unpadded)
                     if tensor is None:
-                        return MISS  # padded, or markers that disagree: the full path
+                        return self.miss  # padded, or markers that disagree: the full path
                     unpadded = unpadded or [list(args), arg.dim, tensor.shape[arg.dim]]
-                    unpadded[0][i] = tensor
+                    unpadded[0][len(pre)] = tensor
                     pre.append(tensor.shape)
                 else:
                     pre.append(arg)
-                    plain = plain and kind in PLAIN_CONSTANTS
+                    plain = plain and kind in self.plain
         except RuntimeError:
-            return MISS
+            return self.miss
         if unpadded is None:
             return self.known_pre_key(args, tuple(pre), plain)
         if not plain:
-            return MISS  # (markers beside a dynamic scalar or another constant: the full path)
+            return self.miss  # (markers beside a dynamic scalar or another constant: the full path)
         args = tuple(unpadded[0])
         result = self.known_pre_key(args, tuple(pre), True)
-        return program.full_path(args, {}) if result is MISS else result
+        return self.program.full_path(args, {}) if result is self.miss else result
 
     def _unpadded(self, marker: buckets.Padded, unpadded: list | None) -> torch.Tensor | None:
         """A marker's tensor where its size needs no padding (beyond the largest bucket, or a
         bucket's size) and it agrees with the markers before it; else None."""
         tensor, dim = marker.tensor, marker.dim
-        if tensor.__class__ is not torch.Tensor or dim.__class__ is not int:
+        if tensor.__class__ is not self.tensor_type or dim.__class__ is not int:
             return None
         try:
             rows = tensor.shape[dim] if dim >= 0 else None
@@ -254,67 +292,64 @@ class FlatDispatch:
             return None
         if rows is None or (unpadded is not None and (dim != unpadded[1] or rows != unpadded[2])):
             return None
-        return tensor if rows > self.program.largest or rows in self.program.buckets else None
+        return tensor if rows > self.largest or rows in self.buckets else None
 
     def known_pre_key(self, args: tuple, pre: tuple, plain: bool) -> object:
         """A recorded key's hit replays; a call none serves, of tensors and plain constants
         (``plain``), takes the eager path; anything else the full path."""
-        table = self.program.by_pre_key
+        table = self.by_pre_key
         if table:
             try:
                 candidates = table.get(pre)
             except (TypeError, RuntimeError):  # an unhashable constant: the full path's
-                return MISS
-            if candidates:
-                program = self.program
-                for guard, run, entry in candidates:
-                    if guard(*args):
-                        drift = program.region_drift
-                        if drift is not None:
-                            drift()
-                        program.touch(entry)
-                        result = run(*args)
-                        if result is not MISMATCH:  # else another candidate may serve it
-                            return result
-        return self.unrecorded(args, pre) if plain else MISS
+                return self.miss
+            for guard, run, entry in candidates or ():
+                if guard(*args):
+                    drift = self.program.region_drift
+                    if drift is not None:
+                        drift()
+                    self.touch(entry)
+                    result = run(*args)
+                    if result is not self.declined:  # else another candidate may serve it
+                        return result
+        return self.unrecorded(args, pre) if plain else self.miss
 
     def unrecorded(self, args: tuple, pre: tuple) -> object:
         """A flat call of shapes no key has an entry for, counted: warming or too rare as the
         rule would say (the quiet bound) runs eagerly at once; any other count asks the rule."""
-        program = self.program
-        session = program.session
+        session = self.session
         if session.closed or not session._gpu:
-            return MISS  # the full path raises, or says once that everything runs eagerly
-        count = len(args)
-        spec = FLAT_SPECS[count] if count < len(FLAT_SPECS) else (region_keys.FLAT, count)
+            return self.miss  # the full path raises, or says once that everything runs eagerly
+        count, specs = len(args), self.specs
+        spec = specs[count] if count < len(specs) else (self.flat, count)
         shapes = (spec, pre)
-        if shapes in program.entry_shapes:
-            return MISS  # a key with these shapes has an entry: its full key decides
-        counted = (program.region, shapes)
-        calls = program.sketch.add(counted)
-        record_after = program.admission.record_after
-        quiet = program.quiet
-        if calls < quiet.below and calls != record_after and quiet.version == program.budget.version:
+        if shapes in self.entry_shapes:
+            return self.miss  # a key with these shapes has an entry: its full key decides
+        counted = (self.region, shapes)
+        calls = self.sketch.add(counted)
+        record_after = self.admission.record_after
+        quiet = self.quiet
+        if calls < quiet.below and calls != record_after and quiet.version == self.budget.version:
             if calls > record_after:
-                program.counters.too_rare += 1
+                self.counters.too_rare += 1
             return self.run_eagerly(args)
-        result = program.decide(args, counted, spec, calls)
-        return self.run_eagerly(args) if result is RUN_EAGERLY else result
+        result = self.program.decide(args, counted, spec, calls)
+        return self.run_eagerly(args) if result is self.eagerly else result
 
     def run_eagerly(self, args: tuple) -> object:
         """The region's function on the call's arguments, counted; some calls timed."""
-        program = self.program
-        program.counters.eager_runs += 1
-        forgotten = program.forgotten
+        self.counters.eager_runs += 1
+        forgotten = self.forgotten
         forgotten.eager_runs += 1
         runs = forgotten.eager_runs
-        if runs & (EAGER_TIMING_MASK if runs < EAGER_TIMING_SETTLED else EAGER_TIMING_MASK_SETTLED):
-            with program.exclusion:  # may load kernels: not while another thread captures
-                return program.fn(*args)
-        with program.exclusion:
-            started = program.clock()
-            result = program.fn(*args)
-        program.took(program.clock() - started)
+        if runs & (self.mask if runs < self.settled else self.settled_mask):
+            with self.exclusion:  # may load kernels: not while another thread captures
+                return self.fn(*args)
+        clock = self.clock
+        with self.exclusion:
+            started = clock()
+            result = self.fn(*args)
+        self.program.took(clock() - started)
         return result
 
 

@@ -79,7 +79,7 @@ FIELDS = dict(
     exclusion=Exclusion(), touch=lambda entry: None, clock=lambda: 0.0, padded_type=None, buckets=frozenset(),
     largest=0, decide=lambda *a: RUN_EAGERLY, took=lambda seconds: None, full_path=lambda args, kwargs: "full",
     region_drift=None, specs=((0, 0), (0, 1)), flat=0, tensor_type=Tensor, dynamic_type=Drift,
-    dynamic_mark=("dynamic",), plain=frozenset({int}), miss=MISS, run_eagerly=RUN_EAGERLY, declined=object(), mask=7,
+    dynamic_mark=("dynamic",), plain=frozenset({int}), miss=MISS, eagerly=RUN_EAGERLY, declined=object(), mask=7,
     settled=256, settled_mask=63,
 )
 Program = attrs.make_class("Program", list(FIELDS), slots=True)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import collections
 import dataclasses
 import gc
+import inspect
 import logging
+import pydoc
 import random
 import types
 import warnings
@@ -805,6 +807,70 @@ def test_bad_policy_values_name_the_field(policy, match):
         replay.capture(**policy)
     with pytest.raises(TypeError):
         replay.capture(record_afterr=1)
+
+
+@pytest.mark.parametrize("entry_point", [replay.capture, replay.graphed], ids=["capture", "graphed"])
+def test_capture_and_graphed_list_every_option_of_the_policy_with_its_type_and_default(entry_point, monkeypatch):
+    # help(replay.capture) shows each option: keyword-only, typed, the Policy's default
+    parameters = inspect.signature(entry_point).parameters
+    options = {name: p for name, p in parameters.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    fields = attrs.fields(replay.Policy)
+    assert list(options) == [field.name for field in fields]
+    assert {name: p.default for name, p in options.items()} == {field.name: field.default for field in fields}
+    assert all(p.annotation is not inspect.Parameter.empty for p in options.values())
+    shown = pydoc.render_doc(entry_point, renderer=pydoc.plaintext)
+    assert all(f"{field.name}:" in shown for field in fields)
+    monkeypatch.setenv("REPLAY_DEBUG", "1")
+    assert replay.Policy().check_stale and replay.capture().policy.check_stale  # None: from REPLAY_DEBUG
+    assert not replay.capture(check_stale=False).policy.check_stale
+
+
+def test_a_session_takes_a_policy_and_overrides_of_its_fields():
+    policy = replay.Policy(max_graphs=3, buckets=[8, 2])
+    session = Session(policy, record_after=4)
+    assert (session.policy.max_graphs, session.policy.record_after, session.policy.buckets) == (3, 4, (2, 8))
+    assert Session(policy).policy is not policy and Session(policy).policy == policy
+    with pytest.raises(TypeError, match="policy must be a replay.Policy, got dict"):
+        Session({"record_after": 1})
+    with pytest.raises(ValueError, match="record_after"):
+        Session(policy, record_after=-1)
+
+
+def _warned_here(call, *args) -> tuple[str, int, int]:
+    """The file and line a ReplayWarning given by ``call(*args)`` names, and this line."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        line = inspect.currentframe().f_lineno + 1
+        call(*args)
+    (warning,) = [w for w in caught if issubclass(w.category, replay.ReplayWarning)]
+    return warning.filename, warning.lineno, line
+
+
+@pytest.mark.parametrize("gate", [True, False], ids=["c", "python"])
+def test_replay_warnings_name_the_users_line_on_the_c_and_the_python_path(session_factory, monkeypatch, gate):
+    """A warning points at the line that called the region, whether the call went through the C
+    region call and gate or through Python: a failed capture (the flat dispatch's rule, then the
+    full path), a key that needs autograd (the full path), no GPU (the dispatch's miss)."""
+    if gate and not dispatch_module.native_enabled():
+        pytest.skip("replay._eager is not built here (or JITCORE_NATIVE=0)")
+    if not gate:
+        monkeypatch.setattr(Region, "__call__", region_module.PYTHON_REGION_CALL)
+    session = session_factory(record_after=0)
+    step = _region(session, add, gate)
+    assert _in_c(step) == gate
+    session.capture_script = [recording.CaptureFailed("no")]
+    x = torch.ones(2)
+    filename, lineno, line = _warned_here(step, x, x)
+    assert (filename, lineno) == (__file__, line)
+    w = torch.ones(3, requires_grad=True)
+    filename, lineno, line = _warned_here(step, w, w)
+    assert (filename, lineno) == (__file__, line)
+    with use_backend(NullBackend()):
+        cpu = Session(record_after=0)
+    cpu._gpu = False
+    eager = _region(cpu, add, gate)
+    filename, lineno, line = _warned_here(eager, x, x)
+    assert (filename, lineno) == (__file__, line)
 
 
 def test_the_capture_is_observed_unless_a_clean_warm_up_was(session_factory):
