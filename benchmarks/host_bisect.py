@@ -10,7 +10,7 @@ so the same file measures an old tree checked out beside the current one::
 
 Each run prints replay's host us/step and torch's ``CUDAGraph.replay()`` of the same region
 (medians of 15 interleaved loops) and the tree it imported. docs/benchmarks/host_bisect.md
-holds the runs that located the rise of 2026-11-30 (issue "Generated code you can trust").
+holds the runs that located the rise of 2026-11-30 (the exactness checks).
 """
 
 from __future__ import annotations

@@ -55,7 +55,7 @@ def main() -> None:
     x, y = torch.randn(N, device="cuda"), torch.randn(N, device="cuda")
     out = torch.full((N,), float("nan"), device="cuda")
     alpha = 1.5
-    with torch_native.using(None):  # the paths without the torch-side helper, as before it
+    with torch_native.using(None):  # the paths without the torch-side helper
         launch_axpy(x, y, out, alpha)
         torch.cuda.synchronize()
         torch.testing.assert_close(out, alpha * x + y, rtol=1e-6, atol=1e-5)  # the kernel may fuse into an FMA

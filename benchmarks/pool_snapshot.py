@@ -1,13 +1,13 @@
 """A recording call in a process that holds many blocks, against the whole allocator's snapshot (GPU).
 
-Every recording measures its private memory pool. torch 2.11's one-pool snapshot takes a
-reference from each number of the pool id it is given, so stop 38 measured the pool by
-filtering the whole allocator's snapshot on every recording; stop 39 asks the one-pool
-snapshot with copies of the id's numbers and gives back what they lost. The whole snapshot
-lists every block of the process, so its cost grows with what the process holds (a model's
-weights and caches). This times, with 0, 2,000 and 8,000 other blocks alive, a new shape's
-recording call of a 4-kernel region in a running session (the public path, wait included)
-beside one whole-allocator snapshot (what each recording paid on top at stop 38), round robin.
+Every recording measures its private memory pool by torch's one-pool snapshot (torch 2.11's
+takes a reference from each number of the pool id it is given, so the recording asks it with
+copies of the id's numbers and gives back what they lost). torch still walks every block of the
+allocator to pick the pool's, and the whole-allocator snapshot lists every block of the process,
+so both grow with what the process holds (a model's weights and caches). This times, with 0,
+2,000 and 8,000 other blocks alive, a new shape's recording call of a 4-kernel region in a
+running session (the public path, wait included) beside one whole-allocator snapshot (what a
+recording that filtered the whole snapshot would pay on top), round robin.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def _other_blocks(count: int) -> list[torch.Tensor]:
 def _whole_snapshot_us() -> float:
     torch.cuda.synchronize()
     start = time.perf_counter()
-    torch.cuda.memory_snapshot(include_traces=False)  # as stop 38 asked for it
+    torch.cuda.memory_snapshot(include_traces=False)  # as a filter of the whole snapshot would ask for it
     return (time.perf_counter() - start) * 1e6
 
 
@@ -84,8 +84,7 @@ def main() -> None:
     )
     body += (
         f"\n\nMedians of {repeats} new shapes per row, each recording call timed with its wait, in one session "
-        "(4 jit kernels a call). Stop 38 paid one whole-allocator snapshot per recording on top of its call "
-        "(torch 2.11); from stop 39 the recording measures its pool by the pool's own snapshot, for which torch "
+        "(4 jit kernels a call). A recording measures its pool by the pool's own snapshot, for which torch "
         "still walks every block of the allocator: the call grows with the blocks the process holds, far less "
         "than by a whole snapshot."
     )

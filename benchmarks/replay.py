@@ -42,6 +42,7 @@ import jitcore as jc
 import replay
 from benchmarks import common
 from jitcore.backends import get_backend
+from replay import instrumentation
 
 SOURCE = r"""
 __global__ void affine(const float* __restrict__ x, float* __restrict__ y, float a, float b, long long n) {
@@ -67,8 +68,9 @@ GENERATED = "replay, pointer + dynamic scalar, generated Python (without csrc/re
 #: into the node's parameters, push the node to the exec, launch (from Python, through the same
 #: C driver calls as replay).
 FLOOR = "floor: node update + graph launch (pointer + scalar, no checks, no outputs)"
-#: The recording call's own steps (replay.recording.capture's timings, in the order they run,
-#: none inside another).
+#: The recording call's own steps (replay.recording.capture marks them on
+#: replay.instrumentation.steps), in the order they run, none inside another; the capture's
+#: begin, checks and end are one step, in two parts around the region.
 RECORDING_CALL_STEPS = (
     "prepare",
     "region",
@@ -78,6 +80,9 @@ RECORDING_CALL_STEPS = (
     "extents and records",
     "instantiate",
 )
+#: The steps of the key's second call (replay.recording.analyse, then the session's build of
+#: the replay code).
+SECOND_CALL_STEPS = ("analyse", "build replay")
 #: Steps a raw capture has a counterpart of: the region under capture, and the capture's
 #: begin, end and instantiation. The others exist for exactness alone.
 RAW_COUNTERPARTS = ("region", "capture begin, checks, end", "instantiate")
@@ -279,25 +284,27 @@ def main() -> None:
         fresh_region = fresh.region(region)
         fresh_region(inputs[b][2])  # the warm-up run
         torch.cuda.synchronize()
-        start = time.perf_counter()
-        fresh_region(inputs[b][0])
-        torch.cuda.synchronize()
-        first[b] = (time.perf_counter() - start) * 1e6
-        captured = fresh.stats().capture_seconds * 1e6  # this one recording's capture + instantiate
-        phases.setdefault("capture + instantiate", []).append(captured)
-        phases.setdefault("rest of the recording call (prepare, first launch, wait)", []).append(first[b] - captured)
-        analysed = time.perf_counter()
-        fresh_region(inputs[b][1])
-        torch.cuda.synchronize()
-        second.setdefault("second call (analysis, replay code, replay)", []).append(
-            (time.perf_counter() - analysed) * 1e6
-        )
-        # the recording's own timings of its steps (replay.recording: prepare, capture,
-        # instantiate; its second call's analyse and build replay), where item 3's time goes
-        for entry in fresh_region.entries.values():
-            if entry.graph is not None:
-                for step_name, seconds in entry.graph.capture.timings.items():
-                    steps_of_recording.setdefault(step_name, []).append(seconds * 1e6)
+        # the recording's own steps (the recording call's, then its second call's analyse
+        # and build replay), where the first recording's time goes
+        with instrumentation.timing() as recording_steps:
+            start = time.perf_counter()
+            fresh_region(inputs[b][0])
+            torch.cuda.synchronize()
+            first[b] = (time.perf_counter() - start) * 1e6
+            captured = fresh.stats().capture_seconds * 1e6  # this one recording's capture + instantiate
+            phases.setdefault("capture + instantiate", []).append(captured)
+            phases.setdefault("rest of the recording call (prepare, first launch, wait)", []).append(
+                first[b] - captured
+            )
+            analysed = time.perf_counter()
+            fresh_region(inputs[b][1])
+            torch.cuda.synchronize()
+            second.setdefault("second call (analysis, replay code, replay)", []).append(
+                (time.perf_counter() - analysed) * 1e6
+            )
+        seconds = recording_steps.seconds()
+        for step_name in (*RECORDING_CALL_STEPS, *SECOND_CALL_STEPS):
+            steps_of_recording.setdefault(step_name, []).append(seconds[step_name] * 1e6)
         fresh.close()
     capture_only = statistics.median(phases["capture + instantiate"])
 
@@ -314,19 +321,20 @@ def main() -> None:
     torch.cuda.synchronize()
     start = time.perf_counter()
     for b in SHAPES:
-        called = time.perf_counter()
-        step_region(inputs[b][0])
-        torch.cuda.synchronize()
-        recorded = time.perf_counter()
+        with instrumentation.timing() as recording_call:
+            called = time.perf_counter()
+            step_region(inputs[b][0])
+            torch.cuda.synchronize()
+            recorded = time.perf_counter()
         step_region(inputs[b][1])
         torch.cuda.synchronize()
         in_session_first[b] = (recorded - called) * 1e6
         in_session_second[b] = (time.perf_counter() - recorded) * 1e6
-        # the recording call in parts: the recording's own timings of its steps (none inside
-        # another; the entry used last is this shape's), and what the call spends outside them
-        # (the key, admission, the first launch and the wait for it, the first outputs)
-        timings = next(reversed(step_region.entries.values())).graph.capture.timings
-        recording_steps = {name: timings[name] * 1e6 for name in RECORDING_CALL_STEPS}
+        # the recording call in parts: the recording's own steps (none inside another), and
+        # what the call spends outside them (the key, admission, the first launch and the
+        # wait for it, the first outputs)
+        seconds = recording_call.seconds()
+        recording_steps = {name: seconds[name] * 1e6 for name in RECORDING_CALL_STEPS}
         for name, us in recording_steps.items():
             in_session_steps.setdefault(name, []).append(us)
         in_session_outside.append(in_session_first[b] - sum(recording_steps.values()))

@@ -6,7 +6,7 @@ Eager jit and replay side by side, with a fresh input tensor every step:
 - distinct shapes: a 16-kernel region whose batch size cycles over S shapes (S = 1 ... 16).
 
 Then replay's host time per step against the number of tensor arguments A (1, 4, 16, 64) and
-of kernel nodes patched per replay P (0, 1, 8, 32), issue 14 item 5. Each cell is a region
+of kernel nodes patched per replay P (0, 1, 8, 32). Each cell is a region
 of A arguments, all of shape [8, 256] float32, written out as straight-line code (see
 ``grid_cell``) that launches exactly 32 jit kernels, each ``y = a * (h + x_0 + ... + x_m-1)
 + b`` over a [8, 256] tensor (one ``mix`` kernel, generated per arity ``m``):
@@ -50,7 +50,7 @@ import replay
 from benchmarks import common
 from benchmarks.replay import WIDTH, chain, graph_launcher, loop
 
-#: The argument and patched-node grid (issue 14 item 5), the kernels of every cell, its tensors.
+#: The argument and patched-node grid, the kernels of every cell, its tensors.
 ARGUMENTS, PATCHED, KERNELS_PER_CELL, ROWS = [1, 4, 16, 64], [0, 1, 8, 32], 32, 8
 #: Sets of fresh argument tensors cycled by the timed loops (a new pointer every step).
 POOL = 8

@@ -402,8 +402,7 @@ def many_shapes_memory(shapes: int) -> dict[str, dict[str, float]]:
     a bias-and-scale jit kernel), against its largest shape recorded alone. Two loops: the
     caller keeps the last output while calling again (``out = step(x)``, as eager keeps it
     too), or drops each output at once. The last row gives each graph output memory of its
-    own, as before the region's graphs shared output slots (2026-12-01), by turning the
-    session's slots off."""
+    own, as on a backend without output slots (HIP), by turning the session's slots off."""
     generator = torch.Generator(device="cuda").manual_seed(3)
     weight = torch.randn(DIM, LOGITS, device="cuda", generator=generator) / DIM**0.5
     bias = torch.randn(LOGITS, device="cuda", generator=generator)
@@ -550,14 +549,14 @@ def report(results: dict, steps: int) -> tuple[str, str]:
     )
     body += (
         "\n\nGraph memory over many shapes of a region ending in a 32,000-wide output (MiB; "
-        "target, issue 12: at most 1.5x the largest shape alone):\n\n"
+        "target: at most 1.5x the largest shape alone):\n\n"
     )
     body += common.markdown_table(
         ("loop", "graph MiB", "of which outputs", "replays", "records", "x largest alone"),
         [(k, v["graph_mib"], v["output_mib"], v["replays"], v["records"], v["vs_alone"]) for k, v in memory.items()],
     )
     floor = results.get("bucketed_floor")
-    if floor:  # (saved runs before 2026-12-01's stop 30 have none)
+    if floor:  # (older saved runs have none)
         body += (
             "\n\nThe bucketed step against its floors: uniform sizes that need padding, blocks of "
             f"{BLOCK} calls (us; GPU: the GPU's time per step with the host ahead; host: one call "
@@ -570,7 +569,7 @@ def report(results: dict, steps: int) -> tuple[str, str]:
         )
     notes = (
         f"{steps} steps per distribution (prefill: each length once), batch sizes 1..{LARGEST}, "
-        f"{LAYERS} layers of a {DIM}x{DIM} matmul and two jit kernels. Targets (issue 12): the "
+        f"{LAYERS} layers of a {DIM}x{DIM} matmul and two jit kernels. Targets: the "
         "default policy at most 1.05x eager's time over the whole run under every distribution; "
         "bucketed at least 2.5x faster than eager in the second half of the uniform run. Bucketed: "
         f"sizes {BUCKETS}; {VLLM_PATH}: 1, 2, 4 and every multiple of 8 up to {LARGEST} (vLLM's "

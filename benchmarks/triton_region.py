@@ -1,4 +1,4 @@
-"""Triton kernels in a region: rebound (issue 15 item 2) against staged and eager (GPU, Triton).
+"""Triton kernels in a region: launches rebound against inputs staged and eager (GPU, Triton).
 
 A region of 8 small Triton kernels (a chain of ``y = x * s + h`` over a [batch, 1024] float32
 activation, ``s`` a ``dynamic(...)`` scalar, the first kernel reading a second input) called
@@ -8,7 +8,7 @@ with fresh input tensors every step (new addresses), one process, three ways:
 - replay, rebound: under ``capture()``, with Triton launches recorded (pointers patched,
   the dynamic scalar recomputed, one graph launch);
 - replay, staged: the same with ``replay.record_triton_launches(False)``, so Triton
-  kernels are foreign to replay, as before: both inputs are copied into the graph's buffers
+  kernels are foreign to replay: both inputs are copied into the graph's buffers
   each step (and back), and the scalar is a plain argument (keyed: one value, one graph).
 
 Host us per step (issuing the step) and end-to-end us per step (until the GPU is done).

@@ -4,9 +4,9 @@
  *
  * Why: every eager run of a replay region holds the exclusion shared (an eager run may load
  * kernels, which would break another thread's capture). In Python its __enter__ and
- * __exit__ are two calls, each reading the thread's id and the holders' dict: about a
- * microsecond alone, several inside a loop of a real region whose own work leaves the
- * interpreter's caches cold (docs/benchmarks/shapes.md, the eager path).
+ * __exit__ are two calls, each reading the thread's id and the holders' dict, and slower still
+ * inside a loop of a real region whose own work leaves the interpreter's caches cold
+ * (docs/benchmarks/shapes.md, the eager path).
  *
  * The protocol is _Shared's, step for step (its docstring has the argument): entering writes
  * the thread's entry in the holders' dict first, then reads the exclusion's _owner and
@@ -14,17 +14,23 @@
  * (CaptureExclusion.wake_waiting_capture, enter_shared_waiting: Python methods). Leaving
  * deletes the entry, then reads _waiting and wakes a waiting capture. The exclusion's _owner and
  * _waiting live in this object (its members owner and waiting; CaptureExclusion reads and writes
- * them through it), so that the shared side reads them without an attribute lookup: two on
- * the way in and one on the way out cost about a microsecond a call inside a loop whose own
- * work leaves the interpreter's caches cold. The thread's id object is kept from one call
+ * them through it), so that the shared side reads them without an attribute lookup (two on
+ * the way in and one on the way out, each costly inside a loop whose own work leaves the
+ * interpreter's caches cold). The thread's id object is kept from one call
  * to the next (the same thread, usually). Each of the two runs as
  * one C call under the GIL (the dictionary operations on int keys and the reads of plain
  * attributes run no Python code), so no other thread runs between its steps: the order the
  * Python version gets from the GIL's one order of bytecodes, and more. Only for builds with a
  * GIL: free-threaded builds use the locked side (jitcore.recorder._LockedShared).
+ *
+ * Misuse raises, never crashes: a SharedSide made without __init__ (SharedSide.__new__) is
+ * refused by both methods (RuntimeError), an exclusion without a _holders dict by __init__
+ * (TypeError), and a depth in the holders' dict that is not a positive int by the method
+ * that reads it (TypeError, ValueError, OverflowError).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <limits.h>
 #include <pythread.h>
 #include <stddef.h>
 #include <structmember.h>
@@ -47,8 +53,14 @@ static int shared_init(SharedSide *self, PyObject *args, PyObject *kwargs) {
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O", names, &exclusion))
         return -1;
     holders = PyObject_GetAttrString(exclusion, "_holders");
-    if (holders == NULL)
+    if (holders == NULL) {
+        if (PyErr_ExceptionMatches(PyExc_AttributeError)) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_TypeError, "SharedSide: expected a CaptureExclusion (with a _holders dict), got %.200s",
+                         Py_TYPE(exclusion)->tp_name);
+        }
         return -1;
+    }
     if (!PyDict_CheckExact(holders)) {
         Py_DECREF(holders);
         PyErr_SetString(PyExc_TypeError, "SharedSide: the exclusion's _holders must be a dict");
@@ -84,12 +96,27 @@ static void shared_dealloc(SharedSide *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-/* The depth this thread holds it at (0 if no entry); -1 on error. */
+/* The depth this thread holds it at (0 if no entry); -1 with the error set. */
 static long depth_of(SharedSide *self, PyObject *me) {
     PyObject *depth = PyDict_GetItemWithError(self->holders, me); /* borrowed */
     if (depth == NULL)
         return PyErr_Occurred() ? -1 : 0;
-    return PyLong_AsLong(depth);
+    long value = PyLong_AsLong(depth);
+    if (value == -1 && PyErr_Occurred())
+        return -1;
+    if (value < 1 || value == LONG_MAX) { /* an entry is a depth of at least 1, and one more must fit */
+        PyErr_Format(PyExc_ValueError, "SharedSide: the holders' entry of this thread is %ld, not a depth", value);
+        return -1;
+    }
+    return value;
+}
+
+/* The side's exclusion and holders, or a RuntimeError for a side made without __init__. */
+static int initialised(SharedSide *self) {
+    if (self->holders != NULL && self->exclusion != NULL)
+        return 0;
+    PyErr_SetString(PyExc_RuntimeError, "SharedSide: not initialised (made without SharedSide(exclusion))");
+    return -1;
 }
 
 static int set_depth(SharedSide *self, PyObject *me, long depth) {
@@ -120,6 +147,8 @@ static PyObject *call_exclusion(SharedSide *self, PyObject *method, PyObject *ar
 }
 
 static PyObject *shared_enter(SharedSide *self, PyObject *unused) {
+    if (initialised(self) < 0)
+        return NULL;
     PyObject *me = thread_id(self);
     if (me == NULL)
         return NULL;
@@ -158,6 +187,8 @@ static PyObject *shared_exit(SharedSide *self, PyObject *const *args, Py_ssize_t
         PyErr_Format(PyExc_TypeError, "__exit__ expected 3 arguments, got %zd", count);
         return NULL;
     }
+    if (initialised(self) < 0)
+        return NULL;
     PyObject *me = thread_id(self);
     if (me == NULL)
         return NULL;

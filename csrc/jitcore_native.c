@@ -2,12 +2,11 @@
  * jitcore.backends._native: driver calls made from C instead of through a binding.
  *
  * Why: a cache-hit launch and a replay are one or two driver calls each, and from Python the
- * binding's own argument conversion costs about as much as the driver (cuda-bindings'
- * prepacked cuLaunchKernel takes 4.5-5 us on the H200 machine; the driver itself about half
- * of that). These functions take the same arguments as the binding's calls (raw handles as
- * ints, or objects that int() converts), call the vendor function through a pointer the
- * backend resolved, and return what the binding returns: a tuple whose first item is the
- * status, so generated code runs unchanged on either path.
+ * binding's own argument conversion costs about as much as the driver call itself (see
+ * docs/benchmarks for the figures). These functions take the same arguments as the binding's
+ * calls (raw handles as ints, or handle objects that int() converts), call the vendor function
+ * through a pointer the backend resolved, and return what the binding returns: a tuple whose
+ * first item is the status, so generated code runs unchanged on either path.
  *
  * Nothing here includes a vendor header. The prototypes are the ones cuLaunchKernel /
  * hipModuleLaunchKernel, cuGraphLaunch / hipGraphLaunch, cuGraphExecKernelNodeSetParams /
@@ -19,12 +18,17 @@
  * business.
  *
  * The capture query is not on a hot path but on every launch of a recording (replay maps each
- * launch to its graph node by it): through cuda-bindings it costs about 6 us on the H200
- * machine, most of it building the binding's node objects, about 0.2 ms of a 32-launch
- * recording. The node reads (the graph's nodes, each node's type, a kernel node's
+ * launch to its graph node by it): through cuda-bindings most of its cost is building the
+ * binding's node objects. The node reads (the graph's nodes, each node's type, a kernel node's
  * parameters; `read_params` then copies the parameter values) are made once per recording,
- * for every node: through the binding, 8 to 10 us a node. The kernel node's parameter struct
+ * for every node, where the binding builds objects again. The kernel node's parameter struct
  * is CUDA's (see kernel_node_params_head): that kind is bound by the CUDA backend only.
+ *
+ * Misuse from Python raises (TypeError, ValueError, OverflowError; PackedLaunch's values
+ * struct.error, as struct's pack), never crashes: sequences are read from a copy taken at the
+ * call (an item's __index__ may change the caller's), and every bound is checked without
+ * overflowing. What cannot be checked is an address itself: a raw handle, a vendor function's
+ * or a parameter array's address is taken as given, as ctypes takes one.
  *
  * The GIL is released around each driver call, as the bindings do: a launch blocks while the
  * device's launch queue is full.
@@ -60,7 +64,8 @@ typedef struct {
 static PyObject *SUCCESS; /* (0,): what every successful call returns, built once */
 
 /* A handle or address: an int from 0 to 2**64-1 (the fast path), None (NULL), or an object
-   int() converts (a binding's handle object). */
+   int() converts (a binding's handle object), but not text, bytes or a float, which int()
+   would parse or truncate into some address. */
 static int as_pointer(PyObject *value, void **out, const char *what) {
     unsigned long long wide;
     if (PyLong_CheckExact(value)) {
@@ -69,7 +74,10 @@ static int as_pointer(PyObject *value, void **out, const char *what) {
         *out = NULL;
         return 0;
     } else {
-        PyObject *number = PyNumber_Long(value);
+        PyObject *number = PyUnicode_Check(value) || PyBytes_Check(value) || PyByteArray_Check(value) ||
+                                   PyFloat_Check(value)
+                               ? NULL
+                               : PyNumber_Long(value);
         if (number == NULL) {
             PyErr_Format(PyExc_TypeError, "%s: expected a raw handle (int), got %.200s", what,
                          Py_TYPE(value)->tp_name);
@@ -311,13 +319,18 @@ static PyObject *read_params(PyObject *module, PyObject *const *args, Py_ssize_t
     Py_ssize_t n;
     if (check_count(count, 2) < 0 || as_pointer(args[0], &address, "params address") < 0)
         return NULL;
-    sizes = PySequence_Fast(args[1], "read_params: sizes must be a sequence of ints");
+    if (!PySequence_Check(args[1])) {
+        PyErr_Format(PyExc_TypeError, "read_params: sizes must be a sequence of ints, got %.200s",
+                     Py_TYPE(args[1])->tp_name);
+        return NULL;
+    }
+    sizes = PySequence_Tuple(args[1]); /* a copy: a size's __index__ may change a list */
     if (sizes == NULL)
         return NULL;
-    n = PySequence_Fast_GET_SIZE(sizes);
+    n = PyTuple_GET_SIZE(sizes);
     values = PyTuple_New(n);
     for (Py_ssize_t i = 0; values != NULL && i < n; i++) {
-        Py_ssize_t size = PyNumber_AsSsize_t(PySequence_Fast_GET_ITEM(sizes, i), PyExc_OverflowError);
+        Py_ssize_t size = PyNumber_AsSsize_t(PyTuple_GET_ITEM(sizes, i), PyExc_OverflowError);
         const char *value = address == NULL ? NULL : ((const char *const *)address)[i];
         PyObject *item = NULL;
         if (size == -1 && PyErr_Occurred()) {
@@ -378,10 +391,10 @@ static PyObject *bind(PyObject *module, PyObject *const *args, Py_ssize_t count)
         PyErr_SetString(PyExc_TypeError, "bind: address must be an int");
         return NULL;
     }
-    address = PyLong_AsVoidPtr(args[2]);
+    if (as_pointer(args[2], &address, "bind: address") < 0) /* 0 to 2**64-1: target_of reads it back */
+        return NULL;
     if (address == NULL) {
-        if (!PyErr_Occurred())
-            PyErr_SetString(PyExc_ValueError, "bind: address must not be 0");
+        PyErr_SetString(PyExc_ValueError, "bind: address must not be 0");
         return NULL;
     }
     implementation = NULL;
@@ -494,6 +507,60 @@ static int code_size(char code) {
 
 static PyObject *packed_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, PyObject *kwnames);
 
+/* Each parameter's offset in the buffer, from a tuple of ints: 0 with self->offsets filled, or
+   -1 with the error set. */
+static int read_offsets(PackedLaunch *self, PyObject *offsets_obj) {
+    for (Py_ssize_t i = 0; i < self->count; i++) {
+        Py_ssize_t offset = PyLong_AsSsize_t(PyTuple_GET_ITEM(offsets_obj, i));
+        if (offset == -1 && PyErr_Occurred())
+            return -1;
+        if (offset < 0 || offset > self->size) {
+            PyErr_Format(PyExc_ValueError, "parameter %zd: offset %zd outside the %zd-byte buffer", i, offset, self->size);
+            return -1;
+        }
+        self->offsets[i] = offset;
+    }
+    return 0;
+}
+
+/* The codes and places of the runs, each an (offset, '<' format) tuple: 0 with self->codes,
+   places, codes_count and values filled, or -1 with the error set. Every code must lie inside
+   the buffer, checked without overflowing (an offset near 2**63 is refused, not wrapped). */
+static int read_runs(PackedLaunch *self, PyObject *runs_obj) {
+    for (Py_ssize_t r = 0; r < PyTuple_GET_SIZE(runs_obj); r++) {
+        PyObject *run = PyTuple_GET_ITEM(runs_obj, r);
+        Py_ssize_t at;
+        const char *format;
+        if (!PyTuple_Check(run)) {
+            PyErr_Format(PyExc_TypeError, "run %zd: expected an (offset, format) tuple", r);
+            return -1;
+        }
+        if (!PyArg_ParseTuple(run, "ns", &at, &format))
+            return -1;
+        if (format[0] != '<') {
+            PyErr_Format(PyExc_ValueError, "run %zd: expected a little-endian struct format ('<...'), got %s", r, format);
+            return -1;
+        }
+        for (const char *c = format + 1; *c; c++) {
+            int size = code_size(*c);
+            if (size == 0) {
+                PyErr_Format(PyExc_ValueError, "run %zd: struct code %c is not one PackedLaunch packs", r, *c);
+                return -1;
+            }
+            if (self->codes_count >= MAX_PACKED_CODES || at < 0 || at > self->size - size) { /* no overflow */
+                PyErr_Format(PyExc_ValueError, "run %zd: code %c at %zd outside the %zd-byte buffer", r, *c, at, self->size);
+                return -1;
+            }
+            self->codes[self->codes_count] = *c;
+            self->places[self->codes_count++] = at;
+            if (*c != 'x')
+                self->values++;
+            at += size;
+        }
+    }
+    return 0;
+}
+
 /* PackedLaunch(launch_address, function, template, offsets, runs, failed=None): runs are
    (offset, format) pairs, each format a struct format of '<' and single codes (as
    ParamLayout.struct_for makes), where 'P' is a 'Q' whose value is an object's data_ptr();
@@ -538,43 +605,8 @@ static PyObject *packed_new(PyTypeObject *type, PyObject *args, PyObject *kwargs
         goto failed;
     }
     memcpy(self->template, template.buf, (size_t)template.len);
-    for (Py_ssize_t i = 0; i < self->count; i++) {
-        Py_ssize_t offset = PyLong_AsSsize_t(PyTuple_GET_ITEM(offsets_obj, i));
-        if (offset == -1 && PyErr_Occurred())
-            goto failed;
-        if (offset < 0 || offset > self->size) {
-            PyErr_Format(PyExc_ValueError, "parameter %zd: offset %zd outside the %zd-byte buffer", i, offset, self->size);
-            goto failed;
-        }
-        self->offsets[i] = offset;
-    }
-    for (Py_ssize_t r = 0; r < PyTuple_GET_SIZE(runs_obj); r++) {
-        PyObject *run = PyTuple_GET_ITEM(runs_obj, r);
-        Py_ssize_t at;
-        const char *format;
-        if (!PyArg_ParseTuple(run, "ns", &at, &format))
-            goto failed;
-        if (format[0] != '<') {
-            PyErr_Format(PyExc_ValueError, "run %zd: expected a little-endian struct format ('<...'), got %s", r, format);
-            goto failed;
-        }
-        for (const char *c = format + 1; *c; c++) {
-            int size = code_size(*c);
-            if (size == 0) {
-                PyErr_Format(PyExc_ValueError, "run %zd: struct code %c is not one PackedLaunch packs", r, *c);
-                goto failed;
-            }
-            if (self->codes_count >= MAX_PACKED_CODES || at < 0 || at + size > self->size) {
-                PyErr_Format(PyExc_ValueError, "run %zd: code %c at %zd outside the %zd-byte buffer", r, *c, at, self->size);
-                goto failed;
-            }
-            self->codes[self->codes_count] = *c;
-            self->places[self->codes_count++] = at;
-            if (*c != 'x')
-                self->values++;
-            at += size;
-        }
-    }
+    if (read_offsets(self, offsets_obj) < 0 || read_runs(self, runs_obj) < 0)
+        goto failed;
     PyBuffer_Release(&template);
     return (PyObject *)self;
 failed:

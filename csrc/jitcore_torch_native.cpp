@@ -9,19 +9,18 @@
 //   the dispatch key set with this thread's included and excluded keys applied, dtype, device
 //   index, requires_grad, the number of dimensions and every size and stride given (None: not
 //   checked), and no tensor passed twice. It never masks keys that torch's may mask, so it
-//   says yes only where torch's would. About 60 to 100 ns for three tensors on the CPU
-//   machine, against 380 to 650 for torch's (which builds a LocalState, a hash set of the
-//   arguments and reads symbolic sizes).
+//   says yes only where torch's would; it costs a fraction of torch's, which builds a
+//   LocalState, a hash set of the arguments and reads symbolic sizes on every call.
 // - a capsule, "data_pointer_reader", with int read(PyObject *, uint64_t *): a plain tensor's
-//   data_ptr() without the Python method call (about 20 ns against 130), for the C launch
-//   helper's 'P' code. It answers 0 (not read: call the method) for anything but a
-//   torch.Tensor or Parameter, while a torch function mode is active (the method would go to
-//   the mode), and where torch throws (the method raises the same error properly).
+//   data_ptr() without the Python method call, for the C launch helper's 'P' code. It
+//   answers 0 (not read: call the method) for anything but a torch.Tensor or Parameter, while
+//   a torch function mode is active (the method would go to the mode), and where torch throws
+//   (the method raises the same error properly).
 //
 // - settings_watch(exact, residual): a check() -> bool of the global torch settings a recorded
 //   graph bakes in (replay's per-replay check, replay.region_keys.modes_changed). It reads
-//   them through the C++ getters that torch's Python getters call (about 30 reads, a few
-//   nanoseconds each, where the Python getters cost 60 to 200 ns a call) into a state, and
+//   them through the C++ getters that torch's Python getters call (about 30 reads, each a
+//   fraction of a Python getter's call) into a state, and
 //   answers from it: while the state equals the one it had when `exact` (replay's full check,
 //   in Python or csrc/replay_checks.c) last said "unchanged", it calls only `residual` (the check
 //   of the settings this build does not read, or None); any other state calls `exact`, and
@@ -32,14 +31,15 @@
 //   it determines; tests/replay/test_region_keys.py changes each of them and checks that the
 //   state moves.
 //
-// - a capsule, "replay_support", a ReplaySupport struct (the version, then functions) for the C
-//   replay step (csrc/replay_step.c): the data pointer reader above, and `fresh_output`, a
-//   replay's handed-out output made from its template view: exactly `template.detach()`
-//   (torch's own C++ detach, through the dispatcher, wrapped as torch's Python method wraps
-//   it), without the Python method call's argument parsing (about 0.15 us against 0.55 on the
-//   CPU machine). While a torch function mode is active it calls the Python method itself
-//   (the mode must see the call); fresh_output(template) is the same, for tests. And a
-//   storage's use count, for the output slots' check that nobody holds a slot's outputs.
+// - a capsule, "replay_support", the replay_support struct of csrc/replay_support.h (its layout
+//   check, then functions) for the C replay step (csrc/replay_step.c): the data pointer reader
+//   above, and `fresh_output`, a replay's handed-out output made from its template view:
+//   exactly `template.detach()` (torch's own C++ detach, through the dispatcher, wrapped as
+//   torch's Python method wraps it), without the Python method call's argument parsing. While
+//   a torch function mode is active it calls the Python method itself (the mode must see the
+//   call); fresh_output(template) is the same, for tests. And a storage's use count, for the
+//   output slots' check that nobody holds a slot's outputs. REPLAY_SUPPORT_LAYOUT is the layout
+//   text it was built with (tests compare it with replay._step.SUPPORT_LAYOUT).
 //
 // - op_observer_begin(ranges) / op_observer_end(token): replay's torch-op observer
 //   (replay.observe) without a Python frame per op. A thread-local at::RecordFunction callback
@@ -49,14 +49,18 @@
 //   skips: metadata-only ops (the same names), ops whose schema makes an argument an alias
 //   (views), and the composite ops a torch dispatch mode never sees outside inference mode
 //   (CompositeImplicitAutograd kernels with no backend kernel: they run as the ops they are
-//   made of, which the callback sees). About 1 to 3 us an op on the CPU machine against 8 to
-//   28 for the Python dispatch mode. Where record functions are off for this thread, or the
-//   callback fails, the observation says it failed and replay assumes the worst.
+//   made of, which the callback sees), without the Python frame per op that the dispatch mode
+//   costs. Where record functions are off for this thread, or the callback fails, the
+//   observation says it failed and replay assumes the worst.
 //
-// Every entry point catches C++ exceptions: a check that cannot read a tensor says no.
+// Every entry point catches C++ exceptions: a check that cannot read a tensor says no. Misuse
+// from Python raises (TypeError, ValueError, OverflowError), never crashes: sequences are read
+// from a tuple copy taken at the call (an item's __index__ may change the caller's list).
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+
+#include "replay_support.h"
 
 #include <ATen/Context.h>
 #include <ATen/PythonTorchFunctionTLS.h>
@@ -185,16 +189,26 @@ PyObject *guard_check(PyObject *capsule, PyObject *const *args, Py_ssize_t count
 PyMethodDef GUARD_CHECK = {"check", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(guard_check)),
                            METH_FASTCALL, "check(*tensors) -> bool"};
 
+// A tuple copy of a sequence (a new reference), or nullptr with a TypeError naming `what`:
+// read from the copy, an item's __index__ cannot change what the loop reads.
+PyObject *tuple_of(PyObject *sequence, const char *what) {
+    if (!PySequence_Check(sequence)) {
+        PyErr_Format(PyExc_TypeError, "%s: expected a sequence, got %.200s", what, Py_TYPE(sequence)->tp_name);
+        return nullptr;
+    }
+    return PySequence_Tuple(sequence);
+}
+
 // One optional int per dimension from a sequence of int or None.
 bool optional_ints(PyObject *sequence, Py_ssize_t dims, std::vector<std::optional<int64_t>> &out, const char *what) {
-    PyObject *items = PySequence_Fast(sequence, what);
+    PyObject *items = tuple_of(sequence, what);
     if (items == nullptr)
         return false;
-    bool ok = PySequence_Fast_GET_SIZE(items) == dims;
+    bool ok = PyTuple_GET_SIZE(items) == dims;
     if (!ok)
         PyErr_Format(PyExc_ValueError, "%s: one entry per dimension (%zd)", what, dims);
     for (Py_ssize_t d = 0; ok && d < dims; ++d) {
-        PyObject *item = PySequence_Fast_GET_ITEM(items, d);
+        PyObject *item = PyTuple_GET_ITEM(items, d);
         if (item == Py_None) {
             out.emplace_back(std::nullopt);
             continue;
@@ -349,16 +363,20 @@ PyObject *storage_span(PyObject *, PyObject *object) {
     return Py_BuildValue("(KK)", static_cast<unsigned long long>(base), static_cast<unsigned long long>(nbytes));
 }
 
-// What csrc/replay_step.c reads from torch; its copy of this struct must match (the version says).
-struct ReplaySupport {
-    int version;
-    int (*read_data_pointer)(PyObject *, uint64_t *);
-    PyObject *(*fresh_output)(PyObject *);
-    int64_t (*storage_use_count)(PyObject *);
-    int (*read_storage_span)(PyObject *, uint64_t *, uint64_t *);
-};
+// What csrc/replay_step.c reads from torch (csrc/replay_support.h), each function set by its
+// field's name, with the layout the step compares before reading any.
+replay_support make_replay_support() {
+    replay_support support{};
+    support.layout = REPLAY_SUPPORT_LAYOUT;
+    support.size = sizeof(replay_support);
+    support.read_data_pointer = read_data_pointer;
+    support.fresh_output = make_fresh_output;
+    support.storage_use_count = storage_use_count;
+    support.read_storage_span = read_storage_span;
+    return support;
+}
 
-const ReplaySupport REPLAY_SUPPORT = {3, read_data_pointer, make_fresh_output, storage_use_count, read_storage_span};
+const replay_support REPLAY_SUPPORT = make_replay_support();
 
 PyObject *data_pointer(PyObject *, PyObject *object) {
     uint64_t address;
@@ -922,22 +940,45 @@ void drop_observation(PyObject *capsule) {
     delete observation;
 }
 
-// op_observer_begin(ranges) -> token: starts watching [(lo, hi), ...] on this thread.
-PyObject *op_observer_begin(PyObject *, PyObject *ranges) {
-    PyObject *items = PySequence_Fast(ranges, "op_observer_begin: ranges must be a sequence of (lo, hi) pairs");
+// An address from 0 to 2**64-1 (an int, or an object with __index__); false with the error set.
+bool read_address(PyObject *value, unsigned long long &out) {
+    PyObject *number = PyNumber_Index(value);
+    if (number == nullptr)
+        return false;
+    out = PyLong_AsUnsignedLongLong(number);
+    Py_DECREF(number);
+    if (out == static_cast<unsigned long long>(-1) && PyErr_Occurred()) {
+        PyErr_SetString(PyExc_OverflowError, "op_observer_begin: a range's byte address must be from 0 to 2**64-1");
+        return false;
+    }
+    return true;
+}
+
+// The (lo, hi) byte ranges of `ranges` (a sequence of pairs, read from a copy); false with the error set.
+bool read_ranges(PyObject *ranges, std::vector<std::pair<uint64_t, uint64_t>> &out) {
+    PyObject *items = tuple_of(ranges, "op_observer_begin: ranges");
     if (items == nullptr)
-        return nullptr;
-    auto observation = std::make_unique<OpObservation>();
-    Py_ssize_t count = PySequence_Fast_GET_SIZE(items);
-    for (Py_ssize_t i = 0; i < count; ++i) {
+        return false;
+    bool ok = true;
+    for (Py_ssize_t i = 0; ok && i < PyTuple_GET_SIZE(items); ++i) {
+        PyObject *pair = PyTuple_GET_ITEM(items, i);
         unsigned long long lo = 0, hi = 0;
-        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(items, i), "KK", &lo, &hi)) {
-            Py_DECREF(items);
-            return nullptr;
+        if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) {
+            PyErr_Format(PyExc_TypeError, "op_observer_begin: range %zd is not a (lo, hi) tuple", i);
+            ok = false;
+        } else if ((ok = read_address(PyTuple_GET_ITEM(pair, 0), lo) && read_address(PyTuple_GET_ITEM(pair, 1), hi))) {
+            out.emplace_back(lo, hi);
         }
-        observation->ranges.emplace_back(lo, hi);
     }
     Py_DECREF(items);
+    return ok;
+}
+
+// op_observer_begin(ranges) -> token: starts watching [(lo, hi), ...] on this thread.
+PyObject *op_observer_begin(PyObject *, PyObject *ranges) {
+    auto observation = std::make_unique<OpObservation>();
+    if (!read_ranges(ranges, observation->ranges))
+        return nullptr;
     observation->read.assign(observation->ranges.size(), 0);
     observation->written.assign(observation->ranges.size(), 0);
     observation->beyond.assign(observation->ranges.size(), 0);
@@ -1079,10 +1120,13 @@ PyMODINIT_FUNC PyInit__torch_native(void) {
         Py_DECREF(module);
         return nullptr;
     }
-    PyObject *support = PyCapsule_New(const_cast<ReplaySupport *>(&REPLAY_SUPPORT),
-                                      "jitcore._torch_native.replay_support", nullptr);
+    PyObject *support = PyCapsule_New(const_cast<replay_support *>(&REPLAY_SUPPORT), REPLAY_SUPPORT_CAPSULE, nullptr);
     if (support == nullptr || PyModule_AddObject(module, "replay_support", support) < 0) {
         Py_XDECREF(support);
+        Py_DECREF(module);
+        return nullptr;
+    }
+    if (PyModule_AddStringConstant(module, "REPLAY_SUPPORT_LAYOUT", REPLAY_SUPPORT_LAYOUT) < 0) {
         Py_DECREF(module);
         return nullptr;
     }

@@ -13,7 +13,8 @@ See docs/ for the guide; ``jitcore.recorder`` is the replay layer's hook, and
 ``hit_path_parts`` the benchmarks' (the steps of a cache hit, each callable alone).
 """
 
-from jitcore import recorder, torch_native
+from jitcore import recorder
+from jitcore._version import __version__ as __version__
 from jitcore.drift import GlobalsSnapshot, TensorsByName
 from jitcore.errors import (
     ArgumentError,
@@ -43,7 +44,16 @@ from jitcore.tensors import (
     lean_static_signature,
 )
 
-__version__ = "0.1.0"
+
+def __getattr__(name: str) -> object:
+    """``jitcore.torch_native`` on first use: importing jitcore does not import it, so that
+    ``python -m jitcore.torch_native`` runs it once, as ``__main__``."""
+    if name == "torch_native":
+        import importlib
+
+        return importlib.import_module("jitcore.torch_native")
+    raise AttributeError(f"module 'jitcore' has no attribute {name!r}")
+
 
 __all__ = [
     "ArgumentError",

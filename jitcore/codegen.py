@@ -52,7 +52,7 @@ from collections.abc import Sequence
 
 import attrs
 
-from jitcore import recorder, symbolic, torch_native
+from jitcore import recorder, symbolic
 from jitcore.backends import abi
 from jitcore.backends.abi import PackedParams
 from jitcore.backends.base import Backend
@@ -243,8 +243,8 @@ class CallState:
         recording path through their ``reporting``, which returns the bytes it packed)."""
         # A packed launch packs and launches in one call, so in a call state of several launches
         # a later launch's refused value would come after the earlier launches ran: there,
-        # every launch packs with struct into this thread's buffers first (measured on the
-        # CPU proxy: no slower than packed launches with a checking call of each before).
+        # every launch packs with struct into this thread's buffers first (no slower than
+        # packed launches with a checking call of each before, and nothing half-launched).
         packed = None if len(self.trace.launches) > 1 else self._packed_launchers()
         return self._generate_one(packed, recording=False) + "\n" + self._generate_one(packed, recording=True)
 
@@ -256,6 +256,8 @@ class CallState:
         has none for some launch: then every launch packs with struct into this thread's
         buffers."""
         launch_failed = self.namespace.get("_launch_failed")  # the backend's error for a status
+        from jitcore import torch_native  # imported on use: `python -m jitcore.torch_native` runs it as __main__
+
         torch_native.module()  # where built, its reader serves the launches' 'P' codes
         launchers = []
         for launch in self.trace.launches:

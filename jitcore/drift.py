@@ -14,8 +14,8 @@ closure cell is baked into that call state (a replay region's graph bakes them i
 - containers (list, tuple, dict, set) are compared by a frozen deep copy, so in-place mutation
   is caught; one of up to :data:`MAX_UNROLLED` values without sets is compared by generated
   straight-line tests that mean the same (its class, its length, each element by identity or,
-  for a scalar, by type and value), so a closure over a list of weights costs a few hundred
-  nanoseconds per call instead of a deep copy.
+  for a scalar, by type and value), so a closure over a list of weights costs a few
+  comparisons per call instead of a deep copy.
 
 What is followed beyond the function's own bytecode:
 

@@ -1,7 +1,7 @@
 """Tensor guards: a check, in C++, that tensors still fit a compiled call state or graph.
 
 Computing a key reads four or five attributes per tensor in Python (dtype, strides, device,
-the negative bit), about 0.6 us per tensor. When the same call state serves call after call,
+the negative bit). When the same call state serves call after call,
 a guard can answer "do these tensors still satisfy everything the state assumed?" in one
 C++ call: torch's own dynamo guard evaluator (``torch._C._dynamo.guards.TensorGuards``)
 compares the dispatch key set (device type, conjugate/negative bits, sparse, subclasses),
@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 import attrs
 import torch
 
-from jitcore import generated, torch_native
+from jitcore import generated
 
 try:  # torch's C++ guard evaluator (used by torch.compile on every call)
     from torch._C._dynamo.guards import TensorGuards as _TensorGuards
@@ -60,6 +60,8 @@ def _raw_tensor_guard(
     neither is available or the guard refuses its own examples."""
     if not examples:
         return None
+    from jitcore import torch_native  # imported on use: `python -m jitcore.torch_native` runs it as __main__
+
     native = torch_native.module()
     if native is not None and all(_plain_strided(t) and t.layout is torch.strided for t in examples):
         try:
@@ -102,7 +104,7 @@ def _screened(raw: Callable[..., bool], count: int) -> Callable[..., bool]:
     unusual tensor (sparse, meta, mkldnn, quantized, jagged nested, subclasses) is refused by
     the evaluator itself; ``tests/jitcore/test_adaptors.py`` checks each in a subprocess. Any
     argument whose ``is_nested`` cannot be read (not a tensor) is refused here too.
-    The screen costs one Python frame and one attribute read per tensor (about 50 ns)."""
+    The screen costs one Python frame and one attribute read per tensor."""
     names = [f"t{i}" for i in range(count)]
     params = ", ".join(names)
     nested = " or ".join(f"{name}.is_nested" for name in names)

@@ -36,7 +36,14 @@ from jitcore import generated, guards, keys, recorder, tensors
 from jitcore.backends import Backend, get_backend
 from jitcore.codegen import CallState, never
 from jitcore.drift import GlobalsSnapshot
-from jitcore.errors import ArgumentError, CaptureMissError, DeviceError, LayoutError, UnsupportedTensorError
+from jitcore.errors import (
+    ArgumentError,
+    BackendUnavailableError,
+    CaptureMissError,
+    DeviceError,
+    LayoutError,
+    UnsupportedTensorError,
+)
 from jitcore.generated import dump_enabled
 from jitcore.symbolic import Sym
 from jitcore.tracing import Trace, TracedTensor
@@ -215,12 +222,12 @@ class JitFunction:
     def _lookup(self, args: tuple) -> tuple[tuple, Callable]:
         """The full-key lookup: validate everything, check drift, find or build the state."""
         concrete = tuple(_unwrap_scalar(a) for a in args)
-        backend = get_backend()
-        device = backend.current_device()
         try:
-            key = (device, *self.plan.full_key(*args))
+            elements = self.plan.full_key(*args)
         except (UnsupportedTensorError, LayoutError) as error:
             raise self._name_refused_tensor(error, args) from None
+        backend, device = self._backend_and_device(elements)
+        key = (device, *elements)
         if self.snapshot is not None:
             self.snapshot.check()
         run = self.states.get(key)
@@ -229,6 +236,29 @@ class JitFunction:
         else:
             self.states.move_to_end(key)
         return concrete, run
+
+    def _backend_and_device(self, elements: tuple) -> tuple[Backend, int]:
+        """The backend and its current device; where there is none (no GPU build of torch, no
+        vendor binding), jitcore's DeviceError naming the first CPU tensor argument, since
+        passing a CPU tensor is then the mistake to fix first (torch's own error, that it has
+        no CUDA, is the cause of an error for a launcher without one)."""
+        try:
+            backend = get_backend()
+            return backend, backend.current_device()
+        except Exception as error:
+            cpu = [
+                p.name
+                for p, e in zip(self.parameters, elements)
+                if isinstance(e, tensors.SignatureToken) and e.signature[-1] == "cpu"
+            ]
+            if cpu:
+                raise DeviceError(
+                    f"{self.name}: parameter {cpu[0]!r} is a CPU tensor, but kernels launch on a GPU and a GPU "
+                    f"tensor was expected (no GPU device is usable here: {error})"
+                ) from None
+            if isinstance(error, BackendUnavailableError):
+                raise
+            raise DeviceError(f"{self.name}: no GPU device is usable here: {error}") from error
 
     def _name_refused_tensor(self, error: Exception, args: tuple) -> Exception:
         """``error`` (a tensor the key refused: its description says what the tensor is, not

@@ -122,9 +122,9 @@ class LaunchRecord(NamedTuple):
 
     A named tuple rather than an attrs class, for the first recording's sake: every launch of
     a recording makes one, and a capture makes each again without its tensors
-    (:meth:`with_args`). On the CPU machine a frozen attrs class of these sixteen fields costs
-    3.6 us to make from keywords, a named tuple 1.2 us, and :meth:`with_args` 0.5 us; the two
-    were about three quarters of what a recorder added to a launch. Immutable all the same.
+    (:meth:`with_args`). A frozen attrs class of these sixteen fields costs several times a
+    named tuple's making, and the making is most of what a recorder adds to a launch.
+    Immutable all the same.
     """
 
     jit_function: str
@@ -348,8 +348,8 @@ def _native_shared_side() -> type | None:
 
 class _Shared:
     """``with exclusion.shared():`` (see :meth:`CaptureExclusion.shared`), without a lock in
-    the usual case: every eager run of a region takes it, and the lock made it cost more than
-    a microsecond a call.
+    the usual case: every eager run of a region takes it, and a lock would cost more than
+    the rest of the call's bookkeeping.
 
     Why no lock is needed (Dekker's argument, under the GIL's one order of all reads and
     writes): a thread entering writes its entry in ``_holders`` first, then reads ``_owner``

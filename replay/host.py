@@ -9,7 +9,7 @@ memcpy node reading that buffer. Every replay first copies the caller's bytes in
 The synchronization rule: the host must not overwrite a buffer while a previous launch of the
 graph may still read it. An event is recorded on the launch stream after every launch of a
 graph with host inputs, and the next replay waits for it before writing (``cudaEventSynchronize``,
-about a microsecond when the launch is already done). One buffer per input, not two: a second
+which returns at once when the launch is already done). One buffer per input, not two: a second
 buffer would need the memcpy node's source patched every replay, and the wait covers the
 whole previous launch anyway, since the buffer is read at some point inside it. It limits a
 loop to one replay of that graph in flight ahead of the host, which a decode loop that samples
@@ -34,7 +34,7 @@ from replay.region_keys import byte_range, extent_bytes
 
 _aten = torch.ops.aten
 #: A memmove over the byte extent is used when the extent is at most this many times the
-#: tensor's own bytes, or at most ``MEMMOVE_BYTES`` (a memmove of 64 KiB costs about what
+#: tensor's own bytes, or at most ``MEMMOVE_BYTES`` (a memmove that small costs no more than
 #: torch's strided copy costs to start): the gaps of a sliced tensor are copied along,
 #: harmlessly (they lie inside the caller's storage and the buffer's).
 MEMMOVE_SLACK = 4
@@ -122,8 +122,8 @@ class HostInputs:
 
     def launched_on(self, stream: int, device: int) -> None:
         """:meth:`launched`, for generated replays, which know the current stream's handle:
-        torch's event entry points without ``Event.record``'s lookup of the current stream (a
-        few microseconds); the stream object is looked up once per handle."""
+        torch's event entry points without ``Event.record``'s lookup of the current stream,
+        on every replay; the stream object is looked up once per handle."""
         self._record_on(stream, device)
         self.launches += 1
 

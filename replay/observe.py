@@ -12,9 +12,8 @@ kernel) because it looks at op arguments, not at kernel parameters. Kernels neit
 jitcore launched (Triton, CuPy) are caught after capture by scanning graph nodes instead.
 
 :func:`op_observer` picks how: where the torch-side helper is built (:mod:`jitcore.torch_native`),
-:class:`NativeOpObserver`, the same answers from a C++ record-function callback at about a
-tenth of the cost per op (the dispatch mode's Python frames cost 8 to 28 us an op on the CPU
-machine, and an observed recording runs one per op of its region); else
+:class:`NativeOpObserver`, the same answers from a C++ record-function callback, without the
+dispatch mode's Python frames that an observed recording runs for every op of its region; else
 :class:`TorchOpObserver`. Host inputs are always watched by :class:`TorchOpObserver`, which
 must also rewrite their copies before they run.
 """
@@ -229,8 +228,8 @@ _prepared = []
 
 def prepare() -> None:
     """The first op dispatched through any Python dispatch mode makes torch import its
-    compiler stack (about 800 modules, 1 to 6 s). Pay that once, when a session is created,
-    not inside the first recording."""
+    compiler stack (hundreds of modules). Pay that once, when a session is created, not
+    inside the first recording."""
     if not _prepared:
         _prepared.append(True)
         with TorchOpObserver([]):
@@ -264,7 +263,7 @@ class NativeOpObserver:
 
     The answers are live, as the mode's sets are: read inside the block, they ask the helper
     what the ops did so far. The capture's refusals are made there, before the block ends
-    (replay.recording._record): answers kept until the end would let them pass unseen."""
+    (replay.recording._run_region): answers kept until the end would let them pass unseen."""
 
     def __init__(self, ranges: Sequence[tuple[int, int]], helper) -> None:
         self.ranges = list(ranges)

@@ -18,7 +18,7 @@ import torch
 
 import jitcore
 from jitcore.backends import get_backend
-from replay import recording, region_keys
+from replay import instrumentation, recording, region_keys
 from replay.dispatch import MISS, flat_guard
 from replay.graph import RecordedGraph, guard_outputs
 from replay.keying import KeyText, describe_key
@@ -167,9 +167,9 @@ class KeyRecorder:
             analysed = time.perf_counter()
             try:
                 session.analyse(capture)
-                started = time.perf_counter()
+                instrumentation.steps.start()
                 graph = session.build_graph(region, key, capture, spec, leaves, paths, session, len(session.lru))
-                capture.timings["build replay"] = time.perf_counter() - started
+                instrumentation.steps.mark("build replay")
                 session.admission.recorded(time.perf_counter() - analysed)
             except recording.CaptureRetry as retry:
                 capture.graph.reset()

@@ -2,8 +2,8 @@
 
 Why: a graph's replay copies its outputs out of the shared pool (another graph's scratch may
 lie there) into memory outside it. With that memory owned by each graph, N recorded shapes
-held N output sets: a region ending in a 32,000-wide logits matmul, recorded for batch sizes
-1..64, held 5.7x the memory of its largest shape alone (issue 12). vLLM shares one output
+would hold N output sets: a region ending in a wide logits matmul, recorded for many batch
+sizes, would hold several times the memory of its largest shape alone. vLLM shares one output
 buffer and declares every output valid only until the next replay of any graph; here that
 would make ``a = step(x4); b = step(x8)`` overwrite ``a``, silently.
 

@@ -2,11 +2,11 @@
 exactly a bucket's size).
 
 ``torch.constant_pad_nd`` allocates the padded tensor, fills it and copies the call's rows
-through torch's dispatcher: about 20 us of host time a call on the H200 machine, a quarter of a
-bucketed step of a six-layer region. Here a contiguous tensor is padded by one jit launch that
-writes every element of the padded tensor once (the call's rows copied, the others ``fill``)
-into a tensor from ``new_empty``: about 10 us. Anything else goes through ``constant_pad_nd``
-as before: a tensor that is not contiguous, not on a GPU, empty, of an element size other
+through torch's dispatcher, a large part of a bucketed step's host time. Here a contiguous
+tensor is padded by one jit launch that writes every element of the padded tensor once (the
+call's rows copied, the others ``fill``) into a tensor from ``new_empty``, with a single
+dispatch of the allocation on its path. Anything else goes through ``constant_pad_nd``: a
+tensor that is not contiguous, not on a GPU, empty, of an element size other
 than 1, 2, 4 or 8 bytes, or one that requires grad (the kernel records no autograd). Both
 give the same tensor bit for bit (shape, contiguity, every byte), tested against each other
 on the GPU.
@@ -19,7 +19,6 @@ import math
 import torch
 
 import jitcore as jc
-from jitcore import errors
 from jitcore.recorder import CAPTURES
 from replay.staging import ELEMENT_TYPES, INTEGER_VIEWS
 
@@ -55,12 +54,12 @@ def pad_along(src, dst, fill_bits, element: jc.Constexpr[str], dim: jc.Constexpr
 #: What the jit refuses before any GPU work (a dtype or device it does not take, no compiler):
 #: torch pads those calls instead.
 _REFUSALS = (
-    errors.UnsupportedTensorError,
-    errors.ArgumentError,
-    errors.LayoutError,
-    errors.DeviceError,
-    errors.CompileError,
-    errors.BackendUnavailableError,
+    jc.UnsupportedTensorError,
+    jc.ArgumentError,
+    jc.LayoutError,
+    jc.DeviceError,
+    jc.CompileError,
+    jc.BackendUnavailableError,
 )
 
 #: (dtype, rank, dim, device) the jit refused once: not tried again (a failed compile costs much).
@@ -75,7 +74,7 @@ def _refusal(tensor: torch.Tensor, dim: int) -> tuple:
 _SHARED_CAPTURE_EXCLUSION = CAPTURES.shared()
 
 #: ``fill_bits`` answers by (fill's type, fill, its sign, dtype): ``replay.padded()`` runs on
-#: every call of a bucketed loop, and converting the fill through a tensor costs microseconds.
+#: every call of a bucketed loop, where converting the fill through a tensor would be paid each time.
 _FILL_BITS: dict[tuple, int | None] = {}
 _UNKNOWN = object()
 
@@ -175,6 +174,6 @@ def _pad_with_jit(tensor: torch.Tensor, out: torch.Tensor, dim: int, bits: int) 
     except _REFUSALS:
         _REFUSED.add(_refusal(tensor, dim))
         return False
-    except errors.CaptureMissError:
+    except jc.CaptureMissError:
         return False
     return True

@@ -32,8 +32,8 @@ A size that matches gets a :class:`VariantGraph`: a replay function of its own (
 rebinding plan, outputs, generated like any graph's) over the bucket's exec. The graphs
 sharing an exec form a :class:`Family`; the exec's kernel nodes hold one member's state at a
 time, and a replay of another member first writes its nodes back (a node update per node
-whose bytes or grid differ). A size that does not match is padded as before, and the reason
-is kept (``Region.polymorphic_report``).
+whose bytes or grid differ). A size that does not match is padded as any bucketed call is,
+and the reason is kept (``Region.polymorphic_report``).
 
 What stays assumed, as for every graph: the region's Python takes the same path on every
 call of one key (one size); the observed run shows that path once. Kernels launched by
@@ -418,6 +418,36 @@ class VariantGraph(RecordedGraph):
         self.plan = plan
         self.staged, self.copied_back, self.host = {}, set(), None
         self.in_place = {}
+        self._variant_inputs(spec, leaves, paths, ranges)
+        self.session = base.session
+        self.uses_rng = False
+        self.generation = 0
+        self.replays = 0
+        self.memory = 0
+        # one name for every variant, as for every graph: the variants of a bucket's graph
+        # generate one text, compiled once (their filenames tell them apart)
+        self.name = "replay_graph_variant"
+        self._variant_nodes(backend, moved, plan)
+        self.released = False
+        self.initial_last = []
+        self.checks = []
+        for record in observation.records:
+            if record.check_globals is not None and record.check_globals not in self.checks:
+                self.checks.append(record.check_globals)
+        self._variant_outputs(observation, moved)
+        self.namespace = dict(backend.hot_namespace)
+        self.source = self._generate(backend, leaves)
+        self.replay = compile_function(
+            self.source,
+            self.name,
+            f"size variant {len(self.family.members)} of a replay graph of region {base.region_name}",
+            self.namespace,
+        )
+        self.step_refused = "a size variant (its exec shared with its family)"
+
+    def _variant_inputs(self, spec, leaves: Sequence, paths: Sequence[str], ranges: list) -> None:
+        """The call's arguments as this size's key holds them: paths, byte ranges, dtypes and
+        templates."""
         self.paths = list(paths)
         self.spec = spec
         tensors = {i: leaf for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)}
@@ -429,15 +459,11 @@ class VariantGraph(RecordedGraph):
             for leaf in leaves
         ]
         self.input_bytes = sum(region_keys.extent_bytes(t) for t in tensors.values())
-        self.session = base.session
-        self.uses_rng = False
-        self.generation = 0
-        self.replays = 0
-        self.memory = 0
-        family = base.family
-        # one name for every variant, as for every graph: the variants of a bucket's graph
-        # generate one text, compiled once (their filenames tell them apart)
-        self.name = "replay_graph_variant"
+
+    def _variant_nodes(self, backend, moved: Match, plan: rebinding.Plan) -> None:
+        """Each matched node's state at this size (the moved parameter bytes and grid), and an
+        updater in the family for every node this size binds or holds otherwise than the base."""
+        base, family = self.base, self.base.family
         nodes = {n.index: n for n in base.capture.nodes}
         self.node_base = {node: (moved.param_bytes[launch], moved.grids[launch]) for launch, node in plan.matches}
         raw_exec = self.graph.raw_cuda_graph_exec()
@@ -460,12 +486,11 @@ class VariantGraph(RecordedGraph):
             for node in bound
         }
         self.family = family
-        self.released = False
-        self.initial_last = []
-        self.checks = []
-        for record in observation.records:
-            if record.check_globals is not None and record.check_globals not in self.checks:
-                self.checks.append(record.check_globals)
+
+    def _variant_outputs(self, observation: Observation, moved: Match) -> None:
+        """What this size returns: the observed run's outputs, with those in memory the run
+        made handed out from the base's output slots."""
+        base = self.base
         self.output_spec, output_leaves, _ = region_keys.flatten((observation.outputs,), {}, walk_dataclasses=True)
         try:
             self.outputs = self._classify_outputs(output_leaves)
@@ -477,15 +502,6 @@ class VariantGraph(RecordedGraph):
         self.lane_sources = base.lane_sources
         self.slot_outputs = []
         self._place_outputs(observation, moved)
-        self.namespace = dict(backend.hot_namespace)
-        self.source = self._generate(backend, leaves)
-        self.replay = compile_function(
-            self.source,
-            self.name,
-            f"size variant {len(family.members)} of a replay graph of region {base.region_name}",
-            self.namespace,
-        )
-        self.step_refused = "a size variant (its exec shared with its family)"
 
     def _place_outputs(self, observation: Observation, moved: Match) -> None:
         """Outputs in memory the run made: the same views of the output slot its graph copies
@@ -546,6 +562,23 @@ def make_variant(
         raise Unmatched(f"the bucket's graph cannot serve other sizes: {reason}")
     if observation.launching:
         raise Unmatched(f"the region calls {observation.launching} at this size (an op that may launch a kernel)")
+    moved = _moved_onto(base, observation, leaves)
+    ranges, plan = _variant_plan(base, observation, moved, leaves, paths)
+    new_family = base.family is None
+    if new_family:
+        base.family = Family(base, forget)
+    try:
+        variant = VariantGraph(base, key, entry, spec, leaves, paths, ranges, observation, moved, plan)
+    except BaseException:
+        if new_family:
+            base.family = None
+        raise
+    base.family.members.append(variant)
+    return variant
+
+
+def _moved_onto(base: RecordedGraph, observation: Observation, leaves: Sequence) -> Match:
+    """The observed launches moved onto the base's graph (:func:`match`)."""
     capture = base.capture
     graph_launches = _launches(capture.records, capture.pointer_storages)
     storages = recording.pointer_storages(observation.records, observation.made.__contains__)
@@ -555,29 +588,21 @@ def make_variant(
     ]
     if any(isinstance(leaf, torch.Tensor) and leaf.device.type != "cuda" for leaf in leaves):
         raise Unmatched("a host tensor argument")
-    moved = match(graph_launches, observed, inputs)
+    return match(graph_launches, observed, inputs)
+
+
+def _variant_plan(
+    base: RecordedGraph, observation: Observation, moved: Match, leaves: Sequence, paths: Sequence[str]
+) -> tuple[list, rebinding.Plan]:
+    """(the call's input ranges, the rebinding plan of the moved launches over the base's
+    nodes); Unmatched where this size needs more than rebinding, or other nodes."""
+    capture = base.capture
     records = [
         record.replace(param_bytes=data, args=tuple(recording.scalar_or_none(a) for a in record.args))
         for record, data in zip(observation.records, moved.param_bytes)
     ]
     launch_nodes = capture.launch_nodes or [None] * len(records)
-    by_node = {node: launch for launch, node in base.plan.matches}
-    views = []
-    for node in capture.nodes:
-        if node.kind == "kernel":
-            record = records[by_node[node.index]]
-            layout = record.layout
-            params = [
-                record.param_bytes[offset : offset + kind.size] for offset, kind in zip(layout.offsets, layout.types)
-            ]
-            views.append(
-                rebinding.NodeView(
-                    node.index, "kernel", node.function, tuple(params), handle=recording.node_handle(node)
-                )
-            )
-        else:  # an output copy (refusal() allows no other): it reads the graph's memory and writes
-            # an output slot, never an argument (the replay's own checks keep arguments out of slots)
-            views.append(rebinding.NodeView(node.index, "other", handle=recording.node_handle(node)))
+    views = _node_views(capture.nodes, records, base.plan.matches)
     tensors = {i: leaf for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)}
     ranges = recording.input_ranges(tensors, paths)
     extents = recording.pointer_extents(observation.records, ranges, tensors.values(), observation.doubts)
@@ -598,14 +623,27 @@ def make_variant(
         problem = "its launches pair with other nodes"
     if problem:
         raise Unmatched(problem)
-    new_family = base.family is None
-    if new_family:
-        base.family = Family(base, forget)
-    try:
-        variant = VariantGraph(base, key, entry, spec, leaves, paths, ranges, observation, moved, plan)
-    except BaseException:
-        if new_family:
-            base.family = None
-        raise
-    base.family.members.append(variant)
-    return variant
+    return ranges, plan
+
+
+def _node_views(nodes: Sequence, records: Sequence, matches: Sequence[tuple[int, int]]) -> list[rebinding.NodeView]:
+    """The base's nodes as they hold this size: each kernel node with its launch's moved
+    parameters."""
+    by_node = {node: launch for launch, node in matches}
+    views = []
+    for node in nodes:
+        if node.kind == "kernel":
+            record = records[by_node[node.index]]
+            layout = record.layout
+            params = [
+                record.param_bytes[offset : offset + kind.size] for offset, kind in zip(layout.offsets, layout.types)
+            ]
+            views.append(
+                rebinding.NodeView(
+                    node.index, "kernel", node.function, tuple(params), handle=recording.node_handle(node)
+                )
+            )
+        else:  # an output copy (refusal() allows no other): it reads the graph's memory and writes
+            # an output slot, never an argument (the replay's own checks keep arguments out of slots)
+            views.append(rebinding.NodeView(node.index, "other", handle=recording.node_handle(node)))
+    return views

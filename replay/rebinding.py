@@ -114,8 +114,8 @@ class LaunchView(NamedTuple):
     """A recorded jit launch as the plan needs it.
 
     A named tuple rather than an attrs class: the analysis makes one per launch of every
-    recording (a frozen attrs class of these thirteen fields cost 3.2 us to make on the CPU
-    machine, a named tuple about 1). ``view.replace(**fields)`` copies it with fields changed."""
+    recording, and a named tuple of these thirteen fields is the cheaper to make.
+    ``view.replace(**fields)`` copies it with fields changed."""
 
     function: int
     kernel: str
@@ -246,9 +246,8 @@ def inputs_reached(inputs: Sequence[InputRange], words: np.ndarray) -> list[Inpu
 
 def inputs_reached_by_each(inputs: Sequence[InputRange], words: Sequence[np.ndarray]) -> list[list[InputRange]]:
     """:func:`inputs_reached` of each array of ``words`` (a graph's foreign nodes, one array
-    each), computed over all arrays at once. Node by node, the decode sample's captures (a few
-    dozen torch ops) spent about half a millisecond of each recording's analysis here on the
-    H200 (its rebinding plan: 1.77 -> 1.23 ms). Whether a word is held by a non-empty input
+    each), computed over all arrays at once: node by node, a capture of a few dozen torch ops
+    spent a good part of its analysis here. Whether a word is held by a non-empty input
     depends on the word alone, so one pass over all words decides as the node-by-node rule
     does."""
     reached: list[list[InputRange]] = [[] for _ in words]
@@ -417,31 +416,23 @@ def fixed_addresses(nodes: Sequence[NodeView], per_call: Sequence[tuple[int, int
 
 
 @attrs.define
-class _Planner:
-    """One :func:`build_plan` in progress: the plan it fills and what its steps share.
-
-    A step that finds the capture unusable raises :class:`_Refused`; the plan keeps what the
-    steps before had filled in."""
+class _Stager:
+    """What one :func:`build_plan` finds must be staged (and copied back) in the next capture,
+    where patching a node cannot follow an input: the inputs that foreign nodes, torch ops or
+    ambiguous pointers reach."""
 
     plan: Plan
     inputs: Sequence[InputRange]
-    launches: Sequence[LaunchView]
     staged: set[int]  # inputs staged in this capture
     copied_back: set[int]  # inputs copied back in this capture
     by_index: dict[int, InputRange] = attrs.field(init=False)
     overlaps: dict[int, set[int]] = attrs.field(init=False)
-    # every address inputs_at can place lies in [lowest, highest] (an empty span without inputs)
-    lowest: int = attrs.field(init=False)
-    highest: int = attrs.field(init=False)
     written_by_jit: set[int] = attrs.Factory(set)  # inputs a jit launch writes through a pointer
 
     def __attrs_post_init__(self) -> None:
         self.by_index = {r.index: r for r in self.inputs}
         self.overlaps = overlapping_inputs(self.inputs)
-        self.lowest = min((r.lo for r in self.inputs), default=1)
-        self.highest = max((r.hi for r in self.inputs), default=0)
 
-    # --- what replay must do besides patching ---------------------------------------------
     def require_staging(self, index: int, reason: str, copy_back: bool = False) -> None:
         """Input ``index`` cannot be patched: it must be staged (and copied back when written)
         in the next capture, where this one did not already."""
@@ -455,104 +446,6 @@ class _Planner:
         for owner in self.inputs:
             self.require_staging(owner.index, reason, copy_back=True)
 
-    def depends_on_dynamic(self, launch: LaunchView, args: Sequence[int], what: str) -> bool:
-        """Whether a value computed from jit arguments ``args`` changes from replay to replay
-        (it depends on a dynamic scalar): refused where replay cannot recompute it."""
-        if not (args and launch.dynamic_args and not launch.dynamic_args.isdisjoint(args)):
-            return False  # depends on constants only: fixed for this graph
-        missing = [k for k in args if k not in launch.scalar_sources]
-        if missing:
-            raise _Refused(f"{launch.kernel}: {what} depends on arguments {missing} whose values replay cannot follow")
-        return True
-
-    def recompute_arguments(self, launch_number: int, launch: LaunchView, needed: set[int]) -> None:
-        """Replay rebuilds the jit arguments ``needed`` of a launch from the dynamic leaves."""
-        self.plan.arguments[launch_number] = _arguments_source(launch, needed)
-        self.plan.constants.update(launch.constants)
-
-    # --- the jit launches: what to patch in each node -------------------------------------
-    def bind_launch(self, launch_number: int, node_index: int) -> None:
-        """Bind the pointers, scalars and grid sizes of a jit launch to its graph node."""
-        launch = self.launches[launch_number]
-        needed: set[int] = set()
-        for param in launch.params:
-            if param.kind == "pointer":
-                needed |= self.bind_pointer(launch, launch_number, node_index, param)
-            elif param.kind == "scalar" and param.evaluate is not None:
-                needed |= self.bind_scalar(launch, launch_number, node_index, param)
-        for config in launch.config:
-            needed |= self.bind_grid(launch, launch_number, node_index, config)
-        if needed:
-            self.recompute_arguments(launch_number, launch, needed)
-
-    def pointer_owners(self, launch: LaunchView, address: int) -> tuple[list[InputRange], bool]:
-        """The inputs a pointer points into, and whether it is replay's own staging copy of
-        its launch's input (bound to that input, overlaps or not)."""
-        owners = inputs_at(self.inputs, address)
-        own = self.by_index.get(launch.staging_input) if launch.staging_input is not None else None
-        staging_copy = own is not None and address == own.lo
-        if staging_copy:
-            owners = [own]  # our own copy of this very input: bound to it, overlaps or not
-        return owners, staging_copy
-
-    def bind_pointer(self, launch: LaunchView, launch_number: int, node_index: int, param: ParamView) -> set[int]:
-        """Rebind a pointer into exactly one input; stage the inputs it may point into where
-        that is ambiguous. Returns the jit arguments its offset is recomputed from."""
-        (address,) = _POINTER.unpack_from(launch.param_bytes, param.offset)
-        if not param.offset_scalar_args and not self.lowest <= address <= self.highest:
-            return _NOTHING  # into no input, at a fixed offset (the region's own memory): left as recorded
-        owners, staging_copy = self.pointer_owners(launch, address)
-        dynamic = self.depends_on_dynamic(launch, param.offset_scalar_args, f"the offset of pointer {param.index}")
-        if dynamic and not owners:
-            raise _Refused(
-                f"{launch.kernel}: pointer parameter {param.index} points into memory the region allocated, "
-                "at an offset computed from a dynamic scalar; replay rebinds only region inputs"
-            )
-        if dynamic and param.aligned is not None:
-            raise _Refused(
-                f"{launch.kernel}: pointer parameter {param.index} was specialized on its alignment and its "
-                "offset is computed from a dynamic scalar"
-            )
-        if len(owners) == 1 and (owners[0].index not in self.overlaps or staging_copy):
-            # (a staged input's own memory is reached only by our staging copies,
-            # whose pointers must follow the input like any other)
-            owner = owners[0]
-            extent = None if staging_copy else launch.extents.get(param.index)
-            if extent is not None and not (owner.lo <= extent.lo and extent.hi <= owner.hi):
-                raise _Refused(
-                    f"{launch.kernel}: pointer parameter {param.index} points into input {owner.path} but came from "
-                    "a tensor that reaches beyond it (a global or closure tensor holding the input, or a view wider "
-                    "than it): replay cannot tell whether it moves with the input"
-                )
-            if extent is not None and extent.doubt:
-                return self.stage_for_doubt(launch, param, owner, extent.doubt)
-            self.plan.pointers.append(
-                PointerBinding(
-                    node_index,
-                    launch_number,
-                    param.index,
-                    param.offset,
-                    owner.index,
-                    address - owner.lo,
-                    dynamic=dynamic,
-                    recorded_offset=param.byte_offset,
-                    offset_evaluate=param.offset_evaluate if dynamic else None,
-                    aligned=param.aligned,
-                )
-            )
-            if not param.read_only:
-                self.written_by_jit.add(owner.index)
-            return set(param.offset_scalar_args) if dynamic else set()
-        if owners:
-            if dynamic:
-                raise _Refused(
-                    f"{launch.kernel}: pointer parameter {param.index} points into overlapping inputs at an "
-                    "offset computed from a dynamic scalar"
-                )
-            for owner in owners:
-                self.stage_pointed_into(owner, param, f"it overlaps another input and {launch.kernel} points into it")
-        return set()
-
     def stage_pointed_into(self, owner: InputRange, param: ParamView, reason: str) -> None:
         """Stage an input a pointer parameter points into (copied back where the launch may
         write through the pointer)."""
@@ -560,73 +453,6 @@ class _Planner:
         if not param.read_only:
             self.written_by_jit.add(owner.index)
 
-    def stage_for_doubt(self, launch: LaunchView, param: ParamView, owner: InputRange, doubt: str) -> set[int]:
-        """A pointer into an input that may be another holder's of the input's memory: the
-        input is staged, so that in the next capture the region's own views of it point into
-        the graph's buffer, and a pointer still into the caller's memory is the other holder's
-        (the capture refuses it: recording's staged inputs reached otherwise). Already staged,
-        this pointer is such a one: refused."""
-        if owner.index in self.staged:
-            raise _Refused(
-                f"{launch.kernel}: pointer parameter {param.index} points into input {owner.path}, but {doubt}: "
-                "replay cannot tell whether the pointer moves with the input"
-            )
-        self.stage_pointed_into(
-            owner,
-            param,
-            f"{launch.kernel} points into it through another tensor, which another holder of its memory may have given",
-        )
-        return set()
-
-    def bind_scalar(self, launch: LaunchView, launch_number: int, node_index: int, param: ParamView) -> set[int]:
-        """Recompute a scalar parameter computed from dynamic scalars. Returns the jit
-        arguments it is recomputed from."""
-        if not self.depends_on_dynamic(launch, param.scalar_args, f"scalar parameter {param.index}"):
-            return set()
-        self.plan.scalars.append(
-            ScalarBinding(
-                node_index,
-                launch_number,
-                param.index,
-                param.offset,
-                param.fmt,
-                param.evaluate,
-                param.convert,
-                param.expression or "",
-            )
-        )
-        return set(param.scalar_args)
-
-    def bind_grid(self, launch: LaunchView, launch_number: int, node_index: int, config: ConfigView) -> set[int]:
-        """Recompute a grid size computed from dynamic scalars (other launch dimensions
-        cannot be patched). Returns the jit arguments it is recomputed from."""
-        if not self.depends_on_dynamic(launch, config.scalar_args, f"launch dimension {config.field}"):
-            return set()
-        if not config.field.startswith("grid"):
-            raise _Refused(
-                f"{launch.kernel}: its {config.field.replace('_', ' ')} size is computed from a dynamic scalar; "
-                "replay patches grid sizes only (pass that value as a plain argument: one graph per value)"
-            )
-        self.plan.configs.append(
-            ConfigBinding(node_index, launch_number, config.field, config.evaluate, config.expression)
-        )
-        return set(config.scalar_args)
-
-    def bind_index_checks(self, launch_number: int) -> None:
-        """Check, every replay, the launch's index bounds computed from dynamic scalars (the
-        call state's checks, launched or not)."""
-        launch = self.launches[launch_number]
-        needed: set[int] = set()
-        for check in launch.checks:
-            if not self.depends_on_dynamic(launch, check.scalar_args, "an index"):
-                continue
-            needed |= set(check.scalar_args)
-            self.plan.checks.append(CheckBinding(launch_number, check.value, check.size))
-        if needed:
-            needed |= {k for k, s in enumerate(self.plan.arguments.get(launch_number, ())) if s is not None}
-            self.recompute_arguments(launch_number, launch, needed)
-
-    # --- everything else: what must be staged ---------------------------------------------
     def stage_inputs_foreign_nodes_touch(self, nodes: Sequence[NodeView], scanned: bool) -> None:
         """Stage every input a node other than a jit launch's may reach (every input, where
         a node's addresses cannot be read)."""
@@ -688,6 +514,219 @@ class _Planner:
             self.plan.choices[r.index] = STAGED if r.index in self.staged else REBOUND if r.index in bound else UNUSED
 
 
+@attrs.define
+class _Binder:
+    """What one :func:`build_plan` patches in each jit launch's node: pointers, scalars, grid
+    sizes, and the index checks every replay makes. A pointer that cannot follow its input
+    leaves the input to ``stager``.
+
+    A step that finds the capture unusable raises :class:`_Refused`; the plan keeps what the
+    steps before had filled in."""
+
+    plan: Plan
+    launches: Sequence[LaunchView]
+    stager: _Stager
+    # every address inputs_at can place lies in [lowest, highest] (an empty span without inputs)
+    lowest: int = attrs.field(init=False)
+    highest: int = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self.lowest = min((r.lo for r in self.stager.inputs), default=1)
+        self.highest = max((r.hi for r in self.stager.inputs), default=0)
+
+    def depends_on_dynamic(self, launch: LaunchView, args: Sequence[int], what: str) -> bool:
+        """Whether a value computed from jit arguments ``args`` changes from replay to replay
+        (it depends on a dynamic scalar): refused where replay cannot recompute it."""
+        if not (args and launch.dynamic_args and not launch.dynamic_args.isdisjoint(args)):
+            return False  # depends on constants only: fixed for this graph
+        missing = [k for k in args if k not in launch.scalar_sources]
+        if missing:
+            raise _Refused(f"{launch.kernel}: {what} depends on arguments {missing} whose values replay cannot follow")
+        return True
+
+    def recompute_arguments(self, launch_number: int, launch: LaunchView, needed: set[int]) -> None:
+        """Replay rebuilds the jit arguments ``needed`` of a launch from the dynamic leaves."""
+        self.plan.arguments[launch_number] = _arguments_source(launch, needed)
+        self.plan.constants.update(launch.constants)
+
+    def bind_launch(self, launch_number: int, node_index: int) -> None:
+        """Bind the pointers, scalars and grid sizes of a jit launch to its graph node."""
+        launch = self.launches[launch_number]
+        needed: set[int] = set()
+        for param in launch.params:
+            if param.kind == "pointer":
+                needed |= self.bind_pointer(launch, launch_number, node_index, param)
+            elif param.kind == "scalar" and param.evaluate is not None:
+                needed |= self.bind_scalar(launch, launch_number, node_index, param)
+        for config in launch.config:
+            needed |= self.bind_grid(launch, launch_number, node_index, config)
+        if needed:
+            self.recompute_arguments(launch_number, launch, needed)
+
+    def pointer_owners(self, launch: LaunchView, address: int) -> tuple[list[InputRange], bool]:
+        """The inputs a pointer points into, and whether it is replay's own staging copy of
+        its launch's input (bound to that input, overlaps or not)."""
+        owners = inputs_at(self.stager.inputs, address)
+        by_index = self.stager.by_index
+        own = by_index.get(launch.staging_input) if launch.staging_input is not None else None
+        staging_copy = own is not None and address == own.lo
+        if staging_copy:
+            owners = [own]  # our own copy of this very input: bound to it, overlaps or not
+        return owners, staging_copy
+
+    def bind_pointer(self, launch: LaunchView, launch_number: int, node_index: int, param: ParamView) -> set[int]:
+        """Rebind a pointer into exactly one input; stage the inputs it may point into where
+        that is ambiguous. Returns the jit arguments its offset is recomputed from."""
+        (address,) = _POINTER.unpack_from(launch.param_bytes, param.offset)
+        if not param.offset_scalar_args and not self.lowest <= address <= self.highest:
+            return _NOTHING  # into no input, at a fixed offset (the region's own memory): left as recorded
+        owners, staging_copy = self.pointer_owners(launch, address)
+        dynamic = self.depends_on_dynamic(launch, param.offset_scalar_args, f"the offset of pointer {param.index}")
+        if dynamic:
+            _refuse_dynamic_offset(launch, param, owners)
+        if len(owners) == 1 and (owners[0].index not in self.stager.overlaps or staging_copy):
+            # (a staged input's own memory is reached only by our staging copies,
+            # whose pointers must follow the input like any other)
+            place = _PointerPlace(launch_number, node_index, address, owners[0], dynamic, staging_copy)
+            return self.bind_to_input(launch, param, place)
+        if owners:
+            if dynamic:
+                raise _Refused(
+                    f"{launch.kernel}: pointer parameter {param.index} points into overlapping inputs at an "
+                    "offset computed from a dynamic scalar"
+                )
+            for owner in owners:
+                self.stager.stage_pointed_into(
+                    owner, param, f"it overlaps another input and {launch.kernel} points into it"
+                )
+        return set()
+
+    def bind_to_input(self, launch: LaunchView, param: ParamView, place: _PointerPlace) -> set[int]:
+        """Rebind a pointer into one input, unless the tensor it came from reaches beyond the
+        input (refused) or may be another holder's (the input staged)."""
+        owner = place.owner
+        extent = None if place.staging_copy else launch.extents.get(param.index)
+        if extent is not None and not (owner.lo <= extent.lo and extent.hi <= owner.hi):
+            raise _Refused(
+                f"{launch.kernel}: pointer parameter {param.index} points into input {owner.path} but came from "
+                "a tensor that reaches beyond it (a global or closure tensor holding the input, or a view wider "
+                "than it): replay cannot tell whether it moves with the input"
+            )
+        if extent is not None and extent.doubt:
+            return self.stage_for_doubt(launch, param, owner, extent.doubt)
+        self.plan.pointers.append(
+            PointerBinding(
+                place.node,
+                place.launch,
+                param.index,
+                param.offset,
+                owner.index,
+                place.address - owner.lo,
+                dynamic=place.dynamic,
+                recorded_offset=param.byte_offset,
+                offset_evaluate=param.offset_evaluate if place.dynamic else None,
+                aligned=param.aligned,
+            )
+        )
+        if not param.read_only:
+            self.stager.written_by_jit.add(owner.index)
+        return set(param.offset_scalar_args) if place.dynamic else set()
+
+    def stage_for_doubt(self, launch: LaunchView, param: ParamView, owner: InputRange, doubt: str) -> set[int]:
+        """A pointer into an input that may be another holder's of the input's memory: the
+        input is staged, so that in the next capture the region's own views of it point into
+        the graph's buffer, and a pointer still into the caller's memory is the other holder's
+        (the capture refuses it: recording's staged inputs reached otherwise). Already staged,
+        this pointer is such a one: refused."""
+        if owner.index in self.stager.staged:
+            raise _Refused(
+                f"{launch.kernel}: pointer parameter {param.index} points into input {owner.path}, but {doubt}: "
+                "replay cannot tell whether the pointer moves with the input"
+            )
+        self.stager.stage_pointed_into(
+            owner,
+            param,
+            f"{launch.kernel} points into it through another tensor, which another holder of its memory may have given",
+        )
+        return set()
+
+    def bind_scalar(self, launch: LaunchView, launch_number: int, node_index: int, param: ParamView) -> set[int]:
+        """Recompute a scalar parameter computed from dynamic scalars. Returns the jit
+        arguments it is recomputed from."""
+        if not self.depends_on_dynamic(launch, param.scalar_args, f"scalar parameter {param.index}"):
+            return set()
+        self.plan.scalars.append(
+            ScalarBinding(
+                node_index,
+                launch_number,
+                param.index,
+                param.offset,
+                param.fmt,
+                param.evaluate,
+                param.convert,
+                param.expression or "",
+            )
+        )
+        return set(param.scalar_args)
+
+    def bind_grid(self, launch: LaunchView, launch_number: int, node_index: int, config: ConfigView) -> set[int]:
+        """Recompute a grid size computed from dynamic scalars (other launch dimensions
+        cannot be patched). Returns the jit arguments it is recomputed from."""
+        if not self.depends_on_dynamic(launch, config.scalar_args, f"launch dimension {config.field}"):
+            return set()
+        if not config.field.startswith("grid"):
+            raise _Refused(
+                f"{launch.kernel}: its {config.field.replace('_', ' ')} size is computed from a dynamic scalar; "
+                "replay patches grid sizes only (pass that value as a plain argument: one graph per value)"
+            )
+        self.plan.configs.append(
+            ConfigBinding(node_index, launch_number, config.field, config.evaluate, config.expression)
+        )
+        return set(config.scalar_args)
+
+    def bind_index_checks(self, launch_number: int) -> None:
+        """Check, every replay, the launch's index bounds computed from dynamic scalars (the
+        call state's checks, launched or not)."""
+        launch = self.launches[launch_number]
+        needed: set[int] = set()
+        for check in launch.checks:
+            if not self.depends_on_dynamic(launch, check.scalar_args, "an index"):
+                continue
+            needed |= set(check.scalar_args)
+            self.plan.checks.append(CheckBinding(launch_number, check.value, check.size))
+        if needed:
+            needed |= {k for k, s in enumerate(self.plan.arguments.get(launch_number, ())) if s is not None}
+            self.recompute_arguments(launch_number, launch, needed)
+
+
+class _PointerPlace(NamedTuple):
+    """Where a pointer bound to one input sits: its launch and node, its recorded address,
+    the input, whether its offset is recomputed every replay, and whether it is replay's own
+    staging copy of that input."""
+
+    launch: int
+    node: int
+    address: int
+    owner: InputRange
+    dynamic: bool
+    staging_copy: bool
+
+
+def _refuse_dynamic_offset(launch: LaunchView, param: ParamView, owners: Sequence[InputRange]) -> None:
+    """A pointer whose offset a dynamic scalar computes can only follow an input, and only
+    where the kernel assumed nothing of its alignment."""
+    if not owners:
+        raise _Refused(
+            f"{launch.kernel}: pointer parameter {param.index} points into memory the region allocated, "
+            "at an offset computed from a dynamic scalar; replay rebinds only region inputs"
+        )
+    if param.aligned is not None:
+        raise _Refused(
+            f"{launch.kernel}: pointer parameter {param.index} was specialized on its alignment and its "
+            "offset is computed from a dynamic scalar"
+        )
+
+
 def build_plan(
     inputs: Sequence[InputRange],
     launches: Sequence[LaunchView],
@@ -712,20 +751,21 @@ def build_plan(
     plan.matches, plan.failure = match_launches(launches, nodes)
     if plan.failure:
         return plan
-    planner = _Planner(plan, inputs, launches, staged, copied_back)
+    stager = _Stager(plan, inputs, staged, copied_back)
+    binder = _Binder(plan, launches, stager)
     try:
         for launch_number, node_index in plan.matches:
-            planner.bind_launch(launch_number, node_index)
+            binder.bind_launch(launch_number, node_index)
         for launch_number in range(len(launches)):  # launched or not: the call state checked
-            planner.bind_index_checks(launch_number)
+            binder.bind_index_checks(launch_number)
     except _Refused as refused:
         plan.failure = refused.reason
         return plan
-    planner.stage_inputs_foreign_nodes_touch(nodes, scanned)
-    planner.stage_inputs_torch_touches(torch_read, torch_written)
-    planner.copy_back_what_jit_writes()
-    planner.refuse_written_overlaps(torch_written)
+    stager.stage_inputs_foreign_nodes_touch(nodes, scanned)
+    stager.stage_inputs_torch_touches(torch_read, torch_written)
+    stager.copy_back_what_jit_writes()
+    stager.refuse_written_overlaps(torch_written)
     if plan.needs_staging or plan.needs_copy_back:
         return plan  # the caller re-records with these staged; choices come from that capture
-    planner.choose()
+    stager.choose()
     return plan

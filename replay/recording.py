@@ -8,8 +8,8 @@ nodes read, and :func:`replay.rebinding.build_plan` decides what to patch and wh
 
 Capture goes through ``CUDAGraph.capture_begin/capture_end`` rather than the
 ``torch.cuda.graph`` context manager: the latter synchronizes the device and empties the
-allocator cache on entry, which costs milliseconds per recording and is not needed here (the
-session's pool is private and nothing captured runs until the graph is launched).
+allocator cache on entry, which a recording need not pay (the session's pool is private and
+nothing captured runs until the graph is launched).
 """
 
 from __future__ import annotations
@@ -33,10 +33,10 @@ import numpy as np
 import torch
 
 import jitcore
+from jitcore import CaptureMissError
 from jitcore.backends import get_backend
-from jitcore.errors import CaptureMissError
 from replay import host as host_inputs
-from replay import rebinding, staging, triton_launches
+from replay import instrumentation, rebinding, staging, triton_launches
 from replay.dynamic import Dynamic, DynamicScalar
 from replay.errors import DynamicScalarError
 from replay.observe import TorchOpObserver, op_observer
@@ -121,11 +121,6 @@ class Capture:
     torch_written: set[int]
     seconds: float  # capture + instantiate
     memory: int  # bytes the pool grew by
-    #: seconds per step, for benchmarks and reports: the recording call's prepare, region,
-    #: capture begin, checks, end, pool snapshot, own outputs, extents and records,
-    #: instantiate (in the order they run, none inside another); the second call's analyse
-    #: and build replay
-    timings: dict = attrs.Factory(dict)
     output_bytes: int = 0  # memory of the outputs' own buffers (outside the pool)
     owned_outputs: set = attrs.Factory(set)  # data pointers of those buffers' storages
     staging_launches: dict = attrs.Factory(dict)  # record index -> input index (our staging copies)
@@ -171,9 +166,8 @@ class KeptPool:
 
 #: The size of each private pool as last measured, by (device, pool id): what the pool held
 #: before a recording, for the recording's memory figure, and what stats and the compaction
-#: rule read, without a snapshot of the allocator (milliseconds once it holds many blocks;
-#: several of them a recording were most of a recording's cost). Only captures grow a pool,
-#: and every capture measures it again.
+#: rule read, without a snapshot of the allocator (whose cost grows with every block the
+#: process holds). Only captures grow a pool, and every capture measures it again.
 _KNOWN_POOL_BYTES: dict[tuple[int, tuple], int] = {}
 
 
@@ -188,9 +182,9 @@ def pool_segments(device: int, pool: tuple) -> list[tuple[int, int]]:
     our own equal to it, given back what torch took (:func:`_one_pool_segments_given_back`).
     Where neither can be done safely (an older torch; a Python whose small numbers are not
     immortal, asked of an id that holds one), taken from the whole allocator's snapshot, each
-    segment's pool read from it: that costs a recording milliseconds in a process that holds
-    many blocks (a model's weights), the pool's own snapshot a tenth of that (torch still walks
-    every block to pick the pool's: 44 us with none, 238 us with 8,000 on the H200)."""
+    segment's pool read from it: that lists every block of the process (a model's weights),
+    where the pool's own snapshot lists the pool's alone (torch still walks every block to
+    pick them: benchmarks/pool_snapshot.py)."""
     found = None
     try:
         if not _one_pool_snapshot_takes_its_ids():
@@ -542,6 +536,9 @@ class _CaptureInputs:
         """What the torch-op observer watches: ``watched``, then ``staged_storages``."""
         return self.watched + list(self.staged_storages.values())
 
+    def host_buffers(self) -> dict[int, torch.Tensor] | None:
+        return self.host.buffers if self.host is not None else None
+
     def host_ranges(self) -> list[tuple[int, int]]:
         return [r for _, r in self.host.ranges()] if self.host is not None else []
 
@@ -562,6 +559,8 @@ class _Recorded:
     observation: object  # what torch ops read and wrote (indices into the watched ranges)
     staging_launches: dict[int, int]  # record index -> the input a staging copy reads or writes
     copied_back: set[int]
+    output_bytes: int = 0  # memory of the outputs' own buffers (outside the pool)
+    owned_outputs: set[int] = attrs.Factory(set)  # data pointers of those buffers' storages
 
 
 def input_ranges(tensors: dict[int, torch.Tensor], paths: Sequence[str]) -> list[rebinding.InputRange]:
@@ -748,7 +747,7 @@ def _copy_staged_back(
             copied_back.add(i)
 
 
-def _record(
+def _run_under_capture(
     fn,
     args: tuple,
     kwargs: dict,
@@ -760,40 +759,17 @@ def _record(
     device: int,
     pool: tuple,
     copy_back: set[int],
-    timings: dict,
 ) -> _Recorded:
     """The capture itself, on the current stream: the staging copies in, the region, the
-    copies back, between ``capture_begin`` and ``capture_end``. The region's own call is
-    timed apart (``timings["region"]``): it holds the jit's launch reports and the torch-op
-    observer, the recording's cost per launch and per op.
+    copies back, between ``capture_begin`` and ``capture_end``.
 
     On any error no capture is left running, and the exception says what the session does
     next: CaptureAborted (a jit miss: compile eagerly, record later), CaptureFailed (run this
     key eagerly), SpoiledPool (as CaptureFailed, and the pool cannot be captured into
     again)."""
-    copied_back: set[int] = set()
-    staging_launches: dict[int, int] = {}  # record index -> the input a staging copy reads or writes
+    _begin_capture(graph, device, pool)
     try:
-        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
-    except Exception as exc:
-        # capture_begin puts the generator in capture mode before it can fail: repaired
-        # with a new state, as after a spoiled capture (and handled the same way)
-        _repair_generator(device)
-        raise SpoiledPool(f"the capture could not start: {_first_line(exc)}") from exc
-    try:
-        with jitcore.recorder.recording(recorder), triton_launches.recording(recorder), observer as observation:
-            _copy_staged_in(prepared, recorder, staging_launches)
-            first_region_launch = len(recorder.records)
-            region_started = time.perf_counter()
-            outputs = fn(*args, **kwargs)
-            timings["region"] = time.perf_counter() - region_started
-            region_records = recorder.records[first_region_launch:]  # (the staging copies left out)
-            _refuse_host_misuse(prepared, observation, region_records)
-            _refuse_reads_beyond_inputs(prepared, observation)
-            _refuse_staged_inputs_reached_otherwise(prepared, observation, region_records)
-            written = _inputs_written(prepared, observation, region_records)
-            _copy_staged_back(prepared, recorder, written, copy_back, staging_launches, copied_back)
-            _refuse_written_overlaps(prepared.inputs, prepared.staged, written | copied_back)
+        recorded = _run_region(fn, args, kwargs, prepared, recorder, observer, copy_back)
     except CaptureMissError as exc:
         if _end_capture_after_error(graph, device, pool):
             raise SpoiledPool(str(exc)) from exc
@@ -809,14 +785,50 @@ def _record(
     except Exception as exc:
         _end_capture_after_error(graph, device, pool)
         raise SpoiledPool(f"the capture was invalidated: {_first_line(exc)}") from exc
+    return recorded
+
+
+def _begin_capture(graph: torch.cuda.CUDAGraph, device: int, pool: tuple) -> None:
+    """``capture_begin`` into the session's pool, in the capture mode of this thread alone."""
+    try:
+        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+    except Exception as exc:
+        # capture_begin puts the generator in capture mode before it can fail: repaired
+        # with a new state, as after a spoiled capture (and handled the same way)
+        _repair_generator(device)
+        raise SpoiledPool(f"the capture could not start: {_first_line(exc)}") from exc
+
+
+def _run_region(
+    fn, args: tuple, kwargs: dict, prepared: _CaptureInputs, recorder: _Recorder, observer, copy_back: set[int]
+) -> _Recorded:
+    """Under capture, with the launch recorders and the torch-op observer on: the staging
+    copies in, the region, the refusals of what a graph cannot reproduce, the copies back.
+    The region's own call is a step apart: it holds the jit's launch reports and the
+    observer, the recording's cost per launch and per op."""
+    copied_back: set[int] = set()
+    staging_launches: dict[int, int] = {}  # record index -> the input a staging copy reads or writes
+    with jitcore.recorder.recording(recorder), triton_launches.recording(recorder), observer as observation:
+        _copy_staged_in(prepared, recorder, staging_launches)
+        first_region_launch = len(recorder.records)
+        instrumentation.steps.mark("capture begin, checks, end")
+        outputs = fn(*args, **kwargs)
+        instrumentation.steps.mark("region")
+        region_records = recorder.records[first_region_launch:]  # (the staging copies left out)
+        _refuse_host_misuse(prepared, observation, region_records)
+        _refuse_reads_beyond_inputs(prepared, observation)
+        _refuse_staged_inputs_reached_otherwise(prepared, observation, region_records)
+        written = _inputs_written(prepared, observation, region_records)
+        _copy_staged_back(prepared, recorder, written, copy_back, staging_launches, copied_back)
+        _refuse_written_overlaps(prepared.inputs, prepared.staged, written | copied_back)
     return _Recorded(outputs, observation, staging_launches, copied_back)
 
 
 class _OnStream:
     """``torch.cuda.stream(stream)`` for a stream of the current device, without that context
-    manager's device lookups (torch's ``_get_device_index`` and ``is_available``, on every
-    recording's path: tens of microseconds on the H200). A stream of another device takes
-    torch's context manager, which switches the device as well."""
+    manager's device lookups (torch's ``_get_device_index`` and ``is_available``), which every
+    recording would pay. A stream of another device takes torch's context manager, which
+    switches the device as well."""
 
     __slots__ = ("stream", "previous", "other_device")
 
@@ -841,20 +853,44 @@ class _OnStream:
             torch.cuda.set_stream(self.previous)
 
 
+def _observer(prepared: _CaptureInputs, observe: bool) -> contextlib.AbstractContextManager:
+    """The capture's torch-op observer: a context manager whose value is what it saw."""
+    host = prepared.host
+    if host is not None:  # always observed: a torch op reading host values would bake them in
+        return TorchOpObserver(prepared.observed_ranges(), host.ranges(), host.paths.get, rewrite_blocking=True)
+    if observe:
+        return op_observer(prepared.observed_ranges())
+    return contextlib.nullcontext(_NoObservation())
+
+
+def _pool_bytes_before(device: int, pool: tuple) -> int:
+    """The pool's size before the capture (for the recording's memory): as last measured,
+    else measured now."""
+    known = known_pool_bytes(device, pool)
+    return known if known is not None else pool_bytes(device, pool)
+
+
+def _pool_memory(device: int, pool: tuple) -> list[tuple[int, int]]:
+    """(first byte, one past the last) of each segment of the pool, from the one snapshot of
+    the allocator a recording takes."""
+    return [(address, address + size) for address, size in pool_segments(device, pool)]
+
+
 def _give_outputs_their_own_memory(
-    outputs: object,
-    watched: Sequence[tuple[int, int]],
+    recorded: _Recorded,
+    prepared: _CaptureInputs,
     graph,
-    *,
     pool_memory: Sequence[tuple[int, int]],
     backend,
     stream,
     device: int,
-) -> tuple[object, int, set[int]]:
-    """:func:`own_outputs` for a capture that just ended; on failure the graph is reset and
-    the error is a CaptureFailed."""
+) -> None:
+    """:func:`own_outputs` for a capture that just ended (filling in ``recorded``'s outputs,
+    their bytes and their storages); on failure the graph is reset and the error is a
+    CaptureFailed."""
+    watched = prepared.watched + prepared.host_ranges()
     try:
-        return own_outputs(outputs, watched, device, backend, graph, stream, pool_memory)
+        owned = own_outputs(recorded.outputs, watched, device, backend, graph, stream, pool_memory)
     except Exception as exc:
         graph.reset()
         if isinstance(exc, CaptureFailed):
@@ -862,6 +898,31 @@ def _give_outputs_their_own_memory(
         raise CaptureFailed(
             f"{type(exc).__name__} while giving the outputs their own memory: {_first_line(exc)}"
         ) from exc
+    recorded.outputs, recorded.output_bytes, recorded.owned_outputs = owned
+
+
+@attrs.frozen
+class _KeptRecords:
+    """What a capture keeps of its launch records (see :func:`_keep_records`)."""
+
+    records: list  # each launch record, its tensors dropped (scalar_or_none)
+    extents: list  # pointer_extents, per record
+    storages: list | None  # pointer_storages, per record, where asked for
+
+
+def _keep_records(
+    records: Sequence, prepared: _CaptureInputs, pool_memory: Sequence[tuple[int, int]], storages: bool
+) -> _KeptRecords:
+    """What analysis needs of the launch records, read while their ``args`` still hold the
+    tensors; then the records without them. Records must not keep the capture's tensors
+    alive: intermediates freed return to the pool, where the next graph recorded into it
+    reuses them."""
+    storage_uses = None
+    if storages:  # replay.polymorphic matches later runs against these: where each pointer pointed
+        storage_uses = pointer_storages(records, lambda base: any(lo <= base < hi for lo, hi in pool_memory))
+    extents = pointer_extents(records, prepared.inputs, prepared.tensors.values(), prepared.doubts)
+    kept = [r.with_args(tuple(map(scalar_or_none, r.args))) for r in records]
+    return _KeptRecords(kept, extents, storage_uses)
 
 
 def _instantiate(graph: torch.cuda.CUDAGraph) -> None:
@@ -873,22 +934,16 @@ def _instantiate(graph: torch.cuda.CUDAGraph) -> None:
         raise CaptureFailed(f"the graph could not be instantiated: {_first_line(exc)}") from exc
 
 
-def _capture_record(
-    *,
+def _make_capture(
     graph: torch.cuda.CUDAGraph,
     device: int,
     leaves: Sequence,
     prepared: _CaptureInputs,
     recorded: _Recorded,
     recorder: _Recorder,
-    records: list,
-    output_bytes: int,
-    owned: set[int],
+    kept: _KeptRecords,
     seconds: float,
     memory: int,
-    timings: dict,
-    storage_uses: list | None,
-    extents: list,
     pool_memory: list,
 ) -> Capture:
     """The Capture: the graph, with what analysis and replay need to know of its recording."""
@@ -896,11 +951,11 @@ def _capture_record(
         graph=graph,
         device=device,
         outputs=recorded.outputs,
-        records=records,
+        records=kept.records,
         launch_nodes=list(recorder.nodes),
         staging_launches=recorded.staging_launches,
-        output_bytes=output_bytes,
-        owned_outputs=owned,
+        output_bytes=recorded.output_bytes,
+        owned_outputs=recorded.owned_outputs,
         inputs=prepared.inputs,
         input_dtypes={
             **{i: t.dtype for i, t in prepared.tensors.items()},
@@ -913,10 +968,9 @@ def _capture_record(
         torch_written=prepared.leaves_seen(recorded.observation.written),
         seconds=seconds,
         memory=memory,
-        timings=timings,
         host=prepared.host,
-        pointer_storages=storage_uses,
-        pointer_extents=extents,
+        pointer_storages=kept.storages,
+        pointer_extents=kept.extents,
         pool_memory=pool_memory,
     )
 
@@ -938,102 +992,43 @@ def capture(
 ) -> Capture:
     """Record ``fn`` once. Raises CaptureAborted or CaptureFailed.
 
-    ``observe=False`` skips the torch-op observer during the capture (it costs tens of
-    microseconds per torch op): the session passes it when the eager warm-up of this key ran
-    under the observer and saw no torch op touch an input. The node scan after capture still
-    catches foreign kernels and copies that reach an input. ``storages=True`` keeps, per
-    launch, the storage each pointer parameter pointed into (``Capture.pointer_storages``,
-    for replay.polymorphic). ``held``: the tensors the region reaches by name (an argument
-    that is one of them is reached both ways: see :func:`input_doubts`).
+    ``observe=False`` skips the torch-op observer (a cost per torch op): the session passes it
+    when this key's eager warm-up ran observed and saw no torch op touch an input (the node
+    scan after capture still catches foreign kernels and copies that reach an input).
+    ``storages=True`` keeps where each pointer parameter pointed (``Capture.pointer_storages``,
+    for replay.polymorphic). ``held``: the tensors the region reaches by name (:func:`input_doubts`).
 
-    The steps: prepare the inputs; then, holding :data:`CAPTURES` exclusively from capture
-    begin to instantiate: record the region, give its outputs memory of their own,
-    instantiate the graph, and build the :class:`Capture`."""
-    clock = time.perf_counter
-    timings = {"start": clock()}
+    The steps, each marked on ``replay.instrumentation.steps``: prepare; then, holding
+    :data:`CAPTURES` exclusively, run the region under capture with its checks, snapshot the
+    pool, give the outputs memory of their own, keep the extents and the records, instantiate.
+    ``Capture.seconds`` counts from capture begin to the graph instantiated."""
+    instrumentation.steps.start()
     prepared = _prepare_inputs(leaves, paths, device=device, stage=stage, held=held)
-    host = prepared.host
-    args, kwargs = region_arguments(spec, leaves, paths, prepared.staged, host.buffers if host else None)
-    if host is not None:  # always observed: a torch op reading host values would bake them in
-        observer = TorchOpObserver(prepared.observed_ranges(), host.ranges(), host.paths.get, rewrite_blocking=True)
-    elif observe:
-        observer = op_observer(prepared.observed_ranges())
-    else:
-        observer = contextlib.nullcontext(_NoObservation())
+    args, kwargs = region_arguments(spec, leaves, paths, prepared.staged, prepared.host_buffers())
+    observer = _observer(prepared, observe)
     with CAPTURES.exclusive():  # no other thread's work may break this capture
-        backend = get_backend()
-        recorder = _Recorder(backend)
+        recorder = _Recorder(get_backend())
         graph = torch.cuda.CUDAGraph(keep_graph=True)
-        pool_before = known_pool_bytes(device, pool)
-        if pool_before is None:
-            pool_before = pool_bytes(device, pool)
-        timings["prepare"] = clock() - timings.pop("start")
-        started = clock()
+        pool_before = _pool_bytes_before(device, pool)
+        instrumentation.steps.mark("prepare")
+        started = time.perf_counter()
         with _OnStream(stream):
-            recorded = _record(
-                fn,
-                args,
-                kwargs,
-                prepared,
-                recorder,
-                observer,
-                graph,
-                device=device,
-                pool=pool,
-                copy_back=copy_back,
-                timings=timings,
+            recorded = _run_under_capture(
+                fn, args, kwargs, prepared, recorder, observer, graph, device=device, pool=pool, copy_back=copy_back
             )
-            timings["capture begin, checks, end"] = clock() - started - timings["region"]
-            snapshot_started = clock()
-            segments = pool_segments(device, pool)  # the one snapshot of the recording
-            outputs_started = clock()
-            timings["pool snapshot"] = outputs_started - snapshot_started
-            recorded.outputs, output_bytes, owned = _give_outputs_their_own_memory(
-                recorded.outputs,
-                prepared.watched + prepared.host_ranges(),
-                graph,
-                pool_memory=[(address, address + size) for address, size in segments],
-                backend=backend,
-                stream=stream,
-                device=device,
-            )
-        extents_started = clock()
-        timings["own outputs"] = extents_started - outputs_started
-        # replay.polymorphic matches later runs against these: where each pointer pointed
-        storage_uses = None
-        if storages:
-            storage_uses = pointer_storages(
-                recorder.records, lambda base: any(a <= base < a + size for a, size in segments)
-            )
-        extents = pointer_extents(recorder.records, prepared.inputs, prepared.tensors.values(), prepared.doubts)
-        # Records must not keep the capture's tensors alive: intermediates freed now return to
-        # the pool, where the next graph recorded into it reuses them.
-        records = [r.with_args(tuple(map(scalar_or_none, r.args))) for r in recorder.records]
+            instrumentation.steps.mark("capture begin, checks, end")
+            pool_memory = _pool_memory(device, pool)
+            instrumentation.steps.mark("pool snapshot")
+            _give_outputs_their_own_memory(recorded, prepared, graph, pool_memory, recorder.backend, stream, device)
+        instrumentation.steps.mark("own outputs")
+        kept = _keep_records(recorder.records, prepared, pool_memory, storages)
         del args, kwargs
-        instantiate_started = clock()
-        timings["extents and records"] = instantiate_started - extents_started
+        instrumentation.steps.mark("extents and records")
         _instantiate(graph)
-        ended = clock()
-        seconds = ended - started
-        timings["instantiate"] = ended - instantiate_started
-        memory = max(sum(size for _, size in segments) - pool_before, 0) + output_bytes
-        return _capture_record(
-            graph=graph,
-            device=device,
-            leaves=leaves,
-            prepared=prepared,
-            recorded=recorded,
-            recorder=recorder,
-            records=records,
-            output_bytes=output_bytes,
-            owned=owned,
-            seconds=seconds,
-            memory=memory,
-            timings=timings,
-            storage_uses=storage_uses,
-            extents=extents,
-            pool_memory=[(address, address + size) for address, size in segments],
-        )
+        seconds = time.perf_counter() - started
+        instrumentation.steps.mark("instantiate")
+        memory = max(sum(hi - lo for lo, hi in pool_memory) - pool_before, 0) + recorded.output_bytes
+        return _make_capture(graph, device, leaves, prepared, recorded, recorder, kept, seconds, memory, pool_memory)
 
 
 @attrs.frozen
@@ -1233,7 +1228,7 @@ def analyse(capture: Capture) -> None:
     """Read the graph's nodes and plan the rebinding (fills ``capture.nodes/plan``). Raises
     CaptureFailed when the graph cannot be rebound, CaptureRetry when more inputs must be
     staged; the caller then releases ``capture.graph``."""
-    started = time.perf_counter()
+    instrumentation.steps.start()
     backend = get_backend()
     capture.nodes = backend.graph_nodes(capture.graph.raw_cuda_graph())
     views, scanned = node_views(backend, capture.nodes, capture.records)
@@ -1250,7 +1245,7 @@ def analyse(capture: Capture) -> None:
         torch_written=capture.torch_written,
         scanned=scanned,
     )
-    capture.timings["analyse"] = time.perf_counter() - started
+    instrumentation.steps.mark("analyse")
     if plan.failure:
         raise CaptureFailed(plan.failure)
     if capture.host is not None:
@@ -1351,34 +1346,7 @@ def own_outputs(
     CaptureFailed for outputs a graph cannot reproduce. Returns (outputs, bytes allocated,
     the data pointers of the new buffers' storages)."""
     spec, leaves, paths = flatten((outputs,), {}, walk_dataclasses=True)
-    groups: dict[int, list[int]] = {}
-    for i, leaf in enumerate(leaves):
-        where = paths[i].replace("args[0]", "output", 1)
-        if isinstance(leaf, DynamicScalar) or isinstance(leaf, _CONSTANT_OUTPUTS):
-            continue
-        if not isinstance(leaf, torch.Tensor):
-            raise CaptureFailed(
-                f"the region returned a {type(leaf).__qualname__} ({where}); a replay can only return tensors, "
-                "numbers, strings and tuples, lists, dicts, named tuples or dataclasses of those"
-            )
-        if leaf.requires_grad:
-            raise CaptureFailed(
-                f"{where} requires grad; replay does not record autograd (run the loop under torch.no_grad() "
-                "or torch.inference_mode())"
-            )
-        lo, hi = byte_range(leaf)
-        if any(a <= lo and hi <= b for a, b in watched):
-            continue  # a view of an input: rebuilt on the caller's input at each replay
-        if leaf.device.type == "cuda" and not any(a <= lo < b for a, b in pool_memory):
-            continue  # not made by this capture (a global, a closure tensor): returned as is
-        if leaf.device.type != "cuda":
-            raise CaptureFailed(f"{where} is a tensor on {leaf.device} the region made; a graph cannot produce it")
-        if type(leaf) is not torch.Tensor:
-            raise CaptureFailed(f"{where} is a {type(leaf).__qualname__}; replay returns plain tensors only")
-        if leaf.numel() == 0:  # no bytes to keep (and maybe no address): a fresh empty tensor
-            leaves[i] = torch.empty_strided(leaf.shape, leaf.stride(), dtype=leaf.dtype, device=leaf.device)
-            continue
-        groups.setdefault(leaf.untyped_storage().data_ptr(), []).append(i)
+    groups = _outputs_by_storage(leaves, paths, watched, pool_memory)
     if not groups:
         return unflatten(spec, leaves)[0][0], 0, set()
     new_leaves = list(leaves)
@@ -1386,34 +1354,101 @@ def own_outputs(
     copies = []
     owned: set[int] = set()
     for members in groups.values():
-        storage = leaves[members[0]].untyped_storage()
-        base = storage.data_ptr()
-        lo = max(min(leaves[i].data_ptr() for i in members) & ~15, base)
-        hi = max(leaves[i].data_ptr() + extent_bytes(leaves[i]) for i in members)
-        buffer = torch.empty(max(hi - lo, 1), dtype=torch.uint8, device=f"cuda:{device}")
+        buffer, lo, copy = _own_buffer([leaves[i] for i in members], device)
         total += buffer.numel()
         owned.add(buffer.untyped_storage().data_ptr())
-        if hi > lo:
-            source = torch.empty(0, dtype=torch.uint8, device=f"cuda:{device}")
-            source.set_(storage, lo - base, (hi - lo,), (1,))
-            copies.append((buffer[: hi - lo], source))
+        if copy is not None:
+            copies.append(copy)
         for i in members:
-            leaf = leaves[i]
-            offset, remainder = divmod(leaf.data_ptr() - lo, leaf.element_size())
-            if remainder:
-                raise CaptureFailed(f"an output ({paths[i]}) is misaligned within its storage")
-            view = torch.empty(0, dtype=leaf.dtype, device=leaf.device)
-            view.set_(buffer.untyped_storage(), offset, leaf.shape, leaf.stride())
-            new_leaves[i] = view
-    if copies:
-        try:
-            appending = backend.capture_into(graph.raw_cuda_graph(), stream.cuda_stream)
-        except NotImplementedError as exc:
-            raise CaptureFailed(f"{exc}, so its outputs cannot get memory of their own") from None
-        with appending:
-            for destination, source in copies:
-                destination.copy_(source)
+            new_leaves[i] = _same_view_in(buffer, lo, leaves[i], paths[i])
+    _append_copies(copies, backend, graph, stream)
     return unflatten(spec, new_leaves)[0][0], total, owned
+
+
+def _outputs_by_storage(
+    leaves: list, paths: Sequence[str], watched: Sequence[tuple[int, int]], pool_memory: Sequence[tuple[int, int]]
+) -> dict[int, list[int]]:
+    """The output leaves that get memory of their own, grouped by the storage they share (by
+    its data pointer). An empty one is given a fresh empty tensor in ``leaves`` instead: it
+    has no bytes to keep (and maybe no address)."""
+    groups: dict[int, list[int]] = {}
+    for i, leaf in enumerate(leaves):
+        if not _needs_own_memory(leaf, paths[i].replace("args[0]", "output", 1), watched, pool_memory):
+            continue
+        if leaf.numel() == 0:
+            leaves[i] = torch.empty_strided(leaf.shape, leaf.stride(), dtype=leaf.dtype, device=leaf.device)
+            continue
+        groups.setdefault(leaf.untyped_storage().data_ptr(), []).append(i)
+    return groups
+
+
+def _needs_own_memory(
+    leaf: object, where: str, watched: Sequence[tuple[int, int]], pool_memory: Sequence[tuple[int, int]]
+) -> bool:
+    """Whether an output leaf is a tensor the capture made in the pool; raises CaptureFailed
+    for a leaf a replay cannot return."""
+    if isinstance(leaf, DynamicScalar) or isinstance(leaf, _CONSTANT_OUTPUTS):
+        return False
+    if not isinstance(leaf, torch.Tensor):
+        raise CaptureFailed(
+            f"the region returned a {type(leaf).__qualname__} ({where}); a replay can only return tensors, "
+            "numbers, strings and tuples, lists, dicts, named tuples or dataclasses of those"
+        )
+    if leaf.requires_grad:
+        raise CaptureFailed(
+            f"{where} requires grad; replay does not record autograd (run the loop under torch.no_grad() "
+            "or torch.inference_mode())"
+        )
+    lo, hi = byte_range(leaf)
+    if any(a <= lo and hi <= b for a, b in watched):
+        return False  # a view of an input: rebuilt on the caller's input at each replay
+    if leaf.device.type == "cuda" and not any(a <= lo < b for a, b in pool_memory):
+        return False  # not made by this capture (a global, a closure tensor): returned as is
+    if leaf.device.type != "cuda":
+        raise CaptureFailed(f"{where} is a tensor on {leaf.device} the region made; a graph cannot produce it")
+    if type(leaf) is not torch.Tensor:
+        raise CaptureFailed(f"{where} is a {type(leaf).__qualname__}; replay returns plain tensors only")
+    return True
+
+
+def _own_buffer(members: Sequence[torch.Tensor], device: int) -> tuple[torch.Tensor, int, tuple | None]:
+    """A buffer outside the pool for outputs that share one storage: the bytes from the first
+    one's start (rounded down to 16 bytes, within the storage) to the last one's end. Returns
+    (buffer, the address its first byte stands for, the (destination, source) copy that fills
+    it, None where there are no bytes)."""
+    storage = members[0].untyped_storage()
+    base = storage.data_ptr()
+    lo = max(min(leaf.data_ptr() for leaf in members) & ~15, base)
+    hi = max(leaf.data_ptr() + extent_bytes(leaf) for leaf in members)
+    buffer = torch.empty(max(hi - lo, 1), dtype=torch.uint8, device=f"cuda:{device}")
+    if hi <= lo:
+        return buffer, lo, None
+    source = torch.empty(0, dtype=torch.uint8, device=f"cuda:{device}")
+    source.set_(storage, lo - base, (hi - lo,), (1,))
+    return buffer, lo, (buffer[: hi - lo], source)
+
+
+def _same_view_in(buffer: torch.Tensor, lo: int, leaf: torch.Tensor, path: str) -> torch.Tensor:
+    """``leaf``'s view (dtype, shape, strides) of the bytes ``buffer`` holds from ``lo`` on."""
+    offset, remainder = divmod(leaf.data_ptr() - lo, leaf.element_size())
+    if remainder:
+        raise CaptureFailed(f"an output ({path}) is misaligned within its storage")
+    view = torch.empty(0, dtype=leaf.dtype, device=leaf.device)
+    view.set_(buffer.untyped_storage(), offset, leaf.shape, leaf.stride())
+    return view
+
+
+def _append_copies(copies: Sequence[tuple[torch.Tensor, torch.Tensor]], backend, graph, stream) -> None:
+    """Capture the (destination, source) copies into the graph, after every node it holds."""
+    if not copies:
+        return
+    try:
+        appending = backend.capture_into(graph.raw_cuda_graph(), stream.cuda_stream)
+    except NotImplementedError as exc:
+        raise CaptureFailed(f"{exc}, so its outputs cannot get memory of their own") from None
+    with appending:
+        for destination, source in copies:
+            destination.copy_(source)
 
 
 def owned_output_memory(capture: Capture) -> dict[int, int]:

@@ -77,9 +77,9 @@ INTEGER_VIEWS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 def _argument(tensor: torch.Tensor) -> torch.Tensor | jc.TensorAdaptor:
     """How the copy is given ``tensor``, so that one call state serves every shape of a layout
-    (a static description compiled one, about a millisecond, for each new shape recorded).
-    Usually its bytes as integers of its element size: a plain torch tensor's key is
-    layout-dynamic already, and the lean path costs a tenth of an adaptor's. A tensor without
+    (a static description compiled one for each new shape recorded). Usually its bytes as
+    integers of its element size: a plain torch tensor's key is layout-dynamic already, and
+    the lean path is far cheaper than an adaptor's. A tensor without
     a unit-stride axis, or one that cannot be viewed so (a subclass, a conjugate or negative
     view, a 0-d tensor), goes through an adaptor with every size and stride dynamic."""
     if (

@@ -28,7 +28,7 @@ not run a binary specialized for other values, so:
 - a dynamic scalar reaching a ``tl.constexpr`` parameter is refused (DynamicScalarError).
 
 What cannot be mapped (tuples, tensor descriptors, scratch memory, unknown types, a backend
-other than CUDA) is left to the capture as today: a foreign kernel, its inputs staged. Where
+other than CUDA) is left to the capture as any foreign kernel is, its inputs staged. Where
 such a launch receives a dynamic scalar, it is refused (its value would be baked).
 """
 
@@ -40,6 +40,7 @@ import struct
 import sys
 import threading
 from collections.abc import Iterator, Sequence
+from typing import NamedTuple
 
 import attrs
 
@@ -48,8 +49,8 @@ from jitcore.recorder import CheckRecord, ConfigRecord, LaunchRecord, ParamRecor
 from replay.dynamic import DynamicScalar
 from replay.errors import DynamicScalarError
 
-#: Set ``ENABLED[0] = False`` to leave Triton launches foreign (staged), as before this module
-#: (benchmarks compare both).
+#: Set ``ENABLED[0] = False`` to leave Triton launches foreign (staged), as without this
+#: module (benchmarks compare both).
 ENABLED = [True]
 
 
@@ -168,87 +169,37 @@ def _pointer_value(value) -> int:
     raise Unmappable(f"a pointer argument of type {type(value).__qualname__}")
 
 
+def _bound_arguments(fn, args: Sequence, kwargs: dict) -> dict:
+    """The call's value of each of the kernel's parameters, by name (defaults filled in);
+    launch options among ``kwargs`` left out."""
+    names = fn.arg_names
+    bound = fn.signature.bind(*args, **{k: v for k, v in kwargs.items() if k in names})
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
 def map_launch(fn, kernel, args: Sequence, kwargs: dict, specialization: Sequence, backend, sizes=None):
     """The C parameters of one launch: (layout, param_bytes, params, checks, Triton arguments
     in order). Pure: ``kernel`` needs ``src.signature`` and the launcher's scratch sizes;
     ``specialization`` is what Triton's binder computed (with values); ``args``/``kwargs``
     the call as made (dynamic scalars in it). Raises Unmappable."""
     names = list(fn.arg_names)
-    bound = fn.signature.bind(*args, **{k: v for k, v in kwargs.items() if k in names})
-    bound.apply_defaults()
-    values = [bound.arguments[name] for name in names]
+    arguments = _bound_arguments(fn, args, kwargs)
+    values = [arguments[name] for name in names]
     signature = kernel.src.signature
+    _refuse_unmappable_kernel(kernel)
     types, params, checks, parts = [], [], [], []
-    launcher = getattr(kernel, "_run", None)
-    metadata = kernel.metadata
-    if getattr(metadata, "num_ctas", 1) != 1 or getattr(metadata, "launch_cooperative_grid", False):
-        raise Unmappable("a cluster or cooperative launch")
-    if getattr(metadata, "launch_pdl", False) or getattr(launcher, "launch_pdl", False):
-        raise Unmappable("a programmatic-dependent launch")
-    for size_name in ("global_scratch_size", "profile_scratch_size"):
-        if getattr(launcher, size_name, 0) or getattr(kernel.metadata, size_name, 0):
-            raise Unmappable("the kernel uses scratch memory")
     for k, (name, param) in enumerate(zip(names, fn.params)):
-        ty = signature.get(name, signature.get(k))
-        value = values[k]
-        dynamic = isinstance(value, DynamicScalar)
-        if param.is_constexpr:
-            if dynamic:
-                raise DynamicScalarError(
-                    f"dynamic scalar {value.name} reaches constexpr parameter {name!r} of Triton kernel "
-                    f"{fn.__name__}: its value would be compiled in (pass it as a plain argument)"
-                )
-            continue
-        if not isinstance(ty, str):
-            raise Unmappable(f"parameter {name!r} of type {ty!r}")
-        if dynamic:
-            recorded = tuple(specialization[k])
-            spec = specializer(param, backend)
-            if tuple(spec(value.value)) != recorded:
-                raise Unmappable(f"parameter {name!r}: the specialization could not be reproduced")
-            check = SpecializationCheck(k, spec, recorded)
-            checks.append(CheckRecord((k,), check.value, check.size, f"specialization of {{{k}}}"))
-        if ty == "constexpr":
-            continue  # specialized away (an int equal to 1): checked above when dynamic
-        if ty.startswith("tensordesc") or ty == "nvTmaDesc":
-            raise Unmappable(f"tensor descriptor parameter {name!r}")
-        ptype = _param_type(ty)
-        if dynamic and ty in ("fp16", "bf16"):
-            raise Unmappable(f"a dynamic scalar packed to {ty} (its rounding is Triton's own)")
-        index = len(types)
-        types.append(ptype)
-        if ptype.is_pointer:
-            if dynamic:
-                raise Unmappable(f"a dynamic scalar passed as pointer {name!r}")
-            address = _pointer_value(value)
-            attr = specialization[k][1] if len(specialization[k]) > 1 else None
-            aligned = None if attr is None else attr == "D"
-            if aligned is not None and aligned != (address % 16 == 0):
-                raise Unmappable(f"pointer {name!r}: alignment specialization not reproduced")
-            parts.append(struct.pack("<Q", address))
-            params.append(TritonParamRecord(index, name, 0, 8, "Q", "pointer", arg_index=k, aligned=aligned))
-            continue
-        try:
-            parts.append(struct.pack("<" + ptype.fmt, _value(value)))
-        except (struct.error, OverflowError, TypeError) as exc:
-            raise Unmappable(f"parameter {name!r}: {exc}") from None
-        if dynamic:
-            params.append(
-                ParamRecord(
-                    index,
-                    name,
-                    0,
-                    ptype.size,
-                    ptype.fmt,
-                    "scalar",
-                    scalar_args=(k,),
-                    evaluate=_Arg(k),
-                    expression=f"{{{k}}}",
-                )
-            )
-        else:
-            params.append(ParamRecord(index, name, 0, ptype.size, ptype.fmt, "constant"))
-    for scratch in ("global_scratch", "profile_scratch"):
+        mapped = _map_parameter(
+            fn, k, name, param, signature.get(name, signature.get(k)), values[k], specialization, backend, len(types)
+        )
+        if mapped.check is not None:
+            checks.append(mapped.check)
+        if mapped.type is not None:
+            types.append(mapped.type)
+            parts.append(mapped.data)
+            params.append(mapped.record)
+    for scratch in ("global_scratch", "profile_scratch"):  # the launcher's hidden pointers, NULL here
         types.append(_POINTER)
         parts.append(bytes(8))
         params.append(ParamRecord(len(types) - 1, scratch, 0, 8, "Q", "constant"))
@@ -257,6 +208,97 @@ def map_launch(fn, kernel, args: Sequence, kwargs: dict, specialization: Sequenc
         raise Unmappable(f"the driver reports parameter sizes {list(sizes)}, expected {[t.size for t in types]}")
     params = [attrs.evolve(p, offset=layout.offsets[p.index]) for p in params]
     return layout, layout.assemble(parts), tuple(params), tuple(checks), values
+
+
+def _refuse_unmappable_kernel(kernel) -> None:
+    """Launches whose C parameters or launch are more than the mapping describes."""
+    launcher = getattr(kernel, "_run", None)
+    metadata = kernel.metadata
+    if getattr(metadata, "num_ctas", 1) != 1 or getattr(metadata, "launch_cooperative_grid", False):
+        raise Unmappable("a cluster or cooperative launch")
+    if getattr(metadata, "launch_pdl", False) or getattr(launcher, "launch_pdl", False):
+        raise Unmappable("a programmatic-dependent launch")
+    for size_name in ("global_scratch_size", "profile_scratch_size"):
+        if getattr(launcher, size_name, 0) or getattr(metadata, size_name, 0):
+            raise Unmappable("the kernel uses scratch memory")
+
+
+class _Mapped(NamedTuple):
+    """One Triton parameter as the kernel's C parameters hold it: its type, bytes and record
+    (None: compiled in), and the check a dynamic scalar's specialization needs (None where
+    it needs none)."""
+
+    type: ParamType | None = None
+    data: bytes | None = None
+    record: ParamRecord | None = None
+    check: CheckRecord | None = None
+
+
+def _map_parameter(fn, k: int, name: str, param, ty, value, specialization: Sequence, backend, index: int) -> _Mapped:
+    """Triton parameter ``k`` (``ty``: its compiled type; ``index``: its C parameter's, if it
+    has one). Raises Unmappable, or DynamicScalarError for a value that would be compiled in."""
+    dynamic = isinstance(value, DynamicScalar)
+    if param.is_constexpr:
+        if dynamic:
+            raise DynamicScalarError(
+                f"dynamic scalar {value.name} reaches constexpr parameter {name!r} of Triton kernel "
+                f"{fn.__name__}: its value would be compiled in (pass it as a plain argument)"
+            )
+        return _Mapped()
+    if not isinstance(ty, str):
+        raise Unmappable(f"parameter {name!r} of type {ty!r}")
+    check = _specialization_check(k, name, param, value, specialization, backend) if dynamic else None
+    if ty == "constexpr":
+        return _Mapped(check=check)  # specialized away (an int equal to 1): checked when dynamic
+    if ty.startswith("tensordesc") or ty == "nvTmaDesc":
+        raise Unmappable(f"tensor descriptor parameter {name!r}")
+    ptype = _param_type(ty)
+    if dynamic and ty in ("fp16", "bf16"):
+        raise Unmappable(f"a dynamic scalar packed to {ty} (its rounding is Triton's own)")
+    if ptype.is_pointer:
+        data, record = _pointer_parameter(k, name, value, specialization, index)
+    else:
+        data, record = _scalar_parameter(k, name, value, ptype, index)
+    return _Mapped(ptype, data, record, check)
+
+
+def _specialization_check(k: int, name: str, param, value: DynamicScalar, specialization: Sequence, backend):
+    """The check that a dynamic scalar's every value specializes as the recorded one did."""
+    recorded = tuple(specialization[k])
+    spec = specializer(param, backend)
+    if tuple(spec(value.value)) != recorded:
+        raise Unmappable(f"parameter {name!r}: the specialization could not be reproduced")
+    check = SpecializationCheck(k, spec, recorded)
+    return CheckRecord((k,), check.value, check.size, f"specialization of {{{k}}}")
+
+
+def _pointer_parameter(k: int, name: str, value, specialization: Sequence, index: int) -> tuple[bytes, ParamRecord]:
+    """A pointer parameter's bytes and record, with the 16-byte alignment Triton specialized
+    on (if it did), which every replay must keep."""
+    if isinstance(value, DynamicScalar):
+        raise Unmappable(f"a dynamic scalar passed as pointer {name!r}")
+    address = _pointer_value(value)
+    attr = specialization[k][1] if len(specialization[k]) > 1 else None
+    aligned = None if attr is None else attr == "D"
+    if aligned is not None and aligned != (address % 16 == 0):
+        raise Unmappable(f"pointer {name!r}: alignment specialization not reproduced")
+    record = TritonParamRecord(index, name, 0, 8, "Q", "pointer", arg_index=k, aligned=aligned)
+    return struct.pack("<Q", address), record
+
+
+def _scalar_parameter(k: int, name: str, value, ptype: ParamType, index: int) -> tuple[bytes, ParamRecord]:
+    """A scalar parameter's bytes and record: a dynamic scalar's recomputed from argument
+    ``k`` every replay, any other value's fixed."""
+    try:
+        data = struct.pack("<" + ptype.fmt, _value(value))
+    except (struct.error, OverflowError, TypeError) as exc:
+        raise Unmappable(f"parameter {name!r}: {exc}") from None
+    if not isinstance(value, DynamicScalar):
+        return data, ParamRecord(index, name, 0, ptype.size, ptype.fmt, "constant")
+    record = ParamRecord(
+        index, name, 0, ptype.size, ptype.fmt, "scalar", scalar_args=(k,), evaluate=_Arg(k), expression=f"{{{k}}}"
+    )
+    return data, record
 
 
 def _grid(grid, values: dict) -> tuple:
@@ -275,26 +317,16 @@ def _record_launch(recorder, original, fn, args, kwargs, grid):
     from jitcore.backends import get_backend
 
     backend = get_backend()
-    names = list(fn.arg_names)
-    bound = fn.signature.bind(*args, **{k: v for k, v in kwargs.items() if k in names})
-    bound.apply_defaults()
-    grid3 = _grid(grid, dict(bound.arguments))
-    for name, value in kwargs.items():
-        if name not in names and isinstance(value, DynamicScalar):
-            raise DynamicScalarError(
-                f"dynamic scalar {value.name} is Triton launch option {name!r} of {fn.__name__}: it would be baked"
-            )
-    has_dynamic = any(isinstance(v, DynamicScalar) for v in (*bound.arguments.values(), *grid3))
+    arguments = _bound_arguments(fn, args, kwargs)
+    grid3 = _grid(grid, dict(arguments))  # a copy: a grid function may change what it is given
+    _refuse_dynamic_launch_options(fn, kwargs)
+    has_dynamic = any(isinstance(v, DynamicScalar) for v in (*arguments.values(), *grid3))
     plain_args = [_value(a) for a in args]
     plain_kwargs = {k: _value(v) for k, v in kwargs.items()}
     plain_grid = tuple(_value(g) for g in grid3)
     device = triton_driver.active.get_current_device()
     stream = triton_driver.active.get_current_stream(device)
-    try:
-        _, _, _, triton_backend, binder = fn.device_caches[device]
-        _, specialization, _ = binder(*plain_args, **plain_kwargs)
-    except Exception:
-        specialization = None
+    triton_backend, specialization = _specialization(fn, device, plain_args, plain_kwargs)
     kernel = original(fn, *plain_args, grid=plain_grid, warmup=False, **plain_kwargs)
     try:
         if specialization is None or backend.name != "cuda" or kernel is None:
@@ -302,9 +334,7 @@ def _record_launch(recorder, original, fn, args, kwargs, grid):
         if hasattr(kernel, "result"):
             kernel = kernel.result()
         sizes = backend.kernel_param_sizes(int(kernel.function))
-        layout, param_bytes, params, checks, values = map_launch(
-            fn, kernel, args, kwargs, specialization, triton_backend, sizes
-        )
+        mapped = map_launch(fn, kernel, args, kwargs, specialization, triton_backend, sizes)
     except Unmappable as exc:
         if has_dynamic:
             raise DynamicScalarError(
@@ -312,6 +342,35 @@ def _record_launch(recorder, original, fn, args, kwargs, grid):
                 f"exactly ({exc}): its value would be baked into the graph"
             ) from None
         return kernel  # a foreign kernel, as without this module: its inputs are staged
+    recorder.launch(_launch_record(fn, kernel, mapped, grid3, plain_grid, device, stream))
+    return kernel
+
+
+def _refuse_dynamic_launch_options(fn, kwargs: dict) -> None:
+    """A dynamic scalar passed as a launch option (``num_warps``...) would be compiled in."""
+    names = fn.arg_names
+    for name, value in kwargs.items():
+        if name not in names and isinstance(value, DynamicScalar):
+            raise DynamicScalarError(
+                f"dynamic scalar {value.name} is Triton launch option {name!r} of {fn.__name__}: it would be baked"
+            )
+
+
+def _specialization(fn, device, plain_args: Sequence, plain_kwargs: dict) -> tuple[object, Sequence | None]:
+    """(Triton's backend, what its binder computes for this call), as ``JITFunction.run``
+    finds them; (None, None) where they cannot be had (the launch then stays foreign)."""
+    try:
+        _, _, _, triton_backend, binder = fn.device_caches[device]
+        _, specialization, _ = binder(*plain_args, **plain_kwargs)
+    except Exception:
+        return None, None
+    return triton_backend, specialization
+
+
+def _launch_record(fn, kernel, mapped: tuple, grid3: tuple, plain_grid: tuple, device, stream) -> LaunchRecord:
+    """The launch as jit launches report theirs: each dynamic grid size an extra argument
+    after the kernel's own, recomputed from it every replay."""
+    layout, param_bytes, params, checks, values = mapped
     config = []
     extra = list(values)
     for axis, size in enumerate(grid3):
@@ -319,26 +378,23 @@ def _record_launch(recorder, original, fn, args, kwargs, grid):
             config.append(ConfigRecord(f"grid_{'xyz'[axis]}", (len(extra),), _Arg(len(extra)), f"{{{len(extra)}}}"))
             extra.append(size)
     metadata = kernel.metadata
-    recorder.launch(
-        LaunchRecord(
-            jit_function=f"triton:{fn.__name__}",
-            kernel=f"{fn.__name__} (Triton)",
-            function=int(kernel.function),
-            device=int(device),
-            grid=tuple(int(g) for g in plain_grid),
-            block=(int(metadata.num_warps) * 32, 1, 1),
-            shared_bytes=int(metadata.shared),
-            layout=layout,
-            param_bytes=param_bytes,
-            params=params,
-            args=tuple(extra),
-            stream=int(stream),
-            launched=all(int(g) > 0 for g in plain_grid),
-            dynamic_config=tuple(config),
-            checks=checks,
-        )
+    return LaunchRecord(
+        jit_function=f"triton:{fn.__name__}",
+        kernel=f"{fn.__name__} (Triton)",
+        function=int(kernel.function),
+        device=int(device),
+        grid=tuple(int(g) for g in plain_grid),
+        block=(int(metadata.num_warps) * 32, 1, 1),
+        shared_bytes=int(metadata.shared),
+        layout=layout,
+        param_bytes=param_bytes,
+        params=params,
+        args=tuple(extra),
+        stream=int(stream),
+        launched=all(int(g) > 0 for g in plain_grid),
+        dynamic_config=tuple(config),
+        checks=checks,
     )
-    return kernel
 
 
 def _wrap(original):
@@ -346,7 +402,7 @@ def _wrap(original):
         recorder = getattr(_local, "recorder", None)
         if recorder is None or warmup:
             return original(self, *args, grid=grid, warmup=warmup, **kwargs)
-        _local.recorder = None  # nested runs (none today) pass through
+        _local.recorder = None  # a nested run (Triton makes none) passes through
         try:
             return _record_launch(recorder, original, self, args, kwargs, grid)
         finally:

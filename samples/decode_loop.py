@@ -28,6 +28,9 @@ import torch
 import jitcore as jc
 import replay
 
+#: The README's test command, quoted where no GPU is visible (tests/samples checks they are equal).
+TEST_COMMAND = "pip install -e '.[cuda,test]' && python -m jitcore.torch_native --if-possible && python -m pytest -q"
+
 SOURCE = r"""
 __global__ void embed(const long long* __restrict__ tokens, const float* __restrict__ table,
                       float* __restrict__ out, int dim) {
@@ -348,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print(
             "decode_loop.py needs a CUDA or ROCm GPU and none is visible; to check the install without "
-            "one, run the tests: pip install -e '.[cuda,test]' && pytest -q",
+            f"one, run the tests: {TEST_COMMAND}",
             file=sys.stderr,
         )
         return 2

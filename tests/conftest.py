@@ -101,7 +101,7 @@ def torch_native_cache(tmp_path_factory):
     os.chmod(directory, 0o700)
     with pytest.MonkeyPatch.context() as patch:  # session-scoped: the environment put back here
         patch.setenv("JITCORE_CACHE_DIR", str(directory))
-        path = torch_native.build(quiet=True)
+        path = torch_native.build()
     assert path.is_file() and path.parent == Path(os.path.realpath(directory)) / "torch-native"
     return directory
 

@@ -15,12 +15,16 @@ the entry as missing (the caller recompiles and overwrites it).
 ``JITCORE_CACHE_DIR`` moves the cache; ``JITCORE_CACHE=0`` turns it off.
 
 A loaded entry is machine code run in this process, so the cache trusts no other user, as ssh
-does not for its keys (see :func:`cache_root` for the directory rules and :func:`load` for the
-entries); a directory it refuses costs speed (compiles run uncached), never correctness.
+does not for its keys. One rule covers everything jitcore reads from it, kernel entries and the
+torch-side helper (``torch-native/``, :mod:`jitcore.torch_native`) alike: the directories by
+:func:`cache_root`, the files by :func:`file_refusal`, the contents by :func:`decode` (anything
+that does not parse as a whole is damaged: recompiled, never an error). A directory it refuses
+costs speed (compiles run uncached), never correctness.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -45,6 +49,10 @@ MAGIC = b"JITCORE1"
 # clock skew between this host and a network file server (which stamps the mtime).
 STALE_TEMPORARY_SECONDS = 3600.0
 _SHARD = re.compile(r"[0-9a-f]{2}")
+#: The subdirectory holding the torch-side helper's builds (jitcore.torch_native).
+HELPER_DIRECTORY = "torch-native"
+# Symbolic links followed while judging a setting, at most (as the kernel's own limit).
+_MAX_SYMLINKS = 40
 
 log = logging.getLogger(__name__)
 
@@ -68,9 +76,9 @@ class CacheRoot:
 
     ``setting`` is the directory as configured (``JITCORE_CACHE_DIR``, else
     ``$XDG_CACHE_HOME/jitcore`` or ``~/.cache/jitcore``); ``path`` is it made absolute against
-    the working directory of that first use, symlinks resolved, and never re-resolved (a later
-    ``chdir`` does not move the cache, nor does a symlink retargeted afterwards); ``refusal``
-    says why the directory is not used (None: it is)."""
+    the working directory of that first use, symlinks on the way resolved, and never
+    re-resolved (a later ``chdir`` does not move the cache, nor does a symlink retargeted
+    afterwards); ``refusal`` says why the directory is not used (None: it is)."""
 
     setting: str
     path: Path
@@ -93,12 +101,15 @@ def cache_root() -> CacheRoot:
     """The cache directory for the current setting, resolved, created and checked at its
     first use in this process (one :class:`~jitcore.errors.CacheWarning` if refused).
 
-    Missing directories are created with mode 0700. Then, as ssh checks the path to a key,
-    every directory from ``/`` down to the cache directory must be owned by the current user
-    or root and not writable by group or others; a writable ancestor is allowed with the
+    The cache directory itself may not be a symbolic link (whoever made the link chose where
+    jitcore writes: ``/etc``, say), and a link on the way to it must be the current user's or
+    root's. Missing directories are created with mode 0700. Then, as ssh checks the path to a
+    key, every directory from ``/`` down to the cache directory must be owned by the current
+    user or root and not writable by group or others; a writable ancestor is allowed with the
     sticky bit (``/tmp``), which keeps others from renaming or replacing what they do not
-    own. The cache directory itself and its two-character subdirectories get no such
-    allowance: anyone who can create names there can plant a subdirectory of their own.
+    own. The cache directory itself and its subdirectories (the two-character shards, and
+    ``torch-native/``) get no such allowance: anyone who can create names there can plant a
+    subdirectory of their own.
     Creating first and checking after closes the gap in which another user could create the
     directory in between (in ``/tmp``, say). Checked once per setting and process: below a
     trusted directory only its owner and root can change anything."""
@@ -132,7 +143,49 @@ def _first_use(setting: str) -> CacheRoot:
         return CacheRoot(setting, Path(setting), f"it cannot be resolved ({exc.strerror})")
     if not os.path.isabs(setting):
         log.info("kernel cache directory %r is relative: resolved once, to %s", setting, path)
-    return CacheRoot(setting, path, _refusal(path, current_uid()))
+    uid = current_uid()
+    return CacheRoot(setting, path, _link_refusal(setting, uid) or _refusal(path, uid))
+
+
+def _link_refusal(setting: str, uid: int | None) -> str | None:
+    """Why the symbolic links on the way to ``setting`` make it unfit for ``uid``'s cache:
+    the setting itself is one, or one on the way is neither ``uid``'s nor root's, or lies in a
+    directory others may write without the sticky bit (its owner, or whoever may replace it,
+    could point it anywhere). Followed as the kernel resolves a path, component by component."""
+    parts = list(Path(os.path.join(os.getcwd(), setting)).parts[:0:-1])  # components, last first
+    current, links = Path("/"), 0
+    while parts:
+        name = parts.pop()
+        if name == "..":
+            current = current.parent
+            continue
+        candidate = current / name
+        try:
+            status = os.lstat(candidate)
+        except OSError:
+            return None  # missing, or not reachable: no link from here on, _refusal judges the rest
+        if not stat.S_ISLNK(status.st_mode):
+            current = candidate
+            continue
+        try:
+            target, home = os.readlink(candidate), os.lstat(current)
+        except OSError as exc:
+            return f"{candidate} cannot be examined ({exc.strerror})"
+        if not parts:
+            return f"{candidate} is a symbolic link (to {target}); point JITCORE_CACHE_DIR at a directory itself"
+        if uid is not None and status.st_uid not in (uid, 0):
+            return f"{candidate} is a symbolic link owned by uid {status.st_uid}, neither you (uid {uid}) nor root"
+        problem = None if uid is None else _untrusted(home, uid, sticky_allowed=True)
+        if problem:  # whoever may replace the link chooses where it leads
+            return f"{current} {problem}"
+        links += 1
+        if links > _MAX_SYMLINKS:
+            return f"{candidate}: too many levels of symbolic links"
+        parts.extend(Path(target).parts[::-1])
+        if os.path.isabs(target):
+            parts.pop()  # the root: resolution restarts there
+            current = Path("/")
+    return None
 
 
 def _refusal(path: Path, uid: int | None) -> str | None:
@@ -155,7 +208,7 @@ def _refusal(path: Path, uid: int | None) -> str | None:
                 return f"{directory} {problem}"
         with os.scandir(path) as entries:
             for entry in entries:
-                if _SHARD.fullmatch(entry.name):
+                if _SHARD.fullmatch(entry.name) or entry.name == HELPER_DIRECTORY:
                     problem = _untrusted(entry.stat(follow_symlinks=False), uid, sticky_allowed=False)
                     if problem:
                         return f"{entry.path} {problem}"
@@ -326,40 +379,90 @@ def encode(binary: CompiledBinary) -> bytes:
 
 
 def decode(data: bytes) -> CompiledBinary | None:
-    """Parse an entry; None for anything torn, truncated or corrupted."""
-    try:
-        if data[:8] != MAGIC:
-            return None
-        (header_length,) = struct.unpack("<I", data[8:12])
-        header = json.loads(data[12 : 12 + header_length])
-        image = data[12 + header_length :]
-        if len(image) != header["length"] or hashlib.sha256(image).hexdigest() != header["sha256"]:
-            return None
-        return CompiledBinary(
-            image=image,
-            lowered_names=dict(header["lowered_names"]),
-            log=header["log"],
-            arch=header["arch"],
-            compiler=header["compiler"],
-        )
-    except (ValueError, KeyError, TypeError, struct.error):
+    """Parse an entry; None for anything that is not one whole entry as :func:`encode` writes
+    it: torn, truncated, corrupted, nested past the parser's depth, or a header of other types."""
+    if data[:8] != MAGIC or len(data) < 12:
         return None
+    (header_length,) = struct.unpack("<I", data[8:12])
+    try:
+        header = json.loads(data[12 : 12 + header_length])
+    except (ValueError, RecursionError):
+        return None
+    image = data[12 + header_length :]
+    if not _header_fits(header, image):
+        return None
+    return CompiledBinary(
+        image=image,
+        lowered_names=dict(header["lowered_names"]),
+        log=header["log"],
+        arch=header["arch"],
+        compiler=header["compiler"],
+    )
+
+
+def _header_fits(header: object, image: bytes) -> bool:
+    """Whether ``header`` is an entry header (each field of its type) describing ``image``."""
+    if not isinstance(header, dict):
+        return False
+    length, digest, names = header.get("length"), header.get("sha256"), header.get("lowered_names")
+    if type(length) is not int or length != len(image) or not isinstance(digest, str):
+        return False
+    if not all(isinstance(header.get(field), str) for field in ("log", "arch", "compiler")):
+        return False
+    if not isinstance(names, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in names.items()):
+        return False
+    return hashlib.sha256(image).hexdigest() == digest
+
+
+def file_refusal(status: os.stat_result) -> str | None:
+    """What makes a file unfit to be read from the cache (a kernel entry, a build of the
+    torch-side helper), from its status read without following a symbolic link; None if
+    nothing. It must be a regular file, the current user's (written by anyone else, root
+    included, it is never read: the recompile replaces it), and not writable by group or
+    others (who could rewrite it in place, whatever its directory)."""
+    uid = current_uid()
+    if not stat.S_ISREG(status.st_mode):
+        return "is not a regular file"
+    if uid is None:
+        return None
+    if status.st_uid != uid:
+        return f"is owned by uid {status.st_uid}, not you (uid {uid})"
+    if status.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"is writable by others than you (mode {stat.S_IMODE(status.st_mode):#o})"
+    return None
+
+
+class RefusedFile(Exception):
+    """A file in the cache that :func:`file_refusal` refuses; the message says which and why."""
+
+
+def read_file(path: Path) -> bytes:
+    """The bytes of a file in the cache, read only where :func:`file_refusal` accepts the file
+    opened: the status judged is the one of the file read, not of whatever the name holds
+    later, and a symbolic link is refused, not followed. Raises RefusedFile where refused,
+    OSError where it cannot be read (FileNotFoundError: missing)."""
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)  # a FIFO must not block
+    try:
+        descriptor = os.open(path, flags)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise RefusedFile(f"{path} is not a regular file (a symbolic link)") from None
+        raise
+    with os.fdopen(descriptor, "rb") as handle:
+        refusal = file_refusal(os.fstat(handle.fileno()))
+        if refusal is not None:
+            raise RefusedFile(f"{path} {refusal}")
+        return handle.read()
 
 
 def load(key: str) -> CompiledBinary | None:
-    """The entry for ``key``, or None: missing, damaged, in a refused directory, or not a
-    regular file owned by the current user (written by someone else, root included: it is
-    never read, and the caller's recompile replaces it)."""
+    """The entry for ``key``, or None: missing, damaged (:func:`decode`), in a refused
+    directory, or a file :func:`read_file` refuses (the caller's recompile replaces it)."""
     if not cache_enabled() or cache_root().refusal is not None:
         return None
-    uid = current_uid()
     try:
-        with open(entry_path(key), "rb") as handle:
-            status = os.fstat(handle.fileno())  # of the file read, not of whatever the name holds later
-            if not stat.S_ISREG(status.st_mode) or (uid is not None and status.st_uid != uid):
-                return None
-            data = handle.read()
-    except OSError:
+        data = read_file(entry_path(key))
+    except (OSError, RefusedFile):
         return None
     return decode(data)
 

@@ -397,8 +397,8 @@ class CudaBackend(DriverBackend):
     @staticmethod
     def _graph_nodes_from_c(raw_graph: int, get_nodes, get_type, get_params) -> list[GraphNode]:
         """:meth:`graph_nodes` through the C helper: the same nodes, each kernel node read in
-        two C calls (8 to 10 us a node through the binding, which builds an object for every
-        handle and struct it returns). Handles are the binding's node objects as on the
+        two C calls (where the binding builds an object for every handle and struct it
+        returns). Handles are the binding's node objects as on the
         other path (node updates and copy retargeting take them)."""
         nodes = []
         for index, raw in enumerate(_check(get_nodes(raw_graph), "cuGraphGetNodes")):

@@ -184,6 +184,36 @@ def test_cpu_tensor_and_other_device_are_device_errors():
         assert fake.calls == []
 
 
+def test_cpu_tensors_without_a_usable_gpu_are_jitcores_device_error_first():
+    """The backend this machine selects, for real: where torch has no CUDA (or no vendor binding
+    is installed) the user's mistake is still the CPU tensor, and jitcore's error says so on
+    top, with torch's complaint only in its text; on a GPU machine the same DeviceError comes
+    from the trace."""
+    launch = make_axpy()
+    with pytest.raises(DeviceError, match="parameter 'x' is a CPU tensor") as raised:
+        launch(torch.randn(4), torch.randn(4), torch.randn(4), 1.0)
+    assert raised.value.__cause__ is None and raised.value.__suppress_context__
+    assert_nothing_built(launch, 0)
+
+
+class NoDeviceBackend(CountingBackend):
+    def current_device(self):
+        raise AssertionError("Torch not compiled with CUDA enabled")
+
+
+def test_a_launcher_without_tensors_and_no_usable_gpu_is_a_device_error():
+    @jc.jit
+    def scalars_only(n):
+        rows_kernel[1, 32](0, 0, n, n, n, True)
+
+    with use_backend(NoDeviceBackend()):
+        with pytest.raises(DeviceError, match="scalars_only: no GPU device is usable here: Torch not") as raised:
+            scalars_only(4)
+        assert isinstance(raised.value.__cause__, AssertionError)
+        with pytest.raises(DeviceError, match="parameter 'x' is a CPU tensor, but kernels launch on a GPU"):
+            make_axpy()(torch.randn(4), torch.randn(4), torch.randn(4), 1.0)
+
+
 def test_dtype_the_kernel_cannot_take(backend):
     @jc.jit
     def mixed(x, out):

@@ -14,6 +14,7 @@ uses and puts it back.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import itertools
 import os
 import shutil
@@ -28,9 +29,11 @@ from torch.overrides import TorchFunctionMode
 
 import jitcore as jc
 from jitcore import guards, torch_native
-from jitcore.backends import use_backend
+from jitcore.backends import cache, use_backend
 from jitcore.backends.null import NullBackend
+from jitcore.errors import CacheWarning
 
+from .backends.test_cache import STRANGER
 from .backends.test_native import ParamReader, needs_native
 
 try:
@@ -95,13 +98,180 @@ def test_a_failed_build_says_why_and_leaves_nothing(tmp_path, monkeypatch, capsy
     monkeypatch.setenv("JITCORE_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CXX", sys.executable + " -c 'import sys; sys.stderr.write(\"no compiler here\"); sys.exit(3)'")
     with pytest.raises(RuntimeError, match="failed \\(3\\)"):
-        torch_native.build(quiet=True)
+        torch_native.build()
     assert not any((tmp_path / "torch-native").iterdir())  # no partial file
     monkeypatch.setenv("CXX", "/nonexistent/c++")
     assert torch_native.main(["--if-possible"]) == 0
     assert torch_native.main([]) == 1
     assert "jitcore works without it" in capsys.readouterr().err
     assert torch_native.main(["--bogus"]) == 2
+
+
+# --- the command: one line, a cached build used as it is -------------------------------------------
+FAKE_COMPILER = """
+import pathlib, shutil, sys
+prebuilt, arguments = sys.argv[1], sys.argv[2:]
+with open(prebuilt + ".calls", "a") as log:
+    log.write(" ".join(arguments) + "\\n")
+shutil.copyfile(prebuilt, arguments[arguments.index("-o") + 1])
+"""
+
+
+@pytest.fixture
+def fake_compiler(native_cache, tmp_path):
+    """A ``CXX`` that "compiles" by copying the helper built for this torch (native_cache) to
+    its output, and logs each call: the command's logic, without a compile's wait."""
+    prebuilt = tmp_path / "prebuilt.so"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("JITCORE_CACHE_DIR", str(native_cache))
+        shutil.copyfile(torch_native.artifact_path(), prebuilt)
+    script = tmp_path / "fake_compiler.py"
+    script.write_text(FAKE_COMPILER)
+    return f"{sys.executable} {script} {prebuilt}", Path(f"{prebuilt}.calls")
+
+
+def run_command(cache_dir: Path, compiler: str, *options: str) -> subprocess.CompletedProcess:
+    """``python -m jitcore.torch_native`` as the README runs it, warnings made errors."""
+    env = dict(os.environ, JITCORE_CACHE_DIR=str(cache_dir), CXX=compiler, PYTHONPATH=str(ROOT))
+    command = [sys.executable, "-W", "error", "-m", "jitcore.torch_native", *options]
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+
+
+@needs_compiler
+def test_the_command_builds_once_then_uses_the_cached_build_in_one_line(fake_compiler, tmp_path):
+    compiler, calls = fake_compiler
+    cache_dir = tmp_path / "cache"
+    first = run_command(cache_dir, compiler, "--if-possible")
+    assert first.returncode == 0 and first.stderr == "", first.stderr  # no RuntimeWarning, no command line
+    (line,) = first.stdout.splitlines()
+    assert line.startswith(f"jitcore: torch-side native helper built for torch {torch_native.torch_identity()}")
+    again = run_command(cache_dir, compiler, "--if-possible")
+    assert again.returncode == 0 and again.stderr == ""
+    (line,) = again.stdout.splitlines()
+    assert "loaded from the cache" in line
+    assert len(calls.read_text().splitlines()) == 1  # the second run compiled nothing
+    verbose = run_command(tmp_path / "other-cache", compiler, "--verbose")
+    assert verbose.returncode == 0 and "jitcore_torch_native.cpp -o" in verbose.stderr
+
+
+@needs_compiler
+@pytest.mark.parametrize("damage", ["truncated", "planted by another user"])
+def test_the_command_builds_anew_over_a_damaged_or_refused_build(fake_compiler, tmp_path, damage):
+    compiler, calls = fake_compiler
+    cache_dir = tmp_path / "cache"
+    assert run_command(cache_dir, compiler).returncode == 0
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("JITCORE_CACHE_DIR", str(cache_dir))
+        path = torch_native.artifact_path()
+    if damage == "truncated":
+        path.write_bytes(path.read_bytes()[:4096])
+    else:
+        stranger_owns(path)
+    done = run_command(cache_dir, compiler)
+    assert done.returncode == 0 and "built for torch" in done.stdout, done.stderr
+    assert len(calls.read_text().splitlines()) == 2
+    assert path.stat().st_uid == os.getuid() and path.stat().st_size > 4096
+
+
+# --- trust: the helper is read from the cache as a kernel entry is -------------------------------
+C_COMPILER = shutil.which("cc") or shutil.which("gcc")
+PLANTED = r"""
+#include <fcntl.h>
+#include <stdlib.h>
+#include <unistd.h>
+__attribute__((constructor)) static void planted(void) {
+    const char *marker = getenv("PLANTED_MARKER");
+    if (marker) close(open(marker, O_CREAT | O_WRONLY, 0600));
+}
+"""
+
+
+@pytest.fixture
+def planted(tmp_path, monkeypatch):
+    """A library at the helper's place in a fresh cache, whose loading shows: its constructor
+    creates the marker file. (path, marker)"""
+    if C_COMPILER is None or not hasattr(os, "getuid"):
+        pytest.skip("needs a C compiler and POSIX owners")
+    source = tmp_path / "planted.c"
+    source.write_text(PLANTED)
+    library = tmp_path / "planted.so"
+    subprocess.run([C_COMPILER, "-shared", "-fPIC", str(source), "-o", str(library)], check=True, timeout=120)
+    cache_dir = tmp_path / "cache"
+    cache_dir.mkdir(mode=0o700)
+    monkeypatch.setenv("JITCORE_CACHE_DIR", str(cache_dir))
+    monkeypatch.setenv("JITCORE_NATIVE", "1")  # loading is what is tested (the fallback's run sets 0)
+    path = torch_native.artifact_path()
+    path.parent.mkdir(mode=0o700)
+    shutil.copyfile(library, path)
+    os.chmod(path, 0o755)
+    torch_native.digest_path(path).write_text(hashlib.sha256(path.read_bytes()).hexdigest())  # whole, as built
+    marker = tmp_path / "marker"
+    monkeypatch.setenv("PLANTED_MARKER", str(marker))
+    return path, marker
+
+
+def stranger_owns(path: Path) -> None:
+    if os.getuid() != 0:
+        pytest.skip("chown to another user needs root")
+    os.chown(path, STRANGER, STRANGER)
+
+
+def test_the_planted_library_runs_when_loaded_as_its_owner(planted):
+    """The control for the tests below: the library is loaded, its code runs."""
+    _path, marker = planted
+    found, reason = torch_native.load()
+    assert found is None and "does not load" in reason  # no module inside
+    assert marker.exists()
+
+
+@pytest.mark.parametrize("how", ["another user's", "group writable", "other writable", "a symbolic link"])
+def test_a_planted_library_is_never_loaded(planted, tmp_path, how):
+    path, marker = planted
+    expected = {
+        "another user's": f"is owned by uid {STRANGER}, not you (uid 0)",
+        "group writable": "is writable by others than you (mode 0o775)",
+        "other writable": "is writable by others than you (mode 0o757)",
+        "a symbolic link": "is not a regular file (a symbolic link)",
+    }[how]
+    if how == "another user's":
+        stranger_owns(path)
+    elif how == "a symbolic link":
+        path.rename(tmp_path / "elsewhere.so")
+        path.symlink_to(tmp_path / "elsewhere.so")
+    else:
+        os.chmod(path, 0o775 if how == "group writable" else 0o757)
+    found, reason = torch_native.load()
+    assert found is None and f"{path} {expected}: not loaded" in reason
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("how", ["writable by others", "another user's"])
+def test_a_helper_directory_others_control_refuses_the_cache(planted, monkeypatch, how):
+    path, marker = planted
+    monkeypatch.setattr(cache, "_roots", {})  # the directory judged anew, as by the next process
+    if how == "writable by others":
+        os.chmod(path.parent, 0o777)
+        expected = "is writable by its group and others"
+    else:
+        stranger_owns(path.parent)
+        expected = f"is owned by uid {STRANGER}"
+    with pytest.warns(CacheWarning, match=f"{path.parent} {expected}"):
+        found, reason = torch_native.load()
+    assert found is None and "not trusted" in reason and not marker.exists()
+    with pytest.raises(RuntimeError, match="not trusted"):
+        torch_native.build()
+
+
+def test_a_cache_that_is_a_symbolic_link_gets_no_build(tmp_path, monkeypatch):
+    system = tmp_path / "etc"
+    system.mkdir(mode=0o755)
+    (tmp_path / "cache").symlink_to(system)
+    monkeypatch.setenv("JITCORE_CACHE_DIR", str(tmp_path / "cache"))
+    with pytest.warns(CacheWarning, match="is a symbolic link"):
+        assert torch_native.artifact_path() is None
+    with pytest.raises(RuntimeError, match="not trusted"):
+        torch_native.build()
+    assert list(system.iterdir()) == []
 
 
 # --- the guard: torch's evaluator's answers --------------------------------------------------------

@@ -96,7 +96,7 @@ def test_helper_global_change_rekeys_instead_of_serving_stale(session_factory, l
     if path == "fast":  # flat calls: the generated fast path runs the inlined drift lines
         step = region_over(session, "def step(x):\n    return helpers.outer(x)\n", helpers=helpers)
         call = step
-    else:  # keyword calls: Region._call runs snapshot.check()
+    else:  # keyword calls: the full path runs snapshot.check()
         step = region_over(session, "def step(x, bias=0.0):\n    return helpers.outer(x) + bias\n", helpers=helpers)
         call = lambda x: step(x, bias=0.0)
     x = torch.ones(3)

@@ -3,6 +3,7 @@ in test_replay_gpu.py and test_hazards_gpu.py)."""
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 
 import jitcore as jc
 import replay
+from replay import instrumentation
 from replay.recording import _OnStream
 
 pytestmark = pytest.mark.gpu
@@ -59,9 +61,12 @@ def _shifted_twice(x):
     return z
 
 
-#: What a recording call times, in the order its steps run (benchmarks/replay.py reports them).
+#: The steps a recording call marks, in the order they run (benchmarks/replay.py reports
+#: them): the capture's begin, checks and end are one step, marked in two parts around the
+#: region it captures.
 RECORDING_CALL_STEPS = [
     "prepare",
+    "capture begin, checks, end",
     "region",
     "capture begin, checks, end",
     "pool snapshot",
@@ -71,6 +76,17 @@ RECORDING_CALL_STEPS = [
 ]
 
 
+def _in_order_inside(steps, started: float, ended: float) -> bool:
+    """Each step takes time, begins where the last one ended or later (none inside another),
+    and all of them lie inside [started, ended]."""
+    return (
+        all(step.began <= step.ended for step in steps)
+        and all(before.ended <= after.began for before, after in itertools.pairwise(steps))
+        and started <= steps[0].began
+        and steps[-1].ended <= ended
+    )
+
+
 def test_a_recording_times_its_steps_apart_and_they_fit_inside_its_call():
     x = torch.randn(4, 300, device="cuda")
     _shifted_twice(x)  # the jit's compile, outside the recording
@@ -78,22 +94,28 @@ def test_a_recording_times_its_steps_apart_and_they_fit_inside_its_call():
     try:
         step = session.region(_shifted_twice)
         torch.cuda.synchronize()
-        started = time.perf_counter()
-        first = step(x)
-        torch.cuda.synchronize()
-        call = time.perf_counter() - started
+        with instrumentation.timing() as recording_call:
+            started = time.perf_counter()
+            first = step(x)
+            torch.cuda.synchronize()
+            ended = time.perf_counter()
         assert torch.equal(first, x + 1.5 - 0.25)
+        assert [s.name for s in recording_call.steps] == RECORDING_CALL_STEPS
+        assert _in_order_inside(recording_call.steps, started, ended)
+        # the capture's seconds (the session's capture_seconds) are its steps after prepare
         (entry,) = step.entries.values()
-        capture = entry.unanalysed
-        timings = dict(capture.timings)
-        assert list(timings) == RECORDING_CALL_STEPS
-        assert all(seconds >= 0 for seconds in timings.values())
-        # none inside another: together they fit in the call, and the capture's seconds (the
-        # session's capture_seconds) are its steps after prepare
-        assert sum(timings.values()) <= call
-        assert capture.seconds == pytest.approx(sum(timings.values()) - timings["prepare"], rel=0.05)
-        second = step(x)
+        parts = recording_call.seconds()
+        assert list(parts) == list(dict.fromkeys(RECORDING_CALL_STEPS))
+        assert sum(parts.values()) <= ended - started
+        assert entry.unanalysed.seconds == pytest.approx(sum(parts.values()) - parts["prepare"], rel=0.05)
+        with instrumentation.timing() as second_call:
+            started = time.perf_counter()
+            second = step(x)
+            ended = time.perf_counter()
         assert torch.equal(second, x + 1.5 - 0.25)
-        assert list(entry.graph.capture.timings) == [*RECORDING_CALL_STEPS, "analyse", "build replay"]
+        assert [s.name for s in second_call.steps] == ["analyse", "build replay"]
+        assert _in_order_inside(second_call.steps, started, ended)
+        # the block over, timing is off again
+        assert instrumentation.steps is instrumentation.NOT_TIMING
     finally:
         session.close()

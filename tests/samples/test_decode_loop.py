@@ -12,6 +12,8 @@ import sys
 import pytest
 import torch
 
+from tests.test_docs import readme_command
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SAMPLE = ROOT / "samples" / "decode_loop.py"
 
@@ -53,7 +55,16 @@ def test_without_a_gpu_it_says_so_in_one_line_and_exits_non_zero():
     )
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and "needs a CUDA or ROCm GPU" in lines[0] and "pytest" in lines[0]
+    assert len(lines) == 1 and "needs a CUDA or ROCm GPU" in lines[0]
+    assert lines[0].endswith(f"run the tests: {readme_command('Run the tests')}")
+
+
+def test_the_no_gpu_message_quotes_the_readmes_test_command():
+    assert load().TEST_COMMAND == readme_command("Run the tests")
+
+
+def test_the_readme_runs_this_sample():
+    assert readme_command("Run the sample").endswith("python samples/decode_loop.py")
 
 
 def test_the_request_stream_changes_batch_size_within_bounds():

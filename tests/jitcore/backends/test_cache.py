@@ -3,10 +3,12 @@ trusting no other user (directories, entries) nor a dead writer's leftovers."""
 
 from __future__ import annotations
 
+import json
 import logging
 import multiprocessing
 import os
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -14,6 +16,8 @@ import warnings
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from jitcore import compiler
 from jitcore.backends import cache
@@ -326,3 +330,130 @@ def test_a_killed_writers_temporary_is_swept_by_the_next_write_once_stale():
     cache.store(KEY, binary(b"b"))
     assert not left.exists() and live.exists()
     assert cache.load(KEY) == binary(b"b")
+
+
+# --- one rule for all the cache holds: symbolic links, files, damage of any shape ------------
+
+
+@posix
+def test_a_cache_directory_that_is_a_symbolic_link_is_refused_and_not_written_into(monkeypatch, tmp_path):
+    """As a link to /etc would be: root-owned, not writable by others, and still not jitcore's."""
+    system = tmp_path / "etc"
+    system.mkdir(mode=0o755)
+    link = tmp_path / "cache"
+    link.symlink_to(system)
+    messages, found = attempt(monkeypatch, link)
+    assert found is None and len(messages) == 1
+    assert f"{link} is a symbolic link (to {system})" in messages[0]
+    assert list(system.iterdir()) == []
+
+
+@posix
+@pytest.mark.parametrize("how", ["chown", "open directory"])
+def test_a_link_on_the_way_that_another_user_controls_is_refused(monkeypatch, tmp_path, how):
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    holder = tmp_path / "holder"
+    holder.mkdir(mode=0o700)
+    link = holder / "link"
+    link.symlink_to(private)
+    if how == "chown":
+        if not ROOT:
+            pytest.skip("a link of another user's needs root to make")
+        os.lchown(link, STRANGER, STRANGER)
+        expected = f"{link} is a symbolic link owned by uid {STRANGER}"
+    else:
+        os.chmod(holder, 0o777)  # anyone may replace the link
+        expected = f"{holder} is writable by its group and others"
+    messages, found = attempt(monkeypatch, link / "cache")
+    assert found is None and expected in messages[0]
+    assert list(private.iterdir()) == []
+
+
+@posix
+def test_a_link_on_the_way_that_is_yours_is_followed(monkeypatch, tmp_path):
+    """~/.cache on another disk, say: the cache lies where the link leads."""
+    elsewhere = tmp_path / "disk"
+    elsewhere.mkdir(mode=0o700)
+    (tmp_path / "home").mkdir(mode=0o700)
+    (tmp_path / "home" / ".cache").symlink_to(Path("..") / "disk")  # relative, resolved from the link's folder
+    assert attempt(monkeypatch, tmp_path / "home" / ".cache" / "jitcore") == ([], binary(b"a"))
+    assert cache.entry_path(KEY).is_relative_to(elsewhere / "jitcore")
+
+
+@posix
+@pytest.mark.parametrize("how", ["symlink", "group writable", "other writable"])
+def test_an_entry_that_is_a_link_or_writable_by_others_is_never_loaded(monkeypatch, tmp_path, how):
+    cache.store(KEY, binary(b"mine"))
+    path = cache.entry_path(KEY)
+    if how == "symlink":
+        target = tmp_path / "elsewhere.bin"
+        path.rename(target)
+        path.symlink_to(target)
+    else:
+        os.chmod(path, 0o620 if how == "group writable" else 0o602)
+    assert cache.load(KEY) is None
+    cache.store(KEY, binary(b"again"))  # the recompile's store replaces it
+    assert cache.load(KEY) == binary(b"again")
+
+
+def _entry(header: object, image: bytes = b"image") -> bytes:
+    encoded = header if isinstance(header, bytes) else json.dumps(header).encode()
+    return cache.MAGIC + struct.pack("<I", len(encoded)) + encoded + image
+
+
+GOOD_HEADER = json.loads(cache.encode(binary(b"image"))[12:-5])
+
+
+DAMAGED = {
+    "nested past the parser (RecursionError)": _entry(b"[" * 100_000 + b"]" * 100_000),
+    "nested objects": _entry(b'{"a": ' * 50_000 + b"1" + b"}" * 50_000),
+    "a list": _entry([1, 2, 3]),
+    "a string": _entry("a string"),
+    "null": _entry(None),
+    "length a string": _entry({**GOOD_HEADER, "length": "5"}),
+    "length a bool": _entry({**GOOD_HEADER, "length": True}),
+    "length a float": _entry({**GOOD_HEADER, "length": 5.0}),
+    "digest null": _entry({**GOOD_HEADER, "sha256": None}),
+    "names a list of pairs": _entry({**GOOD_HEADER, "lowered_names": [["k", "v"]]}),
+    "a name an int": _entry({**GOOD_HEADER, "lowered_names": {"k<float>": 1}}),
+    "log a list": _entry({**GOOD_HEADER, "log": ["a"]}),
+    "arch an int": _entry({**GOOD_HEADER, "arch": 90}),
+    "no compiler": _entry({k: v for k, v in GOOD_HEADER.items() if k != "compiler"}),
+    "not UTF-8": _entry(b"\xff\xfe not utf-8"),
+    "image truncated": _entry(GOOD_HEADER)[:-1],
+    "header length truncated": _entry(GOOD_HEADER)[:11],
+    "header truncated": cache.MAGIC + b"\xff\xff\xff\x00{",
+}
+
+
+@pytest.mark.parametrize("data", DAMAGED.values(), ids=DAMAGED.keys())
+def test_damaged_entries_of_any_shape_are_missing_and_recompiled(data):
+    assert cache.decode(_entry(GOOD_HEADER)) == binary(b"image")  # the control: whole, it loads
+    assert cache.decode(data) is None
+    backend, calls = NullBackend(), []
+    original = backend.compile
+    backend.compile = lambda *args: calls.append(args) or original(*args)
+    first = compiler.compile_cached(backend, "__global__ void k() {}", ["k"], [], "sm_90")
+    (entry,) = cache.cache_dir().glob("*/*.bin")
+    entry.write_bytes(data)
+    assert compiler.compile_cached(backend, "__global__ void k() {}", ["k"], [], "sm_90") == first
+    assert len(calls) == 2 and cache.decode(entry.read_bytes()) == first  # recompiled, and stored again
+
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(),
+    lambda inner: st.lists(inner) | st.dictionaries(st.text(), inner),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(header=JSON)
+def test_no_header_makes_decode_raise(header):
+    """Any JSON in any field: None, or an entry of the types encode writes (never an exception)."""
+    for fields in (header, {**GOOD_HEADER, "lowered_names": header}, {**GOOD_HEADER, "length": header}):
+        found = cache.decode(_entry(fields))
+        if found is not None:
+            assert found.image == b"image" and isinstance(found.lowered_names, dict)
+            assert all(isinstance(k, str) and isinstance(v, str) for k, v in found.lowered_names.items())

@@ -1,0 +1,96 @@
+"""Measurement for the benchmarks, kept off the call path.
+
+The recording marks its steps on :data:`steps` as it goes. Unless a benchmark turned timing
+on (:func:`timing`), that is :data:`NOT_TIMING`, whose marks do nothing: the call path pays an
+attribute read and an empty call per step, and carries no clock readings of its own. Timed,
+each mark ends the step that began at the previous mark (or at :meth:`StepTimes.start`), so
+the steps of one call follow each other, none inside another.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+
+import attrs
+
+# --- the steps of a call ------------------------------------------------------------------
+
+
+@attrs.frozen
+class Step:
+    """One timed step: its name and the clock's readings as it began and ended."""
+
+    name: str
+    began: float
+    ended: float
+
+    @property
+    def seconds(self) -> float:
+        return self.ended - self.began
+
+
+class StepTimes:
+    """The steps marked while timing is on, in the order they ended."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.clock = clock
+        self.steps: list[Step] = []
+        self._began: float | None = None
+
+    def start(self) -> None:
+        """A step begins now: the first of a call's, or one after time that is no step."""
+        self._began = self.clock()
+
+    def mark(self, name: str) -> None:
+        """The step ``name`` ends now, and the next one begins. A step that began before
+        timing was turned on is left out."""
+        now = self.clock()
+        if self._began is not None:
+            self.steps.append(Step(name, self._began, now))
+        self._began = now
+
+    def seconds(self) -> dict[str, float]:
+        """Seconds per step, in the order the steps first ended. A step marked in parts (the
+        capture's begin and end, around the region it captures) is the sum of its parts."""
+        total: dict[str, float] = {}
+        for step in self.steps:
+            total[step.name] = total.get(step.name, 0.0) + step.seconds
+        return total
+
+
+class _NotTiming:
+    """What :data:`steps` is while no benchmark times: every mark does nothing."""
+
+    __slots__ = ()
+
+    def start(self) -> None:
+        pass
+
+    def mark(self, name: str) -> None:
+        pass
+
+
+NOT_TIMING = _NotTiming()
+
+#: Where the recording marks its steps (read at each mark, so that :func:`timing` can swap it).
+steps: StepTimes | _NotTiming = NOT_TIMING
+
+
+@contextlib.contextmanager
+def timing(clock: Callable[[], float] = time.perf_counter) -> Iterator[StepTimes]:
+    """Time the steps that the calls made in this block mark. Meant for one thread's calls:
+    the marks of recordings in several threads at once would interleave."""
+    global steps
+    previous, times = steps, StepTimes(clock)
+    steps = times
+    try:
+        yield times
+    finally:
+        steps = previous
+
+
+# --- the replay path's measurement ------------------------------------------------------------
+# The hooks that swap parts of a replay for the benchmarks (replay.graph's measure_without_checks
+# and measure_with_settings_check, the region's measure_* methods) belong in this section.
