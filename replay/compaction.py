@@ -66,7 +66,7 @@ class Compaction:
         if fresh is None:
             return False
         for entry, graph in fresh.items():
-            session.keys.recaptured(entry, graph)
+            session.keys.recapture(entry, graph)
         session.pools[device] = new_pool  # the old KeptPool goes, and with it the old pool
         with recording.CAPTURES.exclusive():  # both would break another thread's capture
             torch.cuda.synchronize(device)

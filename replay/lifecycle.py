@@ -252,21 +252,22 @@ class Keys:
             del region.bucket_bases[bucket]  # (its readers treat a base without a graph as none)
 
     # --- recording -------------------------------------------------------------------------------
-    def begin_recording(self, entry: Entry) -> None:
+    def record(self, entry: Entry) -> None:
+        """WARMING (or ANALYSING, to stage more) -> RECORDING: its capture starts."""
         _move(entry, "record")
 
-    def captured(self, entry: Entry, capture) -> None:
+    def capture(self, entry: Entry, taken) -> None:
         """RECORDING -> AWAITING_ANALYSIS: the capture is held, a resident like a graph (see
         :meth:`make_room`), until the key's next call analyses it."""
         _move(entry, "capture")
-        entry.unanalysed = capture
+        entry.unanalysed = taken
         entry.region.outputs_changed()
         session = self.session
         session.pending[entry] = None
         session.admission.held(entry, entry.counted)
         self.make_room(entry, allowance=1)
 
-    def begin_analysis(self, entry: Entry):
+    def analyse(self, entry: Entry):
         """AWAITING_ANALYSIS -> ANALYSING: the capture, taken out of the pending ones."""
         _move(entry, "analyse")
         capture, entry.unanalysed = entry.unanalysed, None
@@ -299,7 +300,7 @@ class Keys:
             return functools.partial(entry.region.replay, entry)
         return entry.graph.replay
 
-    def recaptured(self, entry: Entry, graph) -> None:
+    def recapture(self, entry: Entry, graph) -> None:
         """REPLAYING -> REPLAYING: a compaction's new graph takes the old one's place, with the
         use the old one had."""
         _move(entry, "recapture")
@@ -536,13 +537,15 @@ def state_diagram() -> str:
 
 
 def life_of_a_key() -> str:
-    """The docs' section "The life of a key" (docs/replay.md), drawn from :data:`TRANSITIONS`."""
+    """The start of the docs' section "The life of a key" (docs/replay.md): the states, the
+    table of moves and its diagram, drawn from :data:`MEANINGS`, :data:`INDICES` and
+    :data:`TRANSITIONS`."""
     states = "\n".join(
         f"| {state.name} | {state.value} | {MEANINGS[state]} | {', '.join(sorted(INDICES[state])) or '-'} |"
         for state in KeyState
     )
     return (
-        "## The life of a key\n\n"
+        "### States and moves\n\n"
         "A key's state decides how its calls are served; replay/lifecycle.py moves it, and the indices\n"
         "that follow it, in one place. Evicted and invalidated keys are served as warming ones: those\n"
         "are events, not states. A move the table does not list raises (a bug in replay).\n\n"

@@ -81,15 +81,15 @@ class KeyRecorder:
                 # another thread recorded the key while this call waited for the lock (or its
                 # capture runs on this thread): served as its state says, else eagerly
                 served = region.serve_entry(entry, key, spec, leaves, paths, device)
-                return region.eager(spec, leaves, entry) if served is MISS else served
+                return region.run_eagerly(spec, leaves, entry) if served is MISS else served
             region.take_snapshot()
-            session.keys.begin_recording(entry)
+            session.keys.record(entry)
             started = time.perf_counter()
             try:
                 capture = self._capture(entry, key, spec, leaves, paths, device)
             except jitcore.recorder.CaptureBusy:
                 session.keys.stop_recording(entry, "retry")
-                return region.eager(spec, leaves, entry)  # called inside another region's eager run
+                return region.run_eagerly(spec, leaves, entry)  # called inside another region's eager run
             except recording.CaptureAborted as aborted:
                 return self._retry_later(entry, spec, leaves, aborted)
             except recording.CaptureFailed as failure:
@@ -101,7 +101,7 @@ class KeyRecorder:
                 raise
             finally:
                 session.admission.recorded(time.perf_counter() - started)  # failed captures cost time too
-            session.keys.captured(entry, capture)
+            session.keys.capture(entry, capture)
             return self._first_launch(entry, key, capture, leaves)
 
     def _capture(self, entry: Entry, key: tuple, spec: object, leaves: list, paths: list, device: int):
@@ -163,7 +163,7 @@ class KeyRecorder:
         region, session = self.region, self.region.session
         guard, pre_key = flat_guard(key[0], spec, leaves)
         with session.lock:
-            capture = session.keys.begin_analysis(entry)
+            capture = session.keys.analyse(entry)
             analysed = time.perf_counter()
             try:
                 session.analyse(capture)
@@ -259,14 +259,14 @@ class KeyRecorder:
             if entry.later > MAX_LATER:
                 return self._give_up(entry, spec, leaves, f"recording kept failing: {aborted}")
         region.session.keys.stop_recording(entry, "retry")
-        return region.eager(spec, leaves, entry)
+        return region.run_eagerly(spec, leaves, entry)
 
     def _give_up(self, entry: Entry, spec: object, leaves: Sequence, reason: str):
         region = self.region
         region.session.keys.stop_recording(entry, "give_up", reason)
         log.info("region %s, key %s: runs eagerly from now on: %s", region.name, KeyText(entry.key), reason)
         warn(f"region {region.name}, key {describe_key(entry.key)}: runs eagerly from now on: {reason}")
-        return region.eager(spec, leaves, entry)
+        return region.run_eagerly(spec, leaves, entry)
 
     def refuse_autograd(self, entry: Entry, spec: object, leaves: Sequence, why: str):
         """The key runs eagerly from now on (exactly as eager: outputs keep their ``grad_fn``),
@@ -284,7 +284,7 @@ class KeyRecorder:
                 "autograd (its outputs would come back without grad_fn, and gradients would be lost). Run the "
                 "loop under torch.no_grad() or torch.inference_mode() to replay it"
             )
-        return region.eager(spec, leaves, entry)
+        return region.run_eagerly(spec, leaves, entry)
 
 
 def _cuda_generator(device: int):

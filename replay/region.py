@@ -146,7 +146,7 @@ class Region:
             return self.refused(refused, None, args, kwargs)
         if not session.can_record():
             session.say_eager_once()
-            return self.eager(spec, leaves)
+            return self.run_eagerly(spec, leaves)
         try:
             counted = self.counted(spec, leaves, paths)
         except region_keys.RefusedKey as refused:
@@ -204,7 +204,7 @@ class Region:
         if state is AWAITING_ANALYSIS:
             return self.recorder.finish(entry, key, spec, leaves, paths, device)
         if state is EAGER_ONLY:
-            return self.eager(spec, leaves, entry)
+            return self.run_eagerly(spec, leaves, entry)
         return _MISS
 
     def _needs_autograd(self, key: tuple, spec: object, paths: Sequence[str]) -> str:
@@ -284,10 +284,10 @@ class Region:
                 except region_keys.RefusedKey as refused:
                     return self.refused(refused, spec, leaves)
             hints = self.hints[spec] = Hints(observed_key=key)
-        return self.eager(spec, leaves, entry, observe=hints)
+        return self.run_eagerly(spec, leaves, entry, observe=hints)
 
     # --- eager runs ------------------------------------------------------------------------
-    def eager(self, spec: object, leaves: Sequence, entry: Entry | None = None, observe: Hints | None = None):
+    def run_eagerly(self, spec: object, leaves: Sequence, entry: Entry | None = None, observe: Hints | None = None):
         """Run the region's function on a flattened call, counted under ``entry`` (None: the
         region's aggregate); timed, or observed (``observe``: what the warm-up teaches)."""
         self.count_eager(entry)
@@ -340,13 +340,13 @@ class Region:
             self.count_eager(None)
             with SHARED_CAPTURE_EXCLUSION:
                 return self.fn(*leaves, **(kwargs or {}))
-        return self.eager(spec, leaves)
+        return self.run_eagerly(spec, leaves)
 
-    def eager_declined(self, *args, **kwargs):
+    def run_declined(self, *args, **kwargs):
         """A call no graph may serve exactly (see buckets.call): eagerly, counted as declined."""
         self.session.counters.declined += 1
         spec, leaves, _paths = region_keys.flatten(args, kwargs)
-        return self.eager(spec, leaves)
+        return self.run_eagerly(spec, leaves)
 
     # --- replays ---------------------------------------------------------------------------
     def replay(self, entry: Entry, *leaves):
@@ -360,14 +360,14 @@ class Region:
         every = self.session.policy.verify_every
         if every and (graph.replays + 1) % every == 0:
             self.session.counters.verifications += 1
-            result = graph.verify(leaves, lambda snapshot: self.eager(spec, snapshot))
+            result = graph.verify(leaves, lambda snapshot: self.run_eagerly(spec, snapshot))
         else:
             result = graph.replay(*leaves)
         if result is MISMATCH:
             # the graph cannot serve these values exactly (see replay.graph): the eager run
             # gives the exact result, or the exact error
             self.session.counters.declined += 1
-            return self.eager(spec, leaves, entry)
+            return self.run_eagerly(spec, leaves, entry)
         return result
 
     # --- its globals -----------------------------------------------------------------------

@@ -79,7 +79,7 @@ class Router:
             kwargs,
             region.session.policy.buckets,
             region.name,
-            run_eagerly=region.eager_declined,
+            run_eagerly=region.run_declined,
             replay_writes=self.replay_writes,
             in_place=self._pad_in_place,
         )

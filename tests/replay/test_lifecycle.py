@@ -275,7 +275,7 @@ def test_a_misplaced_move_through_the_session_raises_and_changes_nothing():
         (entry,) = step.entries.values()
         assert entry.state is AWAITING_ANALYSIS
         with pytest.raises(TransitionError, match="AWAITING_ANALYSIS cannot record"):
-            session.keys.begin_recording(entry)
+            session.keys.record(entry)
         with pytest.raises(TransitionError, match="AWAITING_ANALYSIS cannot serve"):
             session.keys.serve(entry, None, None, None)
         assert lifecycle.problems(session) == []
