@@ -157,7 +157,7 @@ _fixed = attrs.setters.frozen  # read once, when a dispatcher is made: setting o
 class DispatchProgram:
     """What a region's flat call is dispatched by: the one object EagerGate (C) and
     FlatDispatch (Python) read, by field name. Fixed fields are read when the dispatcher is
-    made; the others on each use (a replay swaps them: tests, instrumentation)."""
+    made; the others on each use (tests and instrumentation may swap them)."""
 
     # the region's state the call reads and writes (each object is updated in place)
     region: object = attrs.field(on_setattr=_fixed)  # counted under (region, shapes)
@@ -203,38 +203,8 @@ def make_dispatch(program: DispatchProgram) -> Callable:
     return EagerGate(program) if native_enabled() else FlatDispatch(program)
 
 
-#: The program's fixed fields FlatDispatch reads, held as its own slots (as EagerGate holds them).
-_HELD = (
-    "region",
-    "by_pre_key",
-    "entry_shapes",
-    "session",
-    "admission",
-    "sketch",
-    "budget",
-    "counters",
-    "forgotten",
-    "quiet",
-    "fn",
-    "exclusion",
-    "touch",
-    "clock",
-    "padded_type",
-    "buckets",
-    "largest",
-    "specs",
-    "flat",
-    "tensor_type",
-    "dynamic_type",
-    "dynamic_mark",
-    "plain",
-    "miss",
-    "eagerly",
-    "declined",
-    "mask",
-    "settled",
-    "settled_mask",
-)
+#: The program's fixed fields, which FlatDispatch holds as its own slots (as EagerGate does).
+_HELD = tuple(field.name for field in attrs.fields(DispatchProgram) if field.on_setattr is _fixed)
 
 
 class FlatDispatch:
