@@ -27,9 +27,6 @@ from typing import NamedTuple
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-REPLAY_HARDENED_ELSEWHERE = pytest.mark.xfail(
-    strict=True, reason="replay's C entry points are hardened on another branch"
-)
 
 
 class Case(NamedTuple):
@@ -116,7 +113,7 @@ N, X, T = "jitcore.backends._native", "jitcore._exclusion", "jitcore._torch_nati
 C, E, S = "replay._checks", "replay._eager", "replay._step"
 LAUNCH = "native.bind('kernel_launch', 'f', KERNEL_LAUNCH)"
 SIDE = "e = Exclusion(); s = exclusion.SharedSide(e); e._holders[threading.get_ident()] = "
-REGION = "class R:\n    def _fast(self, args): raise LookupError('no fast path')\n"
+REGION = "class R:\n    def dispatch(self, args): raise LookupError('no dispatch')\n"
 
 # fmt: off
 CASES = [Case(*row) for row in [
@@ -256,7 +253,7 @@ CASES = [Case(*row) for row in [
     (C, "total_length", "lengths past the largest size", "checks.total_length(Huge(), Huge())", "OverflowError"),
     (E, "EagerGate", "called without __init__", "eager.EagerGate.__new__(eager.EagerGate)((1,))",
      "TypeError ValueError RuntimeError"),
-    (E, "EagerGate", "with_shapes without __init__", "eager.EagerGate.__new__(eager.EagerGate).with_shapes((1,), (1,))",
+    (E, "EagerGate", "its program read without __init__", "eager.EagerGate.__new__(eager.EagerGate).program",
      "TypeError ValueError RuntimeError"),
     # the region's own error, or a refusal of the call without __init__
     (E, "RegionCall", "called without __init__", REGION + "eager.RegionCall.__new__(eager.RegionCall)(R(), 1)",
@@ -271,12 +268,6 @@ CASES = [Case(*row) for row in [
     (S, "storage_references", "an int for the lane", "step.storage_references(5)", "AttributeError"),
 ]]
 # fmt: on
-# The cases that crash the process today: replay's C entry points, hardened on another branch.
-CRASHING_TODAY = {
-    ("replay._eager", "EagerGate", "called without __init__"),
-    ("replay._eager", "EagerGate", "with_shapes without __init__"),
-}
-
 RUNNER = r"""
 import json, os, signal, sys, time, traceback
 cases = json.load(sys.stdin)
@@ -357,10 +348,7 @@ def outcomes(request) -> dict[str, str]:
 
 @pytest.mark.parametrize(
     "case",
-    [
-        pytest.param(case, id=case_id(case), marks=[REPLAY_HARDENED_ELSEWHERE] if case[:3] in CRASHING_TODAY else [])
-        for case in CASES
-    ],
+    [pytest.param(case, id=case_id(case)) for case in CASES],
 )
 def test_a_misused_entry_point_raises_and_never_crashes(case, outcomes):
     if case_id(case) not in outcomes:
