@@ -27,9 +27,6 @@ from typing import NamedTuple
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-REPLAY_HARDENED_ELSEWHERE = pytest.mark.xfail(
-    strict=True, reason="replay's C entry points are hardened on another branch"
-)
 
 
 class Case(NamedTuple):
@@ -63,6 +60,19 @@ class Clears:
     def __index__(self):
         self.target.clear()
         return self.value
+
+
+def settings_program(**fields):
+    # A settings program (replay.torch_state.SettingsProgram's fields) with no tests unless given.
+    import types
+    base = dict(readers=(), arguments=(), expected=(), ways="", uncovered=(), state=None)
+    return types.SimpleNamespace(**{**base, **fields})
+
+
+class Huge:
+    # A sized object as long as a size can be.
+    def __len__(self):
+        return sys.maxsize
 
 
 def param_array(count, size):
@@ -120,7 +130,7 @@ N, X, T = "jitcore.backends._native", "jitcore._exclusion", "jitcore._torch_nati
 C, E, S = "replay._checks", "replay._eager", "replay._step"
 LAUNCH = "native.bind('kernel_launch', 'f', KERNEL_LAUNCH)"
 SIDE = "e = Exclusion(); s = exclusion.SharedSide(e); e._holders[threading.get_ident()] = "
-REGION = "class R:\n    def _fast(self, args): raise LookupError('no fast path')\n"
+REGION = "class R:\n    def dispatch(self, args): raise LookupError('no dispatch')\n"
 
 # fmt: off
 CASES = [Case(*row) for row in [
@@ -295,14 +305,25 @@ CASES = [Case(*row) for row in [
     (C, "disjoint", "a negative extent", "checks.disjoint((1,), (-1,))", "OverflowError"),
     (C, "disjoint", "a range past 2**64", "checks.disjoint((2**64 - 1,), (2,))", "OverflowError"),
     (C, "disjoint", "one extent too few", "checks.disjoint((1, 2), (1,))", "ValueError"),
-    (C, "SettingsCheck", "ints for its tuples", "checks.SettingsCheck(1, 2, 3, 'i')", "TypeError"),
-    (C, "SettingsCheck", "an unknown way", "checks.SettingsCheck((len,), ((),), (0,), 'z')", "ValueError"),
+    (C, "SettingsCheck", "an int for its program", "checks.SettingsCheck(5)", "TypeError AttributeError"),
+    (C, "SettingsCheck", "a program with ints for its tuples",
+     "checks.SettingsCheck(settings_program(readers=1, arguments=2, expected=3, ways='i'))", "TypeError"),
+    (C, "SettingsCheck", "a program with an unknown way",
+     "checks.SettingsCheck(settings_program(readers=(len,), arguments=((),), expected=(0,), ways='z'))", "ValueError"),
+    (C, "SettingsCheck", "a program with one argument tuple too few",
+     "checks.SettingsCheck(settings_program(readers=(len, len), arguments=((),), expected=(0, 0), ways='ii'))",
+     "ValueError"),
+    (C, "SettingsCheck", "a state that is no capsule",
+     "checks.SettingsCheck(settings_program(state=5))", "TypeError ValueError"),
     (C, "SettingsCheck", "made with __new__ and no arguments", "checks.SettingsCheck.__new__(checks.SettingsCheck)",
      "TypeError"),
-    (C, "SettingsCheck", "called with an argument", "checks.SettingsCheck((), (), (), '')(1)", "TypeError"),
+    (C, "SettingsCheck", "called with an argument", "checks.SettingsCheck(settings_program())(1)", "TypeError"),
+    (C, "flush_denormal", "an argument", "checks.flush_denormal(1)", "TypeError"),
+    (C, "total_length", "an int", "checks.total_length(5)", "TypeError"),
+    (C, "total_length", "lengths past the largest size", "checks.total_length(Huge(), Huge())", "OverflowError"),
     (E, "EagerGate", "called without __init__", "eager.EagerGate.__new__(eager.EagerGate)((1,))",
      "TypeError ValueError RuntimeError"),
-    (E, "EagerGate", "with_shapes without __init__", "eager.EagerGate.__new__(eager.EagerGate).with_shapes((1,), (1,))",
+    (E, "EagerGate", "its program read without __init__", "eager.EagerGate.__new__(eager.EagerGate).program",
      "TypeError ValueError RuntimeError"),
     # the region's own error, or a refusal of the call without __init__
     (E, "RegionCall", "called without __init__", REGION + "eager.RegionCall.__new__(eager.RegionCall)(R(), 1)",
@@ -317,12 +338,6 @@ CASES = [Case(*row) for row in [
     (S, "storage_references", "an int for the lane", "step.storage_references(5)", "AttributeError"),
 ]]
 # fmt: on
-# The cases that crash the process today: replay's C entry points, hardened on another branch.
-CRASHING_TODAY = {
-    ("replay._eager", "EagerGate", "called without __init__"),
-    ("replay._eager", "EagerGate", "with_shapes without __init__"),
-}
-
 RUNNER = r"""
 import json, os, signal, sys, time, traceback
 cases = json.load(sys.stdin)
@@ -403,10 +418,7 @@ def outcomes(request) -> dict[str, str]:
 
 @pytest.mark.parametrize(
     "case",
-    [
-        pytest.param(case, id=case_id(case), marks=[REPLAY_HARDENED_ELSEWHERE] if case[:3] in CRASHING_TODAY else [])
-        for case in CASES
-    ],
+    [pytest.param(case, id=case_id(case)) for case in CASES],
 )
 def test_a_misused_entry_point_raises_and_never_crashes(case, outcomes):
     if case_id(case) not in outcomes:

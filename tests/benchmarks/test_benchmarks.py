@@ -209,3 +209,40 @@ def test_the_targets_are_stated_against_the_exact_floor():
     assert "costs 300 us, **1.20x** the raw capture: the 2x target leaves 200 us" in text
     assert "which spend 600 us now" in text and "the floor is 400 us, **1.60x**" in text
     assert "the 3x target leaves 350 us" in text and "which spend 1100 us now" in text
+
+
+def test_the_hf_benchmark_runs_its_logic_on_the_cpu_with_a_tiny_model(tmp_path):
+    """benchmarks/hf.py --dry: a tiny Llama on the CPU, a few steps, every path (those that
+    need a GPU say so); the results hold the rows the GPU run commits."""
+    pytest.importorskip("transformers")
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.hf", "--dry", "--out", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    results = json.loads((tmp_path / "hf-dry.json").read_text())["results"]
+    assert results["dry"] is True and set(results["by_batch"]) == {"1", "2"}
+    for batch in results["by_batch"].values():
+        assert batch["eager"]["replay_over_eager"] == 1.0
+        for name in ("replay, cache as argument", "replay, cache in a closure"):
+            row = batch[name]
+            assert row["bitwise"] is True and row["tokens_per_s"] > 0 and row["replay_over_eager"] > 0
+        assert "skipped" in batch["static-copy CUDA graph"] and "skipped" in batch["torch.compile (reduce-overhead)"]
+    assert results["replay, cache as argument"]["bitwise"] is True
+    assert "| 2 | replay, cache as argument |" in (tmp_path / "hf-dry.md").read_text()
+
+
+def test_the_hf_benchmark_is_one_line_without_transformers(tmp_path):
+    """Without transformers (hidden from the child process), one line and a clean exit."""
+    script = (
+        "import sys; sys.modules['transformers'] = None; import runpy; "
+        f"sys.argv = ['hf', '--dry', '--out', {str(tmp_path)!r}]; "
+        "runpy.run_module('benchmarks.hf', run_name='__main__')"
+    )
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "transformers is not installed (pip install 'jitreplay[hf]'): skipped"
+    assert not list(tmp_path.iterdir())
