@@ -21,36 +21,14 @@ from __future__ import annotations
 
 import torch
 
-import jitcore as jc
 from benchmarks import common
+from benchmarks.replay import KERNELS, WIDTH, chain
 from jitcore.backends import use_backend
 from jitcore.backends.null import NullBackend
 from replay import instrumentation
 
-SOURCE = r"""
-__global__ void affine(const float* __restrict__ x, float* __restrict__ y, float a, float b, long long n) {
-    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
-    if (i < n) y[i] = a * x[i] + b;
-}
-"""
-affine_kernel = jc.Kernel(SOURCE, "affine")
-KERNELS, BATCH, WIDTH = 32, 8, 256
-
-
-@jc.jit
-def affine(x, y, a, b):
-    n = x.numel()
-    affine_kernel[jc.cdiv(n, 256), 256](x, y, a, b, n)
-
-
-def region(x):
-    """The replay benchmark's chain of affine kernels."""
-    h = x
-    for k in range(KERNELS):
-        y = torch.empty_like(h)
-        affine(h, y, 1.0 + k * 1e-3, 1e-3)
-        h = y
-    return h
+BATCH = 8
+region = chain(KERNELS)  # the replay benchmark's region, CPU tensors here
 
 
 def null_backend() -> tuple[NullBackend, str]:

@@ -72,7 +72,18 @@ def test_benchmarks_reach_jitcore_and_replay_only_through_public_names(path):
 
 def test_the_runner_runs_the_cpu_benchmarks_and_each_table_names_its_command(tmp_path):
     done = subprocess.run(
-        [sys.executable, "-m", "benchmarks", "--only", "keys", "jit_cpu", "--quick", "--out", str(tmp_path)],
+        [
+            sys.executable,
+            "-m",
+            "benchmarks",
+            "--only",
+            "keys",
+            "jit_cpu",
+            "recording_cpu",
+            "--quick",
+            "--out",
+            str(tmp_path),
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -80,7 +91,7 @@ def test_the_runner_runs_the_cpu_benchmarks_and_each_table_names_its_command(tmp
     )
     assert done.returncode == 0, done.stdout + done.stderr
     keys_table = "keys-cuda" if torch.cuda.is_available() else "keys"  # keys.py names its table by device
-    for table, name in ((keys_table, "keys"), ("jit-cpu", "jit_cpu")):
+    for table, name in ((keys_table, "keys"), ("jit-cpu", "jit_cpu"), ("recording-cpu", "recording_cpu")):
         command = f"python -m benchmarks --only {name} --out {tmp_path} --quick"
         assert json.loads((tmp_path / f"{table}.json").read_text())["command"] == command
         assert f"Command: `{command}`" in (tmp_path / f"{table}.md").read_text()

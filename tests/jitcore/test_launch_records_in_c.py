@@ -138,13 +138,20 @@ def test_the_sink_notes_the_node_each_launch_became_as_a_recorders_launch_would(
     assert len(asked) == 4 and len(hook.records) == 5
 
 
-def test_a_new_drift_check_is_carried_by_the_records_made_after_it(backend):
+def affine_with_its_template(backend):
+    """The affine launcher called once and once recorded (its record template made), its
+    arguments and its call state."""
     affine, _, _ = launchers(backend)
     x, y = torch.randn(64), torch.empty(64)
     affine(x, y, 1.0, 0.0)
     state = next(iter(affine.jit.states.values())).call_state
     records_of(affine, (x, y, 1.0, 0.0), SinkRecorder())
     assert state._templates[0] is not None
+    return affine, x, y, state
+
+
+def test_a_new_drift_check_is_carried_by_the_records_made_after_it(backend):
+    affine, x, y, state = affine_with_its_template(backend)
 
     def check():
         return None
@@ -157,11 +164,7 @@ def test_a_new_drift_check_is_carried_by_the_records_made_after_it(backend):
 
 
 def test_recorded_checks_the_sink_and_the_template_before_launching(backend):
-    affine, _, _ = launchers(backend)
-    x, y = torch.randn(64), torch.empty(64)
-    affine(x, y, 1.0, 0.0)
-    state = next(iter(affine.jit.states.values())).call_state
-    records_of(affine, (x, y, 1.0, 0.0), SinkRecorder())
+    _affine, x, y, state = affine_with_its_template(backend)
     launcher, template = state.namespace["_L0"], state._templates[0]
     values = (x, y, 1.0, 0.0, 64)
     launched = len(backend.calls)
