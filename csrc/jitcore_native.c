@@ -895,10 +895,11 @@ static int check_template(PyObject *template) {
     return 0;
 }
 
-/* Append the launch's record, and the node it became, to the sink. */
+/* Append the launch's record, and the node it became, to the sink (both checked again: the
+   launch let other threads run, which may have told another record class). */
 static int report_launch(PyObject *sink, PyObject *template, PyObject *const call[RECORD_CALL_FIELDS]) {
     PyObject *records, *nodes, *tail, *node = Py_NewRef(Py_None);
-    if (sink_parts(sink, &records, &nodes, &tail) < 0)
+    if (sink_parts(sink, &records, &nodes, &tail) < 0 || check_template(template) < 0)
         goto failed;
     PyObject *record = record_from(template, call);
     if (record == NULL)
