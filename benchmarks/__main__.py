@@ -8,10 +8,13 @@ pool_snapshot (a new shape's recording call with many other blocks alive, beside
 scaling (per-step time against region length and distinct shapes; replay host time against
 tensor arguments and patched nodes), shapes (replay under shape distributions: uniform, Zipf,
 fixed, prefill), triton_region (triton.md: Triton kernels rebound against staged and eager;
-skipped without Triton), decode_loop.md (the
+skipped without Triton), hf (a Llama decode loop with a StaticCache, the cache passed as an
+argument and closed over, beside eager, a static CUDA graph and torch.compile; skipped without
+transformers), decode_loop.md (the
 sample's output) and, with two GPUs, decode_loop_tp2.md (the tensor-parallel sample). These
 need a GPU (keys runs on CPU tensors without one) and are the default; jit_cpu (the jit's
-Python-side cost with the driver call a no-op) runs on any machine, with ``--only jit_cpu``.
+Python-side cost with the driver call a no-op) and recording_cpu (a recording's host steps
+besides the driver) run on any machine, with ``--only jit_cpu recording_cpu``.
 """
 
 from __future__ import annotations
@@ -27,8 +30,8 @@ import torch
 
 from benchmarks import common
 
-GPU_BENCHMARKS = ["launch", "jit", "keys", "replay", "pool_snapshot", "scaling", "shapes", "triton_region"]
-CPU_BENCHMARKS = ["jit_cpu"]
+GPU_BENCHMARKS = ["launch", "jit", "keys", "replay", "pool_snapshot", "scaling", "shapes", "triton_region", "hf"]
+CPU_BENCHMARKS = ["jit_cpu", "recording_cpu"]
 SAMPLE = "decode_loop"
 
 

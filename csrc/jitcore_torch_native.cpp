@@ -28,8 +28,9 @@
 //   while it ran. So it can only ever say what `exact` would: the state is a function of the
 //   settings read, so an equal state means equal settings. settings_state() is the state as
 //   a tuple and SETTINGS_COVERED names the Python getters (with their arguments) whose value
-//   it determines; tests/replay/test_region_keys.py changes each of them and checks that the
-//   state moves.
+//   it determines; tests/replay/test_torch_state.py changes each of them and checks that the
+//   state moves. SETTINGS_READER, a capsule of Py_ssize_t read(int64_t *values, Py_ssize_t
+//   capacity), reads the same state into an array: replay's settings check (csrc/replay_checks.c).
 //
 // - a capsule, "replay_support", the replay_support struct of csrc/replay_support.h (its layout
 //   check, then functions) for the C replay step (csrc/replay_step.c): the data pointer reader
@@ -72,6 +73,12 @@
 #include <c10/core/InferenceMode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
+#include <torch/csrc/jit/codegen/fuser/interface.h>
+#include <torch/csrc/jit/frontend/tracer.h>
+#include <torch/csrc/jit/passes/tensorexpr_fuser.h>
+#include <torch/csrc/jit/python/update_graph_executor_opt.h>
+#include <torch/csrc/jit/runtime/graph_executor.h>
+#include <torch/csrc/tensor/python_tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/record_function.h>
 #include <torch/csrc/autograd/variable.h>
@@ -457,7 +464,8 @@ using Covered = std::vector<std::pair<std::string, std::vector<std::string>>>;
     _(sDPPriorityOrder, "_get_sdp_priority_order")                                                  \
     _(blasPreferredBackend, "_get_blas_preferred_backend")                                          \
     _(linalgPreferredBackend, "_get_linalg_preferred_backend")                                      \
-    _(getROCmFAPreferredBackend, "_get_rocm_fa_preferred_backend")
+    _(getROCmFAPreferredBackend, "_get_rocm_fa_preferred_backend")                                  \
+    _(immediateMiopen, "_get_miopen_immediate")
 
 // The legacy TF32 getters: read only in a torch without the per-backend float32 precisions,
 // where they are the state (in one with them, they throw once the new API was used).
@@ -568,6 +576,38 @@ template <class C> void read_context(C &context, SettingsState &state, Covered *
 #undef READ_SETTING
 }
 
+// The thread's torch function and dispatch modes and tracing, the default tensor type's device,
+// cuBLAS's SM carveout and TorchScript's executor switches. The tracing state is covered as far
+// as a key can hold it: a key requires None, which the state's "not tracing" determines.
+void read_modes(SettingsState &state, Covered *covered) {
+    state.add(at::impl::PythonTorchFunctionTLS::stack_len());
+    COVER(covered, "_len_torch_function_stack");
+    state.add(at::impl::PythonTorchFunctionTLS::get_disabled_state() ==
+              at::impl::TorchFunctionDisabledState::ALL_DISABLED);
+    COVER(covered, "_is_torch_function_all_disabled");
+    state.add(c10::impl::TorchDispatchModeTLS::stack_len());
+    COVER(covered, "_len_torch_dispatch_stack");
+    state.add(torch::jit::tracer::isTracing());
+    COVER(covered, "_get_tracing_state");
+    state.add(torch::tensors::get_default_dispatch_key());
+    COVER(covered, "_get_default_device");
+    std::optional<int32_t> carveout = at::globalContext()._SMCarveout_EXPERIMENTAL();
+    state.add(carveout.has_value() ? static_cast<int64_t>(*carveout) : int64_t{-1});
+    COVER(covered, "_get_sm_carveout_experimental");
+    state.add(torch::jit::getGraphExecutorOptimize());
+    COVER(covered, "_get_graph_executor_optimize");
+    state.add(torch::jit::tensorExprFuserEnabled());
+    COVER(covered, "_jit_texpr_fuser_enabled");
+    state.add(torch::jit::texprReductionsEnabled());
+    COVER(covered, "_jit_texpr_reductions_enabled");
+    state.add(torch::jit::tensorExprDynamicShapeFusionEnabled());
+    COVER(covered, "_jit_texpr_dynamic_shape_enabled");
+    state.add(torch::jit::canFuseOnGPU());
+    COVER(covered, "_jit_can_fuse_on_gpu");
+    state.add(static_cast<int64_t>(torch::jit::getNumProfiledRuns().load()));
+    COVER(covered, "_jit_get_num_profiled_runs");
+}
+
 // The whole state: the thread's grad, inference and autocast modes, the default dtype and
 // at::Context's settings. False where a getter threw (the caller then asks `exact`).
 bool read_settings(SettingsState &state, Covered *covered) {
@@ -588,6 +628,7 @@ bool read_settings(SettingsState &state, Covered *covered) {
         state.add(c10::get_default_dtype_as_scalartype());
         COVER(covered, "get_default_dtype");
         read_context(at::globalContext(), state, covered);
+        read_modes(state, covered);
     } catch (...) {
         return false;
     }
@@ -685,6 +726,16 @@ PyObject *settings_state(PyObject *, PyObject *) {
         PyTuple_SET_ITEM(values, static_cast<Py_ssize_t>(i), value);
     }
     return values;
+}
+
+// SETTINGS_READER's function, for replay's settings check (csrc/replay_checks.c): the state into
+// `values`, its length, or -1 where a getter threw or it does not fit.
+Py_ssize_t settings_reader(int64_t *values, Py_ssize_t capacity) {
+    SettingsState state;
+    if (!read_settings(state, nullptr) || static_cast<Py_ssize_t>(state.count) > capacity)
+        return -1;
+    std::memcpy(values, state.values.data(), state.count * sizeof(int64_t));
+    return static_cast<Py_ssize_t>(state.count);
 }
 
 // SETTINGS_COVERED: ((getter name, (arguments...)), ...), or None where the settings cannot be read.
@@ -1127,6 +1178,13 @@ PyMODINIT_FUNC PyInit__torch_native(void) {
         return nullptr;
     }
     if (PyModule_AddStringConstant(module, "REPLAY_SUPPORT_LAYOUT", REPLAY_SUPPORT_LAYOUT) < 0) {
+        Py_DECREF(module);
+        return nullptr;
+    }
+    PyObject *settings = PyCapsule_New(reinterpret_cast<void *>(settings_reader),
+                                       "jitcore._torch_native.settings_reader", nullptr);
+    if (settings == nullptr || PyModule_AddObject(module, "SETTINGS_READER", settings) < 0) {
+        Py_XDECREF(settings);
         Py_DECREF(module);
         return nullptr;
     }

@@ -1,140 +1,82 @@
 /*
- * replay._eager: a region's flat eager path (Region._eager_flat, _eager_flat_shapes and
- * _run_flat_eagerly in replay/session.py) made in C.
+ * replay._eager: a region's flat dispatch (replay/dispatch.py, FlatDispatch) and its call
+ * (replay/region.py, Region.__call__) made in C.
  *
- * Why: in a loop whose shapes rarely repeat (a uniform mix of hundreds of batch sizes, a
- * prefill of lengths seen once) nearly every call of a region runs eagerly, and what the
- * session adds to such a call is bookkeeping: the call's shapes, a lookup of keys with
- * graphs, a count, the decision that it only warms or is too rare, the capture exclusion.
- * Timed alone that is about 2 us of Python; inside a loop of a real region, whose own work
- * (torch, the jit, the driver) leaves the interpreter's caches cold, the same Python took 13
- * to 19 us a call on the H200 machine (a time stamp at each step showed every step of it
- * slower, none singled out). The same steps from C took about 5 us a call less there
+ * Why: in a loop whose shapes rarely repeat nearly every call of a region runs eagerly, and what
+ * the session adds to such a call is bookkeeping: the call's shapes, a lookup of keys with
+ * graphs, a count, the decision that it only warms or is too rare, the capture exclusion. Inside
+ * a real region's loop, whose own work leaves the interpreter's caches cold, the same steps in
+ * Python cost several times what they cost alone; from C a call of such a loop enters Python
+ * only in the region's function, and a replayed call only in its guard and its replay
  * (docs/replay.md, "The eager path").
  *
- * Where the region has recorded keys the gate also looks the call's pre-key up in their table
- * (region.fast): a miss goes on to the eager path above, a hit tries the candidates found as
- * the generated dispatch (Region._fast_keys) would: each (guard, replay, entry) in turn, the
- * first whose guard says yes checks the region's globals (region._region_drift, generated
- * Python, which raises when they changed), is touched in the session's LRU and replays; a
- * replay that declines leaves the call to the next candidate, then to the eager path. A call
- * of a loop whose shapes rarely repeat then enters Python only in the region's function, and
- * a replayed call only in its guard and its replay.
- *
- * In a session with buckets (without verify_every or polymorphic replay), a replay.padded
- * argument whose size needs no padding (beyond the largest bucket, or a bucket's size) is
- * taken as its tensor here, as replay.buckets.call would take it (Region._call_padded), so a
- * prefill-like loop whose lengths mostly lie beyond the buckets costs what an ordinary call
- * costs instead of a trip through the padded path's Python; every other padded call, and any
- * disagreement between markers, is the full path's.
- *
- * What stays in Python: every decision other than "warming or too rare, as the rule would
- * say" (admission.quiet_below, kept by the region), the rule itself (Region._eager_decide,
- * called with the count already made), the halving of the counts, the eager-time estimate
- * (Region._eager_took), the capture exclusion (its __enter__ and __exit__, bound once; in C
- * too where jitcore._exclusion is built). Every value is read from the same Python objects
- * the Python path reads, on every call, so the two paths cannot drift apart in state (the
- * ints of slotted objects, the attrs classes', at their slots: see slot_of);
- * tests/replay/test_session.py runs both over the same calls and compares every count (on
- * the CPU, no GPU needed).
+ * The contract with Python is one object, replay.dispatch.DispatchProgram, read by field name.
+ * Its fixed fields are read once, here at construction (the program refuses to set them later);
+ * its live fields (the rare paths back into Python, the globals check) are read at their slots
+ * on each use, the slots found once by name and checked to be plain attrs slots. The ints the
+ * gate reads and bumps in the program's objects (admission's counts, the session's counters)
+ * are read at their slots too where those are plain slots (see slot_of); a field that is missing
+ * fails loudly at construction. tests/replay/test_session.py runs this gate and FlatDispatch over
+ * the same calls and compares every count.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stddef.h>
 #include <structmember.h>
 
+/* The live fields of a program: read at their slots on each use. */
+enum { LIVE_DECIDE, LIVE_TOOK, LIVE_FULL_PATH, LIVE_REGION_DRIFT, LIVE_COUNT };
+static const char *live_names[LIVE_COUNT] = {"decide", "took", "full_path", "region_drift"};
+
+/* The ints the gate reads and bumps in the program's objects: (field, its attribute, written). */
+enum { AT_CALLS, AT_WINDOW, AT_COUNTS, AT_RECORD_AFTER, AT_VERSION, AT_TOO_RARE, AT_EAGER_RUNS,
+       AT_FORGOTTEN_RUNS, AT_QUIET_BELOW, AT_QUIET_VERSION, AT_COUNT };
+static const struct {
+    const char *field, *name;
+    int written;
+} int_slots[AT_COUNT] = {
+    {"sketch", "calls", 1},      {"sketch", "window", 0},     {"sketch", "counts", 0},
+    {"admission", "record_after", 0}, {"budget", "version", 0},  {"counters", "too_rare", 1},
+    {"counters", "eager_runs", 1}, {"forgotten", "eager_runs", 1}, {"quiet", "below", 0},
+    {"quiet", "version", 0},
+};
+
 typedef struct {
     PyObject_HEAD
-    PyObject *region;       /* the Region */
-    PyObject *session;      /* its Session: closed, _gpu, counters */
-    PyObject *admission;    /* record_after */
-    PyObject *sketch;       /* admission.sketch: counts (rebound when halved), calls, window */
-    PyObject *budget;       /* admission.budget: version */
-    PyObject *counters;     /* session.counters: too_rare, eager_runs */
-    PyObject *forgotten;    /* region.forgotten: eager_runs */
-    PyObject *quiet;        /* region.quiet: below, version (Region._refresh_quiet) */
-    PyObject *entry_shapes; /* region.entry_shapes: shapes that have an entry */
-    PyObject *table;        /* region.fast: pre-key -> candidates, the recorded keys of flat calls */
-    PyObject *fn;           /* the region's function */
-    PyObject *enter;        /* the capture exclusion's shared side: its bound __enter__ */
-    PyObject *exit;         /* and __exit__ (looked up once) */
-    PyObject *specs;        /* tuple: the flat argument specs, by argument count */
-    PyObject *tensor_type;  /* torch.Tensor (exactly) */
-    PyObject *dynamic_type; /* replay.Dynamic (exactly) */
-    PyObject *dynamic_mark; /* what a Dynamic argument is in a pre-key */
-    PyObject *plain;        /* frozenset of the plain constant types */
-    PyObject *miss;         /* the session's _MISS */
-    PyObject *clock;        /* time.perf_counter */
-    PyObject *padded_type;  /* replay.buckets.Padded, or None where markers always take the full path */
-    PyObject *buckets;      /* frozenset of the session's bucket sizes (markers of those sizes are not padded) */
-    PyObject *touch;        /* the session's LRU's move_to_end */
-    PyObject *declined;     /* what a replay that declines returns (replay.graph.MISMATCH) */
-    long long largest;      /* the largest bucket (markers beyond it are not padded) */
-    /* where the ints the gate reads and bumps lie in their (slotted) owners, or -1 (see slot_of) */
-    Py_ssize_t at_calls, at_window, at_counts, at_record_after, at_version, at_too_rare, at_eager_runs, at_forgotten_runs,
-        at_quiet_below, at_quiet_version;
-    long long mask;         /* EAGER_TIMING_MASK */
-    long long settled;      /* EAGER_TIMING_SETTLED: from this run on, */
-    long long settled_mask; /* EAGER_TIMING_MASK_SETTLED */
+    PyObject *program; /* the DispatchProgram; NULL until __init__ */
+    /* its fixed fields, held */
+    PyObject *region, *by_pre_key, *entry_shapes, *session, *owners[AT_COUNT], *fn, *enter, *exit, *touch, *clock,
+        *padded_type, *buckets, *specs, *flat, *tensor_type, *dynamic_type, *dynamic_mark, *plain, *miss, *eagerly,
+        *declined;
+    long long largest, mask, settled, settled_mask;
+    Py_ssize_t live[LIVE_COUNT]; /* the live fields' slots in the program */
+    Py_ssize_t at[AT_COUNT];     /* the ints' slots in their owners, or -1: read as attributes */
     vectorcallfunc vectorcall;
 } Gate;
 
-static PyObject *s_below, *s_tensor, *s_dim, *s_full, *s_closed, *s_gpu, *s_counts, *s_calls, *s_window, *s_halve, *s_record_after, *s_version,
-    *s_too_rare, *s_eager_runs, *s_shape, *s_enter, *s_exit, *s_decide,
-    *s_took, *s_shapes_py, *s_region_drift;
+#define HELD(X)                                                                                                     \
+    X(program) X(region) X(by_pre_key) X(entry_shapes) X(session) X(fn) X(enter) X(exit) X(touch) X(clock)           \
+        X(padded_type) X(buckets) X(specs) X(flat) X(tensor_type) X(dynamic_type) X(dynamic_mark) X(plain) X(miss)   \
+            X(eagerly) X(declined)
+
+static PyObject *s_tensor, *s_dim, *s_closed, *s_gpu, *s_halve, *s_shape, *s_enter, *s_exit;
+/* int_slots' and live_names' names, interned (read as attributes where they have no slot) */
+static PyObject *s_int_slots[AT_COUNT], *s_live[LIVE_COUNT];
 
 static void gate_clear_refs(Gate *g) {
-    Py_CLEAR(g->region);
-    Py_CLEAR(g->session);
-    Py_CLEAR(g->admission);
-    Py_CLEAR(g->sketch);
-    Py_CLEAR(g->budget);
-    Py_CLEAR(g->counters);
-    Py_CLEAR(g->forgotten);
-    Py_CLEAR(g->quiet);
-    Py_CLEAR(g->entry_shapes);
-    Py_CLEAR(g->table);
-    Py_CLEAR(g->fn);
-    Py_CLEAR(g->enter);
-    Py_CLEAR(g->exit);
-    Py_CLEAR(g->specs);
-    Py_CLEAR(g->tensor_type);
-    Py_CLEAR(g->dynamic_type);
-    Py_CLEAR(g->dynamic_mark);
-    Py_CLEAR(g->plain);
-    Py_CLEAR(g->miss);
-    Py_CLEAR(g->clock);
-    Py_CLEAR(g->padded_type);
-    Py_CLEAR(g->buckets);
-    Py_CLEAR(g->touch);
-    Py_CLEAR(g->declined);
+#define CLEAR(field) Py_CLEAR(g->field);
+    HELD(CLEAR)
+#undef CLEAR
+    for (int i = 0; i < AT_COUNT; i++)
+        Py_CLEAR(g->owners[i]);
 }
 
 static int gate_traverse(Gate *g, visitproc visit, void *arg) {
-    Py_VISIT(g->region);
-    Py_VISIT(g->session);
-    Py_VISIT(g->admission);
-    Py_VISIT(g->sketch);
-    Py_VISIT(g->budget);
-    Py_VISIT(g->counters);
-    Py_VISIT(g->forgotten);
-    Py_VISIT(g->quiet);
-    Py_VISIT(g->entry_shapes);
-    Py_VISIT(g->table);
-    Py_VISIT(g->fn);
-    Py_VISIT(g->enter);
-    Py_VISIT(g->exit);
-    Py_VISIT(g->specs);
-    Py_VISIT(g->tensor_type);
-    Py_VISIT(g->dynamic_type);
-    Py_VISIT(g->dynamic_mark);
-    Py_VISIT(g->plain);
-    Py_VISIT(g->miss);
-    Py_VISIT(g->clock);
-    Py_VISIT(g->padded_type);
-    Py_VISIT(g->buckets);
-    Py_VISIT(g->touch);
-    Py_VISIT(g->declined);
+#define VISIT(field) Py_VISIT(g->field);
+    HELD(VISIT)
+#undef VISIT
+    for (int i = 0; i < AT_COUNT; i++)
+        Py_VISIT(g->owners[i]);
     return 0;
 }
 
@@ -149,102 +91,43 @@ static void gate_dealloc(Gate *g) {
     Py_TYPE(g)->tp_free((PyObject *)g);
 }
 
-static Py_ssize_t slot_of(PyObject *owner, PyObject *name, int written);
-
-static int gate_init(Gate *g, PyObject *args, PyObject *kwargs) {
-    PyObject *region, *session, *admission, *sketch, *budget, *counters, *forgotten, *quiet, *entry_shapes, *table, *fn,
-        *exclusion, *specs, *tensor_type, *dynamic_type, *dynamic_mark, *plain, *miss, *clock, *padded_type, *buckets,
-        *touch, *declined;
-    long long mask, settled, settled_mask, largest;
-    static char *names[] = {"region",       "session",   "admission", "sketch",      "budget",
-                            "counters",     "forgotten", "quiet",     "entry_shapes", "table",    "fn",
-                            "exclusion",    "specs",     "tensor_type", "dynamic_type", "dynamic_mark",
-                            "plain",        "miss",      "clock",     "mask",        "settled",
-                            "settled_mask", "padded_type", "buckets",  "largest",   "touch",
-                            "declined",     NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOOOOO!O!OOO!OOOO!OOLLLOO!LOO", names, &region, &session,
-                                     &admission, &sketch, &budget, &counters, &forgotten, &quiet, &PyDict_Type,
-                                     &entry_shapes, &PyDict_Type, &table, &fn, &exclusion, &PyTuple_Type, &specs,
-                                     &tensor_type, &dynamic_type, &dynamic_mark, &PyFrozenSet_Type, &plain, &miss,
-                                     &clock, &mask, &settled, &settled_mask, &padded_type, &PyFrozenSet_Type,
-                                     &buckets, &largest, &touch, &declined))
-        return -1;
-    PyObject *enter = PyObject_GetAttr(exclusion, s_enter);
-    PyObject *exit = enter == NULL ? NULL : PyObject_GetAttr(exclusion, s_exit);
-    if (exit == NULL) {
-        Py_XDECREF(enter);
-        return -1;
-    }
-    gate_clear_refs(g);
-    g->enter = enter;
-    g->exit = exit;
-#define KEEP(field) (Py_INCREF(field), g->field = field)
-    KEEP(region);
-    KEEP(session);
-    KEEP(admission);
-    KEEP(sketch);
-    KEEP(budget);
-    KEEP(counters);
-    KEEP(forgotten);
-    KEEP(quiet);
-    KEEP(entry_shapes);
-    KEEP(table);
-    KEEP(fn);
-    KEEP(specs);
-    KEEP(tensor_type);
-    KEEP(dynamic_type);
-    KEEP(dynamic_mark);
-    KEEP(plain);
-    KEEP(miss);
-    KEEP(clock);
-    KEEP(padded_type);
-    KEEP(buckets);
-    KEEP(touch);
-    KEEP(declined);
-#undef KEEP
-    g->largest = largest;
-    g->at_calls = slot_of(sketch, s_calls, 1);
-    g->at_window = slot_of(sketch, s_window, 0);
-    g->at_counts = slot_of(sketch, s_counts, 0);
-    g->at_record_after = slot_of(admission, s_record_after, 0);
-    g->at_version = slot_of(budget, s_version, 0);
-    g->at_too_rare = slot_of(counters, s_too_rare, 1);
-    g->at_eager_runs = slot_of(counters, s_eager_runs, 1);
-    g->at_forgotten_runs = slot_of(forgotten, s_eager_runs, 1);
-    g->at_quiet_below = slot_of(quiet, s_below, 0);
-    g->at_quiet_version = slot_of(quiet, s_version, 0);
-    g->mask = mask;
-    g->settled = settled;
-    g->settled_mask = settled_mask;
+/* A gate made with __new__ alone, or whose __init__ failed, has no program: every use raises. */
+static int gate_ready(Gate *g) {
+    if (g->program != NULL)
+        return 1;
+    PyErr_SetString(PyExc_RuntimeError, "EagerGate has no program: make it as EagerGate(program)");
     return 0;
 }
 
-static PyObject *gate_vectorcall(PyObject *self, PyObject *const *argv, size_t nargsf, PyObject *kwnames);
-
-static PyObject *gate_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
-    Gate *g = (Gate *)PyType_GenericNew(type, args, kwargs);
-    if (g != NULL)
-        g->vectorcall = gate_vectorcall;
-    return (PyObject *)g;
+/* Whether ``owner`` has attribute ``name``: a field renamed on one side fails here, at
+   construction, naming it (``where``: the owner as the program reaches it). */
+static int has_field(PyObject *owner, const char *where, const char *name) {
+    PyObject *value = PyObject_GetAttrString(owner, name);
+    if (value == NULL) {
+        PyErr_Format(PyExc_AttributeError, "EagerGate: %s (%s) has no field '%s'", where, Py_TYPE(owner)->tp_name,
+                     name);
+        return -1;
+    }
+    Py_DECREF(value);
+    return 0;
 }
 
 /* Where attribute ``name`` of ``owner`` lies in its object: the offset of a plain __slots__
    member (an attrs class's field), or -1 (read and written as an attribute; ``written``: the
-   gate writes it too, so a type that hooks setting attributes keeps its hook). Why: inside a
-   loop whose own work leaves the caches cold, an attribute lookup (the type's cache, its
-   dictionaries, the descriptor) cost more than the value itself; a slot read at its offset is
-   what the attribute lookup ends in, for a type that neither overrides getting or setting
-   attributes nor the member's kind (checked once, here). */
-static Py_ssize_t slot_of(PyObject *owner, PyObject *name, int written) {
+   gate writes it too, so a type that hooks setting attributes keeps its hook). Why slots:
+   inside a loop whose own work leaves the caches cold, an attribute lookup cost more than the
+   value itself; a slot read at its offset is what the lookup ends in, for a type that neither
+   overrides getting or setting attributes nor the member's kind (checked once, here). */
+static Py_ssize_t slot_of(PyObject *owner, const char *name, int written) {
 #ifdef Py_GIL_DISABLED
     return -1; /* (a free-threaded build locks an object's attributes: no access past that) */
 #endif
     PyTypeObject *type = Py_TYPE(owner);
     if (type->tp_getattro != PyObject_GenericGetAttr || (written && type->tp_setattro != PyObject_GenericSetAttr))
         return -1;
-    PyObject *descriptor = PyObject_GetAttr((PyObject *)type, name);
+    PyObject *descriptor = PyObject_GetAttrString((PyObject *)type, name);
     if (descriptor == NULL) {
-        PyErr_Clear();
+        PyErr_Clear(); /* an instance attribute (a __dict__): read as an attribute */
         return -1;
     }
     Py_ssize_t offset = -1;
@@ -257,32 +140,34 @@ static Py_ssize_t slot_of(PyObject *owner, PyObject *name, int written) {
     return offset;
 }
 
-/* owner.name (a new reference), read at its slot where ``at`` is one. */
-static PyObject *get_at(PyObject *owner, PyObject *name, Py_ssize_t at) {
-    if (at >= 0) {
-        PyObject *value = *(PyObject **)((char *)owner + at);
-        if (value != NULL)
-            return Py_NewRef(value);
+/* The slot of a live field of the program: a plain attrs slot, read on each use. */
+static int live_slot(PyObject *program, const char *name, Py_ssize_t *offset) {
+    if (has_field(program, "the program", name) < 0)
+        return -1;
+    *offset = slot_of(program, name, 0);
+#ifndef Py_GIL_DISABLED
+    if (*offset < 0) {
+        PyErr_Format(PyExc_TypeError, "EagerGate: program field '%s' must be a plain slot of an attrs class (%s)", name,
+                     Py_TYPE(program)->tp_name);
+        return -1;
     }
-    return PyObject_GetAttr(owner, name); /* (an unset slot raises its AttributeError here) */
+#endif
+    return 0;
 }
 
-/* owner.name = value, written at its slot where ``at`` is one. */
-static int set_at(PyObject *owner, PyObject *name, Py_ssize_t at, PyObject *value) {
-    if (at >= 0) {
-        PyObject **place = (PyObject **)((char *)owner + at);
-        PyObject *old = *place;
-        *place = Py_NewRef(value);
-        Py_XDECREF(old);
-        return 0;
+/* program.name (a new reference), checked to be of ``type`` where one is given. */
+static PyObject *field_of(PyObject *program, const char *name, PyTypeObject *type) {
+    PyObject *value = PyObject_GetAttrString(program, name);
+    if (value != NULL && type != NULL && !PyObject_TypeCheck(value, type)) {
+        PyErr_Format(PyExc_TypeError, "EagerGate: program.%s must be a %s, got %s", name, type->tp_name,
+                     Py_TYPE(value)->tp_name);
+        Py_CLEAR(value);
     }
-    return PyObject_SetAttr(owner, name, value);
+    return value;
 }
 
-/* An int attribute (at its slot where ``at`` is one) as a C long long; -1 with an exception
-   set on failure. */
-static int read_int_at(PyObject *owner, PyObject *name, Py_ssize_t at, long long *out) {
-    PyObject *value = get_at(owner, name, at);
+static int read_number(PyObject *program, const char *name, long long *out) {
+    PyObject *value = field_of(program, name, &PyLong_Type);
     if (value == NULL)
         return -1;
     *out = PyLong_AsLongLong(value);
@@ -290,15 +175,142 @@ static int read_int_at(PyObject *owner, PyObject *name, Py_ssize_t at, long long
     return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
 }
 
-/* owner.name += 1 (at its slot where ``at`` is one); the new value in *out. */
-static int bump_at(PyObject *owner, PyObject *name, Py_ssize_t at, long long *out) {
+/* The program's fixed fields, read by name into the gate (which is cleared first). */
+static int read_fixed(Gate *g, PyObject *program) {
+#define FIELD(member, name, type)                                                                                   \
+    if ((g->member = field_of(program, name, type)) == NULL)                                                        \
+        return -1;
+    FIELD(region, "region", NULL)
+    FIELD(by_pre_key, "by_pre_key", &PyDict_Type)
+    FIELD(entry_shapes, "entry_shapes", &PyDict_Type)
+    FIELD(session, "session", NULL)
+    FIELD(fn, "fn", NULL)
+    FIELD(touch, "touch", NULL)
+    FIELD(clock, "clock", NULL)
+    FIELD(padded_type, "padded_type", NULL)
+    FIELD(buckets, "buckets", &PyFrozenSet_Type)
+    FIELD(specs, "specs", &PyTuple_Type)
+    FIELD(flat, "flat", NULL)
+    FIELD(tensor_type, "tensor_type", &PyType_Type)
+    FIELD(dynamic_type, "dynamic_type", &PyType_Type)
+    FIELD(dynamic_mark, "dynamic_mark", NULL)
+    FIELD(plain, "plain", &PyFrozenSet_Type)
+    FIELD(miss, "miss", NULL)
+    FIELD(eagerly, "eagerly", NULL)
+    FIELD(declined, "declined", NULL)
+#undef FIELD
+    if (read_number(program, "largest", &g->largest) < 0 || read_number(program, "mask", &g->mask) < 0 ||
+        read_number(program, "settled", &g->settled) < 0 || read_number(program, "settled_mask", &g->settled_mask) < 0)
+        return -1;
+    PyObject *exclusion = field_of(program, "exclusion", NULL);
+    if (exclusion == NULL)
+        return -1;
+    g->enter = PyObject_GetAttr(exclusion, s_enter);
+    g->exit = g->enter == NULL ? NULL : PyObject_GetAttr(exclusion, s_exit);
+    Py_DECREF(exclusion);
+    return g->exit == NULL ? -1 : 0;
+}
+
+/* The live fields' slots, and the ints' owners and slots. */
+static int read_slots(Gate *g, PyObject *program) {
+    for (int i = 0; i < LIVE_COUNT; i++)
+        if (live_slot(program, live_names[i], &g->live[i]) < 0)
+            return -1;
+    for (int i = 0; i < AT_COUNT; i++) {
+        if ((g->owners[i] = field_of(program, int_slots[i].field, NULL)) == NULL)
+            return -1;
+        PyObject *where = PyUnicode_FromFormat("program.%s", int_slots[i].field);
+        int missing = where == NULL ? -1 : has_field(g->owners[i], PyUnicode_AsUTF8(where), int_slots[i].name);
+        Py_XDECREF(where);
+        if (missing < 0)
+            return -1;
+        g->at[i] = slot_of(g->owners[i], int_slots[i].name, int_slots[i].written);
+    }
+    return 0;
+}
+
+static int gate_init(Gate *g, PyObject *args, PyObject *kwargs) {
+    PyObject *program;
+    static char *names[] = {"program", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O", names, &program))
+        return -1;
+    gate_clear_refs(g); /* (a second __init__ starts over) */
+    if (read_fixed(g, program) < 0 || read_slots(g, program) < 0) {
+        gate_clear_refs(g);
+        return -1;
+    }
+    g->program = Py_NewRef(program);
+    return 0;
+}
+
+static PyObject *gate_vectorcall(PyObject *self, PyObject *const *argv, size_t nargsf, PyObject *kwnames);
+
+static PyObject *gate_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    Gate *g = (Gate *)PyType_GenericNew(type, args, kwargs);
+    if (g != NULL) {
+        g->vectorcall = gate_vectorcall;
+        for (int i = 0; i < AT_COUNT; i++)
+            g->at[i] = -1;
+        for (int i = 0; i < LIVE_COUNT; i++)
+            g->live[i] = -1;
+    }
+    return (PyObject *)g;
+}
+
+/* A live field of the program (a new reference). */
+static PyObject *live(Gate *g, int which) {
+    if (g->live[which] < 0) /* (a free-threaded build) */
+        return PyObject_GetAttr(g->program, s_live[which]);
+    PyObject *value = *(PyObject **)((char *)g->program + g->live[which]);
+    if (value == NULL)
+        PyErr_Format(PyExc_AttributeError, "EagerGate: program.%s is unset", live_names[which]);
+    return Py_XNewRef(value);
+}
+
+/* owners[which].name (a new reference), read at its slot where it has one. */
+static PyObject *get_at(Gate *g, int which) {
+    Py_ssize_t at = g->at[which];
+    PyObject *owner = g->owners[which];
+    if (at >= 0) {
+        PyObject *value = *(PyObject **)((char *)owner + at);
+        if (value != NULL)
+            return Py_NewRef(value);
+    }
+    return PyObject_GetAttr(owner, s_int_slots[which]); /* (an unset slot raises its AttributeError here) */
+}
+
+/* owners[which].name = value, written at its slot where it has one. */
+static int set_at(Gate *g, int which, PyObject *value) {
+    Py_ssize_t at = g->at[which];
+    if (at >= 0) {
+        PyObject **place = (PyObject **)((char *)g->owners[which] + at);
+        PyObject *old = *place;
+        *place = Py_NewRef(value);
+        Py_XDECREF(old);
+        return 0;
+    }
+    return PyObject_SetAttr(g->owners[which], s_int_slots[which], value);
+}
+
+/* An int of the program's objects as a C long long; -1 with an exception set on failure. */
+static int read_int_at(Gate *g, int which, long long *out) {
+    PyObject *value = get_at(g, which);
+    if (value == NULL)
+        return -1;
+    *out = PyLong_AsLongLong(value);
+    Py_DECREF(value);
+    return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+/* owners[which].name += 1; the new value in *out. */
+static int bump_at(Gate *g, int which, long long *out) {
     long long value;
-    if (read_int_at(owner, name, at, &value) < 0)
+    if (read_int_at(g, which, &value) < 0)
         return -1;
     PyObject *bumped = PyLong_FromLongLong(value + 1);
     if (bumped == NULL)
         return -1;
-    int status = set_at(owner, name, at, bumped);
+    int status = set_at(g, which, bumped);
     Py_DECREF(bumped);
     if (out != NULL)
         *out = value + 1;
@@ -329,7 +341,7 @@ static double clock_now(Gate *g, int *failed) {
 
 /* Count a call of (region, shapes) in the sketch, as FrequencySketch.add does. */
 static long long count_call(Gate *g, PyObject *counted) {
-    PyObject *counts = get_at(g->sketch, s_counts, g->at_counts);
+    PyObject *counts = get_at(g, AT_COUNTS);
     if (counts == NULL)
         return -1;
     if (!PyDict_CheckExact(counts)) {
@@ -339,13 +351,11 @@ static long long count_call(Gate *g, PyObject *counted) {
     }
     long long count = 1;
     PyObject *known = PyDict_GetItemWithError(counts, counted); /* borrowed */
-    if (known != NULL) {
-        count = PyLong_AsLongLong(known) + 1;
-        if (count == 0 && PyErr_Occurred()) {
-            Py_DECREF(counts);
-            return -1;
-        }
-    } else if (PyErr_Occurred()) {
+    if (known != NULL && ((count = PyLong_AsLongLong(known) + 1) == 0 && PyErr_Occurred())) {
+        Py_DECREF(counts);
+        return -1;
+    }
+    if (known == NULL && PyErr_Occurred()) {
         Py_DECREF(counts);
         return -1;
     }
@@ -353,14 +363,11 @@ static long long count_call(Gate *g, PyObject *counted) {
     int status = value == NULL ? -1 : PyDict_SetItem(counts, counted, value);
     Py_XDECREF(value);
     Py_DECREF(counts);
-    if (status < 0)
-        return -1;
     long long calls, window;
-    if (bump_at(g->sketch, s_calls, g->at_calls, &calls) < 0 ||
-        read_int_at(g->sketch, s_window, g->at_window, &window) < 0)
+    if (status < 0 || bump_at(g, AT_CALLS, &calls) < 0 || read_int_at(g, AT_WINDOW, &window) < 0)
         return -1;
     if (calls >= window) {
-        PyObject *done = PyObject_CallMethodNoArgs(g->sketch, s_halve);
+        PyObject *owner = g->owners[AT_CALLS], *done = PyObject_CallMethodNoArgs(owner, s_halve);
         if (done == NULL)
             return -1;
         Py_DECREF(done);
@@ -368,12 +375,33 @@ static long long count_call(Gate *g, PyObject *counted) {
     return count;
 }
 
+/* The capture exclusion's __exit__ after the region's function; ``result`` NULL: it raised. */
+static PyObject *left_exclusion(Gate *g, PyObject *result) {
+    PyObject *type = NULL, *value = NULL, *traceback = NULL, *left;
+    if (result == NULL) {
+        PyErr_Fetch(&type, &value, &traceback);
+        PyErr_NormalizeException(&type, &value, &traceback);
+    }
+    left = PyObject_CallFunctionObjArgs(g->exit, type ? type : Py_None, value ? value : Py_None,
+                                        traceback ? traceback : Py_None, NULL);
+    if (left == NULL) { /* the exit's own error replaces the call's, as in a with block */
+        Py_XDECREF(type);
+        Py_XDECREF(value);
+        Py_XDECREF(traceback);
+        Py_XDECREF(result);
+        return NULL;
+    }
+    Py_DECREF(left); /* the shared side never suppresses an error */
+    if (result == NULL)
+        PyErr_Restore(type, value, traceback);
+    return result;
+}
+
 /* The region's function run eagerly under the exclusion, counted, some timed (one in mask + 1,
-   from the settled-th run on one in settled_mask + 1: Region._run_flat_eagerly, _timed_run). */
+   from the settled-th run on one in settled_mask + 1: FlatDispatch.run_eagerly). */
 static PyObject *run_eagerly(Gate *g, PyObject *args) {
     long long runs;
-    if (bump_at(g->counters, s_eager_runs, g->at_eager_runs, NULL) < 0 ||
-        bump_at(g->forgotten, s_eager_runs, g->at_forgotten_runs, &runs) < 0)
+    if (bump_at(g, AT_EAGER_RUNS, NULL) < 0 || bump_at(g, AT_FORGOTTEN_RUNS, &runs) < 0)
         return NULL;
     int timed = (runs & (runs < g->settled ? g->mask : g->settled_mask)) == 0, failed = 0;
     PyObject *entered = PyObject_CallNoArgs(g->enter);
@@ -381,98 +409,85 @@ static PyObject *run_eagerly(Gate *g, PyObject *args) {
         return NULL;
     Py_DECREF(entered);
     double started = timed ? clock_now(g, &failed) : 0.0;
-    PyObject *result = failed ? NULL : PyObject_Call(g->fn, args, NULL);
-    PyObject *type, *value, *traceback, *left;
-    if (result == NULL) {
-        PyErr_Fetch(&type, &value, &traceback);
-        PyErr_NormalizeException(&type, &value, &traceback);
-        left = PyObject_CallFunctionObjArgs(g->exit, type ? type : Py_None, value ? value : Py_None,
-                                            traceback ? traceback : Py_None, NULL);
-        if (left == NULL) { /* the exit's own error replaces the call's, as in a with block */
-            Py_XDECREF(type);
-            Py_XDECREF(value);
-            Py_XDECREF(traceback);
-            return NULL;
-        }
-        Py_DECREF(left); /* the shared side never suppresses an error */
-        PyErr_Restore(type, value, traceback);
-        return NULL;
-    }
-    left = PyObject_CallFunctionObjArgs(g->exit, Py_None, Py_None, Py_None, NULL);
-    if (left == NULL) {
+    PyObject *result = left_exclusion(g, failed ? NULL : PyObject_Call(g->fn, args, NULL));
+    if (result == NULL || !timed)
+        return result;
+    double now = clock_now(g, &failed);
+    PyObject *seconds = failed ? NULL : PyFloat_FromDouble(now - started);
+    PyObject *took = seconds == NULL ? NULL : live(g, LIVE_TOOK);
+    PyObject *done = took == NULL ? NULL : PyObject_CallOneArg(took, seconds);
+    Py_XDECREF(seconds);
+    Py_XDECREF(took);
+    if (done == NULL) {
         Py_DECREF(result);
         return NULL;
     }
-    Py_DECREF(left);
-    if (timed) {
-        double now = clock_now(g, &failed);
-        PyObject *seconds = failed ? NULL : PyFloat_FromDouble(now - started);
-        PyObject *took = seconds == NULL ? NULL : PyObject_CallMethodOneArg(g->region, s_took, seconds);
-        Py_XDECREF(seconds);
-        if (took == NULL) {
-            Py_DECREF(result);
-            return NULL;
-        }
-        Py_DECREF(took);
-    }
+    Py_DECREF(done);
     return result;
 }
 
-/* Region._eager_flat_shapes: the call's pre-key computed by the caller. */
-static PyObject *with_shapes(Gate *g, PyObject *args, PyObject *pre) {
+/* The whole admission rule (program.decide), for a count the quiet bound does not settle. */
+static PyObject *decided(Gate *g, PyObject *args, PyObject *counted, PyObject *spec, long long calls) {
+    PyObject *number = PyLong_FromLongLong(calls);
+    PyObject *decide = number == NULL ? NULL : live(g, LIVE_DECIDE);
+    PyObject *result = decide == NULL ? NULL : PyObject_CallFunctionObjArgs(decide, args, counted, spec, number, NULL);
+    Py_XDECREF(number);
+    Py_XDECREF(decide);
+    if (result != g->eagerly)
+        return result;
+    Py_DECREF(result);
+    return run_eagerly(g, args);
+}
+
+/* The flat spec of a call of ``count`` arguments (a new reference). */
+static PyObject *flat_spec(Gate *g, Py_ssize_t count) {
+    if (count < PyTuple_GET_SIZE(g->specs))
+        return Py_NewRef(PyTuple_GET_ITEM(g->specs, count));
+    PyObject *number = PyLong_FromSsize_t(count);
+    PyObject *spec = number == NULL ? NULL : PyTuple_Pack(2, g->flat, number);
+    Py_XDECREF(number);
+    return spec;
+}
+
+/* FlatDispatch.unrecorded: a flat call of shapes no key has an entry for, counted. */
+static PyObject *unrecorded(Gate *g, PyObject *args, PyObject *pre) {
     int closed = truth_of(g->session, s_closed);
-    if (closed < 0)
-        return NULL;
     int gpu = closed ? 0 : truth_of(g->session, s_gpu);
-    if (gpu < 0)
+    if (closed < 0 || gpu < 0)
         return NULL;
     if (closed || !gpu)
         return Py_NewRef(g->miss); /* the full path raises, or says once that everything runs eagerly */
-    Py_ssize_t count = PyTuple_GET_SIZE(args);
-    if (count >= PyTuple_GET_SIZE(g->specs)) /* an unusual arity: the Python path builds its spec */
-        return PyObject_CallMethodObjArgs(g->region, s_shapes_py, args, pre, NULL);
-    PyObject *spec = PyTuple_GET_ITEM(g->specs, count);
-    PyObject *shapes = PyTuple_Pack(2, spec, pre);
-    if (shapes == NULL)
-        return NULL;
-    int has_entry = PyDict_Contains(g->entry_shapes, shapes);
-    if (has_entry) {
-        Py_DECREF(shapes);
-        return has_entry < 0 ? NULL : Py_NewRef(g->miss); /* a key with these shapes has an entry */
+    PyObject *spec = flat_spec(g, PyTuple_GET_SIZE(args));
+    PyObject *shapes = spec == NULL ? NULL : PyTuple_Pack(2, spec, pre);
+    int has_entry = shapes == NULL ? -1 : PyDict_Contains(g->entry_shapes, shapes);
+    PyObject *counted = has_entry != 0 ? NULL : PyTuple_Pack(2, g->region, shapes);
+    Py_XDECREF(shapes);
+    if (counted == NULL) {
+        Py_XDECREF(spec);
+        return has_entry > 0 ? Py_NewRef(g->miss) : NULL; /* a key with these shapes has an entry */
     }
-    PyObject *counted = PyTuple_Pack(2, g->region, shapes);
-    Py_DECREF(shapes);
-    if (counted == NULL)
-        return NULL;
-    long long calls = count_call(g, counted);
-    long long record_after, quiet_below, quiet_version, version;
-    if (calls < 0 || read_int_at(g->admission, s_record_after, g->at_record_after, &record_after) < 0 ||
-        read_int_at(g->quiet, s_below, g->at_quiet_below, &quiet_below) < 0 ||
-        read_int_at(g->quiet, s_version, g->at_quiet_version, &quiet_version) < 0 ||
-        read_int_at(g->budget, s_version, g->at_version, &version) < 0) {
-        Py_DECREF(counted);
-        return NULL;
+    long long calls = count_call(g, counted), record_after, below, quiet_version, version;
+    PyObject *result = NULL;
+    if (calls < 0 || read_int_at(g, AT_RECORD_AFTER, &record_after) < 0 || read_int_at(g, AT_QUIET_BELOW, &below) < 0 ||
+        read_int_at(g, AT_QUIET_VERSION, &quiet_version) < 0 || read_int_at(g, AT_VERSION, &version) < 0)
+        goto done;
+    if (!(calls < below && calls != record_after && quiet_version == version)) {
+        result = decided(g, args, counted, spec, calls);
+        goto done;
     }
-    if (!(calls < quiet_below && calls != record_after && quiet_version == version)) {
-        /* the whole rule: Region._eager_decide, with this call counted already */
-        PyObject *number = PyLong_FromLongLong(calls);
-        PyObject *result =
-            number == NULL ? NULL : PyObject_CallMethodObjArgs(g->region, s_decide, args, counted, spec, number, NULL);
-        Py_XDECREF(number);
-        Py_DECREF(counted);
-        return result;
-    }
+    if (calls <= record_after || bump_at(g, AT_TOO_RARE, NULL) == 0)
+        result = run_eagerly(g, args); /* warming or too rare, as the rule would say */
+done:
     Py_DECREF(counted);
-    if (calls > record_after && bump_at(g->counters, s_too_rare, g->at_too_rare, NULL) < 0)
-        return NULL;
-    return run_eagerly(g, args);
+    Py_DECREF(spec);
+    return result;
 }
 
 /* A replay.padded marker (Padded) whose size needs no padding: its tensor (a new reference)
    and, in *shape, the tensor's shape (a new reference); *rows and *dim say what it pads. NULL
    without an exception where the full path must take the call (a size to pad, a marker of
-   an unusual tensor); NULL with one on an error. replay.buckets.call's rule: no padding
-   beyond the largest bucket or at a bucket's size. */
+   an unusual tensor); NULL with one on an error. replay.buckets' rule: no padding beyond the
+   largest bucket or at a bucket's size. */
 static PyObject *unpadded_marker(Gate *g, PyObject *marker, PyObject **shape, long long *rows, long long *dim) {
     *shape = NULL;
     PyObject *tensor = PyObject_GetAttr(marker, s_tensor);
@@ -507,9 +522,9 @@ full_path:
     return NULL;
 }
 
-/* The candidates of a recorded pre-key, tried as Region._fast_keys tries them: the replay's
-   result (a new reference); NULL with an exception set; NULL without one when none served
-   the call (no guard said yes, or every replay declined). The list may change while a
+/* The candidates of a recorded pre-key, tried as FlatDispatch.known_pre_key tries them: the
+   replay's result (a new reference); NULL with an exception set; NULL without one when none
+   served the call (no guard said yes, or every replay declined). The list may change while a
    candidate runs (an eviction, a new graph): read by index, each item held while used. */
 static PyObject *serve_candidates(Gate *g, PyObject *args, PyObject *candidates) {
     PyObject *const *argv = &PyTuple_GET_ITEM(args, 0);
@@ -518,7 +533,7 @@ static PyObject *serve_candidates(Gate *g, PyObject *args, PyObject *candidates)
         PyObject *item = Py_NewRef(PyList_GET_ITEM(candidates, i)); /* (guard, replay, entry) */
         if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 3) {
             Py_DECREF(item);
-            PyErr_SetString(PyExc_TypeError, "a fast-path candidate is a (guard, replay, entry) tuple");
+            PyErr_SetString(PyExc_TypeError, "a pre-key candidate is a (guard, replay, entry) tuple");
             return NULL;
         }
         PyObject *answer = PyObject_Vectorcall(PyTuple_GET_ITEM(item, 0), argv, count, NULL);
@@ -530,7 +545,7 @@ static PyObject *serve_candidates(Gate *g, PyObject *args, PyObject *candidates)
                 return NULL;
             continue;
         }
-        PyObject *drift = PyObject_GetAttr(g->region, s_region_drift); /* None: no globals to check */
+        PyObject *drift = live(g, LIVE_REGION_DRIFT); /* None: no globals to check */
         PyObject *checked = drift == NULL ? NULL : drift == Py_None ? Py_NewRef(Py_None) : PyObject_CallNoArgs(drift);
         Py_XDECREF(drift);
         PyObject *touched = checked == NULL ? NULL : PyObject_CallOneArg(g->touch, PyTuple_GET_ITEM(item, 2));
@@ -545,12 +560,11 @@ static PyObject *serve_candidates(Gate *g, PyObject *args, PyObject *candidates)
     return NULL;
 }
 
-/* A flat call whose pre-key is known: a recorded key's hit tries its candidates; a call none
-   of them serves, of tensors and plain constants (``plain``), goes to the eager path,
-   anything else to the full path. */
-static PyObject *dispatch_flat(Gate *g, PyObject *args, PyObject *pre, int plain) {
-    if (PyDict_GET_SIZE(g->table)) { /* recorded keys: a hit tries their candidates */
-        PyObject *candidates = PyDict_GetItemWithError(g->table, pre); /* borrowed */
+/* FlatDispatch.known_pre_key: a recorded key's hit replays; a call none serves, of tensors and
+   plain constants (``plain``), goes to the eager path, anything else to the full path. */
+static PyObject *known_pre_key(Gate *g, PyObject *args, PyObject *pre, int plain) {
+    if (PyDict_GET_SIZE(g->by_pre_key)) {
+        PyObject *candidates = PyDict_GetItemWithError(g->by_pre_key, pre); /* borrowed */
         if (candidates == NULL && PyErr_Occurred()) {
             if (PyErr_ExceptionMatches(PyExc_TypeError) || PyErr_ExceptionMatches(PyExc_RuntimeError)) {
                 PyErr_Clear(); /* an unhashable constant: the full path's */
@@ -560,7 +574,7 @@ static PyObject *dispatch_flat(Gate *g, PyObject *args, PyObject *pre, int plain
         }
         if (candidates != NULL) {
             if (!PyList_Check(candidates)) {
-                PyErr_SetString(PyExc_TypeError, "a region's fast table maps pre-keys to lists of candidates");
+                PyErr_SetString(PyExc_TypeError, "a region's pre-key table maps pre-keys to lists of candidates");
                 return NULL;
             }
             Py_INCREF(candidates); /* the table may change while its candidates run */
@@ -570,94 +584,94 @@ static PyObject *dispatch_flat(Gate *g, PyObject *args, PyObject *pre, int plain
                 return result;
         }
     }
-    return plain ? with_shapes(g, args, pre) : Py_NewRef(g->miss);
+    return plain ? unrecorded(g, args, pre) : Py_NewRef(g->miss);
 }
 
-/* Region._eager_flat: the pre-key of positional tensors (their shapes) and plain constants;
-   anything else is the full path's. */
-static PyObject *gate_call(Gate *g, PyObject *const *argv, size_t nargsf, PyObject *kwnames) {
-    Py_ssize_t given = PyVectorcall_NARGS(nargsf);
-    if (given != 1 || (kwnames != NULL && PyTuple_GET_SIZE(kwnames))) {
-        PyErr_SetString(PyExc_TypeError, "an eager gate takes the call's argument tuple");
-        return NULL;
+/* A call's markers as the call without them: the first marker makes ``*unpadded`` (a copy of
+   the arguments), each puts its tensor in its place and its shape in *item. 0, or 1 where the
+   call must take the full path (a marker to pad, markers that disagree), -1 on an error. */
+static int take_marker(Gate *g, PyObject *args, Py_ssize_t i, PyObject **unpadded, PyObject **item,
+                       long long *marked_rows, long long *marked_dim) {
+    long long rows = 0, dim = 0;
+    PyObject *tensor = unpadded_marker(g, PyTuple_GET_ITEM(args, i), item, &rows, &dim);
+    if (tensor != NULL && *marked_dim >= 0 && (rows != *marked_rows || dim != *marked_dim)) {
+        Py_DECREF(tensor); /* markers that disagree: the full path says how */
+        Py_CLEAR(*item);
+        tensor = NULL;
     }
-    PyObject *args = argv[0];
-    if (!PyTuple_CheckExact(args)) {
-        PyErr_SetString(PyExc_TypeError, "an eager gate takes the call's argument tuple");
-        return NULL;
+    if (tensor == NULL)
+        return PyErr_Occurred() ? -1 : 1;
+    *marked_rows = rows, *marked_dim = dim;
+    if (*unpadded == NULL) { /* a new tuple (a whole slice would be the call's own) */
+        Py_ssize_t count = PyTuple_GET_SIZE(args);
+        if ((*unpadded = PyTuple_New(count)) == NULL) {
+            Py_DECREF(tensor);
+            Py_CLEAR(*item);
+            return -1;
+        }
+        for (Py_ssize_t j = 0; j < count; j++)
+            PyTuple_SET_ITEM(*unpadded, j, Py_NewRef(PyTuple_GET_ITEM(args, j)));
     }
+    Py_SETREF(PyTuple_GET_ITEM(*unpadded, i), tensor);
+    return 0;
+}
+
+/* The pre-key of a flat call (its item for argument i in *item, a new reference): 0, 1 where
+   the call must take the full path, -1 on an error. ``*plain`` drops to 0 for anything but
+   tensors, markers and plain constants. */
+static int pre_item(Gate *g, PyObject *args, Py_ssize_t i, PyObject **item, int *plain, PyObject **unpadded,
+                    long long *marked_rows, long long *marked_dim) {
+    PyObject *arg = PyTuple_GET_ITEM(args, i);
+    PyObject *kind = (PyObject *)Py_TYPE(arg);
+    if (kind == g->padded_type)
+        return take_marker(g, args, i, unpadded, item, marked_rows, marked_dim);
+    if (kind == g->tensor_type) {
+        if ((*item = PyObject_GetAttr(arg, s_shape)) != NULL)
+            return 0;
+        if (!PyErr_ExceptionMatches(PyExc_RuntimeError))
+            return -1;
+        PyErr_Clear(); /* a strided nested tensor: the full path refuses it */
+        return 1;
+    }
+    if (kind == g->dynamic_type) {
+        *item = Py_NewRef(g->dynamic_mark);
+        *plain = 0;
+        return 0;
+    }
+    int constant = PySet_Contains(g->plain, kind);
+    if (constant < 0)
+        return -1;
+    *plain &= constant;
+    *item = Py_NewRef(arg);
+    return 0;
+}
+
+/* FlatDispatch.__call__: the pre-key of positional tensors (their shapes) and constants, the
+   markers that need no padding taken as their tensors; anything else is the full path's. */
+static PyObject *gate_call(Gate *g, PyObject *args) {
     Py_ssize_t count = PyTuple_GET_SIZE(args);
-    PyObject *pre = PyTuple_New(count);
+    PyObject *pre = PyTuple_New(count), *unpadded = NULL, *result = NULL;
     if (pre == NULL)
         return NULL;
-    int plain = 1; /* every argument a tensor or a plain constant: the eager path may take it */
-    PyObject *unpadded = NULL; /* the call with its markers taken as their tensors, if it has any */
+    int plain = 1, status = 0; /* plain: every argument a tensor, a marker or a plain constant */
     long long marked_rows = 0, marked_dim = -1;
-    for (Py_ssize_t i = 0; i < count; i++) {
-        PyObject *arg = PyTuple_GET_ITEM(args, i), *item;
-        PyObject *kind = (PyObject *)Py_TYPE(arg);
-        if (kind == g->padded_type) {
-            long long rows = 0, dim = 0;
-            PyObject *tensor = unpadded_marker(g, arg, &item, &rows, &dim);
-            if (tensor != NULL && marked_dim >= 0 && (rows != marked_rows || dim != marked_dim)) {
-                Py_DECREF(tensor); /* markers that disagree: the full path says how */
-                Py_DECREF(item);
-                tensor = NULL;
-            }
-            if (tensor == NULL) {
-                Py_DECREF(pre);
-                Py_XDECREF(unpadded);
-                return PyErr_Occurred() ? NULL : Py_NewRef(g->miss);
-            }
-            marked_rows = rows, marked_dim = dim;
-            if (unpadded == NULL) { /* a new tuple (a whole slice would be the call's own) */
-                if ((unpadded = PyTuple_New(count)) == NULL) {
-                    Py_DECREF(tensor);
-                    Py_DECREF(item);
-                    Py_DECREF(pre);
-                    return NULL;
-                }
-                for (Py_ssize_t j = 0; j < count; j++)
-                    PyTuple_SET_ITEM(unpadded, j, Py_NewRef(PyTuple_GET_ITEM(args, j)));
-            }
-            Py_SETREF(PyTuple_GET_ITEM(unpadded, i), tensor);
-        } else if (kind == g->tensor_type) {
-            item = PyObject_GetAttr(arg, s_shape);
-            if (item == NULL) {
-                Py_DECREF(pre);
-                Py_XDECREF(unpadded);
-                if (PyErr_ExceptionMatches(PyExc_RuntimeError)) { /* a strided nested tensor: the full path refuses it */
-                    PyErr_Clear();
-                    return Py_NewRef(g->miss);
-                }
-                return NULL;
-            }
-        } else if (kind == g->dynamic_type) {
-            item = Py_NewRef(g->dynamic_mark);
-            plain = 0;
-        } else {
-            int constant = PySet_Contains(g->plain, kind);
-            if (constant < 0) {
-                Py_DECREF(pre);
-                Py_XDECREF(unpadded);
-                return NULL;
-            }
-            plain &= constant;
-            item = Py_NewRef(arg);
-        }
-        PyTuple_SET_ITEM(pre, i, item);
+    for (Py_ssize_t i = 0; i < count && status == 0; i++) {
+        PyObject *item = NULL;
+        status = pre_item(g, args, i, &item, &plain, &unpadded, &marked_rows, &marked_dim);
+        if (status == 0)
+            PyTuple_SET_ITEM(pre, i, item);
     }
-    PyObject *result;
-    if (unpadded != NULL && plain) { /* the call as replay.buckets.call makes it: unpadded, its own key */
-        result = dispatch_flat(g, unpadded, pre, 1);
-        if (result == g->miss) { /* the unpadded call's full path (not the markers' again) */
-            PyObject *no_keywords = PyDict_New();
-            Py_SETREF(result, no_keywords == NULL ? NULL
-                                                  : PyObject_CallMethodObjArgs(g->region, s_full, unpadded, no_keywords, NULL));
-            Py_XDECREF(no_keywords);
-        }
-    } else { /* (markers with a Dynamic argument: the full path) */
-        result = unpadded != NULL ? Py_NewRef(g->miss) : dispatch_flat(g, args, pre, plain);
+    if (status != 0) {
+        result = status < 0 ? NULL : Py_NewRef(g->miss);
+    } else if (unpadded == NULL) {
+        result = known_pre_key(g, args, pre, plain);
+    } else if (!plain) {
+        result = Py_NewRef(g->miss); /* (markers beside a dynamic scalar or another constant: the full path) */
+    } else if ((result = known_pre_key(g, unpadded, pre, 1)) == g->miss) {
+        PyObject *full = live(g, LIVE_FULL_PATH), *no_keywords = full == NULL ? NULL : PyDict_New();
+        Py_SETREF(result, no_keywords == NULL ? NULL : PyObject_CallFunctionObjArgs(full, unpadded, no_keywords, NULL));
+        Py_XDECREF(no_keywords);
+        Py_XDECREF(full);
     }
     Py_DECREF(pre);
     Py_XDECREF(unpadded);
@@ -665,7 +679,12 @@ static PyObject *gate_call(Gate *g, PyObject *const *argv, size_t nargsf, PyObje
 }
 
 static PyObject *gate_vectorcall(PyObject *self, PyObject *const *argv, size_t nargsf, PyObject *kwnames) {
-    return gate_call((Gate *)self, argv, nargsf, kwnames);
+    if (PyVectorcall_NARGS(nargsf) != 1 || (kwnames != NULL && PyTuple_GET_SIZE(kwnames)) ||
+        !PyTuple_CheckExact(argv[0])) {
+        PyErr_SetString(PyExc_TypeError, "an eager gate takes the call's argument tuple");
+        return NULL;
+    }
+    return gate_ready((Gate *)self) ? gate_call((Gate *)self, argv[0]) : NULL;
 }
 
 static PyObject *gate_tp_call(PyObject *self, PyObject *args, PyObject *kwargs) {
@@ -673,30 +692,16 @@ static PyObject *gate_tp_call(PyObject *self, PyObject *args, PyObject *kwargs) 
         PyErr_SetString(PyExc_TypeError, "an eager gate takes the call's argument tuple");
         return NULL;
     }
-    return gate_call((Gate *)self, &PyTuple_GET_ITEM(args, 0), PyTuple_GET_SIZE(args), NULL);
+    return gate_vectorcall(self, &PyTuple_GET_ITEM(args, 0), PyTuple_GET_SIZE(args), NULL);
 }
 
-static PyObject *gate_with_shapes(Gate *g, PyObject *const *argv, Py_ssize_t count) {
-    if (count != 2 || !PyTuple_CheckExact(argv[0]) || !PyTuple_CheckExact(argv[1])) {
-        PyErr_SetString(PyExc_TypeError, "with_shapes(args, pre): expected two tuples");
-        return NULL;
-    }
-    return with_shapes(g, argv[0], argv[1]);
-}
-
-/* The attributes the gate reads and writes at their slots (see slot_of), for the tests. */
+/* The ints read and written at their slots (see slot_of), as "field.name", for the tests. */
 static PyObject *gate_direct_slots(Gate *g, void *unused) {
-    const char *names[] = {"sketch.calls",         "sketch.window",  "sketch.counts",     "admission.record_after",
-                           "budget.version",       "counters.too_rare", "counters.eager_runs", "forgotten.eager_runs",
-                           "quiet.below",          "quiet.version"};
-    Py_ssize_t at[] = {g->at_calls,        g->at_window,       g->at_counts,     g->at_record_after,
-                       g->at_version,      g->at_too_rare,     g->at_eager_runs, g->at_forgotten_runs,
-                       g->at_quiet_below,  g->at_quiet_version};
     PyObject *found = PyList_New(0);
-    for (size_t i = 0; found != NULL && i < sizeof(at) / sizeof(at[0]); i++) {
-        if (at[i] < 0)
+    for (int i = 0; found != NULL && g->program != NULL && i < AT_COUNT; i++) {
+        if (g->at[i] < 0)
             continue;
-        PyObject *name = PyUnicode_FromString(names[i]);
+        PyObject *name = PyUnicode_FromFormat("%s.%s", int_slots[i].field, int_slots[i].name);
         if (name == NULL || PyList_Append(found, name) < 0)
             Py_CLEAR(found);
         Py_XDECREF(name);
@@ -704,15 +709,14 @@ static PyObject *gate_direct_slots(Gate *g, void *unused) {
     return found;
 }
 
-static PyGetSetDef gate_getset[] = {
-    {"direct_slots", (getter)gate_direct_slots, NULL, "the attributes read and written at their slots", NULL},
-    {NULL, NULL, NULL, NULL, NULL},
-};
+static PyObject *gate_program(Gate *g, void *unused) {
+    return gate_ready(g) ? Py_NewRef(g->program) : NULL;
+}
 
-static PyMethodDef gate_methods[] = {
-    {"with_shapes", (PyCFunction)(void (*)(void))gate_with_shapes, METH_FASTCALL,
-     "with_shapes(args, pre): the call with its pre-key computed (Region._eager_flat_shapes)"},
-    {NULL, NULL, 0, NULL},
+static PyGetSetDef gate_getset[] = {
+    {"direct_slots", (getter)gate_direct_slots, NULL, "the ints read and written at their slots", NULL},
+    {"program", (getter)gate_program, NULL, "the DispatchProgram this gate runs", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
 };
 
 static PyTypeObject GateType = {
@@ -720,71 +724,73 @@ static PyTypeObject GateType = {
     .tp_basicsize = sizeof(Gate),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
     .tp_vectorcall_offset = offsetof(Gate, vectorcall),
-    .tp_doc = "A region's flat eager path (Region._eager_flat), in C; see csrc/replay_eager.c.",
+    .tp_doc = "A region's flat dispatch (replay.dispatch.FlatDispatch) in C: EagerGate(program); see "
+              "csrc/replay_eager.c.",
     .tp_new = gate_new,
     .tp_init = (initproc)gate_init,
     .tp_dealloc = (destructor)gate_dealloc,
     .tp_traverse = (traverseproc)gate_traverse,
     .tp_clear = (inquiry)gate_clear,
     .tp_call = gate_tp_call,
-    .tp_methods = gate_methods,
     .tp_getset = gate_getset,
 };
 
-/* Region.__call__ (replay/session.py) in C: a method descriptor, so a call of a region reaches
-   its dispatcher (the generated _fast, or the gate above) without a Python frame of its own.
-   The same steps: without keyword arguments, _fast(args); its _RegionDrift means the region's
-   globals changed (_rekey); _MISS, or keyword arguments, take the full path (_call). */
+/* Region.__call__ (replay/region.py) in C: a method descriptor, so a call of a region reaches
+   its dispatch (the gate above, or FlatDispatch) without a Python frame of its own. The same
+   steps: without keyword arguments, region.dispatch(args); its RegionDrift means the region's
+   globals changed (rekey); MISS, or keyword arguments, take the full path (full_path). */
 typedef struct {
     PyObject_HEAD
-    PyObject *miss;  /* the session's _MISS */
-    PyObject *drift; /* the session's _RegionDrift (an exception class) */
+    PyObject *miss;  /* replay.dispatch.MISS; NULL until __init__ */
+    PyObject *drift; /* replay.dispatch.RegionDrift (an exception class) */
     vectorcallfunc vectorcall;
 } RegionCall;
 
-static PyObject *s_fast, *s_rekey, *s_call;
+static PyObject *s_dispatch, *s_rekey, *s_full_path;
+
+/* The call's keyword arguments as a dict (a new reference). */
+static PyObject *keywords_of(PyObject *const *argv, Py_ssize_t given, PyObject *kwnames) {
+    PyObject *kwargs = PyDict_New();
+    Py_ssize_t count = kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames);
+    for (Py_ssize_t i = 0; kwargs != NULL && i < count; i++)
+        if (PyDict_SetItem(kwargs, PyTuple_GET_ITEM(kwnames, i), argv[given + i]) < 0)
+            Py_CLEAR(kwargs);
+    return kwargs;
+}
 
 static PyObject *region_call_vectorcall(PyObject *callable, PyObject *const *argv, size_t nargsf, PyObject *kwnames) {
     RegionCall *rc = (RegionCall *)callable;
     Py_ssize_t given = PyVectorcall_NARGS(nargsf);
+    if (rc->miss == NULL || rc->drift == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "RegionCall was not initialised: make it as RegionCall(miss=..., drift=...)");
+        return NULL;
+    }
     if (given < 1) {
         PyErr_SetString(PyExc_TypeError, "Region.__call__ needs the region");
         return NULL;
     }
-    PyObject *region = argv[0];
-    Py_ssize_t count = given - 1, keywords = kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames);
-    PyObject *args = PyTuple_New(count);
+    PyObject *region = argv[0], *args = PyTuple_New(given - 1), *result = NULL;
     if (args == NULL)
         return NULL;
-    for (Py_ssize_t i = 0; i < count; i++)
-        PyTuple_SET_ITEM(args, i, Py_NewRef(argv[1 + i]));
-    PyObject *kwargs = NULL, *result = NULL;
+    for (Py_ssize_t i = 1; i < given; i++)
+        PyTuple_SET_ITEM(args, i - 1, Py_NewRef(argv[i]));
     int rekey = 0;
-    if (!keywords) {
-        PyObject *fast = PyObject_GetAttr(region, s_fast);
-        if (fast == NULL)
-            goto done;
-        result = PyObject_CallOneArg(fast, args);
-        Py_DECREF(fast);
-        if (result == NULL) {
-            if (!PyErr_ExceptionMatches(rc->drift))
-                goto done;
+    if (kwnames == NULL || !PyTuple_GET_SIZE(kwnames)) {
+        PyObject *dispatch = PyObject_GetAttr(region, s_dispatch);
+        result = dispatch == NULL ? NULL : PyObject_CallOneArg(dispatch, args);
+        Py_XDECREF(dispatch);
+        if (result == NULL && dispatch != NULL && PyErr_ExceptionMatches(rc->drift)) {
             PyErr_Clear();
             rekey = 1;
-        } else if (result != rc->miss) {
-            goto done; /* the usual call: no keyword dictionary made */
-        } else {
-            Py_CLEAR(result);
+        } else if (result == NULL || result != rc->miss) {
+            Py_DECREF(args);
+            return result; /* the usual call: no keyword dictionary made */
         }
+        Py_CLEAR(result);
     }
-    kwargs = PyDict_New();
-    if (kwargs == NULL)
-        goto done;
-    for (Py_ssize_t i = 0; i < keywords; i++)
-        if (PyDict_SetItem(kwargs, PyTuple_GET_ITEM(kwnames, i), argv[given + i]) < 0)
-            goto done;
-    result = PyObject_CallMethodObjArgs(region, rekey ? s_rekey : s_call, args, kwargs, NULL);
-done:
+    PyObject *kwargs = keywords_of(argv, given, kwnames);
+    if (kwargs != NULL)
+        result = PyObject_CallMethodObjArgs(region, rekey ? s_rekey : s_full_path, args, kwargs, NULL);
     Py_DECREF(args);
     Py_XDECREF(kwargs);
     return result;
@@ -795,10 +801,12 @@ static int region_call_init(RegionCall *self, PyObject *args, PyObject *kwargs) 
     static char *names[] = {"miss", "drift", NULL};
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO", names, &miss, &drift))
         return -1;
-    Py_INCREF(miss);
-    Py_INCREF(drift);
-    Py_XSETREF(self->miss, miss);
-    Py_XSETREF(self->drift, drift);
+    if (!PyExceptionClass_Check(drift)) {
+        PyErr_Format(PyExc_TypeError, "RegionCall: drift must be an exception class, got %s", Py_TYPE(drift)->tp_name);
+        return -1;
+    }
+    Py_XSETREF(self->miss, Py_NewRef(miss));
+    Py_XSETREF(self->drift, Py_NewRef(drift));
     return 0;
 }
 
@@ -850,54 +858,40 @@ static PyTypeObject RegionCallType = {
 };
 
 static struct PyModuleDef module_definition = {
-    PyModuleDef_HEAD_INIT, "replay._eager", "A region's flat eager path in C (see csrc/replay_eager.c).", -1, NULL,
+    PyModuleDef_HEAD_INIT, "replay._eager", "A region's flat dispatch and call in C (see csrc/replay_eager.c).", -1, NULL,
 };
 
-#define INTERN(var, text)                                                                                       \
-    do {                                                                                                        \
-        if ((var = PyUnicode_InternFromString(text)) == NULL)                                                   \
-            return NULL;                                                                                        \
-    } while (0)
+static int add_type(PyObject *module, const char *name, PyTypeObject *type) {
+    if (PyType_Ready(type) < 0)
+        return -1;
+    Py_INCREF(type);
+    if (PyModule_AddObject(module, name, (PyObject *)type) < 0) {
+        Py_DECREF(type);
+        return -1;
+    }
+    return 0;
+}
 
 PyMODINIT_FUNC PyInit__eager(void) {
-    INTERN(s_below, "below");
-    INTERN(s_tensor, "tensor");
-    INTERN(s_dim, "dim");
-    INTERN(s_full, "_call");
-    INTERN(s_closed, "closed");
-    INTERN(s_gpu, "_gpu");
-    INTERN(s_counts, "counts");
-    INTERN(s_calls, "calls");
-    INTERN(s_window, "window");
-    INTERN(s_halve, "halve");
-    INTERN(s_record_after, "record_after");
-    INTERN(s_version, "version");
-    INTERN(s_too_rare, "too_rare");
-    INTERN(s_eager_runs, "eager_runs");
-    INTERN(s_shape, "shape");
-    INTERN(s_enter, "__enter__");
-    INTERN(s_exit, "__exit__");
-    INTERN(s_decide, "_eager_decide");
-    INTERN(s_took, "_eager_took");
-    INTERN(s_region_drift, "_region_drift");
-    INTERN(s_shapes_py, "_eager_flat_shapes");
-    INTERN(s_fast, "_fast");
-    INTERN(s_rekey, "_rekey");
-    INTERN(s_call, "_call");
-    if (PyType_Ready(&GateType) < 0 || PyType_Ready(&RegionCallType) < 0)
-        return NULL;
+    struct {
+        PyObject **var;
+        const char *text;
+    } interned[] = {{&s_tensor, "tensor"}, {&s_dim, "dim"},         {&s_closed, "closed"},       {&s_gpu, "_gpu"},
+                    {&s_halve, "halve"},   {&s_shape, "shape"},     {&s_enter, "__enter__"},     {&s_exit, "__exit__"},
+                    {&s_dispatch, "dispatch"}, {&s_rekey, "rekey"}, {&s_full_path, "full_path"}};
+    for (size_t i = 0; i < sizeof(interned) / sizeof(interned[0]); i++)
+        if ((*interned[i].var = PyUnicode_InternFromString(interned[i].text)) == NULL)
+            return NULL;
+    for (int i = 0; i < AT_COUNT; i++)
+        if ((s_int_slots[i] = PyUnicode_InternFromString(int_slots[i].name)) == NULL)
+            return NULL;
+    for (int i = 0; i < LIVE_COUNT; i++)
+        if ((s_live[i] = PyUnicode_InternFromString(live_names[i])) == NULL)
+            return NULL;
     PyObject *module = PyModule_Create(&module_definition);
     if (module == NULL)
         return NULL;
-    Py_INCREF(&GateType);
-    if (PyModule_AddObject(module, "EagerGate", (PyObject *)&GateType) < 0) {
-        Py_DECREF(&GateType);
-        Py_DECREF(module);
-        return NULL;
-    }
-    Py_INCREF(&RegionCallType);
-    if (PyModule_AddObject(module, "RegionCall", (PyObject *)&RegionCallType) < 0) {
-        Py_DECREF(&RegionCallType);
+    if (add_type(module, "EagerGate", &GateType) < 0 || add_type(module, "RegionCall", &RegionCallType) < 0) {
         Py_DECREF(module);
         return NULL;
     }

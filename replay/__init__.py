@@ -25,7 +25,8 @@ from replay.errors import (
     StaleOutputError,
 )
 from replay.policy import Policy
-from replay.session import Region, Session, capture, graphed
+from replay.region import Region
+from replay.session import Session, capture, graphed
 from replay.stats import InputChoice, Stats
 from replay.triton_launches import record_triton_launches
 

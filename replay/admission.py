@@ -2,9 +2,9 @@
 
 Why a policy at all: a loop whose batch size changes every step (1..256 at random) made the
 plain rule "record a key on its second call, keep the most recently replayed ``max_graphs``"
-thrash. Every miss recorded a graph (milliseconds each) only to evict another that was just as
-likely to come back, and the loop ran several times slower than eagerly. Three rules here keep
-replay from ever costing more than it saves:
+thrash. Every miss recorded a graph (far dearer than a call) only to evict another that was
+just as likely to come back, and the loop ran slower than eagerly. These rules keep replay
+from ever costing more than it saves:
 
 - **Frequency-based admission** (after TinyLFU: Einziger, Friedman and Manes, 2017): a key is
   recorded once it has been called ``record_after + 1`` times *recently* (counts halve every
@@ -24,9 +24,8 @@ replay from ever costing more than it saves:
 - **Recordings that pay back** (ski rental): once the budget's grace is spent, a key is
   recorded only when its recent calls, ``PAYBACK_HORIZON`` times over, would have saved more
   eager time than a recording usually costs. A uniform mix of hundreds of shapes, each back a
-  few times per window, spent the whole budget on recordings that were never repaid (1.11x
-  eager's time over 6,000 steps on the H200); its keys now mostly run eagerly, and frequent
-  keys record after a few calls.
+  few times per window, spent the whole budget on recordings that were never repaid; its
+  keys now mostly run eagerly, and frequent keys record after a few calls.
 - **Counts judged against their peers** (Buhlmann's credibility, empirical Bayes): the
   payback rule bets that a key comes back as often as it came recently. For the keys that
   stand out in a uniform mix, that bet loses: every key comes back equally often, and the
@@ -35,28 +34,25 @@ replay from ever costing more than it saves:
   sketch notes how its counts spread beyond what counting alone spreads them by
   (``Peers``), and the rule takes a key's expected count to be its peers' mean plus that
   share of its lead: the whole lead where rates really differ (a Zipf-like mix, a few hot
-  sizes), none of it in a uniform mix, never more than its own count. A uniform mix of 256
-  sizes recorded 14 keys over 6,000 steps that it never repaid (1.066x eager's time on the
-  H200); it now records those of its grace and its first window (6 to 8) and then none
-  (0.997x to 1.048x over four runs). Before the first halving the peers are the counts as
-  they stand (``EARLY_PEERS_AFTER``), so the first window's lucky keys are not bets either.
-  A count far beyond anything counting gives its peers
-  (``OUTLIER_SIGMAS``) is taken as it is: a size that became hot after the last halving does
-  not wait for the next one.
+  sizes), none of it in a uniform mix, never more than its own count: a uniform mix records
+  the keys of its grace and its first window, then none (docs/benchmarks/shapes.md). Before
+  the first halving the peers are the counts as they stand (``EARLY_PEERS_AFTER``), so the
+  first window's lucky keys are not bets either. A count far beyond anything counting gives
+  its peers (``OUTLIER_SIGMAS``) is taken as it is: a size that became hot after the last
+  halving does not wait for the next one.
 - **Keys that paid already are not held back by the budget**: a key whose recent eager
   calls alone would have saved what a recording usually costs (the payback rule with a
   horizon of 1, the ski-rental break-even: buying once the rent paid equals the price keeps
   the cost within twice the best choice in hindsight) records even with the budget spent.
   The budget exists against recordings that are never repaid; a key this frequent has
-  shown it is not one. The decode-loop sample (16 batch sizes, 1,000 steps, recordings of
-  about 10 ms against steps under a millisecond) recorded 3 of its sizes under the budget
-  alone and ran at 0.77x eager's speed.
+  shown it is not one (a decode loop of a few batch sizes, whose recordings cost many of its
+  steps, recorded only a few of its sizes under the budget alone and ran slower than eager).
 - **Compaction without storms**: re-recording every graph of a device into a fresh pool (to
   undo fragmentation) happens only when the pool has grown by half since the last compaction
-  (``COMPACTION_GROWTH``), and
-  only while the graphs recorded again by compactions stay within half of the graphs recorded
-  in all (plus ``RECAPTURE_ALLOWANCE``, so that the first, small compactions of a run can
-  happen): a run over N shapes records at most 1.5 N + ``RECAPTURE_ALLOWANCE`` graphs.
+  (``COMPACTION_GROWTH``), and only while the graphs recorded again by compactions stay within
+  half of the graphs recorded in all (plus ``RECAPTURE_ALLOWANCE``, so that the first, small
+  compactions of a run can happen): a run over N shapes records at most 1.5 N +
+  ``RECAPTURE_ALLOWANCE`` graphs.
 
 This module is pure bookkeeping (no torch, no driver): the session asks it and obeys.
 """
@@ -68,8 +64,8 @@ from typing import Generic, TypeVar
 
 import attrs
 
-#: Seconds counted as already elapsed when the budget is first consulted: with the default
-#: ``record_budget`` of 3%, the first 15 ms of recording (a few graphs) are not held back.
+#: Seconds counted as already elapsed when the budget is first consulted: the first few
+#: recordings of a session are not held back.
 GRACE_SECONDS = 0.5
 
 #: A recording is charged at most this many times the median of the last ``RECENT_CHARGES``
@@ -81,13 +77,10 @@ FIRST_CHARGE_CAP = 0.02
 #: After the grace, a key is recorded only when its recent count times this many, times what
 #: a replay saves over an eager call, reaches what a recording usually costs. The recent count
 #: covers about two windows (counts halve every window); 2 bets that the key keeps coming about
-#: as long again. 1 would wait for a loop of 16 sizes' keys to have run eagerly for twice as
-#: long; 4 let a uniform mix of 256 sizes record keys that its 6,000 steps never repaid
-#: (docs/benchmarks/README.md, "Shapes"). 1, ski rental's break-even, was measured again
-#: once recordings got cheaper (2026-12-01, H200): the uniform mix went from 1.068x to 1.056x
-#: eager's time, but the decode-loop sample lost its whole speed-up (0.98x eager): its steps are
-#: bound by the GPU, so an eager call's host time, all the rule can measure, counts a third of
-#: what a replay saves there.
+#: as long again. 4 let a uniform mix record keys it never repaid; 1 (ski rental's break-even)
+#: cost the decode-loop sample its speed-up: its steps are bound by the GPU, so an eager call's
+#: host time, all the rule can measure, is a small part of what a replay saves there
+#: (docs/benchmarks/shapes.md).
 PAYBACK_HORIZON = 2
 
 #: Counting noise (see Peers): counts of keys called at one steady rate spread, in variance,
@@ -103,17 +96,16 @@ COUNT_NOISE = 1.0
 OUTLIER_SIGMAS = 6
 
 #: Before the first halving, counts are judged against their peers as they stand (Peers of
-#: the counts so far) once this many calls were counted: a uniform mix of 256 sizes recorded 5
-#: to 13 keys in its first window (1,024 calls), each at a count that counting alone gave it
-#: and each never repaid (up to 1.057x eager's time over 6,000 steps on the H200). 256 calls:
-#: a loop of a few dozen sizes has counted each of them several times by then.
+#: the counts so far) once this many calls were counted: without it a uniform mix recorded
+#: keys in its first window at counts that counting alone gave them, none of them repaid. By
+#: then a loop of a few dozen sizes has counted each of them several times.
 EARLY_PEERS_AFTER = 256
 #: ... and taken again once the calls have grown by this factor since (only when a decision
 #: asks: a loop whose keys all run eagerly below the payback count never does).
 EARLY_PEERS_GROWTH = 1.125
 
 #: The host time a replay is taken to cost, subtracted from an eager call's time to give what
-#: one replay saves (about 5 to 15 us on the H200 machine for regions of a few to a few dozen
+#: one replay saves (the upper end of a replay's host time for regions of a few to a few dozen
 #: kernels: docs/benchmarks/replay.md, scaling.md).
 REPLAY_SECONDS_GUESS = 15e-6
 
@@ -126,9 +118,9 @@ WINDOW_PER_GRAPH = 16
 ADMISSION_MARGIN = 2
 
 #: A compaction is due when the pool is this many times both its size after the last compaction
-#: and the most any one recording needed: graph memory stays within 1.5x of what the largest
-#: shape needs alone, while the pool's geometric growth
-#: between compactions keeps their recordings proportional to the shapes.
+#: and the most any one recording needed: graph memory stays within this factor of what the
+#: largest shape needs alone, while the pool's geometric growth between compactions keeps their
+#: recordings proportional to the shapes.
 COMPACTION_GROWTH = 1.5
 
 #: Compaction may record again at most this fraction of the graphs recorded in all, plus
@@ -257,8 +249,8 @@ class RecordingBudget:
     A recording is charged at most ``SPIKE_FACTOR`` times the median of the recent charges
     (``FIRST_CHARGE_CAP`` before there are any): the first recordings of a process also pay
     one-time costs (replay's own copy kernels compiled, the capture machinery and a
-    collective's first capture initialised: tens to hundreds of milliseconds), which would
-    otherwise hold every recording back for seconds. What the budget is for, a storm of
+    collective's first capture initialised: many times a usual recording), which would
+    otherwise hold every recording back for long. What the budget is for, a storm of
     recordings of about equal cost, is charged in full."""
 
     fraction: float = attrs.field(on_setattr=lambda self, _, value: self._changed(value))
@@ -376,6 +368,10 @@ class Admission(Generic[Resident]):
 
     def dropped(self, resident: Resident) -> None:
         self._residents.pop(resident, None)
+
+    def residents(self) -> list[Resident]:
+        """The graphs and pending recordings held now (registered with :meth:`held`)."""
+        return list(self._residents)
 
     def frequency(self, resident: Resident) -> int:
         """A held graph's recent use: its aged count plus its replays since."""

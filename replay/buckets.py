@@ -95,24 +95,6 @@ def agreed_size(marked: Sequence[Padded]) -> tuple[int, int] | None:
     return dim, rows
 
 
-def without_padding(args: tuple, buckets: Sequence[int] | None) -> tuple | None:
-    """The positional call ``args`` with each marker taken as its tensor, where every marker
-    pads the same dimension to the same size and that size needs no padding (beyond the
-    largest bucket, or a bucket's own size): what :func:`call` would run, without its checks
-    and copies. None for anything else (:func:`call` pads, or says what is wrong). The
-    region's gate in C (csrc/replay_eager.c) takes such calls the same way, before any Python."""
-    marked = [arg for arg in args if arg.__class__ is Padded]
-    if not marked or buckets is None:
-        return None
-    try:
-        agreed = agreed_size(marked)
-    except (IndexError, RuntimeError, AttributeError):  # a marker whose tensor changed, a nested one
-        return None
-    if agreed is None or bucket_for(agreed[1], buckets) not in (None, agreed[1]):
-        return None
-    return tuple(map(_unwrapped, args))
-
-
 def bucket_for(size: int, buckets: Sequence[int]) -> int | None:
     """The smallest bucket that holds ``size`` (None beyond the largest: no padding); the
     buckets are sorted (the policy sorts them)."""
@@ -139,7 +121,7 @@ def call(
     out outputs sharing its memory. Such a call is run by ``run_eagerly`` instead.
 
     ``in_place(args, dim, bucket)``: the session's replay that pads straight into a graph's
-    staged buffers (Region._pad_in_place), tried first for positional calls: (result,
+    staged buffers (replay.routing.Router._pad_in_place), tried first for positional calls: (result,
     [(marker, padded)]), or None where it does not serve the call."""
     marked = markers(args, kwargs)
     if buckets is None:
@@ -147,19 +129,7 @@ def call(
             f"region {name}: argument {_where(args, kwargs)[0]} is replay.padded(), but the session has no "
             "buckets: capture(buckets=[...]) lists the sizes to pad to"
         )
-    first = marked[0]
-    dim = first.dim
-    rows = first.tensor.shape[dim]
-    for marker in marked[1:]:
-        if marker.dim != dim:
-            listed = ", ".join(f"{where} dim {m.dim}" for where, m in zip(_where(args, kwargs), marked))
-            raise ValueError(
-                f"region {name}: padded arguments must pad the same dimension (outputs are sliced along it), "
-                f"got {listed}"
-            )
-        if marker.tensor.shape[dim] != rows:
-            listed = ", ".join(f"{where} {m.tensor.shape[m.dim]}" for where, m in zip(_where(args, kwargs), marked))
-            raise ValueError(f"region {name}: padded arguments must agree on the size they pad, got {listed}")
+    dim, rows = _agreed_or_refused(marked, args, kwargs, name)
     bucket = bucket_for(rows, buckets)
     target = rows if bucket is None else bucket
     if target == rows:
@@ -187,8 +157,26 @@ def call(
     return _copied_back_and_sliced(result, pads, dim, target, rows), rows, target, pads
 
 
+def _agreed_or_refused(marked: list[Padded], args: tuple, kwargs: dict, name: str) -> tuple[int, int]:
+    """(dim, size) every marker pads, or the ValueError saying how they disagree."""
+    first = marked[0]
+    dim = first.dim
+    rows = first.tensor.shape[dim]
+    for marker in marked[1:]:
+        if marker.dim != dim:
+            listed = ", ".join(f"{where} dim {m.dim}" for where, m in zip(_where(args, kwargs), marked))
+            raise ValueError(
+                f"region {name}: padded arguments must pad the same dimension (outputs are sliced along it), "
+                f"got {listed}"
+            )
+        if marker.tensor.shape[dim] != rows:
+            listed = ", ".join(f"{where} {m.tensor.shape[m.dim]}" for where, m in zip(_where(args, kwargs), marked))
+            raise ValueError(f"region {name}: padded arguments must agree on the size they pad, got {listed}")
+    return dim, rows
+
+
 def _any_replay_writes(replay_writes: Callable[[torch.Tensor], bool], marked: list[Padded]) -> bool:
-    for marker in marked:  # (a loop: a generator in any() costs a padded call about a microsecond)
+    for marker in marked:  # (a loop: a generator in any() costs every padded call more)
         if replay_writes(marker.tensor):
             return True
     return False
@@ -264,7 +252,7 @@ def slice_outputs(result: object, dim: int, bucket: int, rows: int) -> object:
 
 def _narrowed(tensor: torch.Tensor, dim: int, rows: int) -> torch.Tensor:
     """``tensor.narrow(dim, 0, rows)``; along the first dimension as ``tensor[:rows]``, the
-    same view made in about 60% of narrow's host time (torch 2.11 to 2.13)."""
+    same view made in less of the host's time."""
     return tensor[:rows] if dim == 0 else tensor.narrow(dim, 0, rows)
 
 

@@ -39,27 +39,35 @@ def _bool(instance, attribute, value):
         raise ValueError(f"{attribute.name} must be True or False, got {value!r}")
 
 
-def _debug_default() -> bool:
-    return os.environ.get("REPLAY_DEBUG", "").strip() not in ("", "0")
+def _debug_default(value: object) -> object:
+    """None: on where ``REPLAY_DEBUG`` is set (and not 0)."""
+    if value is None:
+        return os.environ.get("REPLAY_DEBUG", "").strip() not in ("", "0")
+    return value
 
 
 @attrs.frozen(kw_only=True)
 class Policy:
-    """``record_after``: a key is recorded once it has been called more often than this
-    recently (its first calls run eagerly and compile what it needs); see replay.admission.
-    ``max_graphs``: graphs kept per session; beyond, a new key replaces the least frequently
-    replayed graph only if it was called more often recently.
-    ``record_budget``: the most of the session's time that recording may take (0.03: 3%;
-    with the calls that run eagerly, a loop whose shapes never repeat often enough stays
-    within 5% of eager; see docs/benchmarks/shapes.md).
-    ``buckets``: the sizes ``replay.padded`` arguments are padded to (see replay.buckets).
-    ``polymorphic``: a padded call smaller than its bucket runs the bucket's graph at its own
-    size, once one eager run at that size has shown the same launches (replay.polymorphic),
-    instead of padding; needs ``buckets``.
-    ``clone_outputs``: return copies instead of the graph's own output buffers.
-    ``verify_every``: every Nth replay of a graph is also run eagerly and compared bitwise
-    (0 turns it off). ``check_stale``: outputs raise StaleOutputError when read after a later
-    replay overwrote them (a debug aid; on by default when ``REPLAY_DEBUG=1``)."""
+    """How a session records, keeps and hands out graphs (``capture(**options)``, ``graphed``).
+
+    - ``record_after`` (int >= 0, default 1): a key is recorded once it has been called more
+      often than this recently (its first calls run eagerly and compile what it needs); see
+      replay.admission.
+    - ``max_graphs`` (int >= 1, default 64): graphs kept per session; beyond, a new key replaces
+      the least frequently replayed graph only if it was called more often recently.
+    - ``record_budget`` (in (0, 1], default 0.03): the most of the session's time that
+      recording may take; with the calls that run eagerly, a loop whose shapes never repeat
+      often enough stays close to eager's time (docs/benchmarks/shapes.md).
+    - ``buckets`` (ints >= 1, or None): the sizes ``replay.padded`` arguments are padded to
+      (replay.buckets).
+    - ``polymorphic`` (default False): a padded call smaller than its bucket runs the bucket's
+      graph at its own size, once one eager run at that size has shown the same launches
+      (replay.polymorphic), instead of padding; needs ``buckets``.
+    - ``clone_outputs`` (default False): return copies instead of the graph's own output buffers.
+    - ``verify_every`` (int >= 0, default 0): every Nth replay of a graph is also run eagerly
+      and compared bitwise (0 turns it off).
+    - ``check_stale`` (default None: on where ``REPLAY_DEBUG=1``): outputs raise
+      StaleOutputError when read after a later replay overwrote them (a debug aid)."""
 
     record_after: int = attrs.field(default=1, validator=_non_negative_int)
     max_graphs: int = attrs.field(default=64, validator=_positive_int)
@@ -68,7 +76,7 @@ class Policy:
     polymorphic: bool = attrs.field(default=False, validator=_bool)
     clone_outputs: bool = attrs.field(default=False, validator=_bool)
     verify_every: int = attrs.field(default=0, validator=_non_negative_int)
-    check_stale: bool = attrs.field(factory=_debug_default, validator=_bool)
+    check_stale: bool = attrs.field(default=None, converter=_debug_default, validator=_bool)
 
     def __attrs_post_init__(self) -> None:
         if self.polymorphic and self.buckets is None:

@@ -10,7 +10,10 @@ so two calls may share a key only where a graph recorded for one computes exactl
 other would compute eagerly: values whose equality is looser than that (``1 == 1.0 == True``,
 ``0.0 == -0.0``), and objects compared by identity whose attributes the region reads, are
 refused (:class:`RefusedKey`) rather than keyed. The key also carries the current device,
-since graphs are recorded and replayed per device.
+since graphs are recorded and replayed per device, and the global torch settings in force
+(:mod:`replay.torch_state`). Where the caller asks (``flatten(..., walk_objects=True)``), an
+object argument is walked rather than refused (:mod:`replay.objects`): its class, structure
+and plain values are keyed and its tensors are leaves.
 """
 
 from __future__ import annotations
@@ -24,7 +27,6 @@ import fractions
 import itertools
 import struct
 import types
-import warnings
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 
@@ -33,15 +35,16 @@ import numpy as np
 import torch
 
 import jitcore
-from jitcore import generated
-from jitcore.backends import compiled_helpers_enabled
+from replay import objects
 from replay.dynamic import Dynamic
-from replay.errors import ReplayError, ReplayWarning
-
-try:  # the settings check in C (csrc/replay_checks.c; optional, built by setup.py)
-    from replay._checks import SettingsCheck as _SettingsCheck
-except ImportError:
-    _SettingsCheck = None
+from replay.errors import ReplayError
+from replay.objects import ObjectWalk
+from replay.torch_state import (  # noqa: F401 (what callers read here)
+    MODE_NAMES,
+    _settings_check_type,
+    modes_changed,
+    torch_modes,
+)
 
 FLAT = "flat"  # spec of a call whose arguments are all positional leaves
 
@@ -144,7 +147,7 @@ class MappingOf:
 #: the class it was given or built.
 _MAPPINGS = (collections.OrderedDict, collections.defaultdict)
 
-#: Field names of dataclasses, by class (dataclasses.fields costs microseconds per call).
+#: Field names of dataclasses, by class (dataclasses.fields rebuilds them on every call).
 _FIELD_NAMES: weakref.WeakKeyDictionary[type, tuple[str, ...]] = weakref.WeakKeyDictionary()
 
 
@@ -199,16 +202,18 @@ def _container_refused(value: object, path: str) -> TypeError:
     )
 
 
-def _flatten_into(value: object, leaves: list, path: str, paths: list, outputs: bool) -> object:
+def _flatten_into(
+    value: object, leaves: list, path: str, paths: list, outputs: bool, walk: ObjectWalk | None
+) -> object:
     cls = value.__class__
     if cls is tuple or cls is list:
         return (
             "tuple" if cls is tuple else "list",
-            tuple(_flatten_into(v, leaves, f"{path}[{i}]", paths, outputs) for i, v in enumerate(value)),
+            tuple(_flatten_into(v, leaves, f"{path}[{i}]", paths, outputs, walk) for i, v in enumerate(value)),
         )
     if cls is dict:
         keys = tuple(value)
-        children = tuple(_flatten_into(value[k], leaves, f"{path}[{k!r}]", paths, outputs) for k in keys)
+        children = tuple(_flatten_into(value[k], leaves, f"{path}[{k!r}]", paths, outputs, walk) for k in keys)
         if outputs:  # no key compares an output's structure
             return ("dict", keys, children)
         # graph.py and _rebuild read the first three; the fourth makes the spec compare the
@@ -218,23 +223,8 @@ def _flatten_into(value: object, leaves: list, path: str, paths: list, outputs: 
         leaves.append(value)
         paths.append(path)
         return None
-    if isinstance(value, tuple):
-        kind = _tuple_kind(value, cls, path)
-        return (kind, tuple(_flatten_into(v, leaves, f"{path}[{i}]", paths, outputs) for i, v in enumerate(value)))
-    if isinstance(value, dict):
-        if cls not in _MAPPINGS:
-            raise _container_refused(value, path)
-        keys = tuple(value)
-        factory: tuple = ()
-        if cls is collections.defaultdict:  # the first leaf, as MappingOf takes it
-            leaves.append(value.default_factory)
-            paths.append(f"{path}.default_factory")
-            factory = (None,)
-        children = tuple(_flatten_into(value[k], leaves, f"{path}[{k!r}]", paths, outputs) for k in keys)
-        children = (*factory, *children)
-        return (MappingOf(cls, keys, keys if outputs else _exact_keys(keys, path)), children)
-    if isinstance(value, list):
-        raise _container_refused(value, path)
+    if isinstance(value, (tuple, dict, list)):
+        return _flatten_subclass(value, cls, leaves, path, paths, outputs, walk)
     if hasattr(cls, "__dataclass_fields__") and (outputs or cls.__dataclass_params__.frozen):
         names = _field_names(cls)
         _no_extra_attributes(value, names, path)
@@ -242,11 +232,34 @@ def _flatten_into(value: object, leaves: list, path: str, paths: list, outputs: 
             "dataclass",
             cls,
             names,
-            tuple(_flatten_into(getattr(value, n), leaves, f"{path}.{n}", paths, outputs) for n in names),
+            tuple(_flatten_into(getattr(value, n), leaves, f"{path}.{n}", paths, outputs, walk) for n in names),
         )
+    if walk is not None and objects.is_object(value):
+        return walk.carrier(value, path)
     leaves.append(value)
     paths.append(path)
     return None
+
+
+def _flatten_subclass(
+    value: object, cls: type, leaves: list, path: str, paths: list, outputs: bool, walk: ObjectWalk | None
+) -> object:
+    """A tuple, dict or list subclass: rebuilt as its own class, or a clear TypeError."""
+    if isinstance(value, tuple):
+        kind = _tuple_kind(value, cls, path)
+        items = tuple(_flatten_into(v, leaves, f"{path}[{i}]", paths, outputs, walk) for i, v in enumerate(value))
+        return (kind, items)
+    if isinstance(value, list) or cls not in _MAPPINGS:
+        raise _container_refused(value, path)
+    keys = tuple(value)
+    factory: tuple = ()
+    if cls is collections.defaultdict:  # the first leaf, as MappingOf takes it
+        leaves.append(value.default_factory)
+        paths.append(f"{path}.default_factory")
+        factory = (None,)
+    children = tuple(_flatten_into(value[k], leaves, f"{path}[{k!r}]", paths, outputs, walk) for k in keys)
+    children = (*factory, *children)
+    return (MappingOf(cls, keys, keys if outputs else _exact_keys(keys, path)), children)
 
 
 def _exact_keys(keys: tuple, path: str) -> tuple:
@@ -258,7 +271,9 @@ def _exact_keys(keys: tuple, path: str) -> tuple:
 _FLAT_PATHS: dict[int, list[str]] = {}
 
 
-def flatten(args: tuple, kwargs: dict, *, walk_dataclasses: bool = False) -> tuple[object, list, list[str]]:
+def flatten(
+    args: tuple, kwargs: dict, *, walk_dataclasses: bool = False, walk_objects: bool = False
+) -> tuple[object, list, list[str]]:
     """(spec, leaves, paths): nested tuples, lists and dicts are walked, and so are named
     tuples, ``torch.Size``, structseqs (``torch.return_types.*``), ``OrderedDict``,
     ``defaultdict`` and frozen dataclasses, each rebuilt as its own class by :func:`unflatten`
@@ -273,6 +288,12 @@ def flatten(args: tuple, kwargs: dict, *, walk_dataclasses: bool = False) -> tup
     region makes to it. ``walk_dataclasses=True`` (outputs) walks every dataclass, and leaves
     dict keys out of the spec's comparison (no key compares an output's structure).
 
+    ``walk_objects=True`` walks object arguments (:mod:`replay.objects`: whatever a key would
+    otherwise refuse as compared by identity, a dataclass that is not frozen included): each
+    is a carrier leaf followed by its shadow leaves, and the spec gets a fourth element, an
+    :class:`~replay.objects.ObjectLeaves` saying where they lie. Without it such arguments
+    are leaves, which the key refuses.
+
     ``paths`` name each leaf for messages (``args[1]['kv']``); callers read them and never
     change them (flat calls share theirs)."""
     if not kwargs and not walk_dataclasses:
@@ -280,7 +301,7 @@ def flatten(args: tuple, kwargs: dict, *, walk_dataclasses: bool = False) -> tup
             cls = a.__class__
             if cls is torch.Tensor or cls in _FLAT_LEAVES:
                 continue
-            if _walked(a):
+            if _walked(a) or (walk_objects and objects.is_object(a)):
                 break
         else:
             count = len(args)
@@ -290,11 +311,14 @@ def flatten(args: tuple, kwargs: dict, *, walk_dataclasses: bool = False) -> tup
             return (FLAT, count), list(args), paths
     leaves: list = []
     paths: list[str] = []
+    walk = objects.ObjectWalk(leaves, paths) if walk_objects else None
     spec = (
-        tuple(_flatten_into(a, leaves, f"args[{i}]", paths, walk_dataclasses) for i, a in enumerate(args)),
+        tuple(_flatten_into(a, leaves, f"args[{i}]", paths, walk_dataclasses, walk) for i, a in enumerate(args)),
         tuple(kwargs),
-        tuple(_flatten_into(v, leaves, k, paths, walk_dataclasses) for k, v in kwargs.items()),
+        tuple(_flatten_into(v, leaves, k, paths, walk_dataclasses, walk) for k, v in kwargs.items()),
     )
+    if walk is not None and walk.carriers:
+        spec = (*spec, walk.object_leaves())
     return spec, leaves, paths
 
 
@@ -315,6 +339,10 @@ def _rebuild(spec: object, leaves: Sequence, position: list[int]) -> object:
     kind = spec[0]
     if kind == "dict":
         return {k: _rebuild(s, leaves, position) for k, s in zip(spec[1], spec[2])}
+    if kind == "object":  # the caller's object itself; its shadow leaves follow it
+        value = leaves[position[0]]
+        position[0] += 1 + spec[2]
+        return value
     if kind == "dataclass":
         return make_dataclass_instance(spec[1], spec[2], [_rebuild(s, leaves, position) for s in spec[3]])
     items = [_rebuild(s, leaves, position) for s in spec[1]]
@@ -395,6 +423,40 @@ _IDENTITY_CONSTANTS: tuple[type, ...] = (
 )
 #: Bound callables: keyed by their name and what they are bound to (``x.add`` of a tensor is refused).
 _BOUND_CALLABLES = (types.BuiltinFunctionType, types.MethodWrapperType, types.MethodType)
+#: Classes (and their subclasses) whose values constant_key takes by what they are, or which
+#: flatten walks as containers: never walked as objects.
+_NOT_OBJECTS = (
+    torch.Tensor,
+    Dynamic,
+    tuple,
+    list,
+    dict,
+    set,
+    frozenset,
+    enum.Enum,
+    type,
+    int,
+    float,
+    complex,
+    str,
+    bytes,
+    np.generic,
+    np.dtype,
+    range,
+    slice,
+    fractions.Fraction,
+    decimal.Decimal,
+    *_IDENTITY_CONSTANTS,
+    *_BOUND_CALLABLES,
+)
+
+
+def constant_class(cls: type) -> bool:
+    """Whether values of ``cls`` are constants of a key or containers flatten walks (a frozen
+    dataclass is rebuilt), not objects to walk (:mod:`replay.objects`)."""
+    if cls in _BY_VALUE or issubclass(cls, _NOT_OBJECTS):
+        return True
+    return hasattr(cls, "__dataclass_fields__") and cls.__dataclass_params__.frozen
 
 
 def _other_constant_key(value: object, cls: type, path: str) -> object:
@@ -445,6 +507,12 @@ def _other_constant_key(value: object, cls: type, path: str) -> object:
         )
     if isinstance(value, np.dtype):
         return (cls, value)
+    return _subclass_or_refused_key(value, cls, path)
+
+
+def _subclass_or_refused_key(value: object, cls: type, path: str) -> object:
+    """The key of a subclass of a plain constant (its value through the base class), else the
+    refusal of a value no key may hold: TypeError where it is unhashable, RefusedKey else."""
     for base in (int, float, complex, str, bytes):  # subclasses of the plain constants (enums came first)
         if isinstance(value, base):
             if getattr(value, "__dict__", None):
@@ -519,8 +587,21 @@ def region_key(device: int, spec: object, leaves: Sequence, paths: Sequence[str]
     """The full key of one call: device, the torch modes in force, the argument structure,
     how the tensor arguments overlap each other, and each leaf's signature. Raises
     RefusedKey for a call no graph may serve (see :func:`constant_key`, :func:`torch_modes`):
-    the session runs it eagerly."""
+    the session runs it eagerly. A walked object's carrier is keyed as :data:`CARRIER` (its
+    class and structure are in the spec, what it holds in its shadow leaves' elements)."""
+    if len(spec) > 3:
+        return _object_call_key(device, spec, leaves, paths)
     return (device, spec, torch_modes(), alias_pattern(leaves), *map(leaf_key, leaves, paths))
+
+
+#: The key element of a walked object itself (replay.objects): no identity.
+CARRIER = ("carrier",)
+
+
+def _object_call_key(device: int, spec: tuple, leaves: Sequence, paths: Sequence[str]) -> tuple:
+    carriers = set(spec[3].carriers)
+    elements = [CARRIER if i in carriers else leaf_key(leaf, path) for i, (leaf, path) in enumerate(zip(leaves, paths))]
+    return (device, spec, torch_modes(), alias_pattern(leaves), *elements)
 
 
 #: Key elements before the leaves' (device, spec, modes, aliasing).
@@ -597,372 +678,6 @@ def pattern_of(ranges: Sequence[tuple[int, int, int]]) -> tuple[tuple[int, int],
             if other_lo < other_hi and lo < hi:
                 pairs.append((min(i, j), max(i, j)))
     return tuple(sorted(pairs))
-
-
-@attrs.frozen
-class _ModeReader:
-    """One global torch setting: the function that reads it and its arguments. A reader
-    returning a list is keyed as a tuple (keys hold hashable values)."""
-
-    what: str
-    getter: str  # its name in torch._C (or torch): what the torch-side helper's SETTINGS_COVERED names
-    function: Callable
-    args: tuple
-    returns_list: bool
-
-    def read(self) -> object:
-        value = self.function(*self.args)
-        return tuple(value) if self.returns_list else value
-
-
-#: torch >= 2.9's reader of its per-backend float32 precisions (``torch.backends.fp32_precision``,
-#: ``torch.backends.cuda.matmul.fp32_precision``, ``torch.backends.cudnn.fp32_precision``,
-#: ``.cudnn.conv``/``.cudnn.rnn``, ``torch.backends.mkldnn.*``); None in an older torch.
-_FP32_PRECISION = getattr(torch._C, "_get_fp32_precision_getter", None)
-#: The (backend, operation) pairs it reads: each is keyed as stored (``"none"`` defers to the
-#: backend's ``"all"``, which defers to the generic one), so the precision every op uses follows.
-#: Not the ``mkldnn`` ones: oneDNN runs CPU ops, and a graph holds GPU work only (a region's
-#: CPU tensor work is refused or runs eagerly under the settings of the moment), so they change
-#: nothing a replay does; reading them cost four more calls (about 0.8 us) on every replay.
-_FP32_PRECISIONS = (
-    ("generic", "all"),
-    ("cuda", "all"),
-    ("cuda", "matmul"),
-    ("cuda", "conv"),
-    ("cuda", "rnn"),
-)
-#: The legacy TF32 getters those values replace where they exist. Why: torch >= 2.9 keeps the
-#: TF32 state in the per-backend map (the legacy setters write it: set_float32_matmul_precision,
-#: cuda.matmul.allow_tf32, cudnn.allow_tf32), and its legacy getters only answer while they
-#: agree with it: once the new API was used (before or after replay was imported) they raise
-#: RuntimeError ("mix of the legacy and new APIs"), about 14 us each on the CPU machine, which
-#: would make every key and every replay check either fail or pay it.
-_SUPERSEDED_BY_FP32_PRECISION = frozenset({"float32 matmul precision", "cuBLAS TF32", "cuDNN TF32"})
-
-
-def _mode_readers() -> list[_ModeReader]:
-    """A reader for every global torch setting that changes what a region's torch ops
-    compute. A graph bakes in the kernels chosen under the settings in force when it was
-    recorded, so these are part of every region key. Settings the installed torch does not
-    have (no reader function, a float32-precision pair it does not know) are left out; a
-    reader it has is never left out, even one that fails now (torch_modes then refuses the
-    call: RefusedKey, the session runs it eagerly with a warning, rather than a key without it)."""
-    C = torch._C
-    wanted: list[tuple[str, str, tuple, bool]] = [
-        ("grad mode", "is_grad_enabled", (), False),
-        ("inference mode", "is_inference_mode_enabled", (), False),
-        ("autocast (cuda)", "is_autocast_enabled", ("cuda",), False),
-        ("autocast dtype (cuda)", "get_autocast_dtype", ("cuda",), False),
-        ("autocast (cpu)", "is_autocast_enabled", ("cpu",), False),
-        ("autocast dtype (cpu)", "get_autocast_dtype", ("cpu",), False),
-        ("autocast cache", "is_autocast_cache_enabled", (), False),
-        ("default dtype", "get_default_dtype", (), False),
-        ("deterministic algorithms", "_get_deterministic_algorithms", (), False),
-        ("deterministic algorithms (warn only)", "_get_deterministic_algorithms_warn_only", (), False),
-        # torch.empty and the like fill their memory (NaN, max ints) under deterministic algorithms
-        ("deterministic fill of uninitialized memory", "_get_deterministic_fill_uninitialized_memory", (), False),
-        ("float32 matmul precision", "_get_float32_matmul_precision", (), False),
-        ("cuBLAS TF32", "_get_cublas_allow_tf32", (), False),
-        *((f"fp32 precision ({b} {op})", "_get_fp32_precision_getter", (b, op), False) for b, op in _FP32_PRECISIONS),
-        ("cuBLAS fp16 reduced precision", "_get_cublas_allow_fp16_reduced_precision_reduction", (), False),
-        ("cuBLAS bf16 reduced precision", "_get_cublas_allow_bf16_reduced_precision_reduction", (), False),
-        ("cuBLAS fp16 accumulation", "_get_cublas_allow_fp16_accumulation", (), False),
-        ("cuDNN TF32", "_get_cudnn_allow_tf32", (), False),
-        ("cuDNN enabled", "_get_cudnn_enabled", (), False),
-        ("cuDNN benchmark", "_get_cudnn_benchmark", (), False),
-        ("cuDNN deterministic", "_get_cudnn_deterministic", (), False),
-        ("cuDNN depthwise kernel", "_get_cudnn_depthwise_kernel", (), False),
-        ("SDPA flash", "_get_flash_sdp_enabled", (), False),
-        ("SDPA memory-efficient", "_get_mem_efficient_sdp_enabled", (), False),
-        ("SDPA math", "_get_math_sdp_enabled", (), False),
-        ("SDPA cuDNN", "_get_cudnn_sdp_enabled", (), False),
-        ("SDPA FlashAttention-3", "_get_fa3_sdp_enabled", (), False),
-        ("SDPA math fp16/bf16 reduction", "_get_math_sdp_allow_fp16_bf16_reduction", (), False),
-        ("SDPA priority order", "_get_sdp_priority_order", (), True),
-        ("preferred BLAS library", "_get_blas_preferred_backend", (), False),
-        ("preferred linalg library", "_get_linalg_preferred_backend", (), False),
-        ("preferred ROCm flash-attention library", "_get_rocm_fa_preferred_backend", (), False),
-    ]
-    readers = []
-    for what, name, args, returns_list in wanted:
-        if _FP32_PRECISION is not None and what in _SUPERSEDED_BY_FP32_PRECISION:
-            continue
-        function = getattr(C, name, None) or getattr(torch, name, None)
-        if function is None:
-            continue  # not a setting of this torch
-        if function is _FP32_PRECISION:
-            try:  # the new API never refuses a pair it knows (no legacy state to disagree with)
-                function(*args)
-            except (RuntimeError, ValueError, TypeError):
-                continue  # a backend or operation this torch does not have
-        readers.append(_ModeReader(what, name, function, args, returns_list))
-    return readers
-
-
-_MODE_READERS = _mode_readers()
-MODE_NAMES = tuple(reader.what for reader in _MODE_READERS)
-
-
-def _call_source(number: int, reader: _ModeReader, namespace: dict) -> str:
-    """``_m3(_m3_arg0)``: the reader called with its arguments bound by name."""
-    namespace[f"_m{number}"] = reader.function
-    names = []
-    for position, value in enumerate(reader.args):
-        namespace[f"_m{number}_arg{position}"] = value
-        names.append(f"_m{number}_arg{position}")
-    return f"_m{number}({', '.join(names)})"
-
-
-def _unreadable_settings() -> list[tuple[str, BaseException]]:
-    """The settings whose reader raises now, with what it raised (read one by one: the slow
-    path after a reading failed)."""
-    failed = []
-    for reader in _MODE_READERS:
-        try:
-            reader.read()
-        except Exception as error:
-            failed.append((reader.what, error))
-    return failed
-
-
-def _describe_unreadable(failed: list[tuple[str, BaseException]], error: BaseException) -> str:
-    if not failed:  # it failed once and not again: say what it raised
-        return f"a torch setting could not be read ({type(error).__name__}: {_first_line(error)})"
-    return "; ".join(
-        f"the torch setting {what} cannot be read ({type(e).__name__}: {_first_line(e)})" for what, e in failed
-    )
-
-
-def _first_line(error: BaseException) -> str:
-    lines = str(error).strip().splitlines()
-    return lines[0][:200] if lines else type(error).__name__
-
-
-def _refuse_unreadable(error: BaseException) -> None:
-    """torch_modes failed: refuse the call (RefusedKey: the session runs it eagerly and warns),
-    never a key without the setting. Why: a graph recorded under a setting the key does not
-    hold would serve calls made under another value of it."""
-    reason = _describe_unreadable(_unreadable_settings(), error)
-    raise RefusedKey(f"{reason}: no graph may serve a call while a setting it bakes cannot be read") from error
-
-
-def _make_torch_modes() -> Callable[[], tuple]:
-    """One generated function reading every mode into a tuple (a call per setting, no loop);
-    a reader that raises makes it raise RefusedKey naming the setting."""
-    namespace: dict[str, object] = {"_tuple": tuple, "_refuse": _refuse_unreadable}
-    calls = []
-    for number, reader in enumerate(_MODE_READERS):
-        call = _call_source(number, reader, namespace)
-        calls.append(f"_tuple({call}), " if reader.returns_list else f"{call}, ")
-    source = (
-        "def torch_modes():\n"
-        "    try:\n"
-        f"        return ({''.join(calls)})\n"
-        "    except Exception as error:\n"
-        "        _refuse(error)\n"
-    )
-    return generated.define(source, "<replay torch modes>", namespace)["torch_modes"]
-
-
-torch_modes: Callable[[], tuple] = _make_torch_modes()
-torch_modes.__doc__ = (
-    "The global torch settings in force now, in MODE_NAMES order (see _mode_readers); RefusedKey when one "
-    "cannot be read."
-)
-
-#: Settings whose unreadability a replay check has warned about (once each).
-_WARNED_UNREADABLE: set[str] = set()
-
-
-def _unreadable_in_check() -> bool:
-    """A replay's settings check could not read a setting: the replay is refused (True: the
-    graph declines, the call runs eagerly), with a ReplayWarning once per setting. The C check
-    and the generated one both call it, in place of raising."""
-    failed = _unreadable_settings()
-    names = [what for what, _ in failed] or ["(one that failed once)"]
-    new = [name for name in names if name not in _WARNED_UNREADABLE]
-    if new:
-        _WARNED_UNREADABLE.update(new)
-        reason = _describe_unreadable(failed, RuntimeError("it raised while checked"))
-        warnings.warn(
-            ReplayWarning(f"{reason}: replays are refused (the calls run eagerly) while it cannot be read"),
-            stacklevel=3,
-        )
-    return True
-
-
-#: Values a reader returns as the same object whenever the setting is the same (bools, None,
-#: torch's dtype singletons): compared by identity, the cheapest check there is.
-_SINGLETON_TYPES = (bool, type(None), torch.dtype)
-#: The settings that change what an op computes only while autocast is on (for CUDA or the CPU).
-_AUTOCAST_SETTINGS = frozenset(
-    {"autocast (cuda)", "autocast dtype (cuda)", "autocast (cpu)", "autocast dtype (cpu)", "autocast cache"}
-)
-#: One call saying whether autocast is on for any device (None in a torch without it).
-_any_autocast: Callable[[], bool] | None = getattr(torch._C, "_is_any_autocast_enabled", None)
-_modes_changed_cache: dict[tuple, Callable[[], bool]] = {}  # (recorded, the C type or None) -> check
-
-
-def _is_pybind_enum(value: object) -> bool:
-    """A pybind11 enum member (torch's preferred-library settings): its ``.value`` is its int."""
-    return hasattr(type(value), "__members__") and isinstance(getattr(value, "value", None), int)
-
-
-def modes_changed(recorded: tuple, *, compiled: bool = True, watch: bool = True) -> Callable[[], bool]:
-    """A function telling whether any torch setting differs from ``recorded`` (a
-    ``torch_modes()`` tuple) in a way that can change what a region computes, for replay's
-    per-call check. It reads the same settings as ``torch_modes`` but builds no tuple and
-    compares each value the cheapest exact way: singletons by identity, lists as lists,
-    pybind enums by their int ``.value`` (their ``!=`` costs about 0.4 us), others (strings)
-    by equality; the first difference ends it.
-
-    Where autocast was off for both CUDA and the CPU when recorded, one call checks that it
-    is still off for every device (``torch._C._is_any_autocast_enabled``) instead of the five
-    autocast settings: the autocast dtypes and cache change nothing while autocast is off, so
-    a change of them then is no change of what the graph computes (the region's key, which
-    holds every setting, still tells such calls apart on the eager path).
-
-    Three ways to run those tests, the fastest one built:
-
-    - the torch-side helper's settings watch (:mod:`jitcore.torch_native`, where it is built):
-      every setting it covers is read through torch's C++ getters into one state, and while
-      that state equals the one in which the full check last said "unchanged", only the
-      settings it does not cover are tested (none on the torches tested); any other state runs
-      the full check. About 0.6 us against 4.7 on the CPU machine.
-    - replay._checks.SettingsCheck where that C helper was built (the same calls and
-      comparisons in the same order, without a bytecode step per setting: see
-      csrc/replay_checks.c);
-    - a generated function (``JITCORE_NATIVE=0`` or ``compiled=False`` picks it).
-
-    ``watch=False`` leaves the helper's watch out (benchmarks time each way).
-
-    Made once per distinct recorded tuple and helper. Where a setting cannot be read (its
-    reader raises), every way says True, a change, so the replay is refused and the call runs
-    eagerly, and warns once per setting (:func:`_unreadable_in_check`): never a replay checked
-    without it."""
-    native = _settings_check_type() if compiled else None
-    helper = _settings_helper() if compiled and watch else None
-    cache_key = (recorded, native, helper)
-    check = _modes_changed_cache.get(cache_key)
-    if check is not None:
-        return check
-    tests = _mode_tests(recorded)
-    check = _full_modes_check(tests, native)
-    if helper is not None:
-        covered = set(helper.SETTINGS_COVERED)
-        residual = [test for test in tests if (test.getter, test.args) not in covered]
-        check = helper.settings_watch(check, _full_modes_check(residual, native) if residual else None)
-    _modes_changed_cache[cache_key] = check
-    return check
-
-
-def _full_modes_check(tests: list[_ModeTest], native: type | None) -> Callable[[], bool]:
-    """``tests`` as one check: csrc/replay_checks.c's type where given, else generated Python."""
-    if native is None:
-        return _generated_modes_check(tests)
-    return native(
-        tuple(test.function for test in tests),
-        tuple(test.args for test in tests),
-        tuple(test.value for test in tests),
-        "".join(test.way for test in tests),
-        unreadable=_unreadable_in_check,
-    )
-
-
-def _settings_helper() -> object | None:
-    """The torch-side helper where it is loaded and reads this torch's settings (its
-    ``settings_watch``), else None."""
-    helper = jitcore.torch_native.module()
-    if helper is None or getattr(helper, "SETTINGS_COVERED", None) is None:
-        return None
-    return helper
-
-
-def _settings_check_type() -> type | None:
-    """replay._checks.SettingsCheck, or None where it was not built or ``JITCORE_NATIVE=0``."""
-    if _SettingsCheck is None or not compiled_helpers_enabled():
-        return None
-    return _SettingsCheck
-
-
-#: How a mode test compares a reader's value with the recorded one (csrc/replay_checks.c's ways).
-_IDENTITY, _EQUALITY, _ENUM_VALUE = "i", "e", "v"
-
-
-@attrs.frozen
-class _ModeTest:
-    """One per-replay test: call ``function(*args)`` (torch's getter ``getter``) and compare
-    its value with ``value`` the ``way`` given."""
-
-    getter: str
-    function: Callable
-    args: tuple
-    value: object
-    way: str
-
-
-def _mode_tests(recorded: tuple) -> list[_ModeTest]:
-    """The per-replay tests of ``recorded``, in order, as :func:`modes_changed` describes."""
-    tests: list[_ModeTest] = []
-    values = dict(zip(MODE_NAMES, recorded, strict=True))
-    autocast_off = (
-        _any_autocast is not None
-        and _AUTOCAST_SETTINGS <= values.keys()
-        and values["autocast (cuda)"] is False
-        and values["autocast (cpu)"] is False
-    )
-    if autocast_off:
-        tests.append(_ModeTest("_is_any_autocast_enabled", _any_autocast, (), False, _IDENTITY))
-    for reader, value in zip(_MODE_READERS, recorded, strict=True):
-        if autocast_off and reader.what in _AUTOCAST_SETTINGS:
-            continue
-        if reader.returns_list:
-            way, value = _EQUALITY, list(value)
-        elif isinstance(value, _SINGLETON_TYPES):
-            way = _IDENTITY
-        elif _is_pybind_enum(value):
-            way, value = _ENUM_VALUE, value.value
-        else:
-            way = _EQUALITY
-        tests.append(_ModeTest(reader.getter, reader.function, reader.args, value, way))
-    return tests
-
-
-def _generated_modes_check(tests: list[_ModeTest]) -> Callable[[], bool]:
-    """The tests as one generated ``or`` chain (the check without the C helpers)."""
-    namespace: dict[str, object] = {}
-    lines = []
-    for number, test in enumerate(tests):
-        name = "_any_autocast" if test.function is _any_autocast else f"_m{number}"  # named in dumps
-        namespace[name] = test.function
-        way, value = test.way, test.value
-        names = []
-        for position, argument in enumerate(test.args):
-            namespace[f"_m{number}_arg{position}"] = argument
-            names.append(f"_m{number}_arg{position}")
-        call = f"{name}({', '.join(names)})"
-        namespace[f"_v{number}"] = value
-        if way == _IDENTITY:
-            lines.append(f"{call} is not _v{number}")
-        elif way == _ENUM_VALUE:
-            lines.append(f"{call}.value != _v{number}")
-        else:
-            lines.append(f"{call} != _v{number}")
-    body = "\n            or ".join(lines) or "False"
-    namespace["_unreadable"] = _unreadable_in_check
-    source = (
-        "def modes_changed():\n"
-        "    try:\n"
-        f"        return (\n            {body}\n        )\n"
-        "    except Exception:\n"
-        "        return _unreadable()\n"
-    )
-    return generated.define(source, generated.source_filename("replay torch modes check"), namespace)["modes_changed"]
-
-
-def describe_mode_change(recorded: tuple, now: tuple) -> str:
-    changed = [f"{name} {a!r} -> {b!r}" for name, a, b in zip(MODE_NAMES, recorded, now) if a != b]
-    return ", ".join(changed) or "none"
 
 
 def plain_leaves(leaves: Sequence) -> list:

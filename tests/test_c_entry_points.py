@@ -27,9 +27,6 @@ from typing import NamedTuple
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-REPLAY_HARDENED_ELSEWHERE = pytest.mark.xfail(
-    strict=True, reason="replay's C entry points are hardened on another branch"
-)
 
 
 class Case(NamedTuple):
@@ -65,6 +62,19 @@ class Clears:
         return self.value
 
 
+def settings_program(**fields):
+    # A settings program (replay.torch_state.SettingsProgram's fields) with no tests unless given.
+    import types
+    base = dict(readers=(), arguments=(), expected=(), ways="", uncovered=(), state=None)
+    return types.SimpleNamespace(**{**base, **fields})
+
+
+class Huge:
+    # A sized object as long as a size can be.
+    def __len__(self):
+        return sys.maxsize
+
+
 def param_array(count, size):
     # The address of `count` pointers, each to `size` bytes: a kernel node's parameter array.
     values = [ctypes.create_string_buffer(size) for _ in range(count)]
@@ -82,6 +92,23 @@ class Exclusion:
 
 def packed(runs, template=bytes(16), offsets=(0,)):
     return native.PackedLaunch(KERNEL_LAUNCH, 1, template, offsets, runs)
+
+
+from jitcore.recorder import LaunchRecord
+from jitcore.codegen import _CALL_FIELDS
+RECORD_FIELDS = tuple(LaunchRecord._fields.index(f) for f in _CALL_FIELDS)
+RECORD = tuple.__new__(LaunchRecord, (None,) * len(LaunchRecord._fields))  # a record template
+
+
+class Short(tuple):
+    pass
+
+
+def recorded(sink, template=RECORD, told=RECORD_FIELDS, record_type=LaunchRecord):
+    # A packed launch of one int, recorded into `sink` once the record class was told.
+    native.use_launch_record(record_type, told)
+    packed(((0, '<i'),)).recorded(sink, template, (), 1, 1, 1, 1, 1, 1, 0, 0, 5)
+    return sink
 
 
 def replay_step_graph():
@@ -103,7 +130,7 @@ N, X, T = "jitcore.backends._native", "jitcore._exclusion", "jitcore._torch_nati
 C, E, S = "replay._checks", "replay._eager", "replay._step"
 LAUNCH = "native.bind('kernel_launch', 'f', KERNEL_LAUNCH)"
 SIDE = "e = Exclusion(); s = exclusion.SharedSide(e); e._holders[threading.get_ident()] = "
-REGION = "class R:\n    def _fast(self, args): raise LookupError('no fast path')\n"
+REGION = "class R:\n    def dispatch(self, args): raise LookupError('no dispatch')\n"
 
 # fmt: off
 CASES = [Case(*row) for row in [
@@ -149,6 +176,59 @@ CASES = [Case(*row) for row in [
     (N, "PackedLaunch", "a stream of text", "packed(((0, '<i'),))(1, 1, 1, 1, 1, 1, 0, 'stream', 5)", "TypeError"),
     (N, "PackedLaunch", "reporting with a keyword", "packed(((0, '<i'),)).reporting(1, 1, 1, 1, 1, 1, 0, 0, x=5)",
      "TypeError"),
+    (N, "PackedLaunch", "recorded before a record class was told",
+     "packed(((0, '<i'),)).recorded(([], [], None), RECORD, (), 1, 1, 1, 1, 1, 1, 0, 0, 5)", "RuntimeError"),
+    (N, "PackedLaunch", "recorded into a list", "recorded([])", "TypeError"),
+    (N, "PackedLaunch", "recorded into a sink of tuples", "recorded(((), (), None))", "TypeError"),
+    (N, "PackedLaunch", "recorded with a tail that is no callable", "recorded(([], [], 5))", "TypeError"),
+    (N, "PackedLaunch", "recorded from a template of another class", "recorded(([], [], None), template=(1, 2))",
+     "TypeError"),
+    (N, "PackedLaunch", "recorded from a template shorter than told", "recorded(([], [], None), Short((1, 2)), "
+     "record_type=Short)", "ValueError"),
+    (N, "PackedLaunch", "recorded with a tail that raises", "recorded(([], [], lambda stream: 1 / 0))",
+     "ZeroDivisionError"),
+    (N, "PackedLaunch", "recorded with a tail answering an int", "recorded(([], [], lambda stream: 5))", "TypeError"),
+    (N, "PackedLaunch", "recorded with a tail answering one node",
+     "r, n, _ = recorded(([], [], lambda stream: (7,))); assert n == [7] and r[0].param_bytes[:4] == b'\\5\\0\\0\\0'",
+     "returned"),
+    (N, "PackedLaunch", "recorded with too few arguments", "native.use_launch_record(LaunchRecord, RECORD_FIELDS); "
+     "packed(((0, '<i'),)).recorded(([], [], None), RECORD, ())", "TypeError"),
+    (N, "PackedLaunch", "recorded with a value too few", "native.use_launch_record(LaunchRecord, RECORD_FIELDS); "
+     "packed(((0, '<i'),)).recorded(([], [], None), RECORD, (), 1, 1, 1, 1, 1, 1, 0, 0)", "TypeError"),
+    (N, "without_tensors", "records a tuple", "native.without_tensors(((1,),), 0, torch.Tensor, (int,), 'a')",
+     "TypeError"),
+    (N, "without_tensors", "a record that is no tuple", "native.without_tensors([[(1,)]], 0, torch.Tensor, (), 'a')",
+     "TypeError"),
+    (N, "without_tensors", "a position past a record", "native.without_tensors([((1,),)], 1, torch.Tensor, (), 'a')",
+     "TypeError"),
+    (N, "without_tensors", "arguments that are no tuple", "native.without_tensors([([1],)], 0, torch.Tensor, (), 'a')",
+     "TypeError"),
+    (N, "without_tensors", "a negative position", "native.without_tensors([((1,),)], -1, torch.Tensor, (), 'a')",
+     "TypeError"),
+    (N, "without_tensors", "a position past 2**64", "native.without_tensors([((1,),)], 2**64, torch.Tensor, (), 'a')",
+     "OverflowError"),
+    (N, "without_tensors", "kept types that are no types",
+     "native.without_tensors([(('s',),)], 0, torch.Tensor, 5, 'a')", "TypeError"),
+    (N, "without_tensors", "an attribute name that is no text",
+     "native.without_tensors([((1,),)], 0, torch.Tensor, (), 5)", "TypeError"),
+    (N, "without_tensors", "records emptied by an argument's lookup",
+     "L = []\nclass Clearing:\n    def __getattr__(self, name):\n        L.clear(); raise AttributeError(name)\n"
+     "L += [((Clearing(), 1.5),)] * 3; got = native.without_tensors(L, 0, torch.Tensor, (), 'a')\n"
+     "assert [r[0] for r in got] == [(None, 1.5)] * 3 and L == []", "returned"),
+    (N, "without_tensors", "no arguments", "native.without_tensors()", "TypeError"),
+    (N, "use_launch_record", "a record class that is no tuple", "native.use_launch_record(list, RECORD_FIELDS)",
+     "TypeError"),
+    (N, "use_launch_record", "positions a list", "native.use_launch_record(LaunchRecord, list(RECORD_FIELDS))",
+     "TypeError"),
+    (N, "use_launch_record", "too few positions", "native.use_launch_record(LaunchRecord, RECORD_FIELDS[:3])",
+     "TypeError"),
+    (N, "use_launch_record", "a negative position",
+     "native.use_launch_record(LaunchRecord, (-1,) + RECORD_FIELDS[1:])", "ValueError"),
+    (N, "use_launch_record", "a position past 2**64",
+     "native.use_launch_record(LaunchRecord, (2**64,) + RECORD_FIELDS[1:])", "OverflowError"),
+    (N, "use_launch_record", "a position of text",
+     "native.use_launch_record(LaunchRecord, ('0',) + RECORD_FIELDS[1:])", "TypeError"),
+    (N, "use_launch_record", "no arguments", "native.use_launch_record()", "TypeError"),
     (N, "bind", "a negative address", "native.bind('kernel_launch', 'f', -1)", "OverflowError"),
     (N, "bind", "an address past 2**64", "native.bind('kernel_launch', 'f', 2**64)", "OverflowError"),
     (N, "bind", "an address of 0", "native.bind('kernel_launch', 'f', 0)", "ValueError"),
@@ -225,14 +305,25 @@ CASES = [Case(*row) for row in [
     (C, "disjoint", "a negative extent", "checks.disjoint((1,), (-1,))", "OverflowError"),
     (C, "disjoint", "a range past 2**64", "checks.disjoint((2**64 - 1,), (2,))", "OverflowError"),
     (C, "disjoint", "one extent too few", "checks.disjoint((1, 2), (1,))", "ValueError"),
-    (C, "SettingsCheck", "ints for its tuples", "checks.SettingsCheck(1, 2, 3, 'i')", "TypeError"),
-    (C, "SettingsCheck", "an unknown way", "checks.SettingsCheck((len,), ((),), (0,), 'z')", "ValueError"),
+    (C, "SettingsCheck", "an int for its program", "checks.SettingsCheck(5)", "TypeError AttributeError"),
+    (C, "SettingsCheck", "a program with ints for its tuples",
+     "checks.SettingsCheck(settings_program(readers=1, arguments=2, expected=3, ways='i'))", "TypeError"),
+    (C, "SettingsCheck", "a program with an unknown way",
+     "checks.SettingsCheck(settings_program(readers=(len,), arguments=((),), expected=(0,), ways='z'))", "ValueError"),
+    (C, "SettingsCheck", "a program with one argument tuple too few",
+     "checks.SettingsCheck(settings_program(readers=(len, len), arguments=((),), expected=(0, 0), ways='ii'))",
+     "ValueError"),
+    (C, "SettingsCheck", "a state that is no capsule",
+     "checks.SettingsCheck(settings_program(state=5))", "TypeError ValueError"),
     (C, "SettingsCheck", "made with __new__ and no arguments", "checks.SettingsCheck.__new__(checks.SettingsCheck)",
      "TypeError"),
-    (C, "SettingsCheck", "called with an argument", "checks.SettingsCheck((), (), (), '')(1)", "TypeError"),
+    (C, "SettingsCheck", "called with an argument", "checks.SettingsCheck(settings_program())(1)", "TypeError"),
+    (C, "flush_denormal", "an argument", "checks.flush_denormal(1)", "TypeError"),
+    (C, "total_length", "an int", "checks.total_length(5)", "TypeError"),
+    (C, "total_length", "lengths past the largest size", "checks.total_length(Huge(), Huge())", "OverflowError"),
     (E, "EagerGate", "called without __init__", "eager.EagerGate.__new__(eager.EagerGate)((1,))",
      "TypeError ValueError RuntimeError"),
-    (E, "EagerGate", "with_shapes without __init__", "eager.EagerGate.__new__(eager.EagerGate).with_shapes((1,), (1,))",
+    (E, "EagerGate", "its program read without __init__", "eager.EagerGate.__new__(eager.EagerGate).program",
      "TypeError ValueError RuntimeError"),
     # the region's own error, or a refusal of the call without __init__
     (E, "RegionCall", "called without __init__", REGION + "eager.RegionCall.__new__(eager.RegionCall)(R(), 1)",
@@ -247,12 +338,6 @@ CASES = [Case(*row) for row in [
     (S, "storage_references", "an int for the lane", "step.storage_references(5)", "AttributeError"),
 ]]
 # fmt: on
-# The cases that crash the process today: replay's C entry points, hardened on another branch.
-CRASHING_TODAY = {
-    ("replay._eager", "EagerGate", "called without __init__"),
-    ("replay._eager", "EagerGate", "with_shapes without __init__"),
-}
-
 RUNNER = r"""
 import json, os, signal, sys, time, traceback
 cases = json.load(sys.stdin)
@@ -333,10 +418,7 @@ def outcomes(request) -> dict[str, str]:
 
 @pytest.mark.parametrize(
     "case",
-    [
-        pytest.param(case, id=case_id(case), marks=[REPLAY_HARDENED_ELSEWHERE] if case[:3] in CRASHING_TODAY else [])
-        for case in CASES
-    ],
+    [pytest.param(case, id=case_id(case)) for case in CASES],
 )
 def test_a_misused_entry_point_raises_and_never_crashes(case, outcomes):
     if case_id(case) not in outcomes:

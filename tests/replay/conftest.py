@@ -27,11 +27,11 @@ def _checks_made(kind, request, monkeypatch):
 
 @pytest.fixture(params=["watch", "c", "python"])
 def checks_kind(request, monkeypatch):
-    """A test of replay's settings check runs against each way it can be made: the torch-side
-    helper's settings watch in front of csrc/replay_checks.c ("watch": the helper built for real,
-    see tests/conftest.py), csrc/replay_checks.c alone ("c", no helper; skipped where it was not
-    built) and the generated Python check ("python": JITCORE_NATIVE=0). The check is chosen
-    when a graph or a check is made, so inside the test."""
+    """A test of replay's settings check runs against each way it can be made:
+    csrc/replay_checks.c answering from the torch-side helper's settings state ("watch": the
+    helper built for real, see tests/conftest.py), csrc/replay_checks.c alone ("c", no helper;
+    skipped where it was not built) and the generated Python check ("python": JITCORE_NATIVE=0).
+    The check is chosen when a graph or a check is made, so inside the test."""
     with _checks_made(request.param, request, monkeypatch) as kind:
         yield kind
 

@@ -284,14 +284,14 @@ def test_a_buffer_holds_a_pad_only_of_a_tensor_of_its_dtype_and_device():
     meta buffer (on one GPU every graph's buffer is on the call's device, and two GPUs'
     guards already differ by the current device; the jit pad refuses a tensor of another
     device before writing, so no end-to-end test tells this half apart)."""
-    from replay.session import _holds_a_pad_of
+    from replay.routing import holds_a_pad_of
 
     buffer = torch.empty(8, 4)
-    assert _holds_a_pad_of(buffer, torch.randn(3, 4))
-    assert not _holds_a_pad_of(buffer, torch.randn(3, 4, dtype=torch.float64))
-    assert not _holds_a_pad_of(buffer, torch.empty(3, 4, dtype=torch.int32))
-    assert not _holds_a_pad_of(torch.empty(8, 4, device="meta"), torch.randn(3, 4))
-    assert not _holds_a_pad_of(buffer, torch.empty(3, 4, device="meta"))
+    assert holds_a_pad_of(buffer, torch.randn(3, 4))
+    assert not holds_a_pad_of(buffer, torch.randn(3, 4, dtype=torch.float64))
+    assert not holds_a_pad_of(buffer, torch.empty(3, 4, dtype=torch.int32))
+    assert not holds_a_pad_of(torch.empty(8, 4, device="meta"), torch.randn(3, 4))
+    assert not holds_a_pad_of(buffer, torch.empty(3, 4, device="meta"))
 
 
 @pytest.mark.parametrize("other", [torch.int32, torch.float64, torch.bfloat16], ids=str)
@@ -337,10 +337,10 @@ def test_a_replay_that_declines_after_the_pad_leaves_the_call_to_the_usual_path(
 @pytest.mark.parametrize("gate", [pytest.param(True, marks=_GATE), False], ids=["c", "python"])
 def test_a_marker_whose_size_needs_no_padding_is_an_ordinary_call(session_factory, monkeypatch, gate):  # noqa: F811
     # beyond the largest bucket, or at a bucket's own size, buckets.call would run the call
-    # unpadded: the gate (C) takes the marker as its tensor before any Python, the Python path
-    # at the top of _call_padded; the same results, counts and recordings as the plain call
+    # unpadded: the flat dispatch (the gate in C, or FlatDispatch) takes the marker as its
+    # tensor before the full path; the same results, counts and recordings as the plain call
     entered = {"_call": 0, "buckets.call": 0}
-    original_call, original_buckets_call = replay.session.Region._call, buckets.call
+    original_call, original_buckets_call = replay.region.Region.full_path, buckets.call
 
     def counting_call(self, *args):
         entered["_call"] += 1
@@ -350,7 +350,7 @@ def test_a_marker_whose_size_needs_no_padding_is_an_ordinary_call(session_factor
         entered["buckets.call"] += 1
         return original_buckets_call(*args, **kwargs)
 
-    monkeypatch.setattr(replay.session.Region, "_call", counting_call)
+    monkeypatch.setattr(replay.region.Region, "full_path", counting_call)
     monkeypatch.setattr(buckets, "call", counting_buckets_call)
     w = torch.randn(4)
 
@@ -370,11 +370,10 @@ def test_a_marker_whose_size_needs_no_padding_is_an_ordinary_call(session_factor
     entered.update({"_call": 0, "buckets.call": 0})
     assert run(padded=True) == plain
     assert entered["buckets.call"] == 0  # never padded, never checked for it
-    if gate:
-        calls_when_padded = entered["_call"]
-        entered.update({"_call": 0, "buckets.call": 0})
-        run(padded=False)
-        assert calls_when_padded == entered["_call"]  # the markers sent no call to the full path
+    calls_when_padded = entered["_call"]
+    entered.update({"_call": 0, "buckets.call": 0})
+    run(padded=False)
+    assert calls_when_padded == entered["_call"]  # the markers sent no call to the full path
     session = session_factory(record_after=1, buckets=[4, 8])
     step = _region(session, scaled_rows, gate)
     step(replay.padded(torch.randn(3, 4)), w)  # a size to pad: the padded path
@@ -399,17 +398,25 @@ def test_a_marker_needing_no_padding_keeps_the_padded_path_where_it_verifies_or_
     step = session.region(lambda x: x * 2)
     x = torch.randn(9, 3)
     assert torch.equal(step(replay.padded(x)), x * 2)
-    assert entered == [1] and step.padded_calls == 1
+    assert entered == [1] and step.router.padded_calls == 1
 
 
-def test_without_padding_takes_markers_that_need_none():
+@pytest.mark.parametrize("gate", [pytest.param(True, marks=_GATE), False], ids=["c", "python"])
+def test_the_dispatch_takes_markers_that_need_no_padding_as_their_tensors(session_factory, gate):  # noqa: F811
+    session = session_factory(record_after=100, buckets=[4, 8])
+    seen = []
+    step = _region(session, lambda *args: seen.append(args) or len(seen), gate)
     x9, x8, x3 = torch.randn(9, 2), torch.randn(8, 2), torch.randn(3, 2)
-    assert buckets.without_padding((buckets.padded(x9), 5), [4, 8])[0] is x9
-    assert buckets.without_padding((buckets.padded(x8), buckets.padded(x8.clone())), [4, 8])[0] is x8
-    assert buckets.without_padding((buckets.padded(x3),), [4, 8]) is None  # to pad
-    assert buckets.without_padding((buckets.padded(x9), buckets.padded(x8)), [4, 8]) is None  # disagree
-    assert buckets.without_padding((x9,), [4, 8]) is None  # no marker
-    assert buckets.without_padding((buckets.padded(x9),), None) is None  # no buckets
+    assert step.dispatch((buckets.padded(x9), 5)) == 1 and seen[-1][0] is x9
+    assert step.dispatch((buckets.padded(x8), buckets.padded(x8.clone()))) == 2 and seen[-1][0] is x8
+    miss = replay.dispatch.MISS
+    assert step.dispatch((buckets.padded(x3),)) is miss  # to pad
+    assert step.dispatch((buckets.padded(x9), buckets.padded(x8))) is miss  # they disagree
+    assert step.dispatch((buckets.padded(x9), replay.dynamic(3))) is miss  # beside a dynamic scalar
+    assert step.dispatch((buckets.padded(x9), [1])) is miss  # beside a constant of the full path
+    other = session_factory(record_after=100)
+    unbucketed = _region(other, lambda x: x, gate)
+    assert unbucketed.dispatch((buckets.padded(x9),)) is miss  # no buckets: the full path says so
 
 
 def test_a_real_session_pads_without_a_gpu():

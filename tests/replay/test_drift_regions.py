@@ -13,7 +13,8 @@ import torch
 
 from jitcore.backends import use_backend
 from jitcore.backends.null import NullBackend
-from replay.session import RECORDED, Session
+from replay.lifecycle import REPLAYING
+from replay.session import Session
 
 from .test_session import DoubleSession, FakeGraph
 
@@ -74,7 +75,7 @@ def warm(step, x, call=None):
     """Record and replay the key (three calls: record, analyse + replay, fast replay)."""
     for _ in range(3):
         (call or step)(x)
-    assert [entry.state for entry in step.entries.values()] == [RECORDED]
+    assert [entry.state for entry in step.entries.values()] == [REPLAYING]
 
 
 def test_object_attributes_are_not_seen_and_stay_baked(session_factory):
@@ -95,7 +96,7 @@ def test_helper_global_change_rekeys_instead_of_serving_stale(session_factory, l
     if path == "fast":  # flat calls: the generated fast path runs the inlined drift lines
         step = region_over(session, "def step(x):\n    return helpers.outer(x)\n", helpers=helpers)
         call = step
-    else:  # keyword calls: Region._call runs snapshot.check()
+    else:  # keyword calls: the full path runs snapshot.check()
         step = region_over(session, "def step(x, bias=0.0):\n    return helpers.outer(x) + bias\n", helpers=helpers)
         call = lambda x: step(x, bias=0.0)
     x = torch.ones(3)

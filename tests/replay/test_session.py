@@ -5,7 +5,9 @@ from __future__ import annotations
 import collections
 import dataclasses
 import gc
+import inspect
 import logging
+import pydoc
 import random
 import types
 import warnings
@@ -21,12 +23,15 @@ import jitcore
 import replay
 from jitcore.backends import use_backend
 from jitcore.backends.null import NullBackend
-from replay import admission, recording, region_keys
-from replay import session as session_module
+from replay import admission, keying, lifecycle, recording, region_keys
+from replay import dispatch as dispatch_module
+from replay import region as region_module
 from replay.admission import Admission
 from replay.graph import MISMATCH
+from replay.lifecycle import AWAITING_ANALYSIS, EAGER_ONLY, REPLAYING, WARMING
 from replay.rebinding import REBOUND, InputRange, Plan
-from replay.session import EAGER_ONLY, PENDING, RECORDED, WARMING, Region, Session
+from replay.region import Region
+from replay.session import Session
 
 
 @attrs.define
@@ -192,12 +197,12 @@ def test_each_shape_is_its_own_key(session_factory):
     step = session.region(add)
     for n in (2, 3, 2, 3):  # warm-up runs, then recordings (whose first launch serves the call)
         step(torch.randn(n), torch.randn(n))
-    assert {e.state for e in step.entries.values()} == {PENDING}
+    assert {e.state for e in step.entries.values()} == {AWAITING_ANALYSIS}
     for n in (2, 3, 2):  # the next call analyses, then replays
         step(torch.randn(n), torch.randn(n))
     stats = session.stats()
     assert (stats.eager_runs, stats.records, stats.replays) == (2, 2, 5)
-    assert {e.state for e in step.entries.values()} == {RECORDED}
+    assert {e.state for e in step.entries.values()} == {REPLAYING}
 
 
 def test_a_full_cache_admits_a_key_only_when_twice_as_hot_as_the_graph_it_replaces(session_factory):
@@ -216,9 +221,9 @@ def test_a_full_cache_admits_a_key_only_when_twice_as_hot_as_the_graph_it_replac
         step(*tensors[3])
     assert (state(3), session.stats().refused, session.stats().evictions) == ("no entry", 4, 0)
     step(*tensors[3])  # five times: more than twice as hot as 2: recorded
-    assert (state(1), state(2), state(3)) == (RECORDED, RECORDED, PENDING)
+    assert (state(1), state(2), state(3)) == (REPLAYING, REPLAYING, AWAITING_ANALYSIS)
     step(*tensors[3])  # its graph joins the cache: 2 goes, 1 (used most) stays
-    assert (state(1), state(2), state(3)) == (RECORDED, WARMING, RECORDED)
+    assert (state(1), state(2), state(3)) == (REPLAYING, WARMING, REPLAYING)
     assert session.stats().evictions == 1 and session.stats().graphs == 2
     for n in (1, 2, 3):  # every call is still exact, replayed or not
         assert torch.equal(step(*tensors[n]), tensors[n][0] + tensors[n][1])
@@ -247,7 +252,7 @@ def test_a_hot_key_is_never_evicted_for_a_cold_one(session_factory):
         step(*hot)
     for _ in range(20):  # called 20 times, but the hot graph was replayed 48 times
         step(*cold)
-    (hot_key,) = [k for k, e in step.entries.items() if e.state == RECORDED]
+    (hot_key,) = [k for k, e in step.entries.items() if e.state == REPLAYING]
     assert hot_key[region_keys.LEAVES_START][1] == (4,) and session.stats().evictions == 0
 
 
@@ -255,8 +260,8 @@ def test_keys_that_never_repeat_leave_no_entry_and_run_no_observer(session_facto
     # a prefill-like loop: hundreds of lengths, each seen once. Each call costs its eager run
     # plus the key: no entry, no observer, no recording
     observed = []
-    original = replay.session.op_observer
-    monkeypatch.setattr(replay.session, "op_observer", lambda *a: observed.append(a) or original(*a))
+    original = replay.region.op_observer
+    monkeypatch.setattr(replay.region, "op_observer", lambda *a: observed.append(a) or original(*a))
     session = session_factory(record_after=1)
     step = session.region(add)
     step(torch.randn(1), torch.randn(1))  # the region's first key: its warm-up is observed once
@@ -317,10 +322,10 @@ def test_a_padded_argument_in_a_graphs_output_memory_runs_eagerly(session_factor
     g = torch.randn(3, 2)
     increment(replay.padded(g))  # recorded; its first launch served the call
     (entry,) = increment.entries.values()
-    assert entry.state == PENDING
+    assert entry.state == AWAITING_ANALYSIS
     entry.unanalysed.outputs, entry.unanalysed.owned_outputs = g, {g.untyped_storage().data_ptr()}
     assert torch.equal(increment(replay.padded(g)), g + 1)
-    assert session.stats().declined == 2 and entry.state == PENDING
+    assert session.stats().declined == 2 and entry.state == AWAITING_ANALYSIS
 
 
 def test_the_output_memory_a_padded_call_is_checked_against_follows_graphs_coming_and_going(session_factory):
@@ -335,7 +340,7 @@ def test_the_output_memory_a_padded_call_is_checked_against_follows_graphs_comin
     entry.graph.output_memory = {h.data_ptr(): h.untyped_storage().nbytes()}  # as if h were its output
     step.outputs_changed()  # what the region's own bookkeeping does when a graph comes
     assert torch.equal(step(replay.padded(h)), h * 2) and session.stats().declined == 1
-    session.release(entry)  # its memory is no longer written by a replay: no reason to decline
+    session.keys.release(entry)  # its memory is no longer written by a replay: no reason to decline
     assert torch.equal(step(replay.padded(h)), h * 2) and session.stats().declined == 1
     for _ in range(2):  # recorded again, analysed: the new graph's memory is not h's
         step(replay.padded(h))
@@ -343,7 +348,7 @@ def test_the_output_memory_a_padded_call_is_checked_against_follows_graphs_comin
 
 
 def test_keys_that_share_shapes_share_a_count_and_stay_exact(session_factory):
-    # admission counts calls by shapes (Region._counted): a float16 key after two float32 calls of
+    # admission counts calls by shapes (Region.counted): a float16 key after two float32 calls of
     # the same shape is recorded on its first call, which is exact (record_after=0 does the same)
     session = session_factory(record_after=1)
     step = session.region(add)
@@ -419,7 +424,7 @@ def test_after_the_grace_only_keys_whose_calls_pay_for_a_recording_record(sessio
         z = torch.zeros(rows)
         assert torch.equal(step(z, z), z + z)
     assert session.stats().records == 2 and session.stats().too_rare == 20
-    assert step.eager_seconds > 0  # one eager call in eight is timed, the first of them not trusted
+    assert step.cost.seconds > 0  # one eager call in eight is timed, the first of them not trusted
 
 
 def test_with_the_budget_spent_a_key_records_once_its_own_calls_paid_for_a_recording(session_factory, monkeypatch):
@@ -454,12 +459,12 @@ def test_with_the_budget_spent_a_key_records_once_its_own_calls_paid_for_a_recor
 def test_the_eager_cost_ignores_the_first_call_follows_drops_at_once_and_rises_slowly(session_factory):
     step = session_factory().region(add)
     for seconds, expected in [(1.0, 0.0), (0.002, 0.002), (0.010, 0.003), (0.001, 0.001), (0.009, 0.002)]:
-        step._eager_took(seconds)  # the first call (which loaded kernels) is not trusted
-        assert step.eager_seconds == pytest.approx(expected)
+        step.cost.took(seconds)  # the first call (which loaded kernels) is not trusted
+        assert step.cost.seconds == pytest.approx(expected)
     fresh = session_factory().region(add)
-    fresh._eager_took(0.001)
-    fresh._eager_took(0.5)  # a slow second call: the estimate rises from the first by an eighth
-    assert fresh.eager_seconds == pytest.approx(0.001 + 0.499 / 8)
+    fresh.cost.took(0.001)
+    fresh.cost.took(0.5)  # a slow second call: the estimate rises from the first by an eighth
+    assert fresh.cost.seconds == pytest.approx(0.001 + 0.499 / 8)
 
 
 @settings(max_examples=60, deadline=None)
@@ -478,14 +483,14 @@ def test_the_quiet_bound_never_hides_a_count_that_pays_back_whatever_the_estimat
         policy.budget.recent = [usual / 2]
         step = session.region(add)
         for seconds in samples:
-            step._eager_took(seconds)
-            if step.quiet.version != policy.budget.version:
-                step._refresh_quiet(policy)  # as the next _decide would
-            quiet = step.quiet.below
+            step.cost.took(seconds)
+            if step.cost.quiet.version != policy.budget.version:
+                step.cost.refresh()  # as the next _decide would
+            quiet = step.cost.quiet.below
             if quiet == admission.QUIET_FOREVER:
-                assert not policy.pays_back(10**9, step.eager_seconds)
+                assert not policy.pays_back(10**9, step.cost.seconds)
             else:
-                assert not any(policy.pays_back(count, step.eager_seconds) for count in range(record_after + 1, quiet))
+                assert not any(policy.pays_back(count, step.cost.seconds) for count in range(record_after + 1, quiet))
 
 
 def test_a_timed_call_asks_the_payback_rule_again_only_when_the_estimate_leaves_its_band(session_factory, monkeypatch):
@@ -498,17 +503,17 @@ def test_a_timed_call_asks_the_payback_rule_again_only_when_the_estimate_leaves_
         return original(self, seconds)
 
     monkeypatch.setattr(Admission, "quiet_below", asking)
-    step._eager_took(0.001)  # not trusted: no estimate yet
-    step._eager_took(0.001)  # the first estimate: asked, for the band's top
-    assert asked == [pytest.approx(0.001 * session_module.QUIET_HEADROOM)]
+    step.cost.took(0.001)  # not trusted: no estimate yet
+    step.cost.took(0.001)  # the first estimate: asked, for the band's top
+    assert asked == [pytest.approx(0.001 * dispatch_module.QUIET_HEADROOM)]
     for seconds in (0.00095, 0.00092, 0.0009):  # drops inside the band
-        step._eager_took(seconds)
+        step.cost.took(seconds)
     assert len(asked) == 1
-    step._eager_took(0.0008)  # below 1 ms / headroom: asked again, from the new estimate
-    assert asked[-1] == pytest.approx(0.0008 * session_module.QUIET_HEADROOM) and len(asked) == 2
-    while step.eager_seconds <= 0.0008 * session_module.QUIET_HEADROOM:  # rises an eighth at a time
-        step._eager_took(0.005)
-        assert len(asked) == 2 or step.eager_seconds > 0.0008 * session_module.QUIET_HEADROOM
+    step.cost.took(0.0008)  # below 1 ms / headroom: asked again, from the new estimate
+    assert asked[-1] == pytest.approx(0.0008 * dispatch_module.QUIET_HEADROOM) and len(asked) == 2
+    while step.cost.seconds <= 0.0008 * dispatch_module.QUIET_HEADROOM:  # rises an eighth at a time
+        step.cost.took(0.005)
+        assert len(asked) == 2 or step.cost.seconds > 0.0008 * dispatch_module.QUIET_HEADROOM
     assert len(asked) == 3  # past the band's top: asked again
 
 
@@ -516,31 +521,31 @@ def test_debug_logging_turned_on_takes_the_quiet_bound_away_at_the_next_timed_ca
     # with debug logging on, every call asks the rule (which says why it did not record); the
     # band keeps the bound across timed calls, but not past logging turned on
     step = session_factory(record_after=1).region(add)
-    step._eager_took(0.001)
-    step._eager_took(0.001)
-    assert step.quiet.below > 0
+    step.cost.took(0.001)
+    step.cost.took(0.001)
+    assert step.cost.quiet.below > 0
     logger = logging.getLogger("replay")
     level = logger.level
     logger.setLevel(logging.DEBUG)
     try:
-        step._eager_took(0.001)  # inside the band
-        assert step.quiet.below == 0
+        step.cost.took(0.001)  # inside the band
+        assert step.cost.quiet.below == 0
     finally:
         logger.setLevel(level)
 
 
 @pytest.mark.parametrize("gate", [True, False], ids=["c", "python"])
 def test_the_eager_path_times_one_call_in_8_then_one_in_64(session_factory, monkeypatch, gate):
-    if gate and not session_module._native_enabled():
+    if gate and not dispatch_module.native_enabled():
         pytest.skip("replay._eager is not built here (or JITCORE_NATIVE=0)")
     session = session_factory(record_after=10**6)  # every call warms: the flat eager path
     step = _region(session, add, gate)
     timed = []
-    monkeypatch.setattr(Region, "_eager_took", lambda self, seconds: timed.append(self.forgotten.eager_runs))
+    step.program.took = lambda seconds: timed.append(step.forgotten.eager_runs)  # (read on each timed call)
     x = torch.ones(2)
     for _ in range(1024):
         step(x, x)
-    settled = session_module.EAGER_TIMING_SETTLED
+    settled = dispatch_module.EAGER_TIMING_SETTLED
     assert timed == [*range(8, settled, 8), *range(settled, 1025, 64)]
 
 
@@ -615,7 +620,8 @@ def test_a_call_the_graph_declines_runs_eagerly(session_factory, monkeypatch):
     step(x, x)
     entry = next(iter(step.entries.values()))
     monkeypatch.setattr(entry.graph, "replay", lambda *leaves: MISMATCH)
-    step.serve_new_graph(entry)
+    candidates = step.by_pre_key[dispatch_module.pre_key([x, x])]
+    candidates[:] = [(guard, entry.graph.replay, e) for guard, _run, e in candidates]  # the pre-key's run, patched
     eager_before = session.stats().eager_runs
     assert torch.equal(step(x, x), x + x)  # through the fast path
     assert session.stats().declined == 1 and session.stats().eager_runs == eager_before + 1
@@ -646,33 +652,29 @@ def test_recorded_keys_are_served_by_pre_key_and_guard_without_computing_a_key(s
     assert calls == [1]  # another shape: the key path
     entry = next(iter(step.entries.values()))
     assert "_tensor_guard0(_a0, _a1)" in entry.guard.source
-    assert [c[2] for c in step.fast[step.pre_key([x, y])]] == [entry]
+    assert [c[2] for c in step.by_pre_key[dispatch_module.pre_key([x, y])]] == [entry]
 
 
-def test_the_dispatch_function_is_generated_again_only_for_a_new_arity(session_factory):
-    """The generated dispatch reads its candidates from ``region.fast`` at call time: a new
-    key of a known arity needs no new function (its compile was a tenth of a key's second
-    call). With the gate, ``_fast`` stays the gate and the function is ``_fast_keys``."""
+def test_one_dispatch_serves_keys_of_every_arity_from_the_pre_key_table(session_factory):
+    """The region's dispatch (the gate in C, or FlatDispatch) is made once and reads the
+    pre-key table at call time: keys of new arities, and keys recorded again after an
+    invalidation, need nothing generated or swapped."""
     session = session_factory(record_after=0)
     step = session.region(lambda *tensors: sum(tensors))
-    for size in (5, 5):
+    dispatch = step.dispatch
+    for size in (5, 5, 6, 6):
         step(torch.randn(size), torch.randn(size))
-    first = step._fast_keys
-    assert first is not None and step._fast is (step._gate or first)
-    for size in (6, 6):
-        step(torch.randn(size), torch.randn(size))
-    assert step._fast_keys is first and len(step.fast) == 2
-    x, y = torch.randn(6), torch.randn(6)
-    assert torch.equal(step(x, y), x + y)  # the new key is served by the old function
     for _ in range(2):
         step(torch.randn(4), torch.randn(4), torch.randn(4))
-    assert step._fast_keys is not first and {len(k) for k in step.fast} == {2, 3}
-    step.clear_fast_path()
-    assert step._fast_keys is None
-    for _ in range(2):
+    assert {len(k) for k in step.by_pre_key} == {2, 3} and len(step.by_pre_key) == 3
+    x, y = torch.randn(6), torch.randn(6)
+    replays = session.stats().replays
+    assert torch.equal(step(x, y), x + y) and session.stats().replays == replays + 1
+    session.invalidate()
+    assert step.by_pre_key == {} and lifecycle.problems(session) == []
+    for _ in range(3):
         step(torch.randn(7), torch.randn(7))
-    assert step._fast_keys is not None  # generated again after a clear
-    assert step._fast is (step._gate or step._fast_keys)
+    assert step.dispatch is dispatch and len(step.by_pre_key) == 1
 
 
 def test_region_globals_drift_rekeys(session_factory, monkeypatch):
@@ -748,7 +750,7 @@ def test_unusual_tensors_are_refused_cleanly_on_the_fast_and_slow_paths(session_
     if after_a_recorded_key:
         for _ in range(3):
             step(torch.ones(2, 3))
-        assert [entry.state for entry in step.entries.values()] == [RECORDED]
+        assert [entry.state for entry in step.entries.values()] == [REPLAYING]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # torch: nested tensors are a prototype
         unusual = make()
@@ -807,6 +809,70 @@ def test_bad_policy_values_name_the_field(policy, match):
         replay.capture(record_afterr=1)
 
 
+@pytest.mark.parametrize("entry_point", [replay.capture, replay.graphed], ids=["capture", "graphed"])
+def test_capture_and_graphed_list_every_option_of_the_policy_with_its_type_and_default(entry_point, monkeypatch):
+    # help(replay.capture) shows each option: keyword-only, typed, the Policy's default
+    parameters = inspect.signature(entry_point).parameters
+    options = {name: p for name, p in parameters.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    fields = attrs.fields(replay.Policy)
+    assert list(options) == [field.name for field in fields]
+    assert {name: p.default for name, p in options.items()} == {field.name: field.default for field in fields}
+    assert all(p.annotation is not inspect.Parameter.empty for p in options.values())
+    shown = pydoc.render_doc(entry_point, renderer=pydoc.plaintext)
+    assert all(f"{field.name}:" in shown for field in fields)
+    monkeypatch.setenv("REPLAY_DEBUG", "1")
+    assert replay.Policy().check_stale and replay.capture().policy.check_stale  # None: from REPLAY_DEBUG
+    assert not replay.capture(check_stale=False).policy.check_stale
+
+
+def test_a_session_takes_a_policy_and_overrides_of_its_fields():
+    policy = replay.Policy(max_graphs=3, buckets=[8, 2])
+    session = Session(policy, record_after=4)
+    assert (session.policy.max_graphs, session.policy.record_after, session.policy.buckets) == (3, 4, (2, 8))
+    assert Session(policy).policy is not policy and Session(policy).policy == policy
+    with pytest.raises(TypeError, match="policy must be a replay.Policy, got dict"):
+        Session({"record_after": 1})
+    with pytest.raises(ValueError, match="record_after"):
+        Session(policy, record_after=-1)
+
+
+def _warned_here(call, *args) -> tuple[str, int, int]:
+    """The file and line a ReplayWarning given by ``call(*args)`` names, and this line."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        line = inspect.currentframe().f_lineno + 1
+        call(*args)
+    (warning,) = [w for w in caught if issubclass(w.category, replay.ReplayWarning)]
+    return warning.filename, warning.lineno, line
+
+
+@pytest.mark.parametrize("gate", [True, False], ids=["c", "python"])
+def test_replay_warnings_name_the_users_line_on_the_c_and_the_python_path(session_factory, monkeypatch, gate):
+    """A warning points at the line that called the region, whether the call went through the C
+    region call and gate or through Python: a failed capture (the flat dispatch's rule, then the
+    full path), a key that needs autograd (the full path), no GPU (the dispatch's miss)."""
+    if gate and not dispatch_module.native_enabled():
+        pytest.skip("replay._eager is not built here (or JITCORE_NATIVE=0)")
+    if not gate:
+        monkeypatch.setattr(Region, "__call__", region_module.PYTHON_REGION_CALL)
+    session = session_factory(record_after=0)
+    step = _region(session, add, gate)
+    assert _in_c(step) == gate
+    session.capture_script = [recording.CaptureFailed("no")]
+    x = torch.ones(2)
+    filename, lineno, line = _warned_here(step, x, x)
+    assert (filename, lineno) == (__file__, line)
+    w = torch.ones(3, requires_grad=True)
+    filename, lineno, line = _warned_here(step, w, w)
+    assert (filename, lineno) == (__file__, line)
+    with use_backend(NullBackend()):
+        cpu = Session(record_after=0)
+    cpu._gpu = False
+    eager = _region(cpu, add, gate)
+    filename, lineno, line = _warned_here(eager, x, x)
+    assert (filename, lineno) == (__file__, line)
+
+
 def test_the_capture_is_observed_unless_a_clean_warm_up_was(session_factory):
     session = session_factory(record_after=1)
     reads = session.region(add)  # x + y: a torch op reads both inputs
@@ -849,7 +915,7 @@ def test_a_spoiled_pool_is_retired_and_random_drawing_graphs_record_again(sessio
     pending = session.region(lambda x: x + 1, name="pending")
     pending(x)
     (waiting,) = pending.entries.values()
-    assert waiting.state == PENDING
+    assert waiting.state == AWAITING_ANALYSIS
     waiting.uses_rng = True
     session.capture_script = [recording.SpoiledPool("the capture could not start")]
     with pytest.warns(replay.ReplayWarning):
@@ -870,7 +936,7 @@ def test_an_unexpected_error_in_the_analysis_leaves_the_key_recordable(session_f
     assert entry.state == WARMING and entry.unanalysed is None and session.captures[0] is not None
     assert torch.equal(step(x, x), x + x)  # records again
     assert torch.equal(step(x, x), x + x)  # replays
-    assert entry.state == RECORDED
+    assert entry.state == REPLAYING
 
 
 def _report_rows(report: str) -> list[list[str]]:
@@ -910,7 +976,7 @@ def test_a_loop_over_thousands_of_plain_floats_keeps_bounded_bookkeeping(monkeyp
 
 
 def test_eager_only_keys_are_bounded_and_the_report_adds_up(session_factory, monkeypatch):
-    monkeypatch.setattr("replay.session.MAX_IDLE_ENTRIES", 10)
+    monkeypatch.setattr("replay.lifecycle.MAX_IDLE_ENTRIES", 10)
     session = session_factory(record_after=0)
     step = session.region(add)
     for n in (1, 1, 1):  # a recorded key, replayed
@@ -923,7 +989,7 @@ def test_eager_only_keys_are_bounded_and_the_report_adds_up(session_factory, mon
                 x = torch.randn(n)
                 assert torch.equal(step(x, x), x + x)
     assert len(step.entries) == 11  # the recorded key and the 10 most recent eager-only ones
-    assert next(iter(step.entries.values())).state == RECORDED  # called long ago, but it holds a graph
+    assert next(iter(step.entries.values())).state == REPLAYING  # called long ago, but it holds a graph
     stats = session.stats()
     assert _row_totals(session) == (stats.calls, stats.replays, stats.eager_runs)
     assert len(_report_rows(session.report())) <= replay.session.REPORT_KEYS + 1
@@ -966,7 +1032,7 @@ def test_under_a_skewed_mix_the_hottest_keys_hold_the_graphs(session_factory):
     for n in generator.choices(sizes, weights=weights, k=6000):
         calls[n] += 1
         assert torch.equal(step(*tensors[n]), tensors[n][0] + tensors[n][1])
-    held = {key[region_keys.LEAVES_START][1][0] for key, e in step.entries.items() if e.state == RECORDED}
+    held = {key[region_keys.LEAVES_START][1][0] for key, e in step.entries.items() if e.state == REPLAYING}
     hottest = {n for n, _ in calls.most_common(12)}
     assert len(held & hottest) >= 10, (sorted(held), sorted(hottest))
     stats = session.stats()
@@ -997,8 +1063,8 @@ def test_property_admission_by_shapes_keeps_its_index_and_every_result_exact(rec
     # whatever the calls (new shapes, other dtypes under the same shapes, keyword calls, failed
     # captures, invalidations, drift of the region's globals, entries dropped to stay bounded),
     # the index of the shapes that have entries matches the entries, and every call is exact
-    original = replay.session.MAX_IDLE_ENTRIES
-    replay.session.MAX_IDLE_ENTRIES = 3
+    original = replay.lifecycle.MAX_IDLE_ENTRIES
+    replay.lifecycle.MAX_IDLE_ENTRIES = 3
     _SCALE[0] = 1.0
     try:
         with use_backend(NullBackend()), warnings.catch_warnings():
@@ -1026,7 +1092,7 @@ def test_property_admission_by_shapes_keeps_its_index_and_every_result_exact(rec
             stats = session.stats()
             assert stats.calls == stats.replays + stats.eager_runs
     finally:
-        replay.session.MAX_IDLE_ENTRIES = original
+        replay.lifecycle.MAX_IDLE_ENTRIES = original
         _SCALE[0] = 1.0
 
 
@@ -1058,19 +1124,19 @@ def test_the_eager_paths_shortcut_decides_and_counts_as_the_rule_does(
             now[0] += durations[len(x) - 1]  # however often the clock is read
             return x + y
 
-        original_quiet, original_decide, original_time = Admission.quiet_below, Region._decide, session_module.time
+        original_quiet, original_decide, original_time = Admission.quiet_below, Region._decide, region_module.time
         decided = []
 
         def counting_decide(self, *args):
             decided.append(1)
             return original_decide(self, *args)
 
-        original_gate = session_module.EagerGate
+        original_gate = dispatch_module.EagerGate
         Admission.quiet_below = original_quiet if shortcut else (lambda self, eager_seconds: 0)
         Region._decide = counting_decide
-        session_module.time = clock  # an eager call takes its size's duration
+        region_module.time = clock  # an eager call takes its size's duration
         if not gate:
-            session_module.EagerGate = None  # the Python methods
+            dispatch_module.EagerGate = None  # the Python methods
         try:
             with use_backend(NullBackend()):
                 session = DoubleSession(record_after=record_after, record_budget=0.05, max_graphs=4)
@@ -1092,8 +1158,8 @@ def test_the_eager_paths_shortcut_decides_and_counts_as_the_rule_does(
                 session.close()
                 return seen, len(decided)
         finally:
-            Admission.quiet_below, Region._decide, session_module.time = original_quiet, original_decide, original_time
-            session_module.EagerGate = original_gate
+            Admission.quiet_below, Region._decide, region_module.time = original_quiet, original_decide, original_time
+            dispatch_module.EagerGate = original_gate
 
     (fast, asked_fast), (slow, asked_slow) = run(shortcut=True), run(shortcut=False, gate=False)
     assert fast == slow
@@ -1102,29 +1168,34 @@ def test_the_eager_paths_shortcut_decides_and_counts_as_the_rule_does(
 
 
 _GATE = pytest.mark.skipif(
-    not session_module._native_enabled(), reason="replay._eager is not built here (or JITCORE_NATIVE=0)"
+    not dispatch_module.native_enabled(), reason="replay._eager is not built here (or JITCORE_NATIVE=0)"
 )
 
 
+def _in_c(region) -> bool:
+    return dispatch_module.EagerGate is not None and type(region.dispatch) is dispatch_module.EagerGate
+
+
 def _region(session, fn, gate: bool):
-    """``session.region(fn)`` with its gate in C (``gate``) or with the Python methods."""
-    saved = session_module.EagerGate
+    """``session.region(fn)`` with its dispatch in C (``gate``) or its Python fallback."""
+    saved = dispatch_module.EagerGate
     if not gate:
-        session_module.EagerGate = None
+        dispatch_module.EagerGate = None
     try:
         return session.region(fn)
     finally:
-        session_module.EagerGate = saved
+        dispatch_module.EagerGate = saved
 
 
 @_GATE
 def test_a_region_takes_its_flat_eager_path_in_c_where_built(session_factory, monkeypatch):
     session = session_factory(record_after=100)
     step = session.region(add)
-    assert type(step._eager_entry) is session_module.EagerGate
+    assert type(step.dispatch) is dispatch_module.EagerGate and step.dispatch.program is step.program
     monkeypatch.setenv("JITCORE_NATIVE", "0")
     other = session.region(add)
-    assert other._eager_entry == other._eager_flat  # turned off: the methods
+    assert type(other.dispatch) is dispatch_module.FlatDispatch  # turned off: the Python fallback
+    assert other.dispatch.program is other.program
 
 
 @_GATE
@@ -1134,7 +1205,7 @@ def test_the_gate_reads_and_bumps_plain_slots_directly_and_anything_else_as_attr
     # through them (its hook sees every write), and the counts come out the same either way
     session = session_factory(record_after=100)
     step = session.region(add)
-    assert set(step._gate.direct_slots) == {
+    assert set(step.dispatch.direct_slots) == {
         "sketch.calls",
         "sketch.window",
         "sketch.counts",
@@ -1162,7 +1233,7 @@ def test_the_gate_reads_and_bumps_plain_slots_directly_and_anything_else_as_attr
     hooked_session = session_factory(record_after=100)
     hooked_session.counters = Hooked()
     hooked = hooked_session.region(add)
-    assert not any(name.startswith("counters.") for name in hooked._gate.direct_slots)
+    assert not any(name.startswith("counters.") for name in hooked.dispatch.direct_slots)
     written.clear()  # (the counters' own construction)
     for _ in range(5):
         hooked(x, x)
@@ -1247,7 +1318,7 @@ def test_with_recorded_keys_the_c_dispatch_and_the_python_one_agree_on_every_kin
     for gate in (True, False):
         session = session_factory(record_after=0)
         step = _region(session, region, gate)
-        assert (step._gate is not None) == gate
+        assert _in_c(step) == gate
         seen = []
         for args in calls():
             try:
@@ -1256,7 +1327,7 @@ def test_with_recorded_keys_the_c_dispatch_and_the_python_one_agree_on_every_kin
                 seen.append((type(error), str(error)))
             s = session.stats()
             seen.append((s.calls, s.replays, s.eager_runs, s.records, s.too_rare))
-        assert step.fast, "keys were recorded and put on the fast path"
+        assert step.by_pre_key, "keys were recorded and put on the fast path"
         results.append(seen)
     assert results[0] == results[1]
     replays = [entry for entry in results[0] if isinstance(entry, tuple) and len(entry) == 5][-1][1]
@@ -1274,23 +1345,19 @@ def test_the_gate_sends_a_miss_to_the_eager_path_and_a_hit_to_its_candidates(ses
     for _ in range(4):
         step(x, x)  # warmed, recorded, analysed and replayed, replayed
     replays = session.stats().replays
-    assert step.fast and step._fast is step._gate
+    assert step.by_pre_key and _in_c(step)
     full, served = [], []
     pre = (x.shape, x.shape)
-    ((guard, run, entry),) = step.fast[pre]
+    ((guard, run, entry),) = step.by_pre_key[pre]
 
     def counting(*args):
         served.append(args)
         return run(*args)
 
-    step.fast[pre][0] = (guard, counting, entry)
+    step.by_pre_key[pre][0] = (guard, counting, entry)
 
-    def never_called(*args):
-        raise AssertionError("the gate tries the candidates itself")
-
-    step._fast_keys = never_called
-    original_call = Region._call
-    monkeypatch.setattr(Region, "_call", lambda self, *a: (full.append(1), original_call(self, *a))[1])
+    original_call = Region.full_path
+    monkeypatch.setattr(Region, "full_path", lambda self, *a: (full.append(1), original_call(self, *a))[1])
     for rows in (5, 6, 7, 8):  # each seen once: warming, eagerly
         y = torch.full((rows,), 2.0)
         assert torch.equal(step(y, y), y + y)
@@ -1309,8 +1376,8 @@ def test_candidates_are_tried_in_turn_and_a_declined_one_leaves_the_call_to_the_
     """Candidates of one pre-key are tried guard by guard; the first yes checks the globals,
     is touched and replays; a replay that declines leaves the call to the next candidate,
     then to the eager path; a drift of the globals re-keys before any replay. The gate in C
-    and the generated dispatch alike."""
-    if gate and not session_module._native_enabled():
+    and its Python fallback alike, each reading the program's globals check on every hit."""
+    if gate and not dispatch_module.native_enabled():
         pytest.skip("replay._eager is not built here (or JITCORE_NATIVE=0)")
     session = session_factory(record_after=0)
     step = _region(session, add, gate)
@@ -1318,7 +1385,7 @@ def test_candidates_are_tried_in_turn_and_a_declined_one_leaves_the_call_to_the_
     for _ in range(3):
         step(x, x)
     pre = (x.shape, x.shape)
-    (first,) = step.fast[pre]
+    (first,) = step.by_pre_key[pre]
     log = []
 
     def candidate(name, says, result):
@@ -1332,36 +1399,32 @@ def test_candidates_are_tried_in_turn_and_a_declined_one_leaves_the_call_to_the_
 
         return (guard, run, first[2])
 
-    step.fast[pre][:] = [
+    step.by_pre_key[pre][:] = [
         candidate("a", False, None),
         candidate("b", True, MISMATCH),
         candidate("c", True, "served"),
         candidate("d", True, "never"),
     ]
     drift_checks = []
-    if gate:
-        monkeypatch.setattr(step, "_region_drift", lambda: drift_checks.append(1))
+    monkeypatch.setattr(step.program, "region_drift", lambda: drift_checks.append(1))
     assert step(x, x) == "served"
     assert log == [("guard", "a"), ("guard", "b"), ("run", "b"), ("guard", "c"), ("run", "c")]
-    assert len(drift_checks) == (2 if gate else 0)  # before each replay (the generated dispatch has it inline)
+    assert len(drift_checks) == 2  # before each replay
     log.clear()
-    step.fast[pre][:] = [candidate("a", False, None), candidate("b", True, MISMATCH)]
+    step.by_pre_key[pre][:] = [candidate("a", False, None), candidate("b", True, MISMATCH)]
     full = []
-    original_call = Region._call
-    monkeypatch.setattr(Region, "_call", lambda self, *a: (full.append(1), original_call(self, *a))[1])
+    original_call = Region.full_path
+    monkeypatch.setattr(Region, "full_path", lambda self, *a: (full.append(1), original_call(self, *a))[1])
     assert torch.equal(step(x, x), x + x)  # none served: the eager path, which leaves a recorded key to the full path
     assert log == [("guard", "a"), ("guard", "b"), ("run", "b")] and full == [1]
 
-    if not gate:  # the drift check inline in the generated dispatch: test_region_globals_drift_rekeys
-        return
-
     def drifted():
-        raise session_module._RegionDrift("x")
+        raise dispatch_module.RegionDrift("x")
 
-    step.fast[pre][:] = [candidate("c", True, "served")]
-    monkeypatch.setattr(step, "_region_drift", drifted)
+    step.by_pre_key[pre][:] = [candidate("c", True, "served")]
+    monkeypatch.setattr(step.program, "region_drift", drifted)
     rekeyed = []
-    monkeypatch.setattr(Region, "_rekey", lambda self, args, kwargs: rekeyed.append(args) or "rekeyed")
+    monkeypatch.setattr(Region, "rekey", lambda self, args, kwargs: rekeyed.append(args) or "rekeyed")
     log.clear()
     assert step(x, x) == "rekeyed" and log == [("guard", "c")]  # the drift check comes before the replay
 
@@ -1389,7 +1452,7 @@ def test_a_loop_of_shapes_too_rare_to_record_skips_the_rule(session_factory, mon
 def test_region_call_in_c_and_in_python_agree(session_factory, monkeypatch):
     # Region.__call__ is replay._eager.RegionCall where built: the same steps as the Python
     # method (flat calls, keyword arguments, the globals' drift), the same results and counts
-    assert type(Region.__call__) is session_module.RegionCall
+    assert type(Region.__call__) is dispatch_module.RegionCall
     scale = [2.0]
 
     def region(x, y=None, *, twice=False):
@@ -1411,7 +1474,7 @@ def test_region_call_in_c_and_in_python_agree(session_factory, monkeypatch):
         return seen
 
     native = run()
-    monkeypatch.setattr(Region, "__call__", session_module.PYTHON_REGION_CALL)
+    monkeypatch.setattr(Region, "__call__", region_module.PYTHON_REGION_CALL)
     assert run() == native
 
 
@@ -1468,7 +1531,7 @@ def test_under_grad_mode_an_argument_requiring_grad_never_replays_and_keeps_its_
     # key did not hold requires_grad), and a real replay returns a detached output: w.grad
     # stayed None where eager gives 2.
     if not gate:
-        monkeypatch.setattr(session_module, "_native_enabled", lambda: False)
+        monkeypatch.setattr(dispatch_module, "native_enabled", lambda: False)
     session = detaching_session_factory(record_after=1)
     step = session.region(_double)
     x = torch.ones(4)
@@ -1499,19 +1562,19 @@ def test_under_grad_mode_an_argument_requiring_grad_never_replays_and_keeps_its_
             out = step(w)
             assert not out.requires_grad and torch.equal(out, torch.full((4,), 2.0))
     assert session.stats().records == 2 and session.stats().replays == 6  # (its recording launch serves a call)
-    keys = [e.key for e in step.entries.values() if e.state == RECORDED]
+    keys = [e.key for e in step.entries.values() if e.state == REPLAYING]
     assert len(keys) == 2 and keys[0] != keys[1]
 
 
 def test_a_requires_grad_key_is_its_own_and_equal_to_region_keys_without_one():
     x, w = torch.ones(4), torch.ones(4, requires_grad=True)
     spec, leaves, paths = region_keys.flatten((x, 3), {})
-    assert session_module._region_key(-1, spec, leaves, paths) == region_keys.region_key(-1, spec, leaves, paths)
+    assert keying.region_key(-1, spec, leaves, paths) == region_keys.region_key(-1, spec, leaves, paths)
     spec, grad_leaves, paths = region_keys.flatten((w, 3), {})
-    key = session_module._region_key(-1, spec, grad_leaves, paths)
-    assert key != session_module._region_key(-1, spec, leaves, paths)
-    assert session_module._grad_leaves(key) == (0,) and session_module._grad_leaves(key[:-1]) == ()
-    assert "requiring grad" in session_module._describe_key(key)
+    key = keying.region_key(-1, spec, grad_leaves, paths)
+    assert key != keying.region_key(-1, spec, leaves, paths)
+    assert keying.grad_leaves(key) == (0,) and keying.grad_leaves(key[:-1]) == ()
+    assert "requiring grad" in keying.describe_key(key)
 
 
 class _Weighted:
@@ -1560,7 +1623,7 @@ def test_pending_captures_never_analysed_give_way_to_a_hot_key_and_free_their_gr
         for _ in range(2):
             step(torch.zeros(n))
     pending = list(session.pending)
-    assert len(pending) == 4 and all(e.state == PENDING for e in pending)
+    assert len(pending) == 4 and all(e.state == AWAITING_ANALYSIS for e in pending)
     captured = [e.unanalysed.graph for e in pending]
     hot = torch.zeros(100)
     for _ in range(1000):
@@ -1591,7 +1654,7 @@ def test_captures_of_keys_that_never_come_back_are_evicted_as_graphs_are_and_sta
             assert len(session.lru) + len(session.pending) <= 3
         captured[n] = next(reversed(session.pending)).unanalysed.graph  # the capture just made
     state = {e.key[region_keys.LEAVES_START][1][0]: e for e in step.entries.values()}
-    assert state[100].state == RECORDED and state[100] in session.lru
+    assert state[100].state == REPLAYING and state[100] in session.lru
     assert [e.key[region_keys.LEAVES_START][1][0] for e in session.pending] == [2, 3]
     assert state[1].state == WARMING and state[1].unanalysed is None and session.stats().evictions == 1
     assert [captured[n].resets for n in calls] == [1, 0, 0]  # key 1's capture released: its memory freed
@@ -1647,7 +1710,7 @@ def test_admission_keeps_no_argument_alive_and_counts_constants_as_before(sessio
 
 
 def test_constants_are_counted_by_what_they_are_compared_by_without_holding_their_tensors():
-    count = session_module._count_element
+    count = keying._count_element
     t = torch.ones(3)
     counted = count(_Batch(t))  # a dataclass compared field by field: its fields, the tensor by identity
     assert counted == count(_Batch(t)) and counted != count(_Batch(torch.ones(3)))
@@ -1663,18 +1726,18 @@ def test_constants_are_counted_by_what_they_are_compared_by_without_holding_thei
 
 def test_a_weak_identity_is_equal_only_to_the_same_live_object():
     a, b = _Holder(None), _Holder(None)
-    assert session_module._WeakIdentity(a) == session_module._WeakIdentity(a)
-    assert session_module._WeakIdentity(a) != session_module._WeakIdentity(b)
-    gone = session_module._WeakIdentity(a)
+    assert keying.WeakIdentity(a) == keying.WeakIdentity(a)
+    assert keying.WeakIdentity(a) != keying.WeakIdentity(b)
+    gone = keying.WeakIdentity(a)
     address = id(a)
     del a
-    later = session_module._WeakIdentity(b)
+    later = keying.WeakIdentity(b)
     later._hash = address  # as if b had taken a's address: still another object
     assert gone != later and hash(gone) == hash(later)
     # tensors by identity too, never by their elements (a tensor's == is elementwise)
     t = torch.ones(3)
-    assert session_module._WeakIdentity(t) == session_module._WeakIdentity(t)
-    assert session_module._WeakIdentity(t) != session_module._WeakIdentity(torch.ones(3))
+    assert keying.WeakIdentity(t) == keying.WeakIdentity(t)
+    assert keying.WeakIdentity(t) != keying.WeakIdentity(torch.ones(3))
 
 
 def test_a_module_regions_parameters_and_buffers_are_tensors_it_holds_by_name():
@@ -1699,14 +1762,14 @@ def test_a_module_regions_parameters_and_buffers_are_tensors_it_holds_by_name():
         session = replay.capture()
     for fn in (net, net.forward):
         region = session.region(fn)
-        held = region._tensors_held_by_name()
+        held = region.recorder.tensors_held_by_name()
         assert held.named == [] and {id(t) for t in held.attributes} == own  # no snapshot yet: no globals
         region.snapshot = jitcore.GlobalsSnapshot(fn, owner="test")
-        held = region._tensors_held_by_name()
+        held = region.recorder.tensors_held_by_name()
         assert [id(t) for t in held.named] == [id(_GLOBAL_WEIGHT)] and {id(t) for t in held.attributes} == own
     plain = session.region(lambda x: x + _GLOBAL_WEIGHT)
     plain.snapshot = jitcore.GlobalsSnapshot(plain.fn, owner="test")
-    held = plain._tensors_held_by_name()
+    held = plain.recorder.tensors_held_by_name()
     assert [id(t) for t in held.named] == [id(_GLOBAL_WEIGHT)] and held.attributes == [] and held.complete
 
 
@@ -1736,14 +1799,14 @@ def test_a_region_reading_more_by_name_than_the_search_looks_through_holds_it_in
     for fn, attributes in ((reads_the_list, set()), (net, {id(p) for p in net.parameters()})):
         region = session.region(fn)
         region.snapshot = jitcore.GlobalsSnapshot(fn, owner="test")
-        held = region._tensors_held_by_name()
+        held = region.recorder.tensors_held_by_name()
         assert not held.complete and {id(t) for t in held.attributes} == attributes
     _MANY_NAMES[8:] = []  # the list and its 8 items: one value over the bound
     region.snapshot = jitcore.GlobalsSnapshot(net, owner="test")
-    assert not region._tensors_held_by_name().complete
+    assert not region.recorder.tensors_held_by_name().complete
     _MANY_NAMES[7:] = []  # 8 values: all read
     region.snapshot = jitcore.GlobalsSnapshot(net, owner="test")
-    assert region._tensors_held_by_name().complete
+    assert region.recorder.tensors_held_by_name().complete
 
 
 _GLOBAL_WEIGHT = torch.ones(4)

@@ -150,6 +150,7 @@ def test_backend_launch_through_a_graph_exec_on_the_current_stream():
     _, graph = capture_add(x, y, out, n)
     out.fill_(float("nan"))
     stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())  # the poison is written before the graph runs
     with torch.cuda.stream(stream):
         get_backend().graph_launch(graph.raw_cuda_graph_exec(), stream.cuda_stream)
     stream.synchronize()

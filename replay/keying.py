@@ -1,0 +1,209 @@
+"""The session's part of a key: which tensors require grad, what admission counts a call
+under (without keeping its arguments alive), and a key in a few words.
+
+region_keys makes the exact key of a call; this module adds what the session needs around
+it: the mark of tensors requiring grad (a graph cannot carry autograd), the cheaper count a
+call is admitted by before any key is made, and the key's wording for logs and reports.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import weakref
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from replay import region_keys
+from replay.dynamic import Dynamic
+from replay.errors import ReplayError
+
+#: What a ``replay.dynamic`` argument is in a pre-key and in admission's count: one mark for
+#: every value (the value is rebound at each replay, never part of the key).
+DYNAMIC_MARK = ("replay.dynamic",)
+
+#: Argument types a flat call's pre-key holds as they are: constants that are leaves of the key
+#: as they are (hashable, compared by value).
+PLAIN_CONSTANTS = region_keys.PLAIN_CONSTANTS
+
+
+class KeyMark(enum.Enum):
+    """Key elements the session adds to region_keys' key (after the leaves' elements)."""
+
+    #: followed by the indices of the tensor leaves that require grad (see region_key)
+    REQUIRES_GRAD = "requires grad"
+
+
+def region_key(device: int, spec: object, leaves: Sequence, paths: Sequence[str]) -> tuple:
+    """The full key of a call (region_keys.region_key), plus which tensor arguments require
+    grad, where any does: ``(..., (KeyMark.REQUIRES_GRAD, indices))``.
+
+    Why: a graph cannot carry autograd (a replay hands out detached views of its memory), so
+    a call whose tensors require grad must never find the key of a call whose tensors do not
+    (a graph recorded for ``x`` served ``w = x.requires_grad_()`` under grad mode and returned
+    an output without ``grad_fn``: gradients silently lost). The tensor leaf's own signature
+    does not hold ``requires_grad``; the pre-key guards compare it already (jitcore.guards),
+    so both paths tell the two apart. A call with no tensor requiring grad keeps region_keys'
+    key unchanged. Grad and inference mode are in every key already (its torch settings)."""
+    key = region_keys.region_key(device, spec, leaves, paths)
+    for leaf in leaves:  # (a plain loop: every full key pays for it)
+        if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+            grads = tuple(i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and leaf.requires_grad)
+            return (*key, (KeyMark.REQUIRES_GRAD, grads))
+    return key
+
+
+def grad_leaves(key: tuple) -> tuple[int, ...]:
+    """The tensor leaves of ``key`` that require grad (see :func:`region_key`)."""
+    last = key[-1] if len(key) > region_keys.LEAVES_START else None
+    return last[1] if last.__class__ is tuple and last and last[0] is KeyMark.REQUIRES_GRAD else ()
+
+
+def outputs_requiring_grad(outputs: object) -> list[str]:
+    """Where in a region's ``outputs`` tensors require grad (``output[0]``), as the recording
+    refuses them (recording.own_outputs); outputs it cannot walk are left to the recording."""
+    try:
+        _spec, leaves, paths = region_keys.flatten((outputs,), {}, walk_dataclasses=True)
+    except (TypeError, ReplayError):  # (the recording refuses such outputs with its reason)
+        return []
+    return [
+        path.replace("args[0]", "output", 1)
+        for leaf, path in zip(leaves, paths)
+        if isinstance(leaf, torch.Tensor) and leaf.requires_grad
+    ]
+
+
+# --- what admission counts a call under ---------------------------------------------------------
+#: Leaves admission counts as they are: values that hold no other object (an enum member lives
+#: as long as its class anyway).
+_VALUE_LEAVES = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, enum.Enum, np.generic)
+#: How deep :func:`counted_shapes` looks into constants (dataclasses, tuples of their fields).
+_COUNT_DEPTH = 8
+
+
+def counted_shapes(device_of, spec: object, leaves: Sequence, paths: list) -> tuple:
+    """What admission counts a call under, with its region: the call's structure with each
+    tensor's shape and each constant (cheap). Calls of one full key always share it (the full
+    key holds all of it), so its count bounds the key's from above: a call it leaves warming
+    or refuses needs no full key at all. Keys that share shapes but differ otherwise (dtypes,
+    strides, aliasing, torch modes) share a count, which can only make them record sooner.
+    Unhashable constants, and tensors without a shape (a strided nested tensor), take the full
+    key (``device_of()`` gives its device), which refuses those loudly.
+
+    Constants other than plain values are counted without keeping what they hold alive
+    (:func:`_count_element`): admission's counts outlive the call by up to two windows of
+    calls, and a ``Batch`` object of tensors new every step kept every batch of the window
+    alive. (The hash of the constant itself is taken first, so an unhashable one is still
+    refused.)"""
+    try:
+        shapes = (
+            spec,
+            tuple(
+                leaf.shape
+                if isinstance(leaf, torch.Tensor)
+                else (
+                    DYNAMIC_MARK
+                    if isinstance(leaf, Dynamic)
+                    else leaf
+                    if leaf.__class__ in PLAIN_CONSTANTS
+                    else _counted_constant(leaf)
+                )
+                for leaf in leaves
+            ),
+        )
+        hash(shapes)
+    except (TypeError, RuntimeError):  # unhashable constants; a nested tensor's .shape raises
+        shapes = (spec, region_keys.region_key(device_of(), spec, leaves, paths))
+    return shapes
+
+
+class WeakIdentity:
+    """An object's identity in admission's counts, without keeping the object alive.
+
+    Why: the counts keep up to two windows of keys (``2 * max(1024, 16 * max_graphs)``), and a
+    constant argument that holds tensors (a ``Batch`` object new every step) kept every batch
+    of the window alive, memory eager would have freed at once. Equal while both name the
+    same live object; once the object is gone, equal to nothing new: a later object at the
+    same address is another object, which the strong reference this replaces would have told
+    apart too (it kept the address taken). So counts are the same as before, for objects
+    compared by identity."""
+
+    __slots__ = ("_ref", "_hash")
+
+    def __init__(self, target: object):
+        self._ref = weakref.ref(target)  # TypeError where the type has no weak references
+        self._hash = id(target)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is not WeakIdentity:
+            return NotImplemented
+        target = self._ref()
+        return target is not None and target is other._ref()  # type: ignore[attr-defined]
+
+
+def _count_element(leaf: object, depth: int = 0) -> object:
+    """What admission counts a constant leaf under, holding no tensor and no object compared
+    by identity (see WeakIdentity): values as they are; tensors and objects hashed by
+    identity as weak identities; dataclasses compared by value (``Batch(ids)``, frozen) as
+    their type and their compared fields' elements, and tuples inside them item by item, so
+    a new ``Batch`` of the same tensors still counts as the same constant. Anything else
+    (hashed by value, or without weak references) is kept as it is: counted by value, it
+    must stay alive to be compared."""
+    if isinstance(leaf, _VALUE_LEAVES):
+        return leaf
+    kind = type(leaf)
+    if isinstance(leaf, torch.Tensor) or kind.__hash__ is object.__hash__:
+        try:
+            return WeakIdentity(leaf)
+        except TypeError:  # no weak references (__slots__ without __weakref__): kept
+            return leaf
+    if depth < _COUNT_DEPTH:
+        if isinstance(leaf, tuple):
+            return (kind, tuple(_count_element(item, depth + 1) for item in leaf))
+        params = getattr(kind, "__dataclass_params__", None)
+        if params is not None and params.eq and dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+            compared = [f.name for f in dataclasses.fields(leaf) if f.compare]
+            return (kind, tuple(_count_element(getattr(leaf, name), depth + 1) for name in compared))
+    return leaf
+
+
+def _counted_constant(leaf: object) -> object:
+    """:func:`_count_element` of a constant argument, hashed first: an unhashable constant raises
+    TypeError here, as its key would (counted_shapes then takes the key, which says why)."""
+    hash(leaf)
+    return _count_element(leaf)
+
+
+# --- a key in words -------------------------------------------------------------------------------
+def describe_key(key: tuple, limit: int = 96) -> str:
+    """A key in a few words: each leaf's kind and shape, constant or dynamic scalar."""
+    parts = []
+    for element in key[region_keys.LEAVES_START :]:
+        if isinstance(element, tuple) and element and element[0] is KeyMark.REQUIRES_GRAD:
+            parts.append(f"requiring grad: leaf {', '.join(map(str, element[1]))}")
+        elif isinstance(element, tuple) and len(element) == 6 and isinstance(element[1], tuple):
+            parts.append(f"{element[0]}[{','.join(map(str, element[1]))}]")
+        elif isinstance(element, tuple) and element and element[0] == "dynamic":
+            parts.append(f"dynamic {element[1]}")
+        else:
+            parts.append(repr(element[1] if isinstance(element, tuple) and len(element) == 2 else element))
+    text = "(" + ", ".join(parts) + ")"
+    return text if len(text) <= limit else text[: limit - 4] + " ...)"
+
+
+class KeyText:
+    """A key as :func:`describe_key` words it, worded only when a log record is emitted
+    (eviction storms and every recording log one)."""
+
+    __slots__ = ("key",)
+
+    def __init__(self, key: tuple) -> None:
+        self.key = key
+
+    def __str__(self) -> str:
+        return describe_key(self.key)

@@ -1,0 +1,300 @@
+"""A key's recording, orchestrated: capture, first launch, analysis into a graph, recapture,
+retry, give up.
+
+replay.recording captures and analyses; replay.graph builds the replay; this module says in
+which order, on which of the key's calls, and what a failure does to the key: every change of
+its state goes through replay.lifecycle. A capture is launched once at once (the call's
+result); its analysis waits for the key's next call, so a key called once is never analysed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+import attrs
+import torch
+
+import jitcore
+from jitcore.backends import get_backend
+from replay import instrumentation, recording, region_keys
+from replay.dispatch import MISS, flat_guard
+from replay.graph import RecordedGraph, guard_outputs
+from replay.keying import KeyText, describe_key
+from replay.lifecycle import ANALYSING, WARMING, Entry
+from replay.rebinding import STAGED
+from replay.stats import InputChoice
+from replay.warn import warn
+
+log = logging.getLogger("replay")
+
+#: Captures the analysis may ask for with more inputs staged before the key gives up.
+MAX_RESTAGES = 2
+#: Recordings the analysis may turn down (recording.RecordLater) before the key gives up.
+MAX_LATER = 3
+
+
+@attrs.define
+class Hints:
+    """What the keys of one argument structure (spec) of a region taught about its inputs:
+    which ones torch ops read or write (to be staged, or copied back), from an observed
+    warm-up and from analyses of their graphs. A new key of the spec starts from them, so
+    its first calls need no observer of their own (they cost what eager costs) and its first
+    capture rarely needs a second. Hints only choose what a first capture stages: the
+    analysis of every graph still checks each input exactly."""
+
+    observed_key: tuple | None = None  # the key whose warm-up ran under the observer
+    stage: set[int] = attrs.Factory(set)
+    copy_back: set[int] = attrs.Factory(set)
+    clean: bool = False  # the observed warm-up saw no torch op touch an input
+    #: Why keys of this structure run eagerly under grad mode ("" if nothing says so): the
+    #: observed warm-up ran under grad mode, none of its tensor arguments required grad, and
+    #: outputs did (weights the region reads that require grad, as module parameters do).
+    autograd: str = ""
+
+
+class KeyRecorder:
+    """The recording of one region's keys."""
+
+    def __init__(self, region) -> None:
+        self.region = region
+
+    def tensors_held_by_name(self) -> recording.HeldTensors:
+        """The tensors the region reaches other than through its arguments: those its globals
+        and closures hold (the snapshot's), and a module region's parameters and buffers
+        (``forward`` reads them as attributes, which the snapshot does not follow). An
+        argument that is one of them is reached both ways (recording.input_doubts)."""
+        region = self.region
+        named = region.snapshot.tensors_by_name() if region.snapshot is not None else jitcore.TensorsByName([], True)
+        module = region.fn if isinstance(region.fn, torch.nn.Module) else getattr(region.fn, "__self__", None)
+        attributes = [*module.parameters(), *module.buffers()] if isinstance(module, torch.nn.Module) else []
+        return recording.HeldTensors(named.tensors, attributes, complete=named.complete)
+
+    # --- the first call: capture and launch ---------------------------------------------------
+    def record(self, entry: Entry, key: tuple, spec: object, leaves: list, paths: list, device: int):
+        """Capture the key and launch the new graph once (this call's result). The analysis
+        and the replay code wait for the key's next call (see :meth:`finish`)."""
+        region, session = self.region, self.region.session
+        with session.lock:
+            if entry.state is not WARMING and entry.state is not ANALYSING:
+                # another thread recorded the key while this call waited for the lock (or its
+                # capture runs on this thread): served as its state says, else eagerly
+                served = region.serve_entry(entry, key, spec, leaves, paths, device)
+                return region.run_eagerly(spec, leaves, entry) if served is MISS else served
+            region.take_snapshot()
+            session.keys.record(entry)
+            started = time.perf_counter()
+            try:
+                capture = self._capture(entry, key, spec, leaves, paths, device)
+            except jitcore.recorder.CaptureBusy:
+                session.keys.stop_recording(entry, "retry")
+                return region.run_eagerly(spec, leaves, entry)  # called inside another region's eager run
+            except recording.CaptureAborted as aborted:
+                return self._retry_later(entry, spec, leaves, aborted)
+            except recording.CaptureFailed as failure:
+                if isinstance(failure, recording.SpoiledPool):
+                    session.retire_pool(device)
+                return self._give_up(entry, spec, leaves, failure.reason)
+            except BaseException:
+                session.keys.stop_recording(entry, "retry")
+                raise
+            finally:
+                session.admission.recorded(time.perf_counter() - started)  # failed captures cost time too
+            session.keys.capture(entry, capture)
+            return self._first_launch(entry, key, capture, leaves)
+
+    def _capture(self, entry: Entry, key: tuple, spec: object, leaves: list, paths: list, device: int):
+        region, session = self.region, self.region.session
+        # Arguments that overlap each other are never staged by a first capture (a warm-up
+        # hint): staged apart, they would stop sharing memory, which is exact only once an
+        # analysis of the graph has shown that nothing writes them.
+        overlapping = set() if entry.analysed_staging else {i for pair in key[3] for i in pair}
+        return session.record_key(
+            region.fn,
+            spec,
+            leaves,
+            paths,
+            device=device,
+            pool=session.pool(device),
+            stream=session.capture_stream(device),
+            stage=entry.stage_hint - overlapping,
+            copy_back=entry.copy_back_hint - overlapping,
+            observe=not entry.observed_clean,
+            storages=session.policy.polymorphic,
+            held=self.tensors_held_by_name(),
+        )
+
+    def _first_launch(self, entry: Entry, key: tuple, capture, leaves: list):
+        """Launch the new capture once: its outputs are this call's result."""
+        region, session = self.region, self.region.session
+        stats = session.counters
+        stats.records += 1
+        stats.replays += 1  # the first launch of the new graph serves this call
+        entry.replays_before += 1
+        stats.capture_seconds += capture.seconds
+        log.info(
+            "region %s, key %s: recorded in %.2f ms, %.1f MiB",
+            region.name,
+            KeyText(key),
+            capture.seconds * 1e3,
+            capture.memory / 2**20,
+        )
+        device = capture.device
+        session.stream_switch(get_backend().current_stream(device))
+        generator = _cuda_generator(device)
+        offset = generator.get_offset() if generator is not None else 0
+        capture.graph.replay()  # torch's replay: it advances the generators the graph draws from
+        if getattr(capture, "host", None) is not None:
+            capture.host.launched()  # it reads the host inputs' pinned buffers until done
+        entry.uses_rng = generator is not None and generator.get_offset() != offset
+        entry.rng_epoch = recording.GENERATOR_EPOCH[0]
+        outputs = recording.first_outputs(capture, leaves)
+        if session.policy.clone_outputs:
+            return _clone_tensors(outputs)
+        if session.policy.check_stale:
+            return guard_outputs(outputs, entry)
+        return outputs
+
+    # --- the next call: analysis into a graph --------------------------------------------------
+    def finish(self, entry: Entry, key: tuple, spec: object, leaves: list, paths: list, device: int):
+        """The key's next call: analyse its capture and build the replay (or record again
+        with more inputs staged, or give up), then replay."""
+        region, session = self.region, self.region.session
+        guard, pre_key = flat_guard(key[0], spec, leaves)
+        with session.lock:
+            capture = session.keys.analyse(entry)
+            analysed = time.perf_counter()
+            try:
+                session.analyse(capture)
+                instrumentation.steps.start()
+                graph = session.build_graph(region, key, capture, spec, leaves, paths, session, len(session.lru))
+                instrumentation.steps.mark("build replay")
+                session.admission.recorded(time.perf_counter() - analysed)
+            except recording.CaptureRetry as retry:
+                capture.graph.reset()
+                return self._restage(entry, key, spec, leaves, paths, device, retry.args[0])
+            except recording.CaptureFailed as failure:
+                capture.graph.reset()
+                return self._give_up(entry, spec, leaves, failure.reason)
+            except recording.CaptureAborted as aborted:
+                capture.graph.reset()
+                return self._retry_later(entry, spec, leaves, aborted)
+            except BaseException:  # anything else (a driver error): leave nothing half-built
+                capture.graph.reset()
+                session.keys.stop_recording(entry, "retry")
+                raise
+            session.keys.serve(entry, graph, guard, pre_key)
+            self._note_input_choices(key, capture)
+            session.compaction.after_record(entry, capture)
+            return region.replay(entry, *leaves)
+
+    def _restage(self, entry: Entry, key: tuple, spec: object, leaves: list, paths: list, device: int, plan):
+        """The analysis found inputs to stage or copy back that the capture did not: record
+        again with them (the structure's hints learn them too), three captures at most."""
+        entry.stage_hint |= plan.needs_staging
+        entry.copy_back_hint |= plan.needs_copy_back
+        hints = self.region.hints.setdefault(spec, Hints())
+        hints.stage |= plan.needs_staging
+        hints.copy_back |= plan.needs_copy_back
+        entry.analysed_staging = True
+        entry.retries += 1
+        self.region.session.counters.record_retries += 1
+        if entry.retries > MAX_RESTAGES:
+            return self._give_up(entry, spec, leaves, "staging did not settle after three captures")
+        return self.record(entry, key, spec, leaves, paths, device)
+
+    def _note_input_choices(self, key: tuple, capture) -> None:
+        """The session's report of how each input of the new graph is handled."""
+        name, described = self.region.name, describe_key(key)
+        inputs = self.region.session.counters.inputs
+        for input_range in capture.inputs:
+            choice = capture.plan.choices.get(input_range.index, "unused")
+            if choice == STAGED and input_range.index in capture.copied_back:
+                choice = "staged+copied back"
+            reason = "; ".join(capture.plan.reasons.get(input_range.index, []))
+            inputs.append(InputChoice(name, described, input_range.path, choice, reason))
+        host = getattr(capture, "host", None)
+        for i in sorted(host.buffers) if host is not None else ():
+            inputs.append(InputChoice(name, described, host.paths[i], STAGED, "a host tensor: through a pinned buffer"))
+
+    def recapture(self, entry: Entry, pool: tuple) -> RecordedGraph:
+        """Record ``entry``'s key again into ``pool``, from placeholders of its inputs."""
+        region, session = self.region, self.region.session
+        old = entry.graph
+        leaves = old.placeholder_leaves()
+        capture = session.record_key(
+            region.fn,
+            old.spec,
+            leaves,
+            old.paths,
+            device=old.device,
+            pool=pool,
+            stream=session.capture_stream(old.device),
+            stage=entry.stage_hint,
+            copy_back=entry.copy_back_hint,
+            storages=session.policy.polymorphic,
+        )
+        session.counters.capture_seconds += capture.seconds
+        try:
+            session.analyse(capture)
+            entry.rng_epoch = recording.GENERATOR_EPOCH[0]  # registered with today's generator state
+            return session.build_graph(
+                region, entry.key, capture, old.spec, leaves, old.paths, session, len(session.lru)
+            )
+        except BaseException:
+            capture.graph.reset()
+            raise
+
+    # --- failures ------------------------------------------------------------------------------
+    def _retry_later(self, entry: Entry, spec: object, leaves: Sequence, aborted: Exception):
+        """This call runs eagerly (compiling what the capture could not); the key records
+        again on a later call. Recordings the analysis turned down (``RecordLater``) are
+        retried ``MAX_LATER`` times at most."""
+        region = self.region
+        region.session.counters.record_retries += 1
+        log.info("region %s, key %s: recording retried later: %s", region.name, KeyText(entry.key), aborted)
+        if isinstance(aborted, recording.RecordLater):
+            entry.later += 1
+            if entry.later > MAX_LATER:
+                return self._give_up(entry, spec, leaves, f"recording kept failing: {aborted}")
+        region.session.keys.stop_recording(entry, "retry")
+        return region.run_eagerly(spec, leaves, entry)
+
+    def _give_up(self, entry: Entry, spec: object, leaves: Sequence, reason: str):
+        region = self.region
+        region.session.keys.stop_recording(entry, "give_up", reason)
+        log.info("region %s, key %s: runs eagerly from now on: %s", region.name, KeyText(entry.key), reason)
+        warn(f"region {region.name}, key {describe_key(entry.key)}: runs eagerly from now on: {reason}")
+        return region.run_eagerly(spec, leaves, entry)
+
+    def refuse_autograd(self, entry: Entry, spec: object, leaves: Sequence, why: str):
+        """The key runs eagerly from now on (exactly as eager: outputs keep their ``grad_fn``),
+        with one ReplayWarning per region saying why and what to do. The key holds grad mode
+        and which tensors require grad, so the same shapes under ``torch.no_grad()``, or with
+        tensors that do not require grad, are other keys: they record and replay as usual."""
+        region = self.region
+        reason = f"under grad mode {why}; a graph cannot record autograd"
+        region.session.keys.refuse(entry, reason)
+        log.info("region %s, key %s: runs eagerly from now on: %s", region.name, KeyText(entry.key), reason)
+        if not region.said_autograd:
+            region.said_autograd = True
+            warn(
+                f"region {region.name}: runs eagerly under grad mode: {why}, and a CUDA graph cannot record "
+                "autograd (its outputs would come back without grad_fn, and gradients would be lost). Run the "
+                "loop under torch.no_grad() or torch.inference_mode() to replay it"
+            )
+        return region.run_eagerly(spec, leaves, entry)
+
+
+def _cuda_generator(device: int):
+    try:
+        return torch.cuda.default_generators[device]
+    except (IndexError, RuntimeError, AttributeError):
+        return None
+
+
+def _clone_tensors(value: object) -> object:
+    spec, leaves, _ = region_keys.flatten((value,), {}, walk_dataclasses=True)
+    cloned = [leaf.clone() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+    return region_keys.unflatten(spec, cloned)[0][0]

@@ -1,0 +1,426 @@
+"""A region: a function whose calls are recorded into graphs and replayed, key by key.
+
+A call is first offered to the region's flat dispatch (replay.dispatch: a pre-key hit
+replays, a call of shapes without an entry is counted and usually runs eagerly at once).
+What that leaves is this module's full path: the call is flattened, counted by admission
+(replay.keying.counted_shapes) and, where the rule lets it or its shapes have an entry, keyed;
+the key's state (replay.lifecycle) says whether it replays, records (replay.orchestration),
+or runs eagerly. Padded and polymorphic calls are routed by replay.routing.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+
+import torch
+
+import jitcore
+from jitcore.errors import GlobalDriftError
+from replay import buckets, region_keys
+from replay.dispatch import MISS as _MISS
+from replay.dispatch import (
+    RUN_EAGERLY,
+    SHARED_CAPTURE_EXCLUSION,
+    DispatchProgram,
+    EagerCost,
+    RegionDrift,
+    globals_check,
+    make_dispatch,
+    native_enabled,
+    plain_when_unpadded,
+)
+from replay.graph import MISMATCH, RecordedGraph, generated_replay, measure_with_settings_check, measure_without_checks
+from replay.keying import counted_shapes, grad_leaves, outputs_requiring_grad, region_key
+from replay.lifecycle import AWAITING_ANALYSIS, EAGER_ONLY, REPLAYING, Entry, Forgotten
+from replay.observe import op_observer
+from replay.orchestration import Hints, KeyRecorder
+from replay.routing import Router
+from replay.warn import warn
+
+log = logging.getLogger("replay")
+
+#: Reasons of refused calls a region remembers (each warned once): a loop of ever-new reasons
+#: keeps a bounded set.
+MAX_REFUSALS = 256
+
+
+class Decision(enum.Enum):
+    """What admission lets a call of a key without a graph do."""
+
+    WARM = "runs eagerly, warming up"
+    OBSERVE = "runs eagerly, warming up, observed"
+    REFUSED = "runs eagerly, not admitted"
+    TOO_RARE = "runs eagerly, its recent calls would not pay for a recording"
+    DEFERRED = "runs eagerly, the recording budget is spent"
+    RECORD = "is recorded"
+
+
+WARM, OBSERVE, REFUSED, TOO_RARE, DEFERRED, RECORD = Decision
+
+
+class Region:
+    """A function whose calls are recorded into graphs and replayed, key by key."""
+
+    def __init__(self, session, fn: Callable, name: str | None = None):
+        if not callable(fn):
+            raise TypeError(f"region expects a callable, got {fn!r}")
+        self.session = session
+        self.fn = fn
+        self.name = name or getattr(fn, "__qualname__", type(fn).__qualname__)
+        # the indices of its keys (replay.lifecycle.Keys writes them): keys with an entry, least
+        # recently called first; admission's shapes -> entries that have them; recorded keys of
+        # flat calls by pre-key -> [(guard, replay, entry)]; polymorphic sessions: unpadded key
+        # -> its VariantGraph or why its bucket's graph cannot serve it, and (bucket, argument
+        # structure) -> the entry whose graph that bucket's sizes are observed against
+        self.entries: OrderedDict[tuple, Entry] = OrderedDict()
+        self.entry_shapes: dict[tuple, int] = {}
+        self.by_pre_key: dict[tuple, list[tuple]] = {}
+        self.variants: dict[tuple, object] = {}
+        self.bucket_bases: dict[tuple, Entry] = {}
+        self.forgotten = Forgotten()  # calls of keys that have (or kept) no entry
+        self.refusals: set[str] = set()  # reasons of calls no key could be made for, warned once each
+        self.hints: dict[object, Hints] = {}  # spec -> what its keys taught about the inputs
+        self.snapshot = None  # its globals as its graphs were recorded against (take_snapshot)
+        self.cost = EagerCost(session.admission)
+        self.said_autograd = False  # the ReplayWarning of keys that need autograd was given
+        self.router = Router(self)
+        self.recorder = KeyRecorder(self)
+        self.program = self._program()
+        self.dispatch: Callable = make_dispatch(self.program)  # (args) -> result or MISS
+        functools.update_wrapper(self, fn)
+
+    def _program(self) -> DispatchProgram:
+        session = self.session
+        policy = session.policy
+        unpadded = plain_when_unpadded(policy)  # the dispatch takes such markers as their tensors
+        return DispatchProgram(
+            region=self,
+            by_pre_key=self.by_pre_key,
+            entry_shapes=self.entry_shapes,
+            session=session,
+            admission=session.admission,
+            sketch=session.admission.sketch,
+            budget=session.admission.budget,
+            counters=session.counters,
+            forgotten=self.forgotten,
+            quiet=self.cost.quiet,
+            fn=self.fn,
+            exclusion=SHARED_CAPTURE_EXCLUSION,
+            touch=session.keys.touch,
+            clock=time.perf_counter,
+            padded_type=buckets.Padded if unpadded else None,
+            buckets=frozenset(policy.buckets or ()),
+            largest=max(policy.buckets or (0,)),
+            decide=self.decide_flat,
+            took=self.cost.took,
+            full_path=self.full_path,
+        )
+
+    # --- the call ------------------------------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        """Replay, or run eagerly. (Where replay._eager was built, RegionCall takes this
+        method's place: see PYTHON_REGION_CALL below the class.)"""
+        if not kwargs:
+            try:
+                result = self.dispatch(args)  # a replay, or the eager path of a flat call
+            except RegionDrift:
+                return self.rekey(args, kwargs)
+            if result is not _MISS:
+                return result
+        return self.full_path(args, kwargs)
+
+    def full_path(self, args: tuple, kwargs: dict):
+        """A call the flat dispatch did not serve: flattened, counted, keyed where needed."""
+        session = self.session
+        session.check_open()
+        if buckets.has_padded(args, kwargs):
+            return self.router.call_padded(args, kwargs)
+        try:
+            spec, leaves, paths = region_keys.flatten(args, kwargs)
+        except region_keys.RefusedKey as refused:  # a dict key no graph may bake
+            return self.refused(refused, None, args, kwargs)
+        if not session.can_record():
+            session.say_eager_once()
+            return self.run_eagerly(spec, leaves)
+        try:
+            counted = self.counted(spec, leaves, paths)
+        except region_keys.RefusedKey as refused:
+            return self.refused(refused, spec, leaves)
+        decision = None
+        if counted[1] not in self.entry_shapes:
+            # No key with these shapes has an entry, so whatever this call's full key is, it
+            # has no graph: admission decides before the key (and the globals' drift check)
+            # is computed, and a call that runs eagerly costs what eager costs.
+            decision = self._decide(counted, spec)
+            if decision is not RECORD:
+                return self._run_unrecorded(decision, spec, leaves, paths)
+        return self._keyed_call(args, kwargs, spec, leaves, paths, counted, decision)
+
+    def _keyed_call(self, args, kwargs, spec, leaves: list, paths: list, counted: tuple, decision: Decision | None):
+        """A call that needs its full key: one with an entry, or one admission lets record
+        (``decision``, already counted; None when the shapes have an entry)."""
+        session = self.session
+        if self.snapshot is not None:
+            try:
+                self.snapshot.check()
+            except GlobalDriftError:
+                return self.rekey(args, kwargs)
+        device = session.current_device()
+        try:
+            key = region_key(device, spec, leaves, paths)
+        except region_keys.RefusedKey as refused:
+            return self.refused(refused, spec, leaves)
+        entry = session.keys.lookup(self, key)
+        if entry is not None:
+            served = self.serve_entry(entry, key, spec, leaves, paths, device)
+            if served is not _MISS:
+                return served
+        if decision is None:
+            decision = self._decide(counted, spec)
+            if decision is not RECORD:
+                return self._run_unrecorded(decision, spec, leaves, paths, entry, key)
+        autograd = self._needs_autograd(key, spec, paths) if torch.is_grad_enabled() else ""
+        if entry is None:
+            entry = session.keys.admit(self, key, counted)
+            hints = self.hints.get(spec)
+            if hints is not None:
+                entry.stage_hint, entry.copy_back_hint = set(hints.stage), set(hints.copy_back)
+                entry.observed_clean = hints.clean and hints.observed_key == key
+        if autograd:
+            return self.recorder.refuse_autograd(entry, spec, leaves, autograd)
+        return self.recorder.record(entry, key, spec, leaves, paths, device)
+
+    def serve_entry(self, entry: Entry, key: tuple, spec: object, leaves: list, paths: list, device: int):
+        """A call of a key with an entry, as its state says: replayed, analysed then replayed,
+        or eagerly; MISS where the key has yet to record (admission decides)."""
+        state = entry.state
+        if state is REPLAYING:
+            return self.replay(entry, *leaves)
+        if state is AWAITING_ANALYSIS:
+            return self.recorder.finish(entry, key, spec, leaves, paths, device)
+        if state is EAGER_ONLY:
+            return self.run_eagerly(spec, leaves, entry)
+        return _MISS
+
+    def _needs_autograd(self, key: tuple, spec: object, paths: Sequence[str]) -> str:
+        """Why a key about to be recorded under grad mode must run eagerly instead ("" if
+        nothing says so): tensor arguments that require grad (its key says which), or outputs
+        that required grad in its structure's observed warm-up (Hints.autograd). A graph's
+        outputs are detached views of its memory: it would return them without ``grad_fn``.
+        Outputs requiring grad in a capture are refused by the recording itself
+        (recording.own_outputs), for the keys no observed warm-up spoke for."""
+        grads = grad_leaves(key)
+        if grads:
+            return f"{', '.join(paths[i] for i in grads)} {'requires' if len(grads) == 1 else 'require'} grad"
+        hints = self.hints.get(spec)
+        return hints.autograd if hints is not None else ""
+
+    def counted(self, spec: object, leaves: Sequence, paths: list) -> tuple:
+        """What admission counts a call under: ``(region, shapes)`` (keying.counted_shapes)."""
+        return (self, counted_shapes(self.session.current_device, spec, leaves, paths))
+
+    # --- admission -----------------------------------------------------------------------
+    def decide_flat(self, args: tuple, counted: tuple, spec: object, count: int) -> object:
+        """The flat dispatch's call whose count needs the whole rule (:meth:`_decide`): it
+        may record or be observed (the full path serves it), else RUN_EAGERLY (the dispatch
+        runs it)."""
+        decision = self._decide(counted, spec, count)
+        if decision is RECORD or decision is OBSERVE:
+            spec, leaves, paths = region_keys.flatten(args, {})
+            if decision is OBSERVE:
+                return self._run_unrecorded(decision, spec, leaves, paths)
+            return self._keyed_call(args, {}, spec, leaves, paths, counted, decision)
+        return RUN_EAGERLY
+
+    def _decide(self, counted: tuple, spec: object, count: int | None = None) -> Decision:
+        """Count a call of a key without a graph (unless the caller did: ``count``) and say
+        what it does (see replay.admission). A call kept from recording always runs
+        eagerly; it is counted here, by its reason."""
+        session = self.session
+        admission = session.admission
+        if count is None:
+            count = admission.called(counted)
+        if self.cost.quiet.version != admission.budget.version:
+            self.cost.refresh()
+        if count <= admission.record_after:  # still warming (replay.admission: record_after)
+            if count == admission.record_after and spec not in self.hints:
+                return OBSERVE  # the first key of its argument structure: its warm-up is observed
+            return WARM
+        seconds = self.cost.seconds
+        if not admission.pays_back(count, seconds):
+            return self._kept(TOO_RARE, "not recorded, too rare to pay for a recording", spec)
+        if not admission.admits(counted, session.lru, session.pending):
+            return self._kept(REFUSED, "not recorded, graphs held are used more", spec)
+        if not admission.may_record(count, seconds):
+            return self._kept(DEFERRED, "recording postponed, the budget is spent", spec)
+        return RECORD
+
+    def _kept(self, decision: Decision, why: str, spec: object) -> Decision:
+        """A call admission keeps from recording, counted by its reason."""
+        counters = self.session.counters
+        if decision is TOO_RARE:
+            counters.too_rare += 1
+        elif decision is REFUSED:
+            counters.refused += 1
+        else:
+            counters.deferred += 1
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("region %s, shapes %s: %s", self.name, spec, why)
+        return decision
+
+    def _run_unrecorded(self, decision, spec, leaves, paths, entry: Entry | None = None, key: tuple | None = None):
+        """A call that admission keeps from recording (still warming, refused, or the budget
+        spent) runs eagerly; the first warm-up of an argument structure is observed."""
+        hints = None
+        if decision is OBSERVE:
+            if key is None:
+                try:
+                    key = region_key(self.session.current_device(), spec, leaves, paths)
+                except region_keys.RefusedKey as refused:
+                    return self.refused(refused, spec, leaves)
+            hints = self.hints[spec] = Hints(observed_key=key)
+        return self.run_eagerly(spec, leaves, entry, observe=hints)
+
+    # --- eager runs ------------------------------------------------------------------------
+    def run_eagerly(self, spec: object, leaves: Sequence, entry: Entry | None = None, observe: Hints | None = None):
+        """Run the region's function on a flattened call, counted under ``entry`` (None: the
+        region's aggregate); timed, or observed (``observe``: what the warm-up teaches)."""
+        self.count_eager(entry)
+        args, kwargs = region_keys.unflatten(spec, region_keys.plain_leaves(leaves))
+        if observe is None:
+            with SHARED_CAPTURE_EXCLUSION:  # may load kernels: not while another thread captures
+                started = time.perf_counter()
+                result = self.fn(*args, **kwargs)
+            self.cost.took(time.perf_counter() - started)  # (rarer than the flat path's: every call)
+            return result
+        tensors = [(i, leaf) for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+        observer = op_observer([region_keys.byte_range(t) for _, t in tensors])
+        with SHARED_CAPTURE_EXCLUSION, observer:
+            result = self.fn(*args, **kwargs)
+        observe.stage |= {tensors[w][0] for w in observer.read}
+        observe.copy_back |= {tensors[w][0] for w in observer.written}
+        observe.clean = not observer.read and not observer.written
+        if torch.is_grad_enabled() and not grad_leaves(observe.observed_key or ()):
+            # no argument required grad, so outputs that do come from what the region reads
+            # (its weights): its keys under grad mode would record a graph that drops them
+            grads = outputs_requiring_grad(result)
+            if grads:
+                shown = f"{', '.join(grads[:3])}{', ...' if len(grads) > 3 else ''}"
+                observe.autograd = (
+                    f"{shown} of an eager run required grad with no argument requiring it (tensors the region "
+                    "reads require it: module parameters do by default)"
+                )
+        return result
+
+    def count_eager(self, entry: Entry | None) -> None:
+        """Count an eager run: the session's, and the key's (in the region's aggregate for a
+        key without an entry)."""
+        self.session.counters.eager_runs += 1
+        if entry is not None:
+            entry.eager_runs += 1
+        else:
+            self.forgotten.eager_runs += 1
+
+    def refused(self, refused: region_keys.RefusedKey, spec: object, leaves: Sequence, kwargs: dict | None = None):
+        """A call whose key cannot be made exactly (region_keys.RefusedKey: an argument a graph
+        would bake without seeing it change, a constant whose equality is not exact, a torch
+        setting that cannot be read) runs eagerly, with one ReplayWarning per reason (naming
+        the argument). ``spec`` None: flatten refused it, ``leaves`` are then the arguments."""
+        if refused.reason not in self.refusals:
+            if len(self.refusals) < MAX_REFUSALS:
+                self.refusals.add(refused.reason)
+            log.info("region %s: runs eagerly: %s", self.name, refused.reason)
+            warn(f"region {self.name}: runs eagerly: {refused.reason}")
+        if spec is None:
+            self.count_eager(None)
+            with SHARED_CAPTURE_EXCLUSION:
+                return self.fn(*leaves, **(kwargs or {}))
+        return self.run_eagerly(spec, leaves)
+
+    def run_declined(self, *args, **kwargs):
+        """A call no graph may serve exactly (see buckets.call): eagerly, counted as declined."""
+        self.session.counters.declined += 1
+        spec, leaves, _paths = region_keys.flatten(args, kwargs)
+        return self.run_eagerly(spec, leaves)
+
+    # --- replays ---------------------------------------------------------------------------
+    def replay(self, entry: Entry, *leaves):
+        """Replay ``entry``'s graph on a call's leaves (the LRU touched)."""
+        self.session.keys.touch(entry)
+        return self.run_graph(entry.graph, entry.key[1], leaves, entry)
+
+    def run_graph(self, graph: RecordedGraph, spec: object, leaves: Sequence, entry: Entry | None):
+        """Replay ``graph`` (every ``verify_every``-th replay verified); a call it declines
+        runs eagerly, counted under ``entry`` (None: a variant, counted with the region)."""
+        every = self.session.policy.verify_every
+        if every and (graph.replays + 1) % every == 0:
+            self.session.counters.verifications += 1
+            result = graph.verify(leaves, lambda snapshot: self.run_eagerly(spec, snapshot))
+        else:
+            result = graph.replay(*leaves)
+        if result is MISMATCH:
+            # the graph cannot serve these values exactly (see replay.graph): the eager run
+            # gives the exact result, or the exact error
+            self.session.counters.declined += 1
+            return self.run_eagerly(spec, leaves, entry)
+        return result
+
+    # --- its globals -----------------------------------------------------------------------
+    def take_snapshot(self) -> None:
+        """Snapshot the globals the region reads, before its first recording: a change of
+        them re-keys (:meth:`rekey`), checked on every pre-key hit and keyed call."""
+        if self.snapshot is None:
+            self.snapshot = jitcore.GlobalsSnapshot(self.fn, owner=f"region {self.name}", prefix="_r")
+            self.program.region_drift = globals_check(self.snapshot, self.name)
+
+    def rekey(self, args: tuple, kwargs: dict):
+        """The region's globals changed: its graphs were recorded against the old ones."""
+        session = self.session
+        session.counters.invalidations += 1
+        log.info("region %s: its globals changed, its graphs are dropped", self.name)
+        session.keys.drift(self)
+        session.release_output_slots(self)
+        self.hints.clear()
+        session.admission.forget(lambda counted: counted[0] is self)
+        self.snapshot = None
+        self.program.region_drift = None
+        return self.full_path(args, kwargs)
+
+    def outputs_changed(self) -> None:
+        """A graph, capture or output slot of this region came or went (replay.routing)."""
+        self.router.outputs_changed()
+
+    # --- measurement (benchmarks only) -------------------------------------------------------
+    def measure_without_checks(self):
+        """Benchmarks only (see :func:`replay.graph.measure_without_checks`): this region's
+        graphs held now skip the torch-settings and launcher-globals checks inside the
+        context."""
+        return measure_without_checks([e.graph for e in self.entries.values() if e.graph is not None])
+
+    def measure_generated_python(self):
+        """Benchmarks only: inside the context, this region's recorded keys replay through
+        their generated Python function alone, without csrc/replay_step.c in front of it (what
+        a replay costs where that file is not built)."""
+        return self.session.keys.runs_replaced(self, generated_replay)
+
+    def measure_with_settings_check(self, way: str):
+        """Benchmarks only (see :func:`replay.graph.measure_with_settings_check`): this
+        region's graphs held now check the torch settings the way named inside the context."""
+        return measure_with_settings_check([e.graph for e in self.entries.values() if e.graph is not None], way)
+
+    def __repr__(self) -> str:
+        return f"<replay region {self.name}: {len(self.entries)} keys>"
+
+
+#: Region.__call__ as Python runs it; replaced below by its C version where that was built
+#: (csrc/replay_eager.c, RegionCall: the same steps, without a Python frame of its own on every call).
+PYTHON_REGION_CALL = Region.__call__
+if native_enabled():
+    from replay.dispatch import RegionCall
+
+    Region.__call__ = RegionCall(miss=_MISS, drift=RegionDrift)
