@@ -162,8 +162,8 @@ def wait_for_readers(readers: list, stream: int, device: torch.device | int) -> 
 
 
 def record_on(tensors: Iterable[torch.Tensor], stream: int | None) -> None:
-    """Tell the allocator that ``tensors``' memory is used by work enqueued on raw ``stream``
-    (the last stream replays of a session launched on, which waited for every earlier one):
+    """Tell the allocator that ``tensors``' memory is used by work enqueued on raw ``stream`` (a
+    replay's; for a released graph its last one, which waited for every replay before it):
     freed, it is reused only once that work is done."""
     if stream is None:
         return
