@@ -4,8 +4,9 @@
  * Why: a replay is two driver calls (a node update, the graph launch) and bookkeeping, and run
  * as generated Python (replay.graph_source) the bookkeeping costs more than the driver calls.
  * Here the same steps run in C: the pointer reads, the aliasing and output-memory checks, the
- * node patch and the launch, the counters, and the fresh outputs (through the torch-side
- * helper's replay_support, csrc/replay_support.h).
+ * node patch and the launch (after the streams callers read the output memory on, where they
+ * named any), the counters, and the fresh outputs (through the torch-side helper's
+ * replay_support, csrc/replay_support.h, and the objects the generated function makes them with).
  *
  * ReplayStep(program) -> step(*leaves): the program is a replay.step_program.StepProgram, which
  * replay.graph_step builds only for graphs whose generated replay has no step outside what this
@@ -16,7 +17,9 @@
  *   - a tensor's data pointer the helper's reader does not read (anything but a plain tensor,
  *     a torch function mode active);
  *   - the output slot to write is not the one the graph wrote last, nor the slot its copies
- *     write with nobody holding outputs in it (OutputSlots.choose decides);
+ *     write with nobody holding outputs in it, or a lane of it no longer spans the memory it was
+ *     made over (a caller resized an output's storage: OutputSlots.choose decides, and drops it);
+ *   - a graph's own output buffer that moved the same way (the function spoils the graph);
  *   - a rebound pointer plus its recorded delta outside 0 .. 2**64-1 (the function raises).
  * Otherwise it makes the generated function's calls, in its order, with its results: the
  * launchers' globals checks and the torch settings check (read from the function's namespace
@@ -39,6 +42,7 @@
 #include "replay_support.h"
 
 #define MAX_TENSORS 64
+#define MAX_LANES 64 /* lanes of a slot a step writes (replay.graph_step.STEP_MAX_LANES) */
 /* A call's scratch objects (values, dynamic values, argument tuples) live on the stack up to this
    many, on the heap beyond (a program of any size runs; the usual one allocates nothing). */
 #define STACK_SCRATCH 64
@@ -54,7 +58,8 @@
     X(last_stream) X(stream_switch) X(graph_exec) X(launch_failed) X(slotted) X(lane_count) X(retarget)              \
     X(use_count_reader) X(support) X(outputs) X(kind) X(number) X(value) X(in_tuple) X(graph) X(counters)            \
     X(staged_copies) X(own) X(own_storage_refs_c) X(storage) X(use_count) X(slot) X(writer) X(freed) X(bound_slot)   \
-    X(held) X(lanes) X(address) X(streams) X(views) X(replays) X(patches) X(add)
+    X(held) X(lanes) X(address) X(streams) X(views) X(replays) X(patches) X(holder) X(readers)                   \
+    X(wait_for_readers) X(written_from) X(own_readers) X(notes_stream) X(stream)
 
 #define DECLARE_NAME(name) static PyObject *s_##name;
 NAMES(DECLARE_NAME)
@@ -87,7 +92,8 @@ typedef struct {
     PyObject *evaluate, *convert, *packer;
 } scalar_value;
 
-enum { OUTPUT_SLOT_VIEW = 0, OUTPUT_LEAF = 1, OUTPUT_VALUE = 2 }; /* replay.step_program.OutputKind */
+/* replay.step_program.OutputKind */
+enum { OUTPUT_SLOT_VIEW = 0, OUTPUT_LEAF = 1, OUTPUT_VALUE = 2, OUTPUT_MADE = 3, OUTPUT_MADE_FROM_LEAF = 4, OUTPUT_SAME_AS = 5 };
 
 typedef struct {
     PyObject_HEAD
@@ -108,6 +114,7 @@ typedef struct {
     Py_ssize_t lane_count;     /* slotted: lanes checked against the tensors */
     Py_ssize_t owned_range_count; /* unslotted: output memory (start, size) pairs */
     unsigned long long *owned_ranges; /* 2 * owned_range_count */
+    PyObject **owned_holders;         /* per range: a tensor over its storage (borrowed from `owned`), or NULL */
     Py_ssize_t aligned_count;
     long long *aligned; /* triples: the input's place among the tensors, delta, 1 aligned / 0 not */
     Py_ssize_t staged_count;
@@ -131,12 +138,14 @@ typedef struct {
     PyObject *rollback, *set_failed, *retarget;
     PyObject *current_stream, *device, *last_stream, *stream_switch;
     PyObject *launch, *exec, *launch_failed;
+    int own_readers;  /* the graph notes the readers of its own output memory (no slots) */
+    int notes_stream; /* the graph keeps the stream of its last launch */
     PyObject *stats;
     Py_ssize_t staged_copies;
     Py_ssize_t output_count;
     int *output_kind;
-    PyObject **output_item; /* OUTPUT_VALUE: the value */
-    Py_ssize_t *output_number; /* OUTPUT_SLOT_VIEW: the view's place; OUTPUT_LEAF: the leaf */
+    PyObject **output_item; /* OUTPUT_VALUE: the value; OUTPUT_MADE(_FROM_LEAF): what makes it */
+    Py_ssize_t *output_number; /* SLOT_VIEW: the view's place; LEAF, MADE_FROM_LEAF: the leaf; SAME_AS: the output */
     int in_tuple;
     const replay_support *support;
     PyObject *use_count; /* output_slots' own use-count reader: the slots whose held() this file may answer */
@@ -175,6 +184,7 @@ static void step_dealloc(ReplayStep *self) {
         Py_DECREF(self->owned[i]);
     PyMem_Free(self->owned);
     PyMem_Free(self->owned_ranges);
+    PyMem_Free(self->owned_holders);
     PyMem_Free(self->aligned);
     PyMem_Free(self->staged);
     PyMem_Free(self->fixed);
@@ -360,16 +370,20 @@ static int build_tensors(ReplayStep *self, PyObject *program) {
 static int build_memory_checks(ReplayStep *self, PyObject *program) {
     PyObject *owned = tuple_field(self, program, s_owned_memory, "the program");
     if (owned == NULL ||
-        (self->owned_ranges = allocate(2 * PyTuple_GET_SIZE(owned), sizeof(unsigned long long))) == NULL)
+        (self->owned_ranges = allocate(2 * PyTuple_GET_SIZE(owned), sizeof(unsigned long long))) == NULL ||
+        (self->owned_holders = allocate(PyTuple_GET_SIZE(owned), sizeof(PyObject *))) == NULL)
         return -1;
     self->owned_range_count = PyTuple_GET_SIZE(owned);
     for (Py_ssize_t i = 0; i < self->owned_range_count; i++) {
         long long start, size;
+        PyObject *holder;
         if (int_field(self, PyTuple_GET_ITEM(owned, i), s_start, "a memory range", &start, 1) < 0 ||
-            int_field(self, PyTuple_GET_ITEM(owned, i), s_size, "a memory range", &size, 1) < 0)
+            int_field(self, PyTuple_GET_ITEM(owned, i), s_size, "a memory range", &size, 1) < 0 ||
+            (holder = field(self, PyTuple_GET_ITEM(owned, i), s_holder, "a memory range")) == NULL)
             return -1;
         self->owned_ranges[2 * i] = (unsigned long long)start;
         self->owned_ranges[2 * i + 1] = (unsigned long long)size;
+        self->owned_holders[i] = holder == Py_None ? NULL : holder;
     }
     PyObject *aligned = tuple_field(self, program, s_alignments, "the program");
     if (aligned == NULL || (self->aligned = allocate(3 * PyTuple_GET_SIZE(aligned), sizeof(long long))) == NULL)
@@ -598,6 +612,21 @@ static int build_nodes(ReplayStep *self, PyObject *program) {
 
 /* --- building: the outputs, the launch, the rest ------------------------------------------- */
 
+/* One output's kind, checked against its number and value. */
+static int build_output(ReplayStep *self, Py_ssize_t i, Py_ssize_t kind) {
+    Py_ssize_t number = self->output_number[i];
+    if (kind > OUTPUT_SAME_AS || (kind == OUTPUT_SLOT_VIEW && !self->slotted))
+        return out_of_range(s_kind, "an output", "is a slot view (of a slotted graph), a leaf, a value, made or the same");
+    if ((kind == OUTPUT_LEAF || kind == OUTPUT_MADE_FROM_LEAF) && number >= self->leaves)
+        return out_of_range(s_number, "an output", "is beyond the leaf count");
+    if (kind == OUTPUT_SAME_AS && number >= i)
+        return out_of_range(s_number, "an output", "is not an earlier output");
+    if ((kind == OUTPUT_MADE || kind == OUTPUT_MADE_FROM_LEAF) && !PyCallable_Check(self->output_item[i]))
+        return wrong_type(s_value, "an output made per call", "callable", self->output_item[i]);
+    self->output_kind[i] = (int)kind;
+    return 0;
+}
+
 static int build_outputs(ReplayStep *self, PyObject *program) {
     PyObject *outputs = tuple_field(self, program, s_outputs, "the program");
     Py_ssize_t count = outputs == NULL ? 0 : PyTuple_GET_SIZE(outputs);
@@ -613,11 +642,8 @@ static int build_outputs(ReplayStep *self, PyObject *program) {
             index_field(self, item, s_number, "an output", &self->output_number[i]) < 0 ||
             (self->output_item[i] = field(self, item, s_value, "an output")) == NULL)
             return -1;
-        if (kind > OUTPUT_VALUE || (kind == OUTPUT_SLOT_VIEW && !self->slotted))
-            return out_of_range(s_kind, "an output", "is a slot view (of a slotted graph), a leaf or a value");
-        if (kind == OUTPUT_LEAF && self->output_number[i] >= self->leaves)
-            return out_of_range(s_number, "an output", "is beyond the leaf count");
-        self->output_kind[i] = (int)kind;
+        if (build_output(self, i, kind) < 0)
+            return -1;
     }
     if (bool_field(self, program, s_in_tuple, "the program", &self->in_tuple) < 0)
         return -1;
@@ -649,12 +675,16 @@ static int build_slots_and_counts(ReplayStep *self, PyObject *program) {
     const char *p = "the program";
     if (bool_field(self, program, s_slotted, p, &self->slotted) < 0 ||
         index_field(self, program, s_lane_count, p, &self->lane_count) < 0 ||
+        bool_field(self, program, s_own_readers, p, &self->own_readers) < 0 ||
+        bool_field(self, program, s_notes_stream, p, &self->notes_stream) < 0 ||
         (self->retarget = callable_field(self, program, s_retarget, p, !self->slotted)) == NULL ||
         (self->use_count = field(self, program, s_use_count_reader, p)) == NULL ||
         (self->graph = field(self, program, s_graph, p)) == NULL ||
         (self->stats = field(self, program, s_counters, p)) == NULL ||
         index_field(self, program, s_staged_copies, p, &self->staged_copies) < 0)
         return -1;
+    if (self->lane_count > MAX_LANES)
+        return out_of_range(s_lane_count, p, "is more than 64");
     PyObject *support = field(self, program, s_support, p);
     if (support == NULL || (self->support = replay_support_from(support, "ReplayStep")) == NULL)
         return -1;
@@ -717,6 +747,20 @@ static int failed_status(PyObject *status, PyObject **first) {
         Py_CLEAR(*first);
     return truth;
 }
+
+/* What one call works with: the pointers read, the slot chosen and where its lanes are, the
+   scratch objects. */
+typedef struct {
+    uint64_t pointers[MAX_TENSORS];
+    uint64_t storage_base[MAX_TENSORS], storage_end[MAX_TENSORS]; /* per staged input */
+    PyObject *slot; /* the output slot written, a new reference (slotted graphs), else NULL */
+    uint64_t lane_start[MAX_LANES], lane_size[MAX_LANES]; /* the slot's lanes this graph writes */
+    PyObject **values, **dynamic, **arguments;
+    char *changed;
+    PyObject **heap; /* where the scratch did not fit the stack arrays below */
+    PyObject *stack[STACK_SCRATCH];
+    char stack_changed[STACK_SCRATCH];
+} call_state;
 
 /* A lane's storage object's reference count, as read with one reference of the reader's own
    (what `own_storage_refs_c` holds of a lane with nothing else referring to it). */
@@ -829,28 +873,83 @@ static int still_mine(ReplayStep *self, PyObject *slot) {
     return truth < 0 ? -1 : !truth;
 }
 
-/* The slot this replay writes when it is decided without OutputSlots.choose (a new reference),
-   Py_None (borrowed, not to be released) where choose must decide, NULL on error. */
-static PyObject *own_slot(ReplayStep *self) {
+/* An int attribute as an address or a size, into *out: 0, or -1 with the error set. */
+static int address_attribute(PyObject *owner, PyObject *name, uint64_t *out) {
+    PyObject *value = PyObject_GetAttr(owner, name);
+    if (value == NULL)
+        return -1;
+    unsigned long long read = PyLong_AsUnsignedLongLong(value);
+    Py_DECREF(value);
+    if (read == (unsigned long long)-1 && PyErr_Occurred())
+        return -1;
+    *out = read;
+    return 0;
+}
+
+/* One lane where the graph's copies write: its address and size into the call, and whether its
+   storage still spans them (a caller's resize_ moves it): 1, 0 moved (or not read), -1 error. */
+static int lane_in_place(ReplayStep *self, PyObject *lane, call_state *call, Py_ssize_t l) {
+    PyObject *buffer = PyObject_GetAttr(lane, s_buffer);
+    if (buffer == NULL)
+        return -1;
+    uint64_t base = 0, nbytes = 0;
+    int read = buffer != Py_None && self->support->read_storage_span(buffer, &base, &nbytes);
+    Py_DECREF(buffer);
+    if (address_attribute(lane, s_address, &call->lane_start[l]) < 0 ||
+        address_attribute(lane, s_size, &call->lane_size[l]) < 0)
+        return -1;
+    return read && base == call->lane_start[l] && nbytes == call->lane_size[l];
+}
+
+/* Every lane of `slot` this graph writes, as lane_in_place: 1, 0 (choose decides), -1 error. */
+static int lanes_in_place(ReplayStep *self, PyObject *slot, call_state *call) {
+    PyObject *lanes = PyObject_GetAttr(slot, s_lanes);
+    if (lanes == NULL)
+        return -1;
+    int answer = 1;
+    for (Py_ssize_t l = 0; l < self->lane_count && answer == 1; l++) {
+        PyObject *lane = PySequence_GetItem(lanes, l);
+        answer = lane == NULL ? -1 : lane_in_place(self, lane, call, l);
+        Py_XDECREF(lane);
+    }
+    Py_DECREF(lanes);
+    return answer;
+}
+
+/* The slot decided without OutputSlots.choose, its lanes where they were (a new reference),
+   or NULL with *decided 0 where choose must decide (no error), -1 on error. */
+static PyObject *decided_slot(ReplayStep *self, int *decided) {
+    *decided = -1;
     PyObject *slot = PyObject_GetAttr(self->graph, s_slot);
     if (slot == NULL)
         return NULL;
     int mine = still_mine(self, slot);
-    if (mine != 0) {
-        if (mine > 0)
-            return slot;
-        Py_DECREF(slot);
+    if (mine == 0) {
+        Py_SETREF(slot, PyObject_GetAttr(self->graph, s_bound_slot));
+        mine = slot == NULL ? -1 : usable(self, slot);
+    }
+    if (mine <= 0) {
+        Py_XDECREF(slot);
+        *decided = mine;
         return NULL;
     }
+    *decided = 1;
+    return slot;
+}
+
+/* The slot this replay writes when it is decided without OutputSlots.choose (a new reference),
+   its lanes' places in `call`; Py_None (borrowed, not to be released) where choose must decide
+   (no slot of its own or bound free to write, or a lane a caller moved), NULL on error. */
+static PyObject *own_slot(ReplayStep *self, call_state *call) {
+    int decided;
+    PyObject *slot = decided_slot(self, &decided);
+    if (slot == NULL)
+        return decided < 0 ? NULL : Py_None;
+    int in_place = lanes_in_place(self, slot, call);
+    if (in_place > 0)
+        return slot;
     Py_DECREF(slot);
-    PyObject *bound = PyObject_GetAttr(self->graph, s_bound_slot);
-    if (bound == NULL)
-        return NULL;
-    int free_to_write = usable(self, bound);
-    if (free_to_write > 0)
-        return bound;
-    Py_DECREF(bound);
-    return free_to_write < 0 ? NULL : Py_None;
+    return in_place < 0 ? NULL : Py_None;
 }
 
 /* Each nonempty tensor against [lo, hi): 1 if one overlaps. */
@@ -891,22 +990,26 @@ static int holds_fixed(ReplayStep *self, uint64_t lo, uint64_t hi) {
     return first < self->fixed_count && self->fixed[first] < hi;
 }
 
-/* What one call works with: the pointers read, the slot chosen, the scratch objects. */
-typedef struct {
-    uint64_t pointers[MAX_TENSORS];
-    uint64_t storage_base[MAX_TENSORS], storage_end[MAX_TENSORS]; /* per staged input */
-    PyObject *slot; /* the output slot written, a new reference (slotted graphs), else NULL */
-    PyObject **values, **dynamic, **arguments;
-    char *changed;
-    PyObject **heap; /* where the scratch did not fit the stack arrays below */
-    PyObject *stack[STACK_SCRATCH];
-    char stack_changed[STACK_SCRATCH];
-} call_state;
+/* 1 where each of the graph's own output buffers is where its copies write (a caller's resize_
+   moves it: the generated function then spoils the graph), 0 where one is not, or not read. */
+static int own_memory_in_place(ReplayStep *self) {
+    for (Py_ssize_t i = 0; i < self->owned_range_count; i++) {
+        uint64_t base = 0, nbytes = 0;
+        if (self->owned_holders[i] != NULL &&
+            (!self->support->read_storage_span(self->owned_holders[i], &base, &nbytes) ||
+             base != self->owned_ranges[2 * i] || nbytes != self->owned_ranges[2 * i + 1]))
+            return 0;
+    }
+    return 1;
+}
 
 /* 1 where this file reads every pointer and storage span and every rebound pointer's write
-   fits '<Q' (the function raises struct.error there): else the generated function decides. */
+   fits '<Q' (the function raises struct.error there), and the own output memory is in place:
+   else the generated function decides. */
 static int read_arguments(ReplayStep *self, PyObject *const *leaves, call_state *call) {
     uint64_t *pointers = call->pointers;
+    if (!own_memory_in_place(self))
+        return 0;
     for (Py_ssize_t t = 0; t < self->tensor_count; t++)
         if (!self->support->read_data_pointer(leaves[self->tensor_index[t]], &pointers[t]) ||
             pointers[t] > UINT64_MAX - self->extent[t]) /* ranges past 2**64: Python's ints compare them */
@@ -987,32 +1090,13 @@ static int check_settings(ReplayStep *self) {
     return 0;
 }
 
-/* No argument may lie in the output slot this replay writes: 0 to go on, 1 MISMATCH, -1 error. */
+/* No argument may lie in the output slot this replay writes (its lanes as own_slot read them):
+   0 to go on, 1 MISMATCH. */
 static int check_lanes(ReplayStep *self, call_state *call) {
-    PyObject *lanes = PyObject_GetAttr(call->slot, s_lanes);
-    if (lanes == NULL)
-        return -1;
-    int answer = 0;
-    for (Py_ssize_t l = 0; l < self->lane_count && answer == 0; l++) {
-        PyObject *lane = PySequence_GetItem(lanes, l);
-        PyObject *address = lane == NULL ? NULL : PyObject_GetAttr(lane, s_address);
-        PyObject *size = address == NULL ? NULL : PyObject_GetAttr(lane, s_size);
-        Py_XDECREF(lane);
-        if (size == NULL) {
-            Py_XDECREF(address);
-            answer = -1;
-            break;
-        }
-        unsigned long long lo = PyLong_AsUnsignedLongLong(address), bytes = PyLong_AsUnsignedLongLong(size);
-        Py_DECREF(address);
-        Py_DECREF(size);
-        if (PyErr_Occurred())
-            answer = -1;
-        else if (overlaps(self, call->pointers, lo, lo + bytes))
-            answer = 1;
-    }
-    Py_DECREF(lanes);
-    return answer;
+    for (Py_ssize_t l = 0; l < self->lane_count; l++)
+        if (overlaps(self, call->pointers, call->lane_start[l], call->lane_start[l] + call->lane_size[l]))
+            return 1;
+    return 0;
 }
 
 /* The generated function's checks on the arguments' memory, in its order: 0, 1 MISMATCH, -1. */
@@ -1230,9 +1314,28 @@ static int retarget_if_moved(ReplayStep *self, PyObject *slot) {
     return 0;
 }
 
-/* Launch on the current stream, telling the session where it changed: the stream (a new
+/* Before a launch writes the memory `holder` (the slot, or the graph for its own output
+   buffers) notes readers of: the stream waits for them where a caller named any
+   (`holder.wait_for_readers(stream)`); 0, or -1 on error. */
+static int wait_for_readers(PyObject *holder, PyObject *stream) {
+    PyObject *readers = PyObject_GetAttr(holder, s_readers);
+    if (readers == NULL)
+        return -1;
+    int any = PyObject_IsTrue(readers);
+    Py_DECREF(readers);
+    if (any <= 0)
+        return any;
+    PyObject *waited = PyObject_CallMethodOneArg(holder, s_wait_for_readers, stream);
+    if (waited == NULL)
+        return -1;
+    Py_DECREF(waited);
+    return 0;
+}
+
+/* Launch on the current stream, telling the session where it changed, once the readers of the
+   memory it writes are done (`slot`: the slot written, NULL for none): the stream (a new
    reference), NULL on error. */
-static PyObject *launch(ReplayStep *self) {
+static PyObject *launch(ReplayStep *self, PyObject *slot) {
     PyObject *stream = PyObject_CallOneArg(self->current_stream, self->device);
     if (stream == NULL)
         return NULL;
@@ -1251,6 +1354,9 @@ static PyObject *launch(ReplayStep *self) {
             goto failed;
         Py_DECREF(told);
     }
+    PyObject *holder = slot != NULL ? slot : (self->own_readers ? self->graph : NULL);
+    if (holder != NULL && wait_for_readers(holder, stream) < 0)
+        goto failed;
     PyObject *launch_args[2] = {self->exec, stream};
     PyObject *status = PyObject_Vectorcall(self->launch, launch_args, 2, NULL);
     if (status == NULL)
@@ -1273,21 +1379,32 @@ failed:
     return NULL;
 }
 
-/* After the launch: the slot holds this graph's outputs (freed later, it waits for the
-   stream), and the counters; -1 on error. */
+/* The slot now holds this graph's outputs, written from `stream`: a stream it had not been
+   written from yet is told to it (`slot.written_from(stream)`); 0, or -1 on error. */
+static int mark_written(ReplayStep *self, PyObject *slot, PyObject *stream) {
+    if (PyObject_SetAttr(slot, s_writer, self->graph) < 0 || PyObject_SetAttr(self->graph, s_slot, slot) < 0)
+        return -1;
+    PyObject *streams = PyObject_GetAttr(slot, s_streams);
+    if (streams == NULL)
+        return -1;
+    int known = PySequence_Contains(streams, stream);
+    Py_DECREF(streams);
+    if (known != 0)
+        return known < 0 ? -1 : 0;
+    PyObject *told = PyObject_CallMethodOneArg(slot, s_written_from, stream);
+    if (told == NULL)
+        return -1;
+    Py_DECREF(told);
+    return 0;
+}
+
+/* After the launch: the graph's stream where it keeps it, the slot written (mark_written), and
+   the counters; -1 on error. */
 static int after_launch(ReplayStep *self, PyObject *slot, PyObject *stream) {
-    if (slot != NULL) {
-        if (PyObject_SetAttr(slot, s_writer, self->graph) < 0 || PyObject_SetAttr(self->graph, s_slot, slot) < 0)
-            return -1;
-        PyObject *streams = PyObject_GetAttr(slot, s_streams);
-        if (streams == NULL)
-            return -1;
-        PyObject *added = PyObject_CallMethodOneArg(streams, s_add, stream);
-        Py_DECREF(streams);
-        if (added == NULL)
-            return -1;
-        Py_DECREF(added);
-    }
+    if (self->notes_stream && PyObject_SetAttr(self->graph, s_stream, stream) < 0)
+        return -1;
+    if (slot != NULL && mark_written(self, slot, stream) < 0)
+        return -1;
     if (bump(self->graph, s_replays, ONE) < 0 || bump(self->stats, s_replays, ONE) < 0)
         return -1;
     if (!self->staged_copies)
@@ -1298,16 +1415,27 @@ static int after_launch(ReplayStep *self, PyObject *slot, PyObject *stream) {
     return failed;
 }
 
-/* One output, a new reference. */
-static PyObject *output(ReplayStep *self, PyObject *const *leaves, PyObject *views, Py_ssize_t i) {
-    if (self->output_kind[i] == OUTPUT_LEAF)
+/* One output, a new reference (`made`: the outputs made so far, for SAME_AS; NULL for the one
+   output itself). */
+static PyObject *output(ReplayStep *self, PyObject *const *leaves, PyObject *views, PyObject *made, Py_ssize_t i) {
+    switch (self->output_kind[i]) {
+    case OUTPUT_LEAF:
         return Py_NewRef(leaves[self->output_number[i]]);
-    if (self->output_kind[i] == OUTPUT_VALUE)
+    case OUTPUT_VALUE:
         return Py_NewRef(self->output_item[i]);
-    PyObject *view = PySequence_GetItem(views, self->output_number[i]);
-    PyObject *made = view == NULL ? NULL : self->support->fresh_output(view);
-    Py_XDECREF(view);
-    return made;
+    case OUTPUT_MADE:
+        return PyObject_CallNoArgs(self->output_item[i]);
+    case OUTPUT_MADE_FROM_LEAF:
+        return PyObject_CallOneArg(self->output_item[i], leaves[self->output_number[i]]);
+    case OUTPUT_SAME_AS:
+        return Py_NewRef(PyTuple_GET_ITEM(made, self->output_number[i])); /* built: an earlier output */
+    default: {
+        PyObject *view = PySequence_GetItem(views, self->output_number[i]);
+        PyObject *fresh = view == NULL ? NULL : self->support->fresh_output(view);
+        Py_XDECREF(view);
+        return fresh;
+    }
+    }
 }
 
 /* The outputs: the one output itself, or a fresh tuple. */
@@ -1318,10 +1446,10 @@ static PyObject *outputs(ReplayStep *self, PyObject *const *leaves) {
             return NULL;
     PyObject *result = NULL;
     if (!self->in_tuple) {
-        result = output(self, leaves, views, 0);
+        result = output(self, leaves, views, NULL, 0);
     } else if ((result = PyTuple_New(self->output_count)) != NULL) {
         for (Py_ssize_t i = 0; i < self->output_count; i++) {
-            PyObject *item = output(self, leaves, views, i);
+            PyObject *item = output(self, leaves, views, result, i);
             if (item == NULL) {
                 Py_CLEAR(result);
                 break;
@@ -1349,7 +1477,7 @@ static PyObject *run(ReplayStep *self, PyObject *const *leaves, call_state *call
         return NULL;
     if (call->slot != NULL && retarget_if_moved(self, call->slot) < 0)
         return NULL;
-    PyObject *stream = launch(self);
+    PyObject *stream = launch(self, call->slot);
     if (stream == NULL)
         return NULL;
     int failed = after_launch(self, call->slot, stream);
@@ -1365,7 +1493,7 @@ static PyObject *step_call(ReplayStep *self, PyObject *const *leaves, Py_ssize_t
     if (!read_arguments(self, leaves, &call))
         return PyObject_Vectorcall(self->fallback, leaves, count, NULL);
     if (self->slotted) {
-        PyObject *slot = own_slot(self);
+        PyObject *slot = own_slot(self, &call);
         if (slot == NULL)
             return NULL;
         if (slot == Py_None)

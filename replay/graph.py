@@ -37,14 +37,16 @@ import torch
 
 from jitcore import generated
 from jitcore.backends import get_backend
-from replay import graph_outputs, rebinding, recording, region_keys
+from replay import graph_outputs, output_slots, rebinding, region_keys
 from replay.errors import ReplayMismatchError
 from replay.graph_outputs import (  # noqa: F401 (the output kinds, where callers import them)
     ConstantOutput,
     DynamicOutput,
+    HeldOutput,
     InputView,
     Output,
     OwnedOutput,
+    SameOutput,
     SlotOutput,
     StaleGuardTensor,
     guard_outputs,
@@ -257,16 +259,7 @@ class RecordedGraph:
         self.updaters = self._node_updaters(backend, capture)
         self.node_states = {node: NodeState(updater) for node, updater in self.updaters.items()}
         self.checks = _globals_checks(capture.records)
-        self.output_spec, output_leaves, _ = region_keys.flatten((capture.outputs,), {}, walk_dataclasses=True)
-        self.outputs = self._classify_outputs(output_leaves)
-        self.output_memory = recording.owned_output_memory(capture)  # what each replay writes
-        # the region's output slots, when this graph's output copies can be pointed at them
-        self.slot = None  # the slot its replay wrote last (replay.output_slots)
-        self.bound_slot = None  # the slot its output copies write now
-        self.views = None  # its outputs' template views in the bound slot
-        self.slot_outputs: list[tuple] = []  # (lane, dtype, size, stride, storage offset) per slotted output
-        self.lane_sources: list[tuple[int, int]] = []  # per lane: (first byte, bytes) its copy reads
-        self.output_slots, self.slot_need, self.retargets = graph_outputs.adopt_slots(self, backend, capture)
+        self._outputs_of(backend, capture)
         self.in_place = self._inputs_taken_in_place(capture)
         self.namespace: dict[str, object] = dict(backend.hot_namespace)
         self.source = self._generate(backend, leaves)
@@ -280,6 +273,28 @@ class RecordedGraph:
             self.replay = step
         if generated.dump_enabled("REPLAY_DUMP"):
             print(f"# replay graph, {self.how_it_replays()}\n{self.full_source()}")
+
+    def _outputs_of(self, backend, capture: Capture) -> None:
+        """What the graph returns (replay.graph_outputs) and the memory it writes them into: the
+        region's output slots where its copies can be pointed at them, else its own buffers."""
+        self.output_spec, output_leaves, _ = region_keys.flatten((capture.outputs,), {}, walk_dataclasses=True)
+        self.outputs = self._classify_outputs(output_leaves)
+        self.output_memory = graph_outputs.own_memory(capture)  # what each replay writes
+        self.slot = None  # the slot its replay wrote last (replay.output_slots)
+        self.bound_slot = None  # the slot its output copies write now
+        self.views = None  # its outputs' template views in the bound slot
+        self.slot_outputs: list[tuple] = []  # (lane, dtype, size, stride, storage offset) per slotted output
+        self.lane_sources: list[tuple[int, int]] = []  # per lane: (first byte, bytes) its copy reads
+        self.output_slots, self.slot_need, self.retargets = graph_outputs.adopt_slots(self, backend, capture)
+        # without slots, its own output buffers: where they are (a caller's resize_ moves them),
+        # and the streams callers read them on (record_stream), as a slot's
+        self.readers: list = []
+        self.own_lanes = graph_outputs.own_memory_lanes(self, capture) if self.output_memory else []
+        #: why this graph can serve no call any more (None: it can): the session drops it
+        self.spoiled: str | None = None
+        #: the raw stream of its last replay, kept where it has staged buffers or output memory
+        #: of its own (graph_source.notes_stream): what the allocator is told on release
+        self.stream: int | None = None
 
     def _node_updaters(self, backend, capture: Capture) -> dict[int, object]:
         """An updater per kernel node a replay patches (a pointer, a scalar or a grid)."""
@@ -310,13 +325,31 @@ class RecordedGraph:
         """The replay function's source (replay.graph_source), keeping what the C step's
         program takes from its generation (``generated``) and what the nodes hold as recorded
         (``initial_last``: replay.polymorphic loads it back)."""
+        self.output_makers = graph_outputs.makers(self)
         self.generated = ReplaySource(self, backend, leaves).generate()
         self.initial_last = list(self.generated.patches.last)
         return self.generated.source
 
-    def _classify_outputs(self, output_leaves: list) -> list[Output]:
-        """What each output leaf is, and so how a replay returns it (replay.graph_outputs)."""
-        return graph_outputs.classify(self, output_leaves)
+    def _classify_outputs(self, output_leaves: list, identity=None) -> list[Output]:
+        """What each output leaf is, and so how a replay returns it (replay.graph_outputs);
+        ``identity``: which are the caller's own objects (replay.output_identity; by default
+        what the capture found)."""
+        if identity is None:
+            identity = getattr(self.capture, "identity", None)
+        #: argument leaves that must be one object for its outputs to be told right (OutputIdentity.same)
+        self.same_arguments = identity.same if identity is not None else ()
+        return graph_outputs.classify(self, output_leaves, identity)
+
+    def wait_for_readers(self, stream: int) -> None:
+        """Before a replay on raw ``stream`` writes the graph's own output buffers: the streams
+        callers read them on first (replay.output_slots.wait_for_readers)."""
+        output_slots.wait_for_readers(self.readers, stream, self.device)
+
+    def spoil(self, reason: str) -> object:
+        """This graph can serve no call any more (``spoiled``, for the session to drop it); the
+        call runs eagerly (MISMATCH)."""
+        self.spoiled = reason
+        return MISMATCH
 
     def _inputs_taken_in_place(self, capture: Capture) -> dict[int, tuple[torch.Tensor, tuple[int, ...]]]:
         """Staged inputs whose replay skips its staging copies when the caller passes the
@@ -443,6 +476,14 @@ class RecordedGraph:
             self.output_slots.forget(self)
 
     def release(self) -> None:
+        # its staged buffers and own output memory go with the graph, while its last replay may
+        # still use them on the stream it ran on (which waited for every replay before it): the
+        # allocator reuses them once that replay is done
+        own = [lane.buffer for lane in self.own_lanes]
+        output_slots.record_on([*self.staged.values(), *own], self.stream)
+        for lane in self.own_lanes:
+            lane.free()
+        self.own_lanes = []
         self.leave_family_and_slots()
         self.retargets = []
         self.updaters.clear()

@@ -119,6 +119,18 @@ def _apart_in_bulk(code: Source, ranges: list[tuple[int, int]]) -> bool:
     return False
 
 
+def same_argument_checks(code: Source, graph) -> None:
+    """Decline a call that passes distinct objects where the recording passed one object it
+    returned (``step(x, x)`` returning it): which argument the region returns cannot be told,
+    so only a call passing one object there too is served (the aliasing check alone would take
+    ``step(x, x.view(x.shape))``, whose eager result is one of two objects)."""
+    for group in getattr(graph, "same_arguments", ()):
+        first = int(group[0])
+        for other in group[1:]:
+            code.line(f"if l{int(other)} is not l{first}:")
+            code.line("return _MISMATCH", 2)
+
+
 def staged_storage_checks(code: Source, graph) -> None:
     """Decline a call whose staged input shares its storage with memory the graph reaches
     at a fixed address (``step(cache[0])`` where a node reads ``cache`` itself, recorded
@@ -146,20 +158,32 @@ def staged_storage_checks(code: Source, graph) -> None:
         code.line("return _MISMATCH", 2)
 
 
+#: Why a graph keeping its own output memory can serve no call any more (graph.spoil).
+RESIZED = "a caller resized the storage of an output the graph writes (its memory moved)"
+
+
 def own_output_checks(code: Source, graph, leaves: Sequence) -> None:
     """Decline a call whose tensor argument lies in the output memory this replay writes
     (its previous output passed back in, ``h = step(h)``): the replay would overwrite that
     argument with the new output, where an eager call leaves it as it was. A graph using
     the region's output slots first chooses its slot (``_o``: the one it wrote last, while
     no other graph wrote it since, so usually a few attribute reads); an argument anyone
-    still holds keeps every other slot from being chosen, so only that slot can hold it."""
+    still holds keeps every other slot from being chosen, so only that slot can hold it.
+
+    Before either, the memory is where the graph's copies write: a caller may have resized
+    an output's storage (``resize_``), which moves it and gives its old memory back to the
+    allocator. A slot that moved is left to choose (which drops it); a graph's own buffer
+    that moved spoils the graph (its copies cannot be pointed elsewhere): the call runs
+    eagerly, and the session drops the graph."""
     tensors = [(i, extent) for i, extent in tensor_extents(leaves) if extent]
     if graph.output_slots is None:
+        _own_buffer_checks(code, graph)
         for i, extent in tensors:
             for lo, size in graph.output_memory.items():
                 code.line(f"if _p{i} < {lo + size} and {lo} < _p{i} + {extent}:")
                 code.line("return _MISMATCH", 2)
         return
+    need = code.bind(graph.slot_need, "_need")
     code.line("_o = _me.slot")
     code.line("if _o is None or _o.writer is not _me or _o.freed:")
     # OutputSlots.choose's second rule inline (graphs taking turns take it on every
@@ -167,16 +191,37 @@ def own_output_checks(code: Source, graph, leaves: Sequence) -> None:
     # copies only ever point at a slot choose gave this graph, and slots never shrink)
     code.line("_o = _me.bound_slot", 2)
     code.line("if _o is None or _o.freed or _o.held():", 2)
-    code.line(f"_o = _choose(_me, {code.bind(graph.slot_need, '_need')})", 3)
-    if not tensors:
-        return
-    for lane in range(len(graph.slot_need)):
-        code.line(f"_l = _o.lanes[{lane}]")
-        code.line("_la = _l.address")  # read once per lane, not once per argument
-        code.line("_lz = _la + _l.size")
+    code.line(f"_o = _choose(_me, {need})", 3)
+    lanes = range(len(graph.slot_need))
+    _read_lanes(code, lanes, 1)  # where each lane it writes is: its first byte, its size, its storage
+    moved = " or ".join(f"_ls{k}.data_ptr() != _la{k} or _ls{k}.nbytes() != _lb{k}" for k in lanes)
+    code.line(f"if {moved}:")  # a caller resized it: choose drops it, and gives another
+    code.line(f"_o = _choose(_me, {need})", 2)
+    _read_lanes(code, lanes, 2)
+    for lane in lanes:  # each lane read once, not once per argument
         for i, _extent in tensors:
-            code.line(f"if _p{i} < _lz and _la < _p{i} + _e{i}:")
+            code.line(f"if _p{i} < _la{lane} + _lb{lane} and _la{lane} < _p{i} + _e{i}:")
             code.line("return _MISMATCH", 2)
+
+
+def _read_lanes(code: Source, lanes: range, depth: int) -> None:
+    for lane in lanes:
+        code.line(f"_ln = _o.lanes[{lane}]", depth)
+        code.line(f"_la{lane} = _ln.address", depth)
+        code.line(f"_lb{lane} = _ln.size", depth)
+        code.line(f"_ls{lane} = _ln.storage", depth)
+
+
+def _own_buffer_checks(code: Source, graph) -> None:
+    """Each of the graph's own output buffers where its copies write (see own_output_checks)."""
+    lanes = getattr(graph, "own_lanes", ())
+    if not lanes:
+        return
+    code.namespace["_RESIZED"] = RESIZED
+    for lane in lanes:
+        storage = code.bind(lane.storage, "_own")
+        code.line(f"if {storage}.data_ptr() != {int(lane.address)} or {storage}.nbytes() != {int(lane.size)}:")
+        code.line("return _me.spoil(_RESIZED)", 2)
 
 
 def alignment_checks(code: Source, graph) -> None:

@@ -4,20 +4,29 @@ Each output leaf of a recording is classified once (what it is decides how a rep
 it); a graph whose output copies the backend can retarget adopts its region's output slots
 (replay.output_slots) instead of memory of its own; the generated replay function ends with
 the statement building the outputs in the region's structure, a fresh container every call.
+
+Every tensor a replay hands out is a fresh object, with the metadata eager gives, except where
+eager itself returns an object the caller already has (replay.output_identity says which): an
+argument returned as is (``return x``) is the caller's tensor, a tensor the region reaches by
+name (``return self.cache``) that tensor, and one object returned twice is one object twice. A
+caller changing an output's metadata (``unsqueeze_``, ``as_strided_``, ``t_``, ``set_``,
+``.data =``) changes that object alone, as eagerly; the graph's own templates are never handed
+out.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import attrs
 import torch
 
-from replay import region_keys
+from replay import output_identity, output_slots, region_keys
 from replay.dynamic import DynamicScalar
 from replay.errors import StaleOutputError
-from replay.recording import Capture, CaptureFailed
+from replay.recording import Capture, CaptureFailed, RecordLater, owned_output_memory
 
 if TYPE_CHECKING:
     from replay.graph_source import Source
@@ -28,21 +37,42 @@ if TYPE_CHECKING:
 
 @attrs.frozen(eq=False)
 class OwnedOutput:
-    """A tensor in memory the graph owns: every replay writes it again."""
+    """A tensor the region made or reached otherwise than by name: in memory the graph owns
+    (every replay writes it again; handed out as a ``detach()`` of it), empty (a fresh empty
+    tensor each call), or a view of a global (a fresh view each call). :func:`maker` tells."""
+
+    tensor: torch.Tensor
+
+
+@attrs.frozen(eq=False)
+class HeldOutput:
+    """A tensor the region reaches by name (a global, a closure tensor, a module's parameter or
+    buffer), returned itself: the same object at every call, as eagerly."""
 
     tensor: torch.Tensor
 
 
 @attrs.frozen
+class SameOutput:
+    """The very object of an earlier output (the region returned one object twice)."""
+
+    first: int  # that output's leaf index
+
+
+@attrs.frozen
 class InputView:
     """A view of an input (or of its staged buffer, which has the input's layout): rebuilt
-    on the caller's input at every replay."""
+    on the caller's input at every replay, a fresh view each call."""
 
     input: int  # leaf index
     size: tuple[int, ...]
     stride: tuple[int, ...]
     delta: int  # in elements, from the input's first element
-    whole: bool  # the input itself: returned as is
+    whole: bool  # the input itself (the very object the region was given): returned as is
+
+    def view(self, leaf: torch.Tensor) -> torch.Tensor:
+        """This view of the call's ``leaf`` (what the generated function writes inline)."""
+        return torch.as_strided(leaf, self.size, self.stride, leaf.storage_offset() + self.delta)
 
 
 @attrs.frozen(eq=False)
@@ -68,7 +98,7 @@ class SlotOutput:
     number: int
 
 
-Output = OwnedOutput | InputView | ConstantOutput | DynamicOutput | SlotOutput
+Output = OwnedOutput | HeldOutput | SameOutput | InputView | ConstantOutput | DynamicOutput | SlotOutput
 
 
 def dynamic_sources(outputs: Sequence[Output]) -> list[str]:
@@ -77,17 +107,28 @@ def dynamic_sources(outputs: Sequence[Output]) -> list[str]:
 
 
 # --- classification --------------------------------------------------------------------------
-def classify(graph, output_leaves: list) -> list[Output]:
+def classify(graph, output_leaves: list, identity: output_identity.OutputIdentity | None = None) -> list[Output]:
     """What each output leaf is, and so how a replay returns it (addresses are the
-    capture's). ``graph``: a RecordedGraph or a variant (its capture, staged, host, template)."""
+    capture's). ``graph``: a RecordedGraph or a variant (its capture, staged, host, template);
+    ``identity``: which leaves are the caller's own objects (by default the capture's; where
+    nothing is known every tensor is handed out as a fresh object)."""
+    if identity is None:
+        identity = getattr(graph.capture, "identity", None) or output_identity.UNKNOWN
     classified: list[Output] = []
-    for value in output_leaves:
-        if isinstance(value, DynamicScalar):
+    for n, value in enumerate(output_leaves):
+        if n in identity.repeats:
+            classified.append(SameOutput(identity.repeats[n]))
+        elif isinstance(value, DynamicScalar):
             classified.append(DynamicOutput(value))
         elif not isinstance(value, torch.Tensor):
             classified.append(ConstantOutput(value))
+        elif n in identity.inputs:
+            i = identity.inputs[n]
+            classified.append(InputView(i, tuple(value.shape), tuple(value.stride()), 0, True))
+        elif n in identity.held:
+            classified.append(HeldOutput(value))
         else:
-            classified.append(_classify_tensor(graph, value))
+            classified.append(_classify_tensor(graph, value, identity.addresses.get(n, value.data_ptr())))
     return classified
 
 
@@ -100,9 +141,10 @@ def _input_ranges(graph) -> list[tuple[int, int, int]]:
     ]
 
 
-def _classify_tensor(graph, value: torch.Tensor) -> Output:
-    """A tensor output: a view of an input (rebuilt per call) or a tensor the graph owns."""
-    address, owner, base = value.data_ptr(), None, 0
+def _classify_tensor(graph, value: torch.Tensor, address: int) -> Output:
+    """A tensor output at ``address`` (where the region ran): a view of an input (rebuilt per
+    call) or a tensor the graph owns."""
+    owner, base = None, 0
     for i, lo, extent in _input_ranges(graph):
         # a staged input's buffer (a host input's pinned buffer) has the input's exact
         # layout: a view of it is the same view of the input
@@ -118,9 +160,39 @@ def _classify_tensor(graph, value: torch.Tensor) -> Output:
     delta, remainder = divmod(address - base, value.element_size())
     if remainder:
         raise CaptureFailed(f"an output is a misaligned view of input {graph.paths[owner]}")
-    template = graph.template[owner]
-    whole = delta == 0 and tuple(value.shape) == template.shape and tuple(value.stride()) == template.stride
-    return InputView(owner, tuple(value.shape), tuple(value.stride()), delta, whole)
+    # a view, even one covering the whole input (``x[:]``): a fresh one each call, as eagerly
+    return InputView(owner, tuple(value.shape), tuple(value.stride()), delta, False)
+
+
+# --- the graph's own output memory -----------------------------------------------------------
+def own_memory(capture: Capture) -> dict[int, int]:
+    """``{first byte: bytes}`` of the output buffers the capture owns, where the capture put them
+    (the identity's spans, read before any output was handed out; recording's reading of the
+    outputs' storages where the capture has none)."""
+    owned = getattr(capture, "identity", output_identity.UNKNOWN).owned
+    if owned:
+        return dict(owned.values())
+    return owned_output_memory(capture)
+
+
+def own_memory_lanes(graph, capture: Capture) -> list:
+    """The graph's own output buffers as output_slots.Lane objects (where they are, their
+    readers): for a graph that keeps its output memory (no slots). A buffer a caller already
+    moved (``resize_`` on the recording call's output) cannot be written: the key records
+    again later (RecordLater)."""
+    owned = getattr(capture, "identity", output_identity.UNKNOWN).owned
+    _spec, leaves, _ = region_keys.flatten((capture.outputs,), {}, walk_dataclasses=True)
+    lanes = {}
+    for n, leaf in enumerate(leaves):
+        if not isinstance(leaf, torch.Tensor) or not leaf.numel():
+            continue
+        storage = leaf.untyped_storage()
+        address, size = owned.get(n, (storage.data_ptr(), storage.nbytes()))
+        if address in graph.output_memory and address not in lanes:
+            lanes[address] = lane = output_slots.Lane.over(leaf, address, size, graph)
+            if lane.moved():
+                raise RecordLater("an output of the recording call had its storage resized before the graph was built")
+    return list(lanes.values())
 
 
 # --- the region's output slots ---------------------------------------------------------------
@@ -172,13 +244,14 @@ def _output_copies(graph, capture: Capture) -> dict[int, object] | None:
 def _slot_the_outputs(graph, lanes: dict[int, int]) -> None:
     """Each owned output in a lane becomes a SlotOutput (its layout in ``slot_outputs``)."""
     stream = graph.session.last_stream[0]
+    owned = getattr(graph.capture, "identity", output_identity.UNKNOWN).owned
     for number, item in enumerate(graph.outputs):
         if not isinstance(item, OwnedOutput) or not item.tensor.numel():
-            continue  # an empty output is a fresh tensor of its own: handed out as it is
+            continue  # an empty output: a fresh empty tensor each call
         tensor = item.tensor
-        storage = tensor.untyped_storage().data_ptr()
+        storage = owned[number][0] if number in owned else tensor.untyped_storage().data_ptr()
         if storage not in lanes:
-            continue  # a tensor the region did not make (a global): returned as it is
+            continue  # a tensor the region did not make (a view of a global): a fresh view each call
         graph.outputs[number] = SlotOutput(len(graph.slot_outputs))
         graph.slot_outputs.append(
             (lanes[storage], tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset())
@@ -188,13 +261,50 @@ def _slot_the_outputs(graph, lanes: dict[int, int]) -> None:
 
 
 # --- handing them out ------------------------------------------------------------------------
+def maker(graph, number: int) -> Callable[[], torch.Tensor] | None:
+    """How output ``number`` (an OwnedOutput) is made afresh at every call: a ``detach()`` of
+    it in memory the graph owns, a fresh empty tensor, or a fresh view of a global (of a
+    template of the graph's own, so that nothing done to the object the recording handed out
+    reaches it). None for the other kinds."""
+    item = graph.outputs[number]
+    if not isinstance(item, OwnedOutput):
+        return None
+    tensor = item.tensor
+    size, stride = tuple(tensor.shape), tuple(tensor.stride())
+    if not tensor.numel():
+        return functools.partial(torch.empty_strided, size, stride, dtype=tensor.dtype, device=tensor.device)
+    owned = getattr(graph.capture, "identity", output_identity.UNKNOWN).owned
+    storage = owned[number][0] if number in owned else tensor.untyped_storage().data_ptr()
+    if storage in graph.output_memory:
+        return tensor.detach
+    template = torch.as_strided(tensor, size, stride, tensor.storage_offset())
+    return functools.partial(torch.as_strided, template, size, stride, tensor.storage_offset())
+
+
+def makers(graph) -> dict[int, Callable]:
+    """Output number -> its :func:`maker`, for every output made afresh by one (the generated
+    function and the C step call the same objects)."""
+    made = {n: maker(graph, n) for n in range(len(graph.outputs))}
+    return {n: m for n, m in made.items() if m is not None}
+
+
 def return_outputs(code: Source, graph) -> None:
-    """The generated function's last line: the outputs in the region's structure, a fresh
-    container every call."""
+    """The generated function's last lines: the outputs in the region's structure, a fresh
+    container every call (an output the region returned twice made once, into a temporary)."""
     policy = graph.session.policy
     if graph.output_slots is not None and graph.slot_outputs:
         code.line("_v = _me.views")  # the templates in the slot just written
-    expressions = [_expression(code, item, policy.clone_outputs, policy.check_stale) for item in graph.outputs]
+    repeated = {item.first for item in graph.outputs if isinstance(item, SameOutput)}
+    expressions = []
+    for number, item in enumerate(graph.outputs):
+        if isinstance(item, SameOutput):
+            expressions.append(f"_t{int(item.first)}")
+            continue
+        expression = _expression(code, graph, number, policy.clone_outputs, policy.check_stale)
+        if number in repeated:
+            code.line(f"_t{number} = {expression}")
+            expression = f"_t{number}"
+        expressions.append(expression)
     code.line(f"return {_container(code, graph.output_spec[0][0], expressions)}")
 
 
@@ -210,11 +320,14 @@ def _handed_out(code: Source, tensor: str, clone: bool, guard: bool, fresh: str 
     return tensor + fresh
 
 
-def _expression(code: Source, item: Output, clone: bool, guard: bool) -> str:
-    """The expression handing out one output."""
+def _expression(code: Source, graph, number: int, clone: bool, guard: bool) -> str:
+    """The expression handing out output ``number``."""
+    item = graph.outputs[number]
     if isinstance(item, SlotOutput):  # a fresh tensor on the slot's memory
         return _handed_out(code, f"_v[{int(item.number)}]", clone, guard, ".detach()")
-    if isinstance(item, OwnedOutput):
+    if isinstance(item, OwnedOutput):  # made afresh by the same object the C step calls
+        return _handed_out(code, f"{code.bind(graph.output_makers[number], '_make')}()", clone, guard)
+    if isinstance(item, HeldOutput):
         return _handed_out(code, code.bind(item.tensor, "_out"), clone, guard)
     if isinstance(item, InputView):
         owner = item.input

@@ -168,6 +168,7 @@ class ReplaySource:
         self._bind_runtime()
         check_names = graph_checks.emit_guards(code, graph, len(leaves))
         graph_checks.alias_checks(code, graph, leaves)
+        graph_checks.same_argument_checks(code, graph)
         graph_checks.own_output_checks(code, graph, leaves)
         graph_checks.staged_storage_checks(code, graph)
         graph_checks.alignment_checks(code, graph)
@@ -436,11 +437,16 @@ class ReplaySource:
 
     def _launch(self) -> None:
         """Launch the graph once on the current stream (telling the session when the stream
-        changed)."""
+        changed), once the streams callers read its output memory on (``record_stream``) have
+        done what was enqueued on them."""
         graph, backend, code = self.graph, self.backend, self.code
         code.line(f"_s = _current_stream({int(graph.device)})")
         code.line("if _s != _LAST_STREAM[0]:")
         code.line("_stream_switch(_s)", 2)
+        readers = readers_holder(graph)
+        if readers is not None:
+            code.line(f"if {readers}.readers:")
+            code.line(f"{readers}.wait_for_readers(_s)", 2)
         if graph.uses_rng:
             # torch's replay advances the captured generators' offsets before launching, so
             # each replay draws fresh numbers exactly as the eager sequence would
@@ -463,11 +469,15 @@ class ReplaySource:
             self.code.line(f"{self.code.bind(host.launched_on, '_host_launched')}(_s, {int(self.graph.device)})")
 
     def _mark_the_slot_written(self) -> None:
-        """The slot now holds this graph's outputs; freed later, it waits for this stream."""
+        """The slot now holds this graph's outputs; freed later, it waits for this stream. The
+        graph keeps the stream where its release must tell the allocator of it (:func:`notes_stream`)."""
+        if notes_stream(self.graph):
+            self.code.line("_me.stream = _s")
         if self.graph.output_slots is not None:
             self.code.line("_o.writer = _me")
             self.code.line("_me.slot = _o")
-            self.code.line("_o.streams.add(_s)")
+            self.code.line("if _s not in _o.streams:")
+            self.code.line("_o.written_from(_s)", 2)
 
     def _count_replay(self) -> None:
         """Count the replay: the entry's generation (which outputs handed out remember, in
@@ -484,6 +494,21 @@ class ReplaySource:
             code.line(f"_stats.staged_copies += {copies} - ({' + '.join(skipped)})")
         elif copies:
             code.line(f"_stats.staged_copies += {copies}")
+
+
+def readers_holder(graph) -> str | None:
+    """The generated name of what notes the streams callers read the memory a replay writes on
+    (replay.output_slots): the slot chosen, the graph itself for its own output buffers, None
+    where a replay writes no output memory."""
+    if graph.output_slots is not None:
+        return "_o"
+    return "_me" if getattr(graph, "own_lanes", ()) else None
+
+
+def notes_stream(graph) -> bool:
+    """Whether a replay keeps its stream (``graph.stream``): where the graph holds memory its
+    replays use that goes with it (staged buffers, output buffers of its own)."""
+    return bool(graph.staged or getattr(graph, "own_lanes", ()))
 
 
 def staged_copies(graph) -> int:

@@ -18,8 +18,16 @@ import torch
 import jitcore.torch_native
 from jitcore.backends import compiled_helpers_enabled
 from replay import output_slots
-from replay.graph_outputs import ConstantOutput, InputView, OwnedOutput, SlotOutput
-from replay.graph_source import DYNAMIC_NAME, GeneratedReplay, Source, compile_function, staged_copies
+from replay.graph_outputs import ConstantOutput, HeldOutput, InputView, OwnedOutput, SameOutput, SlotOutput
+from replay.graph_source import (
+    DYNAMIC_NAME,
+    GeneratedReplay,
+    Source,
+    compile_function,
+    notes_stream,
+    readers_holder,
+    staged_copies,
+)
 from replay.step_program import (
     Alignment,
     MemoryRange,
@@ -38,6 +46,8 @@ except ImportError:
 
 #: At most this many tensor arguments for csrc/replay_step.c (its fixed-size pointer array).
 STEP_MAX_TENSORS = 64
+#: At most this many lanes in a slot the step writes (its fixed-size arrays of where they are).
+STEP_MAX_LANES = 64
 
 #: The program's fields that are values of the generated function's namespace, by their names there.
 NAMESPACE_FIELDS = {
@@ -92,9 +102,10 @@ def refusal(graph, backend, leaves: Sequence) -> str | None:
         ),
         (bool(plan.configs or plan.checks), "grid sizes or index checks computed per call"),
         (any(b.dynamic for b in plan.pointers), "pointer offsets computed per call"),
-        (bool(graph.key[3]), "arguments recorded overlapping"),
+        (bool(graph.key[3]), "arguments recorded overlapping"),  # (one object as several among them)
         (backend.graph_launch_parts() is None or not backend.raw_stream_handles, "a backend launching from Python"),
         (sum(isinstance(leaf, torch.Tensor) for leaf in leaves) > STEP_MAX_TENSORS, "many tensors"),
+        (len(graph.slot_need) > STEP_MAX_LANES, "many groups of outputs sharing memory"),
     ]
     return next((why for refused, why in refusals if refused), None)
 
@@ -114,7 +125,8 @@ def build_program(graph, backend, leaves: Sequence, generated: GeneratedReplay, 
     slotted = graph.output_slots is not None
     fixed = ns.get("_FIXED", ())  # bound where staged inputs are checked against fixed addresses
     tensors = [TensorArgument(i, ns[f"_e{i}"]) for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-    owned = [MemoryRange(int(lo), int(size)) for lo, size in graph.output_memory.items()]
+    holders = {lane.address: lane.buffer for lane in getattr(graph, "own_lanes", ())}
+    owned = [MemoryRange(int(lo), int(size), holders.get(lo)) for lo, size in graph.output_memory.items()]
     pointers = graph.plan.pointers
     alignments = {Alignment(b.input, int(b.delta), bool(b.aligned)): None for b in pointers if b.aligned is not None}
     return StepProgram(
@@ -137,6 +149,8 @@ def build_program(graph, backend, leaves: Sequence, generated: GeneratedReplay, 
         device=int(graph.device),
         launch=launch,
         launch_failed=launch_failed,
+        own_readers=readers_holder(graph) == "_me",
+        notes_stream=notes_stream(graph),
         slotted=slotted,
         lane_count=len(graph.slot_need) if slotted else 0,
         retarget=ns.get("_retarget"),
@@ -206,19 +220,25 @@ def _nodes(graph, generated: GeneratedReplay) -> tuple[NodePatch, ...]:
 
 
 def _outputs(graph) -> tuple[tuple[StepOutput, ...], bool]:
-    """How the step makes each output, and whether they go in a tuple."""
+    """How the step makes each output (with the objects the generated function uses), and
+    whether they go in a tuple."""
     outputs = []
-    for item in graph.outputs:
+    for number, item in enumerate(graph.outputs):
         if isinstance(item, SlotOutput):
             outputs.append(StepOutput(OutputKind.SLOT_VIEW, int(item.number)))
-        elif isinstance(item, InputView) and item.whole:
-            outputs.append(StepOutput(OutputKind.LEAF, int(item.input)))
+        elif isinstance(item, InputView):
+            kind = OutputKind.LEAF if item.whole else OutputKind.MADE_FROM_LEAF
+            outputs.append(StepOutput(kind, int(item.input), None if item.whole else item.view))
         elif isinstance(item, OwnedOutput):
+            outputs.append(StepOutput(OutputKind.MADE, value=graph.output_makers[number]))
+        elif isinstance(item, HeldOutput):
             outputs.append(StepOutput(OutputKind.VALUE, value=item.tensor))
         elif isinstance(item, ConstantOutput):
             outputs.append(StepOutput(OutputKind.VALUE, value=item.value))
+        elif isinstance(item, SameOutput):
+            outputs.append(StepOutput(OutputKind.SAME_AS, int(item.first)))
         else:
-            raise Refused("outputs rebuilt per call (views of inputs, dynamic values)")
+            raise Refused("outputs recomputed per call (dynamic values)")
     spec = graph.output_spec[0][0]
     if spec is not None and not (spec[0] == "tuple" and all(child is None for child in spec[1])):
         raise Refused("outputs in a structure other than one tensor or a flat tuple")

@@ -33,14 +33,41 @@ the same two counts: the use count through the torch-side helper, and the storag
 references against ``Lane.own_storage_refs_c``, the count its own read saw when the lane was
 made (where either is missing it calls :meth:`Slot.held`).
 
-This module is bookkeeping over tensors, with no driver call: pointing the copies at a slot
-is the graph's (replay.graph).
+What else reaches a slot's memory after its outputs were handed out, and what keeps it exact:
+
+- *Inference tensors*: a slot's buffers are tensors of the mode they were allocated in (an
+  inference tensor under ``torch.inference_mode``), and so is everything handed out of them;
+  such an output given to a call under ``no_grad`` fails where eager's works ("Inference
+  tensors cannot be saved for backward"). So a slot serves only the mode it was allocated in.
+- *Another stream reading an output* (the caller's ``out.record_stream(s)``): eagerly the
+  allocator then keeps the memory until ``s`` is done with it; a slot is written again as soon
+  as nobody holds its outputs. So :func:`watch_record_stream` wraps torch's
+  ``Tensor.record_stream``: called on a tensor over a lane's storage, it notes the stream on
+  the lane's owner (the slot), and the next replay writing the slot first makes its stream wait
+  for what was enqueued on it (:meth:`Slot.wait_for_readers`, a check of an empty list when
+  nobody called it). The wrapper is the only place torch tells of such a read; the allocator
+  keeps its own list of a block's streams where nothing can read it, and waiting on every
+  stream would wait for streams nobody named.
+- *Streams the replays wrote it from*: the allocator is told of each (``record_stream`` on the
+  lane's buffer, once per stream, :meth:`Slot.written_from`), so the memory, freed by the slot
+  or by the last output a caller drops, is reused only after those writes are done.
+- *A resized storage* (``out.resize_(n)``, ``out.untyped_storage().resize_(n)``): the storage a
+  caller's output shares with the lane moves to new memory, its old block goes back to the
+  allocator, and the graph's copies would write it there. So a lane knows where its memory
+  is (``address``, ``size``) and a slot whose storage moved (:meth:`Slot.moved`) is never
+  written again: the replay checks the lanes it writes (one pointer and size compare each)
+  and :meth:`OutputSlots.choose` drops such a slot, leaving its memory to the storage.
+
+This module is bookkeeping over tensors (and torch's stream bookkeeping of their memory), with
+no driver call: pointing the copies at a slot is the graph's (replay.graph).
 """
 
 from __future__ import annotations
 
+import functools
 import sys
-from collections.abc import Callable, Sequence
+import weakref
+from collections.abc import Callable, Iterable, Sequence
 
 import attrs
 import torch
@@ -63,6 +90,88 @@ def _use_count(storage: torch.UntypedStorage) -> int:
     return torch._C._storage_Use_Count(storage._cdata)
 
 
+# --- streams reading or writing output memory -------------------------------------------------
+#: torch's own ``Tensor.record_stream`` (the wrapper calls it first, and the slots record their
+#: own writing streams through it, which are not readers).
+_RECORD_STREAM = torch._C.TensorBase.record_stream
+
+#: storage's first byte -> (a weak reference to) the lane over that storage, for the lanes whose
+#: readers are watched (see :func:`watch_record_stream`).
+_WATCHED: dict[int, weakref.ref] = {}
+
+
+def note_reader(tensor: torch.Tensor, stream: object) -> None:
+    """``tensor.record_stream(stream)`` was called: where ``tensor`` lies in a watched lane's
+    storage, the lane's owner notes ``stream`` as a reader of its memory."""
+    try:
+        storage = tensor.untyped_storage()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return  # no storage of its own (a wrapper subclass): not output memory
+    ref = _WATCHED.get(storage.data_ptr())
+    lane = ref() if ref is not None else None
+    if lane is None or lane.storage is not storage:  # the Python storage object is one per storage
+        return
+    owner = lane.owner() if lane.owner is not None else None
+    if owner is not None and stream not in owner.readers:
+        owner.readers.append(stream)
+
+
+@functools.wraps(_RECORD_STREAM)
+def _record_stream(self: torch.Tensor, *args, **kwargs) -> None:
+    _RECORD_STREAM(self, *args, **kwargs)
+    if _WATCHED:
+        note_reader(self, args[0] if args else next(iter(kwargs.values())))
+
+
+def watch_record_stream() -> None:
+    """Wrap ``torch.Tensor.record_stream`` (once) so that output memory learns of the streams a
+    caller reads it on: torch's own call first, then :func:`note_reader`."""
+    if torch.Tensor.record_stream is not _record_stream:
+        torch.Tensor.record_stream = _record_stream
+
+
+def _watch(lane: Lane) -> None:
+    address = lane.address
+    watch_record_stream()
+
+    def forget(ref: weakref.ref) -> None:
+        if _WATCHED.get(address) is ref:
+            del _WATCHED[address]
+
+    _WATCHED[address] = weakref.ref(lane, forget)
+
+
+def _unwatch(lane: Lane) -> None:
+    ref = _WATCHED.get(lane.address)
+    if ref is not None and ref() is lane:
+        del _WATCHED[lane.address]
+
+
+def wait_for_readers(readers: list, stream: int, device: torch.device | int) -> None:
+    """Make raw ``stream`` wait for the work enqueued so far on each of ``readers`` (the
+    streams a caller named with ``record_stream``), then forget them: the memory they read is
+    about to be written on ``stream``. Enqueued before the write, their reads see what eager's
+    output held; the caller's later work on them is the next output's business."""
+    target = torch.cuda.ExternalStream(stream, device=device)
+    for reader in readers:
+        if getattr(reader, "cuda_stream", None) != stream:
+            event = torch.cuda.Event()
+            event.record(reader)
+            target.wait_event(event)
+    readers.clear()
+
+
+def record_on(tensors: Iterable[torch.Tensor], stream: int | None) -> None:
+    """Tell the allocator that ``tensors``' memory is used by work enqueued on raw ``stream`` (a
+    replay's; for a released graph its last one, which waited for every replay before it):
+    freed, it is reused only once that work is done."""
+    if stream is None:
+        return
+    for tensor in tensors:
+        if isinstance(tensor, torch.Tensor) and tensor.is_cuda:
+            _RECORD_STREAM(tensor, torch.cuda.ExternalStream(stream, device=tensor.device))
+
+
 @attrs.define(eq=False)
 class Lane:
     """One buffer of a slot: a graph's outputs that share memory (one storage eagerly) are
@@ -79,6 +188,7 @@ class Lane:
     # so the C step asks held() of Python
     own_storage_refs_c: int = -1
     bases: dict[torch.dtype, torch.Tensor] = attrs.Factory(dict)  # one typed view per dtype
+    owner: weakref.ref | None = None  # what notes the streams callers read it on (its slot)
 
     @classmethod
     def allocate(cls, allocate: Callable[[int], torch.Tensor], size: int, use_count) -> Lane:
@@ -91,6 +201,22 @@ class Lane:
         if _storage_references is not None:
             lane.own_storage_refs_c = _storage_references(lane)
         return lane
+
+    @classmethod
+    def over(cls, tensor: torch.Tensor, address: int, size: int, owner: object) -> Lane:
+        """A lane over memory ``owner`` keeps (a graph's own output buffer, reached through one
+        of its tensors), which was at ``address``, ``size`` bytes, when it was made: its readers
+        and its moves are watched like a slot's."""
+        lane = cls(tensor, size, address, tensor.untyped_storage(), owner=weakref.ref(owner))
+        if tensor.is_cuda:
+            _watch(lane)
+        return lane
+
+    def moved(self) -> bool:
+        """Whether its storage no longer is the memory the lane was made over (a caller resized
+        it: the old memory went back to the allocator, and must not be written)."""
+        storage = self.storage
+        return storage is not None and (storage.data_ptr() != self.address or storage.nbytes() != self.size)
 
     def held(self, use_count) -> bool:
         storage = self.storage
@@ -118,14 +244,10 @@ class Lane:
         self.own += 1
         return view
 
-    def free(self, streams: set[int]) -> None:
-        """Give the memory back to torch's allocator. Streams other than the one it was
-        allocated on may still be writing it: the allocator is told to wait for them."""
-        buffer = self.buffer
-        if buffer is None:
-            return
-        for stream in streams if buffer.is_cuda else ():
-            buffer.record_stream(torch.cuda.ExternalStream(stream, device=buffer.device))
+    def free(self) -> None:
+        """Give the memory back to torch's allocator (which was told of every stream replays
+        wrote it from: :meth:`Slot.written_from`)."""
+        _unwatch(self)
         self.buffer = self.storage = None
         self.bases.clear()
 
@@ -138,10 +260,20 @@ class Slot:
     lanes: list[Lane]
     use_count: Callable[[torch.UntypedStorage], int]
     writer: object | None = None  # the graph whose replay wrote it last
-    streams: set[int] = attrs.Factory(set)  # raw streams replays wrote it from (the graph adds each)
-    freed: bool = False  # its memory went back to the allocator: never written again
+    streams: set[int] = attrs.Factory(set)  # raw streams replays wrote it from (written_from adds each)
+    freed: bool = False  # its memory went back to the allocator (or to a storage that moved): never written again
     # graph -> ((lane, template view), ...): the views of its outputs in this slot
     templates: dict[object, tuple[tuple[int, torch.Tensor], ...]] = attrs.Factory(dict)
+    inference: bool = False  # its buffers are inference tensors: it serves inference-mode replays only
+    readers: list = attrs.Factory(list)  # streams callers read its outputs on since its last write
+
+    def __attrs_post_init__(self) -> None:
+        buffer = self.lanes[0].buffer if self.lanes else None
+        self.inference = buffer is not None and buffer.is_inference()
+        for lane in self.lanes:
+            lane.owner = weakref.ref(self)
+            if lane.buffer is not None and lane.buffer.is_cuda:
+                _watch(lane)
 
     def views_for(self, graph: object, outputs: Sequence[tuple]) -> tuple[torch.Tensor, ...]:
         """``graph``'s output templates in this slot, made on its first use of the slot;
@@ -182,15 +314,45 @@ class Slot:
                 return True
         return False
 
+    def moved(self) -> bool:
+        """Whether a caller resized the storage of any of its lanes (see the module docstring)."""
+        for lane in self.lanes:
+            if lane.moved():
+                return True
+        return False
+
+    def written_from(self, stream: int) -> None:
+        """A replay on raw ``stream`` (not one before it) wrote the slot: the allocator is told, so
+        the memory, whoever frees it last, is reused only after that write is done."""
+        self.streams.add(stream)
+        record_on((lane.buffer for lane in self.lanes), stream)
+
+    def wait_for_readers(self, stream: int) -> None:
+        """Before a replay on raw ``stream`` writes the slot: see :func:`wait_for_readers`."""
+        wait_for_readers(self.readers, stream, self.lanes[0].buffer.device)
+
     def free(self) -> None:
+        self._unbind()
+        for lane in self.lanes:
+            lane.free()
+
+    def abandon(self) -> None:
+        """A caller resized a lane's storage: the memory is the storage's now. The slot lets go
+        of it without writing or freeing anything, and is never chosen again."""
+        self._unbind()
+        for lane in self.lanes:
+            _unwatch(lane)
+            lane.buffer = lane.storage = None
+            lane.bases.clear()
+
+    def _unbind(self) -> None:
         for graph in self.templates:  # a graph whose copies point here sets them again first
             if getattr(graph, "bound_slot", None) is self:
                 graph.bound_slot = graph.views = None
         self.templates.clear()
-        for lane in self.lanes:
-            lane.free(self.streams)
         self.writer = None
         self.freed = True
+        self.readers.clear()
 
 
 class OutputSlots:
@@ -217,16 +379,20 @@ class OutputSlots:
     def choose(self, graph: object, need: tuple[int, ...]) -> Slot:
         """The slot a replay of ``graph`` writes: the one it wrote last if no other graph
         wrote it since, else one nobody holds outputs in (the one its copies point at first:
-        no node update; a spare beyond ``SPARE_SLOTS`` is freed then), else a new one.
-        Changes nothing but the slots' list: the caller marks the slot written
+        no node update; a spare beyond ``SPARE_SLOTS`` is freed then), else a new one; only
+        slots of the current mode (inference or not: a replay runs in its graph's), never
+        one whose storage a caller moved (those are dropped here first).
+        Changes nothing else but the slots' list: the caller marks the slot written
         (:meth:`wrote`) once its replay cannot decline any more."""
+        self._drop_moved()
         last = getattr(graph, "slot", None)
         if last is not None and last.writer is graph and not last.freed:
             return last
         bound = getattr(graph, "bound_slot", None)  # the slot its copies write now: no node update
         if bound is not None and not bound.freed and bound.fits(need) and not bound.held():
             return bound
-        free = [slot for slot in self.slots if not slot.held()]
+        inference = torch.is_inference_mode_enabled()
+        free = [slot for slot in self.slots if slot.inference == inference and not slot.held()]
         chosen = next((slot for slot in free if slot.fits(need)), None)
         if chosen is None:
             chosen = self._new(need, free)
@@ -259,6 +425,15 @@ class OutputSlots:
     def ranges(self) -> list[tuple[int, int]]:
         """(first byte, one past the last) of every lane: memory the region's replays write."""
         return [(lane.address, lane.address + lane.size) for slot in self.slots for lane in slot.lanes]
+
+    def _drop_moved(self) -> None:
+        """Let go of every slot whose storage a caller moved (:meth:`Slot.abandon`)."""
+        moved = [slot for slot in self.slots if slot.moved()]
+        if moved:
+            for slot in moved:
+                slot.abandon()
+            self.slots = [slot for slot in self.slots if not slot.freed]
+            self._changed()
 
     def _new(self, need: tuple[int, ...], free: list[Slot]) -> Slot:
         """A new slot at least as large, lane by lane, as every slot so far (a region's

@@ -55,7 +55,7 @@ from torch.utils._pytree import tree_flatten
 
 import jitcore.recorder
 from jitcore.backends import get_backend
-from replay import rebinding, recording, region_keys, triton_launches
+from replay import output_identity, rebinding, recording, region_keys, triton_launches
 from replay.dynamic import DynamicScalar
 from replay.graph import (
     NodeState,
@@ -241,6 +241,7 @@ class Observation:
     launching: str | None
     outputs: object  # what the region returned (dynamic scalars as DynamicScalar)
     doubts: dict = attrs.Factory(dict)  # recording.input_doubts, taken before the run
+    identity: output_identity.OutputIdentity = output_identity.UNKNOWN  # which outputs are the caller's objects
 
 
 def observe(
@@ -256,7 +257,8 @@ def observe(
     observer = LaunchFreeObserver()
     with jitcore.recorder.recording(launches), triton_launches.recording(launches), observer:
         outputs = fn(*args, **kwargs)
-    return Observation(launches.records, observer.made, observer.launching, outputs, doubts)
+    identity = output_identity.identify(outputs, output_identity.given_objects(leaves, {}, None), held)
+    return Observation(launches.records, observer.made, observer.launching, outputs, doubts, identity)
 
 
 def plain_outputs(outputs: object) -> object:
@@ -493,7 +495,7 @@ class VariantGraph(RecordedGraph):
         base = self.base
         self.output_spec, output_leaves, _ = region_keys.flatten((observation.outputs,), {}, walk_dataclasses=True)
         try:
-            self.outputs = self._classify_outputs(output_leaves)
+            self.outputs = self._classify_outputs(output_leaves, observation.identity)
         except CaptureFailed as failure:
             raise Unmatched(failure.reason) from None
         self.output_memory = {}

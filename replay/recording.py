@@ -36,7 +36,7 @@ import jitcore
 from jitcore import CaptureMissError
 from jitcore.backends import compiled_helpers_enabled, get_backend
 from replay import host as host_inputs
-from replay import instrumentation, rebinding, staging, triton_launches
+from replay import instrumentation, output_identity, rebinding, staging, triton_launches
 from replay.dynamic import Dynamic, DynamicScalar
 from replay.errors import DynamicScalarError
 from replay.observe import TorchOpObserver, op_observer
@@ -142,6 +142,9 @@ class Capture:
     # (first byte, one past the last) of each segment of the session's pool after the capture:
     # memory only graphs use, which no caller's tensor can share
     pool_memory: list = attrs.Factory(list)
+    # which outputs are the caller's own objects, and where the outputs it owns live
+    # (replay.output_identity.OutputIdentity)
+    identity: output_identity.OutputIdentity = output_identity.UNKNOWN
 
 
 class KeptPool:
@@ -1146,6 +1149,8 @@ def capture(
                 fn, args, kwargs, prepared, recorder, observer, graph, device=device, pool=pool, copy_back=copy_back
             )
             instrumentation.steps.mark("capture begin, checks, end")
+            given = output_identity.given_objects(leaves, prepared.staged, prepared.host_buffers())
+            identity = output_identity.identify(recorded.outputs, given, held)
             pool_memory, measured = _pool_memory(device, pool)
             watched = prepared.watched + prepared.host_ranges()
             pool_memory = _pool_memory_holding(recorded.outputs, watched, device, pool, pool_memory, measured)
@@ -1159,7 +1164,9 @@ def capture(
         seconds = time.perf_counter() - started
         instrumentation.steps.mark("instantiate")
         memory = max(sum(hi - lo for lo, hi in pool_memory) - pool_before, 0) + recorded.output_bytes
-        return _make_capture(graph, device, leaves, prepared, recorded, recorder, kept, seconds, memory, pool_memory)
+        made = _make_capture(graph, device, leaves, prepared, recorded, recorder, kept, seconds, memory, pool_memory)
+        made.identity = output_identity.with_memory(identity, recorded.outputs, recorded.owned_outputs)
+        return made
 
 
 @attrs.frozen
@@ -1628,27 +1635,6 @@ def owned_output_memory(capture: Capture) -> dict[int, int]:
 
 
 def first_outputs(capture: Capture, inputs: Sequence) -> object:
-    """What the first launch of a fresh capture returns: the capture's own outputs, with
-    dynamic scalars turned into their recorded values and views of a staged buffer turned
-    into the same views of the caller's input (``inputs``: the call's leaves), as every
-    replay returns them."""
-    spec, leaves, _ = flatten((capture.outputs,), {}, walk_dataclasses=True)
-    host = capture.host.buffers if getattr(capture, "host", None) is not None else {}
-    buffers = {**capture.staged, **host}
-    values = []
-    for leaf in leaves:
-        if isinstance(leaf, DynamicScalar):
-            leaf = leaf.value
-        elif isinstance(leaf, torch.Tensor):
-            for i, buffer in buffers.items():
-                lo = buffer.data_ptr()
-                if lo <= leaf.data_ptr() and leaf.data_ptr() + extent_bytes(leaf) <= lo + extent_bytes(buffer):
-                    # the same view (dtype included) of the caller's memory
-                    source = inputs[i]
-                    start = source.storage_offset() * source.element_size() + leaf.data_ptr() - lo
-                    view = torch.empty(0, dtype=leaf.dtype, device=leaf.device)
-                    view.set_(source.untyped_storage(), start // leaf.element_size(), leaf.shape, leaf.stride())
-                    leaf = view
-                    break
-        values.append(leaf)
-    return unflatten(spec, values)[0][0]
+    """What the first launch of a fresh capture returns, as every replay returns it, the
+    capture's own objects never handed out (replay.output_identity.first_outputs)."""
+    return output_identity.first_outputs(capture, inputs)

@@ -23,13 +23,16 @@ class TensorArgument:
     extent: int  # its byte extent: the checks compare [pointer, pointer + extent)
 
 
-@attrs.frozen
+@attrs.frozen(eq=False)
 class MemoryRange:
     """Output memory a graph without output slots writes at every replay: an argument lying
     in it would be overwritten, where eagerly it is not, so the call is declined."""
 
     start: int
     size: int
+    # a tensor over the buffer's storage: where that storage no longer spans the range (a caller
+    # resized an output), the generated function decides (it spoils the graph). None: not checked
+    holder: object = None
 
 
 @attrs.frozen
@@ -95,8 +98,11 @@ class OutputKind(enum.IntEnum):
     """How the step makes an output (the outputs it does not make refuse the step)."""
 
     SLOT_VIEW = 0  # a fresh ``detach()`` of its template view in the output slot written
-    LEAF = 1  # an argument returned as it is (the output is that input, whole)
-    VALUE = 2  # the same object at every call (a tensor the graph owns, a constant)
+    LEAF = 1  # an argument returned as it is (the output is that very argument)
+    VALUE = 2  # the same object at every call (a tensor the region reaches by name, a constant)
+    MADE = 3  # ``value()``: made afresh (a detach() of the graph's own memory, a view of a global, an empty tensor)
+    MADE_FROM_LEAF = 4  # ``value(leaf)``: a fresh view of the argument ``number``
+    SAME_AS = 5  # the very object of the earlier output ``number`` (one object returned twice)
 
 
 @attrs.frozen(eq=False)
@@ -104,8 +110,8 @@ class StepOutput:
     """One output of the replay, in the order the region returns them."""
 
     kind: OutputKind
-    number: int = 0  # SLOT_VIEW: its place in the graph's views; LEAF: its leaf
-    value: object = None  # VALUE: the object returned
+    number: int = 0  # SLOT_VIEW: its place in the graph's views; LEAF, MADE_FROM_LEAF: its leaf; SAME_AS: an output
+    value: object = None  # VALUE: the object returned; MADE, MADE_FROM_LEAF: what makes it
 
 
 @attrs.frozen(eq=False)
@@ -146,9 +152,13 @@ class StepProgram:
     launch: Callable  # ``launch(graph_exec, stream)`` -> a status tuple
     graph_exec: object
     launch_failed: Callable  # raises for a failed launch: ``launch_failed(status)``
+    # before it: the streams callers read the output memory on (record_stream), which the slot
+    # written notes, or the graph itself for its own output buffers (``own_readers``)
+    own_readers: bool
+    notes_stream: bool  # after it: the graph keeps its stream (``graph.stream``, for its release)
     # --- the output slots (replay.output_slots) and the outputs
     slotted: bool  # its outputs are copied into the region's output slots
-    lane_count: int  # the lanes of a slot it writes: no argument may lie in them
+    lane_count: int  # the lanes of a slot it writes: each where it was (else choose decides); no argument in them
     retarget: Callable | None  # points the output copies at another slot (slotted graphs)
     use_count_reader: Callable  # replay.output_slots' own reader: the slots whose held() C answers
     support: object  # the torch-side helper's replay_support capsule (csrc/replay_support.h)

@@ -22,7 +22,7 @@ from jitcore.backends.base import GraphNode, NodeUpdater
 from jitcore.backends.null import NullBackend
 from jitcore.errors import DriverError
 from replay import graph as graph_module
-from replay import graph_checks, region_keys
+from replay import graph_checks, output_identity, region_keys
 from replay.dynamic import Dynamic, DynamicScalar
 from replay.graph import (
     MISMATCH,
@@ -161,6 +161,13 @@ class FakeSession:
         self.last_stream[0] = stream
 
 
+@attrs.frozen
+class Held:
+    """What a region reaches by name (recording.HeldTensors, as output_identity reads it)."""
+
+    named: tuple = ()
+
+
 class FakeRegion:
     name = "step"
 
@@ -178,7 +185,23 @@ def _replayed_both_ways(replay_step):
 LAYOUT = ParamLayout.of([parse_param("float* x"), parse_param("float s"), parse_param("long long n")])
 
 
-def build(leaves, plan, *, outputs=None, sim=None, grid=(4, 1, 1), staged=None, node_views=(), **policy):
+def build(
+    leaves,
+    plan,
+    *,
+    outputs=None,
+    sim=None,
+    grid=(4, 1, 1),
+    staged=None,
+    node_views=(),
+    held=(),
+    owned=(),
+    backend=None,
+    **policy,
+):
+    """A graph recorded over ``leaves`` returning ``outputs`` (``held``: the tensors among them
+    the region reaches by name, as replay.output_identity tells a capture's; ``owned``: buffers
+    the capture gave outputs as memory of their own, which a session without slots keeps)."""
     sim = sim or SimExec()
     spec, flat, paths = region_keys.flatten(tuple(leaves), {})
     key = region_keys.region_key(-1, spec, flat, paths)
@@ -200,6 +223,8 @@ def build(leaves, plan, *, outputs=None, sim=None, grid=(4, 1, 1), staged=None, 
             "input_dtypes",
             "dynamic_values",
             "node_views",
+            "identity",
+            "owned_outputs",
         ],
     )(
         FakeTorchGraph(sim),
@@ -215,9 +240,12 @@ def build(leaves, plan, *, outputs=None, sim=None, grid=(4, 1, 1), staged=None, 
         {i: t.dtype for i, t in tensors},
         {},
         list(node_views) if node_views is not None else None,
+        output_identity.identify(outputs, output_identity.given_objects(flat, staged or {}, None), Held(held)),
+        {buffer.data_ptr() for buffer in owned},
     )
+    capture.identity = output_identity.with_memory(capture.identity, outputs, capture.owned_outputs)
     region = FakeRegion(key)
-    with use_backend(SimBackend(sim)):
+    with use_backend(backend or SimBackend(sim)):
         graph = RecordedGraph(region, key, capture, spec, flat, paths, FakeSession(**policy), 0)
     return graph, sim
 
@@ -435,15 +463,15 @@ def test_grid_sizes_from_dynamic_scalars_are_patched_and_zero_disables_the_node(
 
 def test_outputs_come_in_a_fresh_container_every_call():
     x = torch.randn(8)
-    out = torch.randn(8)
-    graph, _ = build([x], Plan(), outputs={"y": out, "n": [1, 2.5], "t": (out, x)})
+    out = torch.randn(8)  # a tensor the region reaches by name, returned twice
+    graph, _ = build([x], Plan(), outputs={"y": out, "n": [1, 2.5], "t": (out, x)}, held=[out])
     first = graph.replay(x)
     second = graph.replay(x)
     assert first is not second and first["n"] is not second["n"]
     first["y"] = None
     first["n"].append(3)
     third = graph.replay(x)
-    assert third["y"] is out and third["n"] == [1, 2.5] and third["t"][1] is x
+    assert third["y"] is out and third["n"] == [1, 2.5] and third["t"][1] is x and third["t"][0] is out
 
 
 def test_dynamic_outputs_are_recomputed_from_the_new_value():
@@ -451,6 +479,145 @@ def test_dynamic_outputs_are_recomputed_from_the_new_value():
     expr = DynamicScalar("_d1", 3, "args[1]") * float("inf")
     graph, _ = build([x, Dynamic(3)], Plan(), outputs=(x, expr))
     assert graph.replay(x, Dynamic(-2))[1] == float("-inf")
+
+
+# --- what a replay hands out: fresh objects, as eager makes them -----------------------------
+
+#: What a caller may do to an output's own object (metadata, storage) that must reach no later one.
+METADATA_CHANGES = {
+    "unsqueeze_": lambda t: t.unsqueeze_(0),
+    "as_strided_": lambda t: t.as_strided_((2,), (1,)),
+    "t_": lambda t: t.t_() if t.dim() <= 2 else t.transpose_(0, 1),
+    "transpose_": lambda t: t.unsqueeze_(0).transpose_(0, 1),
+    "set_": lambda t: t.set_(torch.zeros(3)),
+    ".data =": lambda t: setattr(t, "data", torch.zeros(5)),
+    "requires_grad_": lambda t: t.requires_grad_(),
+}
+
+
+def test_a_view_covering_a_whole_input_is_a_fresh_view_and_the_input_itself_the_input(replay_step):
+    """``return x[:]`` is a new view at every eager call (changing its metadata leaves ``x``
+    alone), ``return x`` the caller's ``x`` itself: a replay tells them apart by what the capture
+    saw, not by their layouts, which are the same."""
+    x = torch.randn(8)
+    graph, _ = build([x], Plan(), outputs=(x[:], x, x.view(2, 4), x.view(x.shape)))
+    if replay_step == "c":
+        assert graph.step_refused is None  # the C step makes the views too
+    y = torch.randn(8)
+    first, second = graph.replay(y), graph.replay(y)
+    assert first[1] is y and second[1] is y
+    for out in (first[0], first[3]):
+        assert out is not y and out._base is y and out.shape == (8,) and out.data_ptr() == y.data_ptr()
+    assert first[0] is not second[0] and first[2].shape == (2, 4) and first[2]._base is y
+    for change in METADATA_CHANGES.values():
+        change(graph.replay(y)[0])
+        later = graph.replay(y)
+        assert y.shape == (8,) and not y.requires_grad and later[0].shape == (8,) and later[3].shape == (8,)
+        assert later[0].data_ptr() == y.data_ptr() and not later[0].requires_grad
+
+
+def test_a_view_of_a_global_is_a_fresh_view_and_the_global_itself_the_global(replay_step):
+    """A view the region makes of a tensor it reaches by name is new at every eager call; the
+    tensor itself is that tensor: whatever a caller does to one call's view reaches no later one."""
+    x, w = torch.randn(8), torch.randn(4, 4)
+    graph, _ = build([x], Plan(), outputs=(w[1], w, w.t()), held=[w])
+    if replay_step == "c":
+        assert graph.step_refused is None
+    for what, change in METADATA_CHANGES.items():
+        first = graph.replay(x)
+        assert first[1] is w and first[0] is not graph.replay(x)[0], what
+        change(first[0])
+        change(first[2]) if what != "requires_grad_" else None
+        later = graph.replay(x)
+        assert later[0].shape == (4,) and later[0].data_ptr() == w[1].data_ptr(), what
+        assert later[2].shape == (4, 4) and later[2].stride() == (1, 4) and not later[0].requires_grad, what
+        assert w.shape == (4, 4) and not w.requires_grad, what
+    assert torch.equal(graph.replay(x)[0], w[1])
+
+
+def test_one_object_returned_twice_is_one_object_each_call(replay_step):
+    x, w = torch.randn(8), torch.randn(4)
+    view = x[2:]
+    graph, _ = build([x], Plan(), outputs=(view, w, view, x, x), held=[w])
+    if replay_step == "c":
+        assert graph.step_refused is None
+    first, second = graph.replay(x), graph.replay(x)
+    assert first[0] is first[2] and first[0] is not second[0] and first[3] is first[4] is x
+    first[0].unsqueeze_(0)
+    assert first[2].shape == (1, 6) and second[0].shape == (6,)
+
+
+def test_an_empty_output_is_a_fresh_empty_tensor_each_call(replay_step):
+    x = torch.randn(8)
+    graph, _ = build([x], Plan(), outputs=(torch.empty(0, 3),))
+    first = graph.replay(x)[0]
+    first.resize_(5).fill_(1.0)  # the caller grows it: nothing of it reaches the next one
+    second = graph.replay(x)[0]
+    assert second.shape == (0, 3) and second.untyped_storage().nbytes() == 0
+    assert second.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() or not first.numel()
+
+
+def _owning(sim=None):
+    """A graph without output slots whose output lies in a buffer the capture gave it."""
+    x = torch.randn(8)
+    buffer = torch.empty(64, dtype=torch.uint8)
+    out = torch.empty(0).set_(buffer.untyped_storage(), 2, (2, 3), (3, 1))
+    graph, sim = build([x], Plan(pointers=[PointerBinding(0, 0, 0, 0, 0, 0)]), outputs=(out,), owned=[buffer], sim=sim)
+    return graph, sim, out
+
+
+@pytest.mark.parametrize(
+    "resize",
+    [
+        lambda t: t.resize_(100),
+        lambda t: t.untyped_storage().resize_(0),
+        lambda t: (t.resize_(1), t.resize_(100)),  # smaller (stays), then larger (moves)
+        lambda t: (t.untyped_storage().resize_(0), t.untyped_storage().resize_(64)),  # its size back, elsewhere
+    ],
+)
+def test_a_resized_output_of_a_graph_keeping_its_memory_spoils_the_graph(replay_step, resize):
+    """Without slots a graph's copies write its own buffer: a caller who resizes an output moves
+    the storage and gives the old memory back to the allocator, which the graph must never write
+    again. The replay declines every call from then on (before launching) and says so, for the
+    session to drop the graph and record the key again."""
+    graph, sim, recorded = _owning()
+    if replay_step == "c":
+        assert graph.step_refused is None
+    out = graph.replay(torch.randn(8))[0]
+    assert out is not recorded and out.data_ptr() == recorded.data_ptr()  # a fresh object, the same memory
+    out.unsqueeze_(0)
+    again = graph.replay(torch.randn(8))[0]
+    assert again.shape == (2, 3) and again.stride() == (3, 1) and graph.spoiled is None
+    launched = len(sim.launched)
+    resize(again)
+    if not graph.own_lanes[0].moved():
+        pytest.skip("the allocator gave the storage its old memory back: it is the graph's again")
+    assert graph.replay(torch.randn(8)) is MISMATCH and graph.replay(torch.randn(8)) is MISMATCH
+    assert len(sim.launched) == launched and graph.spoiled
+
+
+def test_a_graph_keeping_its_memory_waits_for_the_streams_callers_read_it_on(replay_step, monkeypatch):
+    """Without slots the graph's own output buffer is what its next replay writes: a stream a
+    caller named with record_stream is waited for first, as a slot's (once)."""
+    from replay import output_slots
+
+    waits = []
+
+    def wait(readers, stream, device):
+        waits.append((list(readers), len(sim.launched)))
+        readers.clear()
+
+    monkeypatch.setattr(output_slots, "wait_for_readers", wait)
+    graph, sim, _recorded = _owning()
+    output_slots._watch(graph.own_lanes[0])  # (the CPU's buffers are not watched of themselves)
+    out = graph.replay(torch.randn(8))[0]
+    reader = object()
+    output_slots.note_reader(out.t(), reader)
+    assert graph.readers == [reader]
+    launched = len(sim.launched)
+    graph.replay(torch.randn(8))
+    graph.replay(torch.randn(8))
+    assert waits == [([reader], launched)] and len(sim.launched) == launched + 2
 
 
 def test_generated_source_holds_no_user_names_or_reprs():
@@ -715,6 +882,139 @@ def test_a_replay_notes_the_stream_it_wrote_its_slot_from():
     assert slots.slots[0].streams == {77}  # a slot freed later lets the allocator wait for it
 
 
+@pytest.mark.parametrize(
+    "resize",
+    [
+        lambda t: t.resize_(200),
+        lambda t: (t.resize_(1), t.resize_(200)),  # smaller (the storage stays), then larger
+        lambda t: t.untyped_storage().resize_(0),
+        lambda t: (t.untyped_storage().resize_(0), t.untyped_storage().resize_(512)),
+    ],
+)
+def test_a_slot_whose_storage_a_caller_resized_is_never_written_again(replay_step, resize):
+    """``out.resize_(n)`` moves the storage ``out`` shares with its slot's lane, and gives the
+    lane's memory back to the allocator: the graph's next replay (C step or generated function)
+    writes another slot, and the moved memory, the caller's now, keeps what the caller put there."""
+    slots, sim, backend = slot_setup()
+    with use_backend(backend):
+        graph, _ = build_slotted(slots, sim, 4)
+        if replay_step == "c":
+            assert isinstance(graph.replay, graph_module.ReplayStep)
+        out = graph.replay(torch.randn(4, 4))[0]
+        moved = graph.slot
+        resize(out)
+        if not moved.moved():
+            pytest.skip("the allocator gave the storage its old memory back: it is the slot's again")
+        storage = out.untyped_storage()  # the caller's memory now: filled with its own values
+        if not storage.nbytes():
+            storage.resize_(2048)
+        mine = torch.empty(0).set_(storage, 0, (storage.nbytes() // 4,), (1,)).fill_(-7.0)
+        for _ in range(3):
+            again = graph.replay(torch.randn(4, 4))
+            assert graph.slot is not moved and graph.bound_slot is graph.slot and again[0].shape == (4, 2)
+            assert again[0].untyped_storage().data_ptr() != storage.data_ptr()
+    assert moved.freed and moved not in slots.slots and moved.lanes[0].storage is None
+    assert bool((mine == -7.0).all())  # never written by a replay
+
+
+def test_slots_serve_only_the_mode_they_were_allocated_in(replay_step):
+    """A region recorded under inference mode and under no_grad: their graphs share the region's
+    slots, but an inference tensor handed to a no_grad call cannot be saved for backward, where
+    eager's output can. So each mode's replays get slots of their own, even when the other's
+    are free."""
+    slots, sim, backend = slot_setup()
+    weight = torch.randn(2, requires_grad=True)
+    with use_backend(backend):
+        with torch.inference_mode():
+            inference, region = build_slotted(slots, sim, 4)
+            out = inference.replay(torch.randn(4, 4))[0]
+            assert out.is_inference()
+            del out
+        with torch.no_grad():
+            plain, _ = build_slotted(slots, sim, 4, region=region)
+            out = plain.replay(torch.randn(4, 4))[0]
+        assert len(slots.slots) == 2 and plain.slot is not inference.slot  # the free inference slot is not taken
+        assert not out.is_inference()
+        (out * weight).sum().backward()  # saved for backward, as eager's output is
+        assert weight.grad is not None
+        with torch.inference_mode():
+            assert inference.replay(torch.randn(4, 4))[0].is_inference()
+
+
+def test_a_replay_waits_for_the_streams_callers_read_its_slot_on(replay_step, monkeypatch):
+    """``out.record_stream(s)`` makes the allocator keep eager memory until ``s`` is done with it;
+    a slot nobody holds is written by the next replay at once. So the wrapped record_stream notes
+    ``s`` on the slot, and the replay that writes the slot next makes its stream wait for ``s``
+    first (before its launch), once."""
+    from replay import output_slots
+
+    waits = []
+
+    def wait(readers, stream, device):
+        waits.append((list(readers), stream, len(sim.launched)))
+        readers.clear()
+
+    monkeypatch.setattr(output_slots, "wait_for_readers", wait)
+    slots, sim, backend = slot_setup()
+    backend.hot_namespace = dict(backend.hot_namespace, _current_stream=lambda device: 5)
+    with use_backend(backend):
+        g4, region = build_slotted(slots, sim, 4)
+        g8, _ = build_slotted(slots, sim, 8, region=region)
+        out = g4.replay(torch.randn(4, 4))
+        for lane in g4.slot.lanes:
+            output_slots._watch(lane)  # (the CPU's lanes are not watched of themselves)
+        reader, other = object(), object()
+        output_slots.note_reader(out[0][1:], reader)  # a view of it, read on another stream
+        output_slots.note_reader(out[1], reader)  # twice: once
+        output_slots.note_reader(torch.randn(3), other)  # not output memory: nothing
+        assert g4.slot.readers == [reader]
+        del out
+        g8.replay(torch.randn(8, 4))  # the free slot: written after the reader is done
+        assert waits == [([reader], 5, 1)] and g8.slot.readers == []
+        g8.replay(torch.randn(8, 4))
+        assert len(waits) == 1
+
+
+def test_a_slot_is_told_each_stream_that_writes_it_once(replay_step, monkeypatch):
+    from replay import output_slots
+
+    told = []
+    monkeypatch.setattr(
+        output_slots.Slot, "written_from", lambda slot, stream: (told.append(stream), slot.streams.add(stream))
+    )
+    streams = iter([77, 77, 78, 77, 78])
+    slots, sim, backend = slot_setup()
+    backend.hot_namespace = dict(backend.hot_namespace, _current_stream=lambda device: next(streams))
+    with use_backend(backend):
+        graph, _ = build_slotted(slots, sim, 4)
+        for _ in range(5):
+            graph.replay(torch.randn(4, 4))
+    assert told == [77, 78] and slots.slots[0].streams == {77, 78}
+
+
+def test_a_released_graph_tells_the_allocator_the_stream_of_its_last_replay(replay_step, monkeypatch):
+    """A graph's staged buffers (and own output memory) go with it while its last replay may
+    still use them: its release tells the allocator that replay's stream, which waited for every
+    one before it."""
+    from replay import output_slots
+
+    recorded = []
+    monkeypatch.setattr(output_slots, "record_on", lambda tensors, stream: recorded.append((list(tensors), stream)))
+    streams = iter([77, 78])
+    buffer = torch.empty(8)
+    sim = SimExec()
+    backend = SimBackend(sim)
+    backend.hot_namespace = dict(backend.hot_namespace, _current_stream=lambda device: next(streams))
+    with use_backend(backend):
+        graph, _ = build([torch.randn(8), Dynamic(1.0)], scalar_plan(), staged={0: buffer}, sim=sim, backend=backend)
+        assert graph.stream is None
+        graph.replay(torch.randn(8), Dynamic(2.0))
+        graph.replay(torch.randn(8), Dynamic(2.0))
+    assert graph.stream == 78
+    graph.release()
+    assert len(recorded) == 1 and recorded[0][1] == 78 and recorded[0][0][0] is buffer
+
+
 def test_recordings_that_name_their_constants_apart_generate_one_text_and_compile_it_once(monkeypatch):
     # a recording names a dynamic scalar's constants by process-wide counters (_k7, _lit3);
     # renamed per function, two recordings of one region at two shapes generate one text
@@ -954,3 +1254,29 @@ def test_a_staged_input_sharing_its_storage_with_a_fixed_address_is_declined(rep
         assert unread.step_refused == "staged inputs of a graph whose addresses were not all read"
     assert unread.replay(torch.randn(8), Dynamic(2.0)) is not MISMATCH
     assert unread.replay(other[2], Dynamic(2.0)) is MISMATCH
+
+
+def test_one_object_passed_twice_and_returned_is_served_only_passed_twice(replay_step):
+    """``step(x, x)`` returning ``x``: which argument the region returns cannot be told, so the
+    graph serves calls passing one object twice (returning it) and declines distinct objects
+    over the same memory, which the aliasing check alone would take."""
+    x = torch.randn(8)
+    graph, sim = build([x, x], Plan(), outputs=(x,))
+    y = torch.randn(8)
+    assert graph.replay(y, y)[0] is y
+    launched = len(sim.launched)
+    assert graph.replay(y, y.view(y.shape)) is MISMATCH and graph.replay(y.view(8), y) is MISMATCH
+    assert len(sim.launched) == launched
+
+
+def test_a_view_of_an_argument_is_found_where_it_was_when_recorded(replay_step):
+    """The recording call's argument may have its storage moved by the caller (``resize_``)
+    before the graph is built: a view of it returned by the region is still classified by where
+    it was when the region ran, a view of the argument, rebuilt on each call's argument."""
+    x = torch.randn(8)
+    graph, _ = build([x], Plan())
+    outputs = (x[2:],)
+    identity = output_identity.with_memory(output_identity.identify(outputs, {0: x}), outputs, set())
+    x.untyped_storage().resize_(4096)  # the argument, and the view with it, moved
+    (view,) = graph._classify_outputs(list(outputs), identity)
+    assert isinstance(view, graph_module.InputView) and view.input == 0 and view.delta == 2 and not view.whole

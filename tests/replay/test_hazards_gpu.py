@@ -1192,3 +1192,312 @@ def test_random_regions_over_an_argument_and_a_global_that_may_hold_it(seed):
                 k = rng.randrange(5)  # 4: a tensor of its own
                 _called_alike(step, eager_step, None if k == 4 else (replay_cache[k], eager_cache[k]), (shown, call, k))
                 assert same(replay_cache, eager_cache), (shown, call, k)
+
+
+# --- outputs after they are handed out: their objects, their metadata, their memory -------------
+def alike(got, expected, arguments, copies) -> None:
+    """``got`` (a replayed call's outputs) is what eager gave (``expected``, from the same
+    region on ``copies`` of ``arguments``): the same values and layouts, the same objects where
+    eager returned an argument itself or one object twice, views where eager's are views."""
+    assert len(got) == len(expected)
+    for i, (out, want) in enumerate(zip(got, expected)):
+        assert same(out, want) and out.stride() == want.stride(), f"output {i}"
+        assert out.storage_offset() == want.storage_offset() and (out._base is None) == (want._base is None), i
+        for arg, copy in zip(arguments, copies):
+            assert (out is arg) == (want is copy), f"output {i}: the argument itself, or not, as eagerly"
+        for j in range(i):
+            assert (out is got[j]) == (want is expected[j]), f"outputs {j} and {i}: one object, or not"
+
+
+def poison(outputs, keep=()) -> None:
+    """NaN into every float output that is not one of ``keep`` (the caller's own tensors)."""
+    for out in outputs:
+        if out.is_floating_point() and not any(out is k for k in keep) and out._base is None:
+            out.fill_(float("nan"))
+
+
+def whole_views(x, y):
+    add_one(x, y)  # y = x + 1 (jit), in place into the argument
+    return x.view(x.shape), x[:], x, y.view(y.shape), y, y
+
+
+def test_a_view_covering_a_whole_input_is_a_new_view_and_the_input_itself_the_input():
+    """``x.view(x.shape)`` and ``x[:]`` are new views at every eager call, ``x`` the caller's
+    tensor: a caller changing a view's metadata (``unsqueeze_``, ``t_``) leaves ``x`` alone."""
+    with replay.capture() as session:
+        step = session.region(whole_views)
+        for call in range(8):
+            x, y = torch.randn(16, 32, device="cuda"), torch.randn(16, 32, device="cuda")
+            copies = clone_preserving_sharing([x, y])
+            expected = whole_views(*copies)
+            got = step(x, y)
+            alike(got, expected, [x, y], copies)
+            got[0].unsqueeze_(0)
+            got[1].t_()
+            got[3].as_strided_((4,), (2,))
+            assert x.shape == (16, 32) and y.shape == (16, 32) and x.stride() == (32, 1), call
+        assert session.stats().replays >= 5, session.report()
+
+
+_GLOBAL = torch.empty(0)
+
+
+def views_of_a_global(x):
+    y = torch.empty_like(x)
+    scaled(x, y, 2.0)
+    return y, _GLOBAL[1], _GLOBAL.view(-1), _GLOBAL, _GLOBAL.t()
+
+
+def test_a_view_of_a_global_is_a_new_view_each_call_and_the_global_itself_the_global():
+    """A view the region makes of a global is a new object at every eager call; the global
+    itself is the global: what a caller does to one call's view (``unsqueeze_``,
+    ``as_strided_``, ``set_``, ``.data =``) shows in no later result, nor in the global."""
+    global _GLOBAL
+    _GLOBAL = torch.randn(8, 32, device="cuda")
+    with replay.capture() as session:
+        step = session.region(views_of_a_global)
+        changes = [
+            lambda t: t.unsqueeze_(0),
+            lambda t: t.as_strided_((4,), (2,)),
+            lambda t: t.set_(torch.zeros(3, device="cuda")),
+            lambda t: setattr(t, "data", torch.zeros(5, device="cuda")),
+            lambda t: t.requires_grad_(),
+        ]
+        for call in range(10):
+            x = torch.randn(256, device="cuda")
+            copies = clone_preserving_sharing([x])
+            expected = views_of_a_global(*copies)
+            got = step(x)
+            alike(got, expected, [x], copies)
+            assert got[3] is _GLOBAL and _GLOBAL.shape == (8, 32) and not _GLOBAL.requires_grad, call
+            for out in (got[1], got[2], got[4]):
+                changes[call % len(changes)](out)
+            poison([got[0]])
+        assert session.stats().replays >= 6, session.report()
+
+
+def scale_region(x):
+    y = torch.empty_like(x)
+    scaled(x, y, 3.0)
+    return y * 2  # a torch op: its output is copied into the region's output slot
+
+
+def test_outputs_under_no_grad_are_never_inference_tensors_of_an_inference_mode_graph():
+    """One region called under inference mode and under no_grad: the graphs share the region's
+    output memory, but an inference tensor cannot be saved for backward, where eager's output
+    under no_grad can. Each mode's replays hand out tensors of their mode."""
+    weight = torch.randn(4096, device="cuda", requires_grad=True)
+    with replay.capture() as session:
+        step = session.region(scale_region)
+        for call in range(12):
+            x = torch.randn(4096, device="cuda")
+            inference = call % 3 == 0
+            with torch.inference_mode() if inference else torch.no_grad():
+                out = step(x)
+            assert out.is_inference() == inference, call
+            assert same(out, scale_region(x)), call
+            if not inference:  # as eager's: saved for backward
+                weight.grad = None
+                (out * weight).sum().backward()
+                assert same(weight.grad, out), call
+            del out
+        assert session.stats().replays >= 6, session.report()
+
+
+SOURCE_LOGITS = r"""
+__global__ void shift(const float* __restrict__ x, float* __restrict__ y, long long n) {
+    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (i < n) y[i] = x[i] + 0.5f;
+}
+"""
+shift_kernel = jc.Kernel(SOURCE_LOGITS, "shift")
+
+
+@jc.jit
+def shifted(x, y):
+    n = x.numel()
+    shift_kernel[jc.cdiv(n, 256), 256](x, y, n)
+
+
+def shapes_region(x):
+    h = x * 2.0  # in the pool, then copied into an output slot
+    out = torch.empty_like(h)
+    shifted(h, out)
+    return out
+
+
+def _record_two_shapes(step):
+    """Each shape recorded, analysed and replayed, every output dropped: they share one slot."""
+    for _ in range(3):
+        for rows in (64, 48):
+            step(torch.randn(rows, 1024, device="cuda"))
+
+
+@pytest.mark.parametrize("streams", [1, 2])
+def test_an_output_read_on_other_streams_is_not_overwritten_before_they_are_done(streams):
+    """``out.record_stream(s)``: eagerly the allocator keeps the memory until ``s`` is done with
+    it. A slot nobody holds is written by the next replay of any shape, so the replay waits for
+    the streams callers read it on: a slow read enqueued on another stream still sees its
+    call's values, though the output was dropped and another shape replayed at once."""
+    dummy = torch.zeros(32, device="cuda")
+    with replay.capture() as session:
+        step = session.region(shapes_region)
+        _record_two_shapes(step)
+        readers = [torch.cuda.Stream() for _ in range(streams)]
+        for call in range(4):
+            x = torch.randn(64, 1024, device="cuda")
+            want = shapes_region(x.clone())
+            out = step(x)
+            copies = []
+            for number, reader in enumerate(readers):
+                reader.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(reader):
+                    spin(dummy, 20_000_000 // (number + 1))  # about 10 ms before it reads
+                    copies.append(out.clone())
+                out.record_stream(reader)
+            del out  # nobody holds it: the other shape's replay may take its slot
+            other = torch.randn(48, 1024, device="cuda")
+            again = step(other)
+            torch.cuda.synchronize()
+            for copy in copies:
+                assert same(copy, want), f"call {call}: a stream's read saw another replay's values"
+            assert same(again, shapes_region(other)), call
+        assert session.stats().replays >= 10, session.report()
+
+
+def reads_with_torch(x):
+    y = torch.empty_like(x)
+    scaled(x * 1.0, y, 2.0)  # a torch op reads x: x is staged into a buffer the graph owns
+    return y
+
+
+def test_a_staged_buffer_freed_by_invalidate_waits_for_the_replay_on_another_stream():
+    """``invalidate()`` frees a graph's staged buffers while its last replay, on another stream,
+    may not have run yet: the allocator must not hand that memory to a new tensor (whose
+    writes the replay's copy into the buffer would then clobber, or read) before it has."""
+    import gc
+
+    dummy = torch.zeros(32, device="cuda")
+    side = torch.cuda.Stream()
+    with replay.capture() as session:
+        step = session.region(reads_with_torch)
+        for _ in range(5):
+            step(torch.randn(1 << 20, device="cuda"))
+        assert session.stats().staged_copies >= 1, session.report()
+        for attempt in range(3):
+            x = torch.randn(1 << 20, device="cuda")
+            want = reads_with_torch(x.clone())
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                spin(dummy, 20_000_000)  # the replay waits about 10 ms behind it on the side stream
+                out = step(x)
+            session.invalidate()
+            gc.collect()  # the graph and its staged buffer go now
+            junk = [torch.full((1 << 20,), 123.0, device="cuda") for _ in range(8)]
+            torch.cuda.synchronize()
+            assert same(out, want), attempt
+            assert all(bool((j == 123.0).all()) for j in junk), f"attempt {attempt}: a new tensor was written"
+            for _ in range(5):  # recorded again for the next attempt
+                step(torch.randn(1 << 20, device="cuda"))
+        assert session.stats().invalidations == 3 and session.stats().replays >= 9, session.report()
+
+
+_RESIZES = {
+    "resize_ larger": lambda t: t.resize_(1 << 20),
+    "resize_ smaller then larger": lambda t: (t.resize_(1), t.resize_(1 << 20)),
+    "storage resized to 0": lambda t: t.untyped_storage().resize_(0),
+    "storage resized to its size": lambda t: t.untyped_storage().resize_(t.untyped_storage().nbytes()),
+}
+
+
+@pytest.mark.parametrize("resize", list(_RESIZES), ids=list(_RESIZES))
+def test_a_resized_output_never_has_its_old_memory_written(resize):
+    """``out.resize_(n)`` moves the storage ``out`` shares with its output memory, and gives the
+    old block back to the allocator: a tensor allocated after it may get that block, and the
+    graph's copies must never write it again; the output itself keeps what the caller made of it."""
+    with replay.capture() as session:
+        step = session.region(shapes_region)
+        _record_two_shapes(step)
+        for call in range(6):
+            rows = (64, 48)[call % 2]
+            x = torch.randn(rows, 1024, device="cuda")
+            out = step(x)
+            assert same(out, shapes_region(x)), call
+            _RESIZES[resize](out)
+            usable = out.untyped_storage().nbytes() >= out.numel() * 4  # (a storage resized to 0 holds nothing)
+            if usable:
+                out.fill_(-3.0)
+            bystanders = [torch.full((64, 1024), 9.0, device="cuda") for _ in range(4)]  # the old block, likely
+            for _ in range(3):
+                for rows_again in (64, 48):
+                    other = torch.randn(rows_again, 1024, device="cuda")
+                    assert same(step(other), shapes_region(other)), call
+            torch.cuda.synchronize()
+            assert all(bool((b == 9.0).all()) for b in bystanders), f"call {call}: a tensor allocated after was written"
+            assert not usable or bool((out == -3.0).all()), f"call {call}: the resized output was written"
+        assert session.stats().replays >= 30, session.report()
+
+
+def test_what_a_caller_does_to_an_output_object_reaches_no_later_result():
+    """Every replay hands out new tensor objects over its output memory: changing one's
+    metadata (``t_``, ``unsqueeze_``, ``as_strided_``, ``set_``, ``.data =``,
+    ``requires_grad_``) changes that object alone; passing one back in runs eagerly."""
+    changes = [
+        lambda t: t.t_(),
+        lambda t: t.unsqueeze_(0),
+        lambda t: t.as_strided_((8,), (3,)),
+        lambda t: t.set_(torch.zeros(3, device="cuda")),
+        lambda t: setattr(t, "data", torch.zeros(5, device="cuda")),
+        lambda t: t.requires_grad_(),
+    ]
+    with replay.capture() as session:
+        step = session.region(shapes_region)
+        _record_two_shapes(step)
+        for call in range(12):
+            x = torch.randn((64, 48)[call % 2], 1024, device="cuda")
+            out = step(x)
+            want = shapes_region(x)
+            assert same(out, want) and out.stride() == want.stride() and out._base is None, call
+            assert not out.requires_grad and not out.is_inference() and out.grad_fn is None, call
+            if call % 4 == 3:
+                fed = step(out)  # its own output as its argument: eagerly, exact
+                assert same(fed, shapes_region(want)), call
+            changes[call % len(changes)](out)
+        assert session.stats().replays >= 10 and session.stats().declined >= 1, session.report()
+
+
+def test_the_recording_calls_output_resized_before_the_graph_is_built_is_never_written():
+    """The first call records and returns the new graph's outputs; a caller who resizes one
+    before the second call (which builds the replay) must not have the old memory written."""
+    with replay.capture() as session:
+        step = session.region(shapes_region)
+        step(torch.randn(64, 1024, device="cuda"))  # observed
+        x = torch.randn(64, 1024, device="cuda")
+        out = step(x)  # recorded: the graph's first launch
+        assert same(out, shapes_region(x)) and session.stats().records == 1, session.report()
+        out.resize_(1 << 20).fill_(-3.0)
+        bystanders = [torch.full((64, 1024), 9.0, device="cuda") for _ in range(4)]
+        for _ in range(4):
+            other = torch.randn(64, 1024, device="cuda")
+            assert same(step(other), shapes_region(other))
+        torch.cuda.synchronize()
+        assert all(bool((b == 9.0).all()) for b in bystanders) and bool((out == -3.0).all())
+
+
+def test_outputs_held_across_invalidate_and_close_keep_their_values():
+    with replay.capture() as session:
+        step = session.region(shapes_region)
+        _record_two_shapes(step)
+        x = torch.randn(64, 1024, device="cuda")
+        held = step(x)
+        session.invalidate()
+        for _ in range(3):
+            step(torch.randn(48, 1024, device="cuda"))  # recorded again, replayed
+        x2 = torch.randn(48, 1024, device="cuda")
+        last = step(x2)
+    for _ in range(3):
+        torch.randn(64, 1024, device="cuda").fill_(1.0)  # memory the session gave back, reused
+    torch.cuda.synchronize()
+    assert same(held, shapes_region(x)) and same(last, shapes_region(x2))
+    held.add_(1.0)  # still the caller's to write
+    assert same(held, shapes_region(x) + 1.0)

@@ -15,7 +15,7 @@ import torch
 from jitcore.backends import use_backend
 from jitcore.backends.base import GraphNode
 from replay import host as host_inputs
-from replay import recording, region_keys
+from replay import output_identity, recording, region_keys
 from replay.graph import MISMATCH, RecordedGraph
 from replay.host import HostInputs, blocking_rewrite, host_use_refusal
 from replay.observe import TorchOpObserver
@@ -296,7 +296,8 @@ def test_views_of_a_host_buffer_are_returned_as_views_of_the_callers_tensor():
     graph, _, host = build_with_host(x, [torch.arange(6)])
     buffer = host.buffers[1]
     _, leaves, _ = region_keys.flatten(((buffer, buffer[2:]),), {}, walk_dataclasses=True)
-    whole, view = graph._classify_outputs(leaves)
+    identity = output_identity.identify(leaves, output_identity.given_objects([x, buffer], {}, host.buffers))
+    whole, view = graph._classify_outputs(leaves, identity)  # the buffer the region was given: the argument
     assert whole.input == 1 and whole.whole
     assert view.input == 1 and not view.whole and view.delta == 2
     assert "args[" not in graph.source  # no path or name reaches the generated source

@@ -213,3 +213,95 @@ def test_a_free_slot_the_graphs_copies_already_point_at_is_chosen_first():
     held = hand_out(a)
     assert slots.choose(g, (64,)) is extra  # held by h's output now: another one
     del held
+
+
+def test_slots_of_one_mode_are_never_chosen_for_the_other():
+    """A slot's buffers are tensors of the mode they were allocated in: an inference tensor
+    cannot be saved for backward, so a free inference slot is never given to a no_grad replay
+    (and a normal one never to an inference replay, whose eager outputs are inference tensors)."""
+    slots, allocated, _ = make()
+    g, h = Graph(), Graph()
+    with torch.inference_mode():
+        a = slots.choose(g, (64,))
+        slots.wrote(g, a)
+    assert a.inference and a.lanes[0].buffer.is_inference()
+    b = slots.choose(h, (64,))  # a is free, but of the other mode
+    assert b is not a and not b.inference and not b.lanes[0].buffer.is_inference()
+    slots.wrote(h, b)
+    with torch.inference_mode():
+        assert slots.choose(Graph(), (64,)) is a
+    assert slots.choose(Graph(), (64,)) is b and allocated == [512, 512]
+
+
+@pytest.mark.parametrize(
+    "resize",
+    [
+        lambda out: out.resize_(1000),
+        lambda out: out.untyped_storage().resize_(0),
+        lambda out: (out.resize_(1), out.resize_(1000)),
+    ],
+)
+def test_a_slot_whose_storage_a_caller_moved_is_dropped_and_never_freed_or_chosen(resize):
+    slots, _, changes = make()
+    g = Graph()
+    a = slots.choose(g, (64,))
+    slots.wrote(g, a)
+    out = hand_out(a)
+    resize(out)
+    assert a.moved()
+    again = slots.choose(g, (64,))  # even its own last slot: its memory is the storage's now
+    assert again is not a and a.freed and a not in slots.slots and a.lanes[0].storage is None
+    assert changes and out.untyped_storage() is not None  # the caller's tensor keeps its memory
+
+
+def test_a_lane_knows_where_its_memory_is_by_address_and_size():
+    slots, _, _ = make()
+    lane = slots.choose(Graph(), (64,)).lanes[0]
+    assert not lane.moved()
+    lane.size += 512  # (as if its storage came back at the same address with another size)
+    assert lane.moved()
+    lane.size -= 512
+    lane.address += 1
+    assert lane.moved()
+
+
+def test_a_reader_is_noted_for_any_tensor_over_a_watched_lanes_storage_and_nothing_else():
+    slots, _, _ = make()
+    g = Graph()
+    a = slots.choose(g, (64,))
+    output_slots._watch(a.lanes[0])  # (the CPU's lanes are not watched of themselves)
+    out = hand_out(a)
+    s1, s2 = object(), object()
+    output_slots.note_reader(out.view(torch.int32)[1:], s1)
+    output_slots.note_reader(out, s1)
+    output_slots.note_reader(torch.randn(4), s2)  # memory of its own
+    output_slots.note_reader(out.clone(), s2)
+    assert a.readers == [s1]
+    output_slots.note_reader(out, s2)
+    assert a.readers == [s1, s2]
+    a.free()  # forgotten with its memory
+    assert a.readers == [] and output_slots._WATCHED.get(a.lanes[0].address) is None
+
+
+def test_the_record_stream_wrapper_is_torchs_call_first(monkeypatch):
+    """Installed once, transparent: torch's own call first (its error, if any, before anything
+    is noted), then the note."""
+    monkeypatch.setattr(torch.Tensor, "record_stream", output_slots._RECORD_STREAM)
+    output_slots.watch_record_stream()
+    output_slots.watch_record_stream()
+    assert torch.Tensor.record_stream is output_slots._record_stream
+    assert torch.Tensor.record_stream.__name__ == "record_stream" and torch.Tensor.record_stream.__doc__
+    slots, _, _ = make()
+    a = slots.choose(Graph(), (64,))
+    output_slots._watch(a.lanes[0])
+    out = hand_out(a)
+    with pytest.raises(Exception) as torchs:
+        output_slots._RECORD_STREAM(out, object())
+    with pytest.raises(type(torchs.value), match=str(torchs.value)):
+        out.record_stream(object())  # not a stream: torch's error, and nothing noted
+    assert a.readers == []
+    noted = []
+    monkeypatch.setattr(output_slots, "_RECORD_STREAM", lambda tensor, stream: noted.append(stream))
+    stream = object()
+    out.record_stream(stream)
+    assert noted == [stream] and a.readers == [stream]

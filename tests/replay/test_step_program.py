@@ -130,6 +130,26 @@ _DAMAGES = [
         "'number'",
     ),
     (
+        "an output the same as a later one",
+        lambda p: attrs.evolve(p, outputs=(StepOutput(OutputKind.SAME_AS, 0),)),
+        ValueError,
+        "'number'",
+    ),
+    (
+        "an output made by what cannot be called",
+        lambda p: attrs.evolve(p, outputs=(StepOutput(OutputKind.MADE, 0, 5),)),
+        TypeError,
+        "'value'",
+    ),
+    (
+        "a view of a leaf beyond the leaves",
+        lambda p: attrs.evolve(p, outputs=(StepOutput(OutputKind.MADE_FROM_LEAF, 9, len),)),
+        ValueError,
+        "'number'",
+    ),
+    ("own readers not a bool", lambda p: attrs.evolve(p, own_readers=None), TypeError, "'own_readers'"),
+    ("too many lanes", lambda p: attrs.evolve(p, lane_count=65), ValueError, "'lane_count'"),
+    (
         "a staged input that is no tensor",
         lambda p: attrs.evolve(p, staged_inputs=(1,), fixed_addresses=(16,)),
         ValueError,
