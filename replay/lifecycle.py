@@ -102,7 +102,12 @@ TRANSITIONS: tuple[Transition, ...] = (
     Transition("give_up", (RECORDING, ANALYSING), EAGER_ONLY, "the capture failed, or kept failing"),
     Transition("refuse", (WARMING,), EAGER_ONLY, "under grad mode it needs autograd, which a graph cannot record"),
     Transition("evict", (AWAITING_ANALYSIS, REPLAYING), WARMING, "a key called more often takes its place"),
-    Transition("release", (AWAITING_ANALYSIS, REPLAYING), WARMING, "its pool was retired, or compacted away"),
+    Transition(
+        "release",
+        (AWAITING_ANALYSIS, REPLAYING),
+        WARMING,
+        "its pool was retired or compacted away, or its graph's own output memory was moved",
+    ),
     Transition(
         "invalidate", (AWAITING_ANALYSIS, REPLAYING), WARMING, "Session.invalidate() or close(): counts restart"
     ),

@@ -367,6 +367,10 @@ class Region:
             # the graph cannot serve these values exactly (see replay.graph): the eager run
             # gives the exact result, or the exact error
             self.session.counters.declined += 1
+            if graph.spoiled is not None and entry is not None and entry.graph is graph:
+                # its own output memory moved (a resize_ of a handed-out output): it declines
+                # every call from now on, so it goes and the key records again
+                self.session.keys.release(entry)
             return self.run_eagerly(spec, leaves, entry)
         return result
 

@@ -59,6 +59,7 @@ class FakeGraph:
         self.output_memory = {}  # {start: bytes} its replays write
         self.in_place = {}  # no staged buffer a padded argument could be written into
         self.released = False
+        self.spoiled = None  # (RecordedGraph.spoiled: its own output memory moved)
         self.verified = 0
         self.source = f"# fake graph {number}"
         FakeGraph.instances.append(self)
