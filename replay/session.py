@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
@@ -73,7 +72,7 @@ class Session:
             max_graphs=self.policy.max_graphs,
             budget=self.policy.record_budget,
             replays=lambda entry: entry.graph.replays if entry.graph is not None else 0,
-            clock=time.perf_counter,
+            saving=lambda entry: entry.region.cost.saving(),
         )
         self.keys = Keys(self)  # the one writer of the keys' states and indices (replay.lifecycle)
         self.compaction = Compaction(self)
