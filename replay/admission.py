@@ -26,13 +26,15 @@ what an eager call of its region costs less what a replay of it costs.
   the replay time is measured on the region's replays (ReplayTimes: the analysis call of each
   of its keys replays once, timed; ``REPLAY_SECONDS_GUESS`` until one did); a recording costs
   the median of the recent captures plus the median of the recent analyses. A key's expected
-  calls are its recent count as its peers judge it (below) times a horizon: ``PAYBACK_HORIZON``
-  once the counts have been halved, and before that ``EARLY_CALLS`` over the calls counted so
-  far, if more. Why the early horizon: until the first halving a count covers every call of
-  the session, and a loop is bet to run at least ``EARLY_CALLS`` calls; a key that took two of
-  a loop's first six calls is expected back about a third of those, so a loop over three
-  sizes records each on its second call, while in a uniform mix of hundreds of sizes a count
-  of 2 comes after dozens of calls, and pays back nothing.
+  calls are its recent count as its peers judge it (below) times ``PAYBACK_HORIZON``, or,
+  before the first halving, its calls after the first, over the calls counted so far, times
+  ``EARLY_CALLS``, where that is more. Why the early bet: until the first halving a count
+  covers every call of the session, and a loop is bet to run at least ``EARLY_CALLS`` calls;
+  a key that came back once in a loop's first five calls is expected back about a fifth of
+  those, so a loop over three sizes records each on its second call, while in a uniform mix of
+  hundreds of sizes a key comes back after dozens of calls, and is expected back a few times.
+  (Its first call says nothing of a key's rate: every key has one, and a prefill of lengths
+  seen once records none of them.)
 - **Counts judged against their peers** (Buhlmann's credibility, empirical Bayes): the
   payback rule bets that a key comes back as often as it came recently. For the keys that
   stand out in a uniform mix, that bet loses: every key comes back equally often, and the
@@ -104,9 +106,9 @@ FIRST_CHARGE_CAP = 0.02
 PAYBACK_HORIZON = 2
 
 #: Before the first halving, the calls a loop is bet to run in all: a key counted ``c`` times
-#: in the ``n`` calls counted so far is expected back ``c * EARLY_CALLS / n`` times (when that
-#: is more than the horizon above gives). As many calls as the early peers need: by then the
-#: counts are judged against their peers.
+#: in the ``n`` calls counted so far is expected back ``(c - 1) * EARLY_CALLS / n`` times (when
+#: that is more than the horizon above gives). As many calls as the early peers need: by then
+#: the counts are judged against their peers.
 EARLY_CALLS = 256
 
 #: Counting noise (see Peers): counts of keys called at one steady rate spread, in variance,
@@ -546,20 +548,26 @@ class Admission(Generic[Resident]):
         return self.victim(key, held, pending)[0]
 
     # --- time --------------------------------------------------------------------------------
-    def horizon(self) -> float:
-        """How many times its recent count a key is bet to come back: ``PAYBACK_HORIZON``, or
-        before the first halving ``EARLY_CALLS`` over the calls counted so far where that is
-        more (see the module docstring). It only falls as calls are counted: a quiet bound
+    def expected_calls(self, count: int) -> float:
+        """The calls a key counted ``count`` times recently is bet to come back for: its count as
+        its peers judge it (Peers) times ``PAYBACK_HORIZON``, or, before the first halving, its
+        calls after the first over the calls counted so far, times ``EARLY_CALLS``, where that
+        is more (see the module docstring; a key's first call says nothing of its rate: every
+        key has one). The early bet only falls as calls are counted: a quiet bound
         (:meth:`quiet_below`) taken earlier stays a bound."""
         sketch = self.sketch
+        expected = sketch.expected(count)
         if sketch.halvings:
-            return PAYBACK_HORIZON
-        return max(PAYBACK_HORIZON, EARLY_CALLS / max(sketch.calls, 1))
+            return expected * PAYBACK_HORIZON
+        return max(expected * PAYBACK_HORIZON, (expected - 1) * EARLY_CALLS / max(sketch.calls, 1))
 
-    def expected_calls(self, count: int) -> float:
-        """The calls a key counted ``count`` times recently is expected to come back for: its
-        count as its peers judge it (Peers), times the horizon."""
-        return self.sketch.expected(count) * self.horizon()
+    def _expected_needed(self, calls: float) -> float:
+        """The least expected count whose :meth:`expected_calls` reaches ``calls`` (up to
+        rounding: the caller steps to the exact count with the rule's own arithmetic)."""
+        needed = calls / PAYBACK_HORIZON
+        if not self.sketch.halvings:
+            needed = min(needed, 1 + calls * max(self.sketch.calls, 1) / EARLY_CALLS)
+        return needed
 
     def pays_back(self, count: int, eager_seconds: float, replay_seconds: float | None = None) -> bool:
         """Whether a key called ``count`` times recently is worth recording: its expected calls,
@@ -577,7 +585,7 @@ class Admission(Generic[Resident]):
         but run eagerly, warming or too rare to pay back: ``record_after + 1``, or the count
         :meth:`pays_back` first accepts if that is more. Valid while ``budget.version`` (bumped
         by the sketch's halvings too) and ``record_after`` stay and ``eager_seconds`` and
-        ``replay_seconds`` are the region's estimates (as calls are counted, the horizon only
+        ``replay_seconds`` are the region's estimates (as calls are counted, the early bet only
         falls: no count below the bound pays back later either); a region's eager path uses it
         to skip the decision for the calls of a loop that runs mostly eagerly (a uniform mix of
         hundreds of shapes: every call of a key too rare to record asked the whole rule again)."""
@@ -588,7 +596,7 @@ class Admission(Generic[Resident]):
         usual = self.budget.usual
         if saving <= 0 or not usual:
             return QUIET_FOREVER  # no count pays back: every call runs eagerly (the rule again at each change)
-        needed = usual / (self.horizon() * saving)  # the expected count that pays back
+        needed = self._expected_needed(usual / saving)  # the expected count that pays back
         peers = self.sketch.current_peers()
         bound = needed if peers is None else peers.least_count(needed)
         count = max(least, int(min(bound, QUIET_FOREVER)) - 1)

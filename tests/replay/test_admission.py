@@ -282,7 +282,7 @@ def test_a_key_pays_back_when_its_expected_calls_save_what_a_recording_costs(mon
     policy = Admission(record_after=0, max_graphs=4, budget=0.03, replays=lambda r: 0)
     policy.sketch.halve()  # past the first window: the horizon is PAYBACK_HORIZON (no peers: counts as they are)
     _past_the_first_recordings(policy, capture=0.002, analysis=0.001)  # a recording costs 3 ms
-    assert policy.horizon() == 4
+    assert policy.expected_calls(3) == 12
     # an eager call of 1.1 ms, a replay of 0.1 ms: 1 ms saved a call, 4 ms a count
     assert [policy.pays_back(count, 1.1e-3, 0.1e-3) for count in (0, 1, 2)] == [False, True, True]
     assert [policy.pays_back(count, 0.6e-3, 0.1e-3) for count in (1, 2)] == [False, True]  # 0.5 ms a call
@@ -294,24 +294,27 @@ def test_a_key_pays_back_when_its_expected_calls_save_what_a_recording_costs(mon
     assert unbudgeted.pays_back(1, 0.0)  # record_budget=1: no budget, no payback rule
 
 
-def test_before_the_first_halving_a_count_is_bet_over_the_early_calls():
+def test_before_the_first_halving_a_key_is_bet_to_come_back_over_the_early_calls():
     # a loop over three sizes (168 us eager, 34 us replay, 2.2 ms to record: repaid after 16
-    # calls), at the second call of its second size: called 2 times in 5, expected back
-    # 2 * 256 / 5 = 102 times. In a uniform mix of 256 sizes a count of 2 comes after dozens
-    # of calls: expected back a few times, not worth it
-    policy = Admission(record_after=1, max_graphs=64, budget=0.03, replays=lambda r: 0)
+    # calls), at the second call of its second size: back once in 5 calls, expected back
+    # 256 / 5 = 51 times. In a uniform mix of 256 sizes a key comes back after dozens of calls:
+    # expected back a few times, not worth it; and a first call says nothing of a key's rate
+    policy = Admission(record_after=0, max_graphs=64, budget=0.03, replays=lambda r: 0)
     _past_the_first_recordings(policy, capture=0.0014, analysis=0.0008)
     for key in "abcab":
         policy.called(key)
-    assert policy.horizon() == admission.EARLY_CALLS / 5
-    assert policy.expected_calls(2) == pytest.approx(102.4) and policy.pays_back(2, 168e-6, 34e-6)
+    assert policy.expected_calls(2) == pytest.approx(admission.EARLY_CALLS / 5)
+    assert policy.pays_back(2, 168e-6, 34e-6)
+    assert policy.expected_calls(1) == admission.PAYBACK_HORIZON and not policy.pays_back(1, 168e-6, 34e-6)
     policy.sketch.calls = 60
+    assert policy.expected_calls(2) == pytest.approx(256 / 60)
     assert not policy.pays_back(2, 168e-6, 34e-6) and policy.pays_back(5, 168e-6, 34e-6)
-    policy.sketch.calls = admission.EARLY_CALLS // admission.PAYBACK_HORIZON
-    assert policy.horizon() == admission.PAYBACK_HORIZON  # from then on as after a halving
+    policy.sketch.calls = 200  # (fewer than EARLY_PEERS_AFTER: no peers yet)
+    assert policy.expected_calls(5) == 5 * admission.PAYBACK_HORIZON  # the early bet is less by now
     policy.sketch.calls = 1
+    policy.sketch.counts.clear()  # (no peers at the halving)
     policy.sketch.halve()
-    assert policy.horizon() == admission.PAYBACK_HORIZON
+    assert policy.expected_calls(5) == 5 * admission.PAYBACK_HORIZON
 
 
 def test_a_key_whose_past_calls_paid_for_a_recording_records_with_the_budget_spent():

@@ -430,7 +430,7 @@ def test_after_the_first_recordings_only_keys_whose_calls_pay_for_a_recording_re
     # would have saved that much eager time (here about 1 ms a call: an eager call of a few
     # microseconds, and a replay taken to cost 1 ms less)
     monkeypatch.setattr(admission, "PAYBACK_HORIZON", 1)
-    monkeypatch.setattr(admission, "EARLY_CALLS", 0)  # no early horizon: the bet is the count itself
+    monkeypatch.setattr(admission, "EARLY_CALLS", 1)  # no early bet to speak of: the count itself
     monkeypatch.setattr(admission, "REPLAY_SECONDS_GUESS", -1e-3)
     session = session_factory(record_after=0, record_budget=0.1)
     budget = session.admission.budget
@@ -461,7 +461,7 @@ def test_with_the_budget_spent_a_key_records_once_its_own_calls_paid_for_a_recor
     # them back for the whole run; a key whose calls already saved a recording's cost records
     monkeypatch.setattr(admission, "REPLAY_SECONDS_GUESS", -1e-3)  # a replay saves about 1 ms
     monkeypatch.setattr(admission, "PAYBACK_HORIZON", 2)
-    monkeypatch.setattr(admission, "EARLY_CALLS", 0)  # no early horizon: the bet is twice the count
+    monkeypatch.setattr(admission, "EARLY_CALLS", 1)  # no early bet to speak of: twice the count
     session = session_factory(record_after=0, record_budget=0.01)
     budget = session.admission.budget
     step = session.region(add)
