@@ -296,7 +296,7 @@ def eager_path(steps: int) -> dict[str, dict[str, float]]:
         warming = replay.capture(record_after=10**9)
         rare = replay.capture(record_after=0)
         rare.admission.budget.spent = 1.0  # past the first recordings and the budget,
-        rare.admission.budget.recent = [1.0]  # and a recording costs 2 s: every key too rare
+        rare.admission.budget.recent = [1.0] * 3  # and a recording costs 2 s: every key too rare
         paths = {"direct": fn, "warming": warming.region(fn), "too_rare": rare.region(fn)}
         spent = dict.fromkeys(paths, 0.0)
         for number, start in enumerate(range(0, len(sizes), BLOCK)):

@@ -55,9 +55,9 @@ what an eager call of its region costs less what a replay of it costs.
   ``GRACE_SECONDS``. A key admitted while the budget is spent runs eagerly and records later.
   A loop whose recordings are never repaid thus loses at most the grace, however long it
   runs; one whose recordings pay back may record as much as they saved. The session's first
-  recordings, until they spent ``FIRST_RECORDINGS_SHARE`` of the grace, are made as soon as
-  admitted: the payback rule's inputs (what a recording, a replay, an eager call cost) are
-  measured on them. One-time costs of a recording (a process's first capture compiles
+  recordings (``FIRST_RECORDINGS``, and on until they spent ``FIRST_RECORDINGS_SHARE`` of the
+  grace) are made as soon as admitted: the payback rule's inputs (what a recording, a replay,
+  an eager call cost) are measured on them. One-time costs of a recording (a process's first capture compiles
   replay's own kernels) are charged only up to a few times a usual one.
 - **Keys that paid already are not held back by the budget**: a key whose recent eager
   calls alone would have saved what a recording usually costs (the payback rule with a
@@ -90,6 +90,9 @@ GRACE_SECONDS = 2.0
 #: records these and, judged against their peers, hardly any other key; the rest of the grace
 #: lets a loop of a few dozen sizes record ahead of its replays' savings (docs/benchmarks/shapes.md).
 FIRST_RECORDINGS_SHARE = 0.5
+#: ... and they are at least this many captures, whatever they spent: a process's first capture
+#: and analysis pay one-time costs, and the rule's usual recording is the median of a few.
+FIRST_RECORDINGS = 3
 
 #: A recording's capture (or analysis) is charged at most this many times the median of the
 #: last ``RECENT_CHARGES`` ones, and the first one at most ``FIRST_CHARGE_CAP`` seconds (see
@@ -338,12 +341,13 @@ class RecordingBudget:
         return self.fraction * GRACE_SECONDS
 
     def first_recordings(self) -> bool:
-        """Whether keys record as soon as admitted: the session's first recordings (until they
-        spent ``FIRST_RECORDINGS_SHARE`` of the grace, counting the analyses still to come at
-        what analyses cost), or no budget at all (``record_budget=1``). Why count the analyses
-        to come: a mix of hundreds of sizes analyses a capture only when its key comes back,
-        and made twice the first recordings meant."""
-        if self.fraction >= 1:
+        """Whether keys record as soon as admitted: the session's first recordings (until
+        ``FIRST_RECORDINGS`` captures were charged, and on until they spent
+        ``FIRST_RECORDINGS_SHARE`` of the grace, counting the analyses still to come at what
+        analyses cost), or no budget at all (``record_budget=1``). Why count the analyses to
+        come: a mix of hundreds of sizes analyses a capture only when its key comes back, and
+        made twice the first recordings meant."""
+        if self.fraction >= 1 or len(self.recent) < FIRST_RECORDINGS:
             return True
         to_come = self.awaiting * lower_median(self.analyses or self.recent) if self.awaiting else 0.0
         return self.spent + to_come < FIRST_RECORDINGS_SHARE * self.grace

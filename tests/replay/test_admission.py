@@ -108,14 +108,24 @@ def test_the_first_recordings_are_made_as_soon_as_admitted_with_the_analyses_to_
     budget = policy.budget
     assert admission.FIRST_RECORDINGS_SHARE * budget.grace == pytest.approx(0.03)
     assert policy.pays_back(2, 0.0)  # nothing measured yet: an admitted key records
-    policy.captured(0.01)  # 10 ms, and an analysis to come (as dear as a capture: none measured yet)
-    assert budget.awaiting == 1 and policy.pays_back(2, 0.0)
-    policy.captured(0.01)  # 20 ms spent and 20 to come
+    for _ in range(3):
+        policy.captured(0.004)  # 12 ms, and three analyses to come (as dear as a capture: none measured yet)
+    assert budget.awaiting == 3 and policy.pays_back(2, 0.0)  # 24 ms
+    policy.captured(0.004)  # 16 ms spent and 16 to come
     assert not policy.pays_back(2, 0.0)
-    policy.analysed(0.002)  # 22 ms spent, one analysis of 2 ms to come
-    assert budget.awaiting == 1 and policy.pays_back(2, 0.0)
-    policy.recorded(0.006)  # a compaction's recordings: no analysis to come
-    assert budget.awaiting == 1 and budget.spent == pytest.approx(0.028) and not policy.pays_back(2, 0.0)
+    policy.analysed(0.001)  # 17 ms spent, three analyses of 1 ms to come
+    assert budget.awaiting == 3 and policy.pays_back(2, 0.0)
+    policy.recorded(0.012)  # a compaction's recordings: no analysis to come
+    assert budget.awaiting == 3 and budget.spent == pytest.approx(0.029) and not policy.pays_back(2, 0.0)
+    cold = Admission(record_after=1, max_graphs=4, budget=0.03, replays=lambda r: 0)
+    cold.captured(1.0)  # a process's first capture and analysis, with one-time costs
+    cold.analysed(1.0)
+    assert cold.budget.spent == 2 * admission.FIRST_CHARGE_CAP  # beyond the share, yet
+    assert cold.pays_back(2, 0.0)  # fewer than FIRST_RECORDINGS captures measured: still the first recordings
+    cold.captured(0.002)
+    assert cold.pays_back(2, 0.0)
+    cold.captured(0.002)
+    assert not cold.pays_back(2, 0.0) and cold.budget.usual == pytest.approx(0.002 + admission.FIRST_CHARGE_CAP)
 
 
 def test_a_recording_usually_costs_the_median_capture_and_the_median_analysis():
@@ -273,7 +283,7 @@ def test_pending_recordings_are_victims_like_graphs_the_least_used_first_and_bef
 
 def _past_the_first_recordings(policy: Admission, capture: float, analysis: float) -> None:
     policy.budget.spent = policy.budget.grace
-    policy.budget.recent = [capture]
+    policy.budget.recent = [capture] * admission.FIRST_RECORDINGS
     policy.budget.analyses = [analysis]
 
 
@@ -320,7 +330,7 @@ def test_before_the_first_halving_a_key_is_bet_to_come_back_over_the_early_calls
 def test_a_key_whose_past_calls_paid_for_a_recording_records_with_the_budget_spent():
     policy = Admission(record_after=0, max_graphs=4, budget=0.03, replays=lambda r: 0)
     policy.budget.spent = 1.0  # far beyond the grace, nothing saved
-    policy.budget.recent = [0.01]
+    policy.budget.recent = [0.01] * admission.FIRST_RECORDINGS
     policy.budget.analyses = [0.01]  # a recording costs 20 ms
     assert not policy.may_record()
     # an eager call of 1.5 ms, a replay of 0.5 ms: a key has paid for a recording after 20 calls

@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import jitcore as jc
 import replay
 from replay import admission
+
+from .test_replay_gpu import relu, scaled
 
 pytestmark = pytest.mark.gpu
 
@@ -16,48 +17,22 @@ pytestmark = pytest.mark.gpu
 #: tests run the policy as a user's session does).
 DEFAULT_GRACE_SECONDS = admission.GRACE_SECONDS
 
-SOURCE = r"""
-__global__ void bias_scale(const float* __restrict__ x, const float* __restrict__ bias, float* __restrict__ y,
-                           float s, int cols, long long n) {
-    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
-    if (i < n) y[i] = (x[i] + bias[i % cols]) * s;
-}
-__global__ void relu(const float* __restrict__ x, float* __restrict__ y, long long n) {
-    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
-    if (i < n) y[i] = x[i] > 0.f ? x[i] : 0.f;
-}
-"""
-bias_scale_kernel = jc.Kernel(SOURCE, "bias_scale")
-relu_kernel = jc.Kernel(SOURCE, "relu")
 DIM, LAYERS = 256, 6
 SIZES, STEPS = (8, 16, 32), 300
 
 
-@jc.jit
-def bias_scale(x, bias, y, s):
-    n = x.numel()
-    bias_scale_kernel[jc.cdiv(n, 256), 256](x, bias, y, s, x.shape[1], n)
-
-
-@jc.jit
-def relu(x, y):
-    n = x.numel()
-    relu_kernel[jc.cdiv(n, 256), 256](x, y, n)
-
-
 def make_layers():
-    """Six layers of a matmul, a bias-and-scale and a ReLU jit kernel: an eager call of a few
-    hundred microseconds of host time, a recording of a few milliseconds (the finding's loop)."""
+    """Six layers of a matmul, a scale and a ReLU jit kernel: an eager call of a few hundred
+    microseconds of host time, a recording of a few milliseconds (the finding's loop)."""
     generator = torch.Generator(device="cuda").manual_seed(0)
     weights = [torch.randn(DIM, DIM, device="cuda", generator=generator) / DIM**0.5 for _ in range(LAYERS)]
-    biases = [torch.randn(DIM, device="cuda", generator=generator) for _ in range(LAYERS)]
 
     def layers(x):
         h = x
-        for w, b in zip(weights, biases):
+        for w in weights:
             t = h @ w
             y = torch.empty_like(t)
-            bias_scale(t, b, y, 0.5)
+            scaled(t, y, 0.5)
             h = torch.empty_like(y)
             relu(y, h)
         return h

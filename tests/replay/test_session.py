@@ -510,7 +510,7 @@ def test_the_quiet_bound_never_hides_a_count_that_pays_back_whatever_the_estimat
         session = DoubleSession(record_after=record_after)
         policy = session.admission
         policy.budget.spent = 1.0  # past the first recordings
-        policy.budget.recent = [usual / 2]
+        policy.budget.recent = [usual / 2] * 3
         step = session.region(add)
         for seconds in samples:
             step.cost.took(seconds)
