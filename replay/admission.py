@@ -57,8 +57,8 @@ what an eager call of its region costs less what a replay of it costs.
   runs; one whose recordings pay back may record as much as they saved. The session's first
   recordings (``FIRST_RECORDINGS``, and on until they spent ``FIRST_RECORDINGS_SHARE`` of the
   grace) are made as soon as admitted: the payback rule's inputs (what a recording, a replay,
-  an eager call cost) are measured on them. One-time costs of a recording (a process's first capture compiles
-  replay's own kernels) are charged only up to a few times a usual one.
+  an eager call cost) are measured on them. One-time costs of a recording (a process's first
+  capture compiles replay's own kernels) are charged only up to a few times a usual one.
 - **Keys that paid already are not held back by the budget**: a key whose recent eager
   calls alone would have saved what a recording usually costs (the payback rule with a
   horizon of 1, the ski-rental break-even: buying once the rent paid equals the price keeps
@@ -302,7 +302,8 @@ class RecordingBudget:
     recent: list[float] = attrs.field(factory=list, on_setattr=lambda self, _, recent: self._recent_set(recent))
     #: the recent analyses' charges (the key's next call after its capture)
     analyses: list[float] = attrs.field(factory=list, on_setattr=lambda self, _, done: self._analyses_set(done))
-    #: captures of keys whose analysis is still to come (evicted ones too: the grace errs short)
+    #: captures of keys whose analysis is still to come (failed and evicted ones too: the first
+    #: recordings err short)
     awaiting: int = attrs.field(default=0, on_setattr=lambda self, _, value: self._changed(value))
     #: What recording a key usually costs: the median capture plus the median analysis (twice
     #: the one measured while only one kind was; kept with the charges: the payback rule reads
