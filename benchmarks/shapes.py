@@ -509,6 +509,22 @@ def _ordered(mapping: dict, first: tuple) -> dict:
     return {**{k: mapping[k] for k in first if k in mapping}, **{k: v for k, v in mapping.items() if k not in first}}
 
 
+def _three_sizes_table(three: dict | None) -> str:
+    """The loop over three sizes (three_sizes), as markdown ("" for older saved runs)."""
+    if not three:
+        return ""
+    text = (
+        f"\n\nA loop of {THREE_SIZES_STEPS} steps going round batch sizes {list(THREE_SIZES)}, eager "
+        f"and in a fresh session with the default policy, its recordings included (us per step, medians "
+        f"of {THREE_SIZES_PASSES} passes each; target: at least 250 of {THREE_SIZES_STEPS} calls "
+        "replayed):\n\n"
+    )
+    return text + common.markdown_table(
+        ("eager us/step", "replay us/step", "speed-up", "replays (fewest)", "records (most)"),
+        [(three["eager_us"], three["replay_us"], three["speedup"], three["replays_min"], three["records_max"])],
+    )
+
+
 def report(results: dict, steps: int) -> tuple[str, str]:
     """(tables, notes) of a run's results, the distributions' and the two extra tables'
     (``eager_path``, ``many_shapes_memory``): also made again from a saved JSON with
@@ -558,18 +574,7 @@ def report(results: dict, steps: int) -> tuple[str, str]:
                 )
             )
     body = common.markdown_table(headers, rows)
-    three = results.get("three_sizes")
-    if three:  # (older saved runs have none)
-        body += (
-            f"\n\nA loop of {THREE_SIZES_STEPS} steps going round batch sizes {list(THREE_SIZES)}, eager "
-            f"and in a fresh session with the default policy, its recordings included (us per step, medians "
-            f"of {THREE_SIZES_PASSES} passes each; target: at least 250 of {THREE_SIZES_STEPS} calls "
-            "replayed):\n\n"
-        )
-        body += common.markdown_table(
-            ("eager us/step", "replay us/step", "speed-up", "replays (fewest)", "records (most)"),
-            [(three["eager_us"], three["replay_us"], three["speedup"], three["replays_min"], three["records_max"])],
-        )
+    body += _three_sizes_table(results.get("three_sizes"))
     body += "\n\nThe eager path of a session (us per call, interleaved with the direct call):\n\n"
     body += common.markdown_table(
         ("region", "direct call us", "warming: over direct", "too rare: over direct"),

@@ -305,10 +305,10 @@ def test_a_key_pays_back_when_its_expected_calls_save_what_a_recording_costs(mon
 
 
 def test_before_the_first_halving_a_key_is_bet_to_come_back_over_the_early_calls():
-    # a loop over three sizes (168 us eager, 34 us replay, 2.2 ms to record: repaid after 16
-    # calls), at the second call of its second size: back once in 5 calls, expected back
-    # 256 / 5 = 51 times. In a uniform mix of 256 sizes a key comes back after dozens of calls:
-    # expected back a few times, not worth it; and a first call says nothing of a key's rate
+    # a loop over three sizes (THREE_SIZES' costs: repaid after 16 calls), at the second call
+    # of its second size: back once in 5 calls, expected back 256 / 5 = 51 times. In a uniform
+    # mix of 256 sizes a key comes back after dozens of calls: expected back a few times, not
+    # worth it; and a first call says nothing of a key's rate
     policy = Admission(record_after=0, max_graphs=64, budget=0.03, replays=lambda r: 0)
     _past_the_first_recordings(policy, capture=0.0014, analysis=0.0008)
     for key in "abcab":
@@ -429,15 +429,16 @@ def test_peers_that_spread_no_more_than_counting_does_earn_no_credit_and_real_di
 
 
 # --- the policy over call streams (admission_simulation) -------------------------------------
-#: A loop of 3 sizes as the finding measured it: an eager call of 168 us, a replay of 34 us, a
-#: recording of 2.2 ms (its capture and its analysis): repaid after 16 calls.
+#: A loop of 3 sizes with the costs of the finding's (its recording and analysis together repaid
+#: after about 16 calls; each size is called a hundred times).
 THREE_SIZES = Costs(eager=168e-6, replay=34e-6, capture=1.4e-3, analysis=0.8e-3, overhead=5e-6)
-#: The decode-loop sample (4 layers, batch 1..16): an eager step of about a millisecond of host
-#: time, a replayed one bound by the GPU (its replay's host time far less), recordings of 4.5
-#: to 7.8 ms and an analysis about as dear.
+#: The decode-loop sample (4 layers, batch 1..16) with the costs of the finding's: a replayed
+#: step bound by the GPU (its replay's host time far less), an analysis about as dear as a
+#: capture (docs/benchmarks/replay.md).
 SAMPLE = Costs(eager=1e-3, replay=350e-6, replay_host=50e-6, capture=6e-3, analysis=5e-3, overhead=5e-6)
-#: The shapes benchmark's region (6 layers, batch 1..256): an eager call of about 240 us and the
-#: session's bookkeeping on it, a replay bound by the GPU, the first capture with one-time costs.
+#: The shapes benchmark's region (6 layers, batch 1..256; docs/benchmarks/shapes.md): the
+#: session's bookkeeping on an eager call, a replay bound by the GPU, the first capture with
+#: one-time costs.
 SHAPES = Costs(
     eager=240e-6, replay=75e-6, replay_host=20e-6, capture=2.5e-3, analysis=2e-3, first_capture=0.02, overhead=7e-6
 )
@@ -487,7 +488,7 @@ def test_three_new_sizes_after_a_long_uniform_mix_record_once_they_stand_out(see
 
 @pytest.mark.parametrize("seed", range(6))
 def test_the_decode_samples_sizes_record_from_their_first_calls(seed):
-    # the finding: 400 steps ran at 0.85x to 0.91x eager, most sizes recorded after step 200
+    # the finding: 400 steps ran slower than eagerly, most sizes recorded late in the run
     keys = random_walk(400, 16, seed)
     sim = Simulation(SAMPLE).run(keys)
     first_repeat = next(index for index, key in enumerate(keys) if key in keys[:index])
