@@ -20,6 +20,7 @@ from collections.abc import Hashable, Iterable
 import attrs
 
 from replay.admission import Admission, ReplayTimes
+from samples import decode_loop
 
 
 @attrs.frozen
@@ -180,14 +181,13 @@ def cycle(sizes: list[int], steps: int) -> list[int]:
 
 
 def random_walk(steps: int, largest: int, seed: int) -> list[int]:
-    """The decode-loop sample's batch sizes (samples/decode_loop.py, request_stream): from half
-    of ``largest``, each step moves by -2..2 (0 twice as likely), within 1..``largest``."""
-    rng = random.Random(seed)
-    batch, sizes = max(1, largest // 2), []
-    for _ in range(steps):
-        batch = min(largest, max(1, batch + rng.choice([-2, -1, 0, 0, 1, 2])))
-        sizes.append(batch)
-    return sizes
+    """The decode-loop sample's batch sizes, from its own request stream (samples/decode_loop.py:
+    from half of ``largest``, each step moves by -2..2, within 1..``largest``); its default run
+    draws them with seed 1."""
+    config = decode_loop.Config()
+    return [
+        len(tokens) for _pos, tokens in decode_loop.request_stream(steps, largest, config.max_len, config.vocab, seed)
+    ]
 
 
 def uniform(steps: int, largest: int, seed: int) -> list[int]:
