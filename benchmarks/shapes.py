@@ -18,11 +18,12 @@ step is bound by the GPU time of its graph (each size padded to the next power o
 Reported per step: the first and the second half of the run (end to end: the GPU synchronised
 at each block's end), the
 ratio to eager, records, evictions, keys not admitted, recordings postponed by the budget,
-calls of keys too rare to pay for a recording, compactions and graph memory. Each session's
-recording budget runs on the clock of its own blocks (see LoopClock). One-time costs are paid
-before timing on both sides: every jit call state is compiled, and a throwaway session records
-two shapes (replay's own kernels, the first capture).
-A second table times the eager path of a session against the direct call (see eager_path).
+calls of keys too rare to pay for a recording, compactions and graph memory. One-time costs
+are paid before timing on both sides: every jit call state is compiled, and a throwaway session
+records two shapes (replay's own kernels, the first capture).
+A second table times a short loop over three sizes, eager against a fresh session with the
+default policy (see three_sizes): the policy should record each size on its first calls.
+A third times the eager path of a session against the direct call (see eager_path).
 A third measures graph memory over many shapes of a region ending in a 32,000-wide output
 (see many_shapes_memory). The jit-only rows run the same layers with the matmul as a jit
 kernel too, eager against bucketed and shape-polymorphic replay (one graph per bucket serving
@@ -162,27 +163,6 @@ def padding(region):
 BLOCK = 25
 
 
-class LoopClock:
-    """The time of one path's own blocks. A session's recording budget is a share of the
-    loop's time (replay.admission); taking turns with two other paths, a session on the wall
-    clock would see three times its loop's time and record three times as much. Given this
-    clock (the budget's ``clock``, as the CPU tests set it), it sees its loop as if alone."""
-
-    def __init__(self) -> None:
-        self.elapsed = 0.0
-        self.since: float | None = None
-
-    def __call__(self) -> float:
-        return self.elapsed + (time.perf_counter() - self.since if self.since is not None else 0.0)
-
-    def start(self) -> None:
-        self.since = time.perf_counter()
-
-    def stop(self) -> None:
-        self.elapsed = self()
-        self.since = None
-
-
 def measure(distribution: str, steps: int, polymorphic: bool = False) -> dict[str, dict[str, float]]:
     """The paths take turns every ``BLOCK`` steps (each block's order rotated), so a drift of
     the machine's speed during the run (we saw eager alone vary by 30% between two halves of
@@ -220,9 +200,6 @@ def measure(distribution: str, steps: int, polymorphic: bool = False) -> dict[st
             for name, session in sessions.items()
         },
     }
-    clocks = {name: LoopClock() for name in paths}
-    for name, session in sessions.items():
-        session.admission.budget.clock = clocks[name]
     half = len(sizes) // 2
     spent = {path: [0.0, 0.0] for path in paths}  # microseconds in the first and second half
     for number, start in enumerate(range(0, len(sizes), BLOCK)):
@@ -234,9 +211,7 @@ def measure(distribution: str, steps: int, polymorphic: bool = False) -> dict[st
                 block = sizes[begin:end]
                 if block:
                     step = paths[name]
-                    clocks[name].start()
                     spent[name][part] += loop(lambda _size, x, step=step: step(x), inputs, block)[1] * len(block)
-                    clocks[name].stop()
     counts = (half, len(sizes) - half)
     results: dict[str, dict[str, float]] = {}
     for name in paths:
@@ -263,6 +238,45 @@ def measure(distribution: str, steps: int, polymorphic: bool = False) -> dict[st
     return results
 
 
+#: The loop over three sizes: batch sizes taken in turn, steps, and the passes of each path.
+THREE_SIZES, THREE_SIZES_STEPS, THREE_SIZES_PASSES = (8, 16, 32), 300, 5
+
+
+def three_sizes() -> dict[str, float]:
+    """A loop of ``THREE_SIZES_STEPS`` steps going round three batch sizes of the 6-layer region,
+    eager and in a fresh session with the default policy (its recordings in its time), taking
+    turns pass by pass (medians over ``THREE_SIZES_PASSES``): each size is called a hundred
+    times, and a recording is repaid after a few dozen calls, so the policy should record each
+    size on its first calls. Replays are a session's calls served by a graph (its recording
+    calls among them, as the session counts them)."""
+    region = make_region()
+    inputs = {n: [torch.randn(n, DIM, device="cuda")] for n in THREE_SIZES}
+    order = [THREE_SIZES[step % len(THREE_SIZES)] for step in range(THREE_SIZES_STEPS)]
+    for n in THREE_SIZES:
+        region(inputs[n][0])
+    with replay.capture(record_after=0, record_budget=1.0) as warm:  # replay's one-time costs, as in measure
+        warmed = warm.region(region)
+        for _ in range(3):
+            warmed(inputs[THREE_SIZES[0]][0])
+    eager, replayed, replays, records = [], [], [], []
+    for _ in range(THREE_SIZES_PASSES):
+        eager.append(loop(lambda _size, x: region(x), inputs, order)[1])
+        with replay.capture() as session:
+            step = session.region(region)
+            replayed.append(loop(lambda _size, x, step=step: step(x), inputs, order)[1])
+            stats = session.stats()
+            replays.append(stats.replays)
+            records.append(stats.records)
+    median = statistics.median
+    return {
+        "eager_us": median(eager),
+        "replay_us": median(replayed),
+        "speedup": median(eager) / median(replayed),
+        "replays_min": min(replays),
+        "records_max": max(records),
+    }
+
+
 def trivial(x):
     return x
 
@@ -271,7 +285,7 @@ def eager_path(steps: int) -> dict[str, dict[str, float]]:
     """What a call that runs eagerly costs a session beyond the direct call, alone (a region
     that returns its argument) and inside this benchmark's loop (the 6-layer region, whose own
     Python crowds the CPU's caches): still warming (``record_after`` never reached), and too
-    rare to pay back (the grace spent, a recording made to cost 2 s). Interleaved
+    rare to pay back (the first recordings and the budget spent, a recording made to cost 2 s). Interleaved
     blocks of ``BLOCK`` calls over the uniform draws, microseconds per call over the direct call."""
     sizes = draws("uniform", steps, random.Random(1))
     inputs = {n: [torch.randn(n, DIM, device="cuda")] for n in set(sizes)}
@@ -281,8 +295,8 @@ def eager_path(steps: int) -> dict[str, dict[str, float]]:
             fn(inputs[n][0])
         warming = replay.capture(record_after=10**9)
         rare = replay.capture(record_after=0)
-        rare.admission.budget.spent = 1.0  # past the grace,
-        rare.admission.budget.recent = [1.0]  # and a recording costs 2 s: every key too rare
+        rare.admission.budget.spent = 1.0  # past the first recordings and the budget,
+        rare.admission.budget.recent = [1.0] * 3  # and a recording costs 2 s: every key too rare
         paths = {"direct": fn, "warming": warming.region(fn), "too_rare": rare.region(fn)}
         spent = dict.fromkeys(paths, 0.0)
         for number, start in enumerate(range(0, len(sizes), BLOCK)):
@@ -477,6 +491,7 @@ def main() -> None:
     results["prefill"] = measure("prefill", 100 if args.quick else 1000)
     for distribution in ("uniform", "zipf"):
         results[f"{distribution}, jit-only region"] = measure(distribution, steps, polymorphic=True)
+    results["three_sizes"] = three_sizes()
     results["eager_path"] = eager_path(steps)
     results["many_shapes_memory"] = many_shapes_memory(16 if args.quick else MEMORY_SHAPES)
     results["bucketed_floor"] = bucketed_floor(steps)
@@ -494,14 +509,31 @@ def _ordered(mapping: dict, first: tuple) -> dict:
     return {**{k: mapping[k] for k in first if k in mapping}, **{k: v for k, v in mapping.items() if k not in first}}
 
 
+def _three_sizes_table(three: dict | None) -> str:
+    """The loop over three sizes (three_sizes), as markdown ("" for older saved runs)."""
+    if not three:
+        return ""
+    text = (
+        f"\n\nA loop of {THREE_SIZES_STEPS} steps going round batch sizes {list(THREE_SIZES)}, eager "
+        f"and in a fresh session with the default policy, its recordings included (us per step, medians "
+        f"of {THREE_SIZES_PASSES} passes each; target: at least 250 of {THREE_SIZES_STEPS} calls "
+        "replayed):\n\n"
+    )
+    return text + common.markdown_table(
+        ("eager us/step", "replay us/step", "speed-up", "replays (fewest)", "records (most)"),
+        [(three["eager_us"], three["replay_us"], three["speedup"], three["replays_min"], three["records_max"])],
+    )
+
+
 def report(results: dict, steps: int) -> tuple[str, str]:
     """(tables, notes) of a run's results, the distributions' and the two extra tables'
     (``eager_path``, ``many_shapes_memory``): also made again from a saved JSON with
     ``python -m benchmarks.shapes --from-json shapes.json``."""
     overhead = _ordered(results["eager_path"], ("trivial region", "6-layer region"))
     memory = _ordered(results["many_shapes_memory"], ("largest alone",))
+    extra = ("eager_path", "many_shapes_memory", "bucketed_floor", "three_sizes", "steps")
     distributions = _ordered(
-        {k: v for k, v in results.items() if k not in ("eager_path", "many_shapes_memory", "bucketed_floor", "steps")},
+        {k: v for k, v in results.items() if k not in extra},
         ("uniform", "zipf", "fixed", "prefill", "uniform, jit-only region", "zipf, jit-only region"),
     )
     headers = (
@@ -542,6 +574,7 @@ def report(results: dict, steps: int) -> tuple[str, str]:
                 )
             )
     body = common.markdown_table(headers, rows)
+    body += _three_sizes_table(results.get("three_sizes"))
     body += "\n\nThe eager path of a session (us per call, interleaved with the direct call):\n\n"
     body += common.markdown_table(
         ("region", "direct call us", "warming: over direct", "too rare: over direct"),

@@ -3,8 +3,12 @@
 Why a policy at all: a loop whose batch size changes every step (1..256 at random) made the
 plain rule "record a key on its second call, keep the most recently replayed ``max_graphs``"
 thrash. Every miss recorded a graph (far dearer than a call) only to evict another that was
-just as likely to come back, and the loop ran slower than eagerly. These rules keep replay
-from ever costing more than it saves:
+just as likely to come back, and the loop ran slower than eagerly. Yet caution has its own
+cost: a loop over a few sizes that held its recordings back ran its first hundreds of steps
+eagerly, slower than if it had recorded every size at once. A recording is an investment,
+judged here by what the session measured: it costs what this session's recordings cost (a
+capture, and the analysis on the key's next call), and every later call of the key saves
+what an eager call of its region costs less what a replay of it costs.
 
 - **Frequency-based admission** (after TinyLFU: Einziger, Friedman and Manes, 2017): a key is
   recorded once it has been called ``record_after + 1`` times *recently* (counts halve every
@@ -16,16 +20,21 @@ from ever costing more than it saves:
   each recording paid for by nothing. Recordings not analysed yet take a place and are
   victims like graphs (see Admission.victim): a key recorded on its last call is never
   analysed, and must not keep its place for good.
-- **A recording budget**: recording (captures and compactions alike) may take at most
-  ``record_budget`` of the session's time since its first call (with ``GRACE_SECONDS`` counted
-  as elapsed from the start, so the first recordings of a loop are not held back, and
-  one-time costs of a recording charged only up to a few times a usual one). A key that is
-  admitted while the budget is spent runs eagerly and records later.
-- **Recordings that pay back** (ski rental): once the budget's grace is spent, a key is
-  recorded only when its recent calls, ``PAYBACK_HORIZON`` times over, would have saved more
-  eager time than a recording usually costs. A uniform mix of hundreds of shapes, each back a
-  few times per window, spent the whole budget on recordings that were never repaid; its
-  keys now mostly run eagerly, and frequent keys record after a few calls.
+- **Recordings that pay back** (ski rental): a key is recorded once its expected calls times
+  what each saves (the region's eager time less its replay time) reach what a recording
+  usually costs here. The eager time is the region's estimate (replay.dispatch.EagerCost);
+  the replay time is measured on the region's replays (ReplayTimes: the analysis call of each
+  of its keys replays once, timed; ``REPLAY_SECONDS_GUESS`` until one did); a recording costs
+  the median of the recent captures plus the median of the recent analyses. A key's expected
+  calls are its recent count as its peers judge it (below) times ``PAYBACK_HORIZON``, or,
+  before the first halving, its calls after the first, over the calls counted so far, times
+  ``EARLY_CALLS``, where that is more. Why the early bet: until the first halving a count
+  covers every call of the session, and a loop is bet to run at least ``EARLY_CALLS`` calls;
+  a key that came back once in a loop's first five calls is expected back about a fifth of
+  those, so a loop over three sizes records each on its second call, while in a uniform mix of
+  hundreds of sizes a key comes back after dozens of calls, and is expected back a few times.
+  (Its first call says nothing of a key's rate: every key has one, and a prefill of lengths
+  seen once records none of them.)
 - **Counts judged against their peers** (Buhlmann's credibility, empirical Bayes): the
   payback rule bets that a key comes back as often as it came recently. For the keys that
   stand out in a uniform mix, that bet loses: every key comes back equally often, and the
@@ -35,18 +44,27 @@ from ever costing more than it saves:
   (``Peers``), and the rule takes a key's expected count to be its peers' mean plus that
   share of its lead: the whole lead where rates really differ (a Zipf-like mix, a few hot
   sizes), none of it in a uniform mix, never more than its own count: a uniform mix records
-  the keys of its grace and its first window, then none (docs/benchmarks/shapes.md). Before
+  its first recordings, then hardly any (docs/benchmarks/shapes.md). Before
   the first halving the peers are the counts as they stand (``EARLY_PEERS_AFTER``), so the
   first window's lucky keys are not bets either. A count far beyond anything counting gives
   its peers (``OUTLIER_SIGMAS``) is taken as it is: a size that became hot after the last
   halving does not wait for the next one.
+- **A budget of what replays saved**: recording (captures, analyses, compactions, failed ones
+  too) may run ahead of what the replays of the session's graphs have saved (each replay: its
+  region's eager time less its replay time) by at most a grace, ``record_budget`` times
+  ``GRACE_SECONDS``. A key admitted while the budget is spent runs eagerly and records later.
+  A loop whose recordings are never repaid thus loses at most the grace, however long it
+  runs; one whose recordings pay back may record as much as they saved. The session's first
+  recordings (``FIRST_RECORDINGS``, and on until they spent ``FIRST_RECORDINGS_SHARE`` of the
+  grace) are made as soon as admitted: the payback rule's inputs (what a recording, a replay,
+  an eager call cost) are measured on them. One-time costs of a recording (a process's first
+  capture compiles replay's own kernels) are charged only up to a few times a usual one.
 - **Keys that paid already are not held back by the budget**: a key whose recent eager
   calls alone would have saved what a recording usually costs (the payback rule with a
   horizon of 1, the ski-rental break-even: buying once the rent paid equals the price keeps
   the cost within twice the best choice in hindsight) records even with the budget spent.
   The budget exists against recordings that are never repaid; a key this frequent has
-  shown it is not one (a decode loop of a few batch sizes, whose recordings cost many of its
-  steps, recorded only a few of its sizes under the budget alone and ran slower than eager).
+  shown it is not one.
 - **Compaction without storms**: re-recording every graph of a device into a fresh pool (to
   undo fragmentation) happens only when the pool has grown by half since the last compaction
   (``COMPACTION_GROWTH``), and only while the graphs recorded again by compactions stay within
@@ -64,24 +82,37 @@ from typing import Generic, TypeVar
 
 import attrs
 
-#: Seconds counted as already elapsed when the budget is first consulted: the first few
-#: recordings of a session are not held back.
-GRACE_SECONDS = 0.5
+#: The grace is ``record_budget`` times this many seconds: how far recording may run ahead of
+#: what replays saved, the most a session loses to recordings never repaid.
+GRACE_SECONDS = 2.0
+#: The session's first recordings, made as soon as admitted, may spend this share of the
+#: grace: the payback rule's inputs are measured on them. A uniform mix of hundreds of sizes
+#: records these and, judged against their peers, hardly any other key; the rest of the grace
+#: lets a loop of a few dozen sizes record ahead of its replays' savings (docs/benchmarks/shapes.md).
+FIRST_RECORDINGS_SHARE = 0.5
+#: ... and they are at least this many captures, whatever they spent: a process's first capture
+#: and analysis pay one-time costs, and the rule's usual recording is the median of a few.
+FIRST_RECORDINGS = 3
 
-#: A recording is charged at most this many times the median of the last ``RECENT_CHARGES``
-#: charges, and the first one at most ``FIRST_CHARGE_CAP`` seconds (see RecordingBudget).
+#: A recording's capture (or analysis) is charged at most this many times the median of the
+#: last ``RECENT_CHARGES`` ones, and the first one at most ``FIRST_CHARGE_CAP`` seconds (see
+#: RecordingBudget).
 SPIKE_FACTOR = 3
 RECENT_CHARGES = 16
 FIRST_CHARGE_CAP = 0.02
 
-#: After the grace, a key is recorded only when its recent count times this many, times what
-#: a replay saves over an eager call, reaches what a recording usually costs. The recent count
-#: covers about two windows (counts halve every window); 2 bets that the key keeps coming about
-#: as long again. 4 let a uniform mix record keys it never repaid; 1 (ski rental's break-even)
-#: cost the decode-loop sample its speed-up: its steps are bound by the GPU, so an eager call's
-#: host time, all the rule can measure, is a small part of what a replay saves there
-#: (docs/benchmarks/shapes.md).
+#: Once the counts have been halved, a key is recorded only when its recent count (as its
+#: peers judge it) times this many, times what a replay saves over an eager call, reaches what
+#: a recording usually costs. The recent count covers about two windows (counts halve every
+#: window); 2 bets that the key keeps coming about as long again. 4 let a uniform mix record
+#: keys it never repaid (docs/benchmarks/shapes.md).
 PAYBACK_HORIZON = 2
+
+#: Before the first halving, the calls a loop is bet to run in all: a key counted ``c`` times
+#: in the ``n`` calls counted so far is expected back ``(c - 1) * EARLY_CALLS / n`` times (when
+#: that is more than the horizon above gives). As many calls as the early peers need: by then
+#: the counts are judged against their peers.
+EARLY_CALLS = 256
 
 #: Counting noise (see Peers): counts of keys called at one steady rate spread, in variance,
 #: by this share of their mean (a Poisson count's variance is its mean; counts aged by halvings
@@ -104,9 +135,9 @@ EARLY_PEERS_AFTER = 256
 #: asks: a loop whose keys all run eagerly below the payback count never does).
 EARLY_PEERS_GROWTH = 1.125
 
-#: The host time a replay is taken to cost, subtracted from an eager call's time to give what
-#: one replay saves (the upper end of a replay's host time for regions of a few to a few dozen
-#: kernels: docs/benchmarks/replay.md, scaling.md).
+#: The host time a replay is taken to cost where none of its region's replays was timed yet
+#: (the upper end of a replay's host time for regions of a few to a few dozen kernels:
+#: docs/benchmarks/replay.md, scaling.md).
 REPLAY_SECONDS_GUESS = 15e-6
 
 #: Counts halve every ``window`` calls, with ``window = max(MIN_WINDOW, WINDOW_PER_GRAPH * max_graphs)``:
@@ -131,7 +162,17 @@ RECAPTURE_ALLOWANCE = 16
 #: quiet_below's answer when no count pays back (an eager call no dearer than a replay).
 QUIET_FOREVER = 2**62
 
+#: Replay times a region keeps for its median (ReplayTimes).
+RECENT_REPLAYS = 16
+
 Resident = TypeVar("Resident")
+
+
+def lower_median(values: list[float]) -> float:
+    """The lower median (of two values, the smaller): one slow first sample among two does not
+    make the usual value look slow."""
+    ordered = sorted(values)
+    return ordered[(len(ordered) - 1) // 2]
 
 
 @attrs.frozen
@@ -244,33 +285,37 @@ class FrequencySketch:
 
 @attrs.define
 class RecordingBudget:
-    """At most ``fraction`` of the time since the first call goes to recording.
+    """What recording spent, what a recording usually costs, and the grace (see the module
+    docstring: recording runs ahead of what replays saved by at most the grace).
 
-    A recording is charged at most ``SPIKE_FACTOR`` times the median of the recent charges
-    (``FIRST_CHARGE_CAP`` before there are any): the first recordings of a process also pay
-    one-time costs (replay's own copy kernels compiled, the capture machinery and a
-    collective's first capture initialised: many times a usual recording), which would
-    otherwise hold every recording back for long. What the budget is for, a storm of
-    recordings of about equal cost, is charged in full."""
+    Captures and analyses are charged apart (:meth:`charge`, :meth:`charge_analysis`), each at
+    most ``SPIKE_FACTOR`` times the median of the recent ones of its kind (``FIRST_CHARGE_CAP``
+    before there are any): the first recordings of a process also pay one-time costs (replay's
+    own copy kernels compiled, the capture machinery and a collective's first capture
+    initialised: many times a usual recording), which would otherwise hold every recording back
+    for long. What the budget is for, a storm of recordings of about equal cost, is charged in
+    full."""
 
     fraction: float = attrs.field(on_setattr=lambda self, _, value: self._changed(value))
-    clock: Callable[[], float]
-    started: float | None = None
     spent: float = attrs.field(default=0.0, on_setattr=lambda self, _, value: self._changed(value))
-    #: the last charges, for their median; setting them sets ``usual``
+    #: the recent captures' charges; setting them (or ``analyses``) sets ``usual``
     recent: list[float] = attrs.field(factory=list, on_setattr=lambda self, _, recent: self._recent_set(recent))
-    #: What recording a key usually costs: its capture and its analysis are charged
-    #: separately, each about the median of the recent charges (kept with ``recent``: the
-    #: payback rule reads it on every call of a key past its warm-up).
+    #: the recent analyses' charges (the key's next call after its capture)
+    analyses: list[float] = attrs.field(factory=list, on_setattr=lambda self, _, done: self._analyses_set(done))
+    #: captures of keys whose analysis is still to come (failed and evicted ones too: the first
+    #: recordings err short)
+    awaiting: int = attrs.field(default=0, on_setattr=lambda self, _, value: self._changed(value))
+    #: What recording a key usually costs: the median capture plus the median analysis (twice
+    #: the one measured while only one kind was; kept with the charges: the payback rule reads
+    #: it on every call of a key past its warm-up).
     usual: float = attrs.field(default=0.0, init=False)
-    #: Bumped by every change of what the payback rule reads (``fraction``, ``spent``,
-    #: ``recent``, however it is made; the sketch's peers, through :meth:`inputs_changed` at
-    #: each halving): answers derived from the rule are valid while it stays
-    #: (Admission.quiet_below).
+    #: Bumped by every change of what the payback rule reads (``fraction``, ``spent``, the
+    #: charges, however it is made; the sketch's peers, through :meth:`inputs_changed` at each
+    #: halving): answers derived from the rule are valid while it stays (Admission.quiet_below).
     version: int = attrs.field(default=0, init=False)
 
     def __attrs_post_init__(self) -> None:
-        self._recent_set(self.recent)
+        self.usual = _usual(self.recent, self.analyses)
 
     def _changed(self, value: object) -> object:
         self.version += 1
@@ -281,30 +326,95 @@ class RecordingBudget:
         self.version += 1
 
     def _recent_set(self, recent: list[float]) -> list[float]:
-        ordered = sorted(recent)
-        self.usual = 2 * ordered[len(ordered) // 2] if ordered else 0.0
+        self.usual = _usual(recent, self.analyses)
         self.version += 1
         return recent
 
-    def allows(self) -> bool:
-        now = self.clock()
-        if self.started is None:
-            self.started = now
-        return self.spent < self.fraction * (now - self.started + GRACE_SECONDS)
+    def _analyses_set(self, analyses: list[float]) -> list[float]:
+        self.usual = _usual(self.recent, analyses)
+        self.version += 1
+        return analyses
 
-    def usual_recording(self) -> float:
-        return self.usual
+    @property
+    def grace(self) -> float:
+        """How far recording may run ahead of what replays saved (``record_budget`` times
+        ``GRACE_SECONDS``)."""
+        return self.fraction * GRACE_SECONDS
 
-    def charge(self, seconds: float) -> None:
-        seconds = max(seconds, 0.0)
-        if self.recent:
-            ordered = sorted(self.recent)
-            cap = SPIKE_FACTOR * ordered[len(ordered) // 2]
-        else:
-            cap = FIRST_CHARGE_CAP
-        charged = min(seconds, cap)
+    def first_recordings(self) -> bool:
+        """Whether keys record as soon as admitted: the session's first recordings (until
+        ``FIRST_RECORDINGS`` captures were charged, and on until they spent
+        ``FIRST_RECORDINGS_SHARE`` of the grace, counting the analyses still to come at what
+        analyses cost), or no budget at all (``record_budget=1``). Why count the analyses to
+        come: a mix of hundreds of sizes analyses a capture only when its key comes back, and
+        made twice the first recordings meant."""
+        if self.fraction >= 1 or len(self.recent) < FIRST_RECORDINGS:
+            return True
+        to_come = self.awaiting * lower_median(self.analyses or self.recent) if self.awaiting else 0.0
+        return self.spent + to_come < FIRST_RECORDINGS_SHARE * self.grace
+
+    def allows(self, saved: float) -> bool:
+        """Whether recording, having spent ``spent``, is within ``saved`` plus the grace."""
+        return self.fraction >= 1 or self.spent < saved + self.grace
+
+    def charge(self, seconds: float, *, awaits_analysis: bool = False) -> None:
+        """A capture took ``seconds`` (or a compaction's or a size observation's recordings;
+        ``awaits_analysis``: a key's capture, analysed on its next call)."""
+        charged = _capped(seconds, self.recent)
         self.spent += charged
         self.recent = [*self.recent[-(RECENT_CHARGES - 1) :], charged]
+        if awaits_analysis:
+            self.awaiting += 1
+
+    def charge_analysis(self, seconds: float) -> None:
+        """A capture's analysis (on its key's next call) took ``seconds``."""
+        charged = _capped(seconds, self.analyses)
+        self.spent += charged
+        self.analyses = [*self.analyses[-(RECENT_CHARGES - 1) :], charged]
+        if self.awaiting:
+            self.awaiting -= 1
+
+
+def _usual(captures: list[float], analyses: list[float]) -> float:
+    parts = [lower_median(charges) for charges in (captures, analyses) if charges]
+    return sum(parts) * 2 / len(parts) if parts else 0.0
+
+
+def _capped(seconds: float, recent: list[float]) -> float:
+    """``seconds`` charged against the recent charges of its kind (see RecordingBudget)."""
+    cap = SPIKE_FACTOR * lower_median(recent) if recent else FIRST_CHARGE_CAP
+    return min(max(seconds, 0.0), cap)
+
+
+def replay_or_guess(seconds: float | None) -> float:
+    """A replay's measured time, or ``REPLAY_SECONDS_GUESS`` where none was measured."""
+    return REPLAY_SECONDS_GUESS if seconds is None else seconds
+
+
+@attrs.define
+class ReplayTimes:
+    """What a replay of one region's graphs takes on the host: the median of its recent timed
+    replays (``seconds``; None before any, where the rule takes ``REPLAY_SECONDS_GUESS``).
+
+    Which replays are timed: the one on each key's analysis call (replay.orchestration). A
+    region's steady replays run in C, untimed; the rule needs a replay's cost only to the
+    precision of what a replay saves, and a key's first replay, if anything, costs more than
+    its later ones (the rule errs toward not recording)."""
+
+    recent: list[float] = attrs.Factory(list)
+    seconds: float | None = None
+
+    def took(self, seconds: float) -> bool:
+        """A timed replay; whether the median changed."""
+        self.recent = [*self.recent[-(RECENT_REPLAYS - 1) :], max(seconds, 0.0)]
+        median = lower_median(self.recent)
+        changed = median != self.seconds
+        self.seconds = median
+        return changed
+
+    def saving(self, eager_seconds: float) -> float:
+        """What one replay saves over an eager call of ``eager_seconds`` (never below 0)."""
+        return max(0.0, eager_seconds - replay_or_guess(self.seconds))
 
 
 @attrs.define
@@ -315,13 +425,19 @@ class ResidentCount:
     aged: int  # the count carried over from earlier windows (halved at each halving)
     base: int  # the graph's replay counter when ``aged`` was last brought up to date
     halvings: int  # the sketch's halvings already applied
+    paid: int  # the replay counter when its savings were last banked (Admission.saved)
+
+
+def _no_saving(resident: object) -> float:
+    return 0.0
 
 
 class Admission(Generic[Resident]):
     """The session's admission and eviction decisions (see the module docstring).
 
-    ``replays(resident)`` reads a held graph's replay counter; the session registers graphs
-    with :meth:`held` and :meth:`dropped`."""
+    ``replays(resident)`` reads a held graph's replay counter, ``saving(resident)`` what one of
+    its replays saves (its region's eager time less its replay time); the session registers
+    graphs with :meth:`held` and :meth:`dropped`."""
 
     def __init__(
         self,
@@ -330,11 +446,11 @@ class Admission(Generic[Resident]):
         max_graphs: int,
         budget: float,
         replays: Callable[[Resident], int],
-        clock: Callable[[], float],
+        saving: Callable[[Resident], float] = _no_saving,
     ):
         self.record_after = record_after
         self.max_graphs = max_graphs
-        self.budget = RecordingBudget(fraction=budget, clock=clock)
+        self.budget = RecordingBudget(fraction=budget)
         self.sketch = FrequencySketch(
             window=max(MIN_WINDOW, WINDOW_PER_GRAPH * max_graphs), on_peers=self.budget.inputs_changed
         )
@@ -342,6 +458,8 @@ class Admission(Generic[Resident]):
         #: The sketch's own method, not a wrapper: every call that runs eagerly asks it.
         self.called: Callable[[Hashable], int] = self.sketch.add
         self._replays = replays
+        self._saving = saving
+        self._banked = 0.0  # what the replays of graphs held before (and of those held, up to ``paid``) saved
         self._residents: dict[Resident, ResidentCount] = {}
         # a lower bound of the held graphs' least use, valid until a graph is held (or starts
         # over) or the counts halve: use only grows in between, and dropping a graph cannot
@@ -361,13 +479,33 @@ class Admission(Generic[Resident]):
         self.restarted(resident, self.sketch.count(key))
 
     def restarted(self, resident: Resident, frequency: int) -> None:
-        """A held graph starts (or, replaced by a new one in a compaction, starts again with
-        its replay counter at 0) with ``frequency`` as its use so far."""
-        self._residents[resident] = ResidentCount(frequency, self._replays(resident), self.sketch.halvings)
+        """A held graph starts (or, replaced by a new one in a compaction, starts again with its
+        replay counter at 0) with ``frequency`` as its use so far. What the replays of the graph
+        it replaces saved since the budget last summed them is not counted (the counter they
+        were read from is gone): the budget errs low."""
+        earlier = self._residents.get(resident)
+        if earlier is not None:
+            self._bank(resident, earlier)
+        replays = self._replays(resident)
+        self._residents[resident] = ResidentCount(frequency, replays, self.sketch.halvings, replays)
         self._floor = None
 
     def dropped(self, resident: Resident) -> None:
-        self._residents.pop(resident, None)
+        count = self._residents.pop(resident, None)
+        if count is not None:
+            self._bank(resident, count)
+
+    def _bank(self, resident: Resident, count: ResidentCount) -> None:
+        replays = self._replays(resident)
+        if replays > count.paid:  # (a counter that started over banks nothing: the budget errs low)
+            self._banked += (replays - count.paid) * self._saving(resident)
+            count.paid = replays
+
+    def saved(self) -> float:
+        """What the replays of the session's graphs, held or gone, have saved so far."""
+        for resident, count in self._residents.items():
+            self._bank(resident, count)
+        return self._banked
 
     def residents(self) -> list[Resident]:
         """The graphs and pending recordings held now (registered with :meth:`held`)."""
@@ -415,52 +553,86 @@ class Admission(Generic[Resident]):
         return self.victim(key, held, pending)[0]
 
     # --- time --------------------------------------------------------------------------------
-    def pays_back(self, count: int, eager_seconds: float) -> bool:
-        """Whether a key called ``count`` times recently, each eager call taking
-        ``eager_seconds``, is worth recording (always, during the budget's grace). The count
-        is judged against its peers' (Peers): what a key is expected to come back, not what
-        counting happened to give it."""
-        budget = self.budget
-        if budget.spent < budget.fraction * GRACE_SECONDS or budget.fraction >= 1:
-            return True  # the grace: the first recordings of a session, made as soon as admitted
-        saving = eager_seconds - REPLAY_SECONDS_GUESS
-        return saving > 0 and self.sketch.expected(count) * PAYBACK_HORIZON * saving >= budget.usual
+    def expected_calls(self, count: int) -> float:
+        """The calls a key counted ``count`` times recently is bet to come back for: its count as
+        its peers judge it (Peers) times ``PAYBACK_HORIZON``, or, before the first halving, its
+        calls after the first over the calls counted so far, times ``EARLY_CALLS``, where that
+        is more (see the module docstring; a key's first call says nothing of its rate: every
+        key has one). The early bet only falls as calls are counted: a quiet bound
+        (:meth:`quiet_below`) taken earlier stays a bound."""
+        sketch = self.sketch
+        expected = sketch.expected(count)
+        if sketch.halvings:
+            return expected * PAYBACK_HORIZON
+        return max(expected * PAYBACK_HORIZON, (expected - 1) * EARLY_CALLS / max(sketch.calls, 1))
 
-    def quiet_below(self, eager_seconds: float) -> int:
+    def _expected_needed(self, calls: float) -> float:
+        """The least expected count whose :meth:`expected_calls` reaches ``calls`` (up to
+        rounding: the caller steps to the exact count with the rule's own arithmetic)."""
+        needed = calls / PAYBACK_HORIZON
+        if not self.sketch.halvings:
+            needed = min(needed, 1 + calls * max(self.sketch.calls, 1) / EARLY_CALLS)
+        return needed
+
+    def pays_back(self, count: int, eager_seconds: float, replay_seconds: float | None = None) -> bool:
+        """Whether a key called ``count`` times recently is worth recording: its expected calls,
+        each saving ``eager_seconds`` less ``replay_seconds`` (None: ``REPLAY_SECONDS_GUESS``),
+        save what a recording usually costs. Always, for the session's first recordings
+        (RecordingBudget.first_recordings)."""
+        budget = self.budget
+        if budget.first_recordings():
+            return True  # made as soon as admitted
+        saving = eager_seconds - replay_or_guess(replay_seconds)
+        return saving > 0 and self.expected_calls(count) * saving >= budget.usual
+
+    def quiet_below(self, eager_seconds: float, replay_seconds: float | None = None) -> int:
         """The least recent count at which a call of a key without a graph may do anything
         but run eagerly, warming or too rare to pay back: ``record_after + 1``, or the count
         :meth:`pays_back` first accepts if that is more. Valid while ``budget.version`` (bumped
-        by the sketch's halvings too) and ``record_after`` stay and ``eager_seconds`` is the
-        region's estimate; a region's eager path uses it to skip the decision for the calls of
-        a loop that runs mostly eagerly (a uniform mix of hundreds of shapes: every call of a
-        key too rare to record asked the whole rule again)."""
+        by the sketch's halvings too) and ``record_after`` stay and ``eager_seconds`` and
+        ``replay_seconds`` are the region's estimates (as calls are counted, the early bet only
+        falls: no count below the bound pays back later either); a region's eager path uses it
+        to skip the decision for the calls of a loop that runs mostly eagerly (a uniform mix of
+        hundreds of shapes: every call of a key too rare to record asked the whole rule again)."""
         least = self.record_after + 1
-        if self.pays_back(least, eager_seconds):
+        if self.pays_back(least, eager_seconds, replay_seconds):
             return least
-        saving = eager_seconds - REPLAY_SECONDS_GUESS
+        saving = eager_seconds - replay_or_guess(replay_seconds)
         usual = self.budget.usual
         if saving <= 0 or not usual:
             return QUIET_FOREVER  # no count pays back: every call runs eagerly (the rule again at each change)
-        needed = usual / (PAYBACK_HORIZON * saving)  # the expected count that pays back
+        needed = self._expected_needed(usual / saving)  # the expected count that pays back
         peers = self.sketch.current_peers()
         bound = needed if peers is None else peers.least_count(needed)
         count = max(least, int(min(bound, QUIET_FOREVER)) - 1)
-        while count < QUIET_FOREVER and not self.pays_back(count, eager_seconds):  # pays_back's own arithmetic decides
-            count += 1
+        while count < QUIET_FOREVER and not self.pays_back(count, eager_seconds, replay_seconds):
+            count += 1  # pays_back's own arithmetic decides
         return count
 
-    def may_record(self, count: int = 0, eager_seconds: float = 0.0) -> bool:
-        """Whether recording may spend time now: within the budget, or for a key called
-        ``count`` times recently whose eager calls alone (each ``eager_seconds``) would already
-        have saved what a recording usually costs (the module docstring: keys that paid already)."""
-        if self.budget.allows():
+    def may_record(self, count: int = 0, eager_seconds: float = 0.0, replay_seconds: float | None = None) -> bool:
+        """Whether recording may spend time now: within what replays saved plus the grace, or
+        for a key called ``count`` times recently whose eager calls alone (each saving
+        ``eager_seconds`` less ``replay_seconds``) would already have saved what a recording
+        usually costs (the module docstring: keys that paid already)."""
+        budget = self.budget
+        if budget.allows(self._banked) or budget.allows(self.saved()):  # (the sum over graphs only when needed)
             return True
-        saving = eager_seconds - REPLAY_SECONDS_GUESS
-        usual = self.budget.usual_recording()
-        return saving > 0 and usual > 0 and count * saving >= usual
+        saving = eager_seconds - replay_or_guess(replay_seconds)
+        return saving > 0 and budget.usual > 0 and count * saving >= budget.usual
+
+    def captured(self, seconds: float) -> None:
+        """A key's capture took ``seconds`` (failed ones too); its analysis comes on the key's
+        next call (:meth:`analysed`)."""
+        self.budget.charge(seconds, awaits_analysis=True)
 
     def recorded(self, seconds: float) -> None:
+        """Recordings that need no analysis of their own took ``seconds`` (a compaction's, a
+        size observation's)."""
         self.budget.charge(seconds)
+
+    def analysed(self, seconds: float) -> None:
+        """A capture's analysis took ``seconds`` (failed ones too)."""
+        self.budget.charge_analysis(seconds)
 
 
 @attrs.define

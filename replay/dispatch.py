@@ -27,6 +27,7 @@ import torch
 from jitcore.backends import compiled_helpers_enabled, get_backend
 from jitcore.guards import ArgumentCheck, make_guard
 from replay import buckets, recording, region_keys
+from replay.admission import ReplayTimes
 from replay.dynamic import Dynamic
 from replay.graph import MISMATCH, compile_function
 from replay.keying import DYNAMIC_MARK, PLAIN_CONSTANTS
@@ -112,14 +113,25 @@ class QuietBound:
 
 
 class EagerCost:
-    """What an eager call of a region usually costs (what a replay would save: admission's
-    payback rule), and the quiet bound derived from it."""
+    """What an eager call of a region usually costs and what a replay of its graphs costs
+    (their difference is what a replay saves: admission's payback rule), and the quiet bound
+    derived from them."""
 
     def __init__(self, admission) -> None:
         self.admission = admission
         self.seconds = 0.0  # the estimate, 0 until a second call was timed
         self.sample = 0.0  # the same, from the first timed call on
+        self.replay = ReplayTimes()
         self.quiet = QuietBound()
+
+    def replayed(self, seconds: float) -> None:
+        """A timed replay of one of the region's graphs (its key's analysis call)."""
+        if self.replay.took(seconds):
+            self.quiet.version = -1  # what pays back changed: the next call asks the rule
+
+    def saving(self) -> float:
+        """What one replay saves over an eager call (admission's budget counts it per replay)."""
+        return self.replay.saving(self.seconds)
 
     def took(self, seconds: float) -> None:
         """A timed eager call: a drop is taken at once, a rise an eighth at a time, so a call
@@ -147,7 +159,7 @@ class EagerCost:
         quiet.version = admission.budget.version
         quiet.computed_for = self.seconds
         ceiling = self.seconds * QUIET_HEADROOM
-        quiet.below = 0 if log.isEnabledFor(logging.DEBUG) else admission.quiet_below(ceiling)
+        quiet.below = 0 if log.isEnabledFor(logging.DEBUG) else admission.quiet_below(ceiling, self.replay.seconds)
 
 
 _fixed = attrs.setters.frozen  # read once, when a dispatcher is made: setting one later raises

@@ -100,7 +100,7 @@ class KeyRecorder:
                 session.keys.stop_recording(entry, "retry")
                 raise
             finally:
-                session.admission.recorded(time.perf_counter() - started)  # failed captures cost time too
+                session.admission.captured(time.perf_counter() - started)  # failed captures cost time too
             session.keys.capture(entry, capture)
             return self._first_launch(entry, key, capture, leaves)
 
@@ -166,11 +166,13 @@ class KeyRecorder:
             capture = session.keys.analyse(entry)
             analysed = time.perf_counter()
             try:
-                session.analyse(capture)
-                instrumentation.steps.start()
-                graph = session.build_graph(region, key, capture, spec, leaves, paths, session, len(session.lru))
-                instrumentation.steps.mark("build replay")
-                session.admission.recorded(time.perf_counter() - analysed)
+                try:
+                    session.analyse(capture)
+                    instrumentation.steps.start()
+                    graph = session.build_graph(region, key, capture, spec, leaves, paths, session, len(session.lru))
+                    instrumentation.steps.mark("build replay")
+                finally:  # charged before a failure records again: failed analyses cost time too
+                    session.admission.analysed(time.perf_counter() - analysed)
             except recording.CaptureRetry as retry:
                 capture.graph.reset()
                 return self._restage(entry, key, spec, leaves, paths, device, retry.args[0])
@@ -187,7 +189,18 @@ class KeyRecorder:
             session.keys.serve(entry, graph, guard, pre_key)
             self._note_input_choices(key, capture)
             session.compaction.after_record(entry, capture)
-            return region.replay(entry, *leaves)
+            return self._timed_replay(entry, leaves)
+
+    def _timed_replay(self, entry: Entry, leaves: list):
+        """The analysis call's replay, timed: what a replay of the region costs (admission's
+        payback rule), unless it ran eagerly too (declined, or verified)."""
+        region, counters = self.region, self.region.session.counters
+        before = (counters.declined, counters.verifications)
+        started = time.perf_counter()
+        result = region.replay(entry, *leaves)
+        if (counters.declined, counters.verifications) == before:
+            region.cost.replayed(time.perf_counter() - started)
+        return result
 
     def _restage(self, entry: Entry, key: tuple, spec: object, leaves: list, paths: list, device: int, plan):
         """The analysis found inputs to stage or copy back that the capture did not: record

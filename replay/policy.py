@@ -55,9 +55,12 @@ class Policy:
       replay.admission.
     - ``max_graphs`` (int >= 1, default 64): graphs kept per session; beyond, a new key replaces
       the least frequently replayed graph only if it was called more often recently.
-    - ``record_budget`` (in (0, 1], default 0.03): the most of the session's time that
-      recording may take; with the calls that run eagerly, a loop whose shapes never repeat
-      often enough stays close to eager's time (docs/benchmarks/shapes.md).
+    - ``record_budget`` (in (0, 1], default 0.03): the grace, in units of
+      ``replay.admission.GRACE_SECONDS``: how far the time recording takes may run ahead of
+      what replays saved (each replay: its region's eager time less its replay time), so that
+      a loop whose recordings are never repaid loses at most the grace; the session's first
+      recordings, made as soon as admitted, take part of it. 1 turns the budget, and the
+      payback rule, off (replay.admission; docs/benchmarks/shapes.md).
     - ``buckets`` (ints >= 1, or None): the sizes ``replay.padded`` arguments are padded to
       (replay.buckets).
     - ``polymorphic`` (default False): a padded call smaller than its bucket runs the bucket's

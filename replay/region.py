@@ -251,12 +251,12 @@ class Region:
             if count == admission.record_after and spec not in self.hints:
                 return OBSERVE  # the first key of its argument structure: its warm-up is observed
             return WARM
-        seconds = self.cost.seconds
-        if not admission.pays_back(count, seconds):
+        seconds, replay = self.cost.seconds, self.cost.replay.seconds
+        if not admission.pays_back(count, seconds, replay):
             return self._kept(TOO_RARE, "not recorded, too rare to pay for a recording", spec)
         if not admission.admits(counted, session.lru, session.pending):
             return self._kept(REFUSED, "not recorded, graphs held are used more", spec)
-        if not admission.may_record(count, seconds):
+        if not admission.may_record(count, seconds, replay):
             return self._kept(DEFERRED, "recording postponed, the budget is spent", spec)
         return RECORD
 

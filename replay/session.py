@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
@@ -73,7 +72,7 @@ class Session:
             max_graphs=self.policy.max_graphs,
             budget=self.policy.record_budget,
             replays=lambda entry: entry.graph.replays if entry.graph is not None else 0,
-            clock=time.perf_counter,
+            saving=lambda entry: entry.region.cost.saving(),
         )
         self.keys = Keys(self)  # the one writer of the keys' states and indices (replay.lifecycle)
         self.compaction = Compaction(self)
@@ -313,7 +312,7 @@ def capture(
 
     Every option is a field of :class:`replay.Policy`, which says what it does and checks it:
     ``record_after`` (recent calls of a key before it may be recorded), ``max_graphs`` (graphs
-    kept), ``record_budget`` (the share of the time recording may take), ``buckets`` (the sizes
+    kept), ``record_budget`` (how far recording may run ahead of what replays saved), ``buckets`` (the sizes
     ``replay.padded`` arguments are padded to), ``polymorphic`` (a padded size served by its
     bucket's graph at its own size), ``clone_outputs`` (copies instead of the graph's own
     buffers), ``verify_every`` (every Nth replay also run eagerly and compared; 0: off),

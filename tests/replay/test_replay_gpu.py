@@ -322,11 +322,12 @@ def test_after_the_grace_rare_shapes_run_eagerly_and_a_frequent_one_is_recorded(
     monkeypatch.setattr(admission, "GRACE_SECONDS", 0.5)  # the GPU tests' hour of grace, undone
     with replay.capture(record_after=0, record_budget=0.5) as session:  # a budget that never postpones here
         step = session.region(forty_launches)
-        for rows in (1, 2):  # within the grace: recorded at once, and the recording costs measured
+        for rows in (1, 2):  # the first recordings: made at once, and the recording costs measured
             x = torch.randn(rows, 256, device="cuda")
             assert torch.equal(step(x), forty_launches(x)) and torch.equal(step(x), forty_launches(x))
         assert session.stats().records == 2
-        session.admission.budget.spent = 0.5 * 0.5  # the grace is spent
+        budget = session.admission.budget
+        budget.spent = admission.FIRST_RECORDINGS_SHARE * budget.grace  # the first recordings made, the budget not
         for rows in range(3, 40):
             x = torch.randn(rows, 256, device="cuda")
             assert torch.equal(step(x), forty_launches(x))

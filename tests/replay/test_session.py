@@ -378,41 +378,70 @@ def test_the_recording_budget_postpones_recordings_and_charges_failed_ones(sessi
     # recording by its own few calls (about 1 ms saved each): the budget alone decides
     monkeypatch.setattr(admission, "PAYBACK_HORIZON", 100)
     monkeypatch.setattr(admission, "REPLAY_SECONDS_GUESS", -1e-3)
-    now = [0.0]
     session = session_factory(record_after=0, record_budget=0.1)
-    session.admission.budget.clock = lambda: now[0]
+    budget = session.admission.budget
     step = session.region(add)
     x = torch.randn(3)
-    assert torch.equal(step(x, x), x + x)  # the first recording: within the grace period
-    session.admission.budget.spent += 10.0  # as if recording had taken 10 s
-    session.admission.budget.recent = [0.005] * 4  # a recording usually costs 10 ms
+    assert torch.equal(step(x, x), x + x)  # the first recording: one of the session's first
+    budget.spent += 10.0  # as if recording had taken 10 s
+    budget.recent = [0.005] * 4  # a recording usually costs 10 ms
     y = torch.randn(4)
     for _ in range(3):
         assert torch.equal(step(y, y), y + y)
     assert session.stats().deferred == 3 and session.stats().records == 1
-    now[0] = 100.0  # 10% of 102 s: 10.2 s allowed, 10.0 spent
-    step(y, y)
+    monkeypatch.setattr(step.cost, "saving", lambda: 2.0)  # as if each replay saved 2 s
+    for _ in range(5):  # x's analysis and its replay, then 4 more: 10 s saved
+        assert torch.equal(step(x, x), x + x)
+    assert session.admission.saved() == 10.0
+    step.cost.replay.seconds = None  # (x's analysis timed a replay: the guess above again)
+    step(y, y)  # 10 s saved, and the grace: room again
     assert session.stats().records == 2
-    spent = session.admission.budget.spent
+    spent = budget.spent
     session.capture_script = [recording.CaptureFailed("no")]
     with pytest.warns(replay.ReplayWarning):
         step(torch.randn(5), torch.randn(5))
-    assert session.admission.budget.spent > spent  # a failed capture took time too
+    assert budget.spent > spent  # a failed capture took time too
 
 
-def test_after_the_grace_only_keys_whose_calls_pay_for_a_recording_record(session_factory, monkeypatch):
+def test_a_keys_analysis_is_charged_and_its_replay_timed(session_factory):
+    # what the payback rule reads, measured by the session: the capture on the key's recording
+    # call, the analysis (failed ones too) and one timed replay on its next call
+    session = session_factory(record_after=0, record_budget=0.1)
+    budget = session.admission.budget
+    step = session.region(add)
+    x = torch.randn(3)
+    step(x, x)
+    assert len(budget.recent) == 1 and budget.analyses == [] and budget.awaiting == 1
+    assert step.cost.replay.seconds is None
+    step(x, x)
+    assert len(budget.analyses) == 1 and budget.awaiting == 0
+    assert step.cost.replay.seconds is not None and len(step.cost.replay.recent) == 1
+    step(x, x)  # a replay on the flat path: not timed
+    assert len(step.cost.replay.recent) == 1
+    session.analyse_script = [recording.CaptureFailed("no")]
+    y = torch.randn(4)
+    step(y, y)
+    with pytest.warns(replay.ReplayWarning):
+        step(y, y)  # its analysis fails: charged all the same
+    assert len(budget.analyses) == 2 and len(step.cost.replay.recent) == 1
+
+
+def test_after_the_first_recordings_only_keys_whose_calls_pay_for_a_recording_record(session_factory, monkeypatch):
     # ski rental: a recording (here 2.5 ms, as usual) is made once the key's recent calls
     # would have saved that much eager time (here about 1 ms a call: an eager call of a few
     # microseconds, and a replay taken to cost 1 ms less)
     monkeypatch.setattr(admission, "PAYBACK_HORIZON", 1)
+    monkeypatch.setattr(admission, "EARLY_CALLS", 1)  # no early bet to speak of: the count itself
     monkeypatch.setattr(admission, "REPLAY_SECONDS_GUESS", -1e-3)
     session = session_factory(record_after=0, record_budget=0.1)
     budget = session.admission.budget
     step = session.region(add)
     x = torch.zeros(1)
-    assert torch.equal(step(x, x), x + x)  # within the grace: recorded at once
+    assert torch.equal(step(x, x), x + x)  # one of the first recordings: recorded at once
     assert session.stats().records == 1
-    budget.spent = 0.1 * admission.GRACE_SECONDS  # the grace is spent, the budget is not
+    budget.spent = (
+        admission.FIRST_RECORDINGS_SHARE * budget.grace
+    )  # the first recordings are made, the budget not spent
     budget.recent = [0.00125] * 4  # a capture and an analysis of 1.25 ms each: a recording costs 2.5 ms
     y = torch.zeros(2)
     for calls in (1, 2):  # about 1 and 2 ms of savings: not yet
@@ -433,11 +462,12 @@ def test_with_the_budget_spent_a_key_records_once_its_own_calls_paid_for_a_recor
     # them back for the whole run; a key whose calls already saved a recording's cost records
     monkeypatch.setattr(admission, "REPLAY_SECONDS_GUESS", -1e-3)  # a replay saves about 1 ms
     monkeypatch.setattr(admission, "PAYBACK_HORIZON", 2)
+    monkeypatch.setattr(admission, "EARLY_CALLS", 1)  # no early bet to speak of: twice the count
     session = session_factory(record_after=0, record_budget=0.01)
     budget = session.admission.budget
     step = session.region(add)
     x = torch.zeros(1)
-    step(x, x)  # within the grace: recorded at once
+    step(x, x)  # one of the first recordings: recorded at once
     budget.spent = 1e3  # the budget is spent for a long while
     budget.recent = [0.00125] * 4  # a recording costs 2.5 ms
     budget.recent = [0.0025] * 4  # a recording costs 5 ms
@@ -480,8 +510,8 @@ def test_the_quiet_bound_never_hides_a_count_that_pays_back_whatever_the_estimat
     with use_backend(NullBackend()):
         session = DoubleSession(record_after=record_after)
         policy = session.admission
-        policy.budget.spent = 1.0  # past the grace
-        policy.budget.recent = [usual / 2]
+        policy.budget.spent = 1.0  # past the first recordings
+        policy.budget.recent = [usual / 2] * 3
         step = session.region(add)
         for seconds in samples:
             step.cost.took(seconds)
@@ -499,9 +529,9 @@ def test_a_timed_call_asks_the_payback_rule_again_only_when_the_estimate_leaves_
     asked = []
     original = Admission.quiet_below
 
-    def asking(self, seconds):
+    def asking(self, seconds, replay_seconds=None):
         asked.append(seconds)
-        return original(self, seconds)
+        return original(self, seconds, replay_seconds)
 
     monkeypatch.setattr(Admission, "quiet_below", asking)
     step.cost.took(0.001)  # not trusted: no estimate yet
@@ -1133,7 +1163,7 @@ def test_the_eager_paths_shortcut_decides_and_counts_as_the_rule_does(
             return original_decide(self, *args)
 
         original_gate = dispatch_module.EagerGate
-        Admission.quiet_below = original_quiet if shortcut else (lambda self, eager_seconds: 0)
+        Admission.quiet_below = original_quiet if shortcut else (lambda self, eager_seconds, replay_seconds=None: 0)
         Region._decide = counting_decide
         region_module.time = clock  # an eager call takes its size's duration
         if not gate:
@@ -1142,11 +1172,10 @@ def test_the_eager_paths_shortcut_decides_and_counts_as_the_rule_does(
             with use_backend(NullBackend()):
                 session = DoubleSession(record_after=record_after, record_budget=0.05, max_graphs=4)
                 DoubleSession.current = session
-                session.admission.budget.clock = clock.perf_counter
                 session.admission.sketch.window = window
                 step = session.region(timed_add)  # its gate, if any, times calls by the clock above
                 seen = []
-                budget_changes.setdefault(0, start)  # past the grace or not, a recording's usual cost
+                budget_changes.setdefault(0, start)  # past the first recordings or not, a recording's usual cost
                 for number, rows in enumerate(calls):
                     if number in budget_changes:
                         spent, usual = budget_changes[number]
@@ -1431,10 +1460,10 @@ def test_candidates_are_tried_in_turn_and_a_declined_one_leaves_the_call_to_the_
 
 
 def test_a_loop_of_shapes_too_rare_to_record_skips_the_rule(session_factory, monkeypatch):
-    # the shortcut is taken: after the grace, calls of keys far from paying back do not ask
+    # the shortcut is taken: after the first recordings, calls of keys far from paying back do not ask
     # _decide (but are counted as too rare all the same)
     session = session_factory(record_after=1, record_budget=0.03)
-    session.admission.budget.spent = 1.0  # past the grace
+    session.admission.budget.spent = 1.0  # past the first recordings
     session.admission.budget.recent = [0.5] * 3  # a recording costs a second: nothing pays back soon
     step = session.region(add)
     decided = []
