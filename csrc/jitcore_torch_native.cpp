@@ -32,6 +32,12 @@
 //   state moves. SETTINGS_READER, a capsule of Py_ssize_t read(int64_t *values, Py_ssize_t
 //   capacity), reads the same state into an array: replay's settings check (csrc/replay_checks.c).
 //
+// - tensor_state(tensor), and a capsule, TENSOR_STATE_READER, of Py_ssize_t read(PyObject *tensor,
+//   int64_t *values, Py_ssize_t capacity): what a graph bakes of a tensor it reads where it lies
+//   (its type, data pointer, dispatch keys, dtype, device, sizes and strides) as words, for replay's watch
+//   of the tensors a region reaches through its globals and objects (csrc/replay_checks.c's
+//   WatchCheck compares them on every replay).
+//
 // - a capsule, "replay_support", the replay_support struct of csrc/replay_support.h (its layout
 //   check, then functions) for the C replay step (csrc/replay_step.c): the data pointer reader
 //   above, and `fresh_output`, a replay's handed-out output made from its template view:
@@ -390,6 +396,68 @@ PyObject *data_pointer(PyObject *, PyObject *object) {
     if (!read_data_pointer(object, &address))
         Py_RETURN_NONE;
     return PyLong_FromUnsignedLongLong(address);
+}
+
+// --- a watched tensor's state (tensor_state, TENSOR_STATE_READER) --------------------------------
+
+// What a graph bakes of a tensor it reads where it lies (a weight a region reaches through an
+// object), as int64 words: its Python type, data pointer (what data_ptr() answers), dispatch key
+// set (its device type, conjugate and negative bits among them), dtype, device index, number of
+// dimensions, then each size and each stride. replay's watch (replay.watch, csrc/replay_checks.c's
+// WatchCheck) compares them on every replay: `.data =`, `.half()`, `.to()`, `resize_`, `set_` or
+// an in-place view op each change one. Read from the tensor's C++ state through the accessors that
+// inline (a few loads), since a replay reads every tensor it watches. The count of words, written
+// only where it is at most `capacity`; -1 where it does not read the tensor: anything but a
+// torch.Tensor or Parameter (a subclass may answer otherwise in Python), or a tensor whose sizes,
+// strides or data torch refuses to give (nested, sparse, symbolic, without storage).
+Py_ssize_t read_tensor_state(PyObject *object, int64_t *values, Py_ssize_t capacity) {
+    if (!THPVariable_CheckExact(object))
+        return -1;
+    try {
+        const c10::TensorImpl *impl = THPVariable_Unpack(object).unsafeGetTensorImpl();
+        int64_t dims = impl->dim();
+        Py_ssize_t count = 6 + 2 * static_cast<Py_ssize_t>(dims);
+        if (count > capacity)
+            return count;
+        c10::IntArrayRef sizes = impl->sizes(), strides = impl->strides();
+        values[0] = static_cast<int64_t>(reinterpret_cast<uintptr_t>(Py_TYPE(object)));
+        values[1] = static_cast<int64_t>(reinterpret_cast<uintptr_t>(impl->data()));
+        values[2] = static_cast<int64_t>(impl->key_set().raw_repr());
+        values[3] = static_cast<int64_t>(impl->dtype().toScalarType());
+        values[4] = static_cast<int64_t>(impl->device().index());
+        values[5] = dims;
+        for (int64_t d = 0; d < dims; ++d) {
+            values[6 + d] = sizes[d];
+            values[6 + dims + d] = strides[d];
+        }
+        return count;
+    } catch (...) {
+        return -1;
+    }
+}
+
+// tensor_state(tensor) -> the words TENSOR_STATE_READER reads, as a tuple (None where it would not).
+PyObject *tensor_state(PyObject *, PyObject *object) {
+    int64_t values[64];
+    Py_ssize_t count = read_tensor_state(object, values, 64);
+    std::vector<int64_t> more;
+    if (count > 64) {  // more dimensions than the stack holds
+        more.resize(static_cast<size_t>(count));
+        count = read_tensor_state(object, more.data(), count);
+    }
+    if (count < 0)
+        Py_RETURN_NONE;
+    const int64_t *read = more.empty() ? values : more.data();
+    PyObject *result = PyTuple_New(count);
+    for (Py_ssize_t i = 0; result != nullptr && i < count; ++i) {
+        PyObject *word = PyLong_FromLongLong(read[i]);
+        if (word == nullptr) {
+            Py_CLEAR(result);
+            break;
+        }
+        PyTuple_SET_ITEM(result, i, word);
+    }
+    return result;
 }
 
 // --- the global torch settings (settings_watch) --------------------------------------------------
@@ -1142,6 +1210,8 @@ PyMethodDef METHODS[] = {
     {"settings_watch", settings_watch, METH_VARARGS,
      "settings_watch(exact, residual) -> check() -> bool, exact()'s answer from a state read in C++"},
     {"fresh_output", fresh_output, METH_O, "fresh_output(view) -> view.detach(), as csrc/replay_step.c makes it"},
+    {"tensor_state", tensor_state, METH_O,
+     "tensor_state(tensor) -> tuple of ints, what TENSOR_STATE_READER reads of it (None where it would not)"},
     {"storage_span", storage_span, METH_O,
      "storage_span(tensor) -> (first byte, bytes) of its storage as csrc/replay_step.c reads it (None where it would not)"},
     {"storage_use_count", use_count_of, METH_O,
@@ -1185,6 +1255,13 @@ PyMODINIT_FUNC PyInit__torch_native(void) {
                                        "jitcore._torch_native.settings_reader", nullptr);
     if (settings == nullptr || PyModule_AddObject(module, "SETTINGS_READER", settings) < 0) {
         Py_XDECREF(settings);
+        Py_DECREF(module);
+        return nullptr;
+    }
+    PyObject *state_reader = PyCapsule_New(reinterpret_cast<void *>(read_tensor_state),
+                                           "jitcore._torch_native.tensor_state_reader", nullptr);
+    if (state_reader == nullptr || PyModule_AddObject(module, "TENSOR_STATE_READER", state_reader) < 0) {
+        Py_XDECREF(state_reader);
         Py_DECREF(module);
         return nullptr;
     }
