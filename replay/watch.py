@@ -275,8 +275,9 @@ def _instance_dict(holder: object) -> object:
 
 
 def _entry_path(path: str, role: str, key: object) -> str:
+    """An entry's path: an attribute (a submodule of a Sequential by its number), or an item."""
     if role != ITEMS and isinstance(key, str):
-        return f"{path}.{key}" if key.isidentifier() else f"{path}[{key!r}]"
+        return objects._member_path(path, key)
     return f"{path}[{key!r}]"
 
 
