@@ -465,11 +465,12 @@ static PyObject *total_length(PyObject *module, PyObject *const *args, Py_ssize_
  * every call where the interpreter can say that none changed. From CPython 3.12 (with the GIL), a
  * dict watcher (PyDict_AddWatcher) watches every dict a check holds and moves one epoch on any
  * change to any of them: while the epoch is the one at which a check last found its dicts the
- * same, it skips them all. Otherwise, where the interpreter moves a dict's version tag on every
- * change (3.10 to 3.12: 3.13 writes an object's attributes past it), a dict whose tag is the one
- * it had when it last compared the same is not walked again; else it is walked. An epoch or tag
- * is taken as the reference only where it did not move while the dicts were compared. `tags`
- * False walks every dict on every call (for tests and measurements).
+ * same, it skips them, except, from 3.13, the objects' __dict__s (3.13 writes an object's
+ * attributes into its values without telling the watchers). Otherwise, where the interpreter
+ * moves a dict's version tag on every change (3.10 to 3.12: 3.13 leaves it too), a dict whose
+ * tag is the one it had when it last compared the same is not walked again; else it is walked.
+ * An epoch or tag is taken as the reference only where it did not move while the dicts were
+ * compared. `tags` False walks every dict on every call (for tests and measurements).
  */
 #define WATCH_WORDS 64
 #define TENSOR_STATE_CAPSULE "jitcore._torch_native.tensor_state_reader"
@@ -480,6 +481,8 @@ static PyObject *total_length(PyObject *module, PyObject *const *args, Py_ssize_
 #endif
 #if PY_VERSION_HEX >= 0x030C0000 && !defined(Py_GIL_DISABLED)
 #define WATCH_EPOCH 1
+/* whether the watchers hear of every write to an object's attributes (not from 3.13) */
+#define WATCH_EPOCH_ATTRIBUTES (PY_VERSION_HEX < 0x030D0000)
 static int dict_watcher = -1;          /* the dict watcher's id; -1: none could be added */
 static uint64_t watched_epoch = 1;     /* moved by every change of a dict any check watches */
 
@@ -505,6 +508,7 @@ typedef struct {
     Py_ssize_t others;
     tensor_state_reader read;        /* NULL: every tensor in Python */
     uint64_t *tags;                  /* per dict: the tag it had when it last compared the same; 0 none */
+    char *covered;                   /* per dict: whether the epoch says when it changed */
     int64_t *recorded;               /* every tensor's words, one after another */
     Py_ssize_t *at, *count;          /* per tensor: where its words start, how many (-1: in Python) */
     int use_tags, use_epoch;
@@ -553,6 +557,7 @@ static void watch_dealloc(WatchCheck *self) {
     PyObject_GC_UnTrack(self);
     watch_clear(self);
     PyMem_Free(self->tags);
+    PyMem_Free(self->covered);
     PyMem_Free(self->recorded);
     PyMem_Free(self->at);
     PyMem_Free(self->count);
@@ -672,17 +677,18 @@ static int tensor_same(WatchCheck *self, Py_ssize_t i) {
 
 /* The dicts: 1 all the same, 0 one changed, -1 an exception is set. */
 static int dicts_same(WatchCheck *self) {
+    int skip = 0; /* whether the dicts the epoch covers are the same */
 #if WATCH_EPOCH
     uint64_t epoch = watched_epoch;
-    if (self->use_epoch && epoch == self->epoch)
-        return 1;
+    skip = self->use_epoch && epoch == self->epoch;
 #endif
     int same = 1;
     Py_ssize_t n = PyTuple_GET_SIZE(self->dicts);
     for (Py_ssize_t i = 0; same == 1 && i < n; i++)
-        same = dict_same(self, i);
+        if (!(skip && self->covered[i]))
+            same = dict_same(self, i);
 #if WATCH_EPOCH
-    if (same == 1 && self->use_epoch && watched_epoch == epoch)
+    if (same == 1 && self->use_epoch && !skip && watched_epoch == epoch)
         self->epoch = epoch; /* nothing moved it meanwhile: the reference */
 #endif
     return same;
@@ -779,22 +785,40 @@ static int read_holders(WatchCheck *self, PyObject *program) {
     return self->tags == NULL ? (PyErr_NoMemory(), -1) : 0;
 }
 
-/* Watch every dict for the epoch (where there is a watcher and `tags`); a dict that cannot be
- * watched turns the epoch off for this check (its dicts are then compared on every call). */
-static void watch_dicts(WatchCheck *self, int tags) {
+#if WATCH_EPOCH
+/* Whether `dict` is the __dict__ of one of the objects. */
+static int an_objects_dict(WatchCheck *self, PyObject *dict) {
+    for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(self->object_dicts); j++)
+        if (PyTuple_GET_ITEM(self->object_dicts, j) == dict)
+            return 1;
+    return 0;
+}
+#endif
+
+/* Watch every dict for the epoch (where there is a watcher and `tags`) and note which ones it
+ * covers; a dict that cannot be watched turns the epoch off for this check. 0, or -1 with
+ * MemoryError set. */
+static int watch_dicts(WatchCheck *self, int tags) {
+    Py_ssize_t n = PyTuple_GET_SIZE(self->dicts);
     self->use_epoch = 0;
+    self->covered = PyMem_Calloc((size_t)n + 1, 1);
+    if (self->covered == NULL)
+        return PyErr_NoMemory(), -1;
 #if WATCH_EPOCH
     if (!tags || dict_watcher < 0)
-        return;
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(self->dicts); i++)
+        return 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
         if (PyDict_Watch(dict_watcher, PyTuple_GET_ITEM(self->dicts, i)) < 0) {
             PyErr_Clear();
-            return;
+            return 0;
         }
+        self->covered[i] = WATCH_EPOCH_ATTRIBUTES || !an_objects_dict(self, PyTuple_GET_ITEM(self->dicts, i));
+    }
     self->use_epoch = 1;
 #else
     (void)tags;
 #endif
+    return 0;
 }
 
 /* The recorded words of tensor i into self->recorded at `*used` (checked: ints, at most WATCH_WORDS). */
@@ -867,7 +891,10 @@ static PyObject *watch_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
         Py_DECREF(self);
         return NULL;
     }
-    watch_dicts(self, tags);
+    if (watch_dicts(self, tags) < 0) {
+        Py_DECREF(self);
+        return NULL;
+    }
     return (PyObject *)self;
 }
 

@@ -10,6 +10,11 @@ session's recording double, whose graphs replay what they baked, as a stale grap
 
 from __future__ import annotations
 
+import glob
+import os
+import shutil
+import subprocess
+import sys
 import warnings
 
 import attrs
@@ -418,3 +423,103 @@ def test_a_drift_seen_by_the_watch_names_what_changed(helper):
     m[1].shift = 5.0
     with pytest.raises(watch.GlobalDriftError, match=r"m\[1\]\.shift, reached by region step"):
         snapshot.check()
+
+
+# --- other interpreters ----------------------------------------------------------------------------
+#: Run by another CPython with replay._checks built for it (no torch there): an object's
+#: attributes written every way (a store the interpreter specializes, setattr, through its
+#: __dict__, the __dict__ replaced), and a dict that is no object's, each seen, and nothing else.
+PROBE = r"""
+import sys
+sys.path.insert(0, sys.argv[1])
+import _checks
+
+
+class Program:  # a watch program's fields, without tensors
+    def __init__(self, holder, table):
+        self.dicts = (holder.__dict__, table)
+        self.dict_keys = tuple(tuple(d) for d in self.dicts)
+        self.dict_values = tuple(tuple(d.values()) for d in self.dicts)
+        self.lists, self.list_items = (), ()
+        self.objects, self.types, self.object_dicts = (holder,), (type(holder),), (holder.__dict__,)
+        self.tensors, self.words, self.reader, self.others = (), (), None, 0
+
+    def same(self, kind, index):
+        now = tuple(self.dicts[index].items())
+        then = tuple(zip(self.dict_keys[index], self.dict_values[index]))
+        pairs = [(a, b) for pair, other in zip(now, then) for a, b in zip(pair, other)]
+        return len(now) == len(then) and all(a is b or (type(a) is type(b) is int and a == b) for a, b in pairs)
+
+
+class Holder:
+    pass
+
+
+def stores(holder, count, last):
+    for i in range(count):  # specialized by the interpreter after a few rounds
+        holder.b = i
+    holder.b = last
+
+
+CHANGES = [
+    (lambda h, t: stores(h, 100, 2000), False),
+    (lambda h, t: stores(h, 100, 7), True),
+    (lambda h, t: setattr(h, "b", 9), True),
+    (lambda h, t: setattr(h, "b", int("2000")), False),  # an equal int, another object
+    (lambda h, t: h.__dict__.__setitem__("b", 9), True),
+    (lambda h, t: setattr(h, "c", 1), True),
+    (lambda h, t: setattr(h, "__dict__", dict(h.__dict__)), True),
+    (lambda h, t: t.__setitem__("k", 5), True),
+    (lambda h, t: t.__setitem__("k", int("1000")), False),
+]
+for tags in (True, False):
+    for change, expected in CHANGES:
+        holder, table = Holder(), {"k": 1000}
+        holder.a, holder.b = 1.5, 2000
+        check = _checks.WatchCheck(Program(holder, table), tags=tags)
+        assert check() is False and check() is False
+        change(holder, table)
+        assert check() is expected, (sys.version, tags, CHANGES.index((change, expected)))
+        assert check() is expected
+print("ok", _checks.WATCH_TAGS, _checks.WATCH_EPOCH)
+"""
+
+
+def _other_pythons() -> list[str]:
+    """Other CPythons 3.10 to 3.14 here: on the PATH, or installed by pyenv (whose shims run
+    only the versions selected)."""
+    pyenv = os.environ.get("PYENV_ROOT", os.path.expanduser("~/.pyenv"))
+    found = {}
+    for minor in range(10, 15):
+        candidates = sorted(glob.glob(os.path.join(pyenv, "versions", f"3.{minor}.*", "bin", f"python3.{minor}")))
+        candidates.append(shutil.which(f"python3.{minor}") or "")
+        for path in candidates:
+            if minor != sys.version_info.minor and path and ".pyenv/shims" not in path:
+                found.setdefault(minor, path)
+    return [found[minor] for minor in sorted(found)]
+
+
+@pytest.mark.parametrize("python", _other_pythons() or [None])
+def test_the_c_check_sees_every_write_on_each_cpython_found_here(python, tmp_path):
+    """csrc/replay_checks.c's dict version tags (3.10 to 3.12) and dict watcher epoch (3.12 on,
+    without objects' __dict__s from 3.13) depend on what each interpreter tells: built for
+    every other CPython on the PATH and run there."""
+    if python is None:
+        pytest.skip("no other CPython 3.10 to 3.14 on the PATH")
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    query = "import sysconfig; print(sysconfig.get_paths()['include']); print(sysconfig.get_config_var('EXT_SUFFIX'))"
+    asked = subprocess.run([python, "-c", query], capture_output=True, text=True)
+    if asked.returncode != 0:
+        pytest.skip(f"{python} does not run here")
+    include, suffix = asked.stdout.split()
+    if compiler is None or not os.path.exists(os.path.join(include, "Python.h")):
+        pytest.skip(f"no C compiler or no headers for {python}")
+    source = os.path.join(os.path.dirname(watch.__file__), os.pardir, "csrc", "replay_checks.c")
+    built = subprocess.run(
+        [compiler, "-shared", "-fPIC", "-O2", f"-I{include}", source, "-o", str(tmp_path / f"_checks{suffix}")],
+        capture_output=True,
+        text=True,
+    )
+    assert built.returncode == 0, built.stderr[-3000:]
+    ran = subprocess.run([python, "-c", PROBE, str(tmp_path)], capture_output=True, text=True)
+    assert ran.returncode == 0 and ran.stdout.startswith("ok"), ran.stderr[-3000:]
