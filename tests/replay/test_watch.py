@@ -109,10 +109,10 @@ MODEL_CHANGES = {
     ),
     "resize_ smaller": (lambda m: m[0].mask.resize_(2), "model[0].mask"),
     "resize_ larger": (lambda m: m[0].mask.resize_(64), "model[0].mask"),
-    "set_": (lambda m: m[0].mask.set_(torch.zeros(4)), "model[0].mask"),
+    "set_": (lambda m: m[0].mask.set_(torch.zeros_like(m[0].mask)), "model[0].mask"),
     "t_()": (lambda m: m[0].table.t_(), "model[0].table"),
     "unsqueeze_": (lambda m: m[1].table.unsqueeze_(0), "model[1].table"),
-    "swap_tensors": (lambda m: torch.utils.swap_tensors(m[0].mask, torch.zeros(4)), "model[0].mask"),
+    "swap_tensors": (lambda m: torch.utils.swap_tensors(m[0].mask, torch.zeros_like(m[0].mask)), "model[0].mask"),
     "conj bit": (lambda m: _reassigned_data(m[0].table, m[0].table.data.conj()), None),  # real: conj() is itself
     "neg bit": (lambda m: _reassigned_data(m[0].mask, m[0].mask.data._neg_view()), "model[0].mask"),
     "a float attribute set": (lambda m: setattr(m[0], "scale", 2.0), "model[0].scale"),
@@ -126,7 +126,9 @@ MODEL_CHANGES = {
     "a forward pre-hook": (lambda m: m[1].norm.register_forward_pre_hook(lambda *a: None), "model[1].norm"),
     "a parameter deleted": (lambda m: delattr(m[0].linear, "bias"), "model[0].linear.bias"),
     "a parameter written into the registry": (
-        lambda m: m[0].linear._parameters.__setitem__("weight", torch.nn.Parameter(torch.randn(4, 4))),
+        lambda m: m[0].linear._parameters.__setitem__(
+            "weight", torch.nn.Parameter(torch.randn_like(m[0].linear.weight))
+        ),
         "model[0].linear.weight",
     ),
     "__class__ assigned": (lambda m: setattr(m[0], "__class__", type("Other", (Block,), {})), "model[0] (its class)"),
@@ -136,7 +138,7 @@ MODEL_CHANGES = {
     ),
     "requires_grad_ (not watched)": (lambda m: m.requires_grad_(False), None),
     "values written in place": (lambda m: _added_in_place(m[0].linear.weight), None),
-    "a forward call": (lambda m: m(torch.randn(2, 4)), None),
+    "a forward call": (lambda m: m(torch.randn(2, 4, device=m[0].mask.device)), None),
 }
 #: Changes whose path names a hook's id (a number of the moment): the path starts with the one given.
 _PATH_PREFIX = {"a forward hook", "a forward pre-hook"}
@@ -177,9 +179,11 @@ def helper(torch_native_helper):
     return torch_native_helper
 
 
-@pytest.mark.parametrize("name", list(MODEL_CHANGES))
-def test_each_change_to_a_module_is_seen_by_every_check_and_nothing_else(name, helper):
-    m = model()
+def check_a_module_change(name: str, helper, device: str = "cpu") -> None:
+    """Every check of a module tree on ``device`` says "the same" before the change ``name``
+    and what MODEL_CHANGES says after it (twice: version tags armed or not), and the Python
+    check names its path."""
+    m = model().to(device)
     made = all_checks([(m, "model")], helper)
     assert not any(_answers(made).values()), "a check saw a change before any"
     change, path = MODEL_CHANGES[name]
@@ -188,9 +192,14 @@ def test_each_change_to_a_module_is_seen_by_every_check_and_nothing_else(name, h
         change(m)
     expected = path is not None
     assert _answers(made) == dict.fromkeys(made, expected)
-    assert _answers(made) == dict.fromkeys(made, expected)  # asked again (version tags armed or not)
+    assert _answers(made) == dict.fromkeys(made, expected)
     found = made["python"][0].first_change()
     assert found.startswith(path) if name in _PATH_PREFIX else found == path
+
+
+@pytest.mark.parametrize("name", list(MODEL_CHANGES))
+def test_each_change_to_a_module_is_seen_by_every_check_and_nothing_else(name, helper):
+    check_a_module_change(name, helper)
 
 
 @pytest.mark.parametrize("name", list(HOLDER_CHANGES))
