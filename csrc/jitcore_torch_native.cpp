@@ -32,11 +32,10 @@
 //   state moves. SETTINGS_READER, a capsule of Py_ssize_t read(int64_t *values, Py_ssize_t
 //   capacity), reads the same state into an array: replay's settings check (csrc/replay_checks.c).
 //
-// - tensor_state(tensor), and a capsule, TENSOR_STATE_READER, of Py_ssize_t read(PyObject *tensor,
-//   int64_t *values, Py_ssize_t capacity): what a graph bakes of a tensor it reads where it lies
-//   (its type, data pointer, dispatch keys, dtype, device, sizes and strides) as words, for replay's watch
-//   of the tensors a region reaches through its globals and objects (csrc/replay_checks.c's
-//   WatchCheck compares them on every replay).
+// - tensor_state(tensor): what a graph bakes of a tensor it reads where it lies (its type, data
+//   pointer, dispatch keys, dtype, device, sizes and strides) as words, which replay_support's
+//   read_tensor_state and tensor_states_unlike read and compare for replay's watch of the tensors
+//   a region reaches through its globals and objects (csrc/replay_checks.c's WatchCheck).
 //
 // - a capsule, "replay_support", the replay_support struct of csrc/replay_support.h (its layout
 //   check, then functions) for the C replay step (csrc/replay_step.c): the data pointer reader
@@ -376,29 +375,7 @@ PyObject *storage_span(PyObject *, PyObject *object) {
     return Py_BuildValue("(KK)", static_cast<unsigned long long>(base), static_cast<unsigned long long>(nbytes));
 }
 
-// What csrc/replay_step.c reads from torch (csrc/replay_support.h), each function set by its
-// field's name, with the layout the step compares before reading any.
-replay_support make_replay_support() {
-    replay_support support{};
-    support.layout = REPLAY_SUPPORT_LAYOUT;
-    support.size = sizeof(replay_support);
-    support.read_data_pointer = read_data_pointer;
-    support.fresh_output = make_fresh_output;
-    support.storage_use_count = storage_use_count;
-    support.read_storage_span = read_storage_span;
-    return support;
-}
-
-const replay_support REPLAY_SUPPORT = make_replay_support();
-
-PyObject *data_pointer(PyObject *, PyObject *object) {
-    uint64_t address;
-    if (!read_data_pointer(object, &address))
-        Py_RETURN_NONE;
-    return PyLong_FromUnsignedLongLong(address);
-}
-
-// --- a watched tensor's state (tensor_state, TENSOR_STATE_READER) --------------------------------
+// --- a watched tensor's state (read_tensor_state, tensor_states_unlike, tensor_state) -------------
 
 // What a graph bakes of a tensor it reads where it lies (a weight a region reaches through an
 // object), as int64 words: its Python type, data pointer (what data_ptr() answers), dispatch key
@@ -410,7 +387,7 @@ PyObject *data_pointer(PyObject *, PyObject *object) {
 // only where it is at most `capacity`; -1 where it does not read the tensor: anything but a
 // torch.Tensor or Parameter (a subclass may answer otherwise in Python), or a tensor whose sizes,
 // strides or data torch refuses to give (nested, sparse, symbolic, without storage).
-Py_ssize_t read_tensor_state(PyObject *object, int64_t *values, Py_ssize_t capacity) {
+inline Py_ssize_t tensor_state_into(PyObject *object, int64_t *values, Py_ssize_t capacity) {
     if (!THPVariable_CheckExact(object))
         return -1;
     try {
@@ -436,7 +413,29 @@ Py_ssize_t read_tensor_state(PyObject *object, int64_t *values, Py_ssize_t capac
     }
 }
 
-// tensor_state(tensor) -> the words TENSOR_STATE_READER reads, as a tuple (None where it would not).
+Py_ssize_t read_tensor_state(PyObject *object, int64_t *values, Py_ssize_t capacity) {
+    return tensor_state_into(object, values, capacity);
+}
+
+// The first of `count` tensors whose state is not `words[i]` (read_tensor_state's words, whose
+// sixth is the number of dimensions) or is not read; `count` where every one is: a watch's
+// tensors in one call, where nothing changed (the usual case), without a call per tensor.
+Py_ssize_t tensor_states_unlike(PyObject *const *tensors, const int64_t *const *words, Py_ssize_t count) {
+    constexpr Py_ssize_t capacity = 64;
+    int64_t now[capacity];
+    for (Py_ssize_t i = 0; i < count; ++i) {
+        const int64_t *then = words[i];
+        Py_ssize_t length = 6 + 2 * then[5];
+        if (tensor_state_into(tensors[i], now, capacity) != length)
+            return i;
+        for (Py_ssize_t w = 0; w < length; ++w)
+            if (now[w] != then[w])
+                return i;
+    }
+    return count;
+}
+
+// tensor_state(tensor) -> the words read_tensor_state reads, as a tuple (None where it would not).
 PyObject *tensor_state(PyObject *, PyObject *object) {
     int64_t values[64];
     Py_ssize_t count = read_tensor_state(object, values, 64);
@@ -458,6 +457,30 @@ PyObject *tensor_state(PyObject *, PyObject *object) {
         PyTuple_SET_ITEM(result, i, word);
     }
     return result;
+}
+
+// What csrc/replay_step.c and csrc/replay_checks.c's watch read from torch (csrc/replay_support.h),
+// each function set by its field's name, with the layout they compare before reading any.
+replay_support make_replay_support() {
+    replay_support support{};
+    support.layout = REPLAY_SUPPORT_LAYOUT;
+    support.size = sizeof(replay_support);
+    support.read_data_pointer = read_data_pointer;
+    support.fresh_output = make_fresh_output;
+    support.storage_use_count = storage_use_count;
+    support.read_storage_span = read_storage_span;
+    support.read_tensor_state = read_tensor_state;
+    support.tensor_states_unlike = tensor_states_unlike;
+    return support;
+}
+
+const replay_support REPLAY_SUPPORT = make_replay_support();
+
+PyObject *data_pointer(PyObject *, PyObject *object) {
+    uint64_t address;
+    if (!read_data_pointer(object, &address))
+        Py_RETURN_NONE;
+    return PyLong_FromUnsignedLongLong(address);
 }
 
 // --- the global torch settings (settings_watch) --------------------------------------------------
@@ -1211,7 +1234,7 @@ PyMethodDef METHODS[] = {
      "settings_watch(exact, residual) -> check() -> bool, exact()'s answer from a state read in C++"},
     {"fresh_output", fresh_output, METH_O, "fresh_output(view) -> view.detach(), as csrc/replay_step.c makes it"},
     {"tensor_state", tensor_state, METH_O,
-     "tensor_state(tensor) -> tuple of ints, what TENSOR_STATE_READER reads of it (None where it would not)"},
+     "tensor_state(tensor) -> tuple of ints, what replay_support's read_tensor_state reads (None where it would not)"},
     {"storage_span", storage_span, METH_O,
      "storage_span(tensor) -> (first byte, bytes) of its storage as csrc/replay_step.c reads it (None where it would not)"},
     {"storage_use_count", use_count_of, METH_O,
@@ -1255,13 +1278,6 @@ PyMODINIT_FUNC PyInit__torch_native(void) {
                                        "jitcore._torch_native.settings_reader", nullptr);
     if (settings == nullptr || PyModule_AddObject(module, "SETTINGS_READER", settings) < 0) {
         Py_XDECREF(settings);
-        Py_DECREF(module);
-        return nullptr;
-    }
-    PyObject *state_reader = PyCapsule_New(reinterpret_cast<void *>(read_tensor_state),
-                                           "jitcore._torch_native.tensor_state_reader", nullptr);
-    if (state_reader == nullptr || PyModule_AddObject(module, "TENSOR_STATE_READER", state_reader) < 0) {
-        Py_XDECREF(state_reader);
         Py_DECREF(module);
         return nullptr;
     }

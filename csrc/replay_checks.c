@@ -42,6 +42,8 @@
 #include <string.h>
 #include <structmember.h>
 
+#include "replay_support.h"
+
 #define SETTINGS_CAPACITY 256
 #define READER_CAPSULE "jitcore._torch_native.settings_reader"
 
@@ -452,14 +454,16 @@ static PyObject *total_length(PyObject *module, PyObject *const *args, Py_ssize_
  *   lists, list_items: the same for lists;
  *   objects, types, object_dicts: objects, their classes and their __dict__ (None: none);
  *   tensors, words, reader: the tensors, each one's state as the torch-side helper's
- *     TENSOR_STATE_READER read it (a tuple of ints; None: read in Python), and that capsule
- *     (None: every tensor is compared in Python);
+ *     read_tensor_state read it (a tuple of ints; None: compared in Python), and the helper's
+ *     replay_support capsule (csrc/replay_support.h; None: every tensor is compared in Python);
  *   others: how many other holders (sets, slots) there are, each compared in Python;
  *   same(kind, index) -> bool: the exact comparison, in Python, of holder `index` of a kind
  *     ('d' a dict, 'l' a list, 't' a tensor, 'o' another holder).
  * A dict or list is the same where its size and every key and value are the same objects in the
  * same order; where one differs, `same` decides (a scalar set to an equal value is the same). An
- * object must have its class and its __dict__. A tensor must read the words it had.
+ * object must have its class and its __dict__. A tensor must read the words it had: all of them
+ * are compared by one call of the helper's tensor_states_unlike, and only a tensor it stops at is
+ * read again alone (and, where the helper does not read it now, compared in Python).
  *
  * Dicts are most of what a module tree holds (eight per nn.Module), so they are not walked on
  * every call where the interpreter can say that none changed. From CPython 3.12 (with the GIL), a
@@ -473,7 +477,6 @@ static PyObject *total_length(PyObject *module, PyObject *const *args, Py_ssize_
  * compared. `tags` False walks every dict on every call (for tests and measurements).
  */
 #define WATCH_WORDS 64
-#define TENSOR_STATE_CAPSULE "jitcore._torch_native.tensor_state_reader"
 #if PY_VERSION_HEX < 0x030D0000 && !defined(Py_GIL_DISABLED)
 #define WATCH_TAGS 1
 #else
@@ -496,8 +499,6 @@ static int on_watched_dict(PyDict_WatchEvent event, PyObject *dict, PyObject *ke
 #define WATCH_EPOCH 0
 #endif
 
-typedef Py_ssize_t (*tensor_state_reader)(PyObject *tensor, int64_t *values, Py_ssize_t capacity);
-
 typedef struct {
     PyObject_HEAD
     PyObject *dicts, *dict_keys, *dict_values; /* tuples */
@@ -506,7 +507,11 @@ typedef struct {
     PyObject *tensors, *words, *reader;
     PyObject *same;                  /* callable(kind, index) -> bool */
     Py_ssize_t others;
-    tensor_state_reader read;        /* NULL: every tensor in Python */
+    const replay_support *support;   /* the helper's functions; NULL: every tensor in Python */
+    PyObject **batch;                /* the tensors with words, compared by one call */
+    const int64_t **batch_words;     /* their words */
+    Py_ssize_t *batch_index;         /* their indices among the tensors */
+    Py_ssize_t batch_count;
     uint64_t *tags;                  /* per dict: the tag it had when it last compared the same; 0 none */
     char *covered;                   /* per dict: whether the epoch says when it changed */
     int64_t *recorded;               /* every tensor's words, one after another */
@@ -549,7 +554,8 @@ static int watch_clear(WatchCheck *self) {
     Py_CLEAR(self->words);
     Py_CLEAR(self->reader);
     Py_CLEAR(self->same);
-    self->read = NULL;
+    self->support = NULL;
+    self->batch_count = 0;
     return 0;
 }
 
@@ -561,6 +567,9 @@ static void watch_dealloc(WatchCheck *self) {
     PyMem_Free(self->recorded);
     PyMem_Free(self->at);
     PyMem_Free(self->count);
+    PyMem_Free(self->batch);
+    PyMem_Free(self->batch_words);
+    PyMem_Free(self->batch_index);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -657,11 +666,11 @@ static int object_same(WatchCheck *self, Py_ssize_t i) {
 #endif
 }
 
-/* Tensor i: the reader reads the words recorded (else Python decides). */
+/* Tensor i alone: the helper reads the words recorded (else Python decides). */
 static int tensor_same(WatchCheck *self, Py_ssize_t i) {
-    if (self->read != NULL && self->count[i] >= 0) {
+    if (self->support != NULL && self->count[i] >= 0) {
         int64_t now[WATCH_WORDS];
-        Py_ssize_t count = self->read(PyTuple_GET_ITEM(self->tensors, i), now, WATCH_WORDS);
+        Py_ssize_t count = self->support->read_tensor_state(PyTuple_GET_ITEM(self->tensors, i), now, WATCH_WORDS);
         if (count == self->count[i]) {
             const int64_t *recorded = self->recorded + self->at[i];
             for (Py_ssize_t w = 0; w < count; w++)
@@ -694,6 +703,26 @@ static int dicts_same(WatchCheck *self) {
     return same;
 }
 
+/* The tensors: those with words by the helper's one call, each it stops at alone, the others in
+ * Python. 1 all the same, 0 one changed, -1 an exception is set. */
+static int tensors_same(WatchCheck *self) {
+    Py_ssize_t start = 0, n = self->batch_count;
+    while (start < n) {
+        Py_ssize_t i = start + self->support->tensor_states_unlike(self->batch + start, self->batch_words + start, n - start);
+        if (i >= n)
+            break;
+        int same = tensor_same(self, self->batch_index[i]);
+        if (same != 1)
+            return same;
+        start = i + 1;
+    }
+    int same = 1;
+    for (Py_ssize_t i = 0; same == 1 && i < PyTuple_GET_SIZE(self->tensors); i++)
+        if (self->count[i] < 0)
+            same = same_in_python(self, kind_tensor, i);
+    return same;
+}
+
 /* 1 the same, 0 changed, -1 an exception is set: the cheapest holders first. */
 static int watch_same(WatchCheck *self) {
     int same = dicts_same(self);
@@ -704,9 +733,8 @@ static int watch_same(WatchCheck *self) {
     n = PyTuple_GET_SIZE(self->objects);
     for (Py_ssize_t i = 0; same == 1 && i < n; i++)
         same = object_same(self, i);
-    n = PyTuple_GET_SIZE(self->tensors);
-    for (Py_ssize_t i = 0; same == 1 && i < n; i++)
-        same = tensor_same(self, i);
+    if (same == 1)
+        same = tensors_same(self);
     for (Py_ssize_t i = 0; same == 1 && i < self->others; i++)
         same = same_in_python(self, kind_other, i);
     return same;
@@ -825,8 +853,10 @@ static int watch_dicts(WatchCheck *self, int tags) {
 static int read_words(WatchCheck *self, Py_ssize_t i, Py_ssize_t *used) {
     PyObject *words = PyTuple_GET_ITEM(self->words, i);
     self->count[i] = -1;
-    if (words == Py_None || self->read == NULL || PyTuple_GET_SIZE(words) > WATCH_WORDS)
+    if (words == Py_None || self->support == NULL || PyTuple_GET_SIZE(words) > WATCH_WORDS)
         return 0; /* compared in Python */
+    if (PyTuple_GET_SIZE(words) < 6)
+        return PyErr_Format(PyExc_ValueError, "a watch program's words[%zd] are too few", i), -1;
     self->at[i] = *used;
     for (Py_ssize_t w = 0; w < PyTuple_GET_SIZE(words); w++) {
         long long value = PyLong_AsLongLong(PyTuple_GET_ITEM(words, w));
@@ -835,6 +865,11 @@ static int read_words(WatchCheck *self, Py_ssize_t i, Py_ssize_t *used) {
         self->recorded[(*used)++] = (int64_t)value;
     }
     self->count[i] = PyTuple_GET_SIZE(words);
+    if (self->recorded[self->at[i] + 5] != (self->count[i] - 6) / 2 || self->count[i] % 2)
+        return PyErr_Format(PyExc_ValueError, "a watch program's words[%zd] do not hold their dimensions", i), -1;
+    Py_ssize_t b = self->batch_count++;
+    self->batch[b] = PyTuple_GET_ITEM(self->tensors, i);
+    self->batch_index[b] = i;
     return 0;
 }
 
@@ -845,22 +880,23 @@ static int read_tensors(WatchCheck *self, PyObject *program) {
         return -1;
     if (!items_are(self->words, is_words, "words", self->tensors))
         return -1;
-    if (self->reader != Py_None) {
-        if (!PyCapsule_IsValid(self->reader, TENSOR_STATE_CAPSULE)) {
-            PyErr_SetString(PyExc_TypeError, "a watch program's reader must be None or a " TENSOR_STATE_CAPSULE " capsule");
-            return -1;
-        }
-        self->read = (tensor_state_reader)PyCapsule_GetPointer(self->reader, TENSOR_STATE_CAPSULE);
-    }
+    if (self->reader != Py_None && (self->support = replay_support_from(self->reader, "WatchCheck")) == NULL)
+        return -1;
     Py_ssize_t n = PyTuple_GET_SIZE(self->tensors), total = 0;
     self->at = PyMem_Calloc((size_t)n + 1, sizeof(Py_ssize_t));
     self->count = PyMem_Calloc((size_t)n + 1, sizeof(Py_ssize_t));
     self->recorded = PyMem_Calloc((size_t)n * WATCH_WORDS + 1, sizeof(int64_t));
-    if (self->at == NULL || self->count == NULL || self->recorded == NULL)
+    self->batch = PyMem_Calloc((size_t)n + 1, sizeof(PyObject *));
+    self->batch_words = PyMem_Calloc((size_t)n + 1, sizeof(int64_t *));
+    self->batch_index = PyMem_Calloc((size_t)n + 1, sizeof(Py_ssize_t));
+    if (self->at == NULL || self->count == NULL || self->recorded == NULL || self->batch == NULL ||
+        self->batch_words == NULL || self->batch_index == NULL)
         return PyErr_NoMemory(), -1;
     for (Py_ssize_t i = 0; i < n; i++)
         if (read_words(self, i, &total) < 0)
             return -1;
+    for (Py_ssize_t b = 0; b < self->batch_count; b++) /* recorded is final now: point into it */
+        self->batch_words[b] = self->recorded + self->at[self->batch_index[b]];
     return 0;
 }
 

@@ -30,17 +30,19 @@ method's ``self``), and what is reached through them, walked by the rules of
   shows), nor whether it requires grad (see docs/replay.md, Autograd).
 
 Not walked (compared by identity by whatever holds them): functions, classes, modules, enums,
-dtypes, objects of C extension types (a generator, a lock, a numpy array). A tensor's values are
+dtypes, objects of C extension types (a generator, a lock, a numpy array), and objects of the
+packages the globals snapshot does not follow (:data:`jitcore.drift.SKIP_PACKAGES`: jitcore's
+launchers, replay's regions, triton's kernels keep caches that fill as they compile) other than
+``nn.Module``s and optimizers (whose learning rates a step bakes). A tensor's values are
 not watched: graphs read them live. An ``OrderedDict`` reordered alone (``move_to_end``) is not
 seen. Bounds: :data:`MAX_DEPTH` levels below a root (a module's parameters, buffers and
 submodules are one level below it) and :data:`MAX_VALUES` values in all (each dict entry, list
 item, set, slot and tensor); what lies past them is not watched, and a ReplayWarning says so.
 
 The check (:func:`watch_check`) runs one :class:`WatchProgram` two ways: csrc/replay_checks.c's
-``WatchCheck`` where that file was built (each tensor read through the torch-side helper's
-``TENSOR_STATE_READER``; a dict whose version tag did not move since it last compared the same
-is not walked, where the interpreter moves the tag on every change), else the program's own
-:meth:`WatchProgram.first_change`, in Python. Both say "changed" for the same states: the C
+``WatchCheck`` where that file was built (the tensors compared by the torch-side helper in one
+call; dicts skipped while the interpreter's dict watchers or version tags say none changed),
+else the program's own :meth:`WatchProgram.first_change`, in Python. Both say "changed" for the same states: the C
 check leaves every case it does not decide by identity to :meth:`WatchProgram.same`.
 """
 
@@ -60,7 +62,7 @@ import torch
 import jitcore
 from jitcore import generated
 from jitcore.backends import compiled_helpers_enabled
-from jitcore.drift import freeze
+from jitcore.drift import SKIP_PACKAGES, freeze
 from jitcore.errors import GlobalDriftError
 from jitcore.keys import exact
 from replay import objects
@@ -113,6 +115,20 @@ _MODULE_NOT_WALKED = frozenset(
 #: An nn.Module's registries: their entries are its attributes, one level below it.
 _MODULE_REGISTRIES = frozenset({"_parameters", "_buffers", "_modules"})
 
+#: Classes of the packages not followed whose objects are walked all the same.
+_WALKED_LIBRARY_CLASSES = (torch.nn.Module, torch.optim.Optimizer)
+
+
+def _walked_class(cls: type) -> bool:
+    """Whether objects of ``cls`` are walked: user code and the packages followed, modules and
+    optimizers anywhere (not jitcore's, replay's or triton's objects, whose caches fill as they
+    compile: they would re-key a region at every new shape)."""
+    if issubclass(cls, _WALKED_LIBRARY_CLASSES):
+        return True
+    module = getattr(cls, "__module__", None)
+    return not isinstance(module, str) or module.partition(".")[0] not in SKIP_PACKAGES
+
+
 #: What a dict holds, for messages and measurements.
 ATTRIBUTES, REGISTRY, ITEMS = "attributes", "registry", "items"
 _UNSET = object()  # an unset slot
@@ -129,8 +145,8 @@ def same_value(now: object, then: object) -> bool:
 
 
 def python_tensor_state(tensor: torch.Tensor) -> tuple | None:
-    """What the Python check compares of a tensor: what TENSOR_STATE_READER reads, through
-    torch's Python API (None where it cannot be read: no storage, nested)."""
+    """What the Python check compares of a tensor: what the torch-side helper's tensor_state
+    reads, through torch's Python API (None where it cannot be read: no storage, nested)."""
     try:
         return (
             type(tensor),
@@ -172,8 +188,8 @@ class WatchProgram:
     """What a region's watch checks, read by name by csrc/replay_checks.c's WatchCheck and run
     by :meth:`first_change` in Python: the holders (dicts, lists, objects, others) with what
     each held, and the tensors with their states (``words``: as the torch-side helper's
-    ``TENSOR_STATE_READER`` read them, None each where it does not or is not loaded;
-    ``states``: as :func:`python_tensor_state` reads them)."""
+    ``tensor_state`` read them, None each where it does not or is not loaded; ``states``: as
+    :func:`python_tensor_state` reads them)."""
 
     dicts: tuple = ()
     dict_keys: tuple = ()
@@ -191,7 +207,7 @@ class WatchProgram:
     words: tuple = ()
     tensor_paths: tuple = ()
     other_holders: tuple = ()
-    reader: object | None = None  # the helper's TENSOR_STATE_READER capsule
+    reader: object | None = None  # the helper's replay_support capsule (csrc/replay_support.h)
     unwatched: tuple = ()  # paths the bounds left out
 
     @property
@@ -333,7 +349,7 @@ class _Walk:
                 self.fields["other_holders"].append(Other(value, None, freeze(value), path))
         elif isinstance(value, types.MethodType):
             self.value(value.__self__, f"{path}.__self__", depth + 1)
-        elif objects.is_object(value) or dataclasses.is_dataclass(cls):
+        elif (objects.is_object(value) or dataclasses.is_dataclass(cls)) and _walked_class(cls):
             self._object(value, cls, path, depth)
 
     def _first(self, value: object) -> None:
@@ -401,8 +417,8 @@ class _Walk:
 
 def build(roots: list[tuple[object, str]], helper: object | None = None) -> WatchProgram:
     """The watch of what ``roots`` ((value, path) pairs) reach; ``helper`` the torch-side
-    helper (its TENSOR_STATE_READER and tensor_state), or None: tensors compared in Python."""
-    reader = getattr(helper, "TENSOR_STATE_READER", None) if helper is not None else None
+    helper (its replay_support capsule and tensor_state), or None: tensors compared in Python."""
+    reader = getattr(helper, "replay_support", None) if helper is not None else None
     words = getattr(helper, "tensor_state", None) if reader is not None else None
     walk = _Walk(reader if words is not None else None, words)
     for value, path in roots:

@@ -314,6 +314,28 @@ def test_property_every_check_answers_alike_through_random_sequences_of_changes(
             assert len(set(answers.values())) == 1, answers
 
 
+def test_objects_of_the_packages_not_followed_are_held_not_walked(helper):
+    """jitcore's launchers, replay's regions and triton's kernels keep caches that fill as they
+    compile: walked, they would re-key a region at every new shape. Modules and optimizers are
+    walked wherever they come from (an optimizer's learning rate is baked by a step)."""
+
+    class Launcher:
+        def __init__(self):
+            self.cache = {}
+
+    Launcher.__module__ = "triton.runtime.jit"
+    launcher, weight = Launcher(), torch.nn.Parameter(torch.randn(2))
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    made = all_checks([(launcher, "launcher"), (optimizer, "optimizer")], helper)
+    program = made["python"][0]
+    assert not any(d is launcher.__dict__ for d in program.dicts) and any(t is weight for t in program.tensors)
+    launcher.cache["new shape"] = object()
+    assert not any(_answers(made).values())
+    optimizer.param_groups[0]["lr"] = 0.05
+    assert all(_answers(made).values())
+    assert program.first_change() == "optimizer.param_groups[0]['lr']"
+
+
 # --- the bounds --------------------------------------------------------------------------------
 def test_the_depth_bound_leaves_what_lies_deeper_unwatched(helper):
     deep = leaf = torch.randn(2)
