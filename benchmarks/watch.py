@@ -26,6 +26,8 @@ skipped (measurement only), round robin.
 
 from __future__ import annotations
 
+import functools
+
 import attrs
 import torch
 
@@ -169,7 +171,7 @@ def replay_rows(quick: bool) -> tuple[list, dict]:
                 assert session.stats().replays >= 2, "the region does not replay"
                 switch = WatchSwitch(region)
                 timed = common.compare(
-                    {"with the watch": lambda: region(x), "watch skipped": lambda: region(x)},
+                    {"with the watch": functools.partial(region, x), "watch skipped": functools.partial(region, x)},
                     calls=200 if quick else 2000,
                     repeats=3 if quick else 15,
                     sync=torch.cuda.synchronize,
