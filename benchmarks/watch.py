@@ -87,44 +87,39 @@ def without_registries(program: watch.WatchProgram) -> watch.WatchProgram:
     return attrs.evolve(program, **{f: tuple(getattr(program, f)[i] for i in keep) for f in fields})
 
 
-def checks(state: object, helper: object | None) -> dict[str, object]:
+def checks(state: object, helper: object | None) -> tuple[dict[str, object], dict[str, object]]:
+    """The ways of making the check of ``state``: those in C that read tensors through the
+    helper, and those that compare them in Python (timed apart: a loop of the slow ones would
+    leave the fast ones' memory cold)."""
     program = watch.build([(state, "state")], helper)
-    made = {"Python": watch.python_check(program)}
+    fast, slow = {}, {"Python": watch.python_check(program)}
     if WatchCheck is not None:
-        made["C"] = WatchCheck(program)
-        made["C, every dict walked"] = WatchCheck(program, tags=False)
-        made["C, no torch-side helper"] = WatchCheck(watch.build([(state, "state")], None))
-        made["C, without the module registries"] = WatchCheck(without_registries(program))
-    for check in made.values():
+        fast["C"] = WatchCheck(program)
+        fast["C, every dict walked"] = WatchCheck(program, tags=False)
+        fast["C, without the module registries"] = WatchCheck(without_registries(program))
+        slow["C, no torch-side helper"] = WatchCheck(watch.build([(state, "state")], None))
+    for check in (*fast.values(), *slow.values()):
         assert check() is False
-    return made
+    return fast, slow
 
 
 def check_rows(quick: bool) -> tuple[list, dict]:
     helper = torch_native.module()
     rows, results = [], {}
+    repeats = 3 if quick else 15
     for kind in KINDS:
         for count in TENSOR_COUNTS:
             state = held(kind, count, "cpu")
             program = watch.build([(state, "state")], helper)
-            made = checks(state, helper)
-            calls = max(20, 40000 // count) // (10 if quick else 1)
-            timed = common.compare(made, calls=calls, repeats=3 if quick else 15, warmup=20)
+            fast, slow = checks(state, helper)
+            timed = common.compare(fast, calls=max(100, 200000 // count) // (10 if quick else 1), repeats=repeats)
+            timed.update(common.compare(slow, calls=max(5, 2000 // count), repeats=repeats, warmup=5))
+            tensors = len(program.tensors)
             for name, timing in timed.items():
                 us = timing["median_us"]
-                key = f"{kind}, {len(program.tensors)} tensors, {name}"
-                results[key] = {**timing, "tensors": len(program.tensors), "values": program.values}
-                rows.append(
-                    [
-                        kind,
-                        len(program.tensors),
-                        len(program.objects),
-                        len(program.dicts),
-                        name,
-                        us,
-                        us * 100 / len(program.tensors),
-                    ]
-                )
+                results[f"{kind}, {tensors} tensors, {name}"] = {**timing, "tensors": tensors, "values": program.values}
+                row = [kind, tensors, len(program.objects), len(program.dicts), name, us, us * 100 / tensors]
+                rows.append(row)
     return rows, results
 
 

@@ -417,20 +417,37 @@ Py_ssize_t read_tensor_state(PyObject *object, int64_t *values, Py_ssize_t capac
     return tensor_state_into(object, values, capacity);
 }
 
+// Whether a tensor's state is still `then` (read_tensor_state's words for it): the same reads,
+// compared as they are made, the cheapest first, so that a watch's usual answer (the same) costs
+// no more loads than it must. The type first: words were only read of a torch.Tensor or
+// Parameter, so a tensor of the recorded type is one of those and may be unpacked.
+inline bool tensor_state_equals(PyObject *object, const int64_t *then) {
+    if (static_cast<int64_t>(reinterpret_cast<uintptr_t>(Py_TYPE(object))) != then[0])
+        return false;
+    const c10::TensorImpl *impl = THPVariable_Unpack(object).unsafeGetTensorImpl();
+    int64_t dims = then[5];
+    if (static_cast<int64_t>(impl->key_set().raw_repr()) != then[2] || impl->dim() != dims)
+        return false;
+    c10::IntArrayRef sizes = impl->sizes(), strides = impl->strides();
+    for (int64_t d = 0; d < dims; ++d)
+        if (sizes[d] != then[6 + d] || strides[d] != then[6 + dims + d])
+            return false;
+    return static_cast<int64_t>(impl->dtype().toScalarType()) == then[3] &&
+           static_cast<int64_t>(reinterpret_cast<uintptr_t>(impl->data())) == then[1] &&
+           static_cast<int64_t>(impl->device().index()) == then[4];
+}
+
 // The first of `count` tensors whose state is not `words[i]` (read_tensor_state's words, whose
 // sixth is the number of dimensions) or is not read; `count` where every one is: a watch's
 // tensors in one call, where nothing changed (the usual case), without a call per tensor.
 Py_ssize_t tensor_states_unlike(PyObject *const *tensors, const int64_t *const *words, Py_ssize_t count) {
-    constexpr Py_ssize_t capacity = 64;
-    int64_t now[capacity];
-    for (Py_ssize_t i = 0; i < count; ++i) {
-        const int64_t *then = words[i];
-        Py_ssize_t length = 6 + 2 * then[5];
-        if (tensor_state_into(tensors[i], now, capacity) != length)
-            return i;
-        for (Py_ssize_t w = 0; w < length; ++w)
-            if (now[w] != then[w])
+    Py_ssize_t i = 0;
+    try {
+        for (; i < count; ++i)
+            if (!tensor_state_equals(tensors[i], words[i]))
                 return i;
+    } catch (...) {
+        return i;  // torch refused a read: the caller reads this one alone
     }
     return count;
 }
