@@ -53,7 +53,6 @@ import enum
 import functools
 import operator
 import types
-import warnings
 from collections.abc import Callable
 
 import attrs
@@ -66,7 +65,7 @@ from jitcore.drift import SKIP_PACKAGES, freeze
 from jitcore.errors import GlobalDriftError
 from jitcore.keys import exact
 from replay import objects
-from replay.errors import ReplayWarning
+from replay.warn import warn
 
 try:  # the check in C (csrc/replay_checks.c; optional, built by setup.py)
     from replay._checks import WatchCheck as _WatchCheck
@@ -171,12 +170,7 @@ class Other:
     path: str
 
     def now(self) -> object:
-        if self.slot is None:
-            return freeze(self.holder)
-        try:
-            return object.__getattribute__(self.holder, self.slot)
-        except AttributeError:
-            return _UNSET
+        return freeze(self.holder) if self.slot is None else _slot_value(self.holder, self.slot)
 
     def same(self) -> bool:
         now = self.now()
@@ -281,6 +275,14 @@ class WatchProgram:
                 key = now[0] if position < len(items) else then[0]
                 return _entry_path(path, role, key)
         return path
+
+
+def _slot_value(holder: object, slot: str) -> object:
+    """What a slot holds, as stored (no ``__getattribute__`` of the class runs), or _UNSET."""
+    try:
+        return object.__getattribute__(holder, slot)
+    except AttributeError:
+        return _UNSET
 
 
 def _instance_dict(holder: object) -> object:
@@ -407,8 +409,7 @@ class _Walk:
             self._dict(state, path, ATTRIBUTES, depth, module=walk.module)
         for name in walk.slots:
             slot_path = _entry_path(path, ATTRIBUTES, name)
-            other = Other(value, name, None, slot_path)
-            recorded = other.now()
+            recorded = _slot_value(value, name)
             if self._spend(1, slot_path):
                 fields["other_holders"].append(Other(value, name, recorded, slot_path))
                 if recorded is not _UNSET:
@@ -472,12 +473,9 @@ class RegionSnapshot(jitcore.GlobalsSnapshot):
         self.watch = build(region_roots(fn, self.entries, self.owner), helper)
         if self.watch.unwatched:
             shown = ", ".join(self.watch.unwatched[:4]) + (", ..." if len(self.watch.unwatched) > 4 else "")
-            warnings.warn(
-                ReplayWarning(
-                    f"the watch of {self.owner} stops at its bounds ({MAX_VALUES} values, {MAX_DEPTH} levels): a "
-                    f"change at or past {shown} is not seen (replay.watch)"
-                ),
-                stacklevel=3,
+            warn(
+                f"the watch of {self.owner} stops at its bounds ({MAX_VALUES} values, {MAX_DEPTH} levels): a change "
+                f"at or past {shown} is not seen (replay.watch)"
             )
         if not self.watch:
             return
