@@ -13,6 +13,8 @@ check is timed, round robin:
 - ``C, every dict walked``: the same with neither (what CPython 3.13+ pays for objects' dicts);
 - ``C, no torch-side helper``: tensors compared through torch's Python API;
 - ``Python``: the program's own check (``JITCORE_NATIVE=0``, no compiler);
+- ``C, dicts skipped`` (measurement only): the cost while the dict watcher epoch of CPython 3.12
+  says that no watched dict changed (it skips them all), on an interpreter that has no epoch;
 - ``C, without the module registries`` (measurement only, not exact): the parameters, buffers
   and submodules dicts left out, what an epoch bumped by torch's module registration hooks
   could save if it replaced polling them (it cannot: ``del module.weight``, ``_apply`` under
@@ -87,6 +89,12 @@ def without_registries(program: watch.WatchProgram) -> watch.WatchProgram:
     return attrs.evolve(program, **{f: tuple(getattr(program, f)[i] for i in keep) for f in fields})
 
 
+def without_dicts(program: watch.WatchProgram) -> watch.WatchProgram:
+    """The program without its dicts (measurement only): what a check costs while CPython 3.12's
+    dict watcher epoch says that none changed (it skips them all)."""
+    return attrs.evolve(program, dicts=(), dict_keys=(), dict_values=(), dict_paths=())
+
+
 def checks(state: object, helper: object | None) -> tuple[dict[str, object], dict[str, object]]:
     """The ways of making the check of ``state``: those in C that read tensors through the
     helper, and those that compare them in Python (timed apart: a loop of the slow ones would
@@ -97,6 +105,7 @@ def checks(state: object, helper: object | None) -> tuple[dict[str, object], dic
         fast["C"] = WatchCheck(program)
         fast["C, every dict walked"] = WatchCheck(program, tags=False)
         fast["C, without the module registries"] = WatchCheck(without_registries(program))
+        fast["C, dicts skipped"] = WatchCheck(without_dicts(program))
         slow["C, no torch-side helper"] = WatchCheck(watch.build([(state, "state")], None))
     for check in (*fast.values(), *slow.values()):
         assert check() is False
