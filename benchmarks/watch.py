@@ -38,11 +38,6 @@ from benchmarks import common
 from jitcore import torch_native
 from replay import watch
 
-try:
-    from replay._checks import WatchCheck
-except ImportError:
-    WatchCheck = None
-
 TENSOR_COUNTS = (10, 100, 1000)
 WIDTH = 16
 
@@ -101,12 +96,12 @@ def checks(state: object, helper: object | None) -> tuple[dict[str, object], dic
     leave the fast ones' memory cold)."""
     program = watch.build([(state, "state")], helper)
     fast, slow = {}, {"Python": watch.python_check(program)}
-    if WatchCheck is not None:
-        fast["C"] = WatchCheck(program)
-        fast["C, every dict walked"] = WatchCheck(program, tags=False)
-        fast["C, without the module registries"] = WatchCheck(without_registries(program))
-        fast["C, dicts skipped"] = WatchCheck(without_dicts(program))
-        slow["C, no torch-side helper"] = WatchCheck(watch.build([(state, "state")], None))
+    if watch.native_enabled() and helper is not None:
+        fast["C"] = watch.watch_check(program)
+        fast["C, every dict walked"] = watch.watch_check(program, tags=False)
+        fast["C, without the module registries"] = watch.watch_check(without_registries(program))
+        fast["C, dicts skipped"] = watch.watch_check(without_dicts(program))
+        slow["C, no torch-side helper"] = watch.watch_check(watch.build([(state, "state")], None))
     for check in (*fast.values(), *slow.values()):
         assert check() is False
     return fast, slow

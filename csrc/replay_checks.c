@@ -849,11 +849,16 @@ static int watch_dicts(WatchCheck *self, int tags) {
     return 0;
 }
 
-/* The recorded words of tensor i into self->recorded at `*used` (checked: ints, at most WATCH_WORDS). */
+/* The recorded words of tensor i into self->recorded at `*used` (checked: ints, at most
+ * WATCH_WORDS, holding their dimensions). A tensor the helper does not read now is compared in
+ * Python: only what it reads (a torch.Tensor or Parameter) goes to tensor_states_unlike, which
+ * unpacks a tensor whose type is the recorded one. */
 static int read_words(WatchCheck *self, Py_ssize_t i, Py_ssize_t *used) {
     PyObject *words = PyTuple_GET_ITEM(self->words, i);
+    int64_t now[WATCH_WORDS];
     self->count[i] = -1;
-    if (words == Py_None || self->support == NULL || PyTuple_GET_SIZE(words) > WATCH_WORDS)
+    if (words == Py_None || self->support == NULL || PyTuple_GET_SIZE(words) > WATCH_WORDS ||
+        self->support->read_tensor_state(PyTuple_GET_ITEM(self->tensors, i), now, WATCH_WORDS) < 0)
         return 0; /* compared in Python */
     if (PyTuple_GET_SIZE(words) < 6)
         return PyErr_Format(PyExc_ValueError, "a watch program's words[%zd] are too few", i), -1;

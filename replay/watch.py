@@ -452,11 +452,18 @@ def python_check(program: WatchProgram) -> Callable[[], bool]:
     return changed
 
 
-def watch_check(program: WatchProgram, *, compiled: bool = True) -> Callable[[], bool]:
-    """The program's check: csrc/replay_checks.c's WatchCheck where built (and ``compiled``,
-    and ``JITCORE_NATIVE`` does not turn compiled helpers off), else :func:`python_check`."""
-    if compiled and _WatchCheck is not None and compiled_helpers_enabled():
-        return _WatchCheck(program)
+def native_enabled() -> bool:
+    """Whether csrc/replay_checks.c's WatchCheck was built and ``JITCORE_NATIVE`` does not turn
+    compiled helpers off."""
+    return _WatchCheck is not None and compiled_helpers_enabled()
+
+
+def watch_check(program: WatchProgram, *, compiled: bool = True, tags: bool = True) -> Callable[[], bool]:
+    """The program's check: csrc/replay_checks.c's WatchCheck where :func:`native_enabled` (and
+    ``compiled``), else :func:`python_check`. ``tags`` False: the C check walks every dict on
+    every call (tests and measurements)."""
+    if compiled and native_enabled():
+        return _WatchCheck(program, tags=tags)
     return python_check(program)
 
 

@@ -271,6 +271,9 @@ CASES = [Case(*row) for row in [
     (C, "WatchCheck", "another module's capsule for its reader",
      "checks.WatchCheck(watch_program(reader=datetime.datetime_CAPI))", "TypeError"),
     (C, "WatchCheck", "words of text", "checks.WatchCheck(watch_program(tensors=(1,), words=('x',)))", "TypeError"),
+    (C, "WatchCheck", "words that call an int a tensor",  # not read by the helper: compared in Python, never unpacked
+     "assert checks.WatchCheck(watch_program(tensors=(5,), words=((id(int), 0, 0, 0, 0, 0),), "
+     "reader=HELPER.replay_support))() is False", "returned"),
     (C, "WatchCheck", "a negative count of others", "checks.WatchCheck(watch_program(others=-1))", "ValueError"),
     (C, "WatchCheck", "same that is not callable", "checks.WatchCheck(watch_program(same=1))", "TypeError"),
     (C, "WatchCheck", "same that raises", "checks.WatchCheck(watch_program(others=1, same=lambda k, i: 1 / 0))()",
@@ -345,7 +348,7 @@ def case_id(case: Case) -> str:
 
 
 def needs_helper(case: Case) -> bool:
-    return case.module == T or "replay_step_graph" in case.code
+    return case.module == T or "replay_step_graph" in case.code or "HELPER." in case.code
 
 
 @pytest.fixture(scope="module")
