@@ -175,8 +175,13 @@ def _answers(made: dict) -> dict[str, bool]:
 
 
 @pytest.fixture
-def helper(torch_native_helper):
-    return torch_native_helper
+def helper(request):
+    """The torch-side helper built for real, or None where it cannot be (no C++ compiler,
+    ``JITCORE_NATIVE=0``): the checks then compare tensors in Python."""
+    try:
+        return request.getfixturevalue("torch_native_helper")
+    except pytest.skip.Exception:
+        return None
 
 
 def check_a_module_change(name: str, helper, device: str = "cpu") -> None:
@@ -227,7 +232,8 @@ def test_what_a_module_tree_holds_is_watched_once_each(helper):
     assert "model[0].linear" in paths and "model[1].linear" not in paths
     assert not any(d is m._state_dict_hooks or d is m._forward_hooks_with_kwargs for d in program.dicts)
     assert any(d is m._forward_hooks for d in program.dicts)
-    assert all(words is not None for words in program.words)  # the helper reads every plain tensor
+    if helper is not None:
+        assert all(words is not None for words in program.words)  # the helper reads every plain tensor
 
 
 def test_tensors_the_helper_does_not_read_are_compared_in_python(helper):
@@ -251,8 +257,8 @@ def test_tensors_the_helper_does_not_read_are_compared_in_python(helper):
 def test_the_c_check_asks_python_only_where_identity_cannot_decide(helper):
     """The C check calls ``same`` for a holder whose identities differ, and, where version
     tags are kept, not again once the equal value was found the same (its tag is armed)."""
-    if _checks is None:
-        pytest.skip("replay._checks is not built here")
+    if _checks is None or helper is None:
+        pytest.skip("replay._checks or the torch-side helper is not built here (tensors are then compared in Python)")
     asked = []
 
     class Counting(watch.WatchProgram):
