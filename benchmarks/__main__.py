@@ -13,8 +13,10 @@ argument and closed over, beside eager, a static CUDA graph and torch.compile; s
 transformers), decode_loop.md (the
 sample's output) and, with two GPUs, decode_loop_tp2.md (the tensor-parallel sample). These
 need a GPU (keys runs on CPU tensors without one) and are the default; jit_cpu (the jit's
-Python-side cost with the driver call a no-op) and recording_cpu (a recording's host steps
-besides the driver) run on any machine, with ``--only jit_cpu recording_cpu``.
+Python-side cost with the driver call a no-op), recording_cpu (a recording's host steps besides
+the driver) and watch (the check of what a region reaches through its globals and objects, for
+10, 100 and 1,000 watched tensors; with a GPU, the replay's host time with and without it) run
+on any machine, with ``--only jit_cpu recording_cpu watch``.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import torch
 from benchmarks import common
 
 GPU_BENCHMARKS = ["launch", "jit", "keys", "replay", "pool_snapshot", "scaling", "shapes", "triton_region", "hf"]
-CPU_BENCHMARKS = ["jit_cpu", "recording_cpu"]
+CPU_BENCHMARKS = ["jit_cpu", "recording_cpu", "watch"]
 SAMPLE = "decode_loop"
 
 

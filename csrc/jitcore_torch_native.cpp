@@ -32,6 +32,11 @@
 //   state moves. SETTINGS_READER, a capsule of Py_ssize_t read(int64_t *values, Py_ssize_t
 //   capacity), reads the same state into an array: replay's settings check (csrc/replay_checks.c).
 //
+// - tensor_state(tensor): what a graph bakes of a tensor it reads where it lies (its type, data
+//   pointer, dispatch keys, dtype, device, sizes and strides) as words, which replay_support's
+//   read_tensor_state and tensor_states_unlike read and compare for replay's watch of the tensors
+//   a region reaches through its globals and objects (csrc/replay_checks.c's WatchCheck).
+//
 // - a capsule, "replay_support", the replay_support struct of csrc/replay_support.h (its layout
 //   check, then functions) for the C replay step (csrc/replay_step.c): the data pointer reader
 //   above, and `fresh_output`, a replay's handed-out output made from its template view:
@@ -370,8 +375,109 @@ PyObject *storage_span(PyObject *, PyObject *object) {
     return Py_BuildValue("(KK)", static_cast<unsigned long long>(base), static_cast<unsigned long long>(nbytes));
 }
 
-// What csrc/replay_step.c reads from torch (csrc/replay_support.h), each function set by its
-// field's name, with the layout the step compares before reading any.
+// --- a watched tensor's state (read_tensor_state, tensor_states_unlike, tensor_state) -------------
+
+// What a graph bakes of a tensor it reads where it lies (a weight a region reaches through an
+// object), as int64 words: its Python type, data pointer (what data_ptr() answers), dispatch key
+// set (its device type, conjugate and negative bits among them), dtype, device index, number of
+// dimensions, then each size and each stride. replay's watch (replay.watch, csrc/replay_checks.c's
+// WatchCheck) compares them on every replay: `.data =`, `.half()`, `.to()`, `resize_`, `set_` or
+// an in-place view op each change one. Read from the tensor's C++ state through the accessors that
+// inline (a few loads), since a replay reads every tensor it watches. The count of words, written
+// only where it is at most `capacity`; -1 where it does not read the tensor: anything but a
+// torch.Tensor or Parameter (a subclass may answer otherwise in Python), or a tensor whose sizes,
+// strides or data torch refuses to give (nested, sparse, symbolic, without storage).
+inline Py_ssize_t tensor_state_into(PyObject *object, int64_t *values, Py_ssize_t capacity) {
+    if (!THPVariable_CheckExact(object))
+        return -1;
+    try {
+        const c10::TensorImpl *impl = THPVariable_Unpack(object).unsafeGetTensorImpl();
+        int64_t dims = impl->dim();
+        Py_ssize_t count = 6 + 2 * static_cast<Py_ssize_t>(dims);
+        if (count > capacity)
+            return count;
+        c10::IntArrayRef sizes = impl->sizes(), strides = impl->strides();
+        values[0] = static_cast<int64_t>(reinterpret_cast<uintptr_t>(Py_TYPE(object)));
+        values[1] = static_cast<int64_t>(reinterpret_cast<uintptr_t>(impl->data()));
+        values[2] = static_cast<int64_t>(impl->key_set().raw_repr());
+        values[3] = static_cast<int64_t>(impl->dtype().toScalarType());
+        values[4] = static_cast<int64_t>(impl->device().index());
+        values[5] = dims;
+        for (int64_t d = 0; d < dims; ++d) {
+            values[6 + d] = sizes[d];
+            values[6 + dims + d] = strides[d];
+        }
+        return count;
+    } catch (...) {
+        return -1;
+    }
+}
+
+Py_ssize_t read_tensor_state(PyObject *object, int64_t *values, Py_ssize_t capacity) {
+    return tensor_state_into(object, values, capacity);
+}
+
+// Whether a tensor's state is still `then` (read_tensor_state's words for it): the same reads,
+// compared as they are made, the cheapest first, so that a watch's usual answer (the same) costs
+// no more loads than it must. The type first: words were only read of a torch.Tensor or
+// Parameter, so a tensor of the recorded type is one of those and may be unpacked.
+inline bool tensor_state_equals(PyObject *object, const int64_t *then) {
+    if (static_cast<int64_t>(reinterpret_cast<uintptr_t>(Py_TYPE(object))) != then[0])
+        return false;
+    const c10::TensorImpl *impl = THPVariable_Unpack(object).unsafeGetTensorImpl();
+    int64_t dims = then[5];
+    if (static_cast<int64_t>(impl->key_set().raw_repr()) != then[2] || impl->dim() != dims)
+        return false;
+    c10::IntArrayRef sizes = impl->sizes(), strides = impl->strides();
+    for (int64_t d = 0; d < dims; ++d)
+        if (sizes[d] != then[6 + d] || strides[d] != then[6 + dims + d])
+            return false;
+    return static_cast<int64_t>(impl->dtype().toScalarType()) == then[3] &&
+           static_cast<int64_t>(reinterpret_cast<uintptr_t>(impl->data())) == then[1] &&
+           static_cast<int64_t>(impl->device().index()) == then[4];
+}
+
+// The first of `count` tensors whose state is not `words[i]` (read_tensor_state's words, whose
+// sixth is the number of dimensions) or is not read; `count` where every one is: a watch's
+// tensors in one call, where nothing changed (the usual case), without a call per tensor.
+Py_ssize_t tensor_states_unlike(PyObject *const *tensors, const int64_t *const *words, Py_ssize_t count) {
+    Py_ssize_t i = 0;
+    try {
+        for (; i < count; ++i)
+            if (!tensor_state_equals(tensors[i], words[i]))
+                return i;
+    } catch (...) {
+        return i;  // torch refused a read: the caller reads this one alone
+    }
+    return count;
+}
+
+// tensor_state(tensor) -> the words read_tensor_state reads, as a tuple (None where it would not).
+PyObject *tensor_state(PyObject *, PyObject *object) {
+    int64_t values[64];
+    Py_ssize_t count = read_tensor_state(object, values, 64);
+    std::vector<int64_t> more;
+    if (count > 64) {  // more dimensions than the stack holds
+        more.resize(static_cast<size_t>(count));
+        count = read_tensor_state(object, more.data(), count);
+    }
+    if (count < 0)
+        Py_RETURN_NONE;
+    const int64_t *read = more.empty() ? values : more.data();
+    PyObject *result = PyTuple_New(count);
+    for (Py_ssize_t i = 0; result != nullptr && i < count; ++i) {
+        PyObject *word = PyLong_FromLongLong(read[i]);
+        if (word == nullptr) {
+            Py_CLEAR(result);
+            break;
+        }
+        PyTuple_SET_ITEM(result, i, word);
+    }
+    return result;
+}
+
+// What csrc/replay_step.c and csrc/replay_checks.c's watch read from torch (csrc/replay_support.h),
+// each function set by its field's name, with the layout they compare before reading any.
 replay_support make_replay_support() {
     replay_support support{};
     support.layout = REPLAY_SUPPORT_LAYOUT;
@@ -380,6 +486,8 @@ replay_support make_replay_support() {
     support.fresh_output = make_fresh_output;
     support.storage_use_count = storage_use_count;
     support.read_storage_span = read_storage_span;
+    support.read_tensor_state = read_tensor_state;
+    support.tensor_states_unlike = tensor_states_unlike;
     return support;
 }
 
@@ -1142,6 +1250,8 @@ PyMethodDef METHODS[] = {
     {"settings_watch", settings_watch, METH_VARARGS,
      "settings_watch(exact, residual) -> check() -> bool, exact()'s answer from a state read in C++"},
     {"fresh_output", fresh_output, METH_O, "fresh_output(view) -> view.detach(), as csrc/replay_step.c makes it"},
+    {"tensor_state", tensor_state, METH_O,
+     "tensor_state(tensor) -> tuple of ints, what replay_support's read_tensor_state reads (None where it would not)"},
     {"storage_span", storage_span, METH_O,
      "storage_span(tensor) -> (first byte, bytes) of its storage as csrc/replay_step.c reads it (None where it would not)"},
     {"storage_use_count", use_count_of, METH_O,

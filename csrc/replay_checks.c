@@ -1,5 +1,6 @@
 /*
- * replay._checks: two of a replay's exactness checks in C, and two readers the first one calls.
+ * replay._checks: three of a replay's exactness checks in C, and two readers the first one calls
+ * (the watch of what a region reaches is section 4).
  *
  * 1. SettingsCheck, the check of the global torch settings.
  *
@@ -40,6 +41,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <structmember.h>
+
+#include "replay_support.h"
 
 #define SETTINGS_CAPACITY 256
 #define READER_CAPSULE "jitcore._torch_native.settings_reader"
@@ -433,6 +436,537 @@ static PyObject *total_length(PyObject *module, PyObject *const *args, Py_ssize_
     return PyLong_FromSsize_t(total);
 }
 
+/*
+ * 4. WatchCheck, the watch of the state a region reaches through its globals, closures and
+ * objects (replay.watch): the dicts, lists and objects that hold what it reads, and the tensors
+ * among them, as they were when its graphs were recorded.
+ *
+ * Why: a graph bakes the tensors it reads where they lie (a module's weights) and the Python
+ * values the region read while it was recorded (`self.scale`, `self.training`), so a parameter
+ * replaced (`load_state_dict(..., assign=True)`), moved (`.data =`, `.half()`, `.to()`), resized,
+ * or an attribute set, must make the region record again. The check runs on every call that may
+ * replay; in generated Python it would cost a bytecode step per value.
+ *
+ * WatchCheck(program, *, tags=True)() -> bool: True as soon as something watched changed, False
+ * where nothing did. `program` is a replay.watch.WatchProgram, read by name once:
+ *   dicts, dict_keys, dict_values: the dicts held, and per dict the keys and the values it held
+ *     (tuples in the dict's own order, as PyDict_Next and dict.items walk it);
+ *   lists, list_items: the same for lists;
+ *   objects, types, object_dicts: objects, their classes and their __dict__ (None: none);
+ *   tensors, words, reader: the tensors, each one's state as the torch-side helper's
+ *     read_tensor_state read it (a tuple of ints; None: compared in Python), and the helper's
+ *     replay_support capsule (csrc/replay_support.h; None: every tensor is compared in Python);
+ *   others: how many other holders (sets, slots) there are, each compared in Python;
+ *   same(kind, index) -> bool: the exact comparison, in Python, of holder `index` of a kind
+ *     ('d' a dict, 'l' a list, 't' a tensor, 'o' another holder).
+ * A dict or list is the same where its size and every key and value are the same objects in the
+ * same order; where one differs, `same` decides (a scalar set to an equal value is the same). An
+ * object must have its class and its __dict__. A tensor must read the words it had: all of them
+ * are compared by one call of the helper's tensor_states_unlike, and only a tensor it stops at is
+ * read again alone (and, where the helper does not read it now, compared in Python).
+ *
+ * Dicts are most of what a module tree holds (eight per nn.Module), so they are not walked on
+ * every call where the interpreter can say that none changed. From CPython 3.12 (with the GIL), a
+ * dict watcher (PyDict_AddWatcher) watches every dict a check holds and moves one epoch on any
+ * change to any of them: while the epoch is the one at which a check last found its dicts the
+ * same, it skips them, except, from 3.13, the objects' __dict__s (3.13 writes an object's
+ * attributes into its values without telling the watchers). Otherwise, where the interpreter
+ * moves a dict's version tag on every change (3.10 to 3.12: 3.13 leaves it too), a dict whose
+ * tag is the one it had when it last compared the same is not walked again; else it is walked.
+ * An epoch or tag is taken as the reference only where it did not move while the dicts were
+ * compared. `tags` False walks every dict on every call (for tests and measurements).
+ */
+#define WATCH_WORDS 64
+#if PY_VERSION_HEX < 0x030D0000 && !defined(Py_GIL_DISABLED)
+#define WATCH_TAGS 1
+#else
+#define WATCH_TAGS 0
+#endif
+#if PY_VERSION_HEX >= 0x030C0000 && !defined(Py_GIL_DISABLED)
+#define WATCH_EPOCH 1
+/* whether the watchers hear of every write to an object's attributes (not from 3.13) */
+#define WATCH_EPOCH_ATTRIBUTES (PY_VERSION_HEX < 0x030D0000)
+static int dict_watcher = -1;          /* the dict watcher's id; -1: none could be added */
+static uint64_t watched_epoch = 1;     /* moved by every change of a dict any check watches */
+
+static int on_watched_dict(PyDict_WatchEvent event, PyObject *dict, PyObject *key, PyObject *value) {
+    (void)dict, (void)key, (void)value;
+    if (event != PyDict_EVENT_DEALLOCATED) /* a dict no check holds any more */
+        watched_epoch++;
+    return 0;
+}
+#else
+#define WATCH_EPOCH 0
+#endif
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *dicts, *dict_keys, *dict_values; /* tuples */
+    PyObject *lists, *list_items;
+    PyObject *objects, *types, *object_dicts;
+    PyObject *tensors, *words, *reader;
+    PyObject *same;                  /* callable(kind, index) -> bool */
+    Py_ssize_t others;
+    const replay_support *support;   /* the helper's functions; NULL: every tensor in Python */
+    PyObject **batch;                /* the tensors with words, compared by one call */
+    const int64_t **batch_words;     /* their words */
+    Py_ssize_t *batch_index;         /* their indices among the tensors */
+    Py_ssize_t batch_count;
+    uint64_t *tags;                  /* per dict: the tag it had when it last compared the same; 0 none */
+    char *covered;                   /* per dict: whether the epoch says when it changed */
+    int64_t *recorded;               /* every tensor's words, one after another */
+    Py_ssize_t *at, *count;          /* per tensor: where its words start, how many (-1: in Python) */
+    int use_tags, use_epoch;
+    uint64_t epoch;                  /* the epoch at which the dicts last compared the same; 0 none */
+    vectorcallfunc vectorcall;
+} WatchCheck;
+
+static PyObject *s_dicts, *s_dict_keys, *s_dict_values, *s_lists, *s_list_items, *s_objects, *s_types,
+    *s_object_dicts, *s_tensors, *s_words, *s_reader, *s_same, *s_others;
+static PyObject *kind_dict, *kind_list, *kind_tensor, *kind_other;
+
+static int watch_traverse(WatchCheck *self, visitproc visit, void *arg) {
+    Py_VISIT(self->dicts);
+    Py_VISIT(self->dict_keys);
+    Py_VISIT(self->dict_values);
+    Py_VISIT(self->lists);
+    Py_VISIT(self->list_items);
+    Py_VISIT(self->objects);
+    Py_VISIT(self->types);
+    Py_VISIT(self->object_dicts);
+    Py_VISIT(self->tensors);
+    Py_VISIT(self->words);
+    Py_VISIT(self->reader);
+    Py_VISIT(self->same);
+    return 0;
+}
+
+static int watch_clear(WatchCheck *self) {
+    Py_CLEAR(self->dicts);
+    Py_CLEAR(self->dict_keys);
+    Py_CLEAR(self->dict_values);
+    Py_CLEAR(self->lists);
+    Py_CLEAR(self->list_items);
+    Py_CLEAR(self->objects);
+    Py_CLEAR(self->types);
+    Py_CLEAR(self->object_dicts);
+    Py_CLEAR(self->tensors);
+    Py_CLEAR(self->words);
+    Py_CLEAR(self->reader);
+    Py_CLEAR(self->same);
+    self->support = NULL;
+    self->batch_count = 0;
+    return 0;
+}
+
+static void watch_dealloc(WatchCheck *self) {
+    PyObject_GC_UnTrack(self);
+    watch_clear(self);
+    PyMem_Free(self->tags);
+    PyMem_Free(self->covered);
+    PyMem_Free(self->recorded);
+    PyMem_Free(self->at);
+    PyMem_Free(self->count);
+    PyMem_Free(self->batch);
+    PyMem_Free(self->batch_words);
+    PyMem_Free(self->batch_index);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static uint64_t dict_tag(PyObject *dict) {
+#if WATCH_TAGS
+#if defined(__GNUC__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+#endif
+    return ((PyDictObject *)dict)->ma_version_tag;
+#if defined(__GNUC__)
+#pragma GCC diagnostic pop
+#endif
+#else
+    (void)dict;
+    return 0;
+#endif
+}
+
+/* `same(kind, index)`: 1 the same, 0 changed, -1 an exception is set. */
+static int same_in_python(WatchCheck *self, PyObject *kind, Py_ssize_t index) {
+    PyObject *number = PyLong_FromSsize_t(index);
+    if (number == NULL)
+        return -1;
+    PyObject *args[2] = {kind, number};
+    PyObject *answer = PyObject_Vectorcall(self->same, args, 2, NULL);
+    Py_DECREF(number);
+    if (answer == NULL)
+        return -1;
+    int truth = PyObject_IsTrue(answer);
+    Py_DECREF(answer);
+    return truth;
+}
+
+/* Whether `dict` holds `keys` and `values` (tuples), the same objects in its own order and no
+ * more: 1 it does, 0 not. */
+static int dict_holds(PyObject *dict, PyObject *keys, PyObject *values) {
+    Py_ssize_t n = PyTuple_GET_SIZE(keys), position = 0, i = 0;
+    if (!PyDict_Check(dict) || PyDict_GET_SIZE(dict) != n)
+        return 0;
+    PyObject *key, *value;
+    while (PyDict_Next(dict, &position, &key, &value)) {
+        if (i >= n || key != PyTuple_GET_ITEM(keys, i) || value != PyTuple_GET_ITEM(values, i))
+            return 0;
+        i++;
+    }
+    return i == n;
+}
+
+static int list_holds(PyObject *list, PyObject *items) {
+    Py_ssize_t n = PyTuple_GET_SIZE(items);
+    if (!PyList_Check(list) || PyList_GET_SIZE(list) != n)
+        return 0;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (PyList_GET_ITEM(list, i) != PyTuple_GET_ITEM(items, i))
+            return 0;
+    return 1;
+}
+
+/* Dict i: 1 the same, 0 changed, -1 an exception is set. */
+static int dict_same(WatchCheck *self, Py_ssize_t i) {
+    PyObject *dict = PyTuple_GET_ITEM(self->dicts, i);
+    uint64_t before = self->use_tags ? dict_tag(dict) : 0;
+    if (self->use_tags && before == self->tags[i])
+        return 1;
+    int same = dict_holds(dict, PyTuple_GET_ITEM(self->dict_keys, i), PyTuple_GET_ITEM(self->dict_values, i));
+    if (!same)
+        same = same_in_python(self, kind_dict, i);
+    if (same == 1 && self->use_tags && dict_tag(dict) == before)
+        self->tags[i] = before; /* nothing moved it meanwhile: the reference */
+    return same;
+}
+
+/* Object i: its class and its __dict__ are the ones recorded. */
+static int object_same(WatchCheck *self, Py_ssize_t i) {
+    PyObject *object = PyTuple_GET_ITEM(self->objects, i), *expected = PyTuple_GET_ITEM(self->object_dicts, i);
+    if ((PyObject *)Py_TYPE(object) != PyTuple_GET_ITEM(self->types, i))
+        return 0;
+    if (expected == Py_None)
+        return 1;
+#if PY_VERSION_HEX < 0x030E0000
+    PyObject **slot = _PyObject_GetDictPtr(object); /* the slot itself: no reference taken */
+    return slot != NULL && *slot == expected;
+#else
+    PyObject *now = PyObject_GenericGetDict(object, NULL);
+    if (now == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_Exception))
+            return -1;
+        PyErr_Clear(); /* an object whose __dict__ cannot be read: not the one recorded */
+        return 0;
+    }
+    Py_DECREF(now);
+    return now == expected;
+#endif
+}
+
+/* Tensor i alone: the helper reads the words recorded (else Python decides). */
+static int tensor_same(WatchCheck *self, Py_ssize_t i) {
+    if (self->support != NULL && self->count[i] >= 0) {
+        int64_t now[WATCH_WORDS];
+        Py_ssize_t count = self->support->read_tensor_state(PyTuple_GET_ITEM(self->tensors, i), now, WATCH_WORDS);
+        if (count == self->count[i]) {
+            const int64_t *recorded = self->recorded + self->at[i];
+            for (Py_ssize_t w = 0; w < count; w++)
+                if (now[w] != recorded[w])
+                    return 0;
+            return 1;
+        }
+        if (count >= 0)
+            return 0; /* read, and of another length: another number of dimensions */
+    }
+    return same_in_python(self, kind_tensor, i);
+}
+
+/* The dicts: 1 all the same, 0 one changed, -1 an exception is set. */
+static int dicts_same(WatchCheck *self) {
+    int skip = 0; /* whether the dicts the epoch covers are the same */
+#if WATCH_EPOCH
+    uint64_t epoch = watched_epoch;
+    skip = self->use_epoch && epoch == self->epoch;
+#endif
+    int same = 1;
+    Py_ssize_t n = PyTuple_GET_SIZE(self->dicts);
+    for (Py_ssize_t i = 0; same == 1 && i < n; i++)
+        if (!(skip && self->covered[i]))
+            same = dict_same(self, i);
+#if WATCH_EPOCH
+    if (same == 1 && self->use_epoch && !skip && watched_epoch == epoch)
+        self->epoch = epoch; /* nothing moved it meanwhile: the reference */
+#endif
+    return same;
+}
+
+/* The tensors: those with words by the helper's one call, each it stops at alone, the others in
+ * Python. 1 all the same, 0 one changed, -1 an exception is set. */
+static int tensors_same(WatchCheck *self) {
+    Py_ssize_t start = 0, n = self->batch_count;
+    while (start < n) {
+        Py_ssize_t i = start + self->support->tensor_states_unlike(self->batch + start, self->batch_words + start, n - start);
+        if (i >= n)
+            break;
+        int same = tensor_same(self, self->batch_index[i]);
+        if (same != 1)
+            return same;
+        start = i + 1;
+    }
+    int same = 1;
+    for (Py_ssize_t i = 0; same == 1 && i < PyTuple_GET_SIZE(self->tensors); i++)
+        if (self->count[i] < 0)
+            same = same_in_python(self, kind_tensor, i);
+    return same;
+}
+
+/* 1 the same, 0 changed, -1 an exception is set: the cheapest holders first. */
+static int watch_same(WatchCheck *self) {
+    int same = dicts_same(self);
+    Py_ssize_t n = PyTuple_GET_SIZE(self->lists);
+    for (Py_ssize_t i = 0; same == 1 && i < n; i++)
+        if (!list_holds(PyTuple_GET_ITEM(self->lists, i), PyTuple_GET_ITEM(self->list_items, i)))
+            same = same_in_python(self, kind_list, i);
+    n = PyTuple_GET_SIZE(self->objects);
+    for (Py_ssize_t i = 0; same == 1 && i < n; i++)
+        same = object_same(self, i);
+    if (same == 1)
+        same = tensors_same(self);
+    for (Py_ssize_t i = 0; same == 1 && i < self->others; i++)
+        same = same_in_python(self, kind_other, i);
+    return same;
+}
+
+static PyObject *watch_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    WatchCheck *self = (WatchCheck *)callable;
+    if (PyVectorcall_NARGS(nargsf) != 0 || (kwnames != NULL && PyTuple_GET_SIZE(kwnames))) {
+        PyErr_SetString(PyExc_TypeError, "a watch check takes no arguments");
+        return NULL;
+    }
+    if (self->same == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "WatchCheck was not initialised: make it as WatchCheck(program)");
+        return NULL;
+    }
+    int same = watch_same(self);
+    if (same < 0)
+        return NULL;
+    return Py_NewRef(same ? Py_False : Py_True);
+}
+
+/* The field `name` of the program, a tuple (a new reference), or NULL with TypeError set. */
+static PyObject *tuple_field(PyObject *program, PyObject *name) {
+    PyObject *value = PyObject_GetAttr(program, name);
+    if (value != NULL && !PyTuple_Check(value)) {
+        PyErr_Format(PyExc_TypeError, "a watch program's %U must be a tuple, not %.100s", name, Py_TYPE(value)->tp_name);
+        Py_CLEAR(value);
+    }
+    return value;
+}
+
+/* Whether every item of `tuple` passes `check` and `per` (where given) has as many items. */
+static int items_are(PyObject *tuple, int (*check)(PyObject *), const char *what, PyObject *per) {
+    Py_ssize_t n = PyTuple_GET_SIZE(tuple);
+    if (per != NULL && PyTuple_GET_SIZE(per) != n) {
+        PyErr_Format(PyExc_ValueError, "a watch program needs one entry of %s per holder", what);
+        return 0;
+    }
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (!check(PyTuple_GET_ITEM(tuple, i))) {
+            PyErr_Format(PyExc_TypeError, "a watch program's %s[%zd] is a %.100s", what, i,
+                         Py_TYPE(PyTuple_GET_ITEM(tuple, i))->tp_name);
+            return 0;
+        }
+    return 1;
+}
+
+static int is_dict(PyObject *o) { return PyDict_Check(o); }
+static int is_list(PyObject *o) { return PyList_Check(o); }
+static int is_tuple(PyObject *o) { return PyTuple_Check(o); }
+static int is_type(PyObject *o) { return PyType_Check(o); }
+static int is_dict_or_none(PyObject *o) { return o == Py_None || PyDict_Check(o); }
+static int is_words(PyObject *o) { return o == Py_None || PyTuple_Check(o); }
+
+/* The holders' fields: read, and checked item by item. */
+static int read_holders(WatchCheck *self, PyObject *program) {
+    if ((self->dicts = tuple_field(program, s_dicts)) == NULL ||
+        (self->dict_keys = tuple_field(program, s_dict_keys)) == NULL ||
+        (self->dict_values = tuple_field(program, s_dict_values)) == NULL ||
+        (self->lists = tuple_field(program, s_lists)) == NULL ||
+        (self->list_items = tuple_field(program, s_list_items)) == NULL ||
+        (self->objects = tuple_field(program, s_objects)) == NULL ||
+        (self->types = tuple_field(program, s_types)) == NULL ||
+        (self->object_dicts = tuple_field(program, s_object_dicts)) == NULL)
+        return -1;
+    if (!items_are(self->dicts, is_dict, "dicts", NULL) || !items_are(self->dict_keys, is_tuple, "dict_keys", self->dicts) ||
+        !items_are(self->dict_values, is_tuple, "dict_values", self->dicts) ||
+        !items_are(self->lists, is_list, "lists", NULL) || !items_are(self->list_items, is_tuple, "list_items", self->lists) ||
+        !items_are(self->types, is_type, "types", self->objects) ||
+        !items_are(self->object_dicts, is_dict_or_none, "object_dicts", self->objects))
+        return -1;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(self->dicts); i++)
+        if (PyTuple_GET_SIZE(PyTuple_GET_ITEM(self->dict_keys, i)) != PyTuple_GET_SIZE(PyTuple_GET_ITEM(self->dict_values, i)))
+            return PyErr_Format(PyExc_ValueError, "a watch program's dict_keys[%zd] and dict_values[%zd] differ in length", i, i), -1;
+    self->tags = PyMem_Calloc((size_t)PyTuple_GET_SIZE(self->dicts) + 1, sizeof(uint64_t));
+    return self->tags == NULL ? (PyErr_NoMemory(), -1) : 0;
+}
+
+#if WATCH_EPOCH
+/* Whether `dict` is the __dict__ of one of the objects. */
+static int an_objects_dict(WatchCheck *self, PyObject *dict) {
+    for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(self->object_dicts); j++)
+        if (PyTuple_GET_ITEM(self->object_dicts, j) == dict)
+            return 1;
+    return 0;
+}
+#endif
+
+/* Watch every dict for the epoch (where there is a watcher and `tags`) and note which ones it
+ * covers; a dict that cannot be watched turns the epoch off for this check. 0, or -1 with
+ * MemoryError set. */
+static int watch_dicts(WatchCheck *self, int tags) {
+    Py_ssize_t n = PyTuple_GET_SIZE(self->dicts);
+    self->use_epoch = 0;
+    self->covered = PyMem_Calloc((size_t)n + 1, 1);
+    if (self->covered == NULL)
+        return PyErr_NoMemory(), -1;
+#if WATCH_EPOCH
+    if (!tags || dict_watcher < 0)
+        return 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (PyDict_Watch(dict_watcher, PyTuple_GET_ITEM(self->dicts, i)) < 0) {
+            PyErr_Clear();
+            return 0;
+        }
+        self->covered[i] = WATCH_EPOCH_ATTRIBUTES || !an_objects_dict(self, PyTuple_GET_ITEM(self->dicts, i));
+    }
+    self->use_epoch = 1;
+#else
+    (void)tags;
+#endif
+    return 0;
+}
+
+/* The recorded words of tensor i into self->recorded at `*used` (checked: ints, at most
+ * WATCH_WORDS, holding their dimensions). A tensor the helper does not read now is compared in
+ * Python: only what it reads (a torch.Tensor or Parameter) goes to tensor_states_unlike, which
+ * unpacks a tensor whose type is the recorded one. */
+static int read_words(WatchCheck *self, Py_ssize_t i, Py_ssize_t *used) {
+    PyObject *words = PyTuple_GET_ITEM(self->words, i);
+    int64_t now[WATCH_WORDS];
+    self->count[i] = -1;
+    if (words == Py_None || self->support == NULL || PyTuple_GET_SIZE(words) > WATCH_WORDS ||
+        self->support->read_tensor_state(PyTuple_GET_ITEM(self->tensors, i), now, WATCH_WORDS) < 0)
+        return 0; /* compared in Python */
+    if (PyTuple_GET_SIZE(words) < 6)
+        return PyErr_Format(PyExc_ValueError, "a watch program's words[%zd] are too few", i), -1;
+    self->at[i] = *used;
+    for (Py_ssize_t w = 0; w < PyTuple_GET_SIZE(words); w++) {
+        long long value = PyLong_AsLongLong(PyTuple_GET_ITEM(words, w));
+        if (value == -1 && PyErr_Occurred())
+            return -1;
+        self->recorded[(*used)++] = (int64_t)value;
+    }
+    self->count[i] = PyTuple_GET_SIZE(words);
+    if (self->recorded[self->at[i] + 5] != (self->count[i] - 6) / 2 || self->count[i] % 2)
+        return PyErr_Format(PyExc_ValueError, "a watch program's words[%zd] do not hold their dimensions", i), -1;
+    Py_ssize_t b = self->batch_count++;
+    self->batch[b] = PyTuple_GET_ITEM(self->tensors, i);
+    self->batch_index[b] = i;
+    return 0;
+}
+
+/* The tensors' fields: the reader's capsule and each tensor's recorded words. */
+static int read_tensors(WatchCheck *self, PyObject *program) {
+    if ((self->tensors = tuple_field(program, s_tensors)) == NULL || (self->words = tuple_field(program, s_words)) == NULL ||
+        (self->reader = PyObject_GetAttr(program, s_reader)) == NULL)
+        return -1;
+    if (!items_are(self->words, is_words, "words", self->tensors))
+        return -1;
+    if (self->reader != Py_None && (self->support = replay_support_from(self->reader, "WatchCheck")) == NULL)
+        return -1;
+    Py_ssize_t n = PyTuple_GET_SIZE(self->tensors), total = 0;
+    self->at = PyMem_Calloc((size_t)n + 1, sizeof(Py_ssize_t));
+    self->count = PyMem_Calloc((size_t)n + 1, sizeof(Py_ssize_t));
+    self->recorded = PyMem_Calloc((size_t)n * WATCH_WORDS + 1, sizeof(int64_t));
+    self->batch = PyMem_Calloc((size_t)n + 1, sizeof(PyObject *));
+    self->batch_words = PyMem_Calloc((size_t)n + 1, sizeof(int64_t *));
+    self->batch_index = PyMem_Calloc((size_t)n + 1, sizeof(Py_ssize_t));
+    if (self->at == NULL || self->count == NULL || self->recorded == NULL || self->batch == NULL ||
+        self->batch_words == NULL || self->batch_index == NULL)
+        return PyErr_NoMemory(), -1;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (read_words(self, i, &total) < 0)
+            return -1;
+    for (Py_ssize_t b = 0; b < self->batch_count; b++) /* recorded is final now: point into it */
+        self->batch_words[b] = self->recorded + self->at[self->batch_index[b]];
+    return 0;
+}
+
+static PyObject *watch_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    PyObject *program;
+    int tags = 1;
+    static char *names[] = {"program", "tags", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|$p", names, &program, &tags))
+        return NULL;
+    WatchCheck *self = (WatchCheck *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    self->vectorcall = watch_vectorcall;
+    self->use_tags = tags && WATCH_TAGS;
+    PyObject *others = NULL;
+    if (read_holders(self, program) < 0 || read_tensors(self, program) < 0 ||
+        (others = PyObject_GetAttr(program, s_others)) == NULL || (self->others = PyLong_AsSsize_t(others)) < 0 ||
+        (self->same = PyObject_GetAttr(program, s_same)) == NULL) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "a watch program's others must be a count, 0 or more");
+        Py_XDECREF(others);
+        Py_DECREF(self);
+        return NULL;
+    }
+    Py_DECREF(others);
+    if (!PyCallable_Check(self->same)) {
+        PyErr_SetString(PyExc_TypeError, "a watch program's same must be callable");
+        Py_DECREF(self);
+        return NULL;
+    }
+    if (watch_dicts(self, tags) < 0) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    return (PyObject *)self;
+}
+
+static PyObject *watch_tags(WatchCheck *self, void *unused) {
+    return Py_NewRef(self->use_tags ? Py_True : Py_False);
+}
+
+static PyObject *watch_epoch(WatchCheck *self, void *unused) {
+    return Py_NewRef(self->use_epoch ? Py_True : Py_False);
+}
+
+static PyGetSetDef watch_getset[] = {
+    {"tags", (getter)watch_tags, NULL, "whether dicts whose version tag did not move are skipped", NULL},
+    {"epoch", (getter)watch_epoch, NULL, "whether the dicts are skipped while no watched dict changed", NULL},
+    {NULL},
+};
+
+static PyTypeObject WatchCheckType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "replay._checks.WatchCheck",
+    .tp_basicsize = sizeof(WatchCheck),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_vectorcall_offset = offsetof(WatchCheck, vectorcall),
+    .tp_doc = "WatchCheck(program, *, tags=True)() -> True when something watched changed (see csrc/replay_checks.c).",
+    .tp_new = watch_new,
+    .tp_dealloc = (destructor)watch_dealloc,
+    .tp_traverse = (traverseproc)watch_traverse,
+    .tp_clear = (inquiry)watch_clear,
+    .tp_call = PyVectorcall_Call,
+    .tp_getset = watch_getset,
+};
+
 static PyMethodDef module_methods[] = {
     {"disjoint", (PyCFunction)(void (*)(void))disjoint, METH_FASTCALL,
      "disjoint(pointers, extents) -> whether the byte ranges are pairwise disjoint (see csrc/replay_checks.c)"},
@@ -444,24 +978,43 @@ static PyMethodDef module_methods[] = {
 };
 
 static struct PyModuleDef module_definition = {
-    PyModuleDef_HEAD_INIT, "replay._checks", "A replay's exactness checks in C: torch's settings, the aliasing of arguments (see csrc/replay_checks.c).", -1,
+    PyModuleDef_HEAD_INIT, "replay._checks", "A replay's exactness checks in C: torch's settings, the aliasing of arguments, the watch of what a region reaches (see csrc/replay_checks.c).", -1,
     module_methods,
 };
 
 PyMODINIT_FUNC PyInit__checks(void) {
-    PyObject **names[] = {&s_value, &s_readers, &s_arguments, &s_expected, &s_ways, &s_state, &s_uncovered};
-    const char *texts[] = {"value", "readers", "arguments", "expected", "ways", "state", "uncovered"};
+    PyObject **names[] = {&s_value, &s_readers, &s_arguments, &s_expected, &s_ways, &s_state, &s_uncovered,
+                          &s_dicts, &s_dict_keys, &s_dict_values, &s_lists, &s_list_items, &s_objects, &s_types,
+                          &s_object_dicts, &s_tensors, &s_words, &s_reader, &s_same, &s_others,
+                          &kind_dict, &kind_list, &kind_tensor, &kind_other};
+    const char *texts[] = {"value", "readers", "arguments", "expected", "ways", "state", "uncovered",
+                           "dicts", "dict_keys", "dict_values", "lists", "list_items", "objects", "types",
+                           "object_dicts", "tensors", "words", "reader", "same", "others",
+                           "d", "l", "t", "o"};
     for (size_t i = 0; i < sizeof(texts) / sizeof(texts[0]); i++)
         if ((*names[i] = PyUnicode_InternFromString(texts[i])) == NULL)
             return NULL;
-    if (PyType_Ready(&SettingsCheckType) < 0)
+    if (PyType_Ready(&SettingsCheckType) < 0 || PyType_Ready(&WatchCheckType) < 0)
         return NULL;
     PyObject *module = PyModule_Create(&module_definition);
     if (module == NULL)
         return NULL;
-    Py_INCREF(&SettingsCheckType);
-    if (PyModule_AddObject(module, "SettingsCheck", (PyObject *)&SettingsCheckType) < 0) {
-        Py_DECREF(&SettingsCheckType);
+    PyTypeObject *types[] = {&SettingsCheckType, &WatchCheckType};
+    const char *type_names[] = {"SettingsCheck", "WatchCheck"};
+    for (size_t i = 0; i < 2; i++) {
+        Py_INCREF(types[i]);
+        if (PyModule_AddObject(module, type_names[i], (PyObject *)types[i]) < 0) {
+            Py_DECREF(types[i]);
+            Py_DECREF(module);
+            return NULL;
+        }
+    }
+#if WATCH_EPOCH
+    if (dict_watcher < 0 && (dict_watcher = PyDict_AddWatcher(on_watched_dict)) < 0)
+        PyErr_Clear(); /* every watcher id taken: the checks compare their dicts' tags or entries */
+#endif
+    if (PyModule_AddIntConstant(module, "WATCH_TAGS", WATCH_TAGS) < 0 ||
+        PyModule_AddIntConstant(module, "WATCH_EPOCH", WATCH_EPOCH) < 0) {
         Py_DECREF(module);
         return NULL;
     }

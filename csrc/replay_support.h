@@ -1,6 +1,7 @@
 /*
  * replay_support: what the torch-side helper (csrc/jitcore_torch_native.cpp) lends the C replay
- * step (csrc/replay_step.c), in its module's capsule `replay_support`.
+ * step (csrc/replay_step.c) and the watch check (csrc/replay_checks.c), in its module's capsule
+ * `replay_support`.
  *
  * Why one header with a generated check: the two sides are built apart (the helper per torch
  * build at run time by jitcore.torch_native, the step by setup.py), so either may be a build of
@@ -26,12 +27,20 @@
      read it (anything but a plain tensor, a torch function mode active): the caller asks Python;
    - fresh_output: a replay's handed-out output from its template view, exactly view.detach();
    - storage_use_count: a storage's use count, -1 for anything but a torch storage;
-   - read_storage_span: a plain tensor's storage's first byte and size, 0 where it does not. */
+   - read_storage_span: a plain tensor's storage's first byte and size, 0 where it does not;
+   - read_tensor_state: what a graph bakes of a tensor it reads where it lies, as words (its
+     Python type, data pointer, dispatch keys, dtype, device index, number of dimensions, each
+     size, each stride): the count of words (written where it is at most `capacity`), -1 where it
+     does not read the tensor (the watch of csrc/replay_checks.c, replay.watch);
+   - tensor_states_unlike: the index of the first of `count` tensors whose state is not
+     `words[i]` (as read_tensor_state wrote it) or is not read, `count` where every one is. */
 #define REPLAY_SUPPORT_FIELDS(X)                                                                                       \
     X(int, read_data_pointer, (PyObject * tensor, uint64_t * address))                                                 \
     X(PyObject *, fresh_output, (PyObject * view))                                                                     \
     X(int64_t, storage_use_count, (PyObject * storage))                                                                \
-    X(int, read_storage_span, (PyObject * tensor, uint64_t * base, uint64_t * nbytes))
+    X(int, read_storage_span, (PyObject * tensor, uint64_t * base, uint64_t * nbytes))                                 \
+    X(Py_ssize_t, read_tensor_state, (PyObject * tensor, int64_t * words, Py_ssize_t capacity))                        \
+    X(Py_ssize_t, tensor_states_unlike, (PyObject * const *tensors, const int64_t *const *words, Py_ssize_t count))
 
 #define REPLAY_SUPPORT_MEMBER(type, name, parameters) type(*name) parameters;
 #define REPLAY_SUPPORT_TEXT(type, name, parameters) #type " (*" #name ")" #parameters "; "

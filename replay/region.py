@@ -19,9 +19,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-import jitcore
 from jitcore.errors import GlobalDriftError
-from replay import buckets, region_keys
+from replay import buckets, region_keys, watch
 from replay.dispatch import MISS as _MISS
 from replay.dispatch import (
     RUN_EAGERLY,
@@ -379,7 +378,7 @@ class Region:
         """Snapshot the globals the region reads, before its first recording: a change of
         them re-keys (:meth:`rekey`), checked on every pre-key hit and keyed call."""
         if self.snapshot is None:
-            self.snapshot = jitcore.GlobalsSnapshot(self.fn, owner=f"region {self.name}", prefix="_r")
+            self.snapshot = watch.RegionSnapshot(self.fn, owner=f"region {self.name}", prefix="_r")
             self.program.region_drift = globals_check(self.snapshot, self.name)
 
     def rekey(self, args: tuple, kwargs: dict):

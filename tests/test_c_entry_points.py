@@ -69,6 +69,14 @@ def settings_program(**fields):
     return types.SimpleNamespace(**{**base, **fields})
 
 
+def watch_program(**fields):
+    # A watch program (replay.watch.WatchProgram's fields) holding nothing unless given.
+    import types
+    base = dict(dicts=(), dict_keys=(), dict_values=(), lists=(), list_items=(), objects=(), types=(),
+                object_dicts=(), tensors=(), words=(), reader=None, others=0, same=lambda kind, index: True)
+    return types.SimpleNamespace(**{**base, **fields})
+
+
 class Huge:
     # A sized object as long as a size can be.
     def __len__(self):
@@ -294,6 +302,9 @@ CASES = [Case(*row) for row in [
      "TypeError"),
     (T, "settings_state", "called with an argument", "HELPER.settings_state(1)", "TypeError"),
     (T, "data_pointer", "an int", "assert HELPER.data_pointer(5) is None", "returned"),
+    (T, "tensor_state", "an int", "assert HELPER.tensor_state(5) is None", "returned"),
+    (T, "tensor_state", "a sparse tensor", "assert HELPER.tensor_state(torch.ones(2).to_sparse()) is None",
+     "returned"),
     (T, "storage_span", "text", "assert HELPER.storage_span('x') is None", "returned"),
     (T, "storage_use_count", "a tensor for the storage", "assert HELPER.storage_use_count(torch.ones(1)) is None",
      "returned"),
@@ -318,6 +329,28 @@ CASES = [Case(*row) for row in [
     (C, "SettingsCheck", "made with __new__ and no arguments", "checks.SettingsCheck.__new__(checks.SettingsCheck)",
      "TypeError"),
     (C, "SettingsCheck", "called with an argument", "checks.SettingsCheck(settings_program())(1)", "TypeError"),
+    (C, "WatchCheck", "an int for its program", "checks.WatchCheck(5)", "AttributeError"),
+    (C, "WatchCheck", "a program with ints for its tuples", "checks.WatchCheck(watch_program(dicts=1))", "TypeError"),
+    (C, "WatchCheck", "a list among its dicts", "checks.WatchCheck(watch_program(dicts=([],), dict_keys=((),), "
+     "dict_values=((),)))", "TypeError"),
+    (C, "WatchCheck", "keys and values of other lengths", "checks.WatchCheck(watch_program(dicts=({},), "
+     "dict_keys=((1,),), dict_values=((),)))", "ValueError"),
+    (C, "WatchCheck", "one type too few", "checks.WatchCheck(watch_program(objects=(1,)))", "ValueError"),
+    (C, "WatchCheck", "a type that is an int", "checks.WatchCheck(watch_program(objects=(1,), types=(1,), "
+     "object_dicts=(None,)))", "TypeError"),
+    (C, "WatchCheck", "another module's capsule for its reader",
+     "checks.WatchCheck(watch_program(reader=datetime.datetime_CAPI))", "TypeError"),
+    (C, "WatchCheck", "words of text", "checks.WatchCheck(watch_program(tensors=(1,), words=('x',)))", "TypeError"),
+    (C, "WatchCheck", "words that call an int a tensor",  # not read by the helper: compared in Python, never unpacked
+     "assert checks.WatchCheck(watch_program(tensors=(5,), words=((id(int), 0, 0, 0, 0, 0),), "
+     "reader=HELPER.replay_support))() is False", "returned"),
+    (C, "WatchCheck", "a negative count of others", "checks.WatchCheck(watch_program(others=-1))", "ValueError"),
+    (C, "WatchCheck", "same that is not callable", "checks.WatchCheck(watch_program(same=1))", "TypeError"),
+    (C, "WatchCheck", "same that raises", "checks.WatchCheck(watch_program(others=1, same=lambda k, i: 1 / 0))()",
+     "ZeroDivisionError"),
+    (C, "WatchCheck", "made with __new__ and no arguments", "checks.WatchCheck.__new__(checks.WatchCheck)",
+     "TypeError"),
+    (C, "WatchCheck", "called with an argument", "checks.WatchCheck(watch_program())(1)", "TypeError"),
     (C, "flush_denormal", "an argument", "checks.flush_denormal(1)", "TypeError"),
     (C, "total_length", "an int", "checks.total_length(5)", "TypeError"),
     (C, "total_length", "lengths past the largest size", "checks.total_length(Huge(), Huge())", "OverflowError"),
@@ -385,7 +418,7 @@ def case_id(case: Case) -> str:
 
 
 def needs_helper(case: Case) -> bool:
-    return case.module == T or "replay_step_graph" in case.code
+    return case.module == T or "replay_step_graph" in case.code or "HELPER." in case.code
 
 
 @pytest.fixture(scope="module")

@@ -78,15 +78,15 @@ def warm(step, x, call=None):
     assert [entry.state for entry in step.entries.values()] == [REPLAYING]
 
 
-def test_object_attributes_are_not_seen_and_stay_baked(session_factory):
+def test_object_attributes_are_watched_and_rekey(session_factory):
     session = session_factory(record_after=0)
     holder = types.SimpleNamespace(scale=2.0)
-    step = session.region(lambda x: x * holder.scale)  # an object's attribute: not followed
+    step = session.region(lambda x: x * holder.scale)  # an object's attribute: watched (replay.watch)
     x = torch.ones(3)
     warm(step, x)
     holder.scale = 3.0
-    assert torch.equal(step(x), x * 2)  # stale: what the drift checks exist to prevent, where they can
-    assert session.stats().invalidations == 0
+    assert torch.equal(step(x), x * 3)  # re-keyed, never the graph that baked 2.0
+    assert session.stats().invalidations == 1
 
 
 @pytest.mark.parametrize("path", ["fast", "keyword"])

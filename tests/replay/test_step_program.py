@@ -217,7 +217,7 @@ def test_a_copy_of_a_step_is_refused(torch_native_helper):
 class _Support(ctypes.Structure):
     """The struct's first two members, which every layout keeps, and room for the functions."""
 
-    _fields_ = [("layout", ctypes.c_char_p), ("size", ctypes.c_size_t), ("functions", ctypes.c_void_p * 4)]
+    _fields_ = [("layout", ctypes.c_char_p), ("size", ctypes.c_size_t), ("functions", ctypes.c_void_p * 6)]
 
 
 _CAPSULE = b"jitcore._torch_native.replay_support"
