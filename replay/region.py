@@ -34,7 +34,7 @@ from replay.dispatch import (
     native_enabled,
     plain_when_unpadded,
 )
-from replay.graph import MISMATCH, RecordedGraph, generated_replay, measure_with_settings_check, measure_without_checks
+from replay.graph import MISMATCH, RecordedGraph
 from replay.keying import counted_shapes, grad_leaves, outputs_requiring_grad, region_key
 from replay.lifecycle import AWAITING_ANALYSIS, EAGER_ONLY, REPLAYING, Entry, Forgotten
 from replay.observe import op_observer
@@ -394,24 +394,6 @@ class Region:
     def outputs_changed(self) -> None:
         """A graph, capture or output slot of this region came or went (replay.routing)."""
         self.router.outputs_changed()
-
-    # --- measurement (benchmarks only) -------------------------------------------------------
-    def measure_without_checks(self):
-        """Benchmarks only (see :func:`replay.graph.measure_without_checks`): this region's
-        graphs held now skip the torch-settings and launcher-globals checks inside the
-        context."""
-        return measure_without_checks([e.graph for e in self.entries.values() if e.graph is not None])
-
-    def measure_generated_python(self):
-        """Benchmarks only: inside the context, this region's recorded keys replay through
-        their generated Python function alone, without csrc/replay_step.c in front of it (what
-        a replay costs where that file is not built)."""
-        return self.session.keys.runs_replaced(self, generated_replay)
-
-    def measure_with_settings_check(self, way: str):
-        """Benchmarks only (see :func:`replay.graph.measure_with_settings_check`): this
-        region's graphs held now check the torch settings the way named inside the context."""
-        return measure_with_settings_check([e.graph for e in self.entries.values() if e.graph is not None], way)
 
     def __repr__(self) -> str:
         return f"<replay region {self.name}: {len(self.entries)} keys>"
