@@ -33,8 +33,7 @@ from collections.abc import Sequence
 import attrs
 import torch
 
-from jitcore import generated
-from jitcore.backends import get_backend
+from jitcore.for_replay import generated, get_backend
 from replay import graph_outputs, rebinding, recording, region_keys
 from replay.errors import ReplayMismatchError
 from replay.graph_outputs import (  # noqa: F401 (the output kinds, where callers import them)
@@ -310,7 +309,7 @@ class RecordedGraph:
                 disabled[node] = None  # neither enabled nor disabled: set again next time
 
     def _set_failed(self, status: object, node: int) -> None:
-        from jitcore.errors import DriverError
+        from jitcore import DriverError
 
         raise DriverError(f"graph node update (node {node}) in {self.name}", int(status), str(status))
 

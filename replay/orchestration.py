@@ -17,7 +17,7 @@ import attrs
 import torch
 
 import jitcore
-from jitcore.backends import get_backend
+from jitcore.for_replay import CaptureBusy, get_backend
 from replay import instrumentation, recording, region_keys
 from replay.dispatch import MISS, flat_guard
 from replay.graph import RecordedGraph, guard_outputs
@@ -87,7 +87,7 @@ class KeyRecorder:
             started = time.perf_counter()
             try:
                 capture = self._capture(entry, key, spec, leaves, paths, device)
-            except jitcore.recorder.CaptureBusy:
+            except CaptureBusy:
                 session.keys.stop_recording(entry, "retry")
                 return region.run_eagerly(spec, leaves, entry)  # called inside another region's eager run
             except recording.CaptureAborted as aborted:

@@ -19,7 +19,7 @@ import math
 import torch
 
 import jitcore as jc
-from jitcore.recorder import CAPTURES
+from jitcore.for_replay import CAPTURES
 from replay.staging import ELEMENT_TYPES, INTEGER_VIEWS
 
 _SOURCE = r"""

@@ -32,9 +32,8 @@ import attrs
 import numpy as np
 import torch
 
-import jitcore
-from jitcore import CaptureMissError
-from jitcore.backends import get_backend
+from jitcore import CaptureMissError, for_replay
+from jitcore.for_replay import get_backend
 from replay import host as host_inputs
 from replay import instrumentation, rebinding, staging, triton_launches
 from replay.dynamic import Dynamic, DynamicScalar
@@ -81,7 +80,7 @@ class CaptureRetry(Exception):
 #: allocator's cache); held shared by eager runs of regions and jit compiles, which may load
 #: modules (see jitcore.recorder.CaptureExclusion). Sessions in different threads take turns
 #: recording and replay concurrently.
-CAPTURES = jitcore.recorder.CAPTURES
+CAPTURES = for_replay.CAPTURES
 
 
 class _Recorder:
@@ -808,7 +807,7 @@ def _run_region(
     observer, the recording's cost per launch and per op."""
     copied_back: set[int] = set()
     staging_launches: dict[int, int] = {}  # record index -> the input a staging copy reads or writes
-    with jitcore.recorder.recording(recorder), triton_launches.recording(recorder), observer as observation:
+    with for_replay.recording(recorder), triton_launches.recording(recorder), observer as observation:
         _copy_staged_in(prepared, recorder, staging_launches)
         first_region_launch = len(recorder.records)
         instrumentation.steps.mark("capture begin, checks, end")

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 import jitcore
-from jitcore.errors import GlobalDriftError
+from jitcore import GlobalDriftError
 from replay import buckets, region_keys
 from replay.dispatch import MISS as _MISS
 from replay.dispatch import (

@@ -14,8 +14,8 @@ from collections.abc import Callable
 
 import torch
 
-from jitcore.backends import get_backend
-from jitcore.errors import GlobalDriftError
+from jitcore import GlobalDriftError
+from jitcore.for_replay import current_stream_reader
 from replay import buckets, padding, polymorphic, recording, region_keys
 from replay.dispatch import MISS, SHARED_CAPTURE_EXCLUSION
 from replay.dynamic import Dynamic
@@ -167,7 +167,7 @@ class Router:
                 return None  # the usual path drops the graphs
         stream_now = self._stream_now
         if stream_now is None:  # the backend's, read once (get_backend reads the environment)
-            stream_now = self._stream_now = get_backend().hot_namespace["_current_stream"]
+            stream_now = self._stream_now = current_stream_reader()
         if stream_now(entry.key[0]) != session.last_stream[0]:
             return None
         for i, buffer in buffers:

@@ -25,9 +25,7 @@ import torch.backends.mha
 import torch.backends.opt_einsum
 import torch.nn.modules.module
 
-import jitcore
-from jitcore import generated
-from jitcore.backends import compiled_helpers_enabled
+from jitcore.for_replay import compiled_helpers_enabled, generated, torch_native_module
 from replay.errors import ReplayError, ReplayWarning
 
 try:  # the settings check in C (csrc/replay_checks.c; optional, built by setup.py)
@@ -552,7 +550,7 @@ def modes_changed(recorded: tuple, *, compiled: bool = True, watch: bool = True)
 
 def _settings_helper() -> object | None:
     """The torch-side helper where it is loaded and reads this torch's settings, else None."""
-    helper = jitcore.torch_native.module()
+    helper = torch_native_module()
     if helper is None or getattr(helper, "SETTINGS_COVERED", None) is None or not hasattr(helper, "SETTINGS_READER"):
         return None
     return helper
