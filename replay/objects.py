@@ -94,8 +94,16 @@ def is_object(value: object) -> bool:
     if known is None:
         if len(_OBJECT_CLASSES) >= _CACHED_CLASSES:
             _OBJECT_CLASSES.clear()
-        known = _OBJECT_CLASSES[cls] = not region_keys.constant_class(cls)
+        known = _OBJECT_CLASSES[cls] = not _constant_class(cls)
     return known
+
+
+def _constant_class(cls: type) -> bool:
+    """Whether values of ``cls`` are constants of a key or containers flatten walks (a frozen
+    dataclass is rebuilt), not objects to walk."""
+    if cls in region_keys.BY_VALUE or issubclass(cls, region_keys.NOT_OBJECTS):
+        return True
+    return hasattr(cls, "__dataclass_fields__") and cls.__dataclass_params__.frozen
 
 
 # --- how a class is walked ---------------------------------------------------------------------
