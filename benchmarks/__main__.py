@@ -13,7 +13,8 @@ argument and closed over, beside eager, a static CUDA graph and torch.compile; s
 transformers), decode_loop.md (the
 sample's output) and, with two GPUs, decode_loop_tp2.md (the tensor-parallel sample). These
 need a GPU (keys runs on CPU tensors without one) and are the default; jit_cpu (the jit's
-Python-side cost with the driver call a no-op) runs on any machine, with ``--only jit_cpu``.
+Python-side cost with the driver call a no-op) and recording_cpu (a recording's host steps
+besides the driver) run on any machine, with ``--only jit_cpu recording_cpu``.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import torch
 from benchmarks import common
 
 GPU_BENCHMARKS = ["launch", "jit", "keys", "replay", "pool_snapshot", "scaling", "shapes", "triton_region", "hf"]
-CPU_BENCHMARKS = ["jit_cpu"]
+CPU_BENCHMARKS = ["jit_cpu", "recording_cpu"]
 SAMPLE = "decode_loop"
 
 

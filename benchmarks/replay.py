@@ -199,6 +199,88 @@ def floor_steps(region_object, shapes) -> tuple[dict, Callable]:
     return steps, restore
 
 
+class _NodeRecorder:
+    """The least an exact recording hears of each launch: the graph node it became, asked of
+    the capture right after the launch (records made in C beside the packed launch, as a
+    recording's are: ``launch_sink``)."""
+
+    def __init__(self, backend) -> None:
+        self.records, self.nodes, self.backend = [], [], backend
+        self.launch_sink = (self.records, self.nodes, backend.capture_tail)
+
+    def launch(self, record) -> None:
+        self.records.append(record)
+        tail = self.backend.capture_tail(record.stream) if record.launched else None
+        self.nodes.append(tail[0] if tail and len(tail) == 1 else None)
+
+    def miss(self, description: str) -> None:
+        raise RuntimeError(f"{description}: compile before measuring the floor")
+
+
+def exact_floor(step, x, pool) -> tuple[float, float]:
+    """The driver work an exact recording of ``step(x)`` cannot leave out, in microseconds:
+    (the recording call's: a capture into ``pool`` that asks each launch's graph node, the
+    outputs' own memory appended to the graph in a second capture, instantiate, the first
+    launch and its wait; the key's second call's: the graph's nodes and each kernel node's
+    parameters read, a launch and its wait)."""
+    backend = get_backend()
+    graph, stream = torch.cuda.CUDAGraph(keep_graph=True), torch.cuda.Stream()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with torch.cuda.stream(stream):
+        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+        with jc.recorder.recording(_NodeRecorder(backend)):
+            out = step(x)
+        graph.capture_end()
+        own = torch.empty_like(out)  # outside the pool: the output's own memory
+        with backend.capture_into(graph.raw_cuda_graph(), stream.cuda_stream):
+            own.copy_(out)
+        graph.instantiate()
+    graph.replay()
+    torch.cuda.synchronize()
+    recorded = time.perf_counter()
+    for node in backend.graph_nodes(graph.raw_cuda_graph()):
+        sizes = backend.kernel_param_sizes(node.function) if node.kind == "kernel" else None
+        if sizes is not None:
+            backend.read_kernel_params(node, sizes)
+    graph.replay()
+    torch.cuda.synchronize()
+    return (recorded - start) * 1e6, (time.perf_counter() - recorded) * 1e6
+
+
+def floor_report(raw_median: float, floor: dict, first: dict, second: dict) -> tuple[str, dict]:
+    """The targets stated against the exact floor (markdown, JSON fields): how much of each
+    target the floor leaves to the host steps of exactness, and what they spend now."""
+    med = statistics.median
+    call = med(f for f, _ in floor.values())
+    two = med(f + s for f, s in floor.values())
+    spent_first = med(first.values()) - call
+    spent_two = med(first[b] + second[b] for b in first) - two
+    text = (
+        f"The driver work an exact recording cannot leave out (a capture that asks each launch's graph node, the "
+        f"outputs' own memory appended in a second capture, instantiate, the first launch and its wait) costs "
+        f"{call:.0f} us, **{call / raw_median:.2f}x** the raw capture: the 2x target leaves "
+        f"{2 * raw_median - call:.0f} us above it for a recording's host steps (the inputs' checks, the torch-op "
+        f"observer, the launch records, the pool's segments, the refusals, the extents), which spend "
+        f"{spent_first:.0f} us now. With the key's second call (the graph's nodes read, a launch and its wait) the "
+        f"floor is {two:.0f} us, **{two / raw_median:.2f}x**: the 3x target leaves {3 * raw_median - two:.0f} us "
+        f"for the analysis and the replay code, which spend "
+        f"{spent_two:.0f} us now."
+    )
+    fields = {
+        "exact_floor_us": {b: f for b, (f, _) in floor.items()},
+        "exact_floor_second_call_us": {b: s for b, (_, s) in floor.items()},
+        "exact_floor_ratio": call / raw_median,
+        "exact_floor_two_calls_ratio": two / raw_median,
+        "first_target_left_above_floor_us": 2 * raw_median - call,
+        "two_calls_target_left_above_floor_us": 3 * raw_median - two,
+        "in_session_first_above_floor_us": spent_first,
+        "in_session_two_calls_above_floor_us": spent_two,
+        "targets_against_floor": text,
+    }
+    return text, fields
+
+
 def loop(step, inputs, order, sync=torch.cuda.synchronize) -> tuple[float, float]:
     """(host us per step, end-to-end us per step) over one pass of ``order``."""
     sync()
@@ -364,6 +446,8 @@ def main() -> None:
         graphs[b] = graph
 
     launches = {b: graph_launcher(graphs[b]) for b in SHAPES}
+    # the exact floor of each shape, into the same pool as the raw captures
+    exact_floors = {b: exact_floor(region, static_in[b], pool) for b in SHAPES}
 
     # the same region with a runtime scalar: each step rebinds one pointer and one scalar
     slopes = [replay.dynamic(1.0 + i / 64) for i in range(16)]
@@ -498,6 +582,7 @@ def main() -> None:
     in_session_ratio = statistics.median(in_session_first.values()) / raw_median
     two_calls = [in_session_first[b] + in_session_second[b] for b in SHAPES]
     two_calls_ratio = statistics.median(two_calls) / raw_median
+    floor_text, floor_fields = floor_report(raw_median, exact_floors, in_session_first, in_session_second)
     fresh_two_calls = statistics.median(first.values()) + statistics.median(next(iter(second.values())))
     body += (
         f"\n\nReplay end to end: **{results['eager jit']['end_to_end_us'] / replay_e2e:.2f}x** faster than eager jit "
@@ -546,6 +631,8 @@ def main() -> None:
         + recording_parts(
             in_session_first, in_session_steps, in_session_outside, raw_capture, raw_region, raw_first_launch
         )
+        + "\n\n"
+        + floor_text
         + "\n\nThe fresh session's recording call, in parts (median us): "
         + ", ".join(f"{name} {statistics.median(values):.0f}" for name, values in phases.items())
         + f"; the key's second call (analysis and replay code, then a replay) "
@@ -586,6 +673,7 @@ def main() -> None:
         in_session_second_us=in_session_second,
         in_session_first_ratio=in_session_ratio,
         in_session_two_calls_ratio=two_calls_ratio,
+        **floor_fields,
         first_record_phases_us=phases,
         in_session_steps_us=in_session_steps,
         in_session_outside_steps_us=in_session_outside,

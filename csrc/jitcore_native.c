@@ -704,7 +704,8 @@ static int pack_one(char code, PyObject *value, char *place) {
 /* The launch itself: pack, launch, and return the launch's (status,), or with `reporting`
  * the packed parameter bytes (the recording path reports them: codegen.CallState._report),
  * a refused launch raising there even without `failed`. */
-static PyObject *packed_run(PackedLaunch *self, PyObject *const *args, Py_ssize_t count, int reporting) {
+static PyObject *packed_run(PackedLaunch *self, PyObject *const *args, Py_ssize_t count, int reporting,
+                            int *launched) {
     static const char *const names[] = {"grid x", "grid y", "grid z", "block x", "block y", "block z", "shared bytes"};
     unsigned dims[7];
     void *stream;
@@ -737,6 +738,8 @@ static PyObject *packed_run(PackedLaunch *self, PyObject *const *args, Py_ssize_
             goto done;
         }
     }
+    if (launched != NULL)
+        *launched = dims[0] != 0 && dims[1] != 0 && dims[2] != 0;
     if (dims[0] == 0 || dims[1] == 0 || dims[2] == 0) { /* an empty launch: nothing to run */
         result = reporting ? PyBytes_FromStringAndSize(buffer, self->size) : status_tuple(0);
         goto done;
@@ -777,18 +780,271 @@ static PyObject *packed_vectorcall(PyObject *callable, PyObject *const *args, si
         PyErr_SetString(PyExc_TypeError, "a packed launch takes positional arguments only");
         return NULL;
     }
-    return packed_run((PackedLaunch *)callable, args, PyVectorcall_NARGS(nargsf), 0);
+    return packed_run((PackedLaunch *)callable, args, PyVectorcall_NARGS(nargsf), 0, NULL);
 }
 
 /* launcher.reporting(*the call's arguments): the same launch, returning the bytes it packed. */
 static PyObject *packed_reporting(PyObject *self, PyObject *const *args, Py_ssize_t count) {
-    return packed_run((PackedLaunch *)self, args, count, 1);
+    return packed_run((PackedLaunch *)self, args, count, 1, NULL);
+}
+
+/* --- launch records made beside the launch ----------------------------------------------------
+ *
+ * A recording (replay's capture) hears of every launch a call state makes. Made in Python, each
+ * launch's record costs more than the launch itself; here the record is a copy of a template the
+ * call state made once (jitcore.recorder.LaunchRecord, every field that does not change from call
+ * to call written), with the call's own fields filled in: its grid, block, shared bytes, the
+ * parameter bytes packed, its arguments as passed, its stream and whether it launched. Which
+ * fields those are is told once by use_launch_record (from jitcore.codegen). */
+
+enum { RECORD_GRID, RECORD_BLOCK, RECORD_SHARED, RECORD_BYTES, RECORD_ARGS, RECORD_STREAM, RECORD_LAUNCHED,
+       RECORD_CALL_FIELDS };
+static PyTypeObject *RECORD_TYPE; /* LaunchRecord, once told */
+static Py_ssize_t RECORD_FIELD[RECORD_CALL_FIELDS];
+
+/* use_launch_record(record_type, positions): the record class (a tuple subclass) and where its
+   per-call fields sit, in the order grid, block, shared bytes, parameter bytes, arguments, stream,
+   launched. */
+static PyObject *use_launch_record(PyObject *module, PyObject *const *args, Py_ssize_t count) {
+    Py_ssize_t positions[RECORD_CALL_FIELDS];
+    if (check_count(count, 2) < 0)
+        return NULL;
+    if (!PyType_Check(args[0]) || !PyType_IsSubtype((PyTypeObject *)args[0], &PyTuple_Type)) {
+        PyErr_SetString(PyExc_TypeError, "use_launch_record: record_type must be a tuple subclass");
+        return NULL;
+    }
+    if (!PyTuple_Check(args[1]) || PyTuple_GET_SIZE(args[1]) != RECORD_CALL_FIELDS) {
+        PyErr_Format(PyExc_TypeError, "use_launch_record: positions must be a tuple of %d ints", RECORD_CALL_FIELDS);
+        return NULL;
+    }
+    for (int i = 0; i < RECORD_CALL_FIELDS; i++) {
+        positions[i] = PyLong_AsSsize_t(PyTuple_GET_ITEM(args[1], i));
+        if (positions[i] == -1 && PyErr_Occurred())
+            return NULL;
+        if (positions[i] < 0 || positions[i] > 255) {
+            PyErr_Format(PyExc_ValueError, "use_launch_record: position %zd outside 0..255", positions[i]);
+            return NULL;
+        }
+    }
+    PyTypeObject *previous = RECORD_TYPE;
+    RECORD_TYPE = (PyTypeObject *)Py_NewRef(args[0]);
+    memcpy(RECORD_FIELD, positions, sizeof positions);
+    Py_XDECREF(previous);
+    Py_RETURN_NONE;
+}
+
+/* A copy of the template with the call's fields: a new reference, or NULL with the error set. */
+static PyObject *record_from(PyObject *template, PyObject *const call[RECORD_CALL_FIELDS]) {
+    Py_ssize_t size = PyTuple_GET_SIZE(template);
+    PyObject *record = Py_TYPE(template)->tp_alloc(Py_TYPE(template), size);
+    if (record == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < size; i++)
+        PyTuple_SET_ITEM(record, i, Py_NewRef(PyTuple_GET_ITEM(template, i)));
+    for (int f = 0; f < RECORD_CALL_FIELDS; f++) {
+        PyObject *old = PyTuple_GET_ITEM(record, RECORD_FIELD[f]);
+        PyTuple_SET_ITEM(record, RECORD_FIELD[f], Py_NewRef(call[f]));
+        Py_DECREF(old);
+    }
+    return record;
+}
+
+/* The graph node a launch became, as the sink's tail says: its only item, else None. */
+static PyObject *tail_node(PyObject *tail, PyObject *stream) {
+    PyObject *nodes = PyObject_CallOneArg(tail, stream);
+    if (nodes == NULL || nodes == Py_None)
+        return nodes;
+    Py_ssize_t length = PyObject_Length(nodes);
+    PyObject *node = length < 0 ? NULL : length == 1 ? PySequence_GetItem(nodes, 0) : Py_NewRef(Py_None);
+    Py_DECREF(nodes);
+    return node;
+}
+
+/* The sink's parts: (records list, nodes list or None, tail callable or None). */
+static int sink_parts(PyObject *sink, PyObject **records, PyObject **nodes, PyObject **tail) {
+    if (!PyTuple_Check(sink) || PyTuple_GET_SIZE(sink) != 3) {
+        PyErr_SetString(PyExc_TypeError, "recorded: sink must be a (records, nodes, tail) tuple");
+        return -1;
+    }
+    *records = PyTuple_GET_ITEM(sink, 0);
+    *nodes = PyTuple_GET_ITEM(sink, 1);
+    *tail = PyTuple_GET_ITEM(sink, 2);
+    if (!PyList_Check(*records) || (*nodes != Py_None && !PyList_Check(*nodes)) ||
+        (*tail != Py_None && !PyCallable_Check(*tail))) {
+        PyErr_SetString(PyExc_TypeError, "recorded: sink must hold a list, a list or None, a callable or None");
+        return -1;
+    }
+    return 0;
+}
+
+/* A template the call's fields can be written into: an instance of the told record class. */
+static int check_template(PyObject *template) {
+    if (RECORD_TYPE == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "recorded: no launch record class told (use_launch_record)");
+        return -1;
+    }
+    if (Py_TYPE(template) != RECORD_TYPE) {
+        PyErr_Format(PyExc_TypeError, "recorded: template must be a %s", RECORD_TYPE->tp_name);
+        return -1;
+    }
+    for (int f = 0; f < RECORD_CALL_FIELDS; f++)
+        if (RECORD_FIELD[f] >= PyTuple_GET_SIZE(template)) {
+            PyErr_SetString(PyExc_ValueError, "recorded: the template has fewer fields than use_launch_record said");
+            return -1;
+        }
+    return 0;
+}
+
+/* Append the launch's record, and the node it became, to the sink (both checked again: the
+   launch let other threads run, which may have told another record class). */
+static int report_launch(PyObject *sink, PyObject *template, PyObject *const call[RECORD_CALL_FIELDS]) {
+    PyObject *records, *nodes, *tail, *node = Py_NewRef(Py_None);
+    if (sink_parts(sink, &records, &nodes, &tail) < 0 || check_template(template) < 0)
+        goto failed;
+    PyObject *record = record_from(template, call);
+    if (record == NULL)
+        goto failed;
+    int appended = PyList_Append(records, record);
+    Py_DECREF(record);
+    if (appended < 0 || nodes == Py_None)
+        goto done;
+    if (call[RECORD_LAUNCHED] == Py_True && tail != Py_None) {
+        Py_DECREF(node);
+        node = tail_node(tail, call[RECORD_STREAM]);
+        if (node == NULL)
+            return -1;
+    }
+    appended = PyList_Append(nodes, node);
+done:
+    Py_DECREF(node);
+    return appended;
+failed:
+    Py_DECREF(node);
+    return -1;
+}
+
+/* launcher.recorded(sink, template, original, gx, gy, gz, bx, by, bz, shared, stream, *values): the
+   launch, then its record (the template with this call's fields; `original`, the call's arguments
+   as passed) appended to the sink's records, and the node `tail(stream)` names (None for an empty
+   launch) to its nodes. The sink and the template are checked before anything is launched. */
+static PyObject *packed_recorded(PyObject *self, PyObject *const *args, Py_ssize_t count) {
+    PyObject *records, *nodes, *tail;
+    int launched = 0;
+    if (count < 11) {
+        PyErr_Format(PyExc_TypeError, "recorded: expected at least 11 arguments, got %zd", count);
+        return NULL;
+    }
+    if (sink_parts(args[0], &records, &nodes, &tail) < 0 || check_template(args[1]) < 0)
+        return NULL;
+    PyObject *bytes = packed_run((PackedLaunch *)self, args + 3, count - 3, 1, &launched);
+    if (bytes == NULL)
+        return NULL;
+    PyObject *grid = PyTuple_Pack(3, args[3], args[4], args[5]);
+    PyObject *block = PyTuple_Pack(3, args[6], args[7], args[8]);
+    int reported = -1;
+    if (grid != NULL && block != NULL) {
+        PyObject *const call[RECORD_CALL_FIELDS] = {grid, block, args[9], bytes, args[2], args[10],
+                                                    launched ? Py_True : Py_False};
+        reported = report_launch(args[0], args[1], call);
+    }
+    Py_XDECREF(grid);
+    Py_XDECREF(block);
+    Py_DECREF(bytes);
+    if (reported < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+/* Whether an argument stays in a kept record: exact ints and floats, instances of `kept`, and
+   objects with `attribute` (replay.recording.scalar_or_none's rule); 1, 0, or -1 with the error
+   set. Exact instances of `dropped` (tensors, most arguments) are answered first. */
+static int argument_kept(PyObject *value, PyObject *dropped, PyObject *kept, PyObject *attribute) {
+    if ((PyObject *)Py_TYPE(value) == dropped)
+        return 0;
+    if (PyLong_CheckExact(value) || PyFloat_CheckExact(value))
+        return 1;
+    int is = PyObject_IsInstance(value, kept);
+    if (is != 0)
+        return is;
+    PyObject *found = PyObject_GetAttr(value, attribute);
+    if (found != NULL) {
+        Py_DECREF(found);
+        return 1;
+    }
+    if (!PyErr_ExceptionMatches(PyExc_AttributeError))
+        return -1;
+    PyErr_Clear();
+    return 0;
+}
+
+/* A copy of `record` (a tuple, of its own class) with its arguments at `position` kept or None. */
+static PyObject *record_without(PyObject *record, Py_ssize_t position, PyObject *dropped, PyObject *kept,
+                                PyObject *attribute) {
+    if (!PyTuple_Check(record) || position >= PyTuple_GET_SIZE(record) ||
+        !PyTuple_Check(PyTuple_GET_ITEM(record, position))) {
+        PyErr_SetString(PyExc_TypeError, "without_tensors: each record must be a tuple holding a tuple at position");
+        return NULL;
+    }
+    PyObject *args = PyTuple_GET_ITEM(record, position);
+    Py_ssize_t count = PyTuple_GET_SIZE(args), size = PyTuple_GET_SIZE(record);
+    PyObject *stripped = PyTuple_New(count);
+    if (stripped == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *value = PyTuple_GET_ITEM(args, i);
+        int keep = argument_kept(value, dropped, kept, attribute);
+        if (keep < 0) {
+            Py_DECREF(stripped);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(stripped, i, Py_NewRef(keep ? value : Py_None));
+    }
+    PyObject *copy = Py_TYPE(record)->tp_alloc(Py_TYPE(record), size);
+    if (copy == NULL) {
+        Py_DECREF(stripped);
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < size; i++)
+        PyTuple_SET_ITEM(copy, i, i == position ? stripped : Py_NewRef(PyTuple_GET_ITEM(record, i)));
+    return copy;
+}
+
+/* without_tensors(records, position, dropped, kept, attribute) -> list: each record (a tuple
+   whose item `position` is its launch's arguments) copied with only the arguments analysis
+   keeps, the others None (see argument_kept): a recording's records, which must not hold its
+   tensors once it ends. */
+static PyObject *without_tensors(PyObject *module, PyObject *const *args, Py_ssize_t count) {
+    if (check_count(count, 5) < 0)
+        return NULL;
+    Py_ssize_t position = PyLong_AsSsize_t(args[1]);
+    if (position == -1 && PyErr_Occurred())
+        return NULL;
+    if (position < 0 || !PyList_Check(args[0]) || !PyType_Check(args[2]) || !PyUnicode_Check(args[4])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "without_tensors(records list, position >= 0, dropped type, kept types, attribute name)");
+        return NULL;
+    }
+    PyObject *records = PySequence_Tuple(args[0]); /* a copy: the caller's list may change */
+    if (records == NULL)
+        return NULL;
+    PyObject *result = PyList_New(0);
+    for (Py_ssize_t i = 0; result != NULL && i < PyTuple_GET_SIZE(records); i++) {
+        PyObject *copy = record_without(PyTuple_GET_ITEM(records, i), position, args[2], args[3], args[4]);
+        if (copy == NULL || PyList_Append(result, copy) < 0)
+            Py_CLEAR(result);
+        Py_XDECREF(copy);
+    }
+    Py_DECREF(records);
+    return result;
 }
 
 static PyMethodDef packed_methods[] = {
     {"reporting", (PyCFunction)(void (*)(void))packed_reporting, METH_FASTCALL,
      "reporting(gx, gy, gz, bx, by, bz, shared, stream, *values): the same launch, returning the parameter "
      "bytes it packed (a launch the driver refused raises)"},
+    {"recorded", (PyCFunction)(void (*)(void))packed_recorded, METH_FASTCALL,
+     "recorded(sink, template, original, gx, gy, gz, bx, by, bz, shared, stream, *values): the same launch, its "
+     "record appended to the sink (see the module source)"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -804,6 +1060,17 @@ static PyTypeObject PackedLaunchType = {
     .tp_dealloc = (destructor)packed_dealloc,
     .tp_call = PyVectorcall_Call,
 };
+
+/* A launch that runs nothing and succeeds: what the null backend (jitcore.backends.null) puts
+   behind a PackedLaunch, so that CPU tests and benchmarks run the C packing and a recording's
+   launch records without a driver. Exported as NULL_LAUNCH, its address. */
+static int null_kernel_launch(void *function, unsigned grid_x, unsigned grid_y, unsigned grid_z, unsigned block_x,
+                              unsigned block_y, unsigned block_z, unsigned shared_bytes, void *stream, void **params,
+                              void **extra) {
+    (void)function, (void)grid_x, (void)grid_y, (void)grid_z, (void)block_x, (void)block_y, (void)block_z;
+    (void)shared_bytes, (void)stream, (void)params, (void)extra;
+    return 0;
+}
 
 /* use_data_pointer_reader(capsule or None): the reader 'P' tries first (None: the method only). */
 static PyObject *use_data_pointer_reader(PyObject *module, PyObject *capsule) {
@@ -826,6 +1093,12 @@ static PyMethodDef module_methods[] = {
      "use_data_pointer_reader(capsule or None): how 'P' reads a tensor's data pointer (see the module source)"},
     {"bind", (PyCFunction)(void (*)(void))bind, METH_FASTCALL,
      "bind(kind, name, address) -> function calling the vendor function at address (see the module source)"},
+    {"without_tensors", (PyCFunction)(void (*)(void))without_tensors, METH_FASTCALL,
+     "without_tensors(records, position, dropped, kept, attribute) -> the records with only the arguments kept "
+     "(see the module source)"},
+    {"use_launch_record", (PyCFunction)(void (*)(void))use_launch_record, METH_FASTCALL,
+     "use_launch_record(record_type, positions): the launch record class PackedLaunch.recorded makes, and where "
+     "its per-call fields sit"},
     {"read_params", (PyCFunction)(void (*)(void))read_params, METH_FASTCALL,
      "read_params(address, sizes) -> the bytes each pointer of a kernel-parameter array points to"},
     {NULL, NULL, 0, NULL},
@@ -858,6 +1131,10 @@ PyMODINIT_FUNC PyInit__native(void) {
     Py_DECREF(struct_module);
     S_DATA_PTR = PyUnicode_InternFromString("data_ptr");
     if (STRUCT_ERROR == NULL || S_DATA_PTR == NULL || PyType_Ready(&PackedLaunchType) < 0) {
+        Py_DECREF(module);
+        return NULL;
+    }
+    if (PyModule_AddObject(module, "NULL_LAUNCH", PyLong_FromVoidPtr((void *)(uintptr_t)null_kernel_launch)) < 0) {
         Py_DECREF(module);
         return NULL;
     }

@@ -180,7 +180,10 @@ class CallState:
         self.device = trace.device
         self.returns = returns
         self.param_names = trace.param_names
-        self.check_globals: object = None  # set by the jit function once it has a drift snapshot
+        # per launch, the record a packed launch copies for each launch it records (see
+        # _record_template); None until the first report of it made one, or where none can be
+        self._templates: list = [None] * len(trace.launches)
+        self.check_globals = None  # set by the jit function once it has a drift snapshot
         self._tls = threading.local()
         self.name = f"{owner}__state{index}"
         self._ident = python_name(self.name)
@@ -200,11 +203,18 @@ class CallState:
                 "_index_failed": self._index_failed,
                 "_current_hook": recorder.current,
                 "_report": self._report,
+                "_R": self._templates,
             }
         )
         self._binder = Binder(self.namespace)
         self._config_sources: dict[int, tuple[str, str, str]] = {}
         self._provenance = [self._plan_provenance(launch) for launch in trace.launches]
+        # per launch: whether its pointers' byte offsets were known when it was traced (a
+        # record template serves every call only then)
+        self._fixed_offsets = [
+            all(not isinstance(p, _PointerPlan) or symbolic.is_static(p.offset) for p in plan.params)
+            for plan in self._provenance
+        ]
         self._evaluators: dict[tuple, tuple[_Evaluator, str]] = {}
         self._reports: dict[object, tuple] = {}  # launch number or (number, *fixed values) -> _report_parts
         self._check_plans = self._plan_checks()
@@ -221,6 +231,7 @@ class CallState:
             )
             for launch, plan in zip(trace.launches, self._provenance)
         ]
+        self._records_in_c = False  # set by _generate where every launch records itself
         self.source = self._generate()
         self.filename = source_filename(f"call state {self.name}")
         defined = define(self.source, self.filename, self.namespace)
@@ -246,6 +257,7 @@ class CallState:
         # every launch packs with struct into this thread's buffers first (no slower than
         # packed launches with a checking call of each before, and nothing half-launched).
         packed = None if len(self.trace.launches) > 1 else self._packed_launchers()
+        self._records_in_c = packed is not None and _records_in_c(packed)
         return self._generate_one(packed, recording=False) + "\n" + self._generate_one(packed, recording=True)
 
     def _packed_launchers(self) -> list | None:
@@ -292,6 +304,8 @@ class CallState:
                 f"def {self._ident}__rec({', '.join([*args, 'stream', '_original'])}):",
                 "    _hook = _current_hook()",
             ]
+            if self._records_in_c:  # a recorder's list the packed launch appends its records to
+                lines.append("    _sink = None if _hook is None else getattr(_hook, 'launch_sink', None)")
         else:
             mapping = ", ".join(f"{a} = {name}" for a, name in zip(args, self.param_names)) or "none"
             lines = [
@@ -494,9 +508,10 @@ class CallState:
             elif dynamic_axes:
                 nonzero = " and ".join(grid[axis] for axis in dynamic_axes)
                 launching = [f"if {nonzero}:", *("    " + x for x in launching)]
-        if recording:
+        if recording:  # (where the launch records itself, this is the path without a template)
             launching.append(
-                f"if _hook is not None: _report(_hook, {number}, {packed_bytes}, {args_tuple}, _original, stream, "
+                ("    " if packed is not None and self._records_in_c else "")
+                + f"if _hook is not None: _report(_hook, {number}, {packed_bytes}, {args_tuple}, _original, stream, "
                 f"{grid_t}, {block_t}, {shared}, {launched})"
             )
         return lines, launching
@@ -516,7 +531,9 @@ class CallState:
         parameters (exactly as struct would, refusing what struct refuses, also for an empty
         grid) and launches (nothing for a grid with a zero dimension). Only for a call state of
         one launch (see :meth:`_generate`). The recording path calls its ``reporting``, which
-        returns the bytes it packed, as ``_p{number}``."""
+        returns the bytes it packed, as ``_p{number}``; or, where the recorder takes records
+        made in C (its ``launch_sink``) and this launch has its record template, ``recorded``,
+        which also makes the launch's record and hands it to the recorder."""
         self.namespace[f"_L{number}"] = packed
         values = "".join(
             f", _a{launch.sources[i].arg_index}"
@@ -525,8 +542,16 @@ class CallState:
             for i in dynamic
         )
         config = ", ".join([*grid, *block, shared])
+        reporting = f"_p{number} = _L{number}.reporting({config}, stream{values})  # the bytes it packed"
+        if recording and self._records_in_c:
+            return [
+                f"if _sink is not None and _R[{number}] is not None:",
+                f"    _L{number}.recorded(_sink, _R[{number}], _original, {config}, stream{values})",
+                "else:",
+                f"    {reporting}",
+            ]
         if recording:
-            return [f"_p{number} = _L{number}.reporting({config}, stream{values})  # the bytes it packed"]
+            return [reporting]
         return [f"_L{number}({config}, stream{values})  # raises the backend's error if the launch fails"]
 
     def _param_source(self, launch: TraceLaunch, index: int) -> str:
@@ -684,10 +709,11 @@ class CallState:
 
     def _report(self, hook, number, packed, args, original, stream, grid, block, shared, launched=True) -> None:
         """Tell ``hook`` about launch ``number`` of this call (every launch of a recording
-        comes through here, so it is on the first recording call's path: what does not
-        change from call to call, every record but the pointers' byte offsets, is made once
-        per set of fixed sizes and reused; records are frozen). ``packed``: the parameter
-        bytes launched (a packed launcher's) or this thread's buffer holding them."""
+        comes through here unless it records itself, so it is on the first recording call's
+        path: what does not change from call to call, every record but the pointers' byte
+        offsets, is made once per set of fixed sizes and reused; records are frozen).
+        ``packed``: the parameter bytes launched (a packed launcher's) or this thread's buffer
+        holding them."""
         facts, layout, fixed = self._report_facts[number]
         if packed.__class__ is not bytes:
             packed = bytes(memoryview(packed)[: layout.size])
@@ -698,33 +724,11 @@ class CallState:
             if len(self._reports) >= _REPORT_CACHE_SIZE:
                 self._reports.clear()
             parts = self._reports[key] = self._report_parts(number, values)
-        params, pointers, config, checks, by_offsets = parts
+        params, pointers, config, checks, _by_offsets = parts
         if pointers:
-            offsets = tuple(
-                _unpack_pointer(packed, at)[0] - args[item.arg_index].data_ptr() for _, item, at, _, _ in pointers
-            )
-            made = by_offsets.get(offsets)
-            if made is None:
-                made = list(params)
-                for (position, item, _at, offset_evaluate, by_offset), byte_offset in zip(pointers, offsets):
-                    record = by_offset.get(byte_offset)
-                    if record is None:
-                        record = recorder.ParamRecord(
-                            kind="pointer",
-                            arg_index=item.arg_index,
-                            byte_offset=byte_offset,
-                            read_only=item.read_only,
-                            offset_scalar_args=item.scalar_args,
-                            offset_evaluate=offset_evaluate,
-                            **item.common,
-                        )
-                        if len(by_offset) < _POINTER_RECORDS:
-                            by_offset[byte_offset] = record
-                    made[position] = record
-                made = tuple(made)
-                if len(by_offsets) < _POINTER_RECORDS:
-                    by_offsets[offsets] = made
-            params = made
+            params = self._pointer_params(parts, packed, args)
+        if self._records_in_c and not fixed and self._templates[number] is None and self._fixed_offsets[number]:
+            self._templates[number] = self._record_template(number, params, config, checks)
         # the fields in LaunchRecord's order (a record is made per launch: no keywords, and
         # tuple.__new__ as LaunchRecord.with_args uses, without _make's classmethod call)
         hook.launch(
@@ -747,6 +751,60 @@ class CallState:
                 ),
             )
         )
+
+    def _pointer_params(self, parts: tuple, packed: bytes, args: tuple) -> tuple:
+        """The params tuple of a launch whose pointers sit at these byte offsets from their
+        tensors' data pointers (one tuple per combination of offsets, shared by the launches
+        that have it)."""
+        params, pointers, _config, _checks, by_offsets = parts
+        offsets = tuple(
+            _unpack_pointer(packed, at)[0] - args[item.arg_index].data_ptr() for _, item, at, _, _ in pointers
+        )
+        made = by_offsets.get(offsets)
+        if made is not None:
+            return made
+        made = list(params)
+        for (position, item, _at, offset_evaluate, by_offset), byte_offset in zip(pointers, offsets):
+            record = by_offset.get(byte_offset)
+            if record is None:
+                record = recorder.ParamRecord(
+                    kind="pointer",
+                    arg_index=item.arg_index,
+                    byte_offset=byte_offset,
+                    read_only=item.read_only,
+                    offset_scalar_args=item.scalar_args,
+                    offset_evaluate=offset_evaluate,
+                    **item.common,
+                )
+                if len(by_offset) < _POINTER_RECORDS:
+                    by_offset[byte_offset] = record
+            made[position] = record
+        made = tuple(made)
+        if len(by_offsets) < _POINTER_RECORDS:
+            by_offsets[offsets] = made
+        return made
+
+    def _record_template(self, number: int, params: tuple, config: tuple, checks: tuple) -> recorder.LaunchRecord:
+        """The record of launch ``number`` with every field that does not change from call to
+        call: what a packed launch copies, its call's fields written in (``recorded``). Only
+        for a launch whose records depend on no size (no fixed leaves) and whose pointers sit
+        at offsets known when it was traced, so that ``params`` serves every call."""
+        facts, layout, _fixed = self._report_facts[number]
+        call = None  # grid, block, shared bytes, parameter bytes, arguments, stream, launched: per call
+        return tuple.__new__(
+            recorder.LaunchRecord,
+            (*facts, call, call, call, layout, call, params, call, call, self.check_globals, call, config, checks),
+        )
+
+    @property
+    def check_globals(self) -> object:
+        """The launcher's drift check, which every launch record carries."""
+        return self._check_globals
+
+    @check_globals.setter
+    def check_globals(self, check: object) -> None:
+        self._check_globals = check
+        self._templates[:] = [None] * len(self._templates)  # they carry the old one
 
     def _report_parts(self, number: int, values: dict | None) -> tuple:
         """(params, pointers, config, checks, params by pointer offsets) of launch ``number``
@@ -835,6 +893,26 @@ class _Encoder:
 
     def __call__(self, value: object) -> bytes:
         return abi.encode_scalar(self.param, value)
+
+
+#: The fields of a LaunchRecord that a packed launch's ``recorded`` writes per call, in the
+#: order the C helper takes them (csrc/jitcore_native.c, use_launch_record).
+_CALL_FIELDS = ("grid", "block", "shared_bytes", "param_bytes", "args", "stream", "launched")
+_TOLD_THE_HELPER: list[bool] = []
+
+
+def _records_in_c(launchers: Sequence) -> bool:
+    """Whether every packed launch can make its launch records itself (the C helper's
+    ``PackedLaunch.recorded``), the helper told once which class those records are."""
+    if not all(hasattr(launcher, "recorded") for launcher in launchers):
+        return False
+    if not _TOLD_THE_HELPER:
+        from jitcore.backends import _native  # a packed launch with ``recorded`` is its PackedLaunch
+
+        fields = recorder.LaunchRecord._fields
+        _native.use_launch_record(recorder.LaunchRecord, tuple(fields.index(f) for f in _CALL_FIELDS))
+        _TOLD_THE_HELPER.append(True)
+    return True
 
 
 def _changing(launch: TraceLaunch) -> list[int]:

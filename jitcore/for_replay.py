@@ -49,6 +49,19 @@ def current_stream_reader(backend: Backend | None = None) -> Callable[[int], int
     return (backend or get_backend()).hot_namespace["_current_stream"]
 
 
+def native_helper() -> ModuleType | None:
+    """jitcore's C helper (csrc/jitcore_native.c, ``jitcore.backends._native``) where it was
+    built and ``JITCORE_NATIVE`` allows it, else None: replay's recording hands it the launch
+    records to copy without their tensors."""
+    if not compiled_helpers_enabled():
+        return None
+    try:
+        from jitcore.backends import _native
+    except ImportError:
+        return None
+    return _native
+
+
 def torch_native_module() -> ModuleType | None:
     """The torch-side native helper (csrc/jitcore_torch_native.cpp) where it is built and
     loadable, else None. Imported on first use, as ``jitcore.torch_native`` is."""
@@ -76,6 +89,7 @@ __all__ = [
     "generated",
     "get_backend",
     "make_guard",
+    "native_helper",
     "never",
     "recording",
     "torch_native_module",

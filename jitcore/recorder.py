@@ -160,6 +160,13 @@ _ARGS = LaunchRecord._fields.index("args")
 
 
 class Recorder(Protocol):
+    """What a recorder is. It may also have ``launch_sink``, a tuple ``(records, nodes, tail)``:
+    a call state whose launches make their records in C (the C helper's packed launch) then
+    appends each record to the list ``records`` instead of calling :meth:`launch`, and, where
+    ``nodes`` is a list, appends to it what a recorder would note of the graph node the launch
+    became: the only item of ``tail(stream)``, else None (None for a launch over an empty grid,
+    and where ``tail`` is None). Such a recorder's :meth:`launch` must do exactly the same."""
+
     def launch(self, record: LaunchRecord) -> None: ...
 
     def miss(self, description: str) -> None:

@@ -27,6 +27,7 @@ with made-up graphs; :mod:`replay.recording` feeds it what a real capture produc
 
 from __future__ import annotations
 
+import operator
 import struct
 import types
 from collections.abc import Callable, Mapping, Sequence
@@ -139,8 +140,10 @@ class LaunchView(NamedTuple):
         return self._replace(**changes)
 
 
-@attrs.frozen
-class NodeView:
+class NodeView(NamedTuple):
+    """A graph node as the plan needs it. A named tuple, as LaunchView: the analysis makes one
+    per node of every recording."""
+
     index: int
     kind: str  # "kernel", "memcpy", "memset", "other"
     function: int = 0
@@ -308,12 +311,12 @@ def match_launches(
     for number, launch in enumerate(launches):
         if not launch.launched:
             continue
-        wanted = [launch.param_bytes[p.offset : p.offset + p.size] for p in launch.params]
+        wanted = _param_slices(launch.params)(launch.param_bytes)
         if launch.node is not None:
             node = by_handle.get(launch.node)
             if node is None or node.function != launch.function or node.index in used:
                 return matches, f"jit launch {number} ({launch.kernel}) is not the graph node the capture reported"
-            if node.params is not None and list(node.params) != wanted:
+            if node.params is not None and tuple(node.params) != wanted:
                 return matches, f"the graph node of jit launch {number} ({launch.kernel}) holds other parameters"
             used.add(node.index)
             matches.append((number, node.index))
@@ -336,7 +339,7 @@ def match_launches(
         for node in order:
             if node.index in used or node.function != launch.function or node.params is None:
                 continue
-            if list(node.params) == wanted:
+            if tuple(node.params) == wanted:
                 used.add(node.index)
                 matches.append((number, node.index))
                 cursor = (kernels.index(node) + 1) % max(len(kernels), 1)
@@ -347,6 +350,44 @@ def match_launches(
                 f"jit launch {number} ({launch.kernel}) was not found among the captured graph's kernel nodes",
             )
     return matches, None
+
+
+#: Per params tuple (by id, the tuple kept beside): what the plan reads of it, made once
+#: (launches share their params tuples, see replay.recording._param_views): the parameters'
+#: slices (:func:`_param_slices`) and kinds (:func:`_param_kinds`).
+_SLICES: dict[int, tuple[tuple, Callable]] = {}
+_KINDS: dict[int, tuple[tuple, tuple]] = {}
+_BY_PARAMS_LIMIT = 4096
+
+
+def _remember(cache: dict, params: Sequence, answer: object) -> object:
+    if isinstance(params, tuple):  # immutable: the answer holds as long as it lives
+        if len(cache) >= _BY_PARAMS_LIMIT:
+            cache.clear()
+        cache[id(params)] = (params, answer)
+    return answer
+
+
+def _param_slices(params: Sequence[ParamView]) -> Callable[[bytes], tuple[bytes, ...]]:
+    """A function of a launch's parameter bytes that answers each parameter's own bytes, as
+    a kernel node holding the launch reads them (one C call: an itemgetter of slices)."""
+    cached = _SLICES.get(id(params))
+    if cached is not None and cached[0] is params:
+        return cached[1]
+    spans = [slice(p.offset, p.offset + p.size) for p in params]
+    if len(spans) == 1:  # (an itemgetter of one item answers the item itself)
+        return _remember(_SLICES, params, lambda data, only=spans[0]: (data[only],))
+    return _remember(_SLICES, params, operator.itemgetter(*spans) if spans else lambda data: ())
+
+
+def _param_kinds(params: Sequence[ParamView]) -> tuple[tuple[ParamView, ...], tuple[ParamView, ...]]:
+    """(the pointer parameters, the scalar parameters computed from runtime scalars)."""
+    cached = _KINDS.get(id(params))
+    if cached is not None and cached[0] is params:
+        return cached[1]
+    pointers = tuple(p for p in params if p.kind == "pointer")
+    scalars = tuple(p for p in params if p.kind == "scalar" and p.evaluate is not None)
+    return _remember(_KINDS, params, (pointers, scalars))
 
 
 def _arguments_source(launch: LaunchView, needed: set[int]) -> tuple[str | None, ...]:
@@ -550,16 +591,22 @@ class _Binder:
         self.plan.constants.update(launch.constants)
 
     def bind_launch(self, launch_number: int, node_index: int) -> None:
-        """Bind the pointers, scalars and grid sizes of a jit launch to its graph node."""
+        """Bind the pointers, scalars and grid sizes of a jit launch to its graph node. (A
+        launch without dynamic arguments has no scalar or grid size to recompute, and its
+        pointers into no input are left as recorded: both answered here, without a call.)"""
         launch = self.launches[launch_number]
+        pointers, scalars = _param_kinds(launch.params)
         needed: set[int] = set()
-        for param in launch.params:
-            if param.kind == "pointer":
-                needed |= self.bind_pointer(launch, launch_number, node_index, param)
-            elif param.kind == "scalar" and param.evaluate is not None:
+        unpack, lowest, highest = _POINTER.unpack_from, self.lowest, self.highest
+        for param in pointers:
+            if not param.offset_scalar_args and not lowest <= unpack(launch.param_bytes, param.offset)[0] <= highest:
+                continue  # into no input, at a fixed offset (the region's own memory): left as recorded
+            needed |= self.bind_pointer(launch, launch_number, node_index, param)
+        if launch.dynamic_args:
+            for param in scalars:
                 needed |= self.bind_scalar(launch, launch_number, node_index, param)
-        for config in launch.config:
-            needed |= self.bind_grid(launch, launch_number, node_index, config)
+            for config in launch.config:
+                needed |= self.bind_grid(launch, launch_number, node_index, config)
         if needed:
             self.recompute_arguments(launch_number, launch, needed)
 
@@ -756,8 +803,9 @@ def build_plan(
     try:
         for launch_number, node_index in plan.matches:
             binder.bind_launch(launch_number, node_index)
-        for launch_number in range(len(launches)):  # launched or not: the call state checked
-            binder.bind_index_checks(launch_number)
+        for launch_number, launch in enumerate(launches):  # launched or not: the call state checked
+            if launch.checks:
+                binder.bind_index_checks(launch_number)
     except _Refused as refused:
         plan.failure = refused.reason
         return plan

@@ -85,12 +85,14 @@ CAPTURES = for_replay.CAPTURES
 
 class _Recorder:
     """The jitcore recorder: keeps every launch (and the graph node it became, where the
-    backend can say), refuses every miss."""
+    backend can say), refuses every miss. Packed launches append their records and nodes
+    themselves (``launch_sink``), as :meth:`launch` does, without a Python call per launch."""
 
     def __init__(self, backend) -> None:
         self.records: list = []
         self.nodes: list[int | None] = []
         self.backend = backend
+        self.launch_sink = (self.records, self.nodes, backend.capture_tail)
 
     def launch(self, record) -> None:
         self.records.append(record)
@@ -163,15 +165,53 @@ class KeptPool:
                 self.keeper.capture_end()
 
 
-#: The size of each private pool as last measured, by (device, pool id): what the pool held
-#: before a recording, for the recording's memory figure, and what stats and the compaction
-#: rule read, without a snapshot of the allocator (whose cost grows with every block the
-#: process holds). Only captures grow a pool, and every capture measures it again.
-_KNOWN_POOL_BYTES: dict[tuple[int, tuple], int] = {}
+@attrs.frozen
+class _KnownPool:
+    """A private pool's segments as last measured, and the allocator's counts of device
+    allocations and frees on its device read just before (None where torch does not say)."""
+
+    counts: tuple[int, int] | None
+    segments: list[tuple[int, int]]  # (address, bytes)
+
+
+#: Each private pool as last measured, by (device, pool id): what the pool held before a
+#: recording, for the recording's memory figure, and what stats and the compaction rule read,
+#: without a snapshot of the allocator (whose cost grows with every block the process holds).
+#: Only captures grow a pool, and a live pool keeps every segment it has: the segments known
+#: are the pool's (it may have more). While the allocator's counts of device allocations and
+#: frees on the device have not moved since, no segment of any pool came or went, and the
+#: segments known are all the pool's (see current_pool_segments).
+_KNOWN_POOLS: dict[tuple[int, tuple], _KnownPool] = {}
 
 
 def _forget_pool(device: int, pool: tuple) -> None:
-    _KNOWN_POOL_BYTES.pop((device, pool), None)
+    _KNOWN_POOLS.pop((device, pool), None)
+
+
+def _device_segment_counts(device: int) -> tuple[int, int] | None:
+    """(device allocations, device frees) the caching allocator has made on ``device``: every
+    segment it maps or unmaps moves one of them. None where torch does not say."""
+    stats = getattr(torch._C, "_cuda_memoryStats", None)
+    try:
+        found = stats(device) if stats is not None else {}
+    except Exception:
+        return None
+    counts = (found.get("num_device_alloc"), found.get("num_device_free"))
+    return counts if all(isinstance(c, int) for c in counts) else None
+
+
+def current_pool_segments(device: int, pool: tuple) -> tuple[list[tuple[int, int]], bool]:
+    """(the pool's segments now, whether they were measured by a snapshot): the segments last
+    measured while the allocator's counts of device allocations and frees on the device are
+    those read before that measurement (no segment came or went since), else
+    :func:`pool_segments`. The counts can only say "unchanged" wrongly where torch's
+    accumulated statistics were reset in between and then reached the same numbers again:
+    exactness never rests on them (a recording's own outputs check the segments they rely
+    on, see _pool_memory_holding); a memory figure could miss a segment."""
+    known = _KNOWN_POOLS.get((device, tuple(pool)))
+    if known is not None and known.counts is not None and known.counts == _device_segment_counts(device):
+        return known.segments, False
+    return pool_segments(device, pool), True
 
 
 def pool_segments(device: int, pool: tuple) -> list[tuple[int, int]]:
@@ -185,6 +225,7 @@ def pool_segments(device: int, pool: tuple) -> list[tuple[int, int]]:
     where the pool's own snapshot lists the pool's alone (torch still walks every block to
     pick them: benchmarks/pool_snapshot.py)."""
     found = None
+    counts = _device_segment_counts(device)  # before the snapshot: a segment in between moves them
     try:
         if not _one_pool_snapshot_takes_its_ids():
             found = _segments_of(torch.cuda.memory_snapshot(mempool_id=pool, include_traces=False), device)
@@ -198,7 +239,7 @@ def pool_segments(device: int, pool: tuple) -> list[tuple[int, int]]:
             for s in _whole_snapshot()
             if s.get("device") == device and tuple(s.get("segment_pool_id", ())) == tuple(pool)
         ]
-    _KNOWN_POOL_BYTES[(device, tuple(pool))] = sum(size for _, size in found)
+    _KNOWN_POOLS[(device, tuple(pool))] = _KnownPool(counts, found)
     return found
 
 
@@ -275,13 +316,14 @@ def _one_pool_snapshot_takes_its_ids() -> bool:
 
 
 def pool_bytes(device: int, pool: tuple) -> int:
-    """Bytes reserved by a private memory pool (its segments), measured now."""
-    return sum(size for _, size in pool_segments(device, pool))
+    """Bytes reserved by a private memory pool (its segments) now (:func:`current_pool_segments`)."""
+    return sum(size for _, size in current_pool_segments(device, pool)[0])
 
 
 def known_pool_bytes(device: int, pool: tuple) -> int | None:
     """:func:`pool_bytes` as last measured (None if never)."""
-    return _KNOWN_POOL_BYTES.get((device, tuple(pool)))
+    known = _KNOWN_POOLS.get((device, tuple(pool)))
+    return None if known is None else sum(size for _, size in known.segments)
 
 
 def _end_capture_after_error(graph: torch.cuda.CUDAGraph, device: int, pool: tuple) -> bool:
@@ -419,49 +461,89 @@ def _param_views(params: Sequence) -> tuple[rebinding.ParamView, ...]:
 def _launch_view(
     record, node: int | None, staging_input: int | None = None, extents: dict | None = None
 ) -> rebinding.LaunchView:
-    dynamic_config = getattr(record, "dynamic_config", ())
-    config = (
-        tuple(
-            rebinding.ConfigView(c.field, tuple(c.scalar_args), c.evaluate, getattr(c, "expression", ""))
-            for c in dynamic_config
-        )
-        if dynamic_config
-        else ()
+    sources, dynamic, constants = _scalar_sources(record.args)
+    # positional, in LaunchView's order (one is made per launch of every recording)
+    return tuple.__new__(
+        rebinding.LaunchView,
+        (
+            record.function,
+            record.kernel,
+            record.param_bytes,
+            _param_views(record.params),
+            sources,
+            frozenset(dynamic),
+            constants,
+            _config_views(getattr(record, "dynamic_config", ())),
+            getattr(record, "launched", True),
+            node,
+            _check_views(getattr(record, "checks", ())),
+            staging_input,
+            extents or {},
+        ),
     )
+
+
+def _scalar_sources(args: Sequence) -> tuple[dict[int, str], set[int], dict[str, object]]:
+    """(jit argument index -> source, the dynamic ones, the constants the sources name) of a
+    record's arguments (tensors dropped: None)."""
     sources, dynamic, constants = {}, set(), {}
-    for k, arg in enumerate(record.args):
+    for k, arg in enumerate(args):
         if arg is None:
             continue  # a tensor, dropped from the record (scalar_or_none)
-        if isinstance(arg, DynamicScalar):
+        kind = arg.__class__
+        if kind is float or kind is int or kind is bool:
+            value = arg  # (the common case, answered first: no such object has __jit_scalar__)
+        elif isinstance(arg, DynamicScalar):
             sources[k] = arg.source
             constants.update(arg.constants)
             dynamic.add(k)
+            continue
         elif isinstance(arg, _NUMBERS) or hasattr(arg, "__jit_scalar__"):
-            # a plain number: bound by name, never pasted into generated code by its repr
-            name = f"_lit{next(_literal_names)}"
-            constants[name] = arg.__jit_scalar__() if hasattr(arg, "__jit_scalar__") else arg
-            sources[k] = name
-    record_checks = getattr(record, "checks", ())
-    checks = (
-        tuple(rebinding.CheckView(tuple(c.scalar_args), c.value, c.size) for c in record_checks)
-        if record_checks
-        else ()
+            value = arg.__jit_scalar__() if hasattr(arg, "__jit_scalar__") else arg
+        else:
+            continue
+        # a plain number: bound by name, never pasted into generated code by its repr
+        name = f"_lit{next(_literal_names)}"
+        constants[name] = value
+        sources[k] = name
+    return sources, dynamic, constants
+
+
+#: The views of a record's ``dynamic_config`` and ``checks`` tuples, by the tuple's id (kept
+#: beside them): call states hand the same tuples to every launch of one key.
+_CONFIG_VIEWS: dict[int, tuple[tuple, tuple]] = {}
+
+
+def _config_views(dynamic_config: Sequence) -> tuple:
+    if not dynamic_config:
+        return ()
+    cached = _CONFIG_VIEWS.get(id(dynamic_config))
+    if cached is not None and cached[0] is dynamic_config:
+        return cached[1]
+    views = tuple(
+        rebinding.ConfigView(c.field, tuple(c.scalar_args), c.evaluate, getattr(c, "expression", ""))
+        for c in dynamic_config
     )
-    return rebinding.LaunchView(
-        function=record.function,
-        kernel=record.kernel,
-        param_bytes=record.param_bytes,
-        params=_param_views(record.params),
-        scalar_sources=sources,
-        dynamic_args=frozenset(dynamic),
-        constants=constants,
-        config=config,
-        launched=getattr(record, "launched", True),
-        node=node,
-        checks=checks,
-        staging_input=staging_input,
-        extents=extents or {},
-    )
+    _remember_views(dynamic_config, views)
+    return views
+
+
+def _check_views(checks: Sequence) -> tuple:
+    if not checks:
+        return ()
+    cached = _CONFIG_VIEWS.get(id(checks))
+    if cached is not None and cached[0] is checks:
+        return cached[1]
+    views = tuple(rebinding.CheckView(tuple(c.scalar_args), c.value, c.size) for c in checks)
+    _remember_views(checks, views)
+    return views
+
+
+def _remember_views(records: Sequence, views: tuple) -> None:
+    if isinstance(records, tuple):  # immutable: its views hold as long as it lives
+        if len(_CONFIG_VIEWS) >= _PARAM_VIEWS_LIMIT:
+            _CONFIG_VIEWS.clear()
+        _CONFIG_VIEWS[id(records)] = (records, views)
 
 
 def launch_views(
@@ -490,25 +572,26 @@ def node_handle(node) -> int:
 def node_views(backend, nodes: Sequence, records: Sequence) -> tuple[list[rebinding.NodeView], bool]:
     """Read each kernel node's parameters: with the sizes of the jit launch that may be in it,
     or the driver's parameter info for foreign kernels (None where unknown)."""
-    layouts = {r.function: r.layout for r in records}
+    sizes_of = {}  # function -> its parameters' sizes: a jit launch's layout, else the driver's
+    for record in records:
+        if record.function not in sizes_of:
+            sizes_of[record.function] = [t.size for t in record.layout.types]
     scanned = True
     views = []
+    new = tuple.__new__
     for node in nodes:
-        if node.kind == "kernel":
-            layout = layouts.get(node.function)
-            sizes = [t.size for t in layout.types] if layout is not None else backend.kernel_param_sizes(node.function)
+        kind, handle = node.kind, node_handle(node)
+        if kind == "kernel":
+            sizes = sizes_of.get(node.function)
             if sizes is None:
-                scanned = False
-                params = None
-            else:
-                params = tuple(backend.read_kernel_params(node, sizes))
-            views.append(rebinding.NodeView(node.index, "kernel", node.function, params, handle=node_handle(node)))
-        elif node.kind in ("memcpy", "memset"):
-            views.append(
-                rebinding.NodeView(node.index, node.kind, pointers=tuple(node.pointers), handle=node_handle(node))
-            )
+                sizes = sizes_of[node.function] = backend.kernel_param_sizes(node.function)
+            params = None if sizes is None else tuple(backend.read_kernel_params(node, sizes))
+            scanned = scanned and params is not None
+            views.append(new(rebinding.NodeView, (node.index, kind, node.function, params, (), handle)))
+        elif kind in ("memcpy", "memset"):
+            views.append(new(rebinding.NodeView, (node.index, kind, 0, None, tuple(node.pointers), handle)))
         else:
-            views.append(rebinding.NodeView(node.index, node.kind, handle=node_handle(node)))
+            views.append(new(rebinding.NodeView, (node.index, kind, 0, None, (), handle)))
     return views, scanned
 
 
@@ -663,6 +746,8 @@ def _inputs_written(prepared: _CaptureInputs, observation: object, region_record
     a jit launch of the region writes through a pointer."""
     watched = len(prepared.watched)
     written = {prepared.watched_index[w] for w in observation.written if w < watched}
+    if not prepared.staged:
+        return written
     for _record, address in _pointer_addresses(region_records, written_only=True):
         for i, buffer in prepared.staged.items():
             if buffer.data_ptr() <= address < buffer.data_ptr() + max(extent_bytes(buffer), 1):
@@ -869,10 +954,30 @@ def _pool_bytes_before(device: int, pool: tuple) -> int:
     return known if known is not None else pool_bytes(device, pool)
 
 
-def _pool_memory(device: int, pool: tuple) -> list[tuple[int, int]]:
-    """(first byte, one past the last) of each segment of the pool, from the one snapshot of
-    the allocator a recording takes."""
-    return [(address, address + size) for address, size in pool_segments(device, pool)]
+def _pool_memory(device: int, pool: tuple) -> tuple[list[tuple[int, int]], bool]:
+    """((first byte, one past the last) of each segment of the pool, whether a snapshot of the
+    allocator measured them): see :func:`current_pool_segments`."""
+    segments, measured = current_pool_segments(device, pool)
+    return [(address, address + size) for address, size in segments], measured
+
+
+def _pool_memory_holding(
+    outputs: object, watched: Sequence[tuple[int, int]], device: int, pool: tuple, pool_memory: list, measured: bool
+) -> list[tuple[int, int]]:
+    """The pool memory own_outputs decides by: ``pool_memory``, unless it was not measured now
+    and a device tensor the region returned lies outside it and outside the inputs; then
+    measured now. Segments known are the pool's whatever the allocator's counts say, so an
+    output inside them was made in the pool; one outside may lie in a segment the pool gained
+    (or be a global's, returned as is): only a snapshot tells."""
+    if measured:
+        return pool_memory
+    _spec, leaves, _paths = flatten((outputs,), {}, walk_dataclasses=True)
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor) and leaf.device.type == "cuda" and leaf.numel():
+            lo, hi = byte_range(leaf)
+            if not any(a <= lo and hi <= b for a, b in watched) and not any(a <= lo < b for a, b in pool_memory):
+                return [(address, address + size) for address, size in pool_segments(device, pool)]
+    return pool_memory
 
 
 def _give_outputs_their_own_memory(
@@ -886,7 +991,8 @@ def _give_outputs_their_own_memory(
 ) -> None:
     """:func:`own_outputs` for a capture that just ended (filling in ``recorded``'s outputs,
     their bytes and their storages); on failure the graph is reset and the error is a
-    CaptureFailed."""
+    CaptureFailed. ``pool_memory``: the pool's segments, checked to hold what own_outputs
+    relies on (see _pool_memory_holding)."""
     watched = prepared.watched + prepared.host_ranges()
     try:
         owned = own_outputs(recorded.outputs, watched, device, backend, graph, stream, pool_memory)
@@ -920,8 +1026,25 @@ def _keep_records(
     if storages:  # replay.polymorphic matches later runs against these: where each pointer pointed
         storage_uses = pointer_storages(records, lambda base: any(lo <= base < hi for lo, hi in pool_memory))
     extents = pointer_extents(records, prepared.inputs, prepared.tensors.values(), prepared.doubts)
-    kept = [r.with_args(tuple(map(scalar_or_none, r.args))) for r in records]
-    return _KeptRecords(kept, extents, storage_uses)
+    return _KeptRecords(records_without_tensors(records), extents, storage_uses)
+
+
+def records_without_tensors(records: Sequence) -> list:
+    """Each launch record with its ``args`` as analysis needs them (:func:`scalar_or_none`):
+    in one C call where the helper is built (csrc/jitcore_native.c, the same rule)."""
+    native = _native_helper()
+    if native is not None and isinstance(records, list):
+        return native.without_tensors(records, _ARGS_FIELD, torch.Tensor, _KEPT_ARGUMENTS, "__jit_scalar__")
+    return [r.with_args(tuple(map(scalar_or_none, r.args))) for r in records]
+
+
+#: Where a launch record holds its jit call's arguments.
+_ARGS_FIELD = for_replay.LaunchRecord._fields.index("args")
+
+
+def _native_helper():
+    """jitcore.backends._native where it was built and ``JITCORE_NATIVE`` allows it, else None."""
+    return for_replay.native_helper()
 
 
 def _instantiate(graph: torch.cuda.CUDAGraph) -> None:
@@ -1016,7 +1139,9 @@ def capture(
                 fn, args, kwargs, prepared, recorder, observer, graph, device=device, pool=pool, copy_back=copy_back
             )
             instrumentation.steps.mark("capture begin, checks, end")
-            pool_memory = _pool_memory(device, pool)
+            pool_memory, measured = _pool_memory(device, pool)
+            watched = prepared.watched + prepared.host_ranges()
+            pool_memory = _pool_memory_holding(recorded.outputs, watched, device, pool, pool_memory, measured)
             instrumentation.steps.mark("pool snapshot")
             _give_outputs_their_own_memory(recorded, prepared, graph, pool_memory, recorder.backend, stream, device)
         instrumentation.steps.mark("own outputs")
@@ -1064,29 +1189,60 @@ def pointer_extents(
     # every address inputs_at can place lies in [lowest, highest]: most pointers (the
     # region's intermediates) are answered by this one comparison
     lowest, highest = min(r.lo for r in inputs), max(r.hi for r in inputs)
+    unpack, tensor_class = _POINTER.unpack_from, torch.Tensor
     result = []
     for record in records:
         found = {}
-        for param, tensor in _pointer_tensors(record):
+        args, param_bytes = record.args, record.param_bytes
+        for index, arg_index, offset in _pointers_of(record.params):
+            tensor = args[arg_index]
+            if tensor.__class__ is not tensor_class and not isinstance(tensor, tensor_class):
+                continue
             itself = id(tensor) in own
             if itself and not itself_doubted:
                 continue  # the input itself (most pointers into inputs): its range is the input's
-            (address,) = _POINTER.unpack_from(record.param_bytes, param.offset)
-            if not lowest <= address <= highest:
-                continue
-            owners = rebinding.inputs_at(inputs, address)  # the plan's rule
-            doubt = next(
-                (
-                    doubts[o.index].reason
-                    for o in owners
-                    if o.index in doubts and (doubts[o.index].itself or not itself)
-                ),
-                "",
-            )
-            if owners and (doubt or not itself):
-                found[param.index] = rebinding.Extent(*byte_range(tensor), doubt)
+            (address,) = unpack(param_bytes, offset)
+            if lowest <= address <= highest:
+                extent = _extent_into_inputs(inputs, doubts, address, tensor, itself)
+                if extent is not None:
+                    found[index] = extent
         result.append(found)
     return result
+
+
+def _extent_into_inputs(
+    inputs: Sequence[rebinding.InputRange], doubts: Mapping[int, InputDoubt], address: int, tensor, itself: bool
+) -> rebinding.Extent | None:
+    """The extent pointer_extents records for a pointer at ``address`` that came from
+    ``tensor`` (``itself``: the input tensor itself), or None where the plan needs none."""
+    owners = rebinding.inputs_at(inputs, address)  # the plan's rule
+    doubt = next(
+        (doubts[o.index].reason for o in owners if o.index in doubts and (doubts[o.index].itself or not itself)),
+        "",
+    )
+    if owners and (doubt or not itself):
+        return rebinding.Extent(*byte_range(tensor), doubt)
+    return None
+
+
+#: (parameter index, jit argument index, byte offset) of each pointer parameter of a launch
+#: record's ``params`` that came from a jit argument, by the tuple's id (kept beside it):
+#: records share their params tuples (see _PARAMS_VIEWS), so this is mostly one lookup.
+_POINTERS_OF: dict[int, tuple[tuple, tuple]] = {}
+
+
+def _pointers_of(params: Sequence) -> tuple:
+    cached = _POINTERS_OF.get(id(params))
+    if cached is not None and cached[0] is params:
+        return cached[1]
+    pointers = tuple(
+        (p.index, p.arg_index, p.offset) for p in params if p.kind == "pointer" and p.arg_index is not None
+    )
+    if isinstance(params, tuple):  # immutable: the answer holds as long as it lives
+        if len(_POINTERS_OF) >= _PARAM_VIEWS_LIMIT:
+            _POINTERS_OF.clear()
+        _POINTERS_OF[id(params)] = (params, pointers)
+    return pointers
 
 
 @attrs.frozen
@@ -1470,13 +1626,14 @@ def first_outputs(capture: Capture, inputs: Sequence) -> object:
     into the same views of the caller's input (``inputs``: the call's leaves), as every
     replay returns them."""
     spec, leaves, _ = flatten((capture.outputs,), {}, walk_dataclasses=True)
+    host = capture.host.buffers if getattr(capture, "host", None) is not None else {}
+    buffers = {**capture.staged, **host}
     values = []
     for leaf in leaves:
         if isinstance(leaf, DynamicScalar):
             leaf = leaf.value
         elif isinstance(leaf, torch.Tensor):
-            host = capture.host.buffers if getattr(capture, "host", None) is not None else {}
-            for i, buffer in {**capture.staged, **host}.items():
+            for i, buffer in buffers.items():
                 lo = buffer.data_ptr()
                 if lo <= leaf.data_ptr() and leaf.data_ptr() + extent_bytes(leaf) <= lo + extent_bytes(buffer):
                     # the same view (dtype included) of the caller's memory

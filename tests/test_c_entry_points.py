@@ -94,6 +94,23 @@ def packed(runs, template=bytes(16), offsets=(0,)):
     return native.PackedLaunch(KERNEL_LAUNCH, 1, template, offsets, runs)
 
 
+from jitcore.recorder import LaunchRecord
+from jitcore.codegen import _CALL_FIELDS
+RECORD_FIELDS = tuple(LaunchRecord._fields.index(f) for f in _CALL_FIELDS)
+RECORD = tuple.__new__(LaunchRecord, (None,) * len(LaunchRecord._fields))  # a record template
+
+
+class Short(tuple):
+    pass
+
+
+def recorded(sink, template=RECORD, told=RECORD_FIELDS, record_type=LaunchRecord):
+    # A packed launch of one int, recorded into `sink` once the record class was told.
+    native.use_launch_record(record_type, told)
+    packed(((0, '<i'),)).recorded(sink, template, (), 1, 1, 1, 1, 1, 1, 0, 0, 5)
+    return sink
+
+
 def replay_step_graph():
     # A recorded graph replayed by csrc/replay_step.c (the replay tests' simulated exec).
     from tests.replay.test_graph import build, scalar_plan
@@ -159,6 +176,59 @@ CASES = [Case(*row) for row in [
     (N, "PackedLaunch", "a stream of text", "packed(((0, '<i'),))(1, 1, 1, 1, 1, 1, 0, 'stream', 5)", "TypeError"),
     (N, "PackedLaunch", "reporting with a keyword", "packed(((0, '<i'),)).reporting(1, 1, 1, 1, 1, 1, 0, 0, x=5)",
      "TypeError"),
+    (N, "PackedLaunch", "recorded before a record class was told",
+     "packed(((0, '<i'),)).recorded(([], [], None), RECORD, (), 1, 1, 1, 1, 1, 1, 0, 0, 5)", "RuntimeError"),
+    (N, "PackedLaunch", "recorded into a list", "recorded([])", "TypeError"),
+    (N, "PackedLaunch", "recorded into a sink of tuples", "recorded(((), (), None))", "TypeError"),
+    (N, "PackedLaunch", "recorded with a tail that is no callable", "recorded(([], [], 5))", "TypeError"),
+    (N, "PackedLaunch", "recorded from a template of another class", "recorded(([], [], None), template=(1, 2))",
+     "TypeError"),
+    (N, "PackedLaunch", "recorded from a template shorter than told", "recorded(([], [], None), Short((1, 2)), "
+     "record_type=Short)", "ValueError"),
+    (N, "PackedLaunch", "recorded with a tail that raises", "recorded(([], [], lambda stream: 1 / 0))",
+     "ZeroDivisionError"),
+    (N, "PackedLaunch", "recorded with a tail answering an int", "recorded(([], [], lambda stream: 5))", "TypeError"),
+    (N, "PackedLaunch", "recorded with a tail answering one node",
+     "r, n, _ = recorded(([], [], lambda stream: (7,))); assert n == [7] and r[0].param_bytes[:4] == b'\\5\\0\\0\\0'",
+     "returned"),
+    (N, "PackedLaunch", "recorded with too few arguments", "native.use_launch_record(LaunchRecord, RECORD_FIELDS); "
+     "packed(((0, '<i'),)).recorded(([], [], None), RECORD, ())", "TypeError"),
+    (N, "PackedLaunch", "recorded with a value too few", "native.use_launch_record(LaunchRecord, RECORD_FIELDS); "
+     "packed(((0, '<i'),)).recorded(([], [], None), RECORD, (), 1, 1, 1, 1, 1, 1, 0, 0)", "TypeError"),
+    (N, "without_tensors", "records a tuple", "native.without_tensors(((1,),), 0, torch.Tensor, (int,), 'a')",
+     "TypeError"),
+    (N, "without_tensors", "a record that is no tuple", "native.without_tensors([[(1,)]], 0, torch.Tensor, (), 'a')",
+     "TypeError"),
+    (N, "without_tensors", "a position past a record", "native.without_tensors([((1,),)], 1, torch.Tensor, (), 'a')",
+     "TypeError"),
+    (N, "without_tensors", "arguments that are no tuple", "native.without_tensors([([1],)], 0, torch.Tensor, (), 'a')",
+     "TypeError"),
+    (N, "without_tensors", "a negative position", "native.without_tensors([((1,),)], -1, torch.Tensor, (), 'a')",
+     "TypeError"),
+    (N, "without_tensors", "a position past 2**64", "native.without_tensors([((1,),)], 2**64, torch.Tensor, (), 'a')",
+     "OverflowError"),
+    (N, "without_tensors", "kept types that are no types",
+     "native.without_tensors([(('s',),)], 0, torch.Tensor, 5, 'a')", "TypeError"),
+    (N, "without_tensors", "an attribute name that is no text",
+     "native.without_tensors([((1,),)], 0, torch.Tensor, (), 5)", "TypeError"),
+    (N, "without_tensors", "records emptied by an argument's lookup",
+     "L = []\nclass Clearing:\n    def __getattr__(self, name):\n        L.clear(); raise AttributeError(name)\n"
+     "L += [((Clearing(), 1.5),)] * 3; got = native.without_tensors(L, 0, torch.Tensor, (), 'a')\n"
+     "assert [r[0] for r in got] == [(None, 1.5)] * 3 and L == []", "returned"),
+    (N, "without_tensors", "no arguments", "native.without_tensors()", "TypeError"),
+    (N, "use_launch_record", "a record class that is no tuple", "native.use_launch_record(list, RECORD_FIELDS)",
+     "TypeError"),
+    (N, "use_launch_record", "positions a list", "native.use_launch_record(LaunchRecord, list(RECORD_FIELDS))",
+     "TypeError"),
+    (N, "use_launch_record", "too few positions", "native.use_launch_record(LaunchRecord, RECORD_FIELDS[:3])",
+     "TypeError"),
+    (N, "use_launch_record", "a negative position",
+     "native.use_launch_record(LaunchRecord, (-1,) + RECORD_FIELDS[1:])", "ValueError"),
+    (N, "use_launch_record", "a position past 2**64",
+     "native.use_launch_record(LaunchRecord, (2**64,) + RECORD_FIELDS[1:])", "OverflowError"),
+    (N, "use_launch_record", "a position of text",
+     "native.use_launch_record(LaunchRecord, ('0',) + RECORD_FIELDS[1:])", "TypeError"),
+    (N, "use_launch_record", "no arguments", "native.use_launch_record()", "TypeError"),
     (N, "bind", "a negative address", "native.bind('kernel_launch', 'f', -1)", "OverflowError"),
     (N, "bind", "an address past 2**64", "native.bind('kernel_launch', 'f', 2**64)", "OverflowError"),
     (N, "bind", "an address of 0", "native.bind('kernel_launch', 'f', 0)", "ValueError"),

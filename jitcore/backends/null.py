@@ -35,12 +35,29 @@ def _launch_failed(status: int, label: str) -> None:
     raise RuntimeError(f"null launch of {label} failed ({status})")
 
 
+def _native_helper():
+    """jitcore.backends._native, where it was built and ``JITCORE_NATIVE`` does not turn it off."""
+    from jitcore.backends import compiled_helpers_enabled
+
+    try:
+        if not compiled_helpers_enabled():
+            raise ImportError
+        from jitcore.backends import _native
+    except ImportError:
+        raise ValueError("NullBackend(packed=True) needs jitcore.backends._native, built and not turned off") from None
+    return _native
+
+
 class NullBackend(Backend):
     name = "null"
     device_type = "cpu"
 
-    def __init__(self) -> None:
+    def __init__(self, *, packed: bool = False) -> None:
+        """``packed``: call states launch through the C helper's PackedLaunch over a launch that
+        runs nothing (its ``NULL_LAUNCH``), as they do on the CUDA backend where the helper is
+        built; a ValueError where the helper was not built."""
         self.launches = 0
+        self._packed = _native_helper() if packed else None
         self._handles = _HANDLES  # process-wide: kernels keep loaded functions across backends
         self.raw_launch = _null_launch
         self.hot_namespace = {
@@ -94,6 +111,11 @@ class NullBackend(Backend):
             static_shared_bytes=0,
             dynamic_shared_limit=48 * 1024,
         )
+
+    def packed_launcher(self, function, template, offsets, runs, failed=None):
+        if self._packed is None:
+            return None
+        return self._packed.PackedLaunch(self._packed.NULL_LAUNCH, function, template, offsets, runs, failed)
 
     def device_limits(self, device: int) -> DeviceLimits:
         return DeviceLimits((1024, 1024, 64), 1024, (2**31 - 1, 65535, 65535), 48 * 1024, 227 * 1024)

@@ -72,7 +72,18 @@ def test_benchmarks_reach_jitcore_and_replay_only_through_public_names(path):
 
 def test_the_runner_runs_the_cpu_benchmarks_and_each_table_names_its_command(tmp_path):
     done = subprocess.run(
-        [sys.executable, "-m", "benchmarks", "--only", "keys", "jit_cpu", "--quick", "--out", str(tmp_path)],
+        [
+            sys.executable,
+            "-m",
+            "benchmarks",
+            "--only",
+            "keys",
+            "jit_cpu",
+            "recording_cpu",
+            "--quick",
+            "--out",
+            str(tmp_path),
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -80,7 +91,7 @@ def test_the_runner_runs_the_cpu_benchmarks_and_each_table_names_its_command(tmp
     )
     assert done.returncode == 0, done.stdout + done.stderr
     keys_table = "keys-cuda" if torch.cuda.is_available() else "keys"  # keys.py names its table by device
-    for table, name in ((keys_table, "keys"), ("jit-cpu", "jit_cpu")):
+    for table, name in ((keys_table, "keys"), ("jit-cpu", "jit_cpu"), ("recording-cpu", "recording_cpu")):
         command = f"python -m benchmarks --only {name} --out {tmp_path} --quick"
         assert json.loads((tmp_path / f"{table}.json").read_text())["command"] == command
         assert f"Command: `{command}`" in (tmp_path / f"{table}.md").read_text()
@@ -189,6 +200,26 @@ def test_the_recording_call_in_parts_sets_each_step_beside_its_raw_counterpart()
     assert "cost 160 us, 0.80x the raw capture" in body
     assert "-60 us more than raw's" in body
     assert "(at most 2x the raw capture, 400 us) 170 us for them all" in body
+
+
+def test_the_targets_are_stated_against_the_exact_floor():
+    """The replay benchmark's floor sentence and fields: what each target leaves above the
+    driver work an exact recording cannot leave out, and what the host steps spend now."""
+    from benchmarks import replay as replay_benchmark
+
+    floor = {1: (300.0, 100.0), 2: (300.0, 100.0)}  # (recording call, second call) per shape
+    text, fields = replay_benchmark.floor_report(250.0, floor, {1: 900.0, 2: 900.0}, {1: 600.0, 2: 600.0})
+    assert fields["exact_floor_us"] == {1: 300.0, 2: 300.0} and fields["exact_floor_second_call_us"][2] == 100.0
+    assert fields["exact_floor_ratio"] == pytest.approx(1.2)
+    assert fields["exact_floor_two_calls_ratio"] == pytest.approx(1.6)
+    assert fields["first_target_left_above_floor_us"] == pytest.approx(200.0)  # 2 x 250 - 300
+    assert fields["two_calls_target_left_above_floor_us"] == pytest.approx(350.0)  # 3 x 250 - 400
+    assert fields["in_session_first_above_floor_us"] == pytest.approx(600.0)
+    assert fields["in_session_two_calls_above_floor_us"] == pytest.approx(1100.0)
+    assert fields["targets_against_floor"] == text
+    assert "costs 300 us, **1.20x** the raw capture: the 2x target leaves 200 us" in text
+    assert "which spend 600 us now" in text and "the floor is 400 us, **1.60x**" in text
+    assert "the 3x target leaves 350 us" in text and "which spend 1100 us now" in text
 
 
 def test_the_hf_benchmark_runs_its_logic_on_the_cpu_with_a_tiny_model(tmp_path):

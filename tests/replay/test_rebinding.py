@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import struct
 
-import attrs
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -245,7 +244,7 @@ def test_a_launch_skipped_at_a_zero_dynamic_grid_asks_for_a_later_recording():
 def test_launches_are_matched_to_the_node_the_capture_reported():
     a = launch(0xA, [(X.lo, True)])
     b = launch(0xA, [(X.lo, True)])
-    nodes = [attrs.evolve(node_for(5, a), handle=0x500), attrs.evolve(node_for(6, b), handle=0x600)]
+    nodes = [node_for(5, a)._replace(handle=0x500), node_for(6, b)._replace(handle=0x600)]
     reported = [a.replace(node=0x600), b.replace(node=0x500)]
     matches, failure = match_launches(reported, nodes)
     assert failure is None and matches == [(0, 6), (1, 5)]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -101,6 +103,43 @@ def test_launches_sharing_a_params_tuple_share_its_views_and_plain_numbers_are_b
         got = [view.constants[n] for n in names]
         assert got == list(values) and [type(v) for v in got] == [type(v) for v in values]
     assert str(a.constants[a.scalar_sources[2]]) == "-0.0"  # the value itself, sign included
+
+
+class _RaisingAttribute:
+    def __getattr__(self, name):
+        raise KeyError(name)  # not an AttributeError: hasattr lets it through, as must the C rule
+
+
+@pytest.mark.parametrize("native", ["c", "python"])
+def test_records_keep_the_arguments_analysis_needs_and_no_tensor(native, monkeypatch):
+    """records_without_tensors, in C (jitcore.backends._native.without_tensors) or Python
+    (JITCORE_NATIVE=0): scalar_or_none of each argument, every other field the same object."""
+    import numpy as np
+    import torch
+
+    from replay.dynamic import DynamicScalar
+    from replay.recording import records_without_tensors, scalar_or_none
+
+    if native == "python":
+        monkeypatch.setenv("JITCORE_NATIVE", "0")
+    else:
+        pytest.importorskip("jitcore.backends._native")
+    d = DynamicScalar("_d0", 3, "n")
+    parameter = torch.nn.Parameter(torch.randn(2))
+    arguments = (torch.randn(3), parameter, 2, 2.5, True, d, _JitScalar(), None, "text", np.float32(1.5), 2**80)
+    records = [_record(arguments, ()), _record((), ()), _record((torch.randn(1), 7), ())]
+    kept = records_without_tensors(records)
+    assert len(kept) == len(records)
+    for record, copy in zip(records, kept):
+        assert type(copy) is type(record)
+        assert copy.args == tuple(map(scalar_or_none, record.args))
+        assert [type(a) for a in copy.args] == [type(scalar_or_none(a)) for a in record.args]
+        for name in record._fields:
+            if name != "args":
+                assert getattr(copy, name) is getattr(record, name)
+    assert kept[0].args[5] is d and kept[0].args[1] is None
+    with pytest.raises(KeyError):
+        records_without_tensors([_record((_RaisingAttribute(),), ())])
 
 
 def test_pointer_extents_name_the_tensors_that_are_not_the_input_itself():
@@ -358,3 +397,62 @@ def test_pool_segments_never_hand_a_pool_id_to_a_snapshot_that_takes_its_referen
                 copy_refs = [sys.getrefcount(c[1]) for c in rest]
                 assert copy_refs == [2] * 5  # calls and this call's argument: nothing taken
             assert recording._one_pool_snapshot_takes_its_ids() is takes
+
+
+def test_a_pool_is_walked_again_only_when_the_allocator_mapped_or_freed_a_segment(monkeypatch):
+    """current_pool_segments: the segments last measured while the allocator's counts of
+    device allocations and frees are those read before that measurement, else a snapshot;
+    always a snapshot where torch gives no counts. Stand-ins for torch's statistics and
+    one-pool snapshot."""
+    import torch
+
+    from replay import recording
+
+    pool = (0, 123456789)
+    held = [(0x1000, 512)]
+    stats = {"num_device_alloc": 4, "num_device_free": 1}
+    walks = []
+
+    def memory_snapshot(mempool_id=None, include_traces=True):
+        walks.append(mempool_id)
+        return [{"device": 0, "address": a, "total_size": n} for a, n in held]
+
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", memory_snapshot)
+    monkeypatch.setattr(recording, "_SNAPSHOT_TAKES_POOL_IDS", [False])
+    monkeypatch.setattr(torch._C, "_cuda_memoryStats", lambda device: dict(stats), raising=False)
+    assert recording.current_pool_segments(0, pool) == ([(0x1000, 512)], True)
+    assert recording.current_pool_segments(0, pool) == ([(0x1000, 512)], False)
+    assert recording.pool_bytes(0, pool) == 512 and len(walks) == 1
+    held.append((0x9000, 2048))  # a capture grew the pool: one more device allocation
+    stats["num_device_alloc"] += 1
+    assert recording.current_pool_segments(0, pool) == ([(0x1000, 512), (0x9000, 2048)], True)
+    assert recording.known_pool_bytes(0, pool) == 2560 and len(walks) == 2
+    stats["num_device_free"] += 1  # another pool's segment freed: walked again, the same
+    assert recording.current_pool_segments(0, pool)[1] is True and len(walks) == 3
+    monkeypatch.setattr(torch._C, "_cuda_memoryStats", lambda device: {}, raising=False)  # a torch without them
+    for _ in range(2):
+        assert recording.current_pool_segments(0, pool)[1] is True
+    assert len(walks) == 5
+    recording._forget_pool(0, pool)
+
+
+def test_an_output_outside_the_pool_known_takes_a_snapshot_before_own_outputs_decide(monkeypatch):
+    """Segments known are the pool's whatever the allocator's counts say: an output inside
+    them is decided without a walk; one outside them and outside the inputs (a segment the
+    pool gained without the counts saying so, or a global) is decided by a snapshot."""
+    from replay import recording
+
+    walks = []
+    monkeypatch.setattr(recording, "pool_segments", lambda device, pool: walks.append(pool) or [(0x8000, 0x100)])
+
+    inside, outside = torch.empty(4), torch.empty(4)
+    ranges = {id(inside): (0x1000, 0x1010), id(outside): (0x8000, 0x8010)}
+    monkeypatch.setattr(recording, "byte_range", lambda t: ranges[id(t)])
+    monkeypatch.setattr(torch.Tensor, "device", property(lambda t: torch.device("cuda", 0)))
+    known = [(0x1000, 0x2000)]
+    assert recording._pool_memory_holding((inside, 3), [], 0, (0, 1), known, False) is known
+    assert recording._pool_memory_holding(outside, [], 0, (0, 1), known, True) is known  # measured just now
+    assert recording._pool_memory_holding(outside, [(0x8000, 0x8010)], 0, (0, 1), known, False) is known  # an input
+    assert walks == []
+    assert recording._pool_memory_holding({"y": outside}, [], 0, (0, 1), known, False) == [(0x8000, 0x8100)]
+    assert walks == [(0, 1)]

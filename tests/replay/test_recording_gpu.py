@@ -119,3 +119,105 @@ def test_a_recording_times_its_steps_apart_and_they_fit_inside_its_call():
         assert instrumentation.steps is instrumentation.NOT_TIMING
     finally:
         session.close()
+
+
+def _paused_inside_its_capture(capturing, proceed):
+    """A region that, while it is being captured, says so and waits to be let go."""
+
+    def shifted_twice_after_a_pause(x):
+        if torch.cuda.is_current_stream_capturing():
+            capturing.set()
+            assert proceed.wait(30)
+        return _shifted_twice(x)
+
+    return shifted_twice_after_a_pause
+
+
+def test_eager_draws_in_another_thread_wait_for_a_recording_inside_the_capture_exclusion():
+    """A capture registers the default CUDA generator (torch's capture_begin does, for every
+    graph) and keeps it in capture mode until it ends: a draw on it in another thread, outside
+    any capture, raises torch's "Offset increment outside graph capture encountered
+    unexpectedly" meanwhile. Drawn inside ``jitcore.recorder.CAPTURES.shared()`` (what the
+    session's own eager runs hold), the draw waits for the recording and then draws the numbers
+    the generator would have given it in the first place; a generator of one's own is never
+    registered and draws at once."""
+    import threading
+
+    x = torch.randn(4, 300, device="cuda")
+    _shifted_twice(x)  # the jit's compile, outside any recording
+    generator = torch.cuda.default_generators[torch.cuda.current_device()]
+    seed, offset = generator.initial_seed(), generator.get_offset()
+    capturing, proceed, drawn = threading.Event(), threading.Event(), []
+    session = replay.capture(record_after=0)
+    try:
+        step = session.region(_paused_inside_its_capture(capturing, proceed))
+        recorded = []
+        recorder = threading.Thread(target=lambda: recorded.append(step(x)))
+        recorder.start()
+        assert capturing.wait(30)
+        with pytest.raises(RuntimeError, match="Offset increment outside graph capture encountered unexpectedly"):
+            torch.randn(8, device="cuda")  # torch's answer, unprotected
+        own = torch.Generator(device="cuda")
+        own.manual_seed(7)
+        assert torch.randn(8, device="cuda", generator=own).shape == (8,)  # never registered: at once
+
+        def protected_draw():
+            with jc.recorder.CAPTURES.shared():
+                drawn.append(torch.randn(1024, device="cuda"))
+
+        drawer = threading.Thread(target=protected_draw)
+        drawer.start()
+        time.sleep(0.2)
+        assert not drawn  # waiting for the recording
+        proceed.set()
+        recorder.join(30)
+        drawer.join(30)
+        assert torch.equal(recorded[0], x + 1.5 - 0.25) and session.stats().records == 1
+        expected = torch.Generator(device="cuda")
+        expected.manual_seed(seed)
+        expected.set_offset(offset)  # the draw comes first from where the generator stood
+        assert torch.equal(drawn[0], torch.randn(1024, device="cuda", generator=expected))
+        assert generator.get_offset() == expected.get_offset()
+    finally:
+        proceed.set()
+        session.close()
+
+
+def test_eager_draws_inside_the_exclusion_never_meet_the_recordings_of_another_thread():
+    """Many recordings in one thread, eager draws in another inside the capture exclusion:
+    every draw succeeds, every recording is exact, and the draws are the default generator's
+    stream in order (the recordings draw nothing)."""
+    import threading
+
+    generator = torch.cuda.default_generators[torch.cuda.current_device()]
+    seed, offset = generator.initial_seed(), generator.get_offset()
+    shapes = [torch.randn(rows, 300, device="cuda") for rows in range(1, 25)]
+    _shifted_twice(shapes[0])  # the jit's compile, outside any recording
+    drawn, results, stop = [], [], threading.Event()
+
+    def draw():
+        while not stop.is_set():
+            with jc.recorder.CAPTURES.shared():
+                drawn.append(torch.randn(256, device="cuda"))
+
+    session = replay.capture(record_after=0)
+    try:
+        step = session.region(_shifted_twice)
+        drawer = threading.Thread(target=draw)
+        drawer.start()
+        try:
+            for x in shapes:
+                results.append((x, step(x)))
+        finally:
+            stop.set()
+            drawer.join(30)
+        assert session.stats().records == len(shapes) and drawn
+        for x, out in results:
+            assert torch.equal(out, x + 1.5 - 0.25)
+        expected = torch.Generator(device="cuda")
+        expected.manual_seed(seed)
+        expected.set_offset(offset)
+        for value in drawn:
+            assert torch.equal(value, torch.randn(256, device="cuda", generator=expected))
+    finally:
+        session.close()

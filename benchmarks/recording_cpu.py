@@ -1,0 +1,89 @@
+"""A recording's host work besides the driver, on the CPU (null backend).
+
+The replay benchmark's region (a chain of 32 ``y = a*x + b`` jit kernels, each output made by
+``torch.empty_like``) on CPU tensors, with the null backend standing in for the driver (a
+launch that runs nothing, behind the C helper's packed launch where it was built, as on the
+CUDA backend). Each step of a recording's host work is timed on its own
+(``replay.instrumentation.RecordingSteps``):
+
+- the region called plainly, and with the recorder a capture installs: the difference is the
+  jit's launch reports, per launch;
+- what the capture keeps of the records: the extents of pointers into inputs, and the
+  records without their tensors;
+- the launch views the analysis makes of them, and the rebinding plan over kernel nodes that
+  hold those launches (each node known by its handle, as a capture reports it).
+
+Nothing here captures or launches: the driver's own work (capture, instantiate, the node
+reads) is the GPU benchmark's (``replay``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from benchmarks import common
+from benchmarks.replay import KERNELS, WIDTH, chain
+from jitcore.backends import use_backend
+from jitcore.backends.null import NullBackend
+from replay import instrumentation
+
+BATCH = 8
+region = chain(KERNELS)  # the replay benchmark's region, CPU tensors here
+
+
+def null_backend() -> tuple[NullBackend, str]:
+    """The null backend, packing in C where the helper was built (as the CUDA backend does)."""
+    try:
+        return NullBackend(packed=True), "packed launch (csrc/jitcore_native.c)"
+    except ValueError:
+        return NullBackend(), "struct packing (no C helper)"
+
+
+def main() -> None:
+    args = common.parser(__doc__.splitlines()[0]).parse_args()
+    repeats, calls = (3, 30) if args.quick else (15, 300)
+    backend, packing = null_backend()
+    with use_backend(backend):
+        x = torch.randn(BATCH, WIDTH)
+        region(x)  # the jit's misses, before anything is timed
+        steps = instrumentation.RecordingSteps(region, (x,))
+        paths = {
+            "region, no recorder": lambda: region(x),
+            "region under the recorder": steps.region,
+            "records kept (extents, tensors dropped)": steps.keep,
+            "launch views": steps.views,
+            "rebinding plan": steps.plan,
+        }
+        timed = common.compare(paths, calls=calls, repeats=repeats, warmup=20)
+    us = {name: t["median_us"] for name, t in timed.items()}
+    reports = us["region under the recorder"] - us["region, no recorder"]
+    after_region = us["records kept (extents, tensors dropped)"]
+    analysis = us["launch views"] + us["rebinding plan"]
+    rows = [[name, value, value / KERNELS] for name, value in us.items()]
+    body = common.markdown_table(["step", "us", f"us per launch ({KERNELS} launches)"], rows)
+    body += (
+        f"\n\nThe jit's launch reports cost {reports:.1f} us over the region's {KERNELS} launches "
+        f"({reports / KERNELS:.2f} us a launch); the records kept after the capture {after_region:.1f} us; "
+        f"the analysis of the key's second call (launch views and plan) {analysis:.1f} us. Launches: {packing}."
+    )
+    results = {
+        "steps_us": timed,
+        "reports_us": reports,
+        "reports_per_launch_us": reports / KERNELS,
+        "records_kept_us": after_region,
+        "analysis_us": analysis,
+        "launches": KERNELS,
+        "packing": packing,
+    }
+    common.write(
+        args.out,
+        "recording-cpu",
+        "A recording's host work besides the driver (CPU, null backend)",
+        results,
+        body,
+        notes=f"CPU tensors [{BATCH}, {WIDTH}]; medians of {repeats} loops of {calls} calls each.",
+    )
+
+
+if __name__ == "__main__":
+    main()
