@@ -29,23 +29,8 @@ import torch
 from replay import padding, region_keys
 from replay.errors import ReplayMismatchError
 from replay.graph import bitwise_equal, clone_preserving_sharing
+from replay.padding import Padded
 from replay.region_keys import FlatCall
-
-
-class Padded:
-    """A region argument to pad to the session's bucket sizes (see :func:`padded`). Only a
-    top-level argument of a region call (positional or keyword) may be one; it is unhashable,
-    so anywhere else keying the call refuses it."""
-
-    __slots__ = ("tensor", "dim", "fill", "written", "bits")
-    __hash__ = None  # type: ignore[assignment]
-
-    def __init__(self, tensor: torch.Tensor, dim: int, fill: bool | int | float, written: bool, bits: int):
-        self.tensor, self.dim, self.fill, self.written = tensor, dim, fill, written
-        self.bits = bits  # the fill's bytes in the tensor's dtype (replay.padding.fill_bits)
-
-    def __repr__(self) -> str:
-        return f"padded(<{tuple(self.tensor.shape)} {self.tensor.dtype}>, dim={self.dim}, fill={self.fill!r})"
 
 
 def padded(tensor: torch.Tensor, dim: int = 0, fill: bool | int | float = 0, *, written: bool = False) -> Padded:

@@ -16,6 +16,8 @@ from collections.abc import Callable, Iterator, Sequence
 
 import attrs
 
+from replay import region_keys
+
 # --- the steps of a call ------------------------------------------------------------------
 
 
@@ -133,11 +135,10 @@ def measure_with_settings_check(graphs: Sequence, way: str) -> contextlib.Abstra
     fastest one built, so a benchmark can time what each step saves: ``"python"`` the
     generated Python check (where no C helper was built), ``"c"`` csrc/replay_checks.c's
     without the torch-side helper's settings watch. Every way is exact."""
-    from replay.torch_state import modes_changed
-
     compiled, watch = _SETTINGS_CHECK_WAYS[way]
     return _namespaces_swapped(
-        graphs, lambda graph: {"_modes_changed": modes_changed(graph.key[2], compiled=compiled, watch=watch)}
+        graphs,
+        lambda graph: {"_modes_changed": region_keys.modes_changed(graph.key[2], compiled=compiled, watch=watch)},
     )
 
 

@@ -37,7 +37,7 @@ import torch
 import jitcore
 from replay import objects
 from replay.dynamic import Dynamic
-from replay.errors import ReplayError
+from replay.errors import RefusedKey, ReplayError
 from replay.objects import ObjectWalk
 from replay.torch_state import (  # noqa: F401 (what callers read here)
     MODE_NAMES,
@@ -47,21 +47,6 @@ from replay.torch_state import (  # noqa: F401 (what callers read here)
 )
 
 FLAT = "flat"  # spec of a call whose arguments are all positional leaves
-
-
-class RefusedKey(ReplayError):
-    """A call whose key cannot be made exactly, so no graph may be recorded or replayed for it:
-    an argument a graph would bake without the key seeing its changes (an object compared by
-    identity, whose attributes the region reads), a constant whose equality is not known to be
-    exact (two values it calls equal could share a graph that bakes one of them), a tensor
-    inside a constant, or a torch setting that cannot be read. The session runs such a call
-    eagerly, with a ReplayWarning naming :attr:`reason` (once per reason and region); ``path``
-    names the argument (``args[1].cfg``), None for a setting."""
-
-    def __init__(self, reason: str, path: str | None = None):
-        super().__init__(reason)
-        self.reason = reason
-        self.path = path
 
 
 #: Classes of positional arguments flatten's short path takes as leaves without a look at
