@@ -61,46 +61,67 @@ def has_padded(args: tuple, kwargs: dict) -> bool:
     return Padded in map(type, args) or (bool(kwargs) and Padded in map(type, kwargs.values()))
 
 
-def unwrapped(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """The call's arguments with each marker replaced by its tensor (the unpadded call)."""
-    return tuple(map(_unwrapped, args)), {k: _unwrapped(v) for k, v in kwargs.items()}
-
-
-@attrs.frozen
+@attrs.define
 class Marked:
-    """A call with ``replay.padded`` markers, flattened once (each marker a leaf of its own),
-    with the size the markers agree on and what it pads to (replay.routing finds them): what
-    the padded path reads, so that the unpadded and the padded call are its leaves replaced,
-    never flattened again."""
+    """A call with ``replay.padded`` markers: where they are, the size they agree on and what
+    it pads to (replay.routing finds them). The padded path reads it, and flattens the call
+    once, where a step needs its leaves (:meth:`flat_call`): the unpadded and the padded call
+    are then its leaves replaced. Never changed once made (but for that one flattening)."""
 
     args: tuple
     kwargs: dict
-    call: FlatCall
-    markers: tuple[Padded, ...]  # positional ones first
-    places: tuple[int, ...]  # each marker's leaf
+    markers: list[Padded]  # positional ones first
+    positions: list[int]  # the positional markers' places among ``args``
+    names: list[str]  # the keyword markers' names
     dim: int
     rows: int  # the call's own size along ``dim``
     target: int  # what it pads to: its bucket, or ``rows`` beyond the largest bucket
+    _call: FlatCall | None = attrs.field(default=None, init=False)
+    _places: list[int] = attrs.field(factory=list, init=False)  # each marker's leaf
 
     @property
     def pads(self) -> bool:
         """Whether the call is smaller than its bucket (else it runs as it is)."""
         return self.target != self.rows
 
-    def with_tensors(self, tensors: Sequence[torch.Tensor]) -> tuple[tuple, dict, FlatCall]:
-        """(args, kwargs, the flattened call) with each marker replaced by its tensor in
-        ``tensors`` (its own: the unpadded call; grown: the padded one)."""
-        leaves = list(self.call.leaves)
-        for place, tensor in zip(self.places, tensors):
-            leaves[place] = tensor
-        grown = iter(tensors)
-        args = tuple(next(grown) if a.__class__ is Padded else a for a in self.args)
-        kwargs = {k: next(grown) if v.__class__ is Padded else v for k, v in self.kwargs.items()}
-        return args, kwargs, attrs.evolve(self.call, leaves=leaves)
+    def arguments(self, tensors: Sequence[torch.Tensor]) -> tuple[tuple, dict]:
+        """(args, kwargs) with each marker replaced by its tensor in ``tensors`` (its own: the
+        unpadded call; grown: the padded one)."""
+        args = list(self.args)
+        for position, tensor in zip(self.positions, tensors):
+            args[position] = tensor
+        kwargs = self.kwargs
+        if self.names:
+            kwargs = dict(kwargs)
+            kwargs.update(zip(self.names, tensors[len(self.positions) :]))
+        return tuple(args), kwargs
 
-    def unpadded(self) -> tuple[tuple, dict, FlatCall]:
-        """:meth:`with_tensors` of the markers' own tensors."""
-        return self.with_tensors([marker.tensor for marker in self.markers])
+    def flat_call(self) -> FlatCall:
+        """The call flattened, each marker a leaf of its own: made on first use, once. Why not
+        up front: a padded call that replays its bucket's graph needs no leaves (only a
+        verification, a shared-memory check, a size observed, a declined call or the bucket's
+        graph learned do)."""
+        if self._call is None:
+            call = region_keys.flat_call(self.args, self.kwargs)
+            starts = call.starts  # (None: a flat call, argument i is leaf i)
+            places = [i if starts is None else starts[i] for i in self.positions]
+            if self.names:
+                order = {name: j for j, name in enumerate(self.kwargs, len(self.args))}
+                places += [starts[order[name]] for name in self.names]
+            self._call, self._places = call, places
+        return self._call
+
+    def flat(self, tensors: Sequence[torch.Tensor]) -> FlatCall:
+        """:meth:`flat_call` with each marker replaced by its tensor in ``tensors``."""
+        call = self.flat_call()
+        leaves = list(call.leaves)
+        for place, tensor in zip(self._places, tensors):
+            leaves[place] = tensor
+        return FlatCall(call.spec, leaves, call.paths, call.starts)
+
+    def unpadded(self) -> FlatCall:
+        """:meth:`flat` of the markers' own tensors: the call as if it had no markers."""
+        return self.flat([marker.tensor for marker in self.markers])
 
 
 def call(
@@ -128,8 +149,9 @@ def call(
     the padded tensors), or None where it does not serve the call."""
     expected = _unpadded_run(verify, marked) if verify is not None else None
     if not marked.pads:
-        args, kwargs, _call = marked.unpadded()
-        result, pads = run(*args, **kwargs), [marker.tensor for marker in marked.markers]
+        pads = [marker.tensor for marker in marked.markers]
+        args, kwargs = marked.arguments(pads)
+        result = run(*args, **kwargs)
     else:
         result, pads = _padded_run(run, marked, name, run_declined, replay_writes, in_place)
     if expected is not None:
@@ -152,8 +174,11 @@ def _padded_run(
             return _copied_back_and_sliced(result, marked, pads), pads
     dim, target = marked.dim, marked.target
     pads = [padding.pad(marker.tensor, dim, target, marker.fill, marker.bits) for marker in found]
-    args, kwargs, padded_call = marked.with_tensors(pads)
-    result = run_declined(padded_call) if declined else run(*args, **kwargs)
+    if declined:
+        result = run_declined(marked.flat(pads))
+    else:
+        args, kwargs = marked.arguments(pads)
+        result = run(*args, **kwargs)
     return _copied_back_and_sliced(result, marked, pads), pads
 
 
@@ -174,10 +199,6 @@ def _copied_back_and_sliced(result: object, marked: Marked, pads: list) -> objec
     return slice_outputs(result, dim, marked.target, rows)
 
 
-def _unwrapped(value: object) -> object:
-    return value.tensor if value.__class__ is Padded else value
-
-
 def _may_share_memory(args: tuple, kwargs: dict) -> bool:
     """Whether the call holds a tensor besides one padded argument (or a container that may
     hold one): only then can a padded argument share memory with another."""
@@ -196,7 +217,8 @@ def _refuse_shared_memory(name: str, marked: Marked) -> None:
     passed twice, a view of it) would stop being shared, and the region would see writes
     through one but not the other. Refused, before anything runs."""
     tensors = []  # (path, tensor, padded); a Padded marker is a leaf of its own
-    for path, leaf in zip(marked.call.paths, marked.call.leaves):
+    call = marked.flat_call()
+    for path, leaf in zip(call.paths, call.leaves):
         if type(leaf) is Padded:
             tensors.append((path, leaf.tensor, True))
         elif isinstance(leaf, torch.Tensor):
@@ -235,7 +257,7 @@ def _unpadded_run(fn: Callable, marked: Marked) -> tuple:
     """What a verified padded call is compared with: ``fn`` run unpadded and eagerly on copies
     of the arguments (every tensor, nested ones too, copied so that arguments sharing memory
     still share it): (its outputs, the copies, the real leaves and their paths)."""
-    unpadded = marked.unpadded()[2]
+    unpadded = marked.unpadded()
     copies = clone_preserving_sharing(region_keys.plain_leaves(unpadded.leaves))
     copy_args, copy_kwargs = region_keys.unflatten(unpadded.spec, copies)
     return fn(*copy_args, **copy_kwargs), copies, unpadded.leaves, unpadded.paths

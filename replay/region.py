@@ -139,15 +139,15 @@ class Region:
         return self.full_path(args, kwargs)
 
     def full_path(self, args: tuple, kwargs: dict):
-        """A call the flat dispatch did not serve: flattened once (the record every later
-        step reads), then routed where it pads (replay.routing), else :meth:`call_flat`."""
+        """A call the flat dispatch did not serve: routed where it pads (replay.routing), else
+        flattened once, into the record every later step reads (:meth:`call_flat`)."""
         self.session.check_open()
+        if buckets.has_padded(args, kwargs):
+            return self.router.call_padded(args, kwargs)
         try:
             call = region_keys.flat_call(args, kwargs)
         except region_keys.RefusedKey as refused:  # a dict key no graph may bake
-            return self.refused_arguments(refused, *buckets.unwrapped(args, kwargs))
-        if buckets.has_padded(args, kwargs):
-            return self.router.call_padded(args, kwargs, call)
+            return self.refused_arguments(refused, args, kwargs)
         return self.call_flat(call)
 
     def call_flat(self, call: FlatCall):

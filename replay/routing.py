@@ -42,14 +42,6 @@ def holds_a_pad_of(buffer: torch.Tensor, tensor: torch.Tensor) -> bool:
     return buffer.dtype is tensor.dtype and buffer.device == tensor.device
 
 
-def markers(args: tuple, kwargs: dict) -> list[buckets.Padded]:
-    """The ``replay.padded`` markers among a call's arguments, positional ones first."""
-    found = [a for a in args if a.__class__ is buckets.Padded]
-    if kwargs:
-        found += [v for v in kwargs.values() if v.__class__ is buckets.Padded]
-    return found
-
-
 def bucket_for(size: int, sizes: Sequence[int]) -> int | None:
     """The smallest bucket that holds ``size`` (None beyond the largest: no padding); the
     buckets are sorted (the policy sorts them)."""
@@ -57,25 +49,29 @@ def bucket_for(size: int, sizes: Sequence[int]) -> int | None:
     return sizes[at] if at < len(sizes) else None
 
 
-def marked_call(args: tuple, kwargs: dict, call: FlatCall, sizes: Sequence[int] | None, name: str) -> buckets.Marked:
+def marked_call(args: tuple, kwargs: dict, sizes: Sequence[int] | None, name: str) -> buckets.Marked:
     """A region call with markers as :class:`replay.buckets.Marked`: the size they agree on
     and the bucket it pads to, or the ValueError of a call that cannot pad (a session without
     buckets, markers that disagree on the dimension or the size they pad), raised before
     anything runs."""
-    found = markers(args, kwargs)
     if sizes is None:
         raise ValueError(
             f"region {name}: argument {_where(args, kwargs)[0]} is replay.padded(), but the session has no "
             "buckets: capture(buckets=[...]) lists the sizes to pad to"
         )
+    found, positions, names = [], [], []
+    for i, a in enumerate(args):
+        if a.__class__ is buckets.Padded:
+            found.append(a)
+            positions.append(i)
+    if kwargs:
+        for k, v in kwargs.items():
+            if v.__class__ is buckets.Padded:
+                found.append(v)
+                names.append(k)
     dim, rows = _agreed_or_refused(found, args, kwargs, name)
     bucket = bucket_for(rows, sizes)
-    starts = call.starts or range(len(call.leaves))  # (a flat call: argument i is leaf i)
-    positional = len(args)
-    places = [starts[i] for i, a in enumerate(args) if a.__class__ is buckets.Padded]
-    places += [starts[positional + j] for j, v in enumerate(kwargs.values()) if v.__class__ is buckets.Padded]
-    target = rows if bucket is None else bucket
-    return buckets.Marked(args, kwargs, call, tuple(found), tuple(places), dim, rows, target)
+    return buckets.Marked(args, kwargs, found, positions, names, dim, rows, rows if bucket is None else bucket)
 
 
 def _agreed_or_refused(found: list[buckets.Padded], args: tuple, kwargs: dict, name: str) -> tuple[int, int]:
@@ -97,7 +93,7 @@ def _agreed_or_refused(found: list[buckets.Padded], args: tuple, kwargs: dict, n
 
 
 def _where(args: tuple, kwargs: dict) -> list[str]:
-    """Where each padded argument is, in the order :func:`markers` lists them (for errors)."""
+    """Where each padded argument is, positional ones first (for errors)."""
     return [f"args[{i}]" for i, a in enumerate(args) if a.__class__ is buckets.Padded] + [
         f"{k}=" for k, v in kwargs.items() if v.__class__ is buckets.Padded
     ]
@@ -114,15 +110,14 @@ class Router:
         self._output_ranges: region_keys.MergedRanges | None = None
         self._stream_now: Callable[[int], int] | None = None  # the current stream's handle (_pad_into)
 
-    def call_padded(self, args: tuple, kwargs: dict, call: FlatCall):
+    def call_padded(self, args: tuple, kwargs: dict):
         """Pad to the bucket, call (the bucket's key replays like any other), slice back; every
         ``verify_every``-th padded call is also run unpadded and compared (replay.buckets). In a
         polymorphic session a size the bucket's graph serves at its own size is not padded
-        (:meth:`_polymorphic`), and the padded call tells which graph serves its bucket.
-        ``call``: the call flattened, each marker a leaf of its own."""
+        (:meth:`_polymorphic`), and the padded call tells which graph serves its bucket."""
         region = self.region
         policy = region.session.policy
-        marked = marked_call(args, kwargs, call, policy.buckets, region.name)
+        marked = marked_call(args, kwargs, policy.buckets, region.name)
         unseen = None
         if policy.polymorphic:
             result, unseen = self._polymorphic(marked)
@@ -143,7 +138,7 @@ class Router:
             in_place=self._pad_in_place,
         )
         if unseen is not None and marked.pads:
-            self._learn_base(unseen, marked.with_tensors(pads)[2])
+            self._learn_base(unseen, marked.flat(pads))
         return result
 
     # --- padding straight into a graph's staged buffers ------------------------------------------
@@ -251,7 +246,7 @@ class Router:
         session = region.session
         if not marked.pads or not session.can_record():
             return MISS, None
-        call = marked.unpadded()[2]
+        call = marked.unpadded()
         if region.snapshot is not None:
             try:
                 region.snapshot.check()

@@ -467,7 +467,7 @@ def test_padding_equals_a_filled_tensor_with_the_rows_copied_in(data):
     rows = base.shape[dim]
     seen = []
     args = (replay.padded(base, dim=dim, fill=fill),)
-    marked = routing.marked_call(args, {}, region_keys.flat_call(args, {}), [rows + 3], "r")
+    marked = routing.marked_call(args, {}, [rows + 3], "r")
     result, _ = buckets.call(lambda x: seen.append(x) or x, marked, "r")
     got_rows, bucket = marked.rows, marked.target
     (grown,) = seen

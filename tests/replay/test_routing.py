@@ -76,16 +76,18 @@ def test_a_call_that_needs_no_padding_is_not_observed(session_factory, monkeypat
     assert made == [] and step.bucket_bases == {} and step.router.padded_calls == 6
 
 
-def test_what_a_call_pads_to_and_where_its_markers_lie(monkeypatch):
+def test_what_a_call_pads_to_and_where_its_markers_lie():
     x, y = torch.randn(3, 2), torch.randn(3, 5)
     args, kwargs = (1, [x, 2], replay.padded(x)), {"k": (4,), "y": replay.padded(y)}
-    marked = routing.marked_call(args, kwargs, region_keys.flat_call(args, kwargs), [2, 4, 8], "r")
-    assert (marked.dim, marked.rows, marked.target, marked.places) == (0, 3, 4, (3, 5))
-    unpadded_args, unpadded_kwargs, call = marked.unpadded()
-    assert unpadded_args[2] is x and unpadded_kwargs["y"] is y and unpadded_kwargs["k"] == (4,)
-    assert call.leaves[3] is x and call.leaves[5] is y and call.spec == marked.call.spec
+    marked = routing.marked_call(args, kwargs, [2, 4, 8], "r")
+    assert (marked.dim, marked.rows, marked.target, marked.positions, marked.names) == (0, 3, 4, [2], ["y"])
+    unpadded_args, unpadded_kwargs = marked.arguments([x, y])
+    assert unpadded_args == (1, args[1], x) and unpadded_kwargs == {"k": (4,), "y": y}
+    call = marked.unpadded()  # flattened once, its markers' leaves replaced
+    assert call.leaves[3] is x and call.leaves[5] is y and marked.flat_call() is marked.flat_call()
+    assert call.spec == region_keys.flat_call(args, kwargs).spec
     assert region_keys.flat_call(unpadded_args, unpadded_kwargs).leaves == call.leaves
     flat = (replay.padded(x), 7)
-    assert routing.marked_call(flat, {}, region_keys.flat_call(flat, {}), [8], "r").places == (0,)
+    assert routing.marked_call(flat, {}, [8], "r").unpadded().leaves == [x, 7]
     with pytest.raises(ValueError, match=r"region r: argument args\[0\] is replay.padded\(\), but the session has no"):
-        routing.marked_call(flat, {}, region_keys.flat_call(flat, {}), None, "r")
+        routing.marked_call(flat, {}, None, "r")
