@@ -2,9 +2,9 @@
 
 A call is first offered to the region's flat dispatch (replay.dispatch: a pre-key hit
 replays, a call of shapes without an entry is counted and usually runs eagerly at once).
-What that leaves is this module's full path: the call is flattened once, into the
-:class:`~replay.region_keys.FlatCall` every later step reads; a call with ``replay.padded``
-markers is routed by replay.routing; any other is counted by admission
+What that leaves is this module's full path: a call with ``replay.padded`` markers is routed
+by replay.routing; any other is flattened once, into the
+:class:`~replay.region_keys.FlatCall` every later step reads, counted by admission
 (replay.keying.counted_shapes) and, where the rule lets it or its shapes have an entry, keyed
 (replay.region_keys.region_key); the key's state (replay.lifecycle) says whether it replays,
 records (replay.orchestration), or runs eagerly.
