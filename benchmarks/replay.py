@@ -54,15 +54,15 @@ affine_kernel = jc.Kernel(SOURCE, "affine")
 WIDTH, KERNELS = 256, 32
 SHAPES = [1, 2, 4, 8, 12, 16, 24, 32]
 #: The replay row timed with the per-call exactness checks beyond the key skipped (torch
-#: settings, launchers' globals; Region.measure_without_checks): the difference is their cost.
+#: settings, launchers' globals; instrumentation.measure_without_checks): the difference is their cost.
 WITHOUT_CHECKS = "replay, exactness checks skipped (measurement only)"
 #: The replay row timed with the torch-settings check made without the torch-side helper's
 #: watch (csrc/replay_checks.c's, reading each setting through torch's Python getters), and in
-#: generated Python, as it runs where no C helper was built (Region.measure_with_settings_check).
+#: generated Python, as it runs where no C helper was built (instrumentation.measure_with_settings_check).
 C_SETTINGS = "replay, settings checked by csrc/replay_checks.c (without the torch-side helper)"
 PYTHON_SETTINGS = "replay, settings checked in generated Python (without C helpers)"
 #: The pointer + scalar row replayed by each graph's generated Python function alone, without
-#: csrc/replay_step.c in front of it (Region.measure_generated_python).
+#: csrc/replay_step.c in front of it (instrumentation.measure_generated_python).
 GENERATED = "replay, pointer + dynamic scalar, generated Python (without csrc/replay_step.c)"
 #: What any replay that rebinds the input and the scalar must do, and nothing else: write both
 #: into the node's parameters, push the node to the exec, launch (from Python, through the same
@@ -531,13 +531,15 @@ def main() -> None:
         for name, step in paths.items():
             measured = contextlib.nullcontext()
             if name == WITHOUT_CHECKS:
-                measured = step_region.measure_without_checks()
+                measured = instrumentation.measure_without_checks(instrumentation.graphs_held(step_region))
             elif name == C_SETTINGS:
-                measured = step_region.measure_with_settings_check("c")
+                measured = instrumentation.measure_with_settings_check(instrumentation.graphs_held(step_region), "c")
             elif name == PYTHON_SETTINGS:
-                measured = step_region.measure_with_settings_check("python")
+                measured = instrumentation.measure_with_settings_check(
+                    instrumentation.graphs_held(step_region), "python"
+                )
             elif name == GENERATED:
-                measured = scaled_step.measure_generated_python()
+                measured = instrumentation.measure_generated_python(scaled_step)
             with measured:
                 host, total = loop(step, inputs, order)
             if name == FLOOR:

@@ -9,8 +9,9 @@
         n = x.numel()
         axpy.instantiate(x.dtype)[jc.cdiv(n, 256), 256](x, y, out, alpha, n)
 
-See docs/ for the guide; ``jitcore.recorder`` is the replay layer's hook, and
-``hit_path_parts`` the benchmarks' (the steps of a cache hit, each callable alone).
+See docs/ for the guide; ``jitcore.recorder`` is the hook through which launches are recorded,
+``jitcore.for_replay`` what the replay layer uses beyond this API (the recorder's part among it),
+and ``hit_path_parts`` the benchmarks' hook (the steps of a cache hit, each callable alone).
 """
 
 from jitcore import recorder

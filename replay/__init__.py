@@ -13,7 +13,7 @@ new input pointers and dynamic scalars exactly; run eagerly whatever cannot be r
 See docs/replay.md for the semantics (keys, rebinding vs staging, output lifetime).
 """
 
-from jitcore._version import __version__ as __version__
+from jitcore import __version__ as __version__
 from replay.buckets import Padded, padded
 from replay.dynamic import Dynamic, DynamicScalar, dynamic
 from replay.errors import (

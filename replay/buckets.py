@@ -13,35 +13,24 @@ depends on row ``i`` of the padded arguments alone (and on the other arguments),
 elementwise kernels, matmuls against weights, per-token attention over a cache. A region that
 mixes rows (a softmax or mean over the batch, a sort) gives other results when padded: say so
 by not padding it. ``verify_every`` catches it: every Nth padded call also runs the region
-unpadded, eagerly, and compares (see :func:`verify`).
+unpadded, eagerly, and compares (see :func:`call`).
+
+replay.routing finds what a padded call pads to (:class:`Marked`) and which graph serves it;
+this module pads, runs, copies back, slices, and verifies.
 """
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Callable, Sequence
 
+import attrs
 import torch
 
 from replay import padding, region_keys
 from replay.errors import ReplayMismatchError
 from replay.graph import bitwise_equal, clone_preserving_sharing
-
-
-class Padded:
-    """A region argument to pad to the session's bucket sizes (see :func:`padded`). Only a
-    top-level argument of a region call (positional or keyword) may be one; it is unhashable,
-    so anywhere else keying the call refuses it."""
-
-    __slots__ = ("tensor", "dim", "fill", "written", "bits")
-    __hash__ = None  # type: ignore[assignment]
-
-    def __init__(self, tensor: torch.Tensor, dim: int, fill: bool | int | float, written: bool, bits: int):
-        self.tensor, self.dim, self.fill, self.written = tensor, dim, fill, written
-        self.bits = bits  # the fill's bytes in the tensor's dtype (replay.padding.fill_bits)
-
-    def __repr__(self) -> str:
-        return f"padded(<{tuple(self.tensor.shape)} {self.tensor.dtype}>, dim={self.dim}, fill={self.fill!r})"
+from replay.padding import Padded
+from replay.region_keys import FlatCall
 
 
 def padded(tensor: torch.Tensor, dim: int = 0, fill: bool | int | float = 0, *, written: bool = False) -> Padded:
@@ -72,107 +61,125 @@ def has_padded(args: tuple, kwargs: dict) -> bool:
     return Padded in map(type, args) or (bool(kwargs) and Padded in map(type, kwargs.values()))
 
 
-def markers(args: tuple, kwargs: dict) -> list[Padded]:
-    """The ``replay.padded`` markers among a call's arguments, positional ones first."""
-    found = [a for a in args if a.__class__ is Padded]
-    if kwargs:
-        found += [v for v in kwargs.values() if v.__class__ is Padded]
-    return found
+@attrs.define
+class Marked:
+    """A call with ``replay.padded`` markers: where they are, the size they agree on and what
+    it pads to (replay.routing finds them). The padded path reads it, and flattens the call
+    once, where a step needs its leaves (:meth:`flat_call`): the unpadded and the padded call
+    are then its leaves replaced. Never changed once made (but for that one flattening)."""
 
+    args: tuple
+    kwargs: dict
+    markers: list[Padded]  # positional ones first
+    positions: list[int]  # the positional markers' places among ``args``
+    names: list[str]  # the keyword markers' names
+    dim: int
+    rows: int  # the call's own size along ``dim``
+    target: int  # what it pads to: its bucket, or ``rows`` beyond the largest bucket
+    _call: FlatCall | None = attrs.field(default=None, init=False)
+    _places: list[int] = attrs.field(factory=list, init=False)  # each marker's leaf
 
-def unwrapped(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """The call's arguments with each marker replaced by its tensor (the unpadded call)."""
-    return tuple(map(_unwrapped, args)), {k: _unwrapped(v) for k, v in kwargs.items()}
+    @property
+    def pads(self) -> bool:
+        """Whether the call is smaller than its bucket (else it runs as it is)."""
+        return self.target != self.rows
 
+    def arguments(self, tensors: Sequence[torch.Tensor]) -> tuple[tuple, dict]:
+        """(args, kwargs) with each marker replaced by its tensor in ``tensors`` (its own: the
+        unpadded call; grown: the padded one)."""
+        args = list(self.args)
+        for position, tensor in zip(self.positions, tensors):
+            args[position] = tensor
+        kwargs = self.kwargs
+        if self.names:
+            kwargs = dict(kwargs)
+            kwargs.update(zip(self.names, tensors[len(self.positions) :]))
+        return tuple(args), kwargs
 
-def agreed_size(marked: Sequence[Padded]) -> tuple[int, int] | None:
-    """(dim, size) that every marker pads, or None where they disagree (:func:`call` says
-    how, in its error)."""
-    dim = marked[0].dim
-    rows = marked[0].tensor.shape[dim]
-    if any(m.dim != dim or m.tensor.shape[dim] != rows for m in marked):
-        return None
-    return dim, rows
+    def flat_call(self) -> FlatCall:
+        """The call flattened, each marker a leaf of its own: made on first use, once. Why not
+        up front: a padded call that replays its bucket's graph needs no leaves (only a
+        verification, a shared-memory check, a size observed, a declined call or the bucket's
+        graph learned do)."""
+        if self._call is None:
+            call = region_keys.flat_call(self.args, self.kwargs)
+            starts = call.starts  # (None: a flat call, argument i is leaf i)
+            places = [i if starts is None else starts[i] for i in self.positions]
+            if self.names:
+                order = {name: j for j, name in enumerate(self.kwargs, len(self.args))}
+                places += [starts[order[name]] for name in self.names]
+            self._call, self._places = call, places
+        return self._call
 
+    def flat(self, tensors: Sequence[torch.Tensor]) -> FlatCall:
+        """:meth:`flat_call` with each marker replaced by its tensor in ``tensors``."""
+        call = self.flat_call()
+        leaves = list(call.leaves)
+        for place, tensor in zip(self._places, tensors):
+            leaves[place] = tensor
+        return FlatCall(call.spec, leaves, call.paths, call.starts)
 
-def bucket_for(size: int, buckets: Sequence[int]) -> int | None:
-    """The smallest bucket that holds ``size`` (None beyond the largest: no padding); the
-    buckets are sorted (the policy sorts them)."""
-    at = bisect.bisect_left(buckets, size)
-    return buckets[at] if at < len(buckets) else None
+    def unpadded(self) -> FlatCall:
+        """:meth:`flat` of the markers' own tensors: the call as if it had no markers."""
+        return self.flat([marker.tensor for marker in self.markers])
 
 
 def call(
     run: Callable,
-    args: tuple,
-    kwargs: dict,
-    buckets: Sequence[int] | None,
+    marked: Marked,
     name: str,
     *,
-    run_eagerly: Callable | None = None,
+    verify: Callable | None = None,
+    run_declined: Callable[[FlatCall], object] | None = None,
     replay_writes: Callable[[torch.Tensor], bool] | None = None,
-    in_place: Callable[[tuple, int, int], tuple[object, list] | None] | None = None,
-) -> tuple[object, int, int, list[tuple[Padded, torch.Tensor]]]:
-    """Pad, run, copy back, slice: (result, rows of the call, bucket, [(marker, padded)]).
+    in_place: Callable[[Marked], tuple[object, list] | None] | None = None,
+) -> tuple[object, list[torch.Tensor]]:
+    """Pad, run, copy back, slice: (result, the tensors the markers became). ``verify``: the
+    region's function, which runs first, unpadded, on copies of the arguments, its outputs
+    and arguments then compared with the padded call's (:func:`_compare_with`).
 
-    A padded argument that is copied is not what the graph sees, so the graph cannot tell
-    that it lies in memory its replay writes (``replay_writes``: a previous output of the
-    region fed back, ``h = step(replay.padded(h))``); the replay would overwrite it and hand
-    out outputs sharing its memory. Such a call is run by ``run_eagerly`` instead.
+    A call that needs no padding runs ``run`` on the markers' tensors. A padded argument that
+    is copied is not what the graph sees, so the graph cannot tell that it lies in memory its
+    replay writes (``replay_writes``: a previous output of the region fed back,
+    ``h = step(replay.padded(h))``); the replay would overwrite it and hand out outputs
+    sharing its memory. Such a call is run by ``run_declined`` instead, on the padded call.
 
-    ``in_place(args, dim, bucket)``: the session's replay that pads straight into a graph's
-    staged buffers (replay.routing.Router._pad_in_place), tried first for positional calls: (result,
-    [(marker, padded)]), or None where it does not serve the call."""
-    marked = markers(args, kwargs)
-    if buckets is None:
-        raise ValueError(
-            f"region {name}: argument {_where(args, kwargs)[0]} is replay.padded(), but the session has no "
-            "buckets: capture(buckets=[...]) lists the sizes to pad to"
-        )
-    dim, rows = _agreed_or_refused(marked, args, kwargs, name)
-    bucket = bucket_for(rows, buckets)
-    target = rows if bucket is None else bucket
-    if target == rows:
-        plain_args, plain_kwargs = unwrapped(args, kwargs)
-        return run(*plain_args, **plain_kwargs), rows, target, [(marker, marker.tensor) for marker in marked]
-    if _may_share_memory(args, kwargs):
-        _refuse_shared_memory(name, args, kwargs)
-    if replay_writes is not None and run_eagerly is not None and _any_replay_writes(replay_writes, marked):
-        run = run_eagerly
-    elif in_place is not None and not kwargs:
-        served = in_place(args, dim, target)
+    ``in_place(marked)``: the session's replay that pads straight into a graph's staged
+    buffers (replay.routing.Router._pad_in_place), tried first for positional calls: (result,
+    the padded tensors), or None where it does not serve the call."""
+    expected = _unpadded_run(verify, marked) if verify is not None else None
+    if not marked.pads:
+        pads = [marker.tensor for marker in marked.markers]
+        args, kwargs = marked.arguments(pads)
+        result = run(*args, **kwargs)
+    else:
+        result, pads = _padded_run(run, marked, name, run_declined, replay_writes, in_place)
+    if expected is not None:
+        _compare_with(name, expected, result)
+    return result, pads
+
+
+def _padded_run(
+    run: Callable, marked: Marked, name: str, run_declined, replay_writes, in_place
+) -> tuple[object, list[torch.Tensor]]:
+    """:func:`call` of a call smaller than its bucket."""
+    found = marked.markers
+    if _may_share_memory(marked.args, marked.kwargs):
+        _refuse_shared_memory(name, marked)
+    declined = replay_writes is not None and run_declined is not None and _any_replay_writes(replay_writes, found)
+    if not declined and in_place is not None and not marked.kwargs:
+        served = in_place(marked)
         if served is not None:
             result, pads = served
-            return _copied_back_and_sliced(result, pads, dim, target, rows), rows, target, pads
-    pads: list[tuple[Padded, torch.Tensor]] = []
-
-    def pad(value: object) -> object:
-        if value.__class__ is not Padded:
-            return value
-        grown = padding.pad(value.tensor, dim, target, value.fill, value.bits)
-        pads.append((value, grown))
-        return grown
-
-    result = run(*[pad(a) for a in args], **{k: pad(v) for k, v in kwargs.items()})
-    return _copied_back_and_sliced(result, pads, dim, target, rows), rows, target, pads
-
-
-def _agreed_or_refused(marked: list[Padded], args: tuple, kwargs: dict, name: str) -> tuple[int, int]:
-    """(dim, size) every marker pads, or the ValueError saying how they disagree."""
-    first = marked[0]
-    dim = first.dim
-    rows = first.tensor.shape[dim]
-    for marker in marked[1:]:
-        if marker.dim != dim:
-            listed = ", ".join(f"{where} dim {m.dim}" for where, m in zip(_where(args, kwargs), marked))
-            raise ValueError(
-                f"region {name}: padded arguments must pad the same dimension (outputs are sliced along it), "
-                f"got {listed}"
-            )
-        if marker.tensor.shape[dim] != rows:
-            listed = ", ".join(f"{where} {m.tensor.shape[m.dim]}" for where, m in zip(_where(args, kwargs), marked))
-            raise ValueError(f"region {name}: padded arguments must agree on the size they pad, got {listed}")
-    return dim, rows
+            return _copied_back_and_sliced(result, marked, pads), pads
+    dim, target = marked.dim, marked.target
+    pads = [padding.pad(marker.tensor, dim, target, marker.fill, marker.bits) for marker in found]
+    if declined:
+        result = run_declined(marked.flat(pads))
+    else:
+        args, kwargs = marked.arguments(pads)
+        result = run(*args, **kwargs)
+    return _copied_back_and_sliced(result, marked, pads), pads
 
 
 def _any_replay_writes(replay_writes: Callable[[torch.Tensor], bool], marked: list[Padded]) -> bool:
@@ -182,24 +189,14 @@ def _any_replay_writes(replay_writes: Callable[[torch.Tensor], bool], marked: li
     return False
 
 
-def _copied_back_and_sliced(result: object, pads: list, dim: int, bucket: int, rows: int) -> object:
+def _copied_back_and_sliced(result: object, marked: Marked, pads: list) -> object:
     """After the padded run: the call's rows of each ``written`` argument copied back into
     it, and the outputs sliced to the call's rows."""
-    for marker, grown in pads:
+    dim, rows = marked.dim, marked.rows
+    for marker, grown in zip(marked.markers, pads):
         if marker.written:
             marker.tensor.copy_(grown.narrow(dim, 0, rows))
-    return slice_outputs(result, dim, bucket, rows)
-
-
-def _unwrapped(value: object) -> object:
-    return value.tensor if value.__class__ is Padded else value
-
-
-def _where(args: tuple, kwargs: dict) -> list[str]:
-    """Where each padded argument is, in the order :func:`call` lists them (for errors)."""
-    return [f"args[{i}]" for i, a in enumerate(args) if a.__class__ is Padded] + [
-        f"{k}=" for k, v in kwargs.items() if v.__class__ is Padded
-    ]
+    return slice_outputs(result, dim, marked.target, rows)
 
 
 def _may_share_memory(args: tuple, kwargs: dict) -> bool:
@@ -215,13 +212,13 @@ def _may_share_memory(args: tuple, kwargs: dict) -> bool:
     return tensors > 1
 
 
-def _refuse_shared_memory(name: str, args: tuple, kwargs: dict) -> None:
+def _refuse_shared_memory(name: str, marked: Marked) -> None:
     """A padded argument is copied: memory it shares with another argument (the same tensor
     passed twice, a view of it) would stop being shared, and the region would see writes
     through one but not the other. Refused, before anything runs."""
-    _spec, leaves, paths = region_keys.flatten(args, kwargs)  # a Padded marker is a leaf of its own
-    tensors = []  # (path, tensor, padded)
-    for path, leaf in zip(paths, leaves):
+    tensors = []  # (path, tensor, padded); a Padded marker is a leaf of its own
+    call = marked.flat_call()
+    for path, leaf in zip(call.paths, call.leaves):
         if type(leaf) is Padded:
             tensors.append((path, leaf.tensor, True))
         elif isinstance(leaf, torch.Tensor):
@@ -256,24 +253,27 @@ def _narrowed(tensor: torch.Tensor, dim: int, rows: int) -> torch.Tensor:
     return tensor[:rows] if dim == 0 else tensor.narrow(dim, 0, rows)
 
 
-def verify(fn: Callable, args: tuple, kwargs: dict, padded_call: Callable[[], object], name: str) -> object:
-    """Run ``fn`` unpadded and eagerly on copies of the arguments (every tensor, nested ones
-    too, copied so that arguments sharing memory still share it), then the padded call on the
-    real ones, and compare the outputs and every tensor argument afterwards. Equal bit for
-    bit passes; otherwise within torch's default tolerance for the dtype passes (a padded
-    matmul may use another kernel and round differently); anything else raises
-    ReplayMismatchError: the region's rows are not independent, and padding changes its
-    results."""
-    spec, leaves, paths = region_keys.flatten(*unwrapped(args, kwargs))
-    copies = clone_preserving_sharing(region_keys.plain_leaves(leaves))
-    copy_args, copy_kwargs = region_keys.unflatten(spec, copies)
-    expected = fn(*copy_args, **copy_kwargs)
-    got = padded_call()
-    _compare(name, "output", expected, got)
+def _unpadded_run(fn: Callable, marked: Marked) -> tuple:
+    """What a verified padded call is compared with: ``fn`` run unpadded and eagerly on copies
+    of the arguments (every tensor, nested ones too, copied so that arguments sharing memory
+    still share it): (its outputs, the copies, the real leaves and their paths)."""
+    unpadded = marked.unpadded()
+    copies = clone_preserving_sharing(region_keys.plain_leaves(unpadded.leaves))
+    copy_args, copy_kwargs = region_keys.unflatten(unpadded.spec, copies)
+    return fn(*copy_args, **copy_kwargs), copies, unpadded.leaves, unpadded.paths
+
+
+def _compare_with(name: str, expected: tuple, got: object) -> None:
+    """The padded call's outputs and its tensor arguments afterwards against the unpadded
+    run's (:func:`_unpadded_run`). Equal bit for bit passes; otherwise within torch's default
+    tolerance for the dtype passes (a padded matmul may use another kernel and round
+    differently); anything else raises ReplayMismatchError: the region's rows are not
+    independent, and padding changes its results."""
+    outputs, copies, leaves, paths = expected
+    _compare(name, "output", outputs, got)
     for path, real, copy in zip(paths, leaves, copies):
         if isinstance(real, torch.Tensor):
             _compare(name, f"argument {path} after the call", copy, real)
-    return got
 
 
 def _compare(name: str, what: str, expected: object, got: object) -> None:

@@ -24,8 +24,7 @@ from collections.abc import Callable, Sequence
 import attrs
 import torch
 
-from jitcore.backends import compiled_helpers_enabled, get_backend
-from jitcore.guards import ArgumentCheck, make_guard
+from jitcore.for_replay import ArgumentCheck, compiled_helpers_enabled, current_device_reader, make_guard
 from replay import buckets, recording, region_keys
 from replay.admission import ReplayTimes
 from replay.dynamic import Dynamic
@@ -370,7 +369,7 @@ def flat_guard(device: int, spec: object, leaves: Sequence) -> tuple[Callable | 
     guard = make_guard(
         checks,
         device=device,
-        current_device=get_backend().hot_namespace["_current_device"],
+        current_device=current_device_reader(),
         description="replay guard of a key",
         packed=True,
     )

@@ -15,9 +15,7 @@ import ast
 import itertools
 from typing import NoReturn
 
-from jitcore import generated
-from jitcore.keys import NUMBERS
-from jitcore.symbolic import DeferredScalar
+from jitcore.for_replay import NUMBERS, DeferredScalar, generated
 from replay.errors import DynamicScalarError
 
 

@@ -28,15 +28,12 @@ replay.graph_outputs'), the C step's program replay.graph_step's.
 
 from __future__ import annotations
 
-import contextlib
-import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 
 import attrs
 import torch
 
-from jitcore import generated
-from jitcore.backends import get_backend
+from jitcore.for_replay import generated, get_backend
 from replay import graph_outputs, output_slots, rebinding, region_keys
 from replay.errors import ReplayMismatchError
 from replay.graph_outputs import (  # noqa: F401 (the output kinds, where callers import them)
@@ -52,7 +49,7 @@ from replay.graph_outputs import (  # noqa: F401 (the output kinds, where caller
     guard_outputs,
 )
 from replay.graph_source import MISMATCH, UNKNOWN, ReplaySource, compile_function
-from replay.graph_step import ReplayStep, make_step
+from replay.graph_step import ReplayStep, make_step  # noqa: F401 (where tests read the C step type)
 from replay.recording import Capture
 
 
@@ -110,69 +107,6 @@ class NodeState:
         buffer[: len(self.held)] = self.held
         for field, value in zip(self.updater.DIMENSIONS, self.dimensions):
             self.updater.set_dimension(field, value)
-
-
-# --- benchmark hooks -----------------------------------------------------------------------
-#: What ``measure_without_checks`` swaps in: each check reports "nothing changed".
-def _unchanged() -> bool:
-    return False
-
-
-def _no_check() -> None:
-    return None
-
-
-def generated_replay(run: Callable) -> Callable:
-    """The generated Python function behind a replay (``run`` itself where it is one)."""
-    return run.fallback if ReplayStep is not None and isinstance(run, ReplayStep) else run
-
-
-def measure_without_checks(graphs: Sequence[RecordedGraph]) -> contextlib.AbstractContextManager:
-    """Benchmarks only: while the context lasts, ``graphs`` skip the per-call checks that
-    guard exactness beyond the key (the torch settings, the jit launchers' globals), so a
-    benchmark can time their cost as a difference (docs/benchmarks/replay.md). Calls made
-    inside it are not protected: never use it around calls whose results matter."""
-
-    def skipped(graph: RecordedGraph) -> dict[str, object]:
-        checks = (name for name in graph.namespace if re.fullmatch(r"_check\d+", name))
-        return {"_modes_changed": _unchanged, **dict.fromkeys(checks, _no_check)}
-
-    return _namespaces_swapped(graphs, skipped)
-
-
-#: The ways :func:`measure_with_settings_check` can make the settings check: (compiled, watch).
-_SETTINGS_CHECK_WAYS = {"python": (False, False), "c": (True, False)}
-
-
-def measure_with_settings_check(graphs: Sequence[RecordedGraph], way: str) -> contextlib.AbstractContextManager:
-    """Benchmarks only: while the context lasts, ``graphs`` check the torch settings another
-    way than the fastest one built, so a benchmark can time what each step saves: ``"python"``
-    the generated Python check (where no C helper was built), ``"c"`` csrc/replay_checks.c's
-    without the torch-side helper's settings watch. Every way is exact."""
-    compiled, watch = _SETTINGS_CHECK_WAYS[way]
-    return _namespaces_swapped(
-        graphs,
-        lambda graph: {"_modes_changed": region_keys.modes_changed(graph.key[2], compiled=compiled, watch=watch)},
-    )
-
-
-@contextlib.contextmanager
-def _namespaces_swapped(
-    graphs: Sequence[RecordedGraph], replacements: Callable[[RecordedGraph], dict[str, object]]
-) -> Iterator[None]:
-    """Each graph's replay namespace with ``replacements(graph)`` in place while the context
-    lasts, then its own values back (the measurement hooks above). The C step reads these
-    names from the same namespace at every call, so the hooks apply to it too."""
-    saved = []
-    for graph in graphs:
-        values = replacements(graph)
-        saved.append((graph, {name: graph.namespace[name] for name in values}))
-        graph.namespace.update(values)
-    try:
-        yield
-    finally:
-        for graph, values in saved:
-            graph.namespace.update(values)
 
 
 @attrs.frozen
@@ -408,7 +342,7 @@ class RecordedGraph:
                 disabled[node] = None  # neither enabled nor disabled: set again next time
 
     def _set_failed(self, status: object, node: int) -> None:
-        from jitcore.errors import DriverError
+        from jitcore import DriverError
 
         raise DriverError(f"graph node update (node {node}) in {self.name}", int(status), str(status))
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from jitcore.backends import compiled_helpers_enabled
+from jitcore.for_replay import compiled_helpers_enabled
 from replay import recording, region_keys
 
 if TYPE_CHECKING:

@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import attrs
 
-from jitcore import generated
+from jitcore.for_replay import current_stream_reader, generated
 from replay import graph_checks, graph_outputs
 from replay import host as host_inputs
 from replay.step_program import NodeValue, PointerWrite, ScalarWrite
@@ -200,7 +200,7 @@ class ReplaySource:
             _ARITHMETIC_ERRORS=ARITHMETIC_ERRORS,
             _rollback=graph._interrupted,
             _set_failed=graph._set_failed,
-            _current_stream=self.backend.hot_namespace["_current_stream"],
+            _current_stream=current_stream_reader(self.backend),
             _stream_switch=session.stream_switch,
             _LAST_STREAM=session.last_stream,
             _stats=session.counters,

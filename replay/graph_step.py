@@ -15,8 +15,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-import jitcore.torch_native
-from jitcore.backends import compiled_helpers_enabled
+from jitcore.for_replay import compiled_helpers_enabled, torch_native_module
 from replay import output_slots
 from replay.graph_outputs import ConstantOutput, HeldOutput, InputView, OwnedOutput, SameOutput, SlotOutput
 from replay.graph_source import (
@@ -76,7 +75,7 @@ def make_step(graph, backend, leaves: Sequence, generated: GeneratedReplay) -> t
     """(the C step, None, its argument function's source) for ``graph``, or (None, why not, "")."""
     if ReplayStep is None or not compiled_helpers_enabled():
         return None, "csrc/replay_step.c is not built (or JITCORE_NATIVE=0)", ""
-    support = getattr(jitcore.torch_native.module(), "replay_support", None)
+    support = getattr(torch_native_module(), "replay_support", None)
     if support is None:
         return None, "the torch-side helper is not built for this torch (python -m jitcore.torch_native)", ""
     try:

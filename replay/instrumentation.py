@@ -10,10 +10,13 @@ the steps of one call follow each other, none inside another.
 from __future__ import annotations
 
 import contextlib
+import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import attrs
+
+from replay import region_keys
 
 # --- the steps of a call ------------------------------------------------------------------
 
@@ -92,8 +95,81 @@ def timing(clock: Callable[[], float] = time.perf_counter) -> Iterator[StepTimes
 
 
 # --- the replay path's measurement ------------------------------------------------------------
-# The hooks that swap parts of a replay for the benchmarks (replay.graph's measure_without_checks
-# and measure_with_settings_check, the region's measure_* methods) belong in this section.
+# Hooks that swap parts of a replay for the benchmarks, so that each part's cost shows as a
+# difference (docs/benchmarks/replay.md). Calls made inside them are not protected: never use
+# them around calls whose results matter.
+
+
+def graphs_held(region) -> list:
+    """The graphs ``region``'s keys hold now (what the hooks below take)."""
+    return [entry.graph for entry in region.entries.values() if entry.graph is not None]
+
+
+def _unchanged() -> bool:
+    """The settings check of a graph measured without checks: nothing changed."""
+    return False
+
+
+def _no_check() -> None:
+    """A launcher-globals check of a graph measured without checks: nothing to raise."""
+    return None
+
+
+def measure_without_checks(graphs: Sequence) -> contextlib.AbstractContextManager:
+    """While the context lasts, ``graphs`` skip the per-call checks that guard exactness
+    beyond the key (the torch settings, the jit launchers' globals)."""
+
+    def skipped(graph) -> dict[str, object]:
+        checks = (name for name in graph.namespace if re.fullmatch(r"_check\d+", name))
+        return {"_modes_changed": _unchanged, **dict.fromkeys(checks, _no_check)}
+
+    return _namespaces_swapped(graphs, skipped)
+
+
+#: The ways :func:`measure_with_settings_check` can make the settings check: (compiled, watch).
+_SETTINGS_CHECK_WAYS = {"python": (False, False), "c": (True, False)}
+
+
+def measure_with_settings_check(graphs: Sequence, way: str) -> contextlib.AbstractContextManager:
+    """While the context lasts, ``graphs`` check the torch settings another way than the
+    fastest one built, so a benchmark can time what each step saves: ``"python"`` the
+    generated Python check (where no C helper was built), ``"c"`` csrc/replay_checks.c's
+    without the torch-side helper's settings watch. Every way is exact."""
+    compiled, watch = _SETTINGS_CHECK_WAYS[way]
+    return _namespaces_swapped(
+        graphs,
+        lambda graph: {"_modes_changed": region_keys.modes_changed(graph.key[2], compiled=compiled, watch=watch)},
+    )
+
+
+def measure_generated_python(region) -> contextlib.AbstractContextManager:
+    """Inside the context, ``region``'s recorded keys replay through their generated Python
+    function alone, without csrc/replay_step.c in front of it (what a replay costs where that
+    file is not built)."""
+    return region.session.keys.runs_replaced(region, generated_replay)
+
+
+def generated_replay(run: Callable) -> Callable:
+    """The generated Python function behind a replay: a C step's fallback, or ``run`` itself
+    where it is one."""
+    return getattr(run, "fallback", run)
+
+
+@contextlib.contextmanager
+def _namespaces_swapped(graphs: Sequence, replacements: Callable[[object], dict[str, object]]) -> Iterator[None]:
+    """Each graph's replay namespace with ``replacements(graph)`` in place while the context
+    lasts, then its own values back. The C step reads these names from the same namespace at
+    every call, so the hooks apply to it too."""
+    saved = []
+    for graph in graphs:
+        values = replacements(graph)
+        saved.append((graph, {name: graph.namespace[name] for name in values}))
+        graph.namespace.update(values)
+    try:
+        yield
+    finally:
+        for graph, values in saved:
+            graph.namespace.update(values)
 
 
 # --- the recording's host steps, run on their own -------------------------------------------
@@ -116,7 +192,7 @@ class RecordingSteps:
     def __init__(self, fn: Callable, args: tuple) -> None:
         import torch
 
-        from jitcore.backends import get_backend
+        from jitcore.for_replay import get_backend
         from replay import recording
 
         self._recording = recording
@@ -132,10 +208,10 @@ class RecordingSteps:
         self.launch_views = self.views()
 
     def region(self) -> list:
-        import jitcore.recorder
+        from jitcore import for_replay
 
         recorder = self._recording._Recorder(self.backend)
-        with jitcore.recorder.recording(recorder):
+        with for_replay.recording(recorder):
             self.fn(*self.args)
         return recorder.records
 

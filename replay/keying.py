@@ -1,9 +1,9 @@
-"""The session's part of a key: which tensors require grad, what admission counts a call
-under (without keeping its arguments alive), and a key in a few words.
+"""The session's part of a key: what admission counts a call under (without keeping its
+arguments alive), and a key in a few words.
 
 region_keys makes the exact key of a call; this module adds what the session needs around
-it: the mark of tensors requiring grad (a graph cannot carry autograd), the cheaper count a
-call is admitted by before any key is made, and the key's wording for logs and reports.
+it: the cheaper count a call is admitted by before any key is made, and the key's wording
+for logs and reports.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 
 from replay import region_keys
 from replay.dynamic import Dynamic
-from replay.errors import ReplayError
+from replay.region_keys import KeyMark
 
 #: What a ``replay.dynamic`` argument is in a pre-key and in admission's count: one mark for
 #: every value (the value is rebound at each replay, never part of the key).
@@ -27,52 +27,6 @@ DYNAMIC_MARK = ("replay.dynamic",)
 #: Argument types a flat call's pre-key holds as they are: constants that are leaves of the key
 #: as they are (hashable, compared by value).
 PLAIN_CONSTANTS = region_keys.PLAIN_CONSTANTS
-
-
-class KeyMark(enum.Enum):
-    """Key elements the session adds to region_keys' key (after the leaves' elements)."""
-
-    #: followed by the indices of the tensor leaves that require grad (see region_key)
-    REQUIRES_GRAD = "requires grad"
-
-
-def region_key(device: int, spec: object, leaves: Sequence, paths: Sequence[str]) -> tuple:
-    """The full key of a call (region_keys.region_key), plus which tensor arguments require
-    grad, where any does: ``(..., (KeyMark.REQUIRES_GRAD, indices))``.
-
-    Why: a graph cannot carry autograd (a replay hands out detached views of its memory), so
-    a call whose tensors require grad must never find the key of a call whose tensors do not
-    (a graph recorded for ``x`` served ``w = x.requires_grad_()`` under grad mode and returned
-    an output without ``grad_fn``: gradients silently lost). The tensor leaf's own signature
-    does not hold ``requires_grad``; the pre-key guards compare it already (jitcore.guards),
-    so both paths tell the two apart. A call with no tensor requiring grad keeps region_keys'
-    key unchanged. Grad and inference mode are in every key already (its torch settings)."""
-    key = region_keys.region_key(device, spec, leaves, paths)
-    for leaf in leaves:  # (a plain loop: every full key pays for it)
-        if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
-            grads = tuple(i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and leaf.requires_grad)
-            return (*key, (KeyMark.REQUIRES_GRAD, grads))
-    return key
-
-
-def grad_leaves(key: tuple) -> tuple[int, ...]:
-    """The tensor leaves of ``key`` that require grad (see :func:`region_key`)."""
-    last = key[-1] if len(key) > region_keys.LEAVES_START else None
-    return last[1] if last.__class__ is tuple and last and last[0] is KeyMark.REQUIRES_GRAD else ()
-
-
-def outputs_requiring_grad(outputs: object) -> list[str]:
-    """Where in a region's ``outputs`` tensors require grad (``output[0]``), as the recording
-    refuses them (recording.own_outputs); outputs it cannot walk are left to the recording."""
-    try:
-        _spec, leaves, paths = region_keys.flatten((outputs,), {}, walk_dataclasses=True)
-    except (TypeError, ReplayError):  # (the recording refuses such outputs with its reason)
-        return []
-    return [
-        path.replace("args[0]", "output", 1)
-        for leaf, path in zip(leaves, paths)
-        if isinstance(leaf, torch.Tensor) and leaf.requires_grad
-    ]
 
 
 # --- what admission counts a call under ---------------------------------------------------------
@@ -115,7 +69,7 @@ def counted_shapes(device_of, spec: object, leaves: Sequence, paths: list) -> tu
         )
         hash(shapes)
     except (TypeError, RuntimeError):  # unhashable constants; a nested tensor's .shape raises
-        shapes = (spec, region_keys.region_key(device_of(), spec, leaves, paths))
+        shapes = (spec, region_keys.exact_key(device_of(), spec, leaves, paths))
     return shapes
 
 

@@ -302,7 +302,7 @@ class Keys:
         """What a pre-key hit of ``entry`` calls: its graph's replay, or the region's full
         replay where every ``verify_every``-th replay is verified."""
         if self.session.policy.verify_every:
-            return functools.partial(entry.region.replay, entry)
+            return functools.partial(entry.region.replay_flat, entry)
         return entry.graph.replay
 
     def recapture(self, entry: Entry, graph) -> None:

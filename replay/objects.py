@@ -27,7 +27,7 @@ reached twice is keyed as a reference to where it was first met, so sharing is p
 structure (and a cycle ends). Bounds: :data:`MAX_DEPTH` levels of nesting and
 :data:`MAX_LEAVES` leaves for all the objects of a call.
 
-Refused (:class:`replay.region_keys.RefusedKey` naming the path): objects of C extension
+Refused (:class:`replay.errors.RefusedKey` naming the path): objects of C extension
 types that keep state Python cannot read (a ``torch.Generator``, a lock, a ``functools.partial``),
 objects whose class computes what they hold (no instance state, but properties or
 ``__getattr__``), a dynamic scalar or a padded marker inside an object (pass it as an argument
@@ -54,6 +54,8 @@ import torch
 
 from replay import region_keys
 from replay.dynamic import Dynamic
+from replay.errors import RefusedKey
+from replay.padding import Padded
 
 #: Levels of nesting a walk follows (an object, a container inside it, ...).
 MAX_DEPTH = 32
@@ -75,7 +77,7 @@ class ObjectLeaves:
 
 
 def refused(reason: str, path: str) -> Exception:
-    return region_keys.RefusedKey(f"region argument {path} {reason}", path)
+    return RefusedKey(f"region argument {path} {reason}", path)
 
 
 # --- which values are objects ------------------------------------------------------------------
@@ -94,8 +96,16 @@ def is_object(value: object) -> bool:
     if known is None:
         if len(_OBJECT_CLASSES) >= _CACHED_CLASSES:
             _OBJECT_CLASSES.clear()
-        known = _OBJECT_CLASSES[cls] = not region_keys.constant_class(cls)
+        known = _OBJECT_CLASSES[cls] = not _constant_class(cls)
     return known
+
+
+def _constant_class(cls: type) -> bool:
+    """Whether values of ``cls`` are constants of a key or containers flatten walks (a frozen
+    dataclass is rebuilt), not objects to walk."""
+    if cls in region_keys.BY_VALUE or issubclass(cls, region_keys.NOT_OBJECTS):
+        return True
+    return hasattr(cls, "__dataclass_fields__") and cls.__dataclass_params__.frozen
 
 
 # --- how a class is walked ---------------------------------------------------------------------
@@ -185,11 +195,8 @@ def _name(cls: type) -> str:
 _UNSET = ("unset",)  # an unset slot's layout
 
 
-def _marker_classes() -> tuple[type, ...]:
-    """Markers that are arguments of their own only: a dynamic scalar, a padded tensor."""
-    from replay.buckets import Padded
-
-    return (Dynamic, Padded)
+#: Markers that are arguments of their own only: a dynamic scalar, a padded tensor.
+_MARKERS = (Dynamic, Padded)
 
 
 def _item_path(path: str, key: object) -> str:
@@ -270,7 +277,7 @@ class ObjectWalk:
             raise refused(
                 f"lies deeper than {MAX_DEPTH} levels of objects and containers (replay.objects.MAX_DEPTH)", path
             )
-        if isinstance(value, _marker_classes()):
+        if isinstance(value, _MARKERS):
             kind = "dynamic scalar" if isinstance(value, Dynamic) else "padded tensor"
             raise refused(f"is a {kind} inside an object: pass it as an argument of its own", path)
         if isinstance(value, (tuple, list)):
@@ -385,7 +392,7 @@ def _token(leaf: object, path: str) -> object:
         return ("tensor", id(leaf), leaf.data_ptr(), leaf.dtype, tuple(leaf.shape), leaf.stride())
     try:
         return region_keys.constant_key(leaf, path)
-    except (region_keys.RefusedKey, TypeError):
+    except (RefusedKey, TypeError):
         return ("identity", id(leaf))
 
 
@@ -400,7 +407,7 @@ def snapshot(spec: object, leaves: Sequence, paths: Sequence[str]) -> Snapshot |
         walk = ObjectWalk([], [])
         try:
             layout = walk.carrier(leaves[index], paths[index])[1]
-        except (region_keys.RefusedKey, TypeError) as error:
+        except (RefusedKey, TypeError) as error:
             carriers.append((paths[index], ("unwalkable", getattr(error, "path", None) or paths[index]), (), ()))
             continue
         tokens = tuple(_token(walk.leaves[i], walk.paths[i]) for i in walk.shadows)

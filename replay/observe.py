@@ -26,7 +26,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-import jitcore.torch_native
+from jitcore.for_replay import torch_native_module
 from replay import host as host_inputs
 from replay.region_keys import byte_range
 
@@ -316,7 +316,7 @@ class NativeOpObserver:
 
 def op_observer(ranges: Sequence[tuple[int, int]]) -> TorchOpObserver | NativeOpObserver:
     """The observer of torch ops over these byte ranges: the helper's where it is built."""
-    helper = jitcore.torch_native.module()
+    helper = torch_native_module()
     if helper is not None:
         return NativeOpObserver(ranges, helper)
     return TorchOpObserver(ranges)

@@ -11,19 +11,19 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
 
 import attrs
 import torch
 
 import jitcore
-from jitcore.backends import get_backend
+from jitcore.for_replay import CaptureBusy, get_backend
 from replay import instrumentation, recording, region_keys
 from replay.dispatch import MISS, flat_guard
 from replay.graph import RecordedGraph, guard_outputs
 from replay.keying import KeyText, describe_key
 from replay.lifecycle import ANALYSING, WARMING, Entry
 from replay.rebinding import STAGED
+from replay.region_keys import FlatCall
 from replay.stats import InputChoice
 from replay.warn import warn
 
@@ -72,7 +72,7 @@ class KeyRecorder:
         return recording.HeldTensors(named.tensors, attributes, complete=named.complete)
 
     # --- the first call: capture and launch ---------------------------------------------------
-    def record(self, entry: Entry, key: tuple, spec: object, leaves: list, paths: list, device: int):
+    def record(self, entry: Entry, key: tuple, call: FlatCall, device: int):
         """Capture the key and launch the new graph once (this call's result). The analysis
         and the replay code wait for the key's next call (see :meth:`finish`)."""
         region, session = self.region, self.region.session
@@ -80,31 +80,31 @@ class KeyRecorder:
             if entry.state is not WARMING and entry.state is not ANALYSING:
                 # another thread recorded the key while this call waited for the lock (or its
                 # capture runs on this thread): served as its state says, else eagerly
-                served = region.serve_entry(entry, key, spec, leaves, paths, device)
-                return region.run_eagerly(spec, leaves, entry) if served is MISS else served
+                served = region.serve_entry(entry, key, call, device)
+                return region.run_eagerly(call, entry) if served is MISS else served
             region.take_snapshot()
             session.keys.record(entry)
             started = time.perf_counter()
             try:
-                capture = self._capture(entry, key, spec, leaves, paths, device)
-            except jitcore.recorder.CaptureBusy:
+                capture = self._capture(entry, key, call, device)
+            except CaptureBusy:
                 session.keys.stop_recording(entry, "retry")
-                return region.run_eagerly(spec, leaves, entry)  # called inside another region's eager run
+                return region.run_eagerly(call, entry)  # called inside another region's eager run
             except recording.CaptureAborted as aborted:
-                return self._retry_later(entry, spec, leaves, aborted)
+                return self._retry_later(entry, call, aborted)
             except recording.CaptureFailed as failure:
                 if isinstance(failure, recording.SpoiledPool):
                     session.retire_pool(device)
-                return self._give_up(entry, spec, leaves, failure.reason)
+                return self._give_up(entry, call, failure.reason)
             except BaseException:
                 session.keys.stop_recording(entry, "retry")
                 raise
             finally:
                 session.admission.captured(time.perf_counter() - started)  # failed captures cost time too
             session.keys.capture(entry, capture)
-            return self._first_launch(entry, key, capture, leaves)
+            return self._first_launch(entry, key, capture, call.leaves)
 
-    def _capture(self, entry: Entry, key: tuple, spec: object, leaves: list, paths: list, device: int):
+    def _capture(self, entry: Entry, key: tuple, call: FlatCall, device: int):
         region, session = self.region, self.region.session
         # Arguments that overlap each other are never staged by a first capture (a warm-up
         # hint): staged apart, they would stop sharing memory, which is exact only once an
@@ -112,9 +112,9 @@ class KeyRecorder:
         overlapping = set() if entry.analysed_staging else {i for pair in key[3] for i in pair}
         return session.record_key(
             region.fn,
-            spec,
-            leaves,
-            paths,
+            call.spec,
+            call.leaves,
+            call.paths,
             device=device,
             pool=session.pool(device),
             stream=session.capture_stream(device),
@@ -157,11 +157,10 @@ class KeyRecorder:
         return outputs
 
     # --- the next call: analysis into a graph --------------------------------------------------
-    def finish(self, entry: Entry, key: tuple, spec: object, leaves: list, paths: list, device: int):
+    def finish(self, entry: Entry, key: tuple, call: FlatCall, device: int):
         """The key's next call: analyse its capture and build the replay (or record again
         with more inputs staged, or give up), then replay."""
         region, session = self.region, self.region.session
-        guard, pre_key = flat_guard(key[0], spec, leaves)
         with session.lock:
             capture = session.keys.analyse(entry)
             analysed = time.perf_counter()
@@ -169,53 +168,55 @@ class KeyRecorder:
                 try:
                     session.analyse(capture)
                     instrumentation.steps.start()
-                    graph = session.build_graph(region, key, capture, spec, leaves, paths, session, len(session.lru))
+                    graph = session.build_graph(
+                        region, key, capture, call.spec, call.leaves, call.paths, session, len(session.lru)
+                    )
                     instrumentation.steps.mark("build replay")
                 finally:  # charged before a failure records again: failed analyses cost time too
                     session.admission.analysed(time.perf_counter() - analysed)
-            except recording.CaptureRetry as retry:
-                capture.graph.reset()
-                return self._restage(entry, key, spec, leaves, paths, device, retry.args[0])
             except recording.CaptureFailed as failure:
                 capture.graph.reset()
-                return self._give_up(entry, spec, leaves, failure.reason)
+                return self._give_up(entry, call, failure.reason)
             except recording.CaptureAborted as aborted:
                 capture.graph.reset()
-                return self._retry_later(entry, spec, leaves, aborted)
+                return self._retry_later(entry, call, aborted)
+            except recording.CaptureRetry as retry:
+                capture.graph.reset()
+                return self._restage(entry, key, call, device, retry.args[0])
             except BaseException:  # anything else (a driver error): leave nothing half-built
                 capture.graph.reset()
                 session.keys.stop_recording(entry, "retry")
                 raise
-            session.keys.serve(entry, graph, guard, pre_key)
+            session.keys.serve(entry, graph, *flat_guard(key[0], call.spec, call.leaves))
             self._note_input_choices(key, capture)
             session.compaction.after_record(entry, capture)
-            return self._timed_replay(entry, leaves)
+            return self._timed_replay(entry, call)
 
-    def _timed_replay(self, entry: Entry, leaves: list):
+    def _timed_replay(self, entry: Entry, call: FlatCall):
         """The analysis call's replay, timed: what a replay of the region costs (admission's
         payback rule), unless it ran eagerly too (declined, or verified)."""
         region, counters = self.region, self.region.session.counters
         before = (counters.declined, counters.verifications)
         started = time.perf_counter()
-        result = region.replay(entry, *leaves)
+        result = region.replay(entry, call)
         if (counters.declined, counters.verifications) == before:
             region.cost.replayed(time.perf_counter() - started)
         return result
 
-    def _restage(self, entry: Entry, key: tuple, spec: object, leaves: list, paths: list, device: int, plan):
+    def _restage(self, entry: Entry, key: tuple, call: FlatCall, device: int, plan):
         """The analysis found inputs to stage or copy back that the capture did not: record
         again with them (the structure's hints learn them too), three captures at most."""
         entry.stage_hint |= plan.needs_staging
         entry.copy_back_hint |= plan.needs_copy_back
-        hints = self.region.hints.setdefault(spec, Hints())
+        hints = self.region.hints.setdefault(call.spec, Hints())
         hints.stage |= plan.needs_staging
         hints.copy_back |= plan.needs_copy_back
         entry.analysed_staging = True
         entry.retries += 1
         self.region.session.counters.record_retries += 1
         if entry.retries > MAX_RESTAGES:
-            return self._give_up(entry, spec, leaves, "staging did not settle after three captures")
-        return self.record(entry, key, spec, leaves, paths, device)
+            return self._give_up(entry, call, "staging did not settle after three captures")
+        return self.record(entry, key, call, device)
 
     def _note_input_choices(self, key: tuple, capture) -> None:
         """The session's report of how each input of the new graph is handled."""
@@ -260,7 +261,7 @@ class KeyRecorder:
             raise
 
     # --- failures ------------------------------------------------------------------------------
-    def _retry_later(self, entry: Entry, spec: object, leaves: Sequence, aborted: Exception):
+    def _retry_later(self, entry: Entry, call: FlatCall, aborted: Exception):
         """This call runs eagerly (compiling what the capture could not); the key records
         again on a later call. Recordings the analysis turned down (``RecordLater``) are
         retried ``MAX_LATER`` times at most."""
@@ -270,18 +271,18 @@ class KeyRecorder:
         if isinstance(aborted, recording.RecordLater):
             entry.later += 1
             if entry.later > MAX_LATER:
-                return self._give_up(entry, spec, leaves, f"recording kept failing: {aborted}")
+                return self._give_up(entry, call, f"recording kept failing: {aborted}")
         region.session.keys.stop_recording(entry, "retry")
-        return region.run_eagerly(spec, leaves, entry)
+        return region.run_eagerly(call, entry)
 
-    def _give_up(self, entry: Entry, spec: object, leaves: Sequence, reason: str):
+    def _give_up(self, entry: Entry, call: FlatCall, reason: str):
         region = self.region
         region.session.keys.stop_recording(entry, "give_up", reason)
         log.info("region %s, key %s: runs eagerly from now on: %s", region.name, KeyText(entry.key), reason)
         warn(f"region {region.name}, key {describe_key(entry.key)}: runs eagerly from now on: {reason}")
-        return region.run_eagerly(spec, leaves, entry)
+        return region.run_eagerly(call, entry)
 
-    def refuse_autograd(self, entry: Entry, spec: object, leaves: Sequence, why: str):
+    def refuse_autograd(self, entry: Entry, call: FlatCall, why: str):
         """The key runs eagerly from now on (exactly as eager: outputs keep their ``grad_fn``),
         with one ReplayWarning per region saying why and what to do. The key holds grad mode
         and which tensors require grad, so the same shapes under ``torch.no_grad()``, or with
@@ -297,7 +298,7 @@ class KeyRecorder:
                 "autograd (its outputs would come back without grad_fn, and gradients would be lost). Run the "
                 "loop under torch.no_grad() or torch.inference_mode() to replay it"
             )
-        return region.run_eagerly(spec, leaves, entry)
+        return region.run_eagerly(call, entry)
 
 
 def _cuda_generator(device: int):

@@ -1,5 +1,5 @@
-"""A padded argument's copy in one kernel launch (bucketing pads every call that is not
-exactly a bucket's size).
+"""A padded argument: its marker (what ``replay.padded`` makes, :class:`Padded`) and its copy
+in one kernel launch (bucketing pads every call that is not exactly a bucket's size).
 
 ``torch.constant_pad_nd`` allocates the padded tensor, fills it and copies the call's rows
 through torch's dispatcher, a large part of a bucketed step's host time. Here a contiguous
@@ -19,8 +19,25 @@ import math
 import torch
 
 import jitcore as jc
-from jitcore.recorder import CAPTURES
+from jitcore.for_replay import CAPTURES
 from replay.staging import ELEMENT_TYPES, INTEGER_VIEWS
+
+
+class Padded:
+    """A region argument to pad to the session's bucket sizes (see :func:`padded`). Only a
+    top-level argument of a region call (positional or keyword) may be one; it is unhashable,
+    so anywhere else keying the call refuses it."""
+
+    __slots__ = ("tensor", "dim", "fill", "written", "bits")
+    __hash__ = None  # type: ignore[assignment]
+
+    def __init__(self, tensor: torch.Tensor, dim: int, fill: bool | int | float, written: bool, bits: int):
+        self.tensor, self.dim, self.fill, self.written = tensor, dim, fill, written
+        self.bits = bits  # the fill's bytes in the tensor's dtype (replay.padding.fill_bits)
+
+    def __repr__(self) -> str:
+        return f"padded(<{tuple(self.tensor.shape)} {self.tensor.dtype}>, dim={self.dim}, fill={self.fill!r})"
+
 
 _SOURCE = r"""
 template <typename T>

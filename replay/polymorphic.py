@@ -53,8 +53,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-import jitcore.recorder
-from jitcore.backends import get_backend
+from jitcore import for_replay
+from jitcore.for_replay import get_backend
 from replay import output_identity, rebinding, recording, region_keys, triton_launches
 from replay.dynamic import DynamicScalar
 from replay.graph import (
@@ -255,7 +255,7 @@ def observe(
     args, kwargs = recording.region_arguments(spec, leaves, paths, {}, None)
     launches = _Launches()
     observer = LaunchFreeObserver()
-    with jitcore.recorder.recording(launches), triton_launches.recording(launches), observer:
+    with for_replay.recording(launches), triton_launches.recording(launches), observer:
         outputs = fn(*args, **kwargs)
     identity = output_identity.identify(outputs, output_identity.given_objects(leaves, {}, None), held)
     return Observation(launches.records, observer.made, observer.launching, outputs, doubts, identity)

@@ -32,9 +32,8 @@ import attrs
 import numpy as np
 import torch
 
-import jitcore
-from jitcore import CaptureMissError
-from jitcore.backends import compiled_helpers_enabled, get_backend
+from jitcore import CaptureMissError, for_replay
+from jitcore.for_replay import get_backend
 from replay import host as host_inputs
 from replay import instrumentation, output_identity, rebinding, staging, triton_launches
 from replay.dynamic import Dynamic, DynamicScalar
@@ -81,7 +80,7 @@ class CaptureRetry(Exception):
 #: allocator's cache); held shared by eager runs of regions and jit compiles, which may load
 #: modules (see jitcore.recorder.CaptureExclusion). Sessions in different threads take turns
 #: recording and replay concurrently.
-CAPTURES = jitcore.recorder.CAPTURES
+CAPTURES = for_replay.CAPTURES
 
 
 class _Recorder:
@@ -896,7 +895,7 @@ def _run_region(
     observer, the recording's cost per launch and per op."""
     copied_back: set[int] = set()
     staging_launches: dict[int, int] = {}  # record index -> the input a staging copy reads or writes
-    with jitcore.recorder.recording(recorder), triton_launches.recording(recorder), observer as observation:
+    with for_replay.recording(recorder), triton_launches.recording(recorder), observer as observation:
         _copy_staged_in(prepared, recorder, staging_launches)
         first_region_launch = len(recorder.records)
         instrumentation.steps.mark("capture begin, checks, end")
@@ -1043,18 +1042,12 @@ def records_without_tensors(records: Sequence) -> list:
 
 
 #: Where a launch record holds its jit call's arguments.
-_ARGS_FIELD = jitcore.recorder.LaunchRecord._fields.index("args")
+_ARGS_FIELD = for_replay.LaunchRecord._fields.index("args")
 
 
 def _native_helper():
     """jitcore.backends._native where it was built and ``JITCORE_NATIVE`` allows it, else None."""
-    if not compiled_helpers_enabled():
-        return None
-    try:
-        from jitcore.backends import _native
-    except ImportError:
-        return None
-    return _native
+    return for_replay.native_helper()
 
 
 def _instantiate(graph: torch.cuda.CUDAGraph) -> None:

@@ -2,10 +2,12 @@
 
 A call is first offered to the region's flat dispatch (replay.dispatch: a pre-key hit
 replays, a call of shapes without an entry is counted and usually runs eagerly at once).
-What that leaves is this module's full path: the call is flattened, counted by admission
-(replay.keying.counted_shapes) and, where the rule lets it or its shapes have an entry, keyed;
-the key's state (replay.lifecycle) says whether it replays, records (replay.orchestration),
-or runs eagerly. Padded and polymorphic calls are routed by replay.routing.
+What that leaves is this module's full path: a call with ``replay.padded`` markers is routed
+by replay.routing; any other is flattened once, into the
+:class:`~replay.region_keys.FlatCall` every later step reads, counted by admission
+(replay.keying.counted_shapes) and, where the rule lets it or its shapes have an entry, keyed
+(replay.region_keys.region_key); the key's state (replay.lifecycle) says whether it replays,
+records (replay.orchestration), or runs eagerly.
 """
 
 from __future__ import annotations
@@ -15,11 +17,12 @@ import functools
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
+import attrs
 import torch
 
-from jitcore.errors import GlobalDriftError
+from jitcore import GlobalDriftError
 from replay import buckets, region_keys, watch
 from replay.dispatch import MISS as _MISS
 from replay.dispatch import (
@@ -33,11 +36,12 @@ from replay.dispatch import (
     native_enabled,
     plain_when_unpadded,
 )
-from replay.graph import MISMATCH, RecordedGraph, generated_replay, measure_with_settings_check, measure_without_checks
-from replay.keying import counted_shapes, grad_leaves, outputs_requiring_grad, region_key
+from replay.graph import MISMATCH, RecordedGraph
+from replay.keying import counted_shapes
 from replay.lifecycle import AWAITING_ANALYSIS, EAGER_ONLY, REPLAYING, Entry, Forgotten
 from replay.observe import op_observer
 from replay.orchestration import Hints, KeyRecorder
+from replay.region_keys import FlatCall, grad_leaves, outputs_requiring_grad
 from replay.routing import Router
 from replay.warn import warn
 
@@ -134,79 +138,90 @@ class Region:
         return self.full_path(args, kwargs)
 
     def full_path(self, args: tuple, kwargs: dict):
-        """A call the flat dispatch did not serve: flattened, counted, keyed where needed."""
-        session = self.session
-        session.check_open()
+        """A call the flat dispatch did not serve: routed where it pads (replay.routing), else
+        flattened once, into the record every later step reads (:meth:`call_flat`)."""
+        self.session.check_open()
         if buckets.has_padded(args, kwargs):
             return self.router.call_padded(args, kwargs)
         try:
-            spec, leaves, paths = region_keys.flatten(args, kwargs)
+            call = region_keys.flat_call(args, kwargs)
         except region_keys.RefusedKey as refused:  # a dict key no graph may bake
-            return self.refused(refused, None, args, kwargs)
+            return self.refused_arguments(refused, args, kwargs)
+        return self.call_flat(call)
+
+    def call_flat(self, call: FlatCall):
+        """A flattened call: counted by admission (replay.keying.counted_shapes) and, where
+        the rule lets it or its shapes have an entry, keyed (:meth:`_keyed_call`)."""
+        session = self.session
         if not session.can_record():
             session.say_eager_once()
-            return self.run_eagerly(spec, leaves)
+            return self.run_eagerly(call)
         try:
-            counted = self.counted(spec, leaves, paths)
+            counted = (self, counted_shapes(session.current_device, call.spec, call.leaves, call.paths))
         except region_keys.RefusedKey as refused:
-            return self.refused(refused, spec, leaves)
+            return self.refused(refused, call)
         decision = None
         if counted[1] not in self.entry_shapes:
             # No key with these shapes has an entry, so whatever this call's full key is, it
             # has no graph: admission decides before the key (and the globals' drift check)
             # is computed, and a call that runs eagerly costs what eager costs.
-            decision = self._decide(counted, spec)
-            if decision is not RECORD:
-                return self._run_unrecorded(decision, spec, leaves, paths)
-        return self._keyed_call(args, kwargs, spec, leaves, paths, counted, decision)
+            decision = self._decide(counted, call.spec)
+            if decision is not RECORD and decision is not OBSERVE:
+                return self.run_eagerly(call)
+        return self._keyed_call(call, counted, decision)
 
-    def _keyed_call(self, args, kwargs, spec, leaves: list, paths: list, counted: tuple, decision: Decision | None):
-        """A call that needs its full key: one with an entry, or one admission lets record
-        (``decision``, already counted; None when the shapes have an entry)."""
+    def _keyed_call(self, call: FlatCall, counted: tuple, decision: Decision | None):
+        """A call that needs its full key: one with an entry, one admission lets record, or
+        the observed warm-up of its argument structure (``decision``, already counted; None
+        when the shapes have an entry). Only a call that may replay checks the globals."""
         session = self.session
-        if self.snapshot is not None:
+        if self.snapshot is not None and decision is not OBSERVE:
             try:
                 self.snapshot.check()
             except GlobalDriftError:
-                return self.rekey(args, kwargs)
+                self.forget_globals()
+                return self.call_flat(call)
         device = session.current_device()
         try:
-            key = region_key(device, spec, leaves, paths)
+            key = region_keys.region_key(device, call.spec, call.leaves, call.paths)
         except region_keys.RefusedKey as refused:
-            return self.refused(refused, spec, leaves)
+            return self.refused(refused, call)
         entry = session.keys.lookup(self, key)
         if entry is not None:
-            served = self.serve_entry(entry, key, spec, leaves, paths, device)
+            served = self.serve_entry(entry, key, call, device)
             if served is not _MISS:
                 return served
         if decision is None:
-            decision = self._decide(counted, spec)
-            if decision is not RECORD:
-                return self._run_unrecorded(decision, spec, leaves, paths, entry, key)
-        autograd = self._needs_autograd(key, spec, paths) if torch.is_grad_enabled() else ""
+            decision = self._decide(counted, call.spec)
+        if decision is not RECORD:
+            observed = None
+            if decision is OBSERVE:  # the first warm-up of its argument structure
+                observed = self.hints[call.spec] = Hints(observed_key=key)
+            return self.run_eagerly(call, entry, observe=observed)
+        autograd = self._needs_autograd(key, call) if torch.is_grad_enabled() else ""
         if entry is None:
             entry = session.keys.admit(self, key, counted)
-            hints = self.hints.get(spec)
+            hints = self.hints.get(call.spec)
             if hints is not None:
                 entry.stage_hint, entry.copy_back_hint = set(hints.stage), set(hints.copy_back)
                 entry.observed_clean = hints.clean and hints.observed_key == key
         if autograd:
-            return self.recorder.refuse_autograd(entry, spec, leaves, autograd)
-        return self.recorder.record(entry, key, spec, leaves, paths, device)
+            return self.recorder.refuse_autograd(entry, call, autograd)
+        return self.recorder.record(entry, key, call, device)
 
-    def serve_entry(self, entry: Entry, key: tuple, spec: object, leaves: list, paths: list, device: int):
-        """A call of a key with an entry, as its state says: replayed, analysed then replayed,
-        or eagerly; MISS where the key has yet to record (admission decides)."""
+    def serve_entry(self, entry: Entry, key: tuple, call: FlatCall, device: int):
+        """A call of a key with an entry, as its state says: replayed, eagerly, or analysed
+        then replayed; MISS where the key has yet to record (admission decides)."""
         state = entry.state
         if state is REPLAYING:
-            return self.replay(entry, *leaves)
-        if state is AWAITING_ANALYSIS:
-            return self.recorder.finish(entry, key, spec, leaves, paths, device)
+            return self.replay(entry, call)
         if state is EAGER_ONLY:
-            return self.run_eagerly(spec, leaves, entry)
+            return self.run_eagerly(call, entry)
+        if state is AWAITING_ANALYSIS:
+            return self.recorder.finish(entry, key, call, device)
         return _MISS
 
-    def _needs_autograd(self, key: tuple, spec: object, paths: Sequence[str]) -> str:
+    def _needs_autograd(self, key: tuple, call: FlatCall) -> str:
         """Why a key about to be recorded under grad mode must run eagerly instead ("" if
         nothing says so): tensor arguments that require grad (its key says which), or outputs
         that required grad in its structure's observed warm-up (Hints.autograd). A graph's
@@ -215,13 +230,10 @@ class Region:
         (recording.own_outputs), for the keys no observed warm-up spoke for."""
         grads = grad_leaves(key)
         if grads:
+            paths = call.paths
             return f"{', '.join(paths[i] for i in grads)} {'requires' if len(grads) == 1 else 'require'} grad"
-        hints = self.hints.get(spec)
+        hints = self.hints.get(call.spec)
         return hints.autograd if hints is not None else ""
-
-    def counted(self, spec: object, leaves: Sequence, paths: list) -> tuple:
-        """What admission counts a call under: ``(region, shapes)`` (keying.counted_shapes)."""
-        return (self, counted_shapes(self.session.current_device, spec, leaves, paths))
 
     # --- admission -----------------------------------------------------------------------
     def decide_flat(self, args: tuple, counted: tuple, spec: object, count: int) -> object:
@@ -230,10 +242,7 @@ class Region:
         runs it)."""
         decision = self._decide(counted, spec, count)
         if decision is RECORD or decision is OBSERVE:
-            spec, leaves, paths = region_keys.flatten(args, {})
-            if decision is OBSERVE:
-                return self._run_unrecorded(decision, spec, leaves, paths)
-            return self._keyed_call(args, {}, spec, leaves, paths, counted, decision)
+            return self._keyed_call(region_keys.flat_call(args, {}), counted, decision)
         return RUN_EAGERLY
 
     def _decide(self, counted: tuple, spec: object, count: int | None = None) -> Decision:
@@ -272,25 +281,13 @@ class Region:
             log.debug("region %s, shapes %s: %s", self.name, spec, why)
         return decision
 
-    def _run_unrecorded(self, decision, spec, leaves, paths, entry: Entry | None = None, key: tuple | None = None):
-        """A call that admission keeps from recording (still warming, refused, or the budget
-        spent) runs eagerly; the first warm-up of an argument structure is observed."""
-        hints = None
-        if decision is OBSERVE:
-            if key is None:
-                try:
-                    key = region_key(self.session.current_device(), spec, leaves, paths)
-                except region_keys.RefusedKey as refused:
-                    return self.refused(refused, spec, leaves)
-            hints = self.hints[spec] = Hints(observed_key=key)
-        return self.run_eagerly(spec, leaves, entry, observe=hints)
-
     # --- eager runs ------------------------------------------------------------------------
-    def run_eagerly(self, spec: object, leaves: Sequence, entry: Entry | None = None, observe: Hints | None = None):
+    def run_eagerly(self, call: FlatCall, entry: Entry | None = None, observe: Hints | None = None):
         """Run the region's function on a flattened call, counted under ``entry`` (None: the
         region's aggregate); timed, or observed (``observe``: what the warm-up teaches)."""
         self.count_eager(entry)
-        args, kwargs = region_keys.unflatten(spec, region_keys.plain_leaves(leaves))
+        leaves = call.leaves
+        args, kwargs = region_keys.unflatten(call.spec, region_keys.plain_leaves(leaves))
         if observe is None:
             with SHARED_CAPTURE_EXCLUSION:  # may load kernels: not while another thread captures
                 started = time.perf_counter()
@@ -325,43 +322,54 @@ class Region:
         else:
             self.forgotten.eager_runs += 1
 
-    def refused(self, refused: region_keys.RefusedKey, spec: object, leaves: Sequence, kwargs: dict | None = None):
+    def refused(self, refused: region_keys.RefusedKey, call: FlatCall):
         """A call whose key cannot be made exactly (region_keys.RefusedKey: an argument a graph
         would bake without seeing it change, a constant whose equality is not exact, a torch
         setting that cannot be read) runs eagerly, with one ReplayWarning per reason (naming
-        the argument). ``spec`` None: flatten refused it, ``leaves`` are then the arguments."""
+        the argument)."""
+        self._warn_refused(refused)
+        return self.run_eagerly(call)
+
+    def refused_arguments(self, refused: region_keys.RefusedKey, args: tuple, kwargs: dict):
+        """:meth:`refused`, for a call flatten itself refused: it runs on its arguments."""
+        self._warn_refused(refused)
+        self.count_eager(None)
+        with SHARED_CAPTURE_EXCLUSION:
+            return self.fn(*args, **kwargs)
+
+    def _warn_refused(self, refused: region_keys.RefusedKey) -> None:
+        """One ReplayWarning per reason a call is refused (a bounded set of reasons kept)."""
         if refused.reason not in self.refusals:
             if len(self.refusals) < MAX_REFUSALS:
                 self.refusals.add(refused.reason)
             log.info("region %s: runs eagerly: %s", self.name, refused.reason)
             warn(f"region {self.name}: runs eagerly: {refused.reason}")
-        if spec is None:
-            self.count_eager(None)
-            with SHARED_CAPTURE_EXCLUSION:
-                return self.fn(*leaves, **(kwargs or {}))
-        return self.run_eagerly(spec, leaves)
 
-    def run_declined(self, *args, **kwargs):
+    def run_declined(self, call: FlatCall):
         """A call no graph may serve exactly (see buckets.call): eagerly, counted as declined."""
         self.session.counters.declined += 1
-        spec, leaves, _paths = region_keys.flatten(args, kwargs)
-        return self.run_eagerly(spec, leaves)
+        return self.run_eagerly(call)
 
     # --- replays ---------------------------------------------------------------------------
-    def replay(self, entry: Entry, *leaves):
-        """Replay ``entry``'s graph on a call's leaves (the LRU touched)."""
+    def replay(self, entry: Entry, call: FlatCall):
+        """Replay ``entry``'s graph on a call of its key (the LRU touched)."""
         self.session.keys.touch(entry)
-        return self.run_graph(entry.graph, entry.key[1], leaves, entry)
+        return self.run_graph(entry.graph, call, entry)
 
-    def run_graph(self, graph: RecordedGraph, spec: object, leaves: Sequence, entry: Entry | None):
-        """Replay ``graph`` (every ``verify_every``-th replay verified); a call it declines
-        runs eagerly, counted under ``entry`` (None: a variant, counted with the region)."""
+    def replay_flat(self, entry: Entry, *args):
+        """A pre-key hit's replay where replays are verified (lifecycle.Keys._run_of): a flat
+        call's arguments, as the dispatch passes them."""
+        return self.replay(entry, region_keys.flat_call(args, {}))
+
+    def run_graph(self, graph: RecordedGraph, call: FlatCall, entry: Entry | None):
+        """Replay ``graph`` on ``call`` (every ``verify_every``-th replay verified); a call it
+        declines runs eagerly, counted under ``entry`` (None: a variant, counted with the region)."""
         every = self.session.policy.verify_every
         if every and (graph.replays + 1) % every == 0:
             self.session.counters.verifications += 1
-            result = graph.verify(leaves, lambda snapshot: self.run_eagerly(spec, snapshot))
+            result = graph.verify(call.leaves, lambda snapshot: self.run_eagerly(attrs.evolve(call, leaves=snapshot)))
         else:
-            result = graph.replay(*leaves)
+            result = graph.replay(*call.leaves)
         if result is MISMATCH:
             # the graph cannot serve these values exactly (see replay.graph): the eager run
             # gives the exact result, or the exact error
@@ -370,7 +378,7 @@ class Region:
                 # its own output memory moved (a resize_ of a handed-out output): it declines
                 # every call from now on, so it goes and the key records again
                 self.session.keys.release(entry)
-            return self.run_eagerly(spec, leaves, entry)
+            return self.run_eagerly(call, entry)
         return result
 
     # --- its globals -----------------------------------------------------------------------
@@ -382,7 +390,13 @@ class Region:
             self.program.region_drift = globals_check(self.snapshot, self.name)
 
     def rekey(self, args: tuple, kwargs: dict):
-        """The region's globals changed: its graphs were recorded against the old ones."""
+        """The region's globals changed (its dispatch found it): its graphs were recorded
+        against the old ones."""
+        self.forget_globals()
+        return self.full_path(args, kwargs)
+
+    def forget_globals(self) -> None:
+        """Drop what the region learnt under its old globals: its keys, hints and counts."""
         session = self.session
         session.counters.invalidations += 1
         log.info("region %s: its globals changed, its graphs are dropped", self.name)
@@ -392,29 +406,10 @@ class Region:
         session.admission.forget(lambda counted: counted[0] is self)
         self.snapshot = None
         self.program.region_drift = None
-        return self.full_path(args, kwargs)
 
     def outputs_changed(self) -> None:
         """A graph, capture or output slot of this region came or went (replay.routing)."""
         self.router.outputs_changed()
-
-    # --- measurement (benchmarks only) -------------------------------------------------------
-    def measure_without_checks(self):
-        """Benchmarks only (see :func:`replay.graph.measure_without_checks`): this region's
-        graphs held now skip the torch-settings and launcher-globals checks inside the
-        context."""
-        return measure_without_checks([e.graph for e in self.entries.values() if e.graph is not None])
-
-    def measure_generated_python(self):
-        """Benchmarks only: inside the context, this region's recorded keys replay through
-        their generated Python function alone, without csrc/replay_step.c in front of it (what
-        a replay costs where that file is not built)."""
-        return self.session.keys.runs_replaced(self, generated_replay)
-
-    def measure_with_settings_check(self, way: str):
-        """Benchmarks only (see :func:`replay.graph.measure_with_settings_check`): this
-        region's graphs held now check the torch settings the way named inside the context."""
-        return measure_with_settings_check([e.graph for e in self.entries.values() if e.graph is not None], way)
 
     def __repr__(self) -> str:
         return f"<replay region {self.name}: {len(self.entries)} keys>"

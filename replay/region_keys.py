@@ -37,7 +37,7 @@ import torch
 import jitcore
 from replay import objects
 from replay.dynamic import Dynamic
-from replay.errors import ReplayError
+from replay.errors import RefusedKey, ReplayError
 from replay.objects import ObjectWalk
 from replay.torch_state import (  # noqa: F401 (what callers read here)
     MODE_NAMES,
@@ -47,21 +47,6 @@ from replay.torch_state import (  # noqa: F401 (what callers read here)
 )
 
 FLAT = "flat"  # spec of a call whose arguments are all positional leaves
-
-
-class RefusedKey(ReplayError):
-    """A call whose key cannot be made exactly, so no graph may be recorded or replayed for it:
-    an argument a graph would bake without the key seeing its changes (an object compared by
-    identity, whose attributes the region reads), a constant whose equality is not known to be
-    exact (two values it calls equal could share a graph that bakes one of them), a tensor
-    inside a constant, or a torch setting that cannot be read. The session runs such a call
-    eagerly, with a ReplayWarning naming :attr:`reason` (once per reason and region); ``path``
-    names the argument (``args[1].cfg``), None for a setting."""
-
-    def __init__(self, reason: str, path: str | None = None):
-        super().__init__(reason)
-        self.reason = reason
-        self.path = path
 
 
 #: Classes of positional arguments flatten's short path takes as leaves without a look at
@@ -296,30 +281,74 @@ def flatten(
 
     ``paths`` name each leaf for messages (``args[1]['kv']``); callers read them and never
     change them (flat calls share theirs)."""
-    if not kwargs and not walk_dataclasses:
+    return _flatten(args, kwargs, walk_dataclasses, walk_objects, None)
+
+
+def _flatten(
+    args: tuple, kwargs: dict, walk_dataclasses: bool, walk_objects: bool, starts: list[int] | None
+) -> tuple[object, list, list[str]]:
+    """:func:`flatten`, noting in ``starts`` (where given) the first leaf of each argument."""
+    plain = not kwargs and not walk_dataclasses
+    if plain and not walk_objects:
         for a in args:
             cls = a.__class__
             if cls is torch.Tensor or cls in _FLAT_LEAVES:
                 continue
-            if _walked(a) or (walk_objects and objects.is_object(a)):
+            if _walked(a):
                 break
         else:
-            count = len(args)
-            paths = _FLAT_PATHS.get(count)
-            if paths is None:
-                paths = _FLAT_PATHS[count] = [f"args[{i}]" for i in range(count)]
-            return (FLAT, count), list(args), paths
+            return _flat(args)
     leaves: list = []
     paths: list[str] = []
     walk = objects.ObjectWalk(leaves, paths) if walk_objects else None
-    spec = (
-        tuple(_flatten_into(a, leaves, f"args[{i}]", paths, walk_dataclasses, walk) for i, a in enumerate(args)),
-        tuple(kwargs),
-        tuple(_flatten_into(v, leaves, k, paths, walk_dataclasses, walk) for k, v in kwargs.items()),
-    )
-    if walk is not None and walk.carriers:
-        spec = (*spec, walk.object_leaves())
+    positional, keywords = [], []
+    for i, a in enumerate(args):
+        if starts is not None:
+            starts.append(len(leaves))
+        positional.append(_flatten_into(a, leaves, f"args[{i}]", paths, walk_dataclasses, walk))
+    for k, v in kwargs.items():
+        if starts is not None:
+            starts.append(len(leaves))
+        keywords.append(_flatten_into(v, leaves, k, paths, walk_dataclasses, walk))
+    spec = (tuple(positional), tuple(kwargs), tuple(keywords))
+    if walk is not None:
+        if walk.carriers:
+            return (*spec, walk.object_leaves()), leaves, paths
+        if plain and positional.count(None) == len(args):  # nothing walked: the flat call's own form
+            return (FLAT, len(args)), leaves, paths
     return spec, leaves, paths
+
+
+def _flat(args: tuple) -> tuple[object, list, list[str]]:
+    """(spec, leaves, paths) of a call whose arguments are all positional leaves."""
+    count = len(args)
+    paths = _FLAT_PATHS.get(count)
+    if paths is None:
+        paths = _FLAT_PATHS[count] = [f"args[{i}]" for i in range(count)]
+    return (FLAT, count), list(args), paths
+
+
+@attrs.define(slots=True)
+class FlatCall:
+    """A region call flattened once (:func:`flat_call`): what every step of the call's way
+    through the session reads (its count, its key, an eager run, a recording, its padding),
+    so that none flattens it again. Never changed once made: a call with other leaves
+    (padded, unpadded, a verified replay's copies) is another FlatCall
+    (``attrs.evolve(call, leaves=...)``)."""
+
+    spec: object
+    leaves: list
+    paths: list[str]
+    #: The first leaf of each argument, positional ones first (None: each argument is a leaf,
+    #: argument ``i`` leaf ``i``).
+    starts: list[int] | None = None
+
+
+def flat_call(args: tuple, kwargs: dict) -> FlatCall:
+    """A region call's arguments flattened (as :func:`flatten` does) into one :class:`FlatCall`."""
+    starts: list[int] = []
+    spec, leaves, paths = _flatten(args, kwargs, False, False, starts)
+    return FlatCall(spec, leaves, paths, starts if spec[0] != FLAT else None)
 
 
 def make_dataclass_instance(cls: type, names: Sequence[str], values: Sequence) -> object:
@@ -365,7 +394,7 @@ def unflatten(spec: object, leaves: Sequence) -> tuple[tuple, dict]:
 
 #: Constants keyed by their class and value as they are: equality of two values of one of
 #: these exact classes is exact (the same value, the same behaviour).
-_BY_VALUE = frozenset(
+BY_VALUE = frozenset(
     {int, bool, str, bytes, type(None), type(Ellipsis), torch.dtype, torch.device, torch.layout, torch.memory_format}
 )
 _DOUBLE = struct.Struct("<d")
@@ -379,7 +408,7 @@ def leaf_key(leaf: object, path: str) -> object:
     cls = leaf.__class__
     if cls is torch.Tensor:
         return jitcore.lean_static_signature(leaf)
-    if cls in _BY_VALUE:
+    if cls in BY_VALUE:
         return (cls, leaf)
     if cls is float:  # by bit pattern: -0.0 == 0.0 and nan != nan, yet each is its own constant
         return (float, _pack_double(leaf))
@@ -404,7 +433,7 @@ def constant_key(value: object, path: str) -> object:
     hashables whose equality is their own (not known to be exact), tensors inside constants.
     Unhashable values raise TypeError."""
     cls = value.__class__
-    if cls in _BY_VALUE:
+    if cls in BY_VALUE:
         return (cls, value)
     if cls is float:
         return (float, _pack_double(value))
@@ -424,8 +453,8 @@ _IDENTITY_CONSTANTS: tuple[type, ...] = (
 #: Bound callables: keyed by their name and what they are bound to (``x.add`` of a tensor is refused).
 _BOUND_CALLABLES = (types.BuiltinFunctionType, types.MethodWrapperType, types.MethodType)
 #: Classes (and their subclasses) whose values constant_key takes by what they are, or which
-#: flatten walks as containers: never walked as objects.
-_NOT_OBJECTS = (
+#: flatten walks as containers: never walked as objects (replay.objects), nor are BY_VALUE's.
+NOT_OBJECTS = (
     torch.Tensor,
     Dynamic,
     tuple,
@@ -449,14 +478,6 @@ _NOT_OBJECTS = (
     *_IDENTITY_CONSTANTS,
     *_BOUND_CALLABLES,
 )
-
-
-def constant_class(cls: type) -> bool:
-    """Whether values of ``cls`` are constants of a key or containers flatten walks (a frozen
-    dataclass is rebuilt), not objects to walk (:mod:`replay.objects`)."""
-    if cls in _BY_VALUE or issubclass(cls, _NOT_OBJECTS):
-        return True
-    return hasattr(cls, "__dataclass_fields__") and cls.__dataclass_params__.frozen
 
 
 def _other_constant_key(value: object, cls: type, path: str) -> object:
@@ -583,15 +604,48 @@ def float_bits(value: object) -> bytes:
     return _DOUBLE.pack(value)
 
 
+class KeyMark(enum.Enum):
+    """Key elements after the leaves' elements."""
+
+    #: followed by the indices of the tensor leaves that require grad (see region_key)
+    REQUIRES_GRAD = "requires grad"
+
+
 def region_key(device: int, spec: object, leaves: Sequence, paths: Sequence[str]) -> tuple:
     """The full key of one call: device, the torch modes in force, the argument structure,
-    how the tensor arguments overlap each other, and each leaf's signature. Raises
-    RefusedKey for a call no graph may serve (see :func:`constant_key`, :func:`torch_modes`):
-    the session runs it eagerly. A walked object's carrier is keyed as :data:`CARRIER` (its
-    class and structure are in the spec, what it holds in its shadow leaves' elements)."""
+    how the tensor arguments overlap each other, and each leaf's signature; and which tensor
+    arguments require grad, where any does: ``(..., (KeyMark.REQUIRES_GRAD, indices))``.
+    Raises RefusedKey for a call no graph may serve (see :func:`constant_key`,
+    :func:`torch_modes`): the session runs it eagerly. A walked object's carrier is keyed as
+    :data:`CARRIER` (its class and structure are in the spec, what it holds in its shadow
+    leaves' elements).
+
+    Why the grad mark: a graph cannot carry autograd (a replay hands out detached views of
+    its memory), so a call whose tensors require grad must never find the key of a call whose
+    tensors do not (a graph recorded for ``x`` served ``w = x.requires_grad_()`` under grad
+    mode and returned an output without ``grad_fn``: gradients silently lost). The tensor
+    leaf's own signature does not hold ``requires_grad``; the pre-key guards compare it
+    already (jitcore.guards), so both paths tell the two apart. Grad and inference mode are
+    in every key already (its torch settings)."""
+    key = exact_key(device, spec, leaves, paths)
+    for leaf in leaves:  # (a plain loop: every full key pays for it)
+        if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+            grads = tuple(i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and leaf.requires_grad)
+            return (*key, (KeyMark.REQUIRES_GRAD, grads))
+    return key
+
+
+def exact_key(device: int, spec: object, leaves: Sequence, paths: Sequence[str]) -> tuple:
+    """:func:`region_key` without its grad mark: what a call is, whatever its tensors require."""
     if len(spec) > 3:
         return _object_call_key(device, spec, leaves, paths)
     return (device, spec, torch_modes(), alias_pattern(leaves), *map(leaf_key, leaves, paths))
+
+
+def grad_leaves(key: tuple) -> tuple[int, ...]:
+    """The tensor leaves of ``key`` that require grad (see :func:`region_key`)."""
+    last = key[-1] if len(key) > LEAVES_START else None
+    return last[1] if last.__class__ is tuple and last and last[0] is KeyMark.REQUIRES_GRAD else ()
 
 
 #: The key element of a walked object itself (replay.objects): no identity.
@@ -606,6 +660,20 @@ def _object_call_key(device: int, spec: tuple, leaves: Sequence, paths: Sequence
 
 #: Key elements before the leaves' (device, spec, modes, aliasing).
 LEAVES_START = 4
+
+
+def outputs_requiring_grad(outputs: object) -> list[str]:
+    """Where in a region's ``outputs`` tensors require grad (``output[0]``), as the recording
+    refuses them (recording.own_outputs); outputs it cannot walk are left to the recording."""
+    try:
+        _spec, leaves, paths = flatten((outputs,), {}, walk_dataclasses=True)
+    except (TypeError, ReplayError):  # (the recording refuses such outputs with its reason)
+        return []
+    return [
+        path.replace("args[0]", "output", 1)
+        for leaf, path in zip(leaves, paths)
+        if isinstance(leaf, torch.Tensor) and leaf.requires_grad
+    ]
 
 
 def tensor_ranges(leaves: Sequence) -> list[tuple[int, int, int]]:

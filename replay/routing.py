@@ -8,21 +8,23 @@ next call needs (the bucket's base graph, the sizes its graph cannot serve).
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
-from jitcore.backends import get_backend
-from jitcore.errors import GlobalDriftError
+from jitcore import GlobalDriftError
+from jitcore.for_replay import current_stream_reader
 from replay import buckets, padding, polymorphic, recording, region_keys
 from replay.dispatch import MISS, SHARED_CAPTURE_EXCLUSION
 from replay.dynamic import Dynamic
 from replay.errors import DynamicScalarError, ReplayError
 from replay.graph import MISMATCH, RecordedGraph
-from replay.keying import DYNAMIC_MARK, KeyText, grad_leaves, region_key
+from replay.keying import DYNAMIC_MARK, KeyText, counted_shapes
 from replay.lifecycle import REPLAYING, Entry
+from replay.region_keys import FlatCall, grad_leaves
 
 log = logging.getLogger("replay")
 
@@ -40,6 +42,63 @@ def holds_a_pad_of(buffer: torch.Tensor, tensor: torch.Tensor) -> bool:
     return buffer.dtype is tensor.dtype and buffer.device == tensor.device
 
 
+def bucket_for(size: int, sizes: Sequence[int]) -> int | None:
+    """The smallest bucket that holds ``size`` (None beyond the largest: no padding); the
+    buckets are sorted (the policy sorts them)."""
+    at = bisect.bisect_left(sizes, size)
+    return sizes[at] if at < len(sizes) else None
+
+
+def marked_call(args: tuple, kwargs: dict, sizes: Sequence[int] | None, name: str) -> buckets.Marked:
+    """A region call with markers as :class:`replay.buckets.Marked`: the size they agree on
+    and the bucket it pads to, or the ValueError of a call that cannot pad (a session without
+    buckets, markers that disagree on the dimension or the size they pad), raised before
+    anything runs."""
+    if sizes is None:
+        raise ValueError(
+            f"region {name}: argument {_where(args, kwargs)[0]} is replay.padded(), but the session has no "
+            "buckets: capture(buckets=[...]) lists the sizes to pad to"
+        )
+    found, positions, names = [], [], []
+    for i, a in enumerate(args):
+        if a.__class__ is buckets.Padded:
+            found.append(a)
+            positions.append(i)
+    if kwargs:
+        for k, v in kwargs.items():
+            if v.__class__ is buckets.Padded:
+                found.append(v)
+                names.append(k)
+    dim, rows = _agreed_or_refused(found, args, kwargs, name)
+    bucket = bucket_for(rows, sizes)
+    return buckets.Marked(args, kwargs, found, positions, names, dim, rows, rows if bucket is None else bucket)
+
+
+def _agreed_or_refused(found: list[buckets.Padded], args: tuple, kwargs: dict, name: str) -> tuple[int, int]:
+    """(dim, size) every marker pads, or the ValueError saying how they disagree."""
+    first = found[0]
+    dim = first.dim
+    rows = first.tensor.shape[dim]
+    for marker in found[1:]:
+        if marker.dim != dim:
+            listed = ", ".join(f"{where} dim {m.dim}" for where, m in zip(_where(args, kwargs), found))
+            raise ValueError(
+                f"region {name}: padded arguments must pad the same dimension (outputs are sliced along it), "
+                f"got {listed}"
+            )
+        if marker.tensor.shape[dim] != rows:
+            listed = ", ".join(f"{where} {m.tensor.shape[m.dim]}" for where, m in zip(_where(args, kwargs), found))
+            raise ValueError(f"region {name}: padded arguments must agree on the size they pad, got {listed}")
+    return dim, rows
+
+
+def _where(args: tuple, kwargs: dict) -> list[str]:
+    """Where each padded argument is, positional ones first (for errors)."""
+    return [f"args[{i}]" for i, a in enumerate(args) if a.__class__ is buckets.Padded] + [
+        f"{k}=" for k, v in kwargs.items() if v.__class__ is buckets.Padded
+    ]
+
+
 class Router:
     """A region's padded calls."""
 
@@ -55,44 +114,39 @@ class Router:
         """Pad to the bucket, call (the bucket's key replays like any other), slice back; every
         ``verify_every``-th padded call is also run unpadded and compared (replay.buckets). In a
         polymorphic session a size the bucket's graph serves at its own size is not padded
-        (:meth:`_polymorphic`)."""
+        (:meth:`_polymorphic`), and the padded call tells which graph serves its bucket."""
         region = self.region
         policy = region.session.policy
+        marked = marked_call(args, kwargs, policy.buckets, region.name)
         unseen = None
         if policy.polymorphic:
-            result, unseen = self._polymorphic(args, kwargs)
+            result, unseen = self._polymorphic(marked)
             if result is not MISS:
                 return result
         self.padded_calls += 1
+        verify = None
         if policy.verify_every and self.padded_calls % policy.verify_every == 0:
             region.session.counters.verifications += 1
-            return buckets.verify(region.fn, args, kwargs, lambda: self._pad_and_run(args, kwargs, unseen), region.name)
-        return self._pad_and_run(args, kwargs, unseen)
-
-    def _pad_and_run(self, args: tuple, kwargs: dict, unseen: tuple | None):
-        """The padded call itself (buckets.call), and in a polymorphic session the bucket's
-        base learned from it (``unseen``: see :meth:`_polymorphic`)."""
-        region = self.region
-        result, rows, bucket, pads = buckets.call(
+            verify = region.fn
+        result, pads = buckets.call(
             region,
-            args,
-            kwargs,
-            region.session.policy.buckets,
+            marked,
             region.name,
-            run_eagerly=region.run_declined,
+            verify=verify,
+            run_declined=region.run_declined,
             replay_writes=self.replay_writes,
             in_place=self._pad_in_place,
         )
-        if unseen is not None and bucket != rows:
-            self._learn_base(unseen, args, kwargs, pads)
+        if unseen is not None and marked.pads:
+            self._learn_base(unseen, marked.flat(pads))
         return result
 
     # --- padding straight into a graph's staged buffers ------------------------------------------
-    def _pad_in_place(self, args: tuple, dim: int, bucket: int) -> tuple[object, list] | None:
+    def _pad_in_place(self, marked: buckets.Marked) -> tuple[object, list] | None:
         """A positional padded call whose bucket's graph stages a padded argument (a torch op
         or a foreign kernel reads it): pad it straight into the graph's staged buffer and
         replay with that buffer as the argument, so the graph skips its copy in and back
-        (RecordedGraph.in_place_buffer). Returns (result, [(marker, padded)]), or None: the
+        (RecordedGraph.in_place_buffer). Returns (result, the padded tensors), or None: the
         usual path then pads into temporaries (and this call may have written the buffer,
         which every replay writes before reading it).
 
@@ -105,6 +159,7 @@ class Router:
         region = self.region
         if not region.by_pre_key or region.session.policy.verify_every:  # (verified runs never replay in place)
             return None
+        args, dim, bucket = marked.args, marked.dim, marked.target
         padded, pre = [], []  # the markers' places; the padded call's pre-key (dispatch.pre_key)
         try:
             for i, arg in enumerate(args):
@@ -167,7 +222,7 @@ class Router:
                 return None  # the usual path drops the graphs
         stream_now = self._stream_now
         if stream_now is None:  # the backend's, read once (get_backend reads the environment)
-            stream_now = self._stream_now = get_backend().hot_namespace["_current_stream"]
+            stream_now = self._stream_now = current_stream_reader()
         if stream_now(entry.key[0]) != session.last_stream[0]:
             return None
         for i, buffer in buffers:
@@ -179,47 +234,41 @@ class Router:
         if result is MISMATCH:
             return None
         session.counters.padded_in_place += len(buffers)
-        return result, [(args[i], leaves[i]) for i in padded]
+        return result, [leaves[i] for i in padded]
 
     # --- polymorphic replay (replay.polymorphic) -----------------------------------------------
-    def _polymorphic(self, args: tuple, kwargs: dict) -> tuple[object, tuple | None]:
+    def _polymorphic(self, marked: buckets.Marked) -> tuple[object, tuple | None]:
         """A padded call smaller than its bucket, at its own size: replayed by its variant of
         the bucket's graph, or observed (an eager run, this call's result) to make one once
         the bucket's graph is known. Returns (result or ``MISS``: pad it, the call's unpadded
         key when the padded call should tell which graph serves its bucket)."""
         region = self.region
         session = region.session
-        markers = buckets.markers(args, kwargs)
-        first = markers[0]
-        rows = first.tensor.shape[first.dim]
-        bucket = buckets.bucket_for(rows, session.policy.buckets)
-        if bucket is None or bucket == rows or not session.can_record():
+        if not marked.pads or not session.can_record():
             return MISS, None
-        if buckets.agreed_size(markers) is None:
-            return MISS, None  # the padded path refuses it with its message
-        spec, leaves, paths = region_keys.flatten(*buckets.unwrapped(args, kwargs))
+        call = marked.unpadded()
         if region.snapshot is not None:
             try:
                 region.snapshot.check()
             except GlobalDriftError:
-                return region.rekey(args, kwargs), None
+                return region.rekey(marked.args, marked.kwargs), None
         try:
-            key = region_key(session.current_device(), spec, leaves, paths)
+            key = region_keys.region_key(session.current_device(), call.spec, call.leaves, call.paths)
         except region_keys.RefusedKey as refused:
-            return region.refused(refused, spec, leaves), None
+            return region.refused(refused, call), None
         if grad_leaves(key) and torch.is_grad_enabled():
             return MISS, None  # padded: its key runs eagerly (Region._needs_autograd)
         state = region.variants.get(key)
         if isinstance(state, polymorphic.VariantGraph):
-            return region.run_graph(state, spec, leaves, None), None
+            return region.run_graph(state, call, None), None
         if state is not None:
             return MISS, None  # the bucket's graph cannot serve this size: padded
-        entry = region.bucket_bases.get((bucket, spec))
+        entry = region.bucket_bases.get((marked.target, call.spec))
         if entry is None or entry.state is not REPLAYING or entry.graph is None:
-            return MISS, (bucket, spec)
-        return self._observed_when_admitted(entry.graph, key, spec, leaves, paths), None
+            return MISS, (marked.target, call.spec)
+        return self._observed_when_admitted(entry.graph, key, call), None
 
-    def _observed_when_admitted(self, base: RecordedGraph, key: tuple, spec: object, leaves: list, paths: list):
+    def _observed_when_admitted(self, base: RecordedGraph, key: tuple, call: FlatCall):
         """An observation costs several eager calls (replay.polymorphic), so sizes are
         admitted to one as keys are to a recording: called more than ``record_after`` times
         recently, within the recording budget (which it is charged to). A size that never
@@ -227,31 +276,30 @@ class Router:
         than eager."""
         region = self.region
         admission = region.session.admission
-        count = admission.called((region, _VARIANT, region.counted(spec, leaves, paths)[1]))  # (not the key)
+        shapes = counted_shapes(region.session.current_device, call.spec, call.leaves, call.paths)
+        count = admission.called((region, _VARIANT, shapes))  # (counted apart from the key's calls)
         if count <= admission.record_after or not admission.may_record():
             return MISS
         started = time.perf_counter()
         try:
-            return self._observe_variant(base, key, spec, leaves, paths)
+            return self._observe_variant(base, key, call)
         finally:
             admission.recorded(time.perf_counter() - started)
 
-    def _learn_base(self, bucket: tuple, args: tuple, kwargs: dict, pads: list) -> None:
+    def _learn_base(self, bucket: tuple, padded: FlatCall) -> None:
         """After a padded call: the graph of its bucket, once recorded, is the one the sizes of
         that bucket are observed against from then on (``bucket``: (size, argument structure))."""
         region = self.region
-        grown = iter([tensor for _marker, tensor in pads])
-        padded_args = tuple(next(grown) if a.__class__ is buckets.Padded else a for a in args)
-        padded_kwargs = {k: next(grown) if v.__class__ is buckets.Padded else v for k, v in kwargs.items()}
         try:
-            spec, leaves, paths = region_keys.flatten(padded_args, padded_kwargs)
-            entry = region.entries.get(region_key(region.session.current_device(), spec, leaves, paths))
+            entry = region.entries.get(
+                region_keys.region_key(region.session.current_device(), padded.spec, padded.leaves, padded.paths)
+            )
         except region_keys.RefusedKey:
             return  # its calls run eagerly
         if entry is not None and entry.state is REPLAYING and entry.graph is not None:
             region.session.keys.learn_base(region, bucket, entry)
 
-    def _observe_variant(self, base: RecordedGraph, key: tuple, spec: object, leaves: list, paths: list):
+    def _observe_variant(self, base: RecordedGraph, key: tuple, call: FlatCall):
         """Run the call eagerly under observation (its result is this call's) and make the
         size a variant of ``base``, or remember why it cannot be one."""
         region = self.region
@@ -260,7 +308,7 @@ class Router:
         with SHARED_CAPTURE_EXCLUSION:
             try:
                 held = region.recorder.tensors_held_by_name()
-                observation = polymorphic.observe(region.fn, spec, leaves, paths, held)
+                observation = polymorphic.observe(region.fn, call.spec, call.leaves, call.paths, held)
             except DynamicScalarError as error:
                 raise ReplayError(
                     f"region {region.name}: at this size it uses a dynamic() value where the bucket's graph does not "
@@ -274,7 +322,7 @@ class Router:
             entry = Entry(region, key, (region, key))
             try:
                 variant = polymorphic.make_variant(
-                    base, key, entry, spec, leaves, paths, observation, session.keys.drop_variant
+                    base, key, entry, call.spec, call.leaves, call.paths, observation, session.keys.drop_variant
                 )
             except polymorphic.Unmatched as why:
                 session.keys.not_a_variant(region, key, str(why))

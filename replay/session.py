@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 import attrs
 import torch
 
-from jitcore.backends import get_backend
+from jitcore.for_replay import get_backend
 from replay import observe, polymorphic, recording
 from replay.admission import Admission
 from replay.compaction import Compaction

@@ -8,7 +8,7 @@ Python that ran around the ops (a dispatch or function mode, a module hook, an e
 and what only ran once (a draw from the CPU generator). So the settings are part of every key
 (:func:`torch_modes`), a replay checks that they are still those of its recording
 (:func:`modes_changed`), and a state a graph cannot reproduce at all refuses the key
-(:class:`replay.region_keys.RefusedKey`: the call runs eagerly). :data:`GLOBAL_STATE` lists
+(:class:`replay.errors.RefusedKey`: the call runs eagerly). :data:`GLOBAL_STATE` lists
 every global torch state that changes what an op computes, with what is done about it;
 tests/replay/test_torch_state.py holds torch's getters against it.
 """
@@ -25,22 +25,18 @@ import torch.backends.mha
 import torch.backends.opt_einsum
 import torch.nn.modules.module
 
-import jitcore
-from jitcore import generated
-from jitcore.backends import compiled_helpers_enabled
-from replay.errors import ReplayError, ReplayWarning
+from jitcore.for_replay import compiled_helpers_enabled, generated, torch_native_module
+from replay.errors import RefusedKey, ReplayError, ReplayWarning
 
 try:  # the settings check in C (csrc/replay_checks.c; optional, built by setup.py)
-    from replay import _checks
+    import replay._checks as _checks
 except ImportError:
     _checks = None
 _SettingsCheck = getattr(_checks, "SettingsCheck", None)
 
 
 def _refused_key(reason: str) -> ReplayError:
-    """region_keys.RefusedKey (imported where raised: region_keys imports this module)."""
-    from replay.region_keys import RefusedKey
-
+    """The refusal of a key whose settings cannot be read (the call runs eagerly)."""
     return RefusedKey(reason)
 
 
@@ -290,8 +286,6 @@ MODE_NAMES = tuple(setting.what for setting in _SETTINGS)
 def _unreadable_settings() -> list[tuple[str, BaseException]]:
     """The settings whose reader raises now, with what it raised (read one by one: the slow
     path after a reading failed). A reader refusing the state (RefusedKey) is not one."""
-    from replay.region_keys import RefusedKey
-
     failed = []
     for setting in _SETTINGS:
         try:
@@ -320,8 +314,6 @@ def _unreadable(error: BaseException) -> None:
     """torch_modes failed: raise RefusedKey (the session runs the call eagerly and warns),
     never a key without the setting. Why: a graph recorded under a setting the key does not
     hold would serve calls made under another value of it."""
-    from replay.region_keys import RefusedKey
-
     if isinstance(error, RefusedKey):
         raise error
     reason = _describe_unreadable(_unreadable_settings(), error)
@@ -552,7 +544,7 @@ def modes_changed(recorded: tuple, *, compiled: bool = True, watch: bool = True)
 
 def _settings_helper() -> object | None:
     """The torch-side helper where it is loaded and reads this torch's settings, else None."""
-    helper = jitcore.torch_native.module()
+    helper = torch_native_module()
     if helper is None or getattr(helper, "SETTINGS_COVERED", None) is None or not hasattr(helper, "SETTINGS_READER"):
         return None
     return helper

@@ -44,8 +44,7 @@ from typing import NamedTuple
 
 import attrs
 
-from jitcore.backends.abi import ParamLayout, ParamType
-from jitcore.recorder import CheckRecord, ConfigRecord, LaunchRecord, ParamRecord
+from jitcore.for_replay import CheckRecord, ConfigRecord, LaunchRecord, ParamLayout, ParamRecord, ParamType
 from replay.dynamic import DynamicScalar
 from replay.errors import DynamicScalarError
 
@@ -314,7 +313,7 @@ def _record_launch(recorder, original, fn, args, kwargs, grid):
     """Launch through Triton with the dynamic scalars' values, then report the launch."""
     from triton.runtime import driver as triton_driver
 
-    from jitcore.backends import get_backend
+    from jitcore.for_replay import get_backend
 
     backend = get_backend()
     arguments = _bound_arguments(fn, args, kwargs)

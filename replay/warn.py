@@ -13,10 +13,10 @@ import sys
 import warnings
 
 import jitcore
-import replay
 from replay.errors import ReplayWarning
 
-_LIBRARY_DIRECTORIES = tuple(os.path.dirname(package.__file__) + os.sep for package in (replay, jitcore))
+#: replay's directory (this file's) and jitcore's: frames in them are the library's.
+_LIBRARY_DIRECTORIES = (os.path.dirname(__file__) + os.sep, os.path.dirname(jitcore.__file__) + os.sep)
 
 
 def _is_library(frame) -> bool:

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import replay
-from replay import buckets, padding, region_keys
+from replay import buckets, padding, region_keys, routing
 from replay.errors import ReplayMismatchError
 from replay.graph import MISMATCH
 
@@ -429,7 +429,7 @@ def test_a_real_session_pads_without_a_gpu():
 
 
 def test_bucket_for_picks_the_smallest_that_holds():
-    assert [buckets.bucket_for(n, [2, 4, 8]) for n in (1, 2, 3, 8, 9)] == [2, 2, 4, 8, None]
+    assert [routing.bucket_for(n, [2, 4, 8]) for n in (1, 2, 3, 8, 9)] == [2, 2, 4, 8, None]
 
 
 _DTYPES = [
@@ -466,9 +466,10 @@ def test_padding_equals_a_filled_tensor_with_the_rows_copied_in(data):
         base = torch.repeat_interleave(base, 2, dim=-1).to(dtype)[..., ::2]
     rows = base.shape[dim]
     seen = []
-    result, got_rows, bucket, _ = buckets.call(
-        lambda x: seen.append(x) or x, (replay.padded(base, dim=dim, fill=fill),), {}, [rows + 3], "r"
-    )
+    args = (replay.padded(base, dim=dim, fill=fill),)
+    marked = routing.marked_call(args, {}, [rows + 3], "r")
+    result, _ = buckets.call(lambda x: seen.append(x) or x, marked, "r")
+    got_rows, bucket = marked.rows, marked.target
     (grown,) = seen
     expected_shape = list(base.shape)
     expected_shape[dim] = rows + 3

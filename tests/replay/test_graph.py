@@ -24,13 +24,8 @@ from jitcore.errors import DriverError
 from replay import graph as graph_module
 from replay import graph_checks, output_identity, region_keys
 from replay.dynamic import Dynamic, DynamicScalar
-from replay.graph import (
-    MISMATCH,
-    RecordedGraph,
-    clone_preserving_sharing,
-    measure_with_settings_check,
-    measure_without_checks,
-)
+from replay.graph import MISMATCH, RecordedGraph, clone_preserving_sharing
+from replay.instrumentation import measure_with_settings_check, measure_without_checks
 from replay.policy import Policy
 from replay.rebinding import (
     ConfigBinding,

@@ -5,8 +5,10 @@ from __future__ import annotations
 import itertools
 
 import pytest
+import torch
 
 from replay import instrumentation
+from tests.replay.test_session import add, session_factory  # noqa: F401 (a fixture)
 
 
 def _clock(*readings: float):
@@ -45,3 +47,33 @@ def test_each_mark_ends_the_step_the_last_one_began_and_parts_of_a_step_add_up()
     assert names == ["prepare", "capture", "region", "capture", "analyse"]
     assert all(a.ended <= b.began for a, b in itertools.pairwise(times.steps))
     assert times.seconds() == {"prepare": 2.0, "capture": 3.0 + 10.0, "region": 4.0, "analyse": 1.0}
+
+
+class _Step:
+    """Stands for csrc/replay_step.c's ReplayStep: a C step that runs its generated Python
+    function (``fallback``) where it does not serve a call itself."""
+
+    def __init__(self, fallback) -> None:
+        self.fallback = fallback
+
+    def __call__(self, *leaves):
+        raise AssertionError("the C step ran inside the hook")
+
+
+def test_the_generated_python_hook_replays_through_the_fallback_and_puts_the_step_back(session_factory):  # noqa: F811
+    session = session_factory(record_after=0)
+    step = session.region(add)
+    x = torch.ones(3)
+    step(x, x)  # recorded
+    step(x, x)  # analysed, replayed
+    ((guard, run, entry),) = candidates = next(iter(step.by_pre_key.values()))
+    assert instrumentation.graphs_held(step) == [entry.graph]
+    stepped = _Step(run)
+    candidates[:] = [(guard, stepped, entry)]
+    replays = entry.graph.replays
+    with instrumentation.measure_generated_python(step):
+        assert torch.equal(step(x, x), x + x)
+    assert entry.graph.replays == replays + 1
+    assert candidates == [(guard, stepped, entry)]
+    with pytest.raises(AssertionError, match="the C step ran"):
+        step(x, x)

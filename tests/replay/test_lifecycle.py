@@ -292,8 +292,7 @@ def test_a_key_recorded_by_another_thread_while_this_call_waited_is_served_by_it
         _calls(step, 1)
         (entry,) = step.entries.values()
         assert entry.state is AWAITING_ANALYSIS
-        spec, leaves, paths = region_keys.flatten((x, x), {})
-        result = step.recorder.record(entry, entry.key, spec, leaves, paths, -1)
+        result = step.recorder.record(entry, entry.key, region_keys.flat_call((x, x), {}), -1)
         assert torch.equal(result, x + x) and entry.state is REPLAYING and session.stats().records == 1
 
 

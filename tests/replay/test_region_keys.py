@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 import replay
 from replay import dynamic, region_keys
+from replay.keying import describe_key
 from replay.region_keys import FLAT, extent_bytes, flatten, leaf_key, plain_leaves, region_key, unflatten
 
 Pair = collections.namedtuple("Pair", "a b")
@@ -560,3 +561,15 @@ def test_a_refused_argument_runs_eagerly_with_one_warning(double):
             assert region(logits, params).tolist() == [2.0 / temperature] * 4
     refusals = [w for w in caught if issubclass(w.category, replay.ReplayWarning) and "args[1]" in str(w.message)]
     assert len(refusals) == 1 and double.stats().replays == 0
+
+
+def test_a_requires_grad_key_is_its_own_and_its_exact_key_without_one():
+    x, w = torch.ones(4), torch.ones(4, requires_grad=True)
+    spec, leaves, paths = flatten((x, 3), {})
+    assert region_keys.region_key(-1, spec, leaves, paths) == region_keys.exact_key(-1, spec, leaves, paths)
+    spec, grad_leaves, paths = flatten((w, 3), {})
+    key = region_keys.region_key(-1, spec, grad_leaves, paths)
+    assert key != region_keys.region_key(-1, spec, leaves, paths)
+    assert key[:-1] == region_keys.exact_key(-1, spec, grad_leaves, paths)
+    assert region_keys.grad_leaves(key) == (0,) and region_keys.grad_leaves(key[:-1]) == ()
+    assert "requiring grad" in describe_key(key)

@@ -1596,17 +1596,6 @@ def test_under_grad_mode_an_argument_requiring_grad_never_replays_and_keeps_its_
     assert len(keys) == 2 and keys[0] != keys[1]
 
 
-def test_a_requires_grad_key_is_its_own_and_equal_to_region_keys_without_one():
-    x, w = torch.ones(4), torch.ones(4, requires_grad=True)
-    spec, leaves, paths = region_keys.flatten((x, 3), {})
-    assert keying.region_key(-1, spec, leaves, paths) == region_keys.region_key(-1, spec, leaves, paths)
-    spec, grad_leaves, paths = region_keys.flatten((w, 3), {})
-    key = keying.region_key(-1, spec, grad_leaves, paths)
-    assert key != keying.region_key(-1, spec, leaves, paths)
-    assert keying.grad_leaves(key) == (0,) and keying.grad_leaves(key[:-1]) == ()
-    assert "requiring grad" in keying.describe_key(key)
-
-
 class _Weighted:
     """A region reading a weight that requires grad, as a module's parameters do by default."""
 
