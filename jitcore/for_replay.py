@@ -22,8 +22,9 @@ from jitcore.backends import compiled_helpers_enabled, get_backend
 from jitcore.backends.abi import ParamLayout, ParamType
 from jitcore.backends.base import Backend
 from jitcore.codegen import never
+from jitcore.drift import SKIP_PACKAGES, freeze
 from jitcore.guards import ArgumentCheck, make_guard
-from jitcore.keys import NUMBERS
+from jitcore.keys import NUMBERS, exact
 from jitcore.recorder import (
     CAPTURES,
     CaptureBusy,
@@ -73,6 +74,7 @@ def torch_native_module() -> ModuleType | None:
 __all__ = [
     "CAPTURES",
     "NUMBERS",
+    "SKIP_PACKAGES",
     "ArgumentCheck",
     "Backend",
     "CaptureBusy",
@@ -86,6 +88,8 @@ __all__ = [
     "compiled_helpers_enabled",
     "current_device_reader",
     "current_stream_reader",
+    "exact",
+    "freeze",
     "generated",
     "get_backend",
     "make_guard",

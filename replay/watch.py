@@ -59,11 +59,8 @@ import attrs
 import torch
 
 import jitcore
-from jitcore import generated
-from jitcore.backends import compiled_helpers_enabled
-from jitcore.drift import SKIP_PACKAGES, freeze
-from jitcore.errors import GlobalDriftError
-from jitcore.keys import exact
+from jitcore import GlobalDriftError
+from jitcore.for_replay import SKIP_PACKAGES, compiled_helpers_enabled, exact, freeze, generated, torch_native_module
 from replay import objects
 from replay.warn import warn
 
@@ -474,9 +471,7 @@ class RegionSnapshot(jitcore.GlobalsSnapshot):
 
     def __init__(self, fn: Callable, *, owner: str | None = None, prefix: str = "_"):
         super().__init__(fn, owner=owner, prefix=prefix)
-        from jitcore import torch_native  # imported on use: `python -m jitcore.torch_native` runs it as __main__
-
-        helper = torch_native.module()
+        helper = torch_native_module()
         self.watch = build(region_roots(fn, self.entries, self.owner), helper)
         if self.watch.unwatched:
             shown = ", ".join(self.watch.unwatched[:4]) + (", ..." if len(self.watch.unwatched) > 4 else "")

@@ -190,9 +190,9 @@ def test_eager_draws_inside_the_exclusion_never_meet_the_recordings_of_another_t
     import threading
 
     generator = torch.cuda.default_generators[torch.cuda.current_device()]
-    seed, offset = generator.initial_seed(), generator.get_offset()
     shapes = [torch.randn(rows, 300, device="cuda") for rows in range(1, 25)]
     _shifted_twice(shapes[0])  # the jit's compile, outside any recording
+    seed, offset = generator.initial_seed(), generator.get_offset()  # after the draws of the shapes
     drawn, results, stop = [], [], threading.Event()
 
     def draw():

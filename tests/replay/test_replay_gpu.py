@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import array
 import random
 import types
 import warnings
@@ -267,12 +268,13 @@ def test_a_jit_miss_during_recording_aborts_cleanly_and_records_later():
         n = x.numel()
         scale_kernel[jc.cdiv(n, 256), 256](x, y, s, n)
 
-    calls = types.SimpleNamespace(n=0)  # an object: its attributes are not globals the region keys on
+    # which path the region takes: switched by the caller after the eager warm-up, so the
+    # recording run takes a path the warm-up did not (the watch snapshots it at the recording)
+    path = types.SimpleNamespace(fresh=False)
 
     def region(x):
-        calls.n += 1
         y = torch.empty_like(x)
-        if calls.n >= 2:  # the recording run takes a path the eager warm-up did not
+        if path.fresh:
             fresh_scale(x, y, 3.0)
         else:
             scaled(x, y, 3.0)
@@ -280,7 +282,8 @@ def test_a_jit_miss_during_recording_aborts_cleanly_and_records_later():
 
     with replay.capture(record_after=1) as session:
         step = session.region(region)
-        for _ in range(4):
+        for call in range(4):
+            path.fresh = call >= 1
             x = torch.randn(64, device="cuda")
             assert torch.equal(step(x), x * 3.0)
         stats = session.stats()
@@ -384,11 +387,13 @@ def test_memory_of_eight_shapes_is_close_to_the_largest_alone():
 
 
 def test_verify_every_catches_a_stale_graph():
-    config = types.SimpleNamespace(scale=1.0)
+    # a Python float read from a C object's memory: baked into the graph, and out of the watch's
+    # sight (it compares such objects by identity), so nothing but verification sees it change
+    config = array.array("d", [1.0])
 
     def uses_config(x):
         y = torch.empty_like(x)
-        scaled(x, y, config.scale)  # a Python float read from an object: baked into the graph
+        scaled(x, y, config[0])
         return y
 
     with replay.capture(record_after=0, verify_every=2) as session:
@@ -397,7 +402,7 @@ def test_verify_every_catches_a_stale_graph():
         step(x)  # records
         step(x)  # analysed, replayed (replay 1)
         step(x)  # replay 2: verified, still fresh
-        config.scale = 2.0  # nothing a key or a drift check sees: the graph is stale
+        config[0] = 2.0  # nothing a key, the drift check or the watch sees: the graph is stale
         step(x)  # replay 3
         with pytest.raises(replay.ReplayMismatchError, match="differs from an eager run"):
             step(x)  # replay 4: verified
