@@ -13,8 +13,9 @@ assignments to watched state cause).
 
 A first call's lazy initialisation (``is_initialized`` set, tensors made) changes an object's
 structure, so the call has a key of its own that the next calls do not share: refused
-quietly the first time a path's structure changes (the warning comes where the same path
-changes its structure again: a list grown on every call). State the watch sees is refused
+quietly the first time an object's structure changes at a path (a new cache per generation
+is a new object each time; the warning comes where the same object changes its structure
+again: a list grown on every call). State the watch sees is refused
 where the same key's captured run changed it twice: the first change may be a closed-over
 cache's lazy initialisation, which re-keys the region once, as any change of its globals.
 """
@@ -46,12 +47,13 @@ def assignment(path: str) -> str:
 @attrs.frozen
 class Effect:
     """What a run did that no graph replays: ``reason`` (a refusal's words), ``path`` (the
-    attribute it set, "" for a draw) and whether it changed an object's structure (an
-    attribute added or removed, a container grown: a first call's lazy initialisation)."""
+    attribute it set, "" for a draw) and, where it changed an object's structure (an
+    attribute added or removed, a container grown: a first call's lazy initialisation), the
+    identity of that object (``changed``, else None)."""
 
     reason: str
     path: str = ""
-    structural: bool = False
+    changed: int | None = None
 
 
 @attrs.define
@@ -79,7 +81,9 @@ class RunEffects:
         path = objects.first_change(self.objects_before, now)
         if path is None:
             return None
-        return Effect(assignment(path), path, objects.structure_changed(self.objects_before, now))
+        number = objects.structure_changed(self.objects_before, now)
+        changed = id(call.leaves[call.spec[3].carriers[number]]) if number is not None else None
+        return Effect(assignment(path), path, changed)
 
 
 def watched_change(snapshot) -> str | None:
@@ -99,12 +103,13 @@ def watched_change(snapshot) -> str | None:
 class Unreplayable:
     """A region's keys no graph may serve, with why (bounded, oldest first out), and what it
     saw change once: the keys whose captured run changed watched state (a second change
-    refuses), the paths whose structure a run changed (a second change warns)."""
+    refuses), the objects whose structure a run changed at a path (a second change warns;
+    an object by its identity, which a later object may take: at worst a warning)."""
 
     def __init__(self) -> None:
         self.keys: OrderedDict[tuple, str] = OrderedDict()
         self.suspects: OrderedDict[tuple, str] = OrderedDict()
-        self.structural: OrderedDict[str, None] = OrderedDict()
+        self.structural: OrderedDict[tuple[int, str], None] = OrderedDict()
 
     def reason(self, key: tuple) -> str | None:
         return self.keys.get(key)
@@ -119,11 +124,12 @@ class Unreplayable:
         _put(self.suspects, key, path)
         return False
 
-    def structure_seen_before(self, path: str) -> bool:
-        """Whether a run changed the structure at ``path`` before (else it is noted now)."""
-        if path in self.structural:
+    def structure_seen_before(self, changed: int, path: str) -> bool:
+        """Whether a run changed the structure of object ``changed`` (an identity) at ``path``
+        before (else it is noted now)."""
+        if (changed, path) in self.structural:
             return True
-        _put(self.structural, path, None)
+        _put(self.structural, (changed, path), None)
         return False
 
 

@@ -103,8 +103,9 @@ def is_object(value: object) -> bool:
 
 def _constant_class(cls: type) -> bool:
     """Whether values of ``cls`` are constants of a key or containers flatten walks (a frozen
-    dataclass is rebuilt), not objects to walk."""
-    if cls in region_keys.BY_VALUE or issubclass(cls, region_keys.NOT_OBJECTS):
+    dataclass is rebuilt), or markers (a padded tensor: an argument of its own), not objects to
+    walk."""
+    if cls in region_keys.BY_VALUE or issubclass(cls, (*region_keys.NOT_OBJECTS, *_MARKERS)):
         return True
     return hasattr(cls, "__dataclass_fields__") and cls.__dataclass_params__.frozen
 
@@ -480,11 +481,12 @@ def _members_difference(a: tuple | None, b: tuple | None, path: str) -> str | No
     return _member_path(path, other_names[len(names)]) if len(other_names) > len(names) else None
 
 
-def structure_changed(before: Snapshot, after: Snapshot) -> bool:
-    """Whether an object's structure differs between two snapshots of a call's objects (an
-    attribute added or removed, a container grown, a class changed: a first call's lazy
-    initialisation), not only its plain values or which tensors it holds."""
-    return any(b[1] != a[1] for b, a in zip(before.carriers, after.carriers))
+def structure_changed(before: Snapshot, after: Snapshot) -> int | None:
+    """Which of a call's objects (its number among them) first differs in its structure
+    between two snapshots (an attribute added or removed, a container grown, a class changed:
+    a first call's lazy initialisation), not only in its plain values or which tensors it
+    holds; None where none does."""
+    return next((n for n, (b, a) in enumerate(zip(before.carriers, after.carriers)) if b[1] != a[1]), None)
 
 
 def _first_of(found) -> str | None:

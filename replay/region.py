@@ -256,10 +256,11 @@ class Region:
     def refuse_replays(self, key: tuple, effect: effects.Effect) -> None:
         """``key``'s run did what no graph replays: it never records (and its capture, if it
         has one, is given up at its next call). Warned once per reason; quietly the first
-        time a path's structure changes (a first call's lazy initialisation: a key of its
-        own, which the next calls do not share)."""
+        time an object's structure changes at a path (a first call's lazy initialisation: a
+        key of its own, which the next calls do not share)."""
         self.unreplayable.mark(key, effect.reason)
-        if effect.structural and not self.unreplayable.structure_seen_before(effect.path):
+        changed = effect.changed
+        if changed is not None and not self.unreplayable.structure_seen_before(changed, effect.path):
             log.info("region %s: a key runs eagerly: %s", self.name, effect.reason)
             return
         self._warn_once(effect.reason)

@@ -151,7 +151,9 @@ def test_a_python_assignment_to_an_object_is_refused_naming_it_and_never_dropped
             assert torch.equal(step(x, state), counting(x, eager_state))
             assert state.n == eager_state.n
     assert session.stats().replays - session.stats().records <= 0  # nothing but first launches
-    said = [f"region {step.name}: runs eagerly: the region changes args[1].n: a Python assignment a graph cannot replay"]
+    said = [
+        f"region {step.name}: runs eagerly: the region changes args[1].n: a Python assignment a graph cannot replay"
+    ]
     # (from record_after=2 on, no run of such a key is observed or recorded: each call has a key of its own)
     assert replay_warnings(caught) == (said if record_after < 2 else [])
 
