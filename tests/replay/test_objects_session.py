@@ -134,6 +134,13 @@ def test_keys_and_counts_of_objects_hold_the_addresses_their_structure_keys_by(m
     assert "at fixed addresses: leaf 2" in replay.keying.describe_key(key, limit=1000)
 
 
+def test_a_cpu_tensor_inside_an_object_is_refused_before_anything_is_captured():
+    state = State(t=torch.ones(2))
+    call = region_keys.flat_call((state,), {}, walk_objects=True)
+    with pytest.raises(recording.CaptureFailed, match=r"args\[0\]\.t is a CPU tensor inside an object argument"):
+        recording._prepare_inputs(call.leaves, call.paths, device=0, stage=set(), shadows=frozenset({1}))
+
+
 # --- what no graph replays: refused, exactly as eager --------------------------------------------
 def counting(x, state):
     state.n += 1
