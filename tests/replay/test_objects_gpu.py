@@ -19,10 +19,10 @@ import torch.autograd.forward_ad as fwAD
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import jitcore as jc
 import replay
 from replay import region_keys
 from tests.replay.cache_standin import CountingCache, StandInCache, attention_step, attention_weights
+from tests.replay.fuzz_grammar import copy_row, row_sum
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("with_and_without_helper")]
 
@@ -90,33 +90,6 @@ def test_a_static_cache_stand_in_as_an_argument_replays_bit_for_bit_a_new_cache_
 
 
 # --- a cache only jit kernels read and write: rebound, one graph for every new cache -------------
-JIT_SOURCE = r"""
-__global__ void cache_write_row(const float* __restrict__ x, float* __restrict__ cache, long long row, long long n) {
-    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
-    if (i < n) cache[row * n + i] = x[i];
-}
-__global__ void cache_row_sums(const float* __restrict__ x, float* __restrict__ out, int cols) {
-    float acc = 0.f;
-    for (int c = threadIdx.x; c < cols; c += 32) acc += x[blockIdx.x * (long long)cols + c];
-    for (int o = 16; o > 0; o >>= 1) acc += __shfl_down_sync(0xffffffff, acc, o);
-    if (threadIdx.x == 0) out[blockIdx.x] = acc;
-}
-"""
-_WRITE_ROW = jc.Kernel(JIT_SOURCE, "cache_write_row")
-_ROW_SUMS = jc.Kernel(JIT_SOURCE, "cache_row_sums")
-
-
-@jc.jit
-def write_row(x, cache, row):
-    n = x.numel()
-    _WRITE_ROW[jc.cdiv(n, 128), 128](x, cache, row, n)
-
-
-@jc.jit
-def row_sums(x, out):
-    _ROW_SUMS[x.shape[0], 32](x, out, x.shape[1])
-
-
 class JitLayer:
     def __init__(self, rows: int, width: int) -> None:
         self.keys = torch.zeros(rows, width, device=DEVICE)
@@ -130,12 +103,12 @@ class JitCache:
 
 def jit_cache_step(hidden: torch.Tensor, cache: JitCache, pos: int, torch_reads: bool = False) -> torch.Tensor:
     for layer in cache.layers:
-        write_row(hidden, layer.keys, pos)  # a jit kernel writes the object's tensor: its pointer rebound
+        copy_row(hidden, layer.keys, pos)  # a jit kernel writes the object's tensor: its pointer rebound
         if torch_reads:
             sums = layer.keys.sum(1)  # a torch op reads it: keyed by its address
         else:
             sums = torch.empty(layer.max_len, device=DEVICE)
-            row_sums(layer.keys, sums)  # a jit kernel reads it
+            row_sum(layer.keys, sums)  # a jit kernel reads it
         hidden = torch.tanh(hidden + sums.sum() / layer.max_len)
     return hidden
 

@@ -23,6 +23,8 @@ from replay.lifecycle import EAGER_ONLY, REPLAYING, WARMING
 from replay.rebinding import Plan
 from replay.region_keys import KeyMark
 from tests.replay.cache_standin import CountingCache, StandInCache, attention_step, attention_weights
+from tests.replay.test_lifecycle import _RecapturedGraph as RecapturedGraph
+from tests.replay.test_objects import tiny_llama
 from tests.replay.test_session import DoubleSession, FakeGraph
 
 
@@ -320,15 +322,6 @@ def test_copies_of_objects_hold_the_copied_tensors_and_keep_their_sharing():
 
 
 # --- compaction: each key under its own settings; keys of objects record again when called -------
-class RecapturedGraph(FakeGraph):
-    def __init__(self, region, key, capture, spec, leaves, paths, session, number):
-        super().__init__(region, key, capture, spec, leaves, paths, session, number)
-        self.spec, self.paths, self.leaves, self.input_bytes = spec, paths, list(leaves), 0
-
-    def placeholder_leaves(self):
-        return self.leaves
-
-
 def test_a_compaction_records_again_only_keys_of_its_settings_and_releases_the_others(make, monkeypatch):
     session = make(record_after=0)
     session.build_graph = RecapturedGraph
@@ -375,12 +368,7 @@ def test_the_full_key_of_a_six_layer_cache_is_the_walk_of_its_layers():
 # --- transformers' own StaticCache and LlamaForCausalLM, where installed ------------------------
 def test_a_transformers_static_cache_as_an_argument_is_keyed_alike_every_step_and_replays(make):
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).eval()
+    model, config = tiny_llama(transformers)
 
     def step(ids, positions, cache):
         return model(input_ids=ids, cache=cache, position_ids=positions, cache_position=positions[0]).logits
