@@ -15,9 +15,9 @@ A first call's lazy initialisation (``is_initialized`` set, tensors made) change
 structure, so the call has a key of its own that the next calls do not share: refused
 quietly the first time an object's structure changes at a path (a new cache per generation
 is a new object each time; the warning comes where the same object changes its structure
-again: a list grown on every call). State the watch sees is refused
-where the same key's captured run changed it twice: the first change may be a closed-over
-cache's lazy initialisation, which re-keys the region once, as any change of its globals.
+again: a list grown on every call). State the watch sees is refused where the same key's
+captured run changed it twice: the first change may be a closed-over cache's lazy
+initialisation, which re-keys the region once, as any change of its globals does.
 """
 
 from __future__ import annotations

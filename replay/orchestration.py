@@ -117,8 +117,8 @@ class KeyRecorder:
         unreplayable; its next call gives it up (its capture waits there, as any capture
         does) and runs eagerly. This call is exact: its Python ran once, its graph launches
         once. State the watch sees is refused where the key's captured run changed it twice
-        (the first change re-keys the region, as today: a closed-over cache's lazy
-        initialisation)."""
+        (the first change re-keys the region, as any change of its globals does: a closed-over
+        cache's lazy initialisation)."""
         region = self.region
         effect = run.after()
         if effect is None:
