@@ -1404,6 +1404,18 @@ static int null_kernel_launch(void *function, unsigned grid_x, unsigned grid_y, 
     return 0;
 }
 
+/* A capture query that answers "not capturing": what the null backend puts behind a CaptureTail,
+   so that CPU benchmarks of a recording's launches ask the tail from C as the CUDA backend's do.
+   Exported as NULL_CAPTURE_INFO, its address. */
+static int null_capture_info(void *stream, int *capture_status, unsigned long long *capture_id, void **graph,
+                             void *const **dependencies, size_t *dependency_count) {
+    (void)stream, (void)capture_id, (void)graph;
+    *capture_status = 0;
+    *dependencies = NULL;
+    *dependency_count = 0;
+    return 0;
+}
+
 /* use_data_pointer_reader(capsule or None): the reader 'P' tries first (None: the method only). */
 static PyObject *use_data_pointer_reader(PyObject *module, PyObject *capsule) {
     data_pointer_reader_fn reader = NULL;
@@ -1467,7 +1479,8 @@ PyMODINIT_FUNC PyInit__native(void) {
         Py_DECREF(module);
         return NULL;
     }
-    if (PyModule_AddObject(module, "NULL_LAUNCH", PyLong_FromVoidPtr((void *)(uintptr_t)null_kernel_launch)) < 0) {
+    if (PyModule_AddObject(module, "NULL_LAUNCH", PyLong_FromVoidPtr((void *)(uintptr_t)null_kernel_launch)) < 0 ||
+        PyModule_AddObject(module, "NULL_CAPTURE_INFO", PyLong_FromVoidPtr((void *)(uintptr_t)null_capture_info)) < 0) {
         Py_DECREF(module);
         return NULL;
     }
