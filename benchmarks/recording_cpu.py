@@ -8,8 +8,8 @@ CUDA backend). Each step of a recording's host work is timed on its own
 
 - the region called plainly, and with the recorder a capture installs: the difference is the
   jit's launch reports, per launch; and with a recorder whose capture tail is a Python function
-  around the C query (how the CUDA backend answered it before the query's answer was made in
-  C: ``_native.CaptureTail``), the difference the Python frame per launch;
+  around the backend's C one (a Python frame per launch, as where the tail is not a
+  ``_native.CaptureTail``);
 - what the capture keeps of the records: the extents of pointers into inputs, and the
   records without their tensors;
 - the launch views the analysis makes of them, and the rebinding plan over kernel nodes that
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import torch
 
-import jitcore.recorder
 from benchmarks import common
 from benchmarks.replay import KERNELS, WIDTH, chain
 from jitcore.backends import use_backend
@@ -43,29 +42,27 @@ def null_backend() -> tuple[NullBackend, str]:
 
 
 def python_tail(backend: NullBackend):
-    """A capture tail answered in Python around the C capture query (a query that answers "not
-    capturing"), as a backend without ``_native.CaptureTail`` answers it; None without the helper."""
-    native = getattr(backend, "_packed", None)
-    if native is None:
-        return None
-    query = native.bind("capture_info", "cuStreamGetCaptureInfo", native.NULL_CAPTURE_INFO)
+    """A capture tail answered through a Python function around the backend's C one (as a
+    backend without ``_native.CaptureTail`` answers it: a Python frame per launch)."""
+    tail = backend.capture_tail_function()
 
     def capture_tail(stream: int) -> tuple | None:
-        status, capture_status, nodes = query(stream)
-        return None if status or capture_status != 1 else nodes
+        return tail(stream)
 
     return capture_tail
 
 
-def recorded_with_tail(fn, args: tuple, tail) -> list:
-    """``fn(*args)`` under a recording's recorder whose sink asks ``tail`` for each launch's node."""
-    from replay import recording
+class TailOf:
+    """What a recording's recorder reads of a backend: its capture tail (``capture_tail_function``)."""
 
-    recorder = recording._Recorder(jitcore.backends.get_backend())
-    recorder.launch_sink = (recorder.records, recorder.nodes, tail)
-    with jitcore.recorder.recording(recorder):
-        fn(*args)
-    return recorder.records
+    def __init__(self, tail) -> None:
+        self.tail = tail
+
+    def capture_tail_function(self):
+        return self.tail
+
+    def capture_tail(self, stream: int) -> tuple | None:
+        return self.tail(stream)
 
 
 def main() -> None:
@@ -76,14 +73,12 @@ def main() -> None:
         x = torch.randn(BATCH, WIDTH)
         region(x)  # the jit's misses, before anything is timed
         steps = instrumentation.RecordingSteps(region, (x,))
+        python_steps = instrumentation.RecordingSteps(region, (x,))
+        python_steps.backend = TailOf(python_tail(backend))  # its recorder's tail: through Python
         paths = {
             "region, no recorder": lambda: region(x),
             "region under the recorder": steps.region,
-            **(
-                {"region under the recorder, tail asked in Python": lambda: recorded_with_tail(region, (x,), tail)}
-                if (tail := python_tail(backend)) is not None
-                else {}
-            ),
+            "region under the recorder, tail asked in Python": python_steps.region,
             "records kept (extents, tensors dropped)": steps.keep,
             "launch views": steps.views,
             "rebinding plan": steps.plan,
@@ -91,8 +86,7 @@ def main() -> None:
         timed = common.compare(paths, calls=calls, repeats=repeats, warmup=20)
     us = {name: t["median_us"] for name, t in timed.items()}
     reports = us["region under the recorder"] - us["region, no recorder"]
-    python_tails = us.get("region under the recorder, tail asked in Python", us["region under the recorder"])
-    tail_saved = python_tails - us["region under the recorder"]
+    tail_saved = us["region under the recorder, tail asked in Python"] - us["region under the recorder"]
     after_region = us["records kept (extents, tensors dropped)"]
     analysis = us["launch views"] + us["rebinding plan"]
     rows = [[name, value, value / KERNELS] for name, value in us.items()]

@@ -42,7 +42,7 @@ import jitcore as jc
 import replay
 from benchmarks import common
 from jitcore.backends import get_backend
-from replay import instrumentation, recording
+from replay import instrumentation
 
 SOURCE = r"""
 __global__ void affine(const float* __restrict__ x, float* __restrict__ y, float a, float b, long long n) {
@@ -233,8 +233,13 @@ def exact_floor(step, x, pool) -> tuple[float, float]:
             out = step(x)
         graph.capture_end()
         own = torch.empty_like(out)  # outside the pool: the output's own memory
-        copy = (own.view(-1).view(torch.uint8), out.view(-1).view(torch.uint8))  # as a recording adds it
-        recording._append_copies([copy], backend, graph, stream)
+        try:  # as a recording adds it: a copy node, or a capture into the graph
+            backend.append_copies(
+                graph.raw_cuda_graph(), [(own.data_ptr(), out.data_ptr(), own.nbytes)], own.device.index
+            )
+        except NotImplementedError:
+            with backend.capture_into(graph.raw_cuda_graph(), stream.cuda_stream):
+                own.copy_(out)
         graph.instantiate()
     graph.replay()
     torch.cuda.synchronize()

@@ -19,10 +19,13 @@
  *
  * The capture query is not on a hot path but on every launch of a recording (replay maps each
  * launch to its graph node by it): through cuda-bindings most of its cost is building the
- * binding's node objects. The node reads (the graph's nodes, each node's type, a kernel node's
- * parameters; `read_params` then copies the parameter values) are made once per recording,
- * for every node, where the binding builds objects again. The kernel node's parameter struct
- * is CUDA's (see kernel_node_params_head): that kind is bound by the CUDA backend only.
+ * binding's node objects, and CaptureTail answers it whole in C, where a packed launch's record
+ * asks it without a Python call. The node reads (the graph's nodes, each node's type, a kernel
+ * node's parameters and their values) are made once per recording, for every node, where the
+ * binding builds objects again: NodeReads makes them all in one call. The kernel node's
+ * parameter struct is CUDA's (see kernel_node_params_head), as is the copy node's
+ * (graph_add_memcpy, which takes the struct the binding made): those kinds are bound by the
+ * CUDA backend only.
  *
  * Misuse from Python raises (TypeError, ValueError, OverflowError; PackedLaunch's values
  * struct.error, as struct's pack), never crashes: sequences are read from a copy taken at the
