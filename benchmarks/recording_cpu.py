@@ -7,7 +7,9 @@ CUDA backend). Each step of a recording's host work is timed on its own
 (``replay.instrumentation.RecordingSteps``):
 
 - the region called plainly, and with the recorder a capture installs: the difference is the
-  jit's launch reports, per launch;
+  jit's launch reports, per launch; and with a recorder whose capture tail is a Python function
+  around the backend's C one (a Python frame per launch, as where the tail is not a
+  ``_native.CaptureTail``);
 - what the capture keeps of the records: the extents of pointers into inputs, and the
   records without their tensors;
 - the launch views the analysis makes of them, and the rebinding plan over kernel nodes that
@@ -39,6 +41,30 @@ def null_backend() -> tuple[NullBackend, str]:
         return NullBackend(), "struct packing (no C helper)"
 
 
+def python_tail(backend: NullBackend):
+    """A capture tail answered through a Python function around the backend's C one (as a
+    backend without ``_native.CaptureTail`` answers it: a Python frame per launch)."""
+    tail = backend.capture_tail_function()
+
+    def capture_tail(stream: int) -> tuple | None:
+        return tail(stream)
+
+    return capture_tail
+
+
+class TailOf:
+    """What a recording's recorder reads of a backend: its capture tail (``capture_tail_function``)."""
+
+    def __init__(self, tail) -> None:
+        self.tail = tail
+
+    def capture_tail_function(self):
+        return self.tail
+
+    def capture_tail(self, stream: int) -> tuple | None:
+        return self.tail(stream)
+
+
 def main() -> None:
     args = common.parser(__doc__.splitlines()[0]).parse_args()
     repeats, calls = (3, 30) if args.quick else (15, 300)
@@ -47,9 +73,12 @@ def main() -> None:
         x = torch.randn(BATCH, WIDTH)
         region(x)  # the jit's misses, before anything is timed
         steps = instrumentation.RecordingSteps(region, (x,))
+        python_steps = instrumentation.RecordingSteps(region, (x,))
+        python_steps.backend = TailOf(python_tail(backend))  # its recorder's tail: through Python
         paths = {
             "region, no recorder": lambda: region(x),
             "region under the recorder": steps.region,
+            "region under the recorder, tail asked in Python": python_steps.region,
             "records kept (extents, tensors dropped)": steps.keep,
             "launch views": steps.views,
             "rebinding plan": steps.plan,
@@ -57,19 +86,22 @@ def main() -> None:
         timed = common.compare(paths, calls=calls, repeats=repeats, warmup=20)
     us = {name: t["median_us"] for name, t in timed.items()}
     reports = us["region under the recorder"] - us["region, no recorder"]
+    tail_saved = us["region under the recorder, tail asked in Python"] - us["region under the recorder"]
     after_region = us["records kept (extents, tensors dropped)"]
     analysis = us["launch views"] + us["rebinding plan"]
     rows = [[name, value, value / KERNELS] for name, value in us.items()]
     body = common.markdown_table(["step", "us", f"us per launch ({KERNELS} launches)"], rows)
     body += (
         f"\n\nThe jit's launch reports cost {reports:.1f} us over the region's {KERNELS} launches "
-        f"({reports / KERNELS:.2f} us a launch); the records kept after the capture {after_region:.1f} us; "
+        f"({reports / KERNELS:.2f} us a launch), the capture tail asked from C rather than through Python saves "
+        f"{tail_saved / KERNELS:.2f} us a launch; the records kept after the capture {after_region:.1f} us; "
         f"the analysis of the key's second call (launch views and plan) {analysis:.1f} us. Launches: {packing}."
     )
     results = {
         "steps_us": timed,
         "reports_us": reports,
         "reports_per_launch_us": reports / KERNELS,
+        "tail_in_c_saves_per_launch_us": tail_saved / KERNELS,
         "records_kept_us": after_region,
         "analysis_us": analysis,
         "launches": KERNELS,
