@@ -427,8 +427,8 @@ def fake_cuda_streams(monkeypatch, default_handle: int = 0) -> tuple[FakeStream,
     default, external = FakeStream(default_handle), []
 
     def external_stream(handle, device=None):
-        external.append((handle, device))
-        return FakeStream(handle)
+        external.append((handle, device, FakeStream(handle)))
+        return external[-1][2]
 
     monkeypatch.setattr(torch.cuda, "default_stream", lambda device=None: default)
     monkeypatch.setattr(torch.cuda, "ExternalStream", external_stream)
@@ -442,7 +442,8 @@ def test_a_raw_handle_of_0_is_the_default_stream_not_a_new_one(monkeypatch):
     waiting there orders nothing the default stream does."""
     default, external = fake_cuda_streams(monkeypatch)
     assert output_slots.torch_stream(0, 0) is default and external == []
-    assert output_slots.torch_stream(77, 1).cuda_stream == 77 and external == [(77, 1)]
+    made = output_slots.torch_stream(77, 1)
+    assert external == [(77, 1, made)] and made.cuda_stream == 77
     default.cuda_stream = 2  # (a torch whose default stream is the per-thread one)
     with pytest.raises(RuntimeError, match="handle 0"):
         output_slots.torch_stream(0, 0)
@@ -457,3 +458,18 @@ def test_the_write_stream_waits_for_each_reader_but_itself_then_forgets_them(mon
     assert readers == [] and len(default.waited) == 2
     assert default.waited[0].stream is reader
     assert default.waited[1].stream.ids == {"stream_id": 3, "device_index": 0, "device_type": 1}
+
+
+def test_the_sessions_stream_switch_orders_the_new_stream_after_the_default_one(monkeypatch):
+    """Replays of a session share its pool: one on a new stream waits for the last one on the
+    previous stream, the default stream (handle 0) included, through torch_stream."""
+    import replay
+
+    default, external = fake_cuda_streams(monkeypatch)
+    session = replay.capture()
+    session.last_stream[0] = 0
+    session.stream_switch(77)
+    ((handle, _device, side),) = external
+    assert handle == 77 and len(side.waited) == 1 and side.waited[0].stream is default
+    session.stream_switch(0)
+    assert len(default.waited) == 1 and default.waited[0].stream.cuda_stream == 77 and session.last_stream == [0]
