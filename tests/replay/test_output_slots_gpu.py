@@ -12,6 +12,7 @@ import torch
 import jitcore as jc
 import replay
 from replay import output_slots
+from tests.replay.test_hazards_gpu import spin_kernel
 
 pytestmark = pytest.mark.gpu
 
@@ -167,14 +168,6 @@ def test_outputs_of_many_shapes_take_about_two_output_sets_not_one_per_shape():
 
 
 # --- the raw streams replays launch on, as torch objects ---------------------------------------
-SPIN = r"""
-__global__ void spin(float* y, long long cycles) {
-    long long start = clock64();
-    while (clock64() - start < cycles) {}
-    y[threadIdx.x] += 1.f;
-}
-"""
-spin_kernel = jc.Kernel(SPIN, "spin")
 STREAMS = ["the default stream", "a side stream"]
 
 
@@ -183,7 +176,7 @@ def stream_named(name: str) -> torch.cuda.Stream:
 
 
 def spin(dummy: torch.Tensor) -> None:
-    spin_kernel[1, 32](dummy, 20_000_000)  # about 10 ms
+    spin_kernel[1, 32](dummy, 20_000_000)  # about 10 ms (the hazard tests' kernel)
 
 
 @pytest.mark.parametrize("current", STREAMS)
