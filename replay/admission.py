@@ -399,9 +399,9 @@ class ReplayTimes:
     replays), never a graph's first. Why not its first: a freshly built replay's first launch
     (on the key's analysis call) pays one-time costs, and for a region of short calls it cost
     more than an eager call: taken as a replay's cost, no replay saved anything, and nothing
-    past the session's first recordings was ever recorded. A drop is
-    taken at once, a rise an eighth at a time (as replay.dispatch.EagerCost takes eager
-    calls): a replay that waited for the GPU does not make every replay look slow.
+    past the session's first recordings was ever recorded. A drop is taken at once, a rise an
+    eighth at a time (as replay.dispatch.EagerCost takes eager calls): a replay that waited for
+    the GPU does not make every replay look slow.
 
     Slotted (attrs): the C gate bumps ``runs`` at its slot on every replay it serves."""
 
@@ -592,9 +592,10 @@ class Admission(Generic[Resident]):
         :meth:`pays_back` first accepts if that is more. Valid while ``budget.version`` (bumped
         by the sketch's halvings too) and ``record_after`` stay and the region's estimates save
         no more per replay than ``eager_seconds`` less ``replay_seconds`` (as calls are counted,
-        the early bet only falls: no count below the bound pays back later either); a region's eager path uses it
-        to skip the decision for the calls of a loop that runs mostly eagerly (a uniform mix of
-        hundreds of shapes: every call of a key too rare to record asked the whole rule again)."""
+        the early bet only falls: no count below the bound pays back later either); a region's
+        eager path uses it to skip the decision for the calls of a loop that runs mostly eagerly
+        (a uniform mix of hundreds of shapes: every call of a key too rare to record asked the
+        whole rule again)."""
         least = self.record_after + 1
         if self.pays_back(least, eager_seconds, replay_seconds):
             return least
