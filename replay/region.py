@@ -89,7 +89,7 @@ class Region:
         self.refusals: set[str] = set()  # reasons of calls no key could be made for, warned once each
         self.hints: dict[object, Hints] = {}  # spec -> what its keys taught about the inputs
         self.snapshot = None  # its globals as its graphs were recorded against (take_snapshot)
-        self.cost = EagerCost(session.admission)
+        self.cost = EagerCost(session.admission, time.perf_counter)
         self.said_autograd = False  # the ReplayWarning of keys that need autograd was given
         self.router = Router(self)
         self.recorder = KeyRecorder(self)
@@ -112,6 +112,7 @@ class Region:
             counters=session.counters,
             forgotten=self.forgotten,
             quiet=self.cost.quiet,
+            replay_times=self.cost.replay,
             fn=self.fn,
             exclusion=SHARED_CAPTURE_EXCLUSION,
             touch=session.keys.touch,
@@ -121,6 +122,8 @@ class Region:
             largest=max(policy.buckets or (0,)),
             decide=self.decide_flat,
             took=self.cost.took,
+            replayed=self.cost.replayed,
+            time_replays=not policy.verify_every,  # (a verified session's hits replay through run_graph)
             full_path=self.full_path,
         )
 
@@ -369,7 +372,7 @@ class Region:
             self.session.counters.verifications += 1
             result = graph.verify(call.leaves, lambda snapshot: self.run_eagerly(attrs.evolve(call, leaves=snapshot)))
         else:
-            result = graph.replay(*call.leaves)
+            result = self.cost.replay_graph(graph, call.leaves)  # (counted, some timed)
         if result is MISMATCH:
             # the graph cannot serve these values exactly (see replay.graph): the eager run
             # gives the exact result, or the exact error
