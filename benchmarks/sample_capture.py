@@ -121,7 +121,7 @@ def sample_capture(batch: int) -> SampleCapture:
 def _graph_node(view: NodeView) -> GraphNode:
     """The node as a backend reports it (its launch dimensions made up)."""
     pointers = view.pointers if view.kind == "memcpy" else ()
-    return GraphNode(view.index, view.handle, view.kind, view.function, (4, 1, 1), (64, 1, 1), 0, pointers)
+    return GraphNode(view.index, view.handle, view.kind, view.function, (4, 1, 1), (64, 1, 1), pointers=pointers)
 
 
 def plan(sample: SampleCapture) -> recording.rebinding.Plan:
