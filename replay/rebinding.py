@@ -238,6 +238,8 @@ def pointer_words_of(params: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray]:
     structs hold hundreds of words, and a capture of a few dozen torch ops has thousands). A
     word that merely looks like an input's address makes the plan stage that input, which is
     safe. No window crosses from one parameter into the next."""
+    if not params:
+        return _NO_WORDS, _NO_NUMBERS
     lengths = np.fromiter(map(len, params), dtype=np.intp, count=len(params))
     windows = np.maximum((lengths - 4) // 4, 0)  # at offsets 0, 4, ..., len - 8 of each
     total = int(windows.sum())
@@ -477,6 +479,8 @@ def addresses_of(nodes: Sequence[NodeView]) -> tuple[np.ndarray, np.ndarray]:
     kernel nodes' parameters (:func:`pointer_words_of`) and the addresses of copies and
     memsets; with the place in ``nodes`` of each word's node. Every node's addresses must be
     readable (:func:`addresses_readable`)."""
+    if not nodes:
+        return _NO_WORDS, _NO_NUMBERS
     kernels = [node for node in nodes if node.kind == "kernel"]
     numbers = [n for n, node in enumerate(nodes) if node.kind == "kernel"]
     counts = [len(node.params) for node in kernels]
