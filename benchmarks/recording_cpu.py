@@ -15,7 +15,7 @@ CUDA backend). Each step of a recording's host work is timed on its own
 - the launch views the analysis makes of them, and the rebinding plan over kernel nodes that
   hold those launches (each node known by its handle, as a capture reports it);
 - the key's second call on a capture shaped like the decode sample's
-  (benchmarks/sample_capture.py: jit launches over ten arguments, a cuBLAS-like kernel node per
+  (tests/replay/sample_capture.py: jit launches over ten arguments, a cuBLAS-like kernel node per
   matmul, the output copied into memory of its own): its rebinding plan (the scan of the
   foreign nodes' parameters included) and the build of its replay (``RecordedGraph``: output
   slots, node updaters doing nothing, the generated function, the C step's program).
@@ -28,11 +28,12 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks import common, sample_capture
+from benchmarks import common
 from benchmarks.replay import KERNELS, WIDTH, chain
 from jitcore.backends import use_backend
 from jitcore.backends.null import NullBackend
 from replay import instrumentation
+from tests.replay import sample_capture
 
 BATCH = 8
 SAMPLE_BATCH = 4

@@ -1277,7 +1277,7 @@ def test_a_view_of_an_argument_is_found_where_it_was_when_recorded(replay_step):
     assert isinstance(view, graph_module.InputView) and view.input == 0 and view.delta == 2 and not view.whole
 
 
-# --- a capture shaped like the decode sample's (benchmarks/sample_capture.py) ------------------
+# --- a capture shaped like the decode sample's (tests/replay/sample_capture.py) ------------------
 
 
 def test_a_sample_shaped_graph_rebinds_every_argument_and_shares_its_code_across_batch_sizes():
@@ -1285,7 +1285,7 @@ def test_a_sample_shaped_graph_rebinds_every_argument_and_shares_its_code_across
     an output slot: each replay writes the new arguments' pointers into every node bound to
     them, and the graphs of two batch sizes are one text (one compiled code, their values in
     their namespaces)."""
-    from benchmarks import sample_capture
+    from tests.replay import sample_capture
 
     graphs = []
     for batch in (4, 6):
