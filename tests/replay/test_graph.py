@@ -1275,3 +1275,45 @@ def test_a_view_of_an_argument_is_found_where_it_was_when_recorded(replay_step):
     x.untyped_storage().resize_(4096)  # the argument, and the view with it, moved
     (view,) = graph._classify_outputs(list(outputs), identity)
     assert isinstance(view, graph_module.InputView) and view.input == 0 and view.delta == 2 and not view.whole
+
+
+# --- a capture shaped like the decode sample's (tests/replay/sample_capture.py) ------------------
+
+
+def test_a_sample_shaped_graph_rebinds_every_argument_and_shares_its_code_across_batch_sizes():
+    """Jit launches over ten arguments, a cuBLAS-like node per matmul, the logits copied into
+    an output slot: each replay writes the new arguments' pointers into every node bound to
+    them, and the graphs of two batch sizes are one text (one compiled code, their values in
+    their namespaces)."""
+    from tests.replay import sample_capture
+
+    graphs = []
+    for batch in (4, 6):
+        slots, sim, backend = slot_setup()  # an exec each
+        with use_backend(backend):
+            sample = sample_capture.sample_capture(batch)
+            plan = sample_capture.plan(sample)
+            assert len(plan.pointers) >= 17 and not plan.needs_staging and plan.failure is None
+            capture = sample_capture.capture_for_graph(sample, FakeTorchGraph(sim), plan)
+            graph = RecordedGraph(
+                FakeRegion(sample.key),
+                sample.key,
+                capture,
+                sample.spec,
+                sample.leaves,
+                sample.paths,
+                SlotSession(slots),
+                0,
+            )
+            graphs.append((graph, batch))
+            for _ in range(2):
+                arguments = sample_capture.arguments(batch)
+                out = graph.replay(*arguments)
+                assert out.shape == (batch, sample_capture.WIDTH)
+                launched = sim.launched[-1]
+                for binding in graph.plan.pointers:
+                    pointer = struct.unpack_from("<Q", launched[binding.node][0], binding.offset)[0]
+                    assert pointer == arguments[binding.input].data_ptr() + binding.delta
+    (first, _), (second, _) = graphs
+    assert first.source == second.source
+    assert first.namespace["_e0"] != second.namespace["_e0"]  # the token batch's extent, a value
