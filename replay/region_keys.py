@@ -686,10 +686,11 @@ def tensor_ranges(leaves: Sequence) -> list[tuple[int, int, int]]:
     return ranges
 
 
-def alias_pattern(leaves: Sequence) -> tuple[tuple[int, int], ...]:
-    """The pairs of tensor leaves whose bytes overlap (the same tensor twice, overlapping
-    views). A graph recorded for one pattern must never serve another: a region that writes
-    one argument and reads the other gives different results when they share memory.
+def alias_pattern(leaves: Sequence) -> tuple[tuple[int, ...], ...]:
+    """How the tensor leaves' bytes overlap (the same tensor twice, overlapping views): the
+    groups of leaves that share a byte, as :func:`overlap_groups` gives them. A graph recorded
+    for one pattern must never serve another: a region that writes one argument and reads the
+    other gives different results when they share memory.
 
     Most calls pass tensors of distinct allocations: when the storages' byte spans are
     disjoint, no two tensors can overlap and the exact element ranges are not computed."""
@@ -702,7 +703,7 @@ def alias_pattern(leaves: Sequence) -> tuple[tuple[int, int], ...]:
         spans = None
     if spans is not None and all(lo + size <= next_lo for (lo, size), (next_lo, _) in itertools.pairwise(spans)):
         return ()
-    return pattern_of(tensor_ranges(leaves))
+    return overlap_groups(tensor_ranges(leaves))
 
 
 #: Argument types that hold no tensor and are keyed by value as they are.
@@ -746,6 +747,43 @@ def pattern_of(ranges: Sequence[tuple[int, int, int]]) -> tuple[tuple[int, int],
             if other_lo < other_hi and lo < hi:
                 pairs.append((min(i, j), max(i, j)))
     return tuple(sorted(pairs))
+
+
+def overlap_groups(ranges: Iterable[tuple[int, int, int]]) -> tuple[tuple[int, ...], ...]:
+    """The aliasing part of a key: the maximal groups, of two or more, of (leaf index, first
+    byte, one past the last byte) ranges that all share a byte, each group its leaves in
+    order, the groups in order. Two ranges overlap exactly where one group holds both, and a
+    set of overlapping pairs has one set of maximal groups (its maximal cliques), so two calls
+    share this pattern exactly where they share :func:`pattern_of`'s pairs.
+
+    Why groups, not pairs: one tensor passed N times makes N(N-1)/2 pairs and one group. Ranges
+    on a line that overlap pairwise share a point, so a sweep over the sorted ends finds every
+    maximal group where a run of starts meets an end (at one address an end sorts first: ranges
+    that touch share no byte): a sort, plus the groups' own size."""
+    ends = []
+    for i, lo, hi in ranges:
+        if lo < hi:  # an empty range overlaps nothing
+            ends += ((lo, 1, i), (hi, 0, i))
+    ends.sort()
+    open_now: dict[int, None] = {}
+    groups = []
+    grew = False
+    for _address, starts, i in ends:
+        if starts:
+            open_now[i] = None
+            grew = True
+            continue
+        if grew and len(open_now) > 1:
+            groups.append(tuple(sorted(open_now)))
+        grew = False
+        del open_now[i]
+    return tuple(sorted(groups))
+
+
+def overlapping_pairs(pattern: Iterable[tuple[int, ...]]) -> set[tuple[int, int]]:
+    """The pairs of leaves (lower index first) that an aliasing pattern (:func:`overlap_groups`)
+    says overlap."""
+    return {pair for group in pattern for pair in itertools.combinations(group, 2)}
 
 
 def plain_leaves(leaves: Sequence) -> list:
