@@ -252,8 +252,10 @@ def _exact_keys(keys: tuple, path: str) -> tuple:
     return tuple(constant_key(k, f"{path} key {k!r}") for k in keys)
 
 
-#: The paths of flat calls, by argument count (shared: callers never change ``paths``).
+#: The paths of flat calls, by argument count (shared: callers never change ``paths``), for
+#: counts below ``_FLAT_PATHS_KEPT``: a call of more arguments makes its own.
 _FLAT_PATHS: dict[int, list[str]] = {}
+_FLAT_PATHS_KEPT = 256
 
 
 def flatten(
@@ -324,7 +326,9 @@ def _flat(args: tuple) -> tuple[object, list, list[str]]:
     count = len(args)
     paths = _FLAT_PATHS.get(count)
     if paths is None:
-        paths = _FLAT_PATHS[count] = [f"args[{i}]" for i in range(count)]
+        paths = [f"args[{i}]" for i in range(count)]
+        if count < _FLAT_PATHS_KEPT:
+            _FLAT_PATHS[count] = paths
     return (FLAT, count), list(args), paths
 
 
@@ -407,16 +411,34 @@ def leaf_key(leaf: object, path: str) -> object:
     TypeError for an unhashable one."""
     cls = leaf.__class__
     if cls is torch.Tensor:
-        return jitcore.lean_static_signature(leaf)
+        return tensor_signature(leaf)
     if cls in BY_VALUE:
         return (cls, leaf)
     if cls is float:  # by bit pattern: -0.0 == 0.0 and nan != nan, yet each is its own constant
         return (float, _pack_double(leaf))
     if isinstance(leaf, torch.Tensor):
-        return jitcore.lean_static_signature(leaf)
+        return tensor_signature(leaf)
     if isinstance(leaf, Dynamic):
         return ("dynamic", leaf.value.__class__)  # the type object: np.bool_ is not bool
     return _other_constant_key(leaf, cls, path)
+
+
+#: Tensor signatures as keys hold them, one object for equal ones (``_SIGNATURES_KEPT`` at most).
+_SIGNATURES: dict[tuple, tuple] = {}
+_SIGNATURES_KEPT = 4096
+
+
+def tensor_signature(tensor: torch.Tensor) -> tuple:
+    """A tensor's static signature (``jitcore.lean_static_signature``), the same object for
+    equal signatures: keys and admission's counts outlive their call, and a list of one
+    tensor's views held one signature per element where one object per layout is the same key."""
+    signature = jitcore.lean_static_signature(tensor)
+    shared = _SIGNATURES.get(signature)
+    if shared is None:
+        if len(_SIGNATURES) >= _SIGNATURES_KEPT:
+            _SIGNATURES.clear()
+        shared = _SIGNATURES[signature] = signature
+    return shared
 
 
 def constant_key(value: object, path: str) -> object:

@@ -23,6 +23,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import jitcore
 import replay
 from replay import dynamic, region_keys
 from replay.keying import describe_key
@@ -41,6 +42,23 @@ def test_flat_calls_take_the_short_path():
     spec, leaves, paths = flatten((x, 1, dynamic(2)), {})
     assert spec == (FLAT, 3) and leaves[0] is x and paths == ["args[0]", "args[1]", "args[2]"]
     assert unflatten(spec, leaves) == (tuple(leaves), {})
+
+
+def test_flat_calls_share_the_paths_of_few_arguments_and_make_their_own_beyond():
+    few = flatten((1, 2), {})[2]
+    assert flatten((3, 4), {})[2] is few
+    count = region_keys._FLAT_PATHS_KEPT
+    many = flatten(tuple(range(count)), {})[2]
+    assert many == [f"args[{i}]" for i in range(count)] and flatten(tuple(range(count)), {})[2] is not many
+    assert count not in region_keys._FLAT_PATHS and len(region_keys._FLAT_PATHS) < count
+
+
+def test_keys_hold_one_signature_object_for_equal_tensor_layouts():
+    x = torch.zeros(4, 2)
+    key = key_of([x, x.clone(), x.t()])
+    first, second, transposed = key[region_keys.LEAVES_START :]
+    assert first is second and first == leaf_key(x.clone(), "x") and transposed != first
+    assert region_keys.tensor_signature(x) == jitcore.lean_static_signature(x)
 
 
 def test_nested_round_trip():
