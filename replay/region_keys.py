@@ -430,8 +430,8 @@ _SIGNATURES_KEPT = 4096
 
 def tensor_signature(tensor: torch.Tensor) -> tuple:
     """A tensor's static signature (``jitcore.lean_static_signature``), the same object for
-    equal signatures: keys and admission's counts outlive their call, and a list of one
-    tensor's views held one signature per element where one object per layout is the same key."""
+    equal signatures: keys outlive their call (entries, hints), and a list of one tensor passed
+    many times held one signature per element where one object per layout is the same key."""
     signature = jitcore.lean_static_signature(tensor)
     shared = _SIGNATURES.get(signature)
     if shared is None:
@@ -759,7 +759,9 @@ class MergedRanges:
 
 
 def pattern_of(ranges: Sequence[tuple[int, int, int]]) -> tuple[tuple[int, int], ...]:
-    """The overlapping pairs among (leaf index, first byte, one past the last byte) ranges."""
+    """The overlapping pairs among (leaf index, first byte, one past the last byte) ranges: the
+    pairwise definition :func:`overlap_groups` holds the same information as, for the few
+    ranges whose pairs a caller needs (n(n-1)/2 of them for one tensor passed n times)."""
     ranges = sorted(ranges, key=lambda r: r[1])
     pairs = []
     for n, (i, lo, hi) in enumerate(ranges):
