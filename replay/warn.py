@@ -51,4 +51,6 @@ def warn(message: str) -> None:
             _SHOWN.clear()
         registry = _SHOWN[filename] = {}
     module = namespace.get("__name__", "<string>")
-    warnings.warn_explicit(ReplayWarning(message), ReplayWarning, filename, line, module, registry, namespace)
+    # without the module's globals, as warnings.warn gives none: through them the source line
+    # is read by the module's loader, which refuses a module run as __main__ (python -m)
+    warnings.warn_explicit(ReplayWarning(message), ReplayWarning, filename, line, module, registry)

@@ -3,6 +3,7 @@ was shown remembered in a bounded record of replay's own."""
 
 from __future__ import annotations
 
+import importlib.machinery
 import warnings
 
 import replay
@@ -36,3 +37,13 @@ def test_files_beyond_the_bound_start_the_record_over():
         for n in range(warn_module.MAX_FILES + 5):
             exec(compile("say('text')", f"<user file {n}>", "exec"), {"__name__": "user", "say": warn_module.warn})
     assert len(warn_module._SHOWN) <= warn_module.MAX_FILES
+
+
+def test_a_warning_given_in_a_module_run_as_main_reads_no_source_through_its_loader():
+    # ``python -m package.module``: its loader answers only for its own name, not "__main__"
+    loader = importlib.machinery.SourceFileLoader("a.module", __file__)
+    namespace = {"__name__": "__main__", "__loader__": loader, "say": warn_module.warn}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        exec(compile("say('from main')", "<a module run as main>", "exec"), namespace)
+    assert [str(w.message) for w in caught] == ["from main"]
