@@ -337,10 +337,12 @@ def test_one_tensor_passed_many_times_is_checked_by_one_sort(c_or_python):
     x, y = torch.randn(4), torch.randn(4)
     graph, _ = build([x] * 2000, Plan())
     assert graph.key[3] == (tuple(range(2000)),) and "_overlap_groups" in graph.source
-    started = time.perf_counter()
+    seconds = []
     for _ in range(5):
+        started = time.perf_counter()
         assert graph.replay(*[y] * 2000) is not MISMATCH
-    assert (time.perf_counter() - started) / 5 < 0.2
+        seconds.append(time.perf_counter() - started)
+    assert sorted(seconds)[2] < 0.2, seconds  # (the median: a loaded machine's pauses are not the check's)
     assert graph.replay(*[y] * 1999, x) is MISMATCH
 
 

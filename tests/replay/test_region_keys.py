@@ -184,7 +184,12 @@ def test_one_tensor_passed_many_times_is_keyed_and_checked_in_about_linear_time_
     """N copies of one tensor (and views of it): one group of N, not N(N-1)/2 pairs."""
     x = torch.zeros(64)
     leaves = [x] * 2000 + [x[:8], x[56:]]
-    started = time.perf_counter()
+    seconds = []
+    for _ in range(3):  # (the least of three: a loaded machine's pauses are not the key's)
+        started = time.perf_counter()
+        region_keys.alias_pattern(leaves)
+        key_of(leaves)
+        seconds.append(time.perf_counter() - started)
     tracemalloc.start()
     try:
         pattern = region_keys.alias_pattern(leaves)
@@ -192,7 +197,7 @@ def test_one_tensor_passed_many_times_is_keyed_and_checked_in_about_linear_time_
         kept, _peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert time.perf_counter() - started < 0.2
+    assert min(seconds) < 0.2, seconds
     assert kept < 2**20  # the key holds one signature per leaf and a group of 2000 indices
     assert pattern == (tuple(range(2001)), (*range(2000), 2001))
     assert key[3] == pattern

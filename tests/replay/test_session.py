@@ -1039,7 +1039,8 @@ def test_one_tensor_passed_two_thousand_times_costs_about_what_distinct_tensors_
         started = time.perf_counter()
         assert torch.equal(step([x] * 2000), x * 2)
         seconds.append(time.perf_counter() - started)
-    assert session.stats().replays == 5 and max(seconds) < 0.2, seconds
+    # (the median: a loaded machine's pauses are not the key's; pairs took about a second each)
+    assert session.stats().replays == 5 and sorted(seconds)[3] < 0.2 and sum(seconds) < 1.2, seconds
     tracemalloc.start()
     try:
         step([x] * 2000)
