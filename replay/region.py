@@ -38,7 +38,7 @@ from replay.dispatch import (
 )
 from replay.graph import MISMATCH, RecordedGraph
 from replay.keying import counted_shapes
-from replay.lifecycle import AWAITING_ANALYSIS, EAGER_ONLY, REPLAYING, Entry, Forgotten
+from replay.lifecycle import AWAITING_ANALYSIS, EAGER_ONLY, MAX_HINTS, REPLAYING, Entry, Forgotten, RecentlyUsed
 from replay.observe import op_observer
 from replay.orchestration import Hints, KeyRecorder
 from replay.region_keys import FlatCall, grad_leaves, outputs_requiring_grad
@@ -87,7 +87,7 @@ class Region:
         self.bucket_bases: dict[tuple, Entry] = {}
         self.forgotten = Forgotten()  # calls of keys that have (or kept) no entry
         self.refusals: set[str] = set()  # reasons of calls no key could be made for, warned once each
-        self.hints: dict[object, Hints] = {}  # spec -> what its keys taught about the inputs
+        self.hints: RecentlyUsed = RecentlyUsed(MAX_HINTS)  # spec -> what its keys taught about the inputs
         self.snapshot = None  # its globals as its graphs were recorded against (take_snapshot)
         self.cost = EagerCost(session.admission, time.perf_counter)
         self.said_autograd = False  # the ReplayWarning of keys that need autograd was given
