@@ -10,8 +10,9 @@ tensor arguments and patched nodes), shapes (replay under shape distributions: u
 fixed, prefill), triton_region (triton.md: Triton kernels rebound against staged and eager;
 skipped without Triton), hf (a Llama decode loop with a StaticCache, the cache passed as an
 argument and closed over, beside eager, a static CUDA graph and torch.compile; skipped without
-transformers), decode_loop.md (the
-sample's output) and, with two GPUs, decode_loop_tp2.md (the tensor-parallel sample). These
+transformers), decode_loop (the sample at 400 and 2,000 steps against eager, recordings
+included, and its ceiling once every size is recorded) and, with two GPUs, decode_loop_tp2.md
+(the tensor-parallel sample). These
 need a GPU (keys runs on CPU tensors without one) and are the default; jit_cpu (the jit's
 Python-side cost with the driver call a no-op), recording_cpu (a recording's host steps besides
 the driver) and watch (the check of what a region reaches through its globals and objects, for
@@ -52,7 +53,7 @@ def main() -> int:
     names = [name for name in (*GPU_BENCHMARKS, *CPU_BENCHMARKS) if name in args.only]
     failed = [name for name in names if _run_benchmark(name, extra)]
     if SAMPLE in args.only:
-        failed += _run_sample(args)
+        failed += _run_sample(args, extra)
     if failed:
         print(f"failed: {', '.join(failed)}")
     return 1 if failed else 0
@@ -64,15 +65,13 @@ def _run_benchmark(name: str, extra: list[str]) -> bool:
     return subprocess.run([sys.executable, "-m", f"benchmarks.{name}", *extra]).returncode != 0
 
 
-def _run_sample(args: argparse.Namespace) -> list[str]:
-    """The sample on one GPU, then tensor parallel over two where two GPUs and torchrun exist."""
-    steps = "100" if args.quick else "1000"
-    flags = ["--steps", steps, "--no-progress"]
-    failed = []
-    if _sample_run(args.out, "decode_loop", "Decode-loop sample", ["python"], flags):
-        failed.append("decode_loop")
+def _run_sample(args: argparse.Namespace, extra: list[str]) -> list[str]:
+    """The sample on one GPU (benchmarks/decode_loop.py: its default length and longer, beside
+    its ceiling), then tensor parallel over two where two GPUs and torchrun exist."""
+    failed = ["decode_loop"] if _run_benchmark("decode_loop", extra) else []
     torchrun = shutil.which("torchrun")
     if torch.cuda.device_count() >= 2 and torchrun:
+        flags = ["--steps", "100" if args.quick else "1000", "--no-progress"]
         launcher = ["torchrun", "--nproc-per-node", "2"]
         title = "Decode-loop sample, tensor parallel over 2 GPUs"
         if _sample_run(args.out, "decode_loop_tp2", title, launcher, ["--tp", "2", *flags]):

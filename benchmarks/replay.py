@@ -206,7 +206,7 @@ class _NodeRecorder:
 
     def __init__(self, backend) -> None:
         self.records, self.nodes, self.backend = [], [], backend
-        self.launch_sink = (self.records, self.nodes, backend.capture_tail)
+        self.launch_sink = (self.records, self.nodes, backend.capture_tail_function())
 
     def launch(self, record) -> None:
         self.records.append(record)
@@ -233,8 +233,13 @@ def exact_floor(step, x, pool) -> tuple[float, float]:
             out = step(x)
         graph.capture_end()
         own = torch.empty_like(out)  # outside the pool: the output's own memory
-        with backend.capture_into(graph.raw_cuda_graph(), stream.cuda_stream):
-            own.copy_(out)
+        try:  # as a recording adds it: a copy node, or a capture into the graph
+            backend.append_copies(
+                graph.raw_cuda_graph(), [(own.data_ptr(), out.data_ptr(), own.nbytes)], own.device.index
+            )
+        except NotImplementedError:
+            with backend.capture_into(graph.raw_cuda_graph(), stream.cuda_stream):
+                own.copy_(out)
         graph.instantiate()
     graph.replay()
     torch.cuda.synchronize()

@@ -19,10 +19,13 @@
  *
  * The capture query is not on a hot path but on every launch of a recording (replay maps each
  * launch to its graph node by it): through cuda-bindings most of its cost is building the
- * binding's node objects. The node reads (the graph's nodes, each node's type, a kernel node's
- * parameters; `read_params` then copies the parameter values) are made once per recording,
- * for every node, where the binding builds objects again. The kernel node's parameter struct
- * is CUDA's (see kernel_node_params_head): that kind is bound by the CUDA backend only.
+ * binding's node objects, and CaptureTail answers it whole in C, where a packed launch's record
+ * asks it without a Python call. The node reads (the graph's nodes, each node's type, a kernel
+ * node's parameters and their values) are made once per recording, for every node, where the
+ * binding builds objects again: NodeReads makes them all in one call. The kernel node's
+ * parameter struct is CUDA's (see kernel_node_params_head), as is the copy node's
+ * (graph_add_memcpy, which takes the struct the binding made): those kinds are bound by the
+ * CUDA backend only.
  *
  * Misuse from Python raises (TypeError, ValueError, OverflowError; PackedLaunch's values
  * struct.error, as struct's pack), never crashes: sequences are read from a copy taken at the
@@ -50,6 +53,8 @@ typedef int (*capture_info_fn)(void *stream, int *capture_status, unsigned long 
 typedef int (*graph_get_nodes_fn)(void *graph, void **nodes, size_t *count);
 typedef int (*node_get_type_fn)(void *node, int *type);
 typedef int (*kernel_node_get_params_fn)(void *node, void *node_params);
+typedef int (*graph_add_memcpy_fn)(void **node, void *graph, void *const *dependencies, size_t dependency_count,
+                                   const void *copy_params, void *context);
 
 /* The head of CUDA_KERNEL_NODE_PARAMS(_v2) (cuda.h), field for field: what replay reads of a
    kernel node. The driver writes the whole struct (_v2 adds extra, kern and ctx after these),
@@ -309,26 +314,12 @@ static PyObject *kernel_node_get_params(PyObject *self, PyObject *const *args, P
                          (unsigned long long)(uintptr_t)params.head.kernel_params);
 }
 
-/* read_params(address, sizes) -> (bytes, ...): the values a kernel-parameter array (one
-   pointer per parameter, as a kernel node holds it at `address`) points to, sizes[i] bytes
-   each; empty bytes for every parameter where `address` is 0. Replay reads every kernel
-   node's parameters once per recording: this is one call where ctypes made two per parameter. */
-static PyObject *read_params(PyObject *module, PyObject *const *args, Py_ssize_t count) {
-    void *address;
-    PyObject *sizes, *values;
-    Py_ssize_t n;
-    if (check_count(count, 2) < 0 || as_pointer(args[0], &address, "params address") < 0)
-        return NULL;
-    if (!PySequence_Check(args[1])) {
-        PyErr_Format(PyExc_TypeError, "read_params: sizes must be a sequence of ints, got %.200s",
-                     Py_TYPE(args[1])->tp_name);
-        return NULL;
-    }
-    sizes = PySequence_Tuple(args[1]); /* a copy: a size's __index__ may change a list */
-    if (sizes == NULL)
-        return NULL;
-    n = PyTuple_GET_SIZE(sizes);
-    values = PyTuple_New(n);
+/* The values a kernel-parameter array (one pointer per parameter, as a kernel node holds it at
+   `address`) points to, sizes[i] bytes each (`sizes` a tuple the caller owns); empty bytes for
+   every parameter where `address` is NULL. A new tuple, or NULL with the error set. */
+static PyObject *param_values(void *address, PyObject *sizes) {
+    Py_ssize_t n = PyTuple_GET_SIZE(sizes);
+    PyObject *values = PyTuple_New(n);
     for (Py_ssize_t i = 0; values != NULL && i < n; i++) {
         Py_ssize_t size = PyNumber_AsSsize_t(PyTuple_GET_ITEM(sizes, i), PyExc_OverflowError);
         const char *value = address == NULL ? NULL : ((const char *const *)address)[i];
@@ -348,8 +339,71 @@ static PyObject *read_params(PyObject *module, PyObject *const *args, Py_ssize_t
         else
             PyTuple_SET_ITEM(values, i, item);
     }
+    return values;
+}
+
+/* read_params(address, sizes) -> (bytes, ...): param_values of a kernel node's parameter
+   array. Replay reads every kernel node's parameters once per recording: this is one call
+   where ctypes made two per parameter. */
+static PyObject *read_params(PyObject *module, PyObject *const *args, Py_ssize_t count) {
+    void *address;
+    PyObject *sizes, *values;
+    if (check_count(count, 2) < 0 || as_pointer(args[0], &address, "params address") < 0)
+        return NULL;
+    if (!PySequence_Check(args[1])) {
+        PyErr_Format(PyExc_TypeError, "read_params: sizes must be a sequence of ints, got %.200s",
+                     Py_TYPE(args[1])->tp_name);
+        return NULL;
+    }
+    sizes = PySequence_Tuple(args[1]); /* a copy: a size's __index__ may change a list */
+    if (sizes == NULL)
+        return NULL;
+    values = param_values(address, sizes);
     Py_DECREF(sizes);
     return values;
+}
+
+/* graph_add_memcpy(graph, dependencies, copy params, context) -> (status, the new node's handle):
+   a copy node added to a graph that is not instantiated yet, after every node in `dependencies`
+   (a sequence of node handles, read from a copy taken at the call); `copy params` is the address
+   of the driver's copy-parameters struct (CUDA_MEMCPY3D, which the caller made and keeps alive).
+   The handle is 0 unless the status is 0. */
+static PyObject *graph_add_memcpy(PyObject *self, PyObject *const *args, Py_ssize_t count) {
+    void *graph, *params, *context, *node = NULL, **dependencies = NULL;
+    graph_add_memcpy_fn call = (graph_add_memcpy_fn)target_of(self);
+    if (check_count(count, 4) < 0 || as_pointer(args[0], &graph, "graph") < 0 ||
+        as_pointer(args[2], &params, "copy params") < 0 || as_pointer(args[3], &context, "context") < 0)
+        return NULL;
+    if (params == NULL) {
+        PyErr_SetString(PyExc_ValueError, "copy params: expected the address of a copy-parameters struct, got 0");
+        return NULL;
+    }
+    if (!PyList_Check(args[1]) && !PyTuple_Check(args[1])) {
+        PyErr_Format(PyExc_TypeError, "dependencies: expected a list or tuple of node handles, got %.200s",
+                     Py_TYPE(args[1])->tp_name);
+        return NULL;
+    }
+    PyObject *handles = PySequence_Tuple(args[1]); /* a copy: a handle's __int__ may change a list */
+    if (handles == NULL)
+        return NULL;
+    Py_ssize_t n = PyTuple_GET_SIZE(handles);
+    if (n > 0 && (dependencies = PyMem_Malloc(sizeof(void *) * (size_t)n)) == NULL) {
+        Py_DECREF(handles);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (as_pointer(PyTuple_GET_ITEM(handles, i), &dependencies[i], "dependency") < 0) {
+            PyMem_Free(dependencies);
+            Py_DECREF(handles);
+            return NULL;
+        }
+    Py_DECREF(handles);
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    status = call(&node, graph, dependencies, (size_t)n, params, context);
+    Py_END_ALLOW_THREADS
+    PyMem_Free(dependencies);
+    return Py_BuildValue("(iK)", status, status == 0 ? (unsigned long long)(uintptr_t)node : 0ULL);
 }
 
 /* The kinds bind() knows: each a prototype above, by its name. */
@@ -364,6 +418,7 @@ static const struct {
     {"graph_get_nodes", (PyCFunction)(void (*)(void))graph_get_nodes},
     {"node_get_type", (PyCFunction)(void (*)(void))node_get_type},
     {"kernel_node_get_params", (PyCFunction)(void (*)(void))kernel_node_get_params},
+    {"graph_add_memcpy", (PyCFunction)(void (*)(void))graph_add_memcpy},
 };
 
 /* bind(kind, name, address): a builtin function named `name` calling the vendor function at
@@ -404,7 +459,7 @@ static PyObject *bind(PyObject *module, PyObject *const *args, Py_ssize_t count)
     if (implementation == NULL) {
         PyErr_Format(PyExc_ValueError,
                      "bind: kind must be kernel_launch, graph_launch, kernel_node_set, capture_info, graph_get_nodes, "
-                     "node_get_type or kernel_node_get_params, got %s",
+                     "node_get_type, kernel_node_get_params or graph_add_memcpy, got %s",
                      kind);
         return NULL;
     }
@@ -788,6 +843,276 @@ static PyObject *packed_reporting(PyObject *self, PyObject *const *args, Py_ssiz
     return packed_run((PackedLaunch *)self, args, count, 1, NULL);
 }
 
+/* --- the capture query and the node reads as objects ----------------------------------------
+ *
+ * CaptureTail: the capture query (cuStreamGetCaptureInfo_v2) with the backend's answer made
+ * in C: tail(stream) -> the node handles the stream's next node would depend on, while it
+ * captures (status 0 and the capture status `active`), else None. A recording asks it after
+ * every launch; PackedLaunch.recorded calls it directly where a sink's tail is one, so no
+ * Python runs for the query.
+ *
+ * NodeReads: a graph's nodes, their types and kernel nodes' parameters read in one call, the
+ * driver calls made with the GIL released once for all of them (see node_reads_call). */
+
+typedef struct {
+    PyObject_HEAD
+    capture_info_fn call;
+    int active;
+    vectorcallfunc vectorcall;
+} CaptureTail;
+
+/* 1 with the dependencies where the stream captures, 0 where it does not (or the query failed). */
+static int tail_query(CaptureTail *self, void *stream, void *const **dependencies, size_t *count) {
+    void *graph = NULL;
+    unsigned long long capture_id = 0;
+    int status, capture_status = 0;
+    capture_info_fn call = self->call;
+    *dependencies = NULL;
+    *count = 0;
+    Py_BEGIN_ALLOW_THREADS
+    status = call(stream, &capture_status, &capture_id, &graph, dependencies, count);
+    Py_END_ALLOW_THREADS
+    if (status != 0 || capture_status != self->active)
+        return 0;
+    if (*dependencies == NULL)
+        *count = 0;
+    return 1;
+}
+
+static PyObject *capture_tail_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    void *stream;
+    void *const *dependencies;
+    size_t count;
+    if ((kwnames != NULL && PyTuple_GET_SIZE(kwnames)) || check_count(PyVectorcall_NARGS(nargsf), 1) < 0) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_TypeError, "a capture tail takes the stream, positionally");
+        return NULL;
+    }
+    if (as_pointer(args[0], &stream, "stream") < 0)
+        return NULL;
+    if (!tail_query((CaptureTail *)callable, stream, &dependencies, &count))
+        Py_RETURN_NONE;
+    if (count > (size_t)PY_SSIZE_T_MAX) {
+        PyErr_SetString(PyExc_OverflowError, "capture tail: more dependencies than a tuple holds");
+        return NULL;
+    }
+    PyObject *nodes = PyTuple_New((Py_ssize_t)count);
+    for (size_t i = 0; nodes != NULL && i < count; i++) {
+        PyObject *node = PyLong_FromVoidPtr(dependencies[i]);
+        if (node == NULL)
+            Py_CLEAR(nodes);
+        else
+            PyTuple_SET_ITEM(nodes, (Py_ssize_t)i, node);
+    }
+    return nodes;
+}
+
+/* CaptureTail(address, active): address is the driver's capture query, active the capture
+   status that means "capturing". */
+static PyObject *capture_tail_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    PyObject *address_obj;
+    int active;
+    void *address;
+    if (kwargs != NULL && PyDict_GET_SIZE(kwargs)) {
+        PyErr_SetString(PyExc_TypeError, "CaptureTail takes positional arguments only");
+        return NULL;
+    }
+    if (!PyArg_ParseTuple(args, "Oi", &address_obj, &active) || as_pointer(address_obj, &address, "address") < 0)
+        return NULL;
+    if (address == NULL) {
+        PyErr_SetString(PyExc_ValueError, "CaptureTail: address must not be 0");
+        return NULL;
+    }
+    CaptureTail *self = (CaptureTail *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    self->call = (capture_info_fn)address;
+    self->active = active;
+    self->vectorcall = capture_tail_vectorcall;
+    return (PyObject *)self;
+}
+
+static PyTypeObject CaptureTailType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "jitcore.backends._native.CaptureTail",
+    .tp_basicsize = sizeof(CaptureTail),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_vectorcall_offset = offsetof(CaptureTail, vectorcall),
+    .tp_doc = "CaptureTail(address, active): tail(stream) -> the node handles a capturing stream's next node "
+              "depends on, else None (see csrc/jitcore_native.c)",
+    .tp_new = capture_tail_new,
+    .tp_call = PyVectorcall_Call,
+};
+
+/* What one node read gave: its type, and a kernel node's parameter head. */
+typedef struct {
+    void *handle;
+    int type;
+    kernel_node_params_head head;
+} node_fields;
+
+typedef struct {
+    PyObject_HEAD
+    graph_get_nodes_fn get_nodes;
+    node_get_type_fn get_type;
+    kernel_node_get_params_fn get_params;
+    int kernel;
+} NodeReads;
+
+/* Every node of the graph read into `fields` (the caller frees it with PyMem_RawFree): the status
+   of the first read that failed (and `which`: 0 the nodes, 1 a type, 2 a kernel node's
+   parameters), else 0 (`which` -1: out of memory). Runs without the GIL. */
+static int read_nodes(NodeReads *self, void *graph, node_fields **fields, size_t *count, int *which) {
+    size_t n = 0, filled;
+    void **nodes = NULL;
+    *fields = NULL, *count = 0, *which = 0;
+    int status = self->get_nodes(graph, NULL, &n);
+    if (status != 0 || n == 0)
+        return status;
+    if (n <= (size_t)PY_SSIZE_T_MAX / sizeof(node_fields)) {
+        nodes = PyMem_RawMalloc(n * sizeof(void *));
+        *fields = PyMem_RawCalloc(n, sizeof(node_fields));
+    }
+    if (nodes == NULL || *fields == NULL) {
+        PyMem_RawFree(nodes);
+        PyMem_RawFree(*fields);
+        *fields = NULL, *which = -1;
+        return 0;
+    }
+    filled = n;
+    status = self->get_nodes(graph, nodes, &filled);
+    if (filled > n) /* the graph grew in between: the handles asked for room for */
+        filled = n;
+    for (size_t i = 0; status == 0 && i < filled; i++) {
+        node_fields *f = &(*fields)[i];
+        f->handle = nodes[i];
+        *which = 1;
+        status = self->get_type(nodes[i], &f->type);
+        if (status == 0 && f->type == self->kernel) {
+            union {
+                kernel_node_params_head head;
+                unsigned char room[512];
+            } params;
+            memset(&params, 0, sizeof params);
+            *which = 2;
+            status = self->get_params(nodes[i], &params);
+            f->head = params.head;
+        }
+    }
+    PyMem_RawFree(nodes);
+    if (status == 0)
+        *which = 0, *count = filled;
+    return status;
+}
+
+/* One node's row (see node_reads_call): a new tuple, or NULL with the error set. */
+static PyObject *node_row(const node_fields *f, int kernel, PyObject *sizes) {
+    PyObject *params = Py_NewRef(Py_None);
+    if (f->type == kernel && sizes != Py_None) {
+        PyObject *function = PyLong_FromVoidPtr(f->head.function);
+        PyObject *found = function == NULL ? NULL : PyDict_GetItemWithError(sizes, function);
+        Py_XDECREF(function);
+        if (found == NULL && PyErr_Occurred())
+            goto failed;
+        if (found != NULL) {
+            if (!PyTuple_Check(found)) {
+                PyErr_SetString(PyExc_TypeError, "node reads: sizes must map each function to a tuple of ints");
+                goto failed;
+            }
+            Py_SETREF(params, param_values((void *)f->head.kernel_params, found));
+            if (params == NULL)
+                return NULL;
+        }
+    }
+    return Py_BuildValue("(NiKIIIIIIIKN)", PyLong_FromVoidPtr(f->handle), f->type,
+                         (unsigned long long)(uintptr_t)f->head.function, f->head.grid_x, f->head.grid_y,
+                         f->head.grid_z, f->head.block_x, f->head.block_y, f->head.block_z, f->head.shared_bytes,
+                         (unsigned long long)(uintptr_t)f->head.kernel_params, params);
+failed:
+    Py_DECREF(params);
+    return NULL;
+}
+
+/* reads(graph, sizes) -> (status, which read failed (0 the nodes, 1 a type, 2 a kernel node's
+   parameters), rows): every node in the driver's order, each row (handle, type, function,
+   grid x, y, z, block x, y, z, shared bytes, parameter array address, parameters): a kernel
+   node's fields (zeros for other nodes), its parameters the bytes read_params gives for the
+   sizes `sizes` (a dict {function: tuple of sizes}, or None) holds for its function, else
+   None. () unless the status is 0. */
+static PyObject *node_reads_call(PyObject *callable, PyObject *args, PyObject *kwargs) {
+    NodeReads *self = (NodeReads *)callable;
+    PyObject *graph_obj, *sizes;
+    void *graph;
+    node_fields *fields;
+    size_t count;
+    int status, which;
+    if (kwargs != NULL && PyDict_GET_SIZE(kwargs)) {
+        PyErr_SetString(PyExc_TypeError, "node reads take positional arguments only");
+        return NULL;
+    }
+    if (!PyArg_ParseTuple(args, "OO", &graph_obj, &sizes) || as_pointer(graph_obj, &graph, "graph") < 0)
+        return NULL;
+    if (sizes != Py_None && !PyDict_Check(sizes)) {
+        PyErr_SetString(PyExc_TypeError, "node reads: sizes must be a dict or None");
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    status = read_nodes(self, graph, &fields, &count, &which);
+    Py_END_ALLOW_THREADS
+    if (which == -1)
+        return PyErr_NoMemory();
+    PyObject *rows = PyTuple_New(status == 0 ? (Py_ssize_t)count : 0);
+    for (size_t i = 0; rows != NULL && status == 0 && i < count; i++) {
+        PyObject *row = node_row(&fields[i], self->kernel, sizes);
+        if (row == NULL)
+            Py_CLEAR(rows);
+        else
+            PyTuple_SET_ITEM(rows, (Py_ssize_t)i, row);
+    }
+    PyMem_RawFree(fields);
+    return rows == NULL ? NULL : Py_BuildValue("(iiN)", status, which, rows);
+}
+
+/* NodeReads(get_nodes, get_type, get_params, kernel): the driver's cuGraphGetNodes,
+   cuGraphNodeGetType and cuGraphKernelNodeGetParams_v2 (their addresses), and the node type of
+   a kernel node. */
+static PyObject *node_reads_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    PyObject *addresses[3];
+    void *pointers[3];
+    int kernel;
+    if (kwargs != NULL && PyDict_GET_SIZE(kwargs)) {
+        PyErr_SetString(PyExc_TypeError, "NodeReads takes positional arguments only");
+        return NULL;
+    }
+    if (!PyArg_ParseTuple(args, "OOOi", &addresses[0], &addresses[1], &addresses[2], &kernel))
+        return NULL;
+    for (int i = 0; i < 3; i++) {
+        if (as_pointer(addresses[i], &pointers[i], "NodeReads: address") < 0)
+            return NULL;
+        if (pointers[i] == NULL) {
+            PyErr_SetString(PyExc_ValueError, "NodeReads: an address must not be 0");
+            return NULL;
+        }
+    }
+    NodeReads *self = (NodeReads *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    self->get_nodes = (graph_get_nodes_fn)pointers[0];
+    self->get_type = (node_get_type_fn)pointers[1];
+    self->get_params = (kernel_node_get_params_fn)pointers[2];
+    self->kernel = kernel;
+    return (PyObject *)self;
+}
+
+static PyTypeObject NodeReadsType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "jitcore.backends._native.NodeReads",
+    .tp_basicsize = sizeof(NodeReads),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "NodeReads(get_nodes, get_type, get_params, kernel): reads(graph, sizes) -> (status, which read failed, "
+              "rows): every node of a graph in one call (see csrc/jitcore_native.c)",
+    .tp_new = node_reads_new,
+    .tp_call = node_reads_call,
+};
+
 /* --- launch records made beside the launch ----------------------------------------------------
  *
  * A recording (replay's capture) hears of every launch a call state makes. Made in Python, each
@@ -851,6 +1176,16 @@ static PyObject *record_from(PyObject *template, PyObject *const call[RECORD_CAL
 
 /* The graph node a launch became, as the sink's tail says: its only item, else None. */
 static PyObject *tail_node(PyObject *tail, PyObject *stream) {
+    if (Py_TYPE(tail) == &CaptureTailType) { /* the query made here, no Python call */
+        void *raw;
+        void *const *dependencies;
+        size_t count;
+        if (as_pointer(stream, &raw, "stream") < 0)
+            return NULL;
+        if (tail_query((CaptureTail *)tail, raw, &dependencies, &count) && count == 1)
+            return PyLong_FromVoidPtr(dependencies[0]);
+        Py_RETURN_NONE;
+    }
     PyObject *nodes = PyObject_CallOneArg(tail, stream);
     if (nodes == NULL || nodes == Py_None)
         return nodes;
@@ -1072,6 +1407,18 @@ static int null_kernel_launch(void *function, unsigned grid_x, unsigned grid_y, 
     return 0;
 }
 
+/* A capture query that answers "not capturing": what the null backend puts behind a CaptureTail,
+   so that CPU benchmarks of a recording's launches ask the tail from C as the CUDA backend's do.
+   Exported as NULL_CAPTURE_INFO, its address. */
+static int null_capture_info(void *stream, int *capture_status, unsigned long long *capture_id, void **graph,
+                             void *const **dependencies, size_t *dependency_count) {
+    (void)stream, (void)capture_id, (void)graph;
+    *capture_status = 0;
+    *dependencies = NULL;
+    *dependency_count = 0;
+    return 0;
+}
+
 /* use_data_pointer_reader(capsule or None): the reader 'P' tries first (None: the method only). */
 static PyObject *use_data_pointer_reader(PyObject *module, PyObject *capsule) {
     data_pointer_reader_fn reader = NULL;
@@ -1130,17 +1477,19 @@ PyMODINIT_FUNC PyInit__native(void) {
     STRUCT_ERROR = PyObject_GetAttrString(struct_module, "error");
     Py_DECREF(struct_module);
     S_DATA_PTR = PyUnicode_InternFromString("data_ptr");
-    if (STRUCT_ERROR == NULL || S_DATA_PTR == NULL || PyType_Ready(&PackedLaunchType) < 0) {
+    if (STRUCT_ERROR == NULL || S_DATA_PTR == NULL || PyType_Ready(&PackedLaunchType) < 0 ||
+        PyType_Ready(&CaptureTailType) < 0 || PyType_Ready(&NodeReadsType) < 0) {
         Py_DECREF(module);
         return NULL;
     }
-    if (PyModule_AddObject(module, "NULL_LAUNCH", PyLong_FromVoidPtr((void *)(uintptr_t)null_kernel_launch)) < 0) {
+    if (PyModule_AddObject(module, "NULL_LAUNCH", PyLong_FromVoidPtr((void *)(uintptr_t)null_kernel_launch)) < 0 ||
+        PyModule_AddObject(module, "NULL_CAPTURE_INFO", PyLong_FromVoidPtr((void *)(uintptr_t)null_capture_info)) < 0) {
         Py_DECREF(module);
         return NULL;
     }
-    Py_INCREF(&PackedLaunchType);
-    if (PyModule_AddObject(module, "PackedLaunch", (PyObject *)&PackedLaunchType) < 0) {
-        Py_DECREF(&PackedLaunchType);
+    if (PyModule_AddObjectRef(module, "PackedLaunch", (PyObject *)&PackedLaunchType) < 0 ||
+        PyModule_AddObjectRef(module, "CaptureTail", (PyObject *)&CaptureTailType) < 0 ||
+        PyModule_AddObjectRef(module, "NodeReads", (PyObject *)&NodeReadsType) < 0) {
         Py_DECREF(module);
         return NULL;
     }

@@ -25,12 +25,12 @@
 #include <structmember.h>
 
 /* The live fields of a program: read at their slots on each use. */
-enum { LIVE_DECIDE, LIVE_TOOK, LIVE_FULL_PATH, LIVE_REGION_DRIFT, LIVE_COUNT };
-static const char *live_names[LIVE_COUNT] = {"decide", "took", "full_path", "region_drift"};
+enum { LIVE_DECIDE, LIVE_TOOK, LIVE_REPLAYED, LIVE_FULL_PATH, LIVE_REGION_DRIFT, LIVE_COUNT };
+static const char *live_names[LIVE_COUNT] = {"decide", "took", "replayed", "full_path", "region_drift"};
 
 /* The ints the gate reads and bumps in the program's objects: (field, its attribute, written). */
 enum { AT_CALLS, AT_WINDOW, AT_COUNTS, AT_RECORD_AFTER, AT_VERSION, AT_TOO_RARE, AT_EAGER_RUNS,
-       AT_FORGOTTEN_RUNS, AT_QUIET_BELOW, AT_QUIET_VERSION, AT_COUNT };
+       AT_FORGOTTEN_RUNS, AT_QUIET_BELOW, AT_QUIET_VERSION, AT_REPLAY_RUNS, AT_COUNT };
 static const struct {
     const char *field, *name;
     int written;
@@ -38,7 +38,7 @@ static const struct {
     {"sketch", "calls", 1},      {"sketch", "window", 0},     {"sketch", "counts", 0},
     {"admission", "record_after", 0}, {"budget", "version", 0},  {"counters", "too_rare", 1},
     {"counters", "eager_runs", 1}, {"forgotten", "eager_runs", 1}, {"quiet", "below", 0},
-    {"quiet", "version", 0},
+    {"quiet", "version", 0},     {"replay_times", "runs", 1},
 };
 
 typedef struct {
@@ -49,6 +49,7 @@ typedef struct {
         *padded_type, *buckets, *specs, *flat, *tensor_type, *dynamic_type, *dynamic_mark, *plain, *miss, *eagerly,
         *declined;
     long long largest, mask, settled, settled_mask;
+    int time_replays; /* whether hits' replays are counted and timed here */
     Py_ssize_t live[LIVE_COUNT]; /* the live fields' slots in the program */
     Py_ssize_t at[AT_COUNT];     /* the ints' slots in their owners, or -1: read as attributes */
     vectorcallfunc vectorcall;
@@ -202,6 +203,11 @@ static int read_fixed(Gate *g, PyObject *program) {
     if (read_number(program, "largest", &g->largest) < 0 || read_number(program, "mask", &g->mask) < 0 ||
         read_number(program, "settled", &g->settled) < 0 || read_number(program, "settled_mask", &g->settled_mask) < 0)
         return -1;
+    PyObject *time_replays = field_of(program, "time_replays", &PyBool_Type);
+    if (time_replays == NULL)
+        return -1;
+    g->time_replays = time_replays == Py_True;
+    Py_DECREF(time_replays);
     PyObject *exclusion = field_of(program, "exclusion", NULL);
     if (exclusion == NULL)
         return -1;
@@ -397,13 +403,37 @@ static PyObject *left_exclusion(Gate *g, PyObject *result) {
     return result;
 }
 
-/* The region's function run eagerly under the exclusion, counted, some timed (one in mask + 1,
-   from the settled-th run on one in settled_mask + 1: FlatDispatch.run_eagerly). */
+/* Whether the runs-th eager run (or replay) is timed: one in mask + 1, from the settled-th on one
+   in settled_mask + 1. */
+static int is_timed(Gate *g, long long runs) {
+    return (runs & (runs < g->settled ? g->mask : g->settled_mask)) == 0;
+}
+
+/* ``result`` of a call timed from ``started`` on, reported to the live field ``which`` (took,
+   replayed); NULL (``result`` released) where the clock or the report raised. */
+static PyObject *reported(Gate *g, PyObject *result, double started, int which) {
+    int failed = 0;
+    double now = clock_now(g, &failed);
+    PyObject *seconds = failed ? NULL : PyFloat_FromDouble(now - started);
+    PyObject *report = seconds == NULL ? NULL : live(g, which);
+    PyObject *done = report == NULL ? NULL : PyObject_CallOneArg(report, seconds);
+    Py_XDECREF(seconds);
+    Py_XDECREF(report);
+    if (done == NULL) {
+        Py_DECREF(result);
+        return NULL;
+    }
+    Py_DECREF(done);
+    return result;
+}
+
+/* The region's function run eagerly under the exclusion, counted, some timed (is_timed:
+   FlatDispatch.run_eagerly). */
 static PyObject *run_eagerly(Gate *g, PyObject *args) {
     long long runs;
     if (bump_at(g, AT_EAGER_RUNS, NULL) < 0 || bump_at(g, AT_FORGOTTEN_RUNS, &runs) < 0)
         return NULL;
-    int timed = (runs & (runs < g->settled ? g->mask : g->settled_mask)) == 0, failed = 0;
+    int timed = is_timed(g, runs), failed = 0;
     PyObject *entered = PyObject_CallNoArgs(g->enter);
     if (entered == NULL)
         return NULL;
@@ -412,18 +442,25 @@ static PyObject *run_eagerly(Gate *g, PyObject *args) {
     PyObject *result = left_exclusion(g, failed ? NULL : PyObject_Call(g->fn, args, NULL));
     if (result == NULL || !timed)
         return result;
-    double now = clock_now(g, &failed);
-    PyObject *seconds = failed ? NULL : PyFloat_FromDouble(now - started);
-    PyObject *took = seconds == NULL ? NULL : live(g, LIVE_TOOK);
-    PyObject *done = took == NULL ? NULL : PyObject_CallOneArg(took, seconds);
-    Py_XDECREF(seconds);
-    Py_XDECREF(took);
-    if (done == NULL) {
-        Py_DECREF(result);
+    return reported(g, result, started, LIVE_TOOK);
+}
+
+/* A hit's replay (``run``, a candidate's): counted where the gate times replays, and then one
+   timed as eager runs are (is_timed; FlatDispatch.known_pre_key), unless it declines. */
+static PyObject *replay_hit(Gate *g, PyObject *run, PyObject *const *argv, Py_ssize_t count) {
+    long long runs = 0;
+    if (g->time_replays && bump_at(g, AT_REPLAY_RUNS, &runs) < 0)
         return NULL;
-    }
-    Py_DECREF(done);
-    return result;
+    if (!g->time_replays || !is_timed(g, runs))
+        return PyObject_Vectorcall(run, argv, count, NULL);
+    int failed = 0;
+    double started = clock_now(g, &failed);
+    if (failed)
+        return NULL;
+    PyObject *result = PyObject_Vectorcall(run, argv, count, NULL);
+    if (result == NULL || result == g->declined)
+        return result;
+    return reported(g, result, started, LIVE_REPLAYED);
 }
 
 /* The whole admission rule (program.decide), for a count the quiet bound does not settle. */
@@ -550,7 +587,7 @@ static PyObject *serve_candidates(Gate *g, PyObject *args, PyObject *candidates)
         Py_XDECREF(drift);
         PyObject *touched = checked == NULL ? NULL : PyObject_CallOneArg(g->touch, PyTuple_GET_ITEM(item, 2));
         Py_XDECREF(checked);
-        PyObject *result = touched == NULL ? NULL : PyObject_Vectorcall(PyTuple_GET_ITEM(item, 1), argv, count, NULL);
+        PyObject *result = touched == NULL ? NULL : replay_hit(g, PyTuple_GET_ITEM(item, 1), argv, count);
         Py_XDECREF(touched);
         Py_DECREF(item);
         if (result != g->declined)

@@ -23,8 +23,8 @@ what an eager call of its region costs less what a replay of it costs.
 - **Recordings that pay back** (ski rental): a key is recorded once its expected calls times
   what each saves (the region's eager time less its replay time) reach what a recording
   usually costs here. The eager time is the region's estimate (replay.dispatch.EagerCost);
-  the replay time is measured on the region's replays (ReplayTimes: the analysis call of each
-  of its keys replays once, timed; ``REPLAY_SECONDS_GUESS`` until one did); a recording costs
+  the replay time is sampled on the region's steady replays (ReplayTimes; a key's first
+  replay, cold, is never taken; ``REPLAY_SECONDS_GUESS`` until one was); a recording costs
   the median of the recent captures plus the median of the recent analyses. A key's expected
   calls are its recent count as its peers judge it (below) times ``PAYBACK_HORIZON``, or,
   before the first halving, its calls after the first, over the calls counted so far, times
@@ -161,9 +161,6 @@ RECAPTURE_ALLOWANCE = 16
 
 #: quiet_below's answer when no count pays back (an eager call no dearer than a replay).
 QUIET_FOREVER = 2**62
-
-#: Replay times a region keeps for its median (ReplayTimes).
-RECENT_REPLAYS = 16
 
 Resident = TypeVar("Resident")
 
@@ -393,24 +390,28 @@ def replay_or_guess(seconds: float | None) -> float:
 
 @attrs.define
 class ReplayTimes:
-    """What a replay of one region's graphs takes on the host: the median of its recent timed
-    replays (``seconds``; None before any, where the rule takes ``REPLAY_SECONDS_GUESS``).
+    """What a steady replay of one region's graphs takes on the host (``seconds``; None until one
+    was timed, where the rule takes ``REPLAY_SECONDS_GUESS``), and the region's replays counted
+    (``runs``: which of them are timed).
 
-    Which replays are timed: the one on each key's analysis call (replay.orchestration). A
-    region's steady replays run in C, untimed; the rule needs a replay's cost only to the
-    precision of what a replay saves, and a key's first replay, if anything, costs more than
-    its later ones (the rule errs toward not recording)."""
+    Which replays are timed: one in eight of the region's replays, later one in 64, as for its
+    eager calls (replay.dispatch: the flat dispatch in C and in Python, and the full path's
+    replays), never a graph's first. Why not its first: a freshly built replay's first launch
+    (on the key's analysis call) pays one-time costs, and for a region of short calls it cost
+    more than an eager call: taken as a replay's cost, no replay saved anything, and nothing
+    past the session's first recordings was ever recorded. A drop is taken at once, a rise an
+    eighth at a time (as replay.dispatch.EagerCost takes eager calls): a replay that waited for
+    the GPU does not make every replay look slow.
 
-    recent: list[float] = attrs.Factory(list)
+    Slotted (attrs): the C gate bumps ``runs`` at its slot on every replay it serves."""
+
+    runs: int = 0
     seconds: float | None = None
 
-    def took(self, seconds: float) -> bool:
-        """A timed replay; whether the median changed."""
-        self.recent = [*self.recent[-(RECENT_REPLAYS - 1) :], max(seconds, 0.0)]
-        median = lower_median(self.recent)
-        changed = median != self.seconds
-        self.seconds = median
-        return changed
+    def took(self, seconds: float) -> None:
+        """A timed steady replay."""
+        usual, seconds = self.seconds, max(seconds, 0.0)
+        self.seconds = seconds if usual is None or seconds < usual else usual + (seconds - usual) / 8
 
     def saving(self, eager_seconds: float) -> float:
         """What one replay saves over an eager call of ``eager_seconds`` (never below 0)."""
@@ -589,11 +590,12 @@ class Admission(Generic[Resident]):
         """The least recent count at which a call of a key without a graph may do anything
         but run eagerly, warming or too rare to pay back: ``record_after + 1``, or the count
         :meth:`pays_back` first accepts if that is more. Valid while ``budget.version`` (bumped
-        by the sketch's halvings too) and ``record_after`` stay and ``eager_seconds`` and
-        ``replay_seconds`` are the region's estimates (as calls are counted, the early bet only
-        falls: no count below the bound pays back later either); a region's eager path uses it
-        to skip the decision for the calls of a loop that runs mostly eagerly (a uniform mix of
-        hundreds of shapes: every call of a key too rare to record asked the whole rule again)."""
+        by the sketch's halvings too) and ``record_after`` stay and the region's estimates save
+        no more per replay than ``eager_seconds`` less ``replay_seconds`` (as calls are counted,
+        the early bet only falls: no count below the bound pays back later either); a region's
+        eager path uses it to skip the decision for the calls of a loop that runs mostly eagerly
+        (a uniform mix of hundreds of shapes: every call of a key too rare to record asked the
+        whole rule again)."""
         least = self.record_after + 1
         if self.pays_back(least, eager_seconds, replay_seconds):
             return least

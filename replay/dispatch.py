@@ -26,7 +26,7 @@ import torch
 
 from jitcore.for_replay import ArgumentCheck, compiled_helpers_enabled, current_device_reader, make_guard
 from replay import buckets, recording, region_keys
-from replay.admission import ReplayTimes
+from replay.admission import ReplayTimes, replay_or_guess
 from replay.dynamic import Dynamic
 from replay.graph import MISMATCH, compile_function
 from replay.keying import DYNAMIC_MARK, PLAIN_CONSTANTS
@@ -38,22 +38,24 @@ except ImportError:
 
 log = logging.getLogger("replay")
 
-#: The flat eager path times one call in ``EAGER_TIMING_MASK + 1`` (admission's payback rule
-#: needs what an eager call usually costs, not every call's time), and from the region's
-#: ``EAGER_TIMING_SETTLED``-th eager run on one in ``EAGER_TIMING_MASK_SETTLED + 1``: by then
-#: the estimate has had 32 samples, and each timed call costs the loop a call into Python.
-EAGER_TIMING_MASK = 7
-EAGER_TIMING_SETTLED = 256
-EAGER_TIMING_MASK_SETTLED = 63
+#: The flat eager path times one call in ``TIMING_MASK + 1`` (admission's payback rule needs
+#: what an eager call usually costs, not every call's time), and from the region's
+#: ``TIMING_SETTLED``-th eager run on one in ``TIMING_MASK_SETTLED + 1``: by then the estimate
+#: has had 32 samples, and each timed call costs the loop a call into Python. The region's
+#: replays are timed on the same schedule, counted apart (ReplayTimes.runs).
+TIMING_MASK = 7
+TIMING_SETTLED = 256
+TIMING_MASK_SETTLED = 63
 
 #: The quiet bound (EagerCost.refresh) is computed for an eager cost this many times the
-#: region's estimate, and asked again only when the estimate leaves the band around the
-#: estimate it was computed for (that divided by this, to that times this). Why: the estimate
-#: moves at nearly every timed call, and asking the payback rule again each time is a chain of
-#: Python calls inside the eager path. Why it stays exact: what pays back only grows with the
-#: eager cost (a longer eager call saves more per replay), so no count below a bound computed
-#: for a higher cost pays back at a lower one; the counts between it and the exact bound ask
-#: the whole rule, as every count above does.
+#: region's estimate and a replay cost this many times less than its estimate, and asked again
+#: only when an estimate leaves the band around the one it was computed for (that divided by
+#: this, to that times this). Why: the estimates move at nearly every timed call, and asking
+#: the payback rule again each time is a chain of Python calls inside the eager path. Why it
+#: stays exact: what pays back only grows with what a replay saves (a longer eager call, a
+#: shorter replay), so no count below a bound computed for a larger saving pays back at a
+#: smaller one; the counts between it and the exact bound ask the whole rule, as every count
+#: above does.
 QUIET_HEADROOM = 1.125
 
 #: ``with`` it around an eager run: it may load kernels, so not while another thread captures
@@ -103,30 +105,33 @@ def globals_check(snapshot, name: str) -> Callable[[], None] | None:
 class QuietBound:
     """Below which recent count (``below``) a call of a region's keys without an entry only
     warms or is too rare, valid while the budget's version is ``version`` (-1: ask the rule)
-    and the region's eager estimate stays in the band around ``computed_for`` (EagerCost).
-    Slotted (attrs): the C gate reads it on every eager call."""
+    and the region's estimates stay in the bands around ``computed_for`` (its eager call) and
+    ``replay_for`` (its replay, or the guess) (EagerCost). Slotted (attrs): the C gate reads it
+    on every eager call."""
 
     below: int = 0
     version: int = -1
     computed_for: float = 0.0
+    replay_for: float = 0.0
 
 
 class EagerCost:
     """What an eager call of a region usually costs and what a replay of its graphs costs
     (their difference is what a replay saves: admission's payback rule), and the quiet bound
-    derived from them."""
+    derived from them. ``clock``: what its timings read (the region's)."""
 
-    def __init__(self, admission) -> None:
+    def __init__(self, admission, clock: Callable[[], float]) -> None:
         self.admission = admission
+        self.clock = clock
         self.seconds = 0.0  # the estimate, 0 until a second call was timed
         self.sample = 0.0  # the same, from the first timed call on
         self.replay = ReplayTimes()
         self.quiet = QuietBound()
 
     def replayed(self, seconds: float) -> None:
-        """A timed replay of one of the region's graphs (its key's analysis call)."""
-        if self.replay.took(seconds):
-            self.quiet.version = -1  # what pays back changed: the next call asks the rule
+        """A timed steady replay of one of the region's graphs (ReplayTimes)."""
+        self.replay.took(seconds)
+        self._moved()
 
     def saving(self) -> float:
         """What one replay saves over an eager call (admission's budget counts it per replay)."""
@@ -140,25 +145,52 @@ class EagerCost:
         usual = self.sample
         self.sample = seconds if seconds < usual or not usual else usual + (seconds - usual) / 8
         if usual:
-            estimate = self.seconds = self.sample
-            quiet = self.quiet
-            computed_for = quiet.computed_for
-            if not computed_for / QUIET_HEADROOM <= estimate <= computed_for * QUIET_HEADROOM:
-                self.refresh()  # out of the band: what pays back may have changed
-            elif quiet.below and log.isEnabledFor(logging.DEBUG):
-                self.refresh()  # debug logging turned on: every call says why
+            self.seconds = self.sample
+            self._moved()
+
+    def _moved(self) -> None:
+        """An estimate moved: the quiet bound is asked again where one left its band."""
+        quiet = self.quiet
+        replay = replay_or_guess(self.replay.seconds)
+        if not (
+            quiet.computed_for / QUIET_HEADROOM <= self.seconds <= quiet.computed_for * QUIET_HEADROOM
+            and quiet.replay_for / QUIET_HEADROOM <= replay <= quiet.replay_for * QUIET_HEADROOM
+        ):
+            self.refresh()  # out of a band: what pays back may have changed
+        elif quiet.below and log.isEnabledFor(logging.DEBUG):
+            self.refresh()  # debug logging turned on: every call says why
 
     def refresh(self) -> None:
         """Remember below which recent count a call of the region's keys only warms or is too
-        rare (admission.quiet_below), computed for ``QUIET_HEADROOM`` times the estimate, so
-        that the flat eager path skips the rule for those: same decisions, same counts. Asked
-        again when the budget changes (its version) or the estimate leaves the band; not used
-        where debug logging was on when it was last asked (the rule then says why each time)."""
+        rare (admission.quiet_below), computed for ``QUIET_HEADROOM`` times the eager estimate
+        and the replay's over it, so that the flat eager path skips the rule for those: same
+        decisions, same counts. Asked again when the budget changes (its version) or an
+        estimate leaves its band; not used where debug logging was on when it was last asked
+        (the rule then says why each time)."""
         quiet, admission = self.quiet, self.admission
         quiet.version = admission.budget.version
         quiet.computed_for = self.seconds
-        ceiling = self.seconds * QUIET_HEADROOM
-        quiet.below = 0 if log.isEnabledFor(logging.DEBUG) else admission.quiet_below(ceiling, self.replay.seconds)
+        quiet.replay_for = replay_or_guess(self.replay.seconds)
+        if log.isEnabledFor(logging.DEBUG):
+            quiet.below = 0
+        else:
+            quiet.below = admission.quiet_below(self.seconds * QUIET_HEADROOM, quiet.replay_for / QUIET_HEADROOM)
+
+    def replay_graph(self, graph, leaves: Sequence) -> object:
+        """``graph`` replayed on a call's leaves by the region's full path (the calls its flat
+        dispatch does not serve, every replay of a session that verifies replays, a variant's),
+        counted and timed as the dispatch times the replays it serves; a graph's first replay
+        never (cold: see ReplayTimes), a replay that declines neither."""
+        times = self.replay
+        times.runs = runs = times.runs + 1
+        if runs & (TIMING_MASK if runs < TIMING_SETTLED else TIMING_MASK_SETTLED) or not graph.replays:
+            return graph.replay(*leaves)
+        clock = self.clock
+        started = clock()
+        result = graph.replay(*leaves)
+        if result is not MISMATCH:
+            self.replayed(clock() - started)
+        return result
 
 
 _fixed = attrs.setters.frozen  # read once, when a dispatcher is made: setting one later raises
@@ -181,6 +213,7 @@ class DispatchProgram:
     counters: object = attrs.field(on_setattr=_fixed)  # the session's Stats: too_rare, eager_runs
     forgotten: object = attrs.field(on_setattr=_fixed)  # eager_runs of keys without an entry
     quiet: QuietBound = attrs.field(on_setattr=_fixed)
+    replay_times: ReplayTimes = attrs.field(on_setattr=_fixed)  # runs: the region's replays, counted
     fn: Callable = attrs.field(on_setattr=_fixed)  # the region's function
     exclusion: object = attrs.field(on_setattr=_fixed)  # the capture exclusion's shared side
     touch: Callable = attrs.field(on_setattr=_fixed)  # a replay's recency in the session's LRU
@@ -192,6 +225,7 @@ class DispatchProgram:
     # the rare paths, in Python (read on each use)
     decide: Callable  # (args, counted, spec, count) -> result or RUN_EAGERLY: the whole admission rule
     took: Callable[[float], None]  # a timed eager run (EagerCost.took)
+    replayed: Callable[[float], None]  # a timed replay (EagerCost.replayed)
     full_path: Callable  # (args, kwargs): the region's full path, for a call taken unpadded
     region_drift: Callable[[], None] | None = None  # the globals check of a hit (globals_check)
     # constants
@@ -204,9 +238,12 @@ class DispatchProgram:
     miss: object = attrs.field(default=MISS, on_setattr=_fixed)
     eagerly: object = attrs.field(default=RUN_EAGERLY, on_setattr=_fixed)  # decide's answer: run it eagerly
     declined: object = attrs.field(default=MISMATCH, on_setattr=_fixed)  # a replay that declines
-    mask: int = attrs.field(default=EAGER_TIMING_MASK, on_setattr=_fixed)
-    settled: int = attrs.field(default=EAGER_TIMING_SETTLED, on_setattr=_fixed)
-    settled_mask: int = attrs.field(default=EAGER_TIMING_MASK_SETTLED, on_setattr=_fixed)
+    # whether the replays of hits are counted and timed here (False: each times its own, as a
+    # session that verifies replays does: its hits replay through the region's full replay)
+    time_replays: bool = attrs.field(default=True, on_setattr=_fixed)
+    mask: int = attrs.field(default=TIMING_MASK, on_setattr=_fixed)
+    settled: int = attrs.field(default=TIMING_SETTLED, on_setattr=_fixed)
+    settled_mask: int = attrs.field(default=TIMING_MASK_SETTLED, on_setattr=_fixed)
 
 
 def make_dispatch(program: DispatchProgram) -> Callable:
@@ -290,10 +327,27 @@ class FlatDispatch:
                     if drift is not None:
                         drift()
                     self.touch(entry)
-                    result = run(*args)
+                    if self.time_replays:  # counted; one in mask + 1 timed, as eager runs are
+                        times = self.replay_times
+                        times.runs = runs = times.runs + 1
+                        if not runs & (self.mask if runs < self.settled else self.settled_mask):
+                            result = self.timed_replay(run, args)
+                        else:
+                            result = run(*args)
+                    else:
+                        result = run(*args)
                     if result is not self.declined:  # else another candidate may serve it
                         return result
         return self.unrecorded(args, pre) if plain else self.miss
+
+    def timed_replay(self, run: Callable, args: tuple) -> object:
+        """A hit's replay, timed (a replay that declines is not)."""
+        clock = self.clock
+        started = clock()
+        result = run(*args)
+        if result is not self.declined:
+            self.program.replayed(clock() - started)
+        return result
 
     def unrecorded(self, args: tuple, pre: tuple) -> object:
         """A flat call of shapes no key has an entry for, counted: warming or too rare as the

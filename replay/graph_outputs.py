@@ -256,8 +256,7 @@ def _slot_the_outputs(graph, lanes: dict[int, int]) -> None:
         graph.slot_outputs.append(
             (lanes[storage], tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset())
         )
-        if tensor.is_cuda and stream is not None:  # the first launch may still write it:
-            tensor.record_stream(torch.cuda.ExternalStream(stream, device=tensor.device))  # freed after
+        output_slots.record_on([tensor], stream)  # the first launch may still write it: freed after
 
 
 # --- handing them out ------------------------------------------------------------------------

@@ -222,18 +222,7 @@ class KeyRecorder:
             session.keys.serve(entry, graph, *flat_guard(key[0], call.spec, call.leaves))
             self._note_input_choices(key, capture)
             session.compaction.after_record(entry, capture)
-            return self._timed_replay(entry, call)
-
-    def _timed_replay(self, entry: Entry, call: FlatCall):
-        """The analysis call's replay, timed: what a replay of the region costs (admission's
-        payback rule), unless it ran eagerly too (declined, or verified)."""
-        region, counters = self.region, self.region.session.counters
-        before = (counters.declined, counters.verifications)
-        started = time.perf_counter()
-        result = region.replay(entry, call)
-        if (counters.declined, counters.verifications) == before:
-            region.cost.replayed(time.perf_counter() - started)
-        return result
+            return region.replay(entry, call)
 
     def _restage(self, entry: Entry, key: tuple, call: FlatCall, device: int, plan):
         """The analysis found inputs to stage or copy back that the capture did not: record

@@ -42,10 +42,12 @@ What else reaches a slot's memory after its outputs were handed out, and what ke
 - *Another stream reading an output* (the caller's ``out.record_stream(s)``): eagerly the
   allocator then keeps the memory until ``s`` is done with it; a slot is written again as soon
   as nobody holds its outputs. So :func:`watch_record_stream` wraps torch's
-  ``Tensor.record_stream``: called on a tensor over a lane's storage, it notes the stream on
-  the lane's owner (the slot), and the next replay writing the slot first makes its stream wait
-  for what was enqueued on it (:meth:`Slot.wait_for_readers`, a check of an empty list when
-  nobody called it). The wrapper is the only place torch tells of such a read; the allocator
+  ``Tensor.record_stream``: called on a tensor whose storage lies in a lane's memory (found by
+  address: :func:`watched_lane`), it notes the stream on the lane's owner (the slot), and the
+  next replay writing the slot first makes its stream wait for what was enqueued on it
+  (:meth:`Slot.wait_for_readers`, a check of an empty list when nobody called it; the replay's
+  raw stream handle made torch's stream object by :func:`torch_stream`, the default stream's
+  handle 0 included). The wrapper is the only place torch tells of such a read; the allocator
   keeps its own list of a block's streams where nothing can read it, and waiting on every
   stream would wait for streams nobody named.
 - *Streams the replays wrote it from*: the allocator is told of each (``record_stream`` on the
@@ -64,6 +66,7 @@ no driver call: pointing the copies at a slot is the graph's (replay.graph).
 
 from __future__ import annotations
 
+import bisect
 import functools
 import sys
 import weakref
@@ -95,23 +98,67 @@ def _use_count(storage: torch.UntypedStorage) -> int:
 #: own writing streams through it, which are not readers).
 _RECORD_STREAM = torch._C.TensorBase.record_stream
 
-#: storage's first byte -> (a weak reference to) the lane over that storage, for the lanes whose
-#: readers are watched (see :func:`watch_record_stream`).
+#: first byte -> (a weak reference to) the lane there, for the lanes whose readers are watched
+#: (see :func:`watch_record_stream`); ``_STARTS`` holds the same first bytes, sorted.
 _WATCHED: dict[int, weakref.ref] = {}
+_STARTS: list[int] = []
+
+
+def torch_stream(stream: int, device: torch.device | int | None) -> torch.cuda.Stream:
+    """torch's stream object for raw handle ``stream`` on ``device`` (None: the current one), to
+    record an event or a memory use on, or to make wait.
+
+    Not ``torch.cuda.ExternalStream(stream)`` alone: torch's constructor takes a handle of 0 for
+    "no handle given" and returns a new stream of its pool, so a wait or a use recorded there
+    orders nothing on the default stream (whose handle is 0), where most replays run."""
+    default = torch.cuda.default_stream(device)
+    if stream == default.cuda_stream:
+        return default
+    if not stream:
+        raise RuntimeError(f"raw stream handle 0 is not device {device}'s default stream: torch has no object for it")
+    return torch.cuda.ExternalStream(stream, device=device)
+
+
+def _cuda_stream(stream: object) -> torch.cuda.Stream:
+    """A stream a caller gave ``record_stream`` as the CUDA stream object torch's events take
+    (``torch.Stream``, the generic kind, is rebuilt from its ids)."""
+    if isinstance(stream, torch.cuda.Stream):
+        return stream
+    ids = {"stream_id": stream.stream_id, "device_index": stream.device_index, "device_type": stream.device_type}
+    return torch.cuda.Stream(**ids)
+
+
+def watched_lane(start: int, nbytes: int) -> Lane | None:
+    """The watched lane whose memory holds the ``nbytes`` bytes from ``start`` (a storage's
+    span), else None; never a lane whose storage moved (its old memory is the allocator's).
+
+    By address, not by the storage's Python object: torch need not hand out one object per
+    storage (``untyped_storage()`` may wrap it anew, and a DLPack round trip makes another
+    storage over the same memory), while the memory a live lane holds is its alone."""
+    if nbytes <= 0:
+        return None
+    ref = _WATCHED.get(start)
+    if ref is None:  # a storage starting inside a lane: the lane starting last at or before it
+        at = bisect.bisect_right(_STARTS, start) - 1
+        if at < 0:
+            return None
+        ref = _WATCHED.get(_STARTS[at])
+    lane = ref() if ref is not None else None
+    if lane is None or lane.storage is None or lane.moved() or start + nbytes > lane.address + lane.size:
+        return None
+    return lane
 
 
 def note_reader(tensor: torch.Tensor, stream: object) -> None:
-    """``tensor.record_stream(stream)`` was called: where ``tensor`` lies in a watched lane's
-    storage, the lane's owner notes ``stream`` as a reader of its memory."""
+    """``tensor.record_stream(stream)`` was called: where ``tensor``'s storage lies in a watched
+    lane's memory (:func:`watched_lane`), the lane's owner notes ``stream`` as a reader of it."""
     try:
         storage = tensor.untyped_storage()
+        start, nbytes = storage.data_ptr(), storage.nbytes()
     except (RuntimeError, NotImplementedError, TypeError):
         return  # no storage of its own (a wrapper subclass): not output memory
-    ref = _WATCHED.get(storage.data_ptr())
-    lane = ref() if ref is not None else None
-    if lane is None or lane.storage is not storage:  # the Python storage object is one per storage
-        return
-    owner = lane.owner() if lane.owner is not None else None
+    lane = watched_lane(start, nbytes)
+    owner = lane.owner() if lane is not None and lane.owner is not None else None
     if owner is not None and stream not in owner.readers:
         owner.readers.append(stream)
 
@@ -136,15 +183,22 @@ def _watch(lane: Lane) -> None:
 
     def forget(ref: weakref.ref) -> None:
         if _WATCHED.get(address) is ref:
-            del _WATCHED[address]
+            _forget(address)
 
+    if address not in _WATCHED:
+        bisect.insort(_STARTS, address)
     _WATCHED[address] = weakref.ref(lane, forget)
 
 
 def _unwatch(lane: Lane) -> None:
     ref = _WATCHED.get(lane.address)
     if ref is not None and ref() is lane:
-        del _WATCHED[lane.address]
+        _forget(lane.address)
+
+
+def _forget(address: int) -> None:
+    del _WATCHED[address]
+    del _STARTS[bisect.bisect_left(_STARTS, address)]
 
 
 def wait_for_readers(readers: list, stream: int, device: torch.device | int) -> None:
@@ -152,11 +206,11 @@ def wait_for_readers(readers: list, stream: int, device: torch.device | int) -> 
     streams a caller named with ``record_stream``), then forget them: the memory they read is
     about to be written on ``stream``. Enqueued before the write, their reads see what eager's
     output held; the caller's later work on them is the next output's business."""
-    target = torch.cuda.ExternalStream(stream, device=device)
+    target = torch_stream(stream, device)
     for reader in readers:
         if getattr(reader, "cuda_stream", None) != stream:
             event = torch.cuda.Event()
-            event.record(reader)
+            event.record(_cuda_stream(reader))
             target.wait_event(event)
     readers.clear()
 
@@ -169,7 +223,7 @@ def record_on(tensors: Iterable[torch.Tensor], stream: int | None) -> None:
         return
     for tensor in tensors:
         if isinstance(tensor, torch.Tensor) and tensor.is_cuda:
-            _RECORD_STREAM(tensor, torch.cuda.ExternalStream(stream, device=tensor.device))
+            _RECORD_STREAM(tensor, torch_stream(stream, tensor.device))
 
 
 @attrs.define(eq=False)

@@ -27,6 +27,7 @@ with made-up graphs; :mod:`replay.recording` feeds it what a real capture produc
 
 from __future__ import annotations
 
+import itertools
 import operator
 import struct
 import types
@@ -226,54 +227,103 @@ def inputs_at(inputs: Sequence[InputRange], address: int) -> list[InputRange]:
 
 
 _NO_WORDS = np.zeros(0, dtype=np.uint64)
+_NO_NUMBERS = np.zeros(0, dtype=np.intp)
+_WINDOW = np.arange(8)
 
 
-def _pointer_words(data: bytes) -> np.ndarray:
-    """Every 8-byte window at a 4-byte aligned offset of a parameter's bytes: where a pointer
-    could be, also inside packed structs. A word that merely looks like an input's address
-    makes the plan stage that input, which is safe. An array: a library kernel's parameter
-    structs hold hundreds of words, read and compared all at once (:func:`inputs_reached`)."""
-    windows = (len(data) - 4) // 4  # at offsets 0, 4, ..., len - 8
-    if windows <= 0:
-        return _NO_WORDS
-    halves = np.frombuffer(data, dtype="<u4", count=windows + 1).astype(np.uint64)
-    return halves[:-1] | (halves[1:] << np.uint64(32))
+def pointer_words_of(params: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray]:
+    """Every 8-byte window at a 4-byte aligned offset of each parameter's bytes (where a
+    pointer could be, also inside packed structs), and the parameter each comes from: all
+    parameters at once, their bytes joined and read in one pass (a library kernel's parameter
+    structs hold hundreds of words, and a capture of a few dozen torch ops has thousands). A
+    word that merely looks like an input's address makes the plan stage that input, which is
+    safe. No window crosses from one parameter into the next."""
+    if not params:
+        return _NO_WORDS, _NO_NUMBERS
+    lengths = np.fromiter(map(len, params), dtype=np.intp, count=len(params))
+    windows = np.maximum((lengths - 4) // 4, 0)  # at offsets 0, 4, ..., len - 8 of each
+    total = int(windows.sum())
+    if not total:
+        return _NO_WORDS, _NO_NUMBERS
+    param_of = np.repeat(np.arange(len(params)), windows)
+    first = np.cumsum(windows) - windows  # each parameter's first window among all
+    starts = np.cumsum(lengths) - lengths  # each parameter's first byte in the joined bytes
+    offsets = starts[param_of] + 4 * (np.arange(total) - first[param_of])
+    data = b"".join(params)
+    if not (starts & 3).any():  # every parameter 4-byte aligned in the joined bytes: by halves
+        halves = np.frombuffer(data, dtype="<u4", count=len(data) // 4).astype(np.uint64)
+        at = offsets >> 2
+        return halves[at] | (halves[at + 1] << np.uint64(32)), param_of
+    octets = np.frombuffer(data, dtype=np.uint8)[offsets[:, None] + _WINDOW]
+    return octets.view("<u8").reshape(total), param_of
 
 
 def inputs_reached(inputs: Sequence[InputRange], words: np.ndarray) -> list[InputRange]:
     """The inputs some word points into: :func:`inputs_at` of every word at once (an empty
     input at an address counts only where no other input holds that address); the inputs
     in their order, the empty ones last."""
-    return inputs_reached_by_each(inputs, [words])[0]
+    return inputs_reached_by_group(inputs, words, np.zeros(len(words), dtype=np.intp), 1)[0]
 
 
-def inputs_reached_by_each(inputs: Sequence[InputRange], words: Sequence[np.ndarray]) -> list[list[InputRange]]:
-    """:func:`inputs_reached` of each array of ``words`` (a graph's foreign nodes, one array
-    each), computed over all arrays at once: node by node, a capture of a few dozen torch ops
-    spent a good part of its analysis here. Whether a word is held by a non-empty input
-    depends on the word alone, so one pass over all words decides as the node-by-node rule
-    does."""
-    reached: list[list[InputRange]] = [[] for _ in words]
-    sizes = [len(w) for w in words]
-    if not sum(sizes):
+def inputs_reached_by_group(
+    inputs: Sequence[InputRange], words: np.ndarray, group_of: np.ndarray, groups: int
+) -> list[list[InputRange]]:
+    """:func:`inputs_reached` of each group of ``words`` (``group_of[k]``: the group of word k,
+    below ``groups``; a graph's foreign nodes), for all groups in one pass. Whether a word is
+    held by a non-empty input depends on the word alone, so this decides as the word-by-word
+    rule does."""
+    reached: list[list[InputRange]] = [[] for _ in range(groups)]
+    if not len(words):
         return reached
-    every = np.concatenate(words)
-    node_of = np.repeat(np.arange(len(words)), sizes)
-    held = np.zeros(len(every), dtype=bool)
-    for candidate in inputs:
-        if candidate.lo < candidate.hi:
-            inside = (every >= candidate.lo) & (every < candidate.hi)
-            if inside.any():
-                held |= inside
-                for node in np.unique(node_of[inside]).tolist():
-                    reached[node].append(candidate)
-    for candidate in inputs:
-        if candidate.lo == candidate.hi and candidate.lo:
-            at = (every == candidate.lo) & ~held
-            if at.any():
-                for node in np.unique(node_of[at]).tolist():
-                    reached[node].append(candidate)
+    words = np.asarray(words, dtype=np.uint64)
+    found: dict[int, set[int]] = {}  # group -> the places in ``inputs`` of the non-empty inputs reached
+    held = _held_words(inputs, words, group_of, found)
+    empty_found: dict[int, set[int]] = {}
+    _empty_inputs_at(inputs, words[~held], group_of[~held], empty_found)
+    for group in {*found, *empty_found}:
+        places = sorted(found.get(group, ())) + sorted(empty_found.get(group, ()))
+        reached[group] = [inputs[n] for n in places]
     return reached
+
+
+def _held_words(inputs: Sequence[InputRange], words: np.ndarray, group_of: np.ndarray, found: dict) -> np.ndarray:
+    """Which words a non-empty input holds, adding each word's holders (their places in
+    ``inputs``) to its group's set in ``found``. The inputs' bounds are sorted once and each
+    word placed among them by one ``searchsorted``; the inputs may overlap, so a stretch
+    between two bounds is held where more inputs begin than end before it, and its holders
+    are listed only for the stretches some word falls in (usually none: a library kernel's
+    words point into the pool)."""
+    full = [(n, r) for n, r in enumerate(inputs) if r.lo < r.hi]
+    if not full:
+        return np.zeros(len(words), dtype=bool)
+    starts = np.array([r.lo for _, r in full], dtype=np.uint64)
+    ends = np.array([r.hi for _, r in full], dtype=np.uint64)
+    bounds = np.unique(np.concatenate([starts, ends]))
+    covering = np.zeros(len(bounds) + 1, dtype=np.intp)  # stretch k: [bounds[k], bounds[k + 1])
+    np.add.at(covering, np.searchsorted(bounds, starts), 1)
+    np.add.at(covering, np.searchsorted(bounds, ends), -1)
+    holds = np.cumsum(covering) > 0  # the last entry: below every input (stretch -1), never held
+    stretch = np.searchsorted(bounds, words, side="right") - 1
+    held = holds[stretch]
+    if held.any():
+        for group, lo in set(zip(group_of[held].tolist(), bounds[stretch[held]].tolist())):
+            found.setdefault(group, set()).update(n for n, r in full if r.lo <= lo < r.hi)
+    return held
+
+
+def _empty_inputs_at(inputs: Sequence[InputRange], words: np.ndarray, group_of: np.ndarray, found: dict) -> None:
+    """Add the empty inputs at some word's address (nonzero) to that word's group's set."""
+    by_address: dict[int, list[int]] = {}
+    for n, r in enumerate(inputs):
+        if r.lo == r.hi and r.lo:
+            by_address.setdefault(r.lo, []).append(n)
+    if not by_address or not len(words):
+        return
+    addresses = np.array(sorted(by_address), dtype=np.uint64)
+    at = np.minimum(np.searchsorted(addresses, words), len(addresses) - 1)
+    hit = addresses[at] == words
+    for group, address in set(zip(group_of[hit].tolist(), words[hit].tolist())):
+        found.setdefault(group, set()).update(by_address[address])
 
 
 def overlapping_inputs(inputs: Sequence[InputRange]) -> dict[int, set[int]]:
@@ -415,18 +465,38 @@ def _skipped_with_a_dynamic_grid(launches: Sequence[LaunchView]) -> str | None:
     return None
 
 
-def _addresses_in(node: NodeView) -> np.ndarray | None:
-    """Every address a foreign node may reach an input through (None: they cannot be read)."""
+def addresses_readable(node: NodeView) -> bool:
+    """Whether the addresses a node may reach memory through were read: a kernel's parameter
+    bytes, a copy's or memset's addresses (a copy moves bytes somewhere: no address read means
+    none could be)."""
     if node.kind == "kernel":
-        if node.params is None:
-            return None
-        return np.concatenate([_NO_WORDS, *(_pointer_words(p) for p in node.params)])
-    if node.pointers is None or (node.kind == "memcpy" and not node.pointers):
-        return None  # a copy moves bytes somewhere: no address read means none could be
-    return np.array(node.pointers, dtype=np.uint64)
+        return node.params is not None
+    return node.pointers is not None and not (node.kind == "memcpy" and not node.pointers)
 
 
-addresses_in = _addresses_in
+def addresses_of(nodes: Sequence[NodeView]) -> tuple[np.ndarray, np.ndarray]:
+    """Every address each node may reach memory through, all nodes at once: the words of
+    kernel nodes' parameters (:func:`pointer_words_of`) and the addresses of copies and
+    memsets; with the place in ``nodes`` of each word's node. Every node's addresses must be
+    readable (:func:`addresses_readable`)."""
+    if not nodes:
+        return _NO_WORDS, _NO_NUMBERS
+    kernels = [node for node in nodes if node.kind == "kernel"]
+    numbers = [n for n, node in enumerate(nodes) if node.kind == "kernel"]
+    counts = [len(node.params) for node in kernels]
+    words, param_of = pointer_words_of([p for node in kernels for p in node.params])
+    node_of = np.repeat(np.array(numbers, dtype=np.intp), counts)[param_of]
+    others = [(n, node.pointers) for n, node in enumerate(nodes) if node.kind != "kernel"]
+    if not others:
+        return words, node_of
+    pointers = np.array([p for _, listed in others for p in listed], dtype=np.uint64)
+    pointer_of = np.repeat(np.array([n for n, _ in others], dtype=np.intp), [len(listed) for _, listed in others])
+    return np.concatenate([words, pointers]), np.concatenate([node_of, pointer_of])
+
+
+def addresses_in(node: NodeView) -> np.ndarray | None:
+    """Every address a foreign node may reach an input through (None: they cannot be read)."""
+    return addresses_of([node])[0] if addresses_readable(node) else None
 
 
 #: No allocation starts below this (Linux keeps the first 64 KiB unmapped, and device and host
@@ -436,20 +506,16 @@ LOWEST_ADDRESS = 1 << 16
 
 def fixed_addresses(nodes: Sequence[NodeView], per_call: Sequence[tuple[int, int]]) -> tuple[int, ...] | None:
     """Every address the graph's nodes hold that no replay changes: the words of each kernel
-    node's parameters (where a pointer could be, as :func:`_pointer_words`) and the addresses
+    node's parameters (where a pointer could be, as :func:`pointer_words_of`) and the addresses
     of its copies and memsets, sorted, without those inside ``per_call`` (the recorded
     inputs, rebound or staged per call, and the graph's own staging buffers). A word that
     merely looks like an address only makes a replay decline; words below
     :data:`LOWEST_ADDRESS` (sizes, strides, counts: most of a library kernel's parameters) are
     no address of any allocation. None where a node's addresses cannot be read."""
-    arrays = [_NO_WORDS]
-    for node in nodes:
-        if node.kind in ("kernel", "memcpy", "memset"):
-            words = _addresses_in(node)
-            if words is None:
-                return None
-            arrays.append(words)
-    every = np.unique(np.concatenate(arrays))
+    listed = [node for node in nodes if node.kind in ("kernel", "memcpy", "memset")]
+    if not all(map(addresses_readable, listed)):
+        return None
+    every = np.unique(addresses_of(listed)[0])
     keep = every >= LOWEST_ADDRESS
     for lo, hi in per_call:
         keep &= (every < lo) | (every >= hi)
@@ -499,14 +565,14 @@ class _Stager:
         a node's addresses cannot be read)."""
         jit_nodes = {node for _, node in self.plan.matches}
         foreign = [
-            (node, _addresses_in(node))
-            for node in nodes
-            if node.index not in jit_nodes and node.kind in ("kernel", "memcpy", "memset")
+            node for node in nodes if node.index not in jit_nodes and node.kind in ("kernel", "memcpy", "memset")
         ]
-        reached = iter(inputs_reached_by_each(self.inputs, [words for _, words in foreign if words is not None]))
+        readable = list(map(addresses_readable, foreign))
+        scanned_nodes = list(itertools.compress(foreign, readable))
+        reached = iter(inputs_reached_by_group(self.inputs, *addresses_of(scanned_nodes), len(scanned_nodes)))
         unknown_kernel = False
-        for node, words in foreign:
-            if words is None:
+        for node, known in zip(foreign, readable):
+            if not known:
                 if node.kind == "kernel":
                     unknown_kernel = True
                 else:

@@ -92,7 +92,7 @@ class _Recorder:
         self.records: list = []
         self.nodes: list[int | None] = []
         self.backend = backend
-        self.launch_sink = (self.records, self.nodes, backend.capture_tail)
+        self.launch_sink = (self.records, self.nodes, backend.capture_tail_function())
 
     def launch(self, record) -> None:
         self.records.append(record)
@@ -572,23 +572,35 @@ def node_handle(node) -> int:
         return 0
 
 
-def node_views(backend, nodes: Sequence, records: Sequence) -> tuple[list[rebinding.NodeView], bool]:
-    """Read each kernel node's parameters: with the sizes of the jit launch that may be in it,
-    or the driver's parameter info for foreign kernels (None where unknown)."""
-    sizes_of = {}  # function -> its parameters' sizes: a jit launch's layout, else the driver's
+def launch_param_sizes(records: Sequence) -> dict[int, tuple[int, ...]]:
+    """{function: its parameters' sizes} of the jit launches among ``records`` (what a kernel
+    node of that function holds)."""
+    sizes_of: dict[int, tuple[int, ...]] = {}
     for record in records:
         if record.function not in sizes_of:
-            sizes_of[record.function] = [t.size for t in record.layout.types]
+            sizes_of[record.function] = tuple(t.size for t in record.layout.types)
+    return sizes_of
+
+
+def node_views(
+    backend, nodes: Sequence, records: Sequence, sizes_of: dict[int, tuple[int, ...]] | None = None
+) -> tuple[list[rebinding.NodeView], bool]:
+    """Read each kernel node's parameters (those read with the node: ``GraphNode.params``):
+    with the sizes of the jit launch that may be in it (``sizes_of``: :func:`launch_param_sizes`
+    of ``records``), or the driver's parameter info for foreign kernels (None where unknown)."""
+    sizes_of = dict(launch_param_sizes(records) if sizes_of is None else sizes_of)
     scanned = True
     views = []
     new = tuple.__new__
     for node in nodes:
         kind, handle = node.kind, node_handle(node)
         if kind == "kernel":
-            sizes = sizes_of.get(node.function)
-            if sizes is None:
-                sizes = sizes_of[node.function] = backend.kernel_param_sizes(node.function)
-            params = None if sizes is None else tuple(backend.read_kernel_params(node, sizes))
+            params = node.params
+            if params is None:
+                sizes = sizes_of.get(node.function)
+                if sizes is None:
+                    sizes = sizes_of[node.function] = backend.kernel_param_sizes(node.function)
+                params = None if sizes is None else tuple(backend.read_kernel_params(node, sizes))
             scanned = scanned and params is not None
             views.append(new(rebinding.NodeView, (node.index, kind, node.function, params, (), handle)))
         elif kind in ("memcpy", "memset"):
@@ -1408,8 +1420,9 @@ def analyse(capture: Capture) -> None:
     staged; the caller then releases ``capture.graph``."""
     instrumentation.steps.start()
     backend = get_backend()
-    capture.nodes = backend.graph_nodes(capture.graph.raw_cuda_graph())
-    views, scanned = node_views(backend, capture.nodes, capture.records)
+    sizes_of = launch_param_sizes(capture.records)
+    capture.nodes = backend.graph_nodes_with_params(capture.graph.raw_cuda_graph(), sizes_of)
+    views, scanned = node_views(backend, capture.nodes, capture.records, sizes_of)
     capture.node_views = views if scanned else None
     plan = rebinding.build_plan(
         capture.inputs,
@@ -1617,9 +1630,16 @@ def _same_view_in(buffer: torch.Tensor, lo: int, leaf: torch.Tensor, path: str) 
 
 
 def _append_copies(copies: Sequence[tuple[torch.Tensor, torch.Tensor]], backend, graph, stream) -> None:
-    """Capture the (destination, source) copies into the graph, after every node it holds."""
+    """Add the (destination, source) copies to the graph, after every node it holds: copy
+    nodes added to it where the backend can (``append_copies``), else captured into it."""
     if not copies:
         return
+    flat = [(destination.data_ptr(), source.data_ptr(), destination.nbytes) for destination, source in copies]
+    try:
+        backend.append_copies(graph.raw_cuda_graph(), flat, copies[0][0].device.index)
+        return
+    except NotImplementedError:
+        pass
     try:
         appending = backend.capture_into(graph.raw_cuda_graph(), stream.cuda_stream)
     except NotImplementedError as exc:

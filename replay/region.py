@@ -44,7 +44,16 @@ from replay.dispatch import (
 )
 from replay.graph import MISMATCH, RecordedGraph
 from replay.keying import counted_shapes
-from replay.lifecycle import AWAITING_ANALYSIS, EAGER_ONLY, REPLAYING, WARMING, Entry, Forgotten
+from replay.lifecycle import (
+    AWAITING_ANALYSIS,
+    EAGER_ONLY,
+    MAX_HINTS,
+    REPLAYING,
+    WARMING,
+    Entry,
+    Forgotten,
+    RecentlyUsed,
+)
 from replay.observe import op_observer
 from replay.orchestration import Hints, KeyRecorder
 from replay.region_keys import FlatCall, grad_leaves, outputs_requiring_grad
@@ -94,9 +103,9 @@ class Region:
         self.forgotten = Forgotten()  # calls of keys that have (or kept) no entry
         self.refusals: set[str] = set()  # reasons of calls no key could be made for, warned once each
         self.unreplayable = effects.Unreplayable()  # keys whose runs did what no graph replays
-        self.hints: dict[object, Hints] = {}  # spec -> what its keys taught about the inputs
+        self.hints: RecentlyUsed = RecentlyUsed(MAX_HINTS)  # spec -> what its keys taught about the inputs
         self.snapshot = None  # its globals as its graphs were recorded against (take_snapshot)
-        self.cost = EagerCost(session.admission)
+        self.cost = EagerCost(session.admission, time.perf_counter)
         self.said_autograd = False  # the ReplayWarning of keys that need autograd was given
         self.router = Router(self)
         self.recorder = KeyRecorder(self)
@@ -119,6 +128,7 @@ class Region:
             counters=session.counters,
             forgotten=self.forgotten,
             quiet=self.cost.quiet,
+            replay_times=self.cost.replay,
             fn=self.fn,
             exclusion=SHARED_CAPTURE_EXCLUSION,
             touch=session.keys.touch,
@@ -128,6 +138,8 @@ class Region:
             largest=max(policy.buckets or (0,)),
             decide=self.decide_flat,
             took=self.cost.took,
+            replayed=self.cost.replayed,
+            time_replays=not policy.verify_every,  # (a verified session's hits replay through run_graph)
             full_path=self.full_path,
         )
 
@@ -430,7 +442,7 @@ class Region:
             self.session.counters.verifications += 1
             result = graph.verify(call.leaves, lambda snapshot: self._run_on_copies(call, snapshot))
         else:
-            result = graph.replay(*call.leaves)
+            result = self.cost.replay_graph(graph, call.leaves)  # (counted, some timed)
         if result is MISMATCH:
             # the graph cannot serve these values exactly (see replay.graph): the eager run
             # gives the exact result, or the exact error

@@ -32,7 +32,7 @@ from replay.errors import SessionClosedError
 from replay.graph import RecordedGraph
 from replay.keying import describe_key
 from replay.lifecycle import Entry, Keys
-from replay.output_slots import OutputSlots
+from replay.output_slots import OutputSlots, torch_stream
 from replay.policy import Policy
 from replay.region import Region
 from replay.stats import Stats, report
@@ -137,9 +137,9 @@ class Session:
         replay on the previous one, so they never run concurrently."""
         previous = self.last_stream[0]
         if previous is not None and previous != stream:
-            event = torch.cuda.Event()
-            event.record(torch.cuda.ExternalStream(previous))
-            torch.cuda.ExternalStream(stream).wait_event(event)
+            event = torch.cuda.Event()  # (raw handles: the default stream's is 0, see torch_stream)
+            event.record(torch_stream(previous, None))
+            torch_stream(stream, None).wait_event(event)
         self.last_stream[0] = stream
 
     def output_slots(self, region: Region, device: int) -> OutputSlots:

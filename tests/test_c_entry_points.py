@@ -50,6 +50,20 @@ from replay import _checks as checks, _eager as eager, _step as step
 KERNEL_LAUNCH_TYPE = ctypes.CFUNCTYPE(ctypes.c_int, *[ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3)
 _launch = KERNEL_LAUNCH_TYPE(lambda *args: 0)
 KERNEL_LAUNCH = ctypes.cast(_launch, ctypes.c_void_p).value  # a "driver" launch that succeeds
+_P, _SIZE = ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_size_t)
+_one_node = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, _P, _SIZE)(
+    lambda graph, out, count: (out.__setitem__(0, 0xA0) if out else None, count.__setitem__(0, 1))[0] or 0
+)
+_kernel_type = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int))(
+    lambda node, out: out.__setitem__(0, 0) or 0
+)
+_no_params = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)(lambda node, out: 0)
+# "driver" node reads of a graph of one kernel node whose parameter array is NULL
+NODE_READS = [ctypes.cast(f, ctypes.c_void_p).value for f in (_one_node, _kernel_type, _no_params)]
+_add = ctypes.CFUNCTYPE(ctypes.c_int, *[ctypes.c_void_p] * 3 + [ctypes.c_size_t] + [ctypes.c_void_p] * 2)(
+    lambda *args: 0
+)
+ADD_MEMCPY = ctypes.cast(_add, ctypes.c_void_p).value  # a "driver" copy node add that succeeds
 
 
 class Clears:
@@ -203,6 +217,46 @@ CASES = [Case(*row) for row in [
      "packed(((0, '<i'),)).recorded(([], [], None), RECORD, ())", "TypeError"),
     (N, "PackedLaunch", "recorded with a value too few", "native.use_launch_record(LaunchRecord, RECORD_FIELDS); "
      "packed(((0, '<i'),)).recorded(([], [], None), RECORD, (), 1, 1, 1, 1, 1, 1, 0, 0)", "TypeError"),
+    (N, "CaptureTail", "an address of 0", "native.CaptureTail(0, 1)", "ValueError"),
+    (N, "CaptureTail", "a negative address", "native.CaptureTail(-1, 1)", "OverflowError"),
+    (N, "CaptureTail", "an address of text", "native.CaptureTail('a', 1)", "TypeError"),
+    (N, "CaptureTail", "a status past an int", "native.CaptureTail(native.NULL_CAPTURE_INFO, 2**40)", "OverflowError"),
+    (N, "CaptureTail", "made with keywords", "native.CaptureTail(address=native.NULL_CAPTURE_INFO, active=1)",
+     "TypeError"),
+    (N, "CaptureTail", "made with __new__ and no arguments", "native.CaptureTail.__new__(native.CaptureTail)",
+     "TypeError"),
+    (N, "CaptureTail", "asked without a stream", "native.CaptureTail(native.NULL_CAPTURE_INFO, 1)()", "TypeError"),
+    (N, "CaptureTail", "asked of a stream of text", "native.CaptureTail(native.NULL_CAPTURE_INFO, 1)('s')",
+     "TypeError"),
+    (N, "CaptureTail", "asked with a keyword", "native.CaptureTail(native.NULL_CAPTURE_INFO, 1)(stream=0)",
+     "TypeError"),
+    (N, "CaptureTail", "asked of a stream not capturing",
+     "assert native.CaptureTail(native.NULL_CAPTURE_INFO, 1)(0) is None", "returned"),
+    (N, "CaptureTail", "the tail of a recorded launch",
+     "r, n, _ = recorded(([], [], native.CaptureTail(native.NULL_CAPTURE_INFO, 1))); assert (n, len(r)) == ([None], 1)",
+     "returned"),
+    (N, "NodeReads", "an address of 0", "native.NodeReads(0, NODE_READS[1], NODE_READS[2], 0)", "ValueError"),
+    (N, "NodeReads", "a negative address", "native.NodeReads(NODE_READS[0], -1, NODE_READS[2], 0)", "OverflowError"),
+    (N, "NodeReads", "an address a float", "native.NodeReads(NODE_READS[0], NODE_READS[1], 1.5, 0)", "TypeError"),
+    (N, "NodeReads", "a node type past an int", "native.NodeReads(*NODE_READS, 2**40)", "OverflowError"),
+    (N, "NodeReads", "made with __new__ and no arguments", "native.NodeReads.__new__(native.NodeReads)", "TypeError"),
+    (N, "NodeReads", "sizes a list", "native.NodeReads(*NODE_READS, 0)(1, [(8,)])", "TypeError"),
+    (N, "NodeReads", "sizes of a function that are a list", "native.NodeReads(*NODE_READS, 0)(1, {0: [8]})",
+     "TypeError"),
+    (N, "NodeReads", "a negative size", "native.NodeReads(*NODE_READS, 0)(1, {0: (-8,)})", "ValueError"),
+    (N, "NodeReads", "a graph of text", "native.NodeReads(*NODE_READS, 0)('g', None)", "TypeError"),
+    (N, "NodeReads", "read with a keyword", "native.NodeReads(*NODE_READS, 0)(1, sizes=None)", "TypeError"),
+    (N, "NodeReads", "parameters of a NULL array read as empty",
+     "assert native.NodeReads(*NODE_READS, 0)(1, {0: (8, 4)})[2][0][-1] == (b'', b'')", "returned"),
+    (N, "bind", "a copy node after dependencies of text",
+     "native.bind('graph_add_memcpy', 'a', ADD_MEMCPY)(1, ('a',), 8, 0)", "TypeError"),
+    (N, "bind", "a copy node after a set of dependencies",
+     "native.bind('graph_add_memcpy', 'a', ADD_MEMCPY)(1, {2}, 8, 0)", "TypeError"),
+    (N, "bind", "a copy node of no parameters", "native.bind('graph_add_memcpy', 'a', ADD_MEMCPY)(1, (), 0, 0)",
+     "ValueError"),
+    (N, "bind", "a copy node after dependencies emptied by an item's __int__",
+     "d = [2] * 100; d.insert(0, Clears(d, 1)); native.bind('graph_add_memcpy', 'a', ADD_MEMCPY)(1, d, 8, 0)",
+     "returned"),
     (N, "without_tensors", "records a tuple", "native.without_tensors(((1,),), 0, torch.Tensor, (int,), 'a')",
      "TypeError"),
     (N, "without_tensors", "a record that is no tuple", "native.without_tensors([[(1,)]], 0, torch.Tensor, (), 'a')",

@@ -11,7 +11,8 @@ the binding costs.
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import NamedTuple
 
 import attrs
 
@@ -53,12 +54,12 @@ class LoadedFunction:
     owner: object = None  # the vendor module object, kept alive with its function
 
 
-@attrs.frozen
-class GraphNode:
-    """One node of a captured graph, as far as replay needs to know it."""
+class GraphNode(NamedTuple):
+    """One node of a captured graph, as far as replay needs to know it (a named tuple: a graph
+    has one per node, read on every key's second call)."""
 
     index: int
-    handle: object  # vendor node object
+    handle: object  # the vendor's node handle: a raw int (the CUDA backend) or a binding object
     kind: str  # "kernel", "memcpy", "memset", "other"
     function: int = 0  # kernel nodes: the function's raw handle
     grid: tuple[int, int, int] = (0, 0, 0)
@@ -66,6 +67,9 @@ class GraphNode:
     shared_bytes: int = 0
     params_address: int = 0  # kernel nodes: the node's own void* array (owned by the node)
     pointers: tuple[int, ...] = ()  # memcpy/memset nodes: the device addresses they touch
+    #: kernel nodes read by ``graph_nodes_with_params`` with sizes for their function: the bytes
+    #: of each parameter (what ``read_kernel_params`` gives); None where not read with the node
+    params: tuple[bytes, ...] | None = None
 
 
 class NodeUpdater:
@@ -212,6 +216,12 @@ class Backend(abc.ABC):
         """All nodes of a captured graph in the order the graph reports them (capture order
         for stream-captured graphs), with kernel launch parameters filled in."""
 
+    def graph_nodes_with_params(self, raw_graph: int, sizes: Mapping[int, tuple[int, ...]]) -> list[GraphNode]:
+        """:meth:`graph_nodes`, where the backend can, with each kernel node whose function
+        ``sizes`` names read with its parameters of those sizes (``GraphNode.params``: what
+        :meth:`read_kernel_params` gives); other nodes' ``params`` None (the caller reads them)."""
+        return self.graph_nodes(raw_graph)
+
     @abc.abstractmethod
     def kernel_param_sizes(self, function: int) -> list[int] | None:
         """Sizes of a foreign kernel's parameters, or None where the driver cannot say."""
@@ -233,6 +243,14 @@ class Backend(abc.ABC):
         the graph owns. Raises NotImplementedError where the driver cannot."""
         raise NotImplementedError(f"the {self.name} backend cannot capture into an existing graph")
 
+    def append_copies(self, raw_graph: int, copies: Sequence[tuple[int, int, int]], device: int) -> None:
+        """Add to the graph ``raw_graph`` (not instantiated yet) one node per flat copy
+        ``(destination, source, bytes)`` between device addresses of ``device``, each after
+        every node already there: what :meth:`capture_into` captures of ``destination.copy_(source)``
+        into the graph, without a capture. Raises NotImplementedError where the backend cannot
+        (replay then captures the copies with :meth:`capture_into`)."""
+        raise NotImplementedError(f"the {self.name} backend cannot add copy nodes to a graph")
+
     def memcpy_retargeter(self, raw_exec: int, node: GraphNode, device: int) -> Callable[[int], None] | None:
         """For a memcpy node of an instantiated graph on ``device``: a ``set_destination(address)`` that
         makes the node copy to another device address (same context, same size) from the
@@ -247,6 +265,12 @@ class Backend(abc.ABC):
         bytes. None where the backend cannot say (replay then matches by bytes and refuses
         launches it cannot tell apart)."""
         return None
+
+    def capture_tail_function(self) -> Callable[[int], tuple[int, ...] | None]:
+        """What answers :meth:`capture_tail`: the method itself, or an object of the C helper
+        (``jitcore.backends._native.CaptureTail``) that a packed launch's recording calls without
+        Python (a recorder's ``launch_sink``)."""
+        return self.capture_tail
 
     def packed_launcher(
         self,

@@ -10,7 +10,7 @@ import contextlib
 import ctypes
 import functools
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from jitcore.backends import compiled_helpers_enabled
 from jitcore.backends.abi import CUDA_TYPE_NAMES, PackedParams, ParamLayout, prelude
@@ -58,7 +58,9 @@ _NATIVE_SYMBOLS = {
 #:   entry point, whose prototype (no edge data) is the one the C helper declares, whatever
 #:   the toolkit's unversioned name means today;
 #: - the node reads of a recording's analysis (graph_nodes); the parameters' getter is the _v2
-#:   entry point, whose struct the C helper reads the head of.
+#:   entry point, whose struct the C helper reads the head of;
+#: - the copy nodes a recording adds for its outputs' own memory (append_copies), whose
+#:   CUDA_MEMCPY3D the binding makes.
 _NATIVE_OPTIONAL = (
     {"capture_info": ("capture_info", "cuStreamGetCaptureInfo_v2", "cuStreamGetCaptureInfo_v2_ptsz")},
     {
@@ -70,9 +72,12 @@ _NATIVE_OPTIONAL = (
             "cuGraphKernelNodeGetParams_v2",
         ),
     },
+    {"graph_add_memcpy": ("graph_add_memcpy", "cuGraphAddMemcpyNode", "cuGraphAddMemcpyNode")},
 )
-#: The roles of the node reads, in the order graph_nodes takes them.
+#: The roles of the node reads, in the order _native.NodeReads takes their addresses.
 _NATIVE_NODE_READS = tuple(_NATIVE_OPTIONAL[1])
+#: GraphNode.kind of each node type the C helper's node reads answer (any other: "other").
+_NODE_KINDS = {_NODE_KERNEL: "kernel", _NODE_MEMCPY: "memcpy", _NODE_MEMSET: "memset"}
 
 
 def native_calls() -> dict[str, Callable[..., tuple]] | None:
@@ -104,13 +109,18 @@ def native_calls() -> dict[str, Callable[..., tuple]] | None:
         if role == "launch":
             calls["packed_launch"] = functools.partial(_native.PackedLaunch, address)
     calls["read_params"] = _native.read_params  # (no driver call: it reads host memory)
+    addresses = {}
     for group in _NATIVE_OPTIONAL:
         symbols = {role: ptsz if per_thread else legacy for role, (_, legacy, ptsz) in group.items()}
         functions = {role: getattr(libcuda, symbol, None) for role, symbol in symbols.items()}
         if all(function is not None for function in functions.values()):
             for role, (kind, _, _) in group.items():
-                address = ctypes.cast(functions[role], ctypes.c_void_p).value
-                calls[role] = _native.bind(kind, _display_name(symbols[role]), address)
+                addresses[role] = ctypes.cast(functions[role], ctypes.c_void_p).value
+                calls[role] = _native.bind(kind, _display_name(symbols[role]), addresses[role])
+    if "capture_info" in addresses:
+        calls["capture_tail"] = _native.CaptureTail(addresses["capture_info"], _CAPTURE_ACTIVE)
+    if "graph_get_nodes" in addresses:
+        calls["node_reads"] = _native.NodeReads(*(addresses[role] for role in _NATIVE_NODE_READS), _NODE_KERNEL)
     return calls
 
 
@@ -119,18 +129,28 @@ def _display_name(symbol: str) -> str:
     return symbol.removesuffix("_ptsz").removesuffix("_v2")
 
 
-def _other_node(index: int, handle: object, kind: int) -> GraphNode:
+def _other_node(index: int, handle: int, kind: int) -> GraphNode:
     """A graph node that is not a kernel (``kind``: its type as an int, which a driver newer
     than the binding may answer with a value the binding's enum lacks: "other"): a copy's or
     a memset's device addresses, through the binding on both paths of ``graph_nodes``
     (replay reads few of them)."""
     if kind == _NODE_MEMCPY:
-        p = _check(driver.cuGraphMemcpyNodeGetParams(handle), "cuGraphMemcpyNodeGetParams")
-        return GraphNode(index=index, handle=handle, kind="memcpy", pointers=(int(p.srcDevice), int(p.dstDevice)))
+        p = _check(driver.cuGraphMemcpyNodeGetParams(driver.CUgraphNode(handle)), "cuGraphMemcpyNodeGetParams")
+        return GraphNode(index, handle, "memcpy", pointers=(int(p.srcDevice), int(p.dstDevice)))
     if kind == _NODE_MEMSET:
-        p = _check(driver.cuGraphMemsetNodeGetParams(handle), "cuGraphMemsetNodeGetParams")
-        return GraphNode(index=index, handle=handle, kind="memset", pointers=(int(p.dst),))
-    return GraphNode(index=index, handle=handle, kind="other")
+        p = _check(driver.cuGraphMemsetNodeGetParams(driver.CUgraphNode(handle)), "cuGraphMemsetNodeGetParams")
+        return GraphNode(index, handle, "memset", pointers=(int(p.dst),))
+    return GraphNode(index, handle, "other")
+
+
+def _flat_copy(destination: int, source: int, nbytes: int) -> object:
+    """The copy parameters of ``nbytes`` from one device address to another (what a captured
+    device-to-device cudaMemcpyAsync holds)."""
+    params = driver.CUDA_MEMCPY3D()
+    params.srcMemoryType = params.dstMemoryType = driver.CUmemorytype.CU_MEMORYTYPE_DEVICE
+    params.srcDevice, params.dstDevice = source, destination
+    params.WidthInBytes, params.Height, params.Depth = nbytes, 1, 1
+    return params
 
 
 def _remember_stream(cache: dict[int, int], raw_stream: int) -> int:
@@ -201,6 +221,7 @@ class _CudaNodeUpdater(NodeUpdater):
         self, graph_exec: object, node: GraphNode, layout: ParamLayout, initial: bytes, native_set: Callable | None
     ):
         self.params = PackedParams(layout, initial)
+        handle = driver.CUgraphNode(int(node.handle))  # (nodes come with raw handles)
         node_params = driver.CUDA_KERNEL_NODE_PARAMS()
         node_params.func = driver.CUfunction(node.function)
         node_params.gridDimX, node_params.gridDimY, node_params.gridDimZ = node.grid
@@ -211,12 +232,12 @@ class _CudaNodeUpdater(NodeUpdater):
         self.node_params = node_params
         if native_set is None:
             self.set_call = driver.cuGraphExecKernelNodeSetParams
-            self.set_args = (graph_exec, node.handle, node_params)
+            self.set_args = (graph_exec, handle, node_params)
         else:  # the same call from C, on raw handles and the struct's address (node_params owns it)
             self.set_call = native_set
             self.set_args = (int(graph_exec), int(node.handle), node_params.getPtr())
         self.enable_call = driver.cuGraphNodeSetEnabled
-        self.enable_args = (graph_exec, node.handle)
+        self.enable_args = (graph_exec, handle)
 
     def apply(self) -> None:
         _check(self.set_call(*self.set_args), "cuGraphExecKernelNodeSetParams")
@@ -252,9 +273,12 @@ class CudaBackend(DriverBackend):
         super().__init__(compiler, launch, graph_launch, 0, _check, {}, launch_detail=False)
         self._native_node_set = native["node_set"] if native else None
         self._packed_launch = native["packed_launch"] if native else None
-        self._native_capture_info = native.get("capture_info") if native else None
-        reads = tuple(native.get(role) for role in _NATIVE_NODE_READS) if native else ()
-        self._native_node_reads = reads if reads and all(reads) else None
+        #: the C helper's CaptureTail (capture_tail's answer made in C), where bound
+        self._native_capture_info = native.get("capture_tail") if native else None
+        #: the C helper's NodeReads (every node of a graph in one call), where bound
+        self._native_node_reads = native.get("node_reads") if native else None
+        self._native_get_nodes = native.get("graph_get_nodes") if native else None
+        self._native_add_memcpy = native.get("graph_add_memcpy") if native else None
         self._native_read_params = native["read_params"] if native else None
         self.raw_stream_handles = self.native
         if native:
@@ -367,7 +391,7 @@ class CudaBackend(DriverBackend):
     # --- graphs --------------------------------------------------------------------------
     def graph_nodes(self, raw_graph: int) -> list[GraphNode]:
         if self._native_node_reads is not None:
-            return self._graph_nodes_from_c(raw_graph, *self._native_node_reads)
+            return self._graph_nodes_from_c(raw_graph, None)
         graph = driver.CUgraph(raw_graph)
         _, count = _check(driver.cuGraphGetNodes(graph, 0), "cuGraphGetNodes")
         if not count:
@@ -381,7 +405,7 @@ class CudaBackend(DriverBackend):
                 nodes.append(
                     GraphNode(
                         index=index,
-                        handle=handle,
+                        handle=int(handle),
                         kind="kernel",
                         function=int(p.func),
                         grid=(p.gridDimX, p.gridDimY, p.gridDimZ),
@@ -391,35 +415,34 @@ class CudaBackend(DriverBackend):
                     )
                 )
             else:
-                nodes.append(_other_node(index, handle, int(kind)))
+                nodes.append(_other_node(index, int(handle), int(kind)))
         return nodes
 
-    @staticmethod
-    def _graph_nodes_from_c(raw_graph: int, get_nodes, get_type, get_params) -> list[GraphNode]:
-        """:meth:`graph_nodes` through the C helper: the same nodes, each kernel node read in
-        two C calls (where the binding builds an object for every handle and struct it
-        returns). Handles are the binding's node objects as on the
-        other path (node updates and copy retargeting take them)."""
+    def graph_nodes_with_params(self, raw_graph: int, sizes: Mapping[int, tuple[int, ...]]) -> list[GraphNode]:
+        if self._native_node_reads is not None:
+            return self._graph_nodes_from_c(raw_graph, sizes if isinstance(sizes, dict) else dict(sizes))
+        return self.graph_nodes(raw_graph)
+
+    #: Which read a failed NodeReads call names (its second item).
+    _NODE_READ_NAMES = ("cuGraphGetNodes", "cuGraphNodeGetType", "cuGraphKernelNodeGetParams")
+
+    def _graph_nodes_from_c(self, raw_graph: int, sizes: dict | None) -> list[GraphNode]:
+        """:meth:`graph_nodes` through the C helper's NodeReads: every node's fields in one
+        call, with the parameters of kernel nodes whose function ``sizes`` names. Handles are
+        raw ints on both paths (the binding's node objects are made for the nodes a graph
+        patches only: node_updater, memcpy_retargeter)."""
+        status, which, rows = self._native_node_reads(raw_graph, sizes)
+        _check((status,), self._NODE_READ_NAMES[which])
+        new, kinds = tuple.__new__, _NODE_KINDS
         nodes = []
-        for index, raw in enumerate(_check(get_nodes(raw_graph), "cuGraphGetNodes")):
-            kind = _check(get_type(raw), "cuGraphNodeGetType")
-            handle = driver.CUgraphNode(raw)
+        for index, (handle, kind, function, gx, gy, gz, bx, by, bz, shared, address, params) in enumerate(rows):
             if kind == _NODE_KERNEL:
-                function, gx, gy, gz, bx, by, bz, shared, params = _check(get_params(raw), "cuGraphKernelNodeGetParams")
-                nodes.append(
-                    GraphNode(
-                        index=index,
-                        handle=handle,
-                        kind="kernel",
-                        function=function,
-                        grid=(gx, gy, gz),
-                        block=(bx, by, bz),
-                        shared_bytes=shared,
-                        params_address=params,
-                    )
-                )
-            else:
+                fields = (index, handle, "kernel", function, (gx, gy, gz), (bx, by, bz), shared, address, (), params)
+                nodes.append(new(GraphNode, fields))
+            elif kind in kinds:
                 nodes.append(_other_node(index, handle, kind))
+            else:
+                nodes.append(new(GraphNode, (index, handle, "other", 0, (0, 0, 0), (0, 0, 0), 0, 0, (), None)))
         return nodes
 
     def kernel_param_sizes(self, function: int) -> list[int] | None:
@@ -443,6 +466,25 @@ class CudaBackend(DriverBackend):
     def node_updater(self, raw_exec, node, layout, initial) -> NodeUpdater:
         return _CudaNodeUpdater(driver.CUgraphExec(raw_exec), node, layout, initial, self._native_node_set)
 
+    def append_copies(self, raw_graph: int, copies: Sequence[tuple[int, int, int]], device: int) -> None:
+        """Each copy a memcpy node depending on every node the graph held before (as a
+        capture into it would make it), added through the C helper where it was built."""
+        if not copies:
+            return
+        context = self._context(device)
+        params = [_flat_copy(*copy) for copy in copies]  # kept alive until the nodes are added
+        if self._native_add_memcpy is not None and self._native_get_nodes is not None:
+            dependencies = _check(self._native_get_nodes(raw_graph), "cuGraphGetNodes")
+            for p in params:
+                added = self._native_add_memcpy(raw_graph, dependencies, p.getPtr(), int(context))
+                _check(added, "cuGraphAddMemcpyNode")
+            return
+        graph = driver.CUgraph(raw_graph)
+        _, count = _check(driver.cuGraphGetNodes(graph, 0), "cuGraphGetNodes")
+        nodes = list(_check(driver.cuGraphGetNodes(graph, count), "cuGraphGetNodes")[0][:count]) if count else []
+        for p in params:
+            _check(driver.cuGraphAddMemcpyNode(graph, nodes or None, len(nodes), p, context), "cuGraphAddMemcpyNode")
+
     @contextlib.contextmanager
     def capture_into(self, raw_graph: int, raw_stream: int):
         graph = driver.CUgraph(raw_graph)
@@ -460,14 +502,15 @@ class CudaBackend(DriverBackend):
             _check(driver.cuStreamEndCapture(stream), "cuStreamEndCapture")
 
     def memcpy_retargeter(self, raw_exec: int, node: GraphNode, device: int) -> Callable[[int], None] | None:
-        params = _check(driver.cuGraphMemcpyNodeGetParams(node.handle), "cuGraphMemcpyNodeGetParams")
+        handle = driver.CUgraphNode(int(node.handle))  # (nodes come with raw handles)
+        params = _check(driver.cuGraphMemcpyNodeGetParams(handle), "cuGraphMemcpyNodeGetParams")
         kinds = (driver.CUmemorytype.CU_MEMORYTYPE_DEVICE, driver.CUmemorytype.CU_MEMORYTYPE_UNIFIED)
         try:
             if params.dstMemoryType not in kinds or params.Depth > 1 or params.Height > 1:
                 return None  # not a flat copy into device memory (the only kind replay retargets)
         except ValueError:  # a memory type these bindings do not know
             return None
-        graph_exec, handle, context = driver.CUgraphExec(raw_exec), node.handle, self._context(device)
+        graph_exec, context = driver.CUgraphExec(raw_exec), self._context(device)
         setter = driver.cuGraphExecMemcpyNodeSetParams
 
         def set_destination(address: int) -> None:
@@ -478,16 +521,16 @@ class CudaBackend(DriverBackend):
 
     def capture_tail(self, raw_stream: int) -> tuple[int, ...] | None:
         if self._native_capture_info is not None:
-            status, capture_status, nodes = self._native_capture_info(raw_stream)
-            if status or capture_status != _CAPTURE_ACTIVE:
-                return None
-            return nodes
+            return self._native_capture_info(raw_stream)
         result = driver.cuStreamGetCaptureInfo(self.stream_object(raw_stream))
         if int(result[0]) or result[1] != driver.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_ACTIVE:
             return None
         # (status, capture status, id, graph, dependencies, [edge data,] count)
         dependencies, count = result[4], int(result[-1])
         return tuple(int(node) for node in list(dependencies)[:count])
+
+    def capture_tail_function(self) -> Callable[[int], tuple[int, ...] | None]:
+        return self._native_capture_info if self._native_capture_info is not None else self.capture_tail
 
     def launch_function(self, function: LoadedFunction) -> object:
         return function.address if self.native else function.handle

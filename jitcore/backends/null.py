@@ -54,8 +54,10 @@ class NullBackend(Backend):
 
     def __init__(self, *, packed: bool = False) -> None:
         """``packed``: call states launch through the C helper's PackedLaunch over a launch that
-        runs nothing (its ``NULL_LAUNCH``), as they do on the CUDA backend where the helper is
-        built; a ValueError where the helper was not built."""
+        runs nothing (its ``NULL_LAUNCH``), and a recording asks the capture tail of a C
+        CaptureTail over a query that answers "not capturing" (``NULL_CAPTURE_INFO``), as they
+        do on the CUDA backend where the helper is built; a ValueError where the helper was not
+        built."""
         self.launches = 0
         self._packed = _native_helper() if packed else None
         self._handles = _HANDLES  # process-wide: kernels keep loaded functions across backends
@@ -111,6 +113,11 @@ class NullBackend(Backend):
             static_shared_bytes=0,
             dynamic_shared_limit=48 * 1024,
         )
+
+    def capture_tail_function(self):
+        if self._packed is None:
+            return self.capture_tail
+        return self._packed.CaptureTail(self._packed.NULL_CAPTURE_INFO, 1)
 
     def packed_launcher(self, function, template, offsets, runs, failed=None):
         if self._packed is None:

@@ -3,12 +3,14 @@ costs: what a loop's calls would cost under it, against eager (tests/replay/test
 
 A call of a key is served as the session serves it (replay.region, replay.orchestration,
 replay.lifecycle): a key with a graph replays; a key whose capture awaits its analysis is
-analysed, then replays (that replay is the one timed); any other call is counted, and the
-rule (warming, payback, admission, budget) says whether it records or runs eagerly. A capture
+analysed, then replays; any other call is counted, and the rule (warming, payback, admission,
+budget) says whether it records or runs eagerly. A capture
 takes a place at once (``max_graphs`` + 1 at most, as Keys.make_room allows), a graph when
 analysed. Every call is charged its modelled cost; the session's own bookkeeping on an eager
 call is ``Costs.overhead``. The region's eager estimate is known from its ``timed_after``-th
-eager run on (dispatch.EagerCost: one run in eight timed, the first not trusted).
+eager run on (dispatch.EagerCost: one run in eight timed, the first not trusted); its replay
+estimate is timed on its replays as the session times them (ReplayTimes: one in eight, later
+one in 64, a graph's first never), at ``Costs.replay_host``.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from collections.abc import Hashable, Iterable
 import attrs
 
 from replay.admission import Admission, ReplayTimes
+from replay.dispatch import TIMING_MASK, TIMING_MASK_SETTLED, TIMING_SETTLED
 from samples import decode_loop
 
 
@@ -99,13 +102,20 @@ class Simulation:
         else:
             self._unrecorded(key)
 
-    def _replay(self, key: Hashable) -> None:
+    def _replay(self, key: Hashable, first: bool = False) -> None:
+        """A replay (``first``: the graph's first, on its key's analysis call), counted and
+        timed as the session times replays."""
         self.replays[key] = self.replays.get(key, 0) + 1
         self.counts.replays += 1
         self.seconds += self.costs.replay
+        times = self.replay_times
+        times.runs = runs = times.runs + 1
+        if not first and not runs & (TIMING_MASK if runs < TIMING_SETTLED else TIMING_MASK_SETTLED):
+            costs = self.costs
+            times.took(costs.replay if costs.replay_host is None else costs.replay_host)
 
     def _analyse(self, key: Hashable) -> None:
-        """Keys.analyse, the analysis charged, Keys.serve, then the timed replay."""
+        """Keys.analyse, the analysis charged, Keys.serve, then the graph's first replay."""
         admission, costs = self.admission, self.costs
         del self.pending[key]
         admission.dropped(key)
@@ -114,8 +124,7 @@ class Simulation:
         self._make_room(key, allowance=0)
         self.lru[key] = None
         admission.held(key, key)
-        self._replay(key)
-        self.replay_times.took(costs.replay if costs.replay_host is None else costs.replay_host)
+        self._replay(key, first=True)
 
     def _unrecorded(self, key: Hashable) -> None:
         """Region._decide, then the capture (Keys.capture) or an eager run."""

@@ -141,18 +141,16 @@ def test_a_recording_usually_costs_the_median_capture_and_the_median_analysis():
     assert budget.usual == pytest.approx(0.004)
 
 
-def test_a_regions_replay_time_is_the_lower_median_of_its_timed_replays():
+def test_a_regions_replay_time_drops_at_once_and_rises_an_eighth_at_a_time():
+    # as an eager call's estimate does: a replay that waited does not make every replay look slow
     times = ReplayTimes()
     assert times.seconds is None
     assert times.saving(100e-6) == pytest.approx(100e-6 - admission.REPLAY_SECONDS_GUESS)  # none timed: the guess
-    assert times.took(40e-6) and times.seconds == 40e-6
-    assert times.took(20e-6) and times.seconds == 20e-6
-    assert times.took(30e-6) and times.seconds == 30e-6
-    assert not times.took(35e-6)  # 20, 30, 35, 40: still 30
-    assert times.saving(100e-6) == pytest.approx(70e-6) and times.saving(10e-6) == 0.0
-    for _ in range(admission.RECENT_REPLAYS):
-        times.took(50e-6)
-    assert times.recent == [50e-6] * admission.RECENT_REPLAYS and times.seconds == 50e-6
+    for seconds, expected in [(40e-6, 40e-6), (20e-6, 20e-6), (100e-6, 30e-6), (10e-6, 10e-6), (-1.0, 0.0)]:
+        times.took(seconds)
+        assert times.seconds == pytest.approx(expected)
+    times.took(10e-6)
+    assert times.saving(100e-6) == pytest.approx(98.75e-6) and times.saving(1e-6) == 0.0
 
 
 def test_one_time_costs_are_charged_up_to_three_times_a_usual_recording():
@@ -442,6 +440,12 @@ SAMPLE = Costs(eager=1e-3, replay=350e-6, replay_host=50e-6, capture=6e-3, analy
 SHAPES = Costs(
     eager=240e-6, replay=75e-6, replay_host=20e-6, capture=2.5e-3, analysis=2e-3, first_capture=0.02, overhead=7e-6
 )
+#: The decode-loop sample with the costs a GPU run of it measured (notes/policy-fix.md): a step
+#: bound by the GPU when replayed, sixteen recordings whose analyses cost about as much again
+#: as their captures.
+SAMPLE_MEASURED = Costs(
+    eager=0.44e-3, replay=0.16e-3, replay_host=50e-6, capture=2.5e-3, analysis=3.1e-3, overhead=5e-6
+)
 
 
 #: The ported loops of the uniform-mix tests: recordings of 5 ms, a saving per call given.
@@ -497,6 +501,18 @@ def test_the_decode_samples_sizes_record_from_their_first_calls(seed):
     assert sum(index < 100 for index, _ in sim.recordings) >= seen // 2  # most of the first 100 steps' sizes
     assert {key for key in keys if keys.count(key) >= 5} <= {key for _, key in sim.recordings}
     assert sim.ratio < 1 / 1.1  # faster than eager, its recordings included
+
+
+@pytest.mark.parametrize("steps", [400, 2000])
+def test_the_decode_sample_at_its_measured_costs_comes_within_a_tenth_of_recording_each_size_at_once(steps):
+    # what no policy beats: each size recorded on its first call, analysed on its second, every
+    # other call replayed. The policy's caution (a size's first call is no evidence; the payback
+    # rule past the first recordings) costs the sample's default run at most a tenth over it
+    keys = random_walk(steps, 16, 1)
+    sim = Simulation(SAMPLE_MEASURED).run(keys)
+    sizes, costs = len(set(keys)), SAMPLE_MEASURED
+    at_once = sizes * (costs.capture + costs.analysis) + (len(keys) - sizes) * costs.replay
+    assert sim.seconds <= 1.1 * at_once and sim.counts.records == sizes
 
 
 @pytest.mark.parametrize("seed", range(3))

@@ -57,6 +57,10 @@ class Quiet:  # every count warms: the gate runs the call itself
     version: int = 0
 
 @attrs.define
+class ReplayTimes:
+    runs: int = 0
+
+@attrs.define
 class Budget:
     version: int = 0
 
@@ -75,12 +79,12 @@ class Exclusion:
 
 FIELDS = dict(
     region=None, by_pre_key={}, entry_shapes={}, session=Session(), admission=Admission(), sketch=Sketch(),
-    budget=Budget(), counters=Counters(), forgotten=Forgotten(), quiet=Quiet(), fn=lambda *a: "ran",
-    exclusion=Exclusion(), touch=lambda entry: None, clock=lambda: 0.0, padded_type=None, buckets=frozenset(),
-    largest=0, decide=lambda *a: RUN_EAGERLY, took=lambda seconds: None, full_path=lambda args, kwargs: "full",
-    region_drift=None, specs=((0, 0), (0, 1)), flat=0, tensor_type=Tensor, dynamic_type=Drift,
-    dynamic_mark=("dynamic",), plain=frozenset({int}), miss=MISS, eagerly=RUN_EAGERLY, declined=object(), mask=7,
-    settled=256, settled_mask=63,
+    budget=Budget(), counters=Counters(), forgotten=Forgotten(), quiet=Quiet(), replay_times=ReplayTimes(),
+    fn=lambda *a: "ran", exclusion=Exclusion(), touch=lambda entry: None, clock=lambda: 0.0, padded_type=None,
+    buckets=frozenset(), largest=0, decide=lambda *a: RUN_EAGERLY, took=lambda seconds: None,
+    replayed=lambda seconds: None, full_path=lambda args, kwargs: "full", region_drift=None, specs=((0, 0), (0, 1)),
+    flat=0, tensor_type=Tensor, dynamic_type=Drift, dynamic_mark=("dynamic",), plain=frozenset({int}), miss=MISS,
+    eagerly=RUN_EAGERLY, declined=object(), time_replays=True, mask=7, settled=256, settled_mask=63,
 )
 Program = attrs.make_class("Program", list(FIELDS), slots=True)
 
@@ -118,7 +122,8 @@ MISUSES = {
     """,
     "program fields of the wrong types": """
         for field, value in [("by_pre_key", []), ("entry_shapes", ()), ("specs", []), ("plain", set()),
-                             ("buckets", [1]), ("tensor_type", 3), ("largest", "big"), ("mask", 1.5)]:
+                             ("buckets", [1]), ("tensor_type", 3), ("largest", "big"), ("mask", 1.5),
+                             ("time_replays", 1)]:
             message = raises(TypeError, EagerGate, program(**{field: value}))
             assert field in message, message
         raises(OverflowError, EagerGate, program(largest=2**70))

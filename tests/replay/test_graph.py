@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import struct
+import time
 
 import attrs
 import pytest
@@ -325,9 +326,24 @@ def test_a_graph_never_serves_another_aliasing_pattern():
 def test_many_tensor_arguments_check_aliasing_with_one_sort(c_or_python):
     tensors = [torch.randn(4) for _ in range(10)]
     graph, _ = build(tensors, Plan())
-    assert ("_disjoint(" if c_or_python == "c" else "_pattern_of") in graph.source
+    assert ("_disjoint(" if c_or_python == "c" else "_overlap_groups") in graph.source
     assert graph.replay(*tensors) is not MISMATCH
     assert graph.replay(*tensors[:9], tensors[0]) is MISMATCH
+
+
+def test_one_tensor_passed_many_times_is_checked_by_one_sort(c_or_python):
+    """Recorded with one tensor 2000 times, the replay checks the pattern in about linear
+    time (one group, not 2000 * 1999 / 2 pairs), and declines a call overlapping otherwise."""
+    x, y = torch.randn(4), torch.randn(4)
+    graph, _ = build([x] * 2000, Plan())
+    assert graph.key[3] == (tuple(range(2000)),) and "_overlap_groups" in graph.source
+    seconds = []
+    for _ in range(5):
+        started = time.perf_counter()
+        assert graph.replay(*[y] * 2000) is not MISMATCH
+        seconds.append(time.perf_counter() - started)
+    assert sorted(seconds)[2] < 0.2, seconds  # (the median: a loaded machine's pauses are not the check's)
+    assert graph.replay(*[y] * 1999, x) is MISMATCH
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -344,7 +360,7 @@ def test_many_arguments_recorded_apart_are_checked_apart_like_the_general_patter
     if c_or_python == "c":
         assert "_disjoint(" in graph.source and "_np_array" not in graph.source
     else:
-        assert "_np_array" in graph.source and "_pattern_of" not in graph.source
+        assert "_np_array" in graph.source and "_overlap_groups" not in graph.source
     assert graph.replay(*recorded) is not MISMATCH
     views = []
     for _ in range(count):
@@ -1275,3 +1291,45 @@ def test_a_view_of_an_argument_is_found_where_it_was_when_recorded(replay_step):
     x.untyped_storage().resize_(4096)  # the argument, and the view with it, moved
     (view,) = graph._classify_outputs(list(outputs), identity)
     assert isinstance(view, graph_module.InputView) and view.input == 0 and view.delta == 2 and not view.whole
+
+
+# --- a capture shaped like the decode sample's (tests/replay/sample_capture.py) ------------------
+
+
+def test_a_sample_shaped_graph_rebinds_every_argument_and_shares_its_code_across_batch_sizes():
+    """Jit launches over ten arguments, a cuBLAS-like node per matmul, the logits copied into
+    an output slot: each replay writes the new arguments' pointers into every node bound to
+    them, and the graphs of two batch sizes are one text (one compiled code, their values in
+    their namespaces)."""
+    from tests.replay import sample_capture
+
+    graphs = []
+    for batch in (4, 6):
+        slots, sim, backend = slot_setup()  # an exec each
+        with use_backend(backend):
+            sample = sample_capture.sample_capture(batch)
+            plan = sample_capture.plan(sample)
+            assert len(plan.pointers) >= 17 and not plan.needs_staging and plan.failure is None
+            capture = sample_capture.capture_for_graph(sample, FakeTorchGraph(sim), plan)
+            graph = RecordedGraph(
+                FakeRegion(sample.key),
+                sample.key,
+                capture,
+                sample.spec,
+                sample.leaves,
+                sample.paths,
+                SlotSession(slots),
+                0,
+            )
+            graphs.append((graph, batch))
+            for _ in range(2):
+                arguments = sample_capture.arguments(batch)
+                out = graph.replay(*arguments)
+                assert out.shape == (batch, sample_capture.WIDTH)
+                launched = sim.launched[-1]
+                for binding in graph.plan.pointers:
+                    pointer = struct.unpack_from("<Q", launched[binding.node][0], binding.offset)[0]
+                    assert pointer == arguments[binding.input].data_ptr() + binding.delta
+    (first, _), (second, _) = graphs
+    assert first.source == second.source
+    assert first.namespace["_e0"] != second.namespace["_e0"]  # the token batch's extent, a value

@@ -1365,6 +1365,67 @@ def test_an_output_read_on_other_streams_is_not_overwritten_before_they_are_done
         assert session.stats().replays >= 10, session.report()
 
 
+@pytest.mark.parametrize("launch_on", ["the default stream", "a side stream"])
+def test_each_step_of_waiting_for_an_outputs_reader_holds(launch_on, monkeypatch):
+    """The steps the test above rests on, each asserted apart so that a failure names its step:
+    the wrapper is installed; the output's memory is a watched lane; record_stream notes the
+    reader on that lane's slot; the other shape's replay writes that same slot; it waited once,
+    for that reader, on the raw stream it launched on; that handle is the launch stream's own
+    torch object (the default stream's handle is 0); the reader saw its call's values."""
+    from replay import output_slots
+
+    waits = []
+    wait = output_slots.wait_for_readers
+
+    def counted(readers, stream, device):
+        waits.append((list(readers), stream))
+        wait(readers, stream, device)
+
+    monkeypatch.setattr(output_slots, "wait_for_readers", counted)
+    dummy = torch.zeros(32, device="cuda")
+    launch = torch.cuda.current_stream() if launch_on == "the default stream" else torch.cuda.Stream()
+    reader = torch.cuda.Stream()
+
+    def slot_of(tensor):
+        storage = tensor.untyped_storage()
+        lane = output_slots.watched_lane(storage.data_ptr(), storage.nbytes())
+        return lane.owner() if lane is not None and lane.owner is not None else None
+
+    with torch.cuda.stream(launch), replay.capture() as session:
+        step = session.region(shapes_region)
+        _record_two_shapes(step)
+        for call in range(3):
+            x = torch.randn(64, 1024, device="cuda")
+            want = shapes_region(x.clone())
+            replays = session.stats().replays
+            out = step(x)
+            assert session.stats().replays == replays + 1, f"call {call}: the 64-row call was not a replay"
+            assert torch.Tensor.record_stream is output_slots._record_stream, "no record_stream wrapper"
+            slot = slot_of(out)
+            assert slot is not None, f"call {call}: the output's memory is no watched lane"
+            reader.wait_stream(launch)
+            with torch.cuda.stream(reader):
+                spin(dummy, 20_000_000)  # about 10 ms before it reads
+                copy = out.clone()
+            out.record_stream(reader)
+            assert slot.readers == [reader], f"call {call}: record_stream noted {slot.readers} on the output's slot"
+            del out
+            waits.clear()
+            other = torch.randn(48, 1024, device="cuda")
+            again = step(other)
+            assert session.stats().replays == replays + 2, f"call {call}: the 48-row call was not a replay"
+            assert slot_of(again) is slot, f"call {call}: the 48-row replay wrote another slot"
+            raw = launch.cuda_stream
+            assert waits == [([reader], raw)], f"call {call}: waits {waits}, want one for the reader on stream {raw}"
+            assert slot.readers == [], f"call {call}: the readers were not forgotten after the wait"
+            target = output_slots.torch_stream(raw, torch.cuda.current_device())
+            assert target.cuda_stream == raw, f"call {call}: the wait went to stream {target.cuda_stream}, not {raw}"
+            torch.cuda.synchronize()
+            assert same(copy, want), f"call {call}: the reader saw another replay's values"
+            assert same(again, shapes_region(other)), call
+            del again
+
+
 def reads_with_torch(x):
     y = torch.empty_like(x)
     scaled(x * 1.0, y, 2.0)  # a torch op reads x: x is staged into a buffer the graph owns

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 
+import attrs
 import pytest
 import torch
 
@@ -305,3 +306,170 @@ def test_the_record_stream_wrapper_is_torchs_call_first(monkeypatch):
     stream = object()
     out.record_stream(stream)
     assert noted == [stream] and a.readers == [stream]
+
+
+class FreshStorage:
+    """A tensor as a torch that keeps no Python object per storage hands it out: each
+    ``untyped_storage()`` is a new object over the same memory (here a new storage, too)."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    def untyped_storage(self) -> torch.UntypedStorage:
+        storage = self.tensor.untyped_storage()
+        return torch._C._construct_storage_from_data_pointer(storage.data_ptr(), storage.device, storage.nbytes())
+
+
+class Span:
+    """Anything with a storage at ``start``, ``nbytes`` long (memory no tensor here owns)."""
+
+    def __init__(self, start: int, nbytes: int) -> None:
+        self.start, self.bytes = start, nbytes
+
+    def untyped_storage(self) -> Span:
+        return self
+
+    def data_ptr(self) -> int:
+        return self.start
+
+    def nbytes(self) -> int:
+        return self.bytes
+
+
+def watched_slot():
+    slots, _, _ = make()
+    slot = slots.choose(Graph(), (64,))
+    output_slots._watch(slot.lanes[0])  # (the CPU's lanes are not watched of themselves)
+    return slot
+
+
+@pytest.mark.parametrize(
+    "reach",
+    [
+        FreshStorage,  # the storage's Python object new at each call
+        lambda out: torch.from_dlpack(out),  # another storage over the same memory
+        lambda out: torch.from_dlpack(out[1:]),  # one starting inside the lane
+        lambda out: FreshStorage(out.view(torch.int32)[2:]),
+    ],
+    ids=["a new storage object each time", "a DLPack round trip", "a DLPack view inside", "a view, new objects"],
+)
+def test_a_reader_is_noted_by_address_whatever_python_object_the_storage_is(reach):
+    slot = watched_slot()
+    out = hand_out(slot)
+    tensor = reach(out)
+    assert tensor.untyped_storage() is not slot.lanes[0].storage  # (what this test is about)
+    reader = object()
+    output_slots.note_reader(tensor, reader)
+    output_slots.note_reader(reach(out), reader)  # the same stream again: noted once
+    assert slot.readers == [reader]
+
+
+def test_no_reader_is_noted_for_memory_a_live_lane_does_not_hold():
+    slot = watched_slot()
+    lane = slot.lanes[0]
+    start, end = lane.address, lane.address + lane.size
+    for outside in [Span(start - 64, 64), Span(end, 64), Span(start, lane.size + 1), Span(end - 8, 16), Span(start, 0)]:
+        output_slots.note_reader(outside, object())
+    assert slot.readers == []
+    assert output_slots.watched_lane(start, lane.size) is lane and output_slots.watched_lane(end - 8, 8) is lane
+
+
+def test_a_moved_lanes_old_memory_notes_no_reader():
+    """A caller resized the storage: the memory at the lane's old address is the allocator's,
+    and a tensor there now is none of the slot's business."""
+    slot = watched_slot()
+    lane = slot.lanes[0]
+    address, size = lane.address, lane.size
+    out = hand_out(slot)
+    out.untyped_storage().resize_(4096)
+    assert lane.moved()
+    output_slots.note_reader(Span(address, size), object())
+    output_slots.note_reader(out, object())  # the storage itself, moved: not the lane's memory any more
+    assert slot.readers == [] and output_slots.watched_lane(address, size) is None
+
+
+def test_the_watched_addresses_stay_sorted_and_go_with_their_lanes():
+    gc.collect()
+    slots, _, _ = make()
+    before = list(output_slots._STARTS)
+    lanes = [slots.choose(Graph(), (64,)).lanes[0]]
+    lanes.append(OutputSlots(lambda size: torch.empty(size, dtype=torch.uint8)).choose(Graph(), (2048,)).lanes[0])
+    for lane in lanes:
+        output_slots._watch(lane)
+        output_slots._watch(lane)  # twice: one entry
+    assert output_slots._STARTS == sorted(output_slots._STARTS) == sorted(set(output_slots._STARTS))
+    assert set(output_slots._STARTS) == set(output_slots._WATCHED)
+    assert all(output_slots.watched_lane(lane.address + 1, 8) is lane for lane in lanes)
+    output_slots._unwatch(lanes[0])
+    del lanes[1:], lane  # the last references: forgotten by its weak reference
+    gc.collect()
+    assert output_slots._STARTS == before and set(output_slots._STARTS) == set(output_slots._WATCHED)
+
+
+class FakeStream:
+    """A CUDA stream object as the wait sees it (its raw handle, what was waited for on it)."""
+
+    def __init__(self, cuda_stream: int = 0, **ids) -> None:
+        self.cuda_stream, self.ids, self.waited = cuda_stream, ids, []
+
+    def wait_event(self, event) -> None:
+        self.waited.append(event)
+
+
+class FakeEvent:
+    def record(self, stream) -> None:
+        self.stream = stream
+
+
+def fake_cuda_streams(monkeypatch, default_handle: int = 0) -> tuple[FakeStream, list]:
+    """torch.cuda's stream constructors as doubles: the default stream, and the handles handed to
+    ExternalStream."""
+    default, external = FakeStream(default_handle), []
+
+    def external_stream(handle, device=None):
+        external.append((handle, device, FakeStream(handle)))
+        return external[-1][2]
+
+    monkeypatch.setattr(torch.cuda, "default_stream", lambda device=None: default)
+    monkeypatch.setattr(torch.cuda, "ExternalStream", external_stream)
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    return default, external
+
+
+def test_a_raw_handle_of_0_is_the_default_stream_not_a_new_one(monkeypatch):
+    """torch.cuda.ExternalStream(0) is a new stream of torch's pool (0 reads as "no handle"):
+    waiting there orders nothing the default stream does."""
+    default, external = fake_cuda_streams(monkeypatch)
+    assert output_slots.torch_stream(0, 0) is default and external == []
+    made = output_slots.torch_stream(77, 1)
+    assert external == [(77, 1, made)] and made.cuda_stream == 77
+    default.cuda_stream = 2  # (a torch whose default stream is the per-thread one)
+    with pytest.raises(RuntimeError, match="handle 0"):
+        output_slots.torch_stream(0, 0)
+
+
+def test_the_write_stream_waits_for_each_reader_but_itself_then_forgets_them(monkeypatch):
+    default, _ = fake_cuda_streams(monkeypatch)
+    reader, itself = FakeStream(55), FakeStream(0)
+    generic = attrs.make_class("Generic", ["stream_id", "device_index", "device_type"])(3, 0, 1)  # a torch.Stream
+    readers = [reader, itself, generic]
+    output_slots.wait_for_readers(readers, 0, 0)
+    assert readers == [] and len(default.waited) == 2
+    assert default.waited[0].stream is reader
+    assert default.waited[1].stream.ids == {"stream_id": 3, "device_index": 0, "device_type": 1}
+
+
+def test_the_sessions_stream_switch_orders_the_new_stream_after_the_default_one(monkeypatch):
+    """Replays of a session share its pool: one on a new stream waits for the last one on the
+    previous stream, the default stream (handle 0) included, through torch_stream."""
+    import replay
+
+    default, external = fake_cuda_streams(monkeypatch)
+    session = replay.capture()
+    session.last_stream[0] = 0
+    session.stream_switch(77)
+    ((handle, _device, side),) = external
+    assert handle == 77 and len(side.waited) == 1 and side.waited[0].stream is default
+    session.stream_switch(0)
+    assert len(default.waited) == 1 and default.waited[0].stream.cuda_stream == 77 and session.last_stream == [0]

@@ -11,6 +11,8 @@ import torch
 
 import jitcore as jc
 import replay
+from replay import output_slots
+from tests.replay.test_hazards_gpu import spin_kernel
 
 pytestmark = pytest.mark.gpu
 
@@ -163,3 +165,71 @@ def test_outputs_of_many_shapes_take_about_two_output_sets_not_one_per_shape():
         assert stats.graph_memory_bytes <= alone_bytes + set_bytes + alone_bytes // 2, (
             f"{stats.graph_memory_bytes / 2**20:.1f} MiB for {largest} shapes, {alone_bytes / 2**20:.1f} MiB alone"
         )
+
+
+# --- the raw streams replays launch on, as torch objects ---------------------------------------
+STREAMS = ["the default stream", "a side stream"]
+
+
+def stream_named(name: str) -> torch.cuda.Stream:
+    return torch.cuda.default_stream() if name == "the default stream" else torch.cuda.Stream()
+
+
+def spin(dummy: torch.Tensor) -> None:
+    spin_kernel[1, 32](dummy, 20_000_000)  # about 10 ms (the hazard tests' kernel)
+
+
+@pytest.mark.parametrize("current", STREAMS)
+def test_a_raw_handle_becomes_its_own_stream_the_default_streams_0_included(current):
+    stream = stream_named(current)
+    with torch.cuda.stream(stream):
+        raw = torch.cuda.current_stream().cuda_stream
+        made = output_slots.torch_stream(raw, torch.cuda.current_device())
+    assert made.cuda_stream == raw == stream.cuda_stream
+    assert (raw == 0) == (current == "the default stream")  # (what makes ExternalStream alone wrong)
+
+
+@pytest.mark.parametrize("current", STREAMS)
+def test_a_write_after_wait_for_readers_comes_after_the_readers_reads(current):
+    """The wait alone: a reader's slow read, enqueued before the wait, sees the memory as it
+    was before a write enqueued after the wait on the current stream."""
+    dummy = torch.zeros(32, device="cuda")
+    with torch.cuda.stream(stream_named(current)):
+        memory = torch.full((1 << 20,), 1.0, device="cuda")
+        readers = [torch.cuda.Stream(), torch.cuda.Stream()]
+        copies = []
+        for reader in readers:
+            reader.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(reader):
+                spin(dummy)
+                copies.append(memory.clone())
+        waiting = list(readers)
+        output_slots.wait_for_readers(waiting, torch.cuda.current_stream().cuda_stream, memory.device)
+        memory.fill_(2.0)
+        torch.cuda.synchronize()
+    assert waiting == [] and all(bool((copy == 1.0).all()) for copy in copies)
+
+
+@pytest.mark.parametrize("current", STREAMS)
+def test_memory_recorded_on_a_raw_stream_is_reused_only_after_that_streams_work(current):
+    """record_on(tensors, raw): freed, the memory goes to no new tensor of another stream while
+    the work enqueued on ``raw`` may still use it (the default stream's handle 0 included)."""
+    dummy = torch.zeros(32, device="cuda")
+    user, allocating = stream_named(current), torch.cuda.Stream()
+    with torch.cuda.stream(allocating):
+        memory = torch.zeros(1 << 20, device="cuda")
+        address = memory.data_ptr()
+        del memory
+        memory = torch.zeros(1 << 20, device="cuda")  # its stream's freed block, handed straight back
+    if memory.data_ptr() != address:
+        pytest.skip("the allocator did not hand the freed block back on its own stream")
+    user.wait_stream(allocating)
+    with torch.cuda.stream(user):
+        spin(dummy)
+        memory.add_(1.0)  # used on `user` about 10 ms from now
+    output_slots.record_on([memory], user.cuda_stream)
+    del memory
+    with torch.cuda.stream(allocating):
+        new = torch.full((1 << 20,), 7.0, device="cuda")
+    torch.cuda.synchronize()
+    assert new.data_ptr() != address and bool((new == 7.0).all())

@@ -18,12 +18,15 @@ from replay.rebinding import (
     LaunchView,
     NodeView,
     ParamView,
-    _pointer_words,
+    addresses_in,
+    addresses_of,
+    addresses_readable,
     build_plan,
     inputs_at,
     inputs_reached,
-    inputs_reached_by_each,
+    inputs_reached_by_group,
     match_launches,
+    pointer_words_of,
 )
 
 X = InputRange(0, "args[0]", 0x10000, 0x10000 + 4096)
@@ -281,7 +284,76 @@ _ADDRESSES = st.integers(0, 2**64 - 1) | st.sampled_from([0, 0x10000, 0x10FFF, 0
 @given(data=st.binary(min_size=0, max_size=80))
 def test_pointer_words_are_every_8_byte_window_at_4_byte_offsets(data):
     expected = [struct.unpack_from("<Q", data, i)[0] for i in range(0, len(data) - 7, 4)]
-    assert _pointer_words(data).tolist() == expected
+    assert _reference_pointer_words(data).tolist() == expected
+    words, param_of = pointer_words_of([data])
+    assert words.tolist() == expected and param_of.tolist() == [0] * len(expected)
+
+
+def _reference_pointer_words(data: bytes) -> np.ndarray:
+    """The scan parameter by parameter, as the plan made it before it read every node's
+    parameters in one pass: the reference the one pass must equal."""
+    windows = (len(data) - 4) // 4
+    if windows <= 0:
+        return np.zeros(0, dtype=np.uint64)
+    halves = np.frombuffer(data, dtype="<u4", count=windows + 1).astype(np.uint64)
+    return halves[:-1] | (halves[1:] << np.uint64(32))
+
+
+def _reference_inputs_reached_by_each(inputs, words):
+    """Each node's words compared with each input in turn (the plan's former rule)."""
+    reached = [[] for _ in words]
+    sizes = [len(w) for w in words]
+    if not sum(sizes):
+        return reached
+    every = np.concatenate(words)
+    node_of = np.repeat(np.arange(len(words)), sizes)
+    held = np.zeros(len(every), dtype=bool)
+    for candidate in inputs:
+        if candidate.lo < candidate.hi:
+            inside = (every >= candidate.lo) & (every < candidate.hi)
+            if inside.any():
+                held |= inside
+                for node in np.unique(node_of[inside]).tolist():
+                    reached[node].append(candidate)
+    for candidate in inputs:
+        if candidate.lo == candidate.hi and candidate.lo:
+            at = (every == candidate.lo) & ~held
+            if at.any():
+                for node in np.unique(node_of[at]).tolist():
+                    reached[node].append(candidate)
+    return reached
+
+
+def _reference_addresses_in(node):
+    if node.kind == "kernel":
+        if node.params is None:
+            return None
+        return np.concatenate([np.zeros(0, dtype=np.uint64), *(_reference_pointer_words(p) for p in node.params)])
+    if node.pointers is None or (node.kind == "memcpy" and not node.pointers):
+        return None
+    return np.array(node.pointers, dtype=np.uint64)
+
+
+#: A parameter's bytes: addresses (some at or next to the inputs' bounds) packed at any
+#: alignment among bytes of any length, so words straddle and parameters end unaligned.
+_PARAM = st.lists(
+    st.one_of(_ADDRESSES.map(struct.Struct("<Q").pack), st.binary(min_size=1, max_size=7)), max_size=8
+).map(b"".join)
+_BOUNDS = st.lists(st.tuples(_ADDRESSES, st.integers(0, 5000)), min_size=0, max_size=6)
+
+
+def _ranges(bounds):
+    return [InputRange(i, f"args[{i}]", lo, min(lo + size, 2**64 - 1)) for i, (lo, size) in enumerate(bounds)]
+
+
+@settings(max_examples=400, deadline=None)
+@given(params=st.lists(_PARAM, max_size=12))
+def test_every_parameters_words_in_one_pass_are_each_parameters_own(params):
+    words, param_of = pointer_words_of(params)
+    expected = [_reference_pointer_words(p) for p in params]
+    assert words.dtype == np.uint64
+    assert words.tolist() == [w for each in expected for w in each.tolist()]
+    assert param_of.tolist() == [n for n, each in enumerate(expected) for _ in range(len(each))]
 
 
 @settings(max_examples=300, deadline=None)
@@ -292,28 +364,57 @@ def test_pointer_words_are_every_8_byte_window_at_4_byte_offsets(data):
 def test_inputs_reached_is_the_owners_of_every_word(bounds, words):
     """All words at once, as the word-by-word rule decides: inside an input, or at an empty
     input's address where no other input holds it."""
-    inputs = [InputRange(i, f"args[{i}]", lo, min(lo + size, 2**64 - 1)) for i, (lo, size) in enumerate(bounds)]
+    inputs = _ranges(bounds)
     array = np.array(words, dtype=np.uint64)
     expected = {r.index for word in words for r in inputs_at(inputs, word)}
     assert {r.index for r in inputs_reached(inputs, array)} == expected
 
 
 @settings(max_examples=300, deadline=None)
-@given(
-    bounds=st.lists(st.tuples(_ADDRESSES, st.integers(0, 5000)), min_size=0, max_size=5),
-    nodes=st.lists(st.lists(_ADDRESSES, min_size=0, max_size=12), min_size=0, max_size=6),
-)
+@given(bounds=_BOUNDS, nodes=st.lists(st.lists(_ADDRESSES, min_size=0, max_size=12), min_size=0, max_size=6))
 def test_the_inputs_each_node_reaches_are_decided_at_once_as_node_by_node(bounds, nodes):
     """Every node's words at once, as each node's alone: the owners of its words, the inputs
     in their order and the empty ones last (the order the planner gives its reasons in)."""
-    inputs = [InputRange(i, f"args[{i}]", lo, min(lo + size, 2**64 - 1)) for i, (lo, size) in enumerate(bounds)]
+    inputs = _ranges(bounds)
     arrays = [np.array(words, dtype=np.uint64) for words in nodes]
-    reached = inputs_reached_by_each(inputs, arrays)
+    every = np.array([w for words in nodes for w in words], dtype=np.uint64)
+    node_of = np.repeat(np.arange(len(nodes)), [len(words) for words in nodes])
+    reached = inputs_reached_by_group(inputs, every, node_of, len(nodes))
     assert len(reached) == len(nodes)
+    assert reached == _reference_inputs_reached_by_each(inputs, arrays)
     for words, found in zip(nodes, reached):
         owners = {r.index for word in words for r in inputs_at(inputs, word)}
         order = [r.index for r in inputs if r.lo < r.hi] + [r.index for r in inputs if not r.lo < r.hi]
         assert [r.index for r in found] == [i for i in order if i in owners]
+
+
+_FOREIGN = st.one_of(
+    st.builds(lambda params: NodeView(0, "kernel", 0xF, tuple(params)), st.lists(_PARAM, max_size=6)),
+    st.builds(lambda: NodeView(0, "kernel", 0xF, None)),
+    st.builds(
+        lambda kind, pointers: NodeView(0, kind, pointers=pointers),
+        st.sampled_from(["memcpy", "memset"]),
+        st.none() | st.lists(_ADDRESSES, max_size=3).map(tuple),
+    ),
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(bounds=_BOUNDS, nodes=st.lists(_FOREIGN, max_size=8))
+def test_the_foreign_node_scan_in_one_pass_decides_as_node_by_node(bounds, nodes):
+    """The scan of foreign nodes' parameters and addresses, all nodes at once, against the
+    former node-by-node scan: the same words per node, the same inputs reached per node."""
+    inputs = _ranges(bounds)
+    readable = [node for node in nodes if addresses_readable(node)]
+    assert [addresses_readable(node) for node in nodes] == [_reference_addresses_in(n) is not None for n in nodes]
+    words, node_of = addresses_of(readable)
+    expected = [_reference_addresses_in(node) for node in readable]
+    for n, node in enumerate(readable):
+        assert words[node_of == n].tolist() == expected[n].tolist()
+        assert addresses_in(node).tolist() == expected[n].tolist()
+    assert inputs_reached_by_group(inputs, words, node_of, len(readable)) == _reference_inputs_reached_by_each(
+        inputs, expected
+    )
 
 
 # --- pointers from tensors that reach beyond the input they point into --------------------------

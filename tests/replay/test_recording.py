@@ -456,3 +456,52 @@ def test_an_output_outside_the_pool_known_takes_a_snapshot_before_own_outputs_de
     assert walks == []
     assert recording._pool_memory_holding({"y": outside}, [], 0, (0, 1), known, False) == [(0x8000, 0x8100)]
     assert walks == [(0, 1)]
+
+
+class _CopyBackend:
+    """A backend that adds copy nodes (``added``) or, with ``adds=False``, only captures them
+    into the graph (``captured``: the copies made inside its capture_into)."""
+
+    def __init__(self, adds: bool = True) -> None:
+        self.adds, self.added, self.captured, self.capturing = adds, [], [], False
+
+    def append_copies(self, raw_graph, copies, device):
+        if not self.adds:
+            raise NotImplementedError("no copy nodes here")
+        self.added.append((raw_graph, list(copies), device))
+
+    def capture_into(self, raw_graph, raw_stream):
+        import contextlib
+
+        @contextlib.contextmanager
+        def capturing():
+            self.capturing = True
+            yield
+            self.capturing = False
+
+        self.captured.append((raw_graph, raw_stream))
+        return capturing()
+
+
+def test_the_outputs_copies_are_added_as_nodes_where_the_backend_can_else_captured():
+    """The (destination, source) byte copies own_outputs makes: flat (destination, source,
+    bytes) copies the backend adds after every node, or, where it cannot, the same copies
+    captured into the graph; nothing for no copies."""
+    from types import SimpleNamespace
+
+    from replay import recording
+
+    graph, stream = SimpleNamespace(raw_cuda_graph=lambda: 0x6000), SimpleNamespace(cuda_stream=0xBEEF)
+    source = torch.arange(24, dtype=torch.uint8)
+    copies = [(torch.zeros(16, dtype=torch.uint8), source[:16]), (torch.zeros(4, dtype=torch.uint8), source[20:])]
+    adding = _CopyBackend()
+    recording._append_copies(copies, adding, graph, stream)
+    flat = [(d.data_ptr(), s.data_ptr(), d.nbytes) for d, s in copies]
+    assert adding.added == [(0x6000, flat, None)] and adding.captured == []
+    assert all(not d.any() for d, _ in copies)  # nothing copied now: the graph copies on replay
+    recording._append_copies([], adding, graph, stream)
+    assert len(adding.added) == 1
+    capturing = _CopyBackend(adds=False)
+    recording._append_copies(copies, capturing, graph, stream)
+    assert capturing.captured == [(0x6000, 0xBEEF)] and not capturing.capturing
+    assert [d.tolist() for d, _ in copies] == [list(range(16)), [20, 21, 22, 23]]  # the copies ran inside it

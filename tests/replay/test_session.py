@@ -9,11 +9,14 @@ import inspect
 import logging
 import pydoc
 import random
+import time
+import tracemalloc
 import types
 import warnings
 import weakref
 
 import attrs
+import numpy
 import pytest
 import torch
 from hypothesis import given, settings
@@ -23,7 +26,7 @@ import jitcore
 import replay
 from jitcore.backends import use_backend
 from jitcore.backends.null import NullBackend
-from replay import admission, keying, lifecycle, recording, region_keys
+from replay import admission, keying, lifecycle, orchestration, recording, region_keys
 from replay import dispatch as dispatch_module
 from replay import region as region_module
 from replay.admission import Admission
@@ -166,6 +169,82 @@ def session_factory():
 
         def make(**policy):
             session = DoubleSession(**policy)
+            DoubleSession.current = session
+            return session
+
+        yield make
+
+
+class StepClock:
+    """A controlled clock for the session's timings (replay.region and replay.orchestration read
+    ``time.perf_counter``, set to this one): the calls move it. A call of a function wrapped by
+    :meth:`takes` takes ``eager``, or replayed by a ClockedGraph ``replay`` (a graph's first
+    replay ``cold``); a capture takes ``capture`` more, an analysis ``analysis``."""
+
+    def __init__(self, eager=150e-6, replay=30e-6, cold=150e-6, capture=1.2e-3, analysis=1e-3):
+        self.eager, self.replay, self.cold, self.capture, self.analysis = eager, replay, cold, capture, analysis
+        # the time, and what the call under way takes: in an array, which the region's watch
+        # compares by identity, never by its values (moved in plain values, the clock that a
+        # region reaches would re-key it on every call)
+        self.state = numpy.array([0.0, eager])
+
+    def perf_counter(self) -> float:
+        return float(self.state[0])
+
+    def advance(self, seconds: float) -> None:
+        self.state[0] += seconds
+
+    def takes(self, fn):
+        state = self.state
+
+        def timed(*args, **kwargs):
+            state[0] += state[1]
+            return fn(*args, **kwargs)
+
+        return timed
+
+
+class ClockedGraph(FakeGraph):
+    """A FakeGraph whose replays take the session's clock's replay time."""
+
+    def replay(self, *leaves):
+        clock = self.session.clock
+        clock.state[1] = clock.replay if self.replays else clock.cold
+        try:
+            return super().replay(*leaves)
+        finally:
+            clock.state[1] = clock.eager
+
+
+class ClockedSession(DoubleSession):
+    """The double session on a StepClock: captures, analyses and replays take its times."""
+
+    build_graph = ClockedGraph
+
+    def __init__(self, clock: StepClock, **policy):
+        super().__init__(**policy)
+        self.clock = clock
+
+    @staticmethod
+    def record_key(fn, *args, **kwargs):
+        DoubleSession.current.clock.advance(DoubleSession.current.clock.capture)
+        return DoubleSession.record_key(fn, *args, **kwargs)
+
+    @staticmethod
+    def analyse(capture):
+        DoubleSession.current.clock.advance(DoubleSession.current.clock.analysis)
+        DoubleSession.analyse(capture)
+
+
+@pytest.fixture
+def clocked_session(monkeypatch):
+    """``make(clock, **policy)``: a ClockedSession whose timings all read ``clock``."""
+    with use_backend(NullBackend()):
+
+        def make(clock: StepClock, **policy):
+            monkeypatch.setattr(region_module, "time", clock)
+            monkeypatch.setattr(orchestration, "time", clock)
+            session = ClockedSession(clock, **policy)
             DoubleSession.current = session
             return session
 
@@ -393,8 +472,7 @@ def test_the_recording_budget_postpones_recordings_and_charges_failed_ones(sessi
     monkeypatch.setattr(step.cost, "saving", lambda: 2.0)  # as if each replay saved 2 s
     for _ in range(5):  # x's analysis and its replay, then 4 more: 10 s saved
         assert torch.equal(step(x, x), x + x)
-    assert session.admission.saved() == 10.0
-    step.cost.replay.seconds = None  # (x's analysis timed a replay: the guess above again)
+    assert session.admission.saved() == 10.0 and step.cost.replay.seconds is None  # (none timed: the guess)
     step(y, y)  # 10 s saved, and the grace: room again
     assert session.stats().records == 2
     spent = budget.spent
@@ -404,27 +482,124 @@ def test_the_recording_budget_postpones_recordings_and_charges_failed_ones(sessi
     assert budget.spent > spent  # a failed capture took time too
 
 
-def test_a_keys_analysis_is_charged_and_its_replay_timed(session_factory):
+def test_a_keys_analysis_is_charged_and_its_first_replay_not_timed(session_factory):
     # what the payback rule reads, measured by the session: the capture on the key's recording
-    # call, the analysis (failed ones too) and one timed replay on its next call
+    # call, the analysis (failed ones too) on its next call; that call's replay, the graph's
+    # first (cold), is counted but not timed
     session = session_factory(record_after=0, record_budget=0.1)
     budget = session.admission.budget
     step = session.region(add)
     x = torch.randn(3)
     step(x, x)
     assert len(budget.recent) == 1 and budget.analyses == [] and budget.awaiting == 1
-    assert step.cost.replay.seconds is None
     step(x, x)
     assert len(budget.analyses) == 1 and budget.awaiting == 0
-    assert step.cost.replay.seconds is not None and len(step.cost.replay.recent) == 1
-    step(x, x)  # a replay on the flat path: not timed
-    assert len(step.cost.replay.recent) == 1
+    assert step.cost.replay.runs == 1 and step.cost.replay.seconds is None
+    step(x, x)  # a replay on the flat path: counted
+    assert step.cost.replay.runs == 2 and step.cost.replay.seconds is None
     session.analyse_script = [recording.CaptureFailed("no")]
     y = torch.randn(4)
     step(y, y)
     with pytest.warns(replay.ReplayWarning):
         step(y, y)  # its analysis fails: charged all the same
-    assert len(budget.analyses) == 2 and len(step.cost.replay.recent) == 1
+    assert len(budget.analyses) == 2 and step.cost.replay.runs == 2
+
+
+def _timed_replays(monkeypatch) -> list[tuple[int, float]]:
+    """(the replay's number, its seconds) of each replay timed from now on."""
+    timed = []
+    took = admission.ReplayTimes.took
+
+    def taking(self, seconds: float) -> None:
+        timed.append((self.runs, seconds))
+        took(self, seconds)
+
+    monkeypatch.setattr(admission.ReplayTimes, "took", taking)
+    return timed
+
+
+@pytest.mark.parametrize("path", ["c", "python", "full"])
+def test_replays_are_timed_one_in_8_then_one_in_64_and_a_graphs_first_never(clocked_session, monkeypatch, path):
+    # the replays the flat dispatch serves (in C, in Python) and those of the full path (a
+    # keyword call), on one schedule; a graph's first replay (its analysis call's) is cold
+    if path == "c" and not dispatch_module.native_enabled():
+        pytest.skip("replay._eager is not built here (or JITCORE_NATIVE=0)")
+    clock = StepClock()
+    session = clocked_session(clock, record_after=0)
+    step = _region(session, clock.takes(lambda x, y=None: x + y), path == "c")
+    timed = _timed_replays(monkeypatch)
+    x = torch.ones(2)
+    call = (lambda: step(x, y=x)) if path == "full" else (lambda: step(x, x))
+    call()  # recorded (the capture's own launch is no replay)
+    call()  # analysed, and the graph's first replay: counted, not timed
+    assert step.cost.replay.runs == 1 and timed == []
+    for runs in range(2, 1025):
+        clock.replay = runs * 1e-6
+        call()
+    settled = dispatch_module.TIMING_SETTLED
+    assert [runs for runs, _ in timed] == [*range(8, settled, 8), *range(settled, 1025, 64)]
+    assert all(seconds == pytest.approx(runs * 1e-6) for runs, seconds in timed)
+    assert 8e-6 < step.cost.replay.seconds < 1024e-6  # the rises, an eighth at a time
+    clock.replay = 1e-6
+    for _ in range(64):
+        call()
+    assert step.cost.replay.seconds == pytest.approx(1e-6)  # a drop, at once
+
+
+@pytest.mark.parametrize("gate", [True, False], ids=["c", "python"])
+def test_a_replay_that_declines_is_not_timed(clocked_session, monkeypatch, gate):
+    if gate and not dispatch_module.native_enabled():
+        pytest.skip("replay._eager is not built here (or JITCORE_NATIVE=0)")
+    clock = StepClock()
+    session = clocked_session(clock, record_after=0)
+    step = _region(session, clock.takes(add), gate)
+    x = torch.ones(2)
+    for _ in range(3):
+        step(x, x)
+    timed = _timed_replays(monkeypatch)
+    ((guard, run, entry),) = step.by_pre_key[(x.shape, x.shape)]
+    step.by_pre_key[(x.shape, x.shape)][0] = (guard, lambda *args: (run(*args), MISMATCH)[1], entry)
+    step.cost.replay.runs = 7  # the next one is timed: it declines (the full path then replays it)
+    assert torch.equal(step(x, x), x + x)
+    assert timed == [] and step.cost.replay.runs == 9 and step.cost.replay.seconds is None
+
+
+def test_a_session_that_verifies_replays_times_only_those_not_verified(clocked_session, monkeypatch):
+    # its hits replay through the region's full replay (Keys._run_of), which counts and times
+    # them; the dispatch leaves them alone
+    clock = StepClock(eager=100e-6, replay=10e-6)
+    session = clocked_session(clock, record_after=0, verify_every=2)
+    step = session.region(clock.takes(add))
+    assert step.program.time_replays is False
+    timed = _timed_replays(monkeypatch)
+    x = torch.ones(2)
+    for _ in range(2 + 32):
+        step(x, x)
+    assert session.stats().verifications == 16 and step.cost.replay.runs == 17
+    assert [runs for runs, _ in timed] == [8, 16] and step.cost.replay.seconds == pytest.approx(10e-6)
+
+
+def test_three_sizes_after_the_first_recordings_record_though_a_graphs_first_replay_costs_more_than_eager(
+    clocked_session,
+):
+    # a freshly built replay's first launch (the analysis call's) took longer than an eager
+    # call: taken as what a replay costs, no replay saved anything, and no size past the
+    # session's first recordings was recorded (0 replays of 300). A steady replay's time is
+    clock = StepClock(eager=150e-6, replay=34e-6, cold=160e-6, capture=1.2e-3, analysis=1e-3)
+    session = clocked_session(clock, record_budget=0.03)
+    step = session.region(clock.takes(add))
+    others = [torch.ones(n) for n in range(40, 56)]
+    for _ in range(30):
+        for x in others:
+            step(x, x)
+    assert not session.admission.budget.first_recordings()
+    assert step.cost.replay.seconds == pytest.approx(34e-6)
+    before = session.stats().replays
+    sizes = [torch.ones(n) for n in (8, 16, 32)]
+    for number in range(300):
+        x = sizes[number % 3]
+        step(x, x)
+    assert session.stats().replays - before >= 250, session.report()
 
 
 def test_after_the_first_recordings_only_keys_whose_calls_pay_for_a_recording_record(session_factory, monkeypatch):
@@ -501,28 +676,29 @@ def test_the_eager_cost_ignores_the_first_call_follows_drops_at_once_and_rises_s
 
 @settings(max_examples=60, deadline=None)
 @given(
-    samples=st.lists(st.floats(1e-5, 5e-3), min_size=2, max_size=60),
+    samples=st.lists(st.tuples(st.booleans(), st.floats(1e-6, 5e-3)), min_size=2, max_size=60),
     usual=st.floats(1e-4, 0.05),
     record_after=st.integers(0, 3),
 )
-def test_the_quiet_bound_never_hides_a_count_that_pays_back_whatever_the_estimate_did(samples, usual, record_after):
-    # the bound is asked again only when the eager estimate leaves its band (QUIET_HEADROOM):
-    # after any run of timed calls, no count below it pays back at the estimate as it stands
+def test_the_quiet_bound_never_hides_a_count_that_pays_back_whatever_the_estimates_did(samples, usual, record_after):
+    # the bound is asked again only when the eager estimate or the replay's leaves its band
+    # (QUIET_HEADROOM): after any run of timed calls and replays, no count below it pays back
+    # at the estimates as they stand
     with use_backend(NullBackend()):
-        session = DoubleSession(record_after=record_after)
+        session = DoubleSession(record_after=record_after, record_budget=0.03)
         policy = session.admission
         policy.budget.spent = 1.0  # past the first recordings
         policy.budget.recent = [usual / 2] * 3
         step = session.region(add)
-        for seconds in samples:
-            step.cost.took(seconds)
+        for replayed, seconds in samples:
+            (step.cost.replayed if replayed else step.cost.took)(seconds)
             if step.cost.quiet.version != policy.budget.version:
                 step.cost.refresh()  # as the next _decide would
-            quiet = step.cost.quiet.below
+            quiet, eager, replay = step.cost.quiet.below, step.cost.seconds, step.cost.replay.seconds
             if quiet == admission.QUIET_FOREVER:
-                assert not policy.pays_back(10**9, step.cost.seconds)
+                assert not policy.pays_back(10**9, eager, replay)
             else:
-                assert not any(policy.pays_back(count, step.cost.seconds) for count in range(record_after + 1, quiet))
+                assert not any(policy.pays_back(count, eager, replay) for count in range(record_after + 1, quiet))
 
 
 def test_a_timed_call_asks_the_payback_rule_again_only_when_the_estimate_leaves_its_band(session_factory, monkeypatch):
@@ -577,7 +753,7 @@ def test_the_eager_path_times_one_call_in_8_then_one_in_64(session_factory, monk
     x = torch.ones(2)
     for _ in range(1024):
         step(x, x)
-    settled = dispatch_module.EAGER_TIMING_SETTLED
+    settled = dispatch_module.TIMING_SETTLED
     assert timed == [*range(8, settled, 8), *range(settled, 1025, 64)]
 
 
@@ -1027,6 +1203,30 @@ def test_eager_only_keys_are_bounded_and_the_report_adds_up(session_factory, mon
     assert len(_report_rows(session.report())) <= replay.session.REPORT_KEYS + 1
 
 
+def test_one_tensor_passed_two_thousand_times_costs_about_what_distinct_tensors_cost(session_factory):
+    """The aliasing part of its key is one group of 2000 leaves, not 2000 * 1999 / 2 pairs: every
+    call (the observed warm-up, the recording, the replays) takes little time and keeps little."""
+    session = session_factory()
+    step = session.region(lambda xs: xs[0] * 2)
+    x = torch.ones(4)
+    seconds = []
+    for _ in range(6):
+        started = time.perf_counter()
+        assert torch.equal(step([x] * 2000), x * 2)
+        seconds.append(time.perf_counter() - started)
+    # (the median: a loaded machine's pauses are not the key's; pairs took about a second each)
+    assert session.stats().replays == 5 and sorted(seconds)[3] < 0.2 and sum(seconds) < 1.2, seconds
+    tracemalloc.start()
+    try:
+        step([x] * 2000)
+        kept, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert kept < 2**20 and peak < 8 * 2**20, (kept, peak)
+    (entry,) = step.entries.values()
+    assert entry.key[3] == (tuple(range(2000)),)
+
+
 def test_recordings_evictions_invalidations_and_fallbacks_are_logged(session_factory, caplog):
     caplog.set_level(logging.DEBUG, logger="replay")
     session = session_factory(record_after=0, max_graphs=1)
@@ -1138,23 +1338,35 @@ def test_property_admission_by_shapes_keeps_its_index_and_every_result_exact(rec
     start=st.tuples(st.floats(0, 1.0), st.floats(1e-4, 0.02)),
     window=st.sampled_from([1024, 16, 5]),
     durations=st.lists(st.floats(1e-4, 4e-3), min_size=12, max_size=12),
+    replay_share=st.floats(0.02, 1.2),
 )
 def test_the_eager_paths_shortcut_decides_and_counts_as_the_rule_does(
-    calls, record_after, budget_changes, start, window, durations
+    calls, record_after, budget_changes, start, window, durations, replay_share
 ):
     # Region._eager_flat_shapes skips _decide below admission.quiet_below: a run with the
     # shortcut and a run without it (quiet_below 0) make the same recordings, the same counts;
     # with short windows, across halvings (each one changes the peers the rule judges by); an
     # eager call takes a time of its own per size, so the region's estimate moves in and out
     # of the band its quiet bound holds for (QUIET_HEADROOM), through the timing schedule's
-    # change (EAGER_TIMING_SETTLED)
+    # change (TIMING_SETTLED); a replay takes a share of it, so the replay's estimate moves too
     def run(shortcut: bool, gate: bool = True) -> tuple[list[tuple], int]:
-        now = [0.0]
-        clock = types.SimpleNamespace(perf_counter=lambda: now[0])
+        state = numpy.zeros(2)  # the time; 1 while a graph replays (the watch never reads an array's values)
+        clock = types.SimpleNamespace(perf_counter=lambda: float(state[0]))
 
         def timed_add(x, y):
-            now[0] += durations[len(x) - 1]  # however often the clock is read
+            state[0] += durations[len(x) - 1] * (replay_share if state[1] else 1.0)  # however often the clock is read
             return x + y
+
+        class Replaying(FakeGraph):
+            def replay(self, *leaves):
+                state[1] = 1.0
+                try:
+                    return super().replay(*leaves)
+                finally:
+                    state[1] = 0.0
+
+        class Replays(DoubleSession):
+            build_graph = Replaying
 
         original_quiet, original_decide, original_time = Admission.quiet_below, Region._decide, region_module.time
         decided = []
@@ -1171,7 +1383,7 @@ def test_the_eager_paths_shortcut_decides_and_counts_as_the_rule_does(
             dispatch_module.EagerGate = None  # the Python methods
         try:
             with use_backend(NullBackend()):
-                session = DoubleSession(record_after=record_after, record_budget=0.05, max_graphs=4)
+                session = Replays(record_after=record_after, record_budget=0.05, max_graphs=4)
                 DoubleSession.current = session
                 session.admission.sketch.window = window
                 step = session.region(timed_add)  # its gate, if any, times calls by the clock above
@@ -1186,6 +1398,7 @@ def test_the_eager_paths_shortcut_decides_and_counts_as_the_rule_does(
                     assert torch.equal(step(x, x), x + x)
                     s = session.stats()
                     seen.append((s.records, s.too_rare, s.deferred, s.refused, s.eager_runs, s.replays))
+                assert s.invalidations == 0  # (a clock the region reaches in plain values would re-key it)
                 session.close()
                 return seen, len(decided)
         finally:
@@ -1246,6 +1459,7 @@ def test_the_gate_reads_and_bumps_plain_slots_directly_and_anything_else_as_attr
         "budget.version",  # (read only: its hooked __setattr__ is never bypassed)
         "quiet.below",
         "quiet.version",
+        "replay_times.runs",
     }
     x = torch.ones(2)
     for _ in range(5):
@@ -1357,11 +1571,11 @@ def test_with_recorded_keys_the_c_dispatch_and_the_python_one_agree_on_every_kin
             except Exception as error:  # both paths must refuse alike
                 seen.append((type(error), str(error)))
             s = session.stats()
-            seen.append((s.calls, s.replays, s.eager_runs, s.records, s.too_rare))
+            seen.append((s.calls, s.replays, s.eager_runs, s.records, s.too_rare, step.cost.replay.runs))
         assert step.by_pre_key, "keys were recorded and put on the fast path"
         results.append(seen)
     assert results[0] == results[1]
-    replays = [entry for entry in results[0] if isinstance(entry, tuple) and len(entry) == 5][-1][1]
+    replays = [entry for entry in results[0] if isinstance(entry, tuple) and len(entry) == 6][-1][1]
     assert replays >= 3  # hits were served by graphs, through the gate's lookup
 
 

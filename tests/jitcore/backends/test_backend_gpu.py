@@ -243,3 +243,43 @@ def test_graph_nodes_read_from_c_are_the_bindings(monkeypatch):
     }
     assert struct.unpack("<q", by_block[(128, 1, 1)][3])[0] == n // 2
     graph.reset()
+
+
+@pytest.mark.parametrize("through", ["c", "binding"])
+def test_copy_nodes_appended_to_a_graph_run_after_every_node_and_retarget(monkeypatch, through):
+    """``append_copies``: each copy a memcpy node after every node the graph holds (the outputs'
+    own memory of a recording), through the C helper and through cuda-bindings alike; the node
+    reads see it as a copy between those addresses, and a retargeted copy writes elsewhere."""
+    backend = get_backend()
+    if not hasattr(backend, "_native_add_memcpy"):
+        pytest.skip("a backend without copy nodes of its own (it captures the copies)")
+    if through == "binding":
+        monkeypatch.setattr(backend, "_native_add_memcpy", None)
+    elif backend._native_add_memcpy is None:
+        pytest.skip("the C helper is not used on this machine (JITCORE_NATIVE=0 or not built)")
+    n, device = 5000, torch.cuda.current_device()
+    x, y, out = torch.randn(n, device="cuda"), torch.randn(n, device="cuda"), torch.empty(n, device="cuda")
+    spec = add_kernel.instantiate(torch.float32)
+    spec[jc.cdiv(n, 256), 256](x, y, out, n)  # compile and load before capture
+    graph = torch.cuda.CUDAGraph(keep_graph=True)
+    with torch.cuda.graph(graph):
+        spec[jc.cdiv(n, 256), 256](x, y, out, n)
+        spec[jc.cdiv(n, 256), 256](out, y, out, n)  # out = x + 2y: the copy must see both
+    own, head = poison(n, torch.float32), poison(16, torch.float32)
+    copies = [(own.data_ptr(), out.data_ptr(), 4 * n), (head.data_ptr(), out.data_ptr(), 64)]
+    backend.append_copies(graph.raw_cuda_graph(), copies, device)
+    nodes = backend.graph_nodes(graph.raw_cuda_graph())
+    memcpy = [node for node in nodes if node.kind == "memcpy"]
+    assert [node.pointers for node in memcpy] == [(out.data_ptr(), own.data_ptr()), (out.data_ptr(), head.data_ptr())]
+    graph.instantiate()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(own, x + y + y) and torch.equal(head, own[:16])
+    elsewhere = poison(n, torch.float32)
+    setter = backend.memcpy_retargeter(graph.raw_cuda_graph_exec(), memcpy[0], device)
+    setter(elsewhere.data_ptr())
+    x.add_(1)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(elsewhere, x + y + y) and not torch.equal(own, elsewhere)
+    graph.reset()

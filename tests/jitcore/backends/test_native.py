@@ -22,6 +22,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from jitcore.errors import DriverError
+
 try:
     from jitcore.backends import _native
 except ImportError:  # pragma: no cover - a build without a C compiler
@@ -339,6 +341,158 @@ def test_the_gil_is_released_during_the_driver_call():
 
 
 @needs_native
+def test_a_capture_tail_answers_the_dependencies_while_the_stream_captures():
+    """CaptureTail: the backend's capture_tail made in C, over cuStreamGetCaptureInfo_v2."""
+    fake = FakeCaptureInfo(nodes=(0xA0,))
+    tail = _native.CaptureTail(fake.address, 1)
+    assert tail(0xBEEF) == (0xA0,) and tail(Handle(5)) == (0xA0,) and fake.streams == [0xBEEF, 5]
+    fake.set_nodes((0xA0, 2**64 - 1))
+    assert tail(None) == (0xA0, 2**64 - 1)
+    fake.set_nodes(None, count=3)  # a count without an array is read as none
+    assert tail(1) == ()
+    fake.set_nodes((0xA0,))
+    fake.capture_status = 2  # capturing no more (invalidated): not the "active" status told
+    assert tail(1) is None
+    fake.status, fake.capture_status = 900, 1  # a failed query
+    assert tail(1) is None
+    for misuse, error in (((), TypeError), ((1, 2), TypeError), (("s",), TypeError), ((-1,), OverflowError)):
+        with pytest.raises(error):
+            tail(*misuse)
+    with pytest.raises(TypeError):
+        tail(stream=1)
+    with pytest.raises(ValueError, match="must not be 0"):
+        _native.CaptureTail(0, 1)
+    with pytest.raises(TypeError):
+        _native.CaptureTail(fake.address)
+
+
+@needs_native
+def test_a_recording_asks_a_capture_tail_from_c_for_each_launchs_node():
+    """A packed launch recorded into a sink whose tail is a CaptureTail: the node the query
+    names (its only dependency, else None), asked on the launch's stream, with no Python call;
+    an empty launch asks nothing."""
+    from jitcore.codegen import _CALL_FIELDS
+    from jitcore.recorder import LaunchRecord
+
+    _native.use_launch_record(LaunchRecord, tuple(LaunchRecord._fields.index(f) for f in _CALL_FIELDS))
+    template = tuple.__new__(LaunchRecord, (None,) * len(LaunchRecord._fields))
+    launch = FakeDriver(KERNEL_LAUNCH)
+    packed = _native.PackedLaunch(launch.address, 0xF00, bytes(4), (0,), ((0, "<i"),))
+    fake = FakeCaptureInfo(nodes=(0xA7,))
+    records, nodes = [], []
+    sink = (records, nodes, _native.CaptureTail(fake.address, 1))
+    packed.recorded(sink, template, (), 2, 1, 1, 64, 1, 1, 0, 0xBEEF, 5)
+    fake.set_nodes((0xA7, 0xA8))  # two dependencies: not one launch's node
+    packed.recorded(sink, template, (), 2, 1, 1, 64, 1, 1, 0, 0xBEEF, 6)
+    fake.set_nodes((0xA9,))
+    packed.recorded(sink, template, (), 0, 1, 1, 64, 1, 1, 0, 0xBEEF, 7)  # empty: nothing asked
+    fake.capture_status = 0
+    packed.recorded(sink, template, (), 2, 1, 1, 64, 1, 1, 0, 0xBEEF, 8)
+    assert nodes == [0xA7, None, None, None] and fake.streams == [0xBEEF] * 3
+    assert [r.param_bytes for r in records] == [struct.pack("<i", v) for v in (5, 6, 7, 8)]
+    assert [r.launched for r in records] == [True, True, False, True] and len(launch.calls) == 3
+    with pytest.raises(TypeError, match="stream"):
+        packed.recorded(sink, template, (), 2, 1, 1, 64, 1, 1, 0, "s", 9)  # refused before the launch
+
+
+def _param_array(values: list[bytes]) -> tuple[int, list]:
+    """A kernel node's parameter array over ``values`` (its address, and what keeps it alive)."""
+    buffers = [ctypes.create_string_buffer(v, len(v)) for v in values]
+    array = (VOIDP * len(values))(*[ctypes.addressof(b) for b in buffers])
+    return ctypes.addressof(array), [buffers, array]
+
+
+@needs_native
+def test_node_reads_give_every_nodes_fields_and_the_parameters_asked_for_in_one_call():
+    first, kept = _param_array([struct.pack("<Q", 0x5000), struct.pack("<i", -3)])
+    other, kept_too = _param_array([b"\1" * 16])
+    nodes = {
+        0xA0: (0, dict(KERNEL_FIELDS, kernelParams=first)),
+        0xA1: (1, None),  # a copy: no fields
+        2**64 - 8: (0, dict(KERNEL_FIELDS, func=0xF01, gx=2**32 - 1, kernelParams=other)),
+    }
+    graph = FakeGraph(nodes)
+    reads = _native.NodeReads(*graph.addresses, 0)
+    sizes = {0xF00: (8, 4)}
+    status, which, rows = reads(0x6000, sizes)
+    assert (status, which) == (0, 0)
+    assert rows == (
+        (0xA0, 0, 0xF00, 4, 2, 1, 256, 1, 1, 96, first, (struct.pack("<Q", 0x5000), struct.pack("<i", -3))),
+        (0xA1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, None),
+        (2**64 - 8, 0, 0xF01, 2**32 - 1, 2, 1, 256, 1, 1, 96, other, None),  # a function sizes does not name
+    )
+    assert reads(0x6000, None)[2][0][-1] is None  # no sizes: no parameters read
+    assert reads(0x6000, {0xF01: (16,)})[2][2][-1] == (b"\1" * 16,)
+    graph.grow = 5  # more nodes at the fill than at the count: the handles there was room for
+    assert len(reads(0x6000, sizes)[2]) == 3
+    graph.status = 900  # the first read fails: nothing but the status and which read
+    assert reads(0x6000, sizes) == (900, 0, ())
+    empty = FakeGraph({})
+    assert _native.NodeReads(*empty.addresses, 0)(1, sizes) == (0, 0, ())
+    fine, types_fail, params_fail = FakeGraph(nodes), FakeGraph(nodes, status=7), FakeGraph(nodes, status=8)
+    reads = _native.NodeReads(fine.addresses[0], types_fail.addresses[1], fine.addresses[2], 0)
+    assert reads(1, sizes) == (7, 1, ())
+    reads = _native.NodeReads(fine.addresses[0], fine.addresses[1], params_fail.addresses[2], 0)
+    assert reads(1, sizes) == (8, 2, ())
+    graph.status = 0
+    for misuse, error in (
+        ((1, [sizes]), TypeError),  # sizes neither a dict nor None
+        ((1, {0xF00: [8, 4]}), TypeError),  # sizes of a function not a tuple
+        ((1, {0xF00: (8, -4)}), ValueError),
+        (("g", sizes), TypeError),
+        ((1,), TypeError),
+    ):
+        with pytest.raises(error):
+            _native.NodeReads(*graph.addresses, 0)(*misuse)
+    with pytest.raises(ValueError, match="must not be 0"):
+        _native.NodeReads(graph.addresses[0], 0, graph.addresses[2], 0)
+    assert kept and kept_too
+
+
+GRAPH_ADD_MEMCPY = ctypes.CFUNCTYPE(
+    ctypes.c_int, ctypes.POINTER(VOIDP), VOIDP, ctypes.POINTER(VOIDP), ctypes.c_size_t, VOIDP, VOIDP
+)
+
+
+class FakeAddMemcpy:
+    """cuGraphAddMemcpyNode as a ctypes callback: records (graph, dependencies, params address,
+    context) and what ``read(params address)`` says of the struct, answers node handles 0xC0, 0xC1..."""
+
+    def __init__(self, read=lambda address: None, status: int = 0) -> None:
+        self.calls: list[tuple] = []
+        self.status = status
+
+        def call(node_out, graph, dependencies, count, params, context):
+            self.calls.append((graph, [dependencies[i] for i in range(count)], params, context, read(params)))
+            node_out[0] = 0xC0 + len(self.calls) - 1
+            return self.status
+
+        self.callback = GRAPH_ADD_MEMCPY(call)
+        self.address = ctypes.cast(self.callback, ctypes.c_void_p).value
+
+
+@needs_native
+def test_a_copy_node_is_added_after_the_dependencies_given():
+    fake = FakeAddMemcpy()
+    add = _native.bind("graph_add_memcpy", "cuGraphAddMemcpyNode", fake.address)
+    assert add(0x6000, (0xA0, Handle(0xA1)), 0x7000, 0xC7) == (0, 0xC0)
+    assert add(0x6000, [], 0x7000, None) == (0, 0xC1)
+    assert fake.calls == [(0x6000, [0xA0, 0xA1], 0x7000, 0xC7, None), (0x6000, [], 0x7000, None, None)]
+    fake.status = 1
+    assert add(0x6000, (), 0x7000, 0) == (1, 0)  # no node unless the status is 0
+    for misuse, error in (
+        ((0x6000, (0xA0,), 0, 0xC7), ValueError),  # no copy parameters
+        ((0x6000, {0xA0}, 0x7000, 0xC7), TypeError),
+        ((0x6000, ("a",), 0x7000, 0xC7), TypeError),
+        ((0x6000, (-1,), 0x7000, 0xC7), OverflowError),
+        ((0x6000, (), 0x7000), TypeError),
+    ):
+        with pytest.raises(error):
+            add(*misuse)
+    assert len(fake.calls) == 3
+
+
+@needs_native
 def test_the_cuda_backend_launches_through_the_helper(monkeypatch):
     """The CUDA backend with a fake libcuda: a jit call state's launch and a node update go
     through the C helper with raw handles, the same arguments the binding would get."""
@@ -366,6 +520,7 @@ def test_the_cuda_backend_launches_through_the_helper(monkeypatch):
     calls = cuda_backend.native_calls()
     packed = calls.pop("packed_launch")
     assert calls.pop("read_params") is _native.read_params
+    assert isinstance(calls.pop("capture_tail"), _native.CaptureTail)
     assert {role: f.__name__ for role, f in calls.items()} == {
         "launch": "cuLaunchKernel",
         "graph_launch": "cuGraphLaunch",
@@ -380,36 +535,62 @@ def test_the_cuda_backend_launches_through_the_helper(monkeypatch):
     assert backend.graph_exec_object(0xE0) == 0xE0
 
     # the capture query replay makes after each launch it records: the launch's node, or None
-    # where the stream is not capturing or the query failed
+    # where the stream is not capturing or the query failed; a recording's sink takes the C
+    # object that answers it (a packed launch's record asks it without Python)
     capture_info = drivers["cuStreamGetCaptureInfo_v2"]
+    assert isinstance(backend.capture_tail_function(), _native.CaptureTail)
     assert backend.capture_tail(0xBEEF) == (0xA7,) and capture_info.streams == [0xBEEF]
+    assert backend.capture_tail_function()(0xBEEF) == (0xA7,)
     capture_info.capture_status = 0
     assert backend.capture_tail(0xBEEF) is None
     capture_info.status, capture_info.capture_status = 1, 1
     assert backend.capture_tail(0xBEEF) is None
-    # the node reads of an analysis: kernel nodes read from C, the handles the binding's
-    # objects as on the binding's path; a node of another type (7: an empty node) is "other"
+    # the node reads of an analysis: every node read in one C call (with the parameters of the
+    # kernels whose sizes are given), handles raw ints; a node of another type (7: an empty
+    # node) is "other"
     assert backend._native_node_reads is None  # the fake libcuda has none: the binding reads
-    fake_graph = FakeGraph({0xB0: (0, KERNEL_FIELDS), 0xB1: (7, None)})
+    values = [struct.pack("<Q", 0x5000), struct.pack("<i", 9)]
+    address, kept = _param_array(values)
+    fake_graph = FakeGraph({0xB0: (0, dict(KERNEL_FIELDS, kernelParams=address)), 0xB1: (7, None)})
     node_reads = [cuda_backend._NATIVE_OPTIONAL[1][role][1] for role in cuda_backend._NATIVE_NODE_READS]
     for symbol, callback in zip(node_reads, fake_graph.callbacks):
         drivers[symbol] = SimpleNamespace(callback=callback)
+    add_memcpy = FakeAddMemcpy(read=_copy_fields)
+    drivers["cuGraphAddMemcpyNode"] = add_memcpy
     backend = cuda_backend.CudaBackend()
+    assert isinstance(backend._native_node_reads, _native.NodeReads)
     kernel, other = backend.graph_nodes(0x6000)
-    assert (kernel.index, int(kernel.handle), kernel.kind, kernel.function) == (0, 0xB0, "kernel", 0xF00)
+    assert (kernel.index, kernel.handle, kernel.kind, kernel.function) == (0, 0xB0, "kernel", 0xF00)
     assert (kernel.grid, kernel.block, kernel.shared_bytes, kernel.params_address) == (
         (4, 2, 1),
         (256, 1, 1),
         96,
-        0x7000,
+        address,
     )
-    assert isinstance(kernel.handle, cuda_backend.driver.CUgraphNode)
-    assert (other.index, int(other.handle), other.kind) == (1, 0xB1, "other")
+    assert type(kernel.handle) is int and kernel.params is None
+    assert (other.index, other.handle, other.kind) == (1, 0xB1, "other")
+    kernel, _ = backend.graph_nodes_with_params(0x6000, {0xF00: (8, 4)})
+    assert kernel.params == tuple(values) == tuple(backend.read_kernel_params(kernel, (8, 4)))
+    # the outputs' copies: a memcpy node each, after every node the graph holds, in the
+    # device's context, with the struct the binding makes
+    monkeypatch.setattr(backend, "_context", lambda device: 0xC7)
+    backend.append_copies(0x6000, [(0xD000, 0xE000, 48), (0xD100, 0xE100, 16)], 0)
+    device = int(cuda_backend.driver.CUmemorytype.CU_MEMORYTYPE_DEVICE)
+    assert [call[:2] + call[3:] for call in add_memcpy.calls] == [
+        (0x6000, [0xB0, 0xB1], 0xC7, (device, 0xE000, device, 0xD000, 48, 1, 1)),
+        (0x6000, [0xB0, 0xB1], 0xC7, (device, 0xE100, device, 0xD100, 16, 1, 1)),
+    ]
+    add_memcpy.status = 1
+    monkeypatch.setattr(cuda_backend._check, "detail", lambda status: "")  # (the driver's sentence: none here)
+    with pytest.raises(DriverError, match="cuGraphAddMemcpyNode"):
+        backend.append_copies(0x6000, [(0xD000, 0xE000, 48)], 0)
     for symbol in node_reads:
         del drivers[symbol]
+    del drivers["cuGraphAddMemcpyNode"]
     # a driver without the query: the other calls still go through the helper
     del drivers["cuStreamGetCaptureInfo_v2"]
     assert set(cuda_backend.native_calls()) == {"launch", "graph_launch", "node_set", "packed_launch", "read_params"}
+    assert kept
 
     # the launch template, as a call state runs it
     namespace = dict(backend.hot_namespace, _f=0xF00, _addr=0x5000)
@@ -443,6 +624,22 @@ def test_the_cuda_backend_launches_through_the_helper(monkeypatch):
     assert launcher(2, 1, 1, 64, 1, 1, 0, 0xBEEF, 0x1234, -7) == (0,)
     assert drivers["cuLaunchKernel"].calls[-1][:9] == (0xF00, 2, 1, 1, 64, 1, 1, 0, 0xBEEF)
     assert torch.zeros(1).sum() == 0  # torch still fine after the fakes (no stray frees)
+
+
+def _copy_fields(address: int) -> tuple:
+    """The fields of the CUDA_MEMCPY3D at ``address`` that a flat device copy sets."""
+    from cuda.bindings import driver
+
+    p = driver.CUDA_MEMCPY3D(_ptr=address)
+    return (
+        int(p.srcMemoryType),
+        int(p.srcDevice),
+        int(p.dstMemoryType),
+        int(p.dstDevice),
+        p.WidthInBytes,
+        p.Height,
+        p.Depth,
+    )
 
 
 # --- PackedLaunch: the launch that packs its own parameters -------------------------------------
