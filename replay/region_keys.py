@@ -348,10 +348,11 @@ class FlatCall:
     starts: list[int] | None = None
 
 
-def flat_call(args: tuple, kwargs: dict) -> FlatCall:
-    """A region call's arguments flattened (as :func:`flatten` does) into one :class:`FlatCall`."""
+def flat_call(args: tuple, kwargs: dict, *, walk_objects: bool = False) -> FlatCall:
+    """A region call's arguments flattened (as :func:`flatten` does) into one :class:`FlatCall`.
+    ``walk_objects``: object arguments walked (the session's full path), else leaves a key refuses."""
     starts: list[int] = []
-    spec, leaves, paths = _flatten(args, kwargs, False, False, starts)
+    spec, leaves, paths = _flatten(args, kwargs, False, walk_objects, starts)
     return FlatCall(spec, leaves, paths, starts if spec[0] != FLAT else None)
 
 
@@ -631,9 +632,13 @@ class KeyMark(enum.Enum):
 
     #: followed by the indices of the tensor leaves that require grad (see region_key)
     REQUIRES_GRAD = "requires grad"
+    #: followed by (leaf index, data pointer) of the object tensors keyed by their address
+    ADDRESSES = "at fixed addresses"
 
 
-def region_key(device: int, spec: object, leaves: Sequence, paths: Sequence[str]) -> tuple:
+def region_key(
+    device: int, spec: object, leaves: Sequence, paths: Sequence[str], addressed: Iterable[int] = ()
+) -> tuple:
     """The full key of one call: device, the torch modes in force, the argument structure,
     how the tensor arguments overlap each other, and each leaf's signature; and which tensor
     arguments require grad, where any does: ``(..., (KeyMark.REQUIRES_GRAD, indices))``.
@@ -641,6 +646,13 @@ def region_key(device: int, spec: object, leaves: Sequence, paths: Sequence[str]
     :func:`torch_modes`): the session runs it eagerly. A walked object's carrier is keyed as
     :data:`CARRIER` (its class and structure are in the spec, what it holds in its shadow
     leaves' elements).
+
+    ``addressed``: the shadow tensors (leaf indices) keyed by their data pointers as well,
+    ``(..., (KeyMark.ADDRESSES, ((index, pointer), ...)))`` before the grad mark. Why: the
+    region reads an object's tensors through the object, so nothing can stage them; where a
+    node replay cannot rebind reads or writes one (a torch op: Hugging Face's ``index_copy_``
+    into its cache), the graph holds its address, and so must the key (a decode loop keeps
+    its cache, and its key; a new cache elsewhere is another key).
 
     Why the grad mark: a graph cannot carry autograd (a replay hands out detached views of
     its memory), so a call whose tensors require grad must never find the key of a call whose
@@ -650,6 +662,8 @@ def region_key(device: int, spec: object, leaves: Sequence, paths: Sequence[str]
     already (jitcore.guards), so both paths tell the two apart. Grad and inference mode are
     in every key already (its torch settings)."""
     key = exact_key(device, spec, leaves, paths)
+    if addressed:
+        key = (*key, (KeyMark.ADDRESSES, tuple((i, leaves[i].data_ptr()) for i in sorted(addressed))))
     for leaf in leaves:  # (a plain loop: every full key pays for it)
         if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
             grads = tuple(i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and leaf.requires_grad)
@@ -668,6 +682,14 @@ def grad_leaves(key: tuple) -> tuple[int, ...]:
     """The tensor leaves of ``key`` that require grad (see :func:`region_key`)."""
     last = key[-1] if len(key) > LEAVES_START else None
     return last[1] if last.__class__ is tuple and last and last[0] is KeyMark.REQUIRES_GRAD else ()
+
+
+def addressed_leaves(key: tuple) -> tuple[int, ...]:
+    """The object tensors ``key`` holds by their address (see :func:`region_key`)."""
+    for element in key[-2:]:
+        if element.__class__ is tuple and element and element[0] is KeyMark.ADDRESSES:
+            return tuple(i for i, _ in element[1])
+    return ()
 
 
 #: The key element of a walked object itself (replay.objects): no identity.
@@ -808,6 +830,15 @@ def overlapping_pairs(pattern: Iterable[tuple[int, ...]]) -> set[tuple[int, int]
     """The pairs of leaves (lower index first) that an aliasing pattern (:func:`overlap_groups`)
     says overlap."""
     return {pair for group in pattern for pair in itertools.combinations(group, 2)}
+
+
+def restricted_groups(pattern: Iterable[tuple[int, ...]], leaves: set[int]) -> tuple[tuple[int, ...], ...]:
+    """An aliasing pattern (:func:`overlap_groups`) among some of its leaves only: what
+    :func:`overlap_groups` gives for those leaves' ranges. Each maximal group of a subset lies in
+    a maximal group of the whole, so the subset's groups are the largest of the restrictions."""
+    cut = {tuple(i for i in group if i in leaves) for group in pattern}
+    cut = {group for group in cut if len(group) > 1}
+    return tuple(sorted(g for g in cut if not any(g != h and set(g) <= set(h) for h in cut)))
 
 
 def plain_leaves(leaves: Sequence) -> list:
