@@ -4,7 +4,7 @@ The replay benchmark's region (a chain of 32 ``y = a*x + b`` jit kernels, each o
 ``torch.empty_like``) on CPU tensors, with the null backend standing in for the driver (a
 launch that runs nothing, behind the C helper's packed launch where it was built, as on the
 CUDA backend). Each step of a recording's host work is timed on its own
-(``replay.instrumentation.RecordingSteps``):
+(``replay.recording_steps.RecordingSteps``):
 
 - the region called plainly, and with the recorder a capture installs: the difference is the
   jit's launch reports, per launch; and with a recorder whose capture tail is a Python function
@@ -32,7 +32,7 @@ from benchmarks import common
 from benchmarks.replay import KERNELS, WIDTH, chain
 from jitcore.backends import use_backend
 from jitcore.backends.null import NullBackend
-from replay import instrumentation
+from replay import recording_steps
 from tests.replay import sample_capture
 
 BATCH = 8
@@ -80,8 +80,8 @@ def _chain_steps(backend: NullBackend, calls: int, repeats: int) -> dict[str, di
     with use_backend(backend):
         x = torch.randn(BATCH, WIDTH)
         region(x)  # the jit's misses, before anything is timed
-        steps = instrumentation.RecordingSteps(region, (x,))
-        python_steps = instrumentation.RecordingSteps(region, (x,))
+        steps = recording_steps.RecordingSteps(region, (x,))
+        python_steps = recording_steps.RecordingSteps(region, (x,))
         python_steps.backend = TailOf(python_tail(backend))  # its recorder's tail: through Python
         paths = {
             "region, no recorder": lambda: region(x),

@@ -28,9 +28,10 @@ PUBLIC = {"jitcore": set(jitcore.__all__), "replay": set(replay.__all__)}
 #: Modules besides the two packages themselves: the driver interface (selection, the parameter
 #: buffer a raw launch is given) and the documented driver stand-in.
 DRIVER_INTERFACE = {"jitcore.backends", "jitcore.backends.abi", "jitcore.backends.null"}
-#: replay's measurement hooks, which only benchmarks turn on, and the watch, whose check
-#: benchmarks/watch.py times made each way (replay.watch.watch_check).
-MEASUREMENT = {"replay.instrumentation", "replay.watch"}
+#: replay's measurement hooks, which only benchmarks turn on, a recording's host steps run one
+#: by one (benchmarks/recording_cpu.py), and the watch, whose check benchmarks/watch.py times
+#: made each way (replay.watch.watch_check).
+MEASUREMENT = {"replay.instrumentation", "replay.recording_steps", "replay.watch"}
 
 
 def test_the_benchmarks_are_not_part_of_the_installed_packages():

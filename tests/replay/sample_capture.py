@@ -24,7 +24,7 @@ from benchmarks.replay import affine
 from jitcore.backends.abi import PackedParams
 from jitcore.backends.base import GraphNode, NodeUpdater
 from jitcore.backends.null import NullBackend
-from replay import instrumentation, output_identity, recording, region_keys
+from replay import output_identity, recording, recording_steps, region_keys
 from replay.graph import RecordedGraph
 from replay.output_slots import OutputSlots
 from replay.policy import Policy
@@ -93,7 +93,7 @@ class SampleCapture:
     as a backend reports them, the region's flattened arguments, its outputs in their own
     memory."""
 
-    steps: instrumentation.RecordingSteps
+    steps: recording_steps.RecordingSteps
     node_views: list
     nodes: list
     leaves: tuple
@@ -107,7 +107,7 @@ def sample_capture(batch: int) -> SampleCapture:
     """The sample-like capture at ``batch`` tokens (under the current backend: a null one)."""
     args = arguments(batch)
     own = decode_like(*args).clone()  # the jit's misses first; the output copied into memory of its own
-    steps = instrumentation.RecordingSteps(decode_like, args)
+    steps = recording_steps.RecordingSteps(decode_like, args)
     jit = steps.nodes
     foreign = foreign_nodes(len(jit), MATMULS)
     copy = NodeView(len(jit) + MATMULS, "memcpy", pointers=(POOL, own.data_ptr()), handle=0x30000)
