@@ -990,6 +990,14 @@ def _pool_memory(device: int, pool: tuple) -> tuple[list[tuple[int, int]], bool]
     return [(address, address + size) for address, size in segments], measured
 
 
+def _pool_memory_after(recorded, prepared, device: int, pool: tuple) -> list[tuple[int, int]]:
+    """The pool memory a capture's outputs are judged by (:func:`_pool_memory`, measured again
+    where an output lies outside it: :func:`_pool_memory_holding`)."""
+    pool_memory, measured = _pool_memory(device, pool)
+    watched = prepared.watched + prepared.host_ranges()
+    return _pool_memory_holding(recorded.outputs, watched, device, pool, pool_memory, measured)
+
+
 def _pool_memory_holding(
     outputs: object, watched: Sequence[tuple[int, int]], device: int, pool: tuple, pool_memory: list, measured: bool
 ) -> list[tuple[int, int]]:
@@ -1172,9 +1180,7 @@ def capture(
             instrumentation.steps.mark("capture begin, checks, end")
             given = output_identity.given_objects(leaves, prepared.staged, prepared.host_buffers())
             identity = output_identity.identify(recorded.outputs, given, held)
-            pool_memory, measured = _pool_memory(device, pool)
-            watched = prepared.watched + prepared.host_ranges()
-            pool_memory = _pool_memory_holding(recorded.outputs, watched, device, pool, pool_memory, measured)
+            pool_memory = _pool_memory_after(recorded, prepared, device, pool)
             instrumentation.steps.mark("pool snapshot")
             _give_outputs_their_own_memory(recorded, prepared, graph, pool_memory, recorder.backend, stream, device)
         instrumentation.steps.mark("own outputs")
