@@ -388,7 +388,7 @@ class Keys:
             if victim is None:
                 return
             what = "capture (never analysed)" if victim in session.pending else "graph"
-            self._release(victim, "evict")
+            self.release(victim, "evict")
             session.counters.evictions += 1
             log.info(
                 "region %s, key %s: %s released for key %s, used more recently",
@@ -398,12 +398,10 @@ class Keys:
                 KeyText(entry.key),
             )
 
-    def release(self, entry: Entry) -> None:
+    def release(self, entry: Entry, event: str = "release") -> None:
         """AWAITING_ANALYSIS or REPLAYING -> WARMING: its graph or capture goes (a retired pool,
-        a compaction); the key records again later."""
-        self._release(entry, "release")
-
-    def _release(self, entry: Entry, event: str) -> None:
+        a compaction; ``event`` says why: the transition table's "release", "evict" or
+        "invalidate"); the key records again later."""
         _move(entry, event)
         self._let_go(entry)
 
@@ -440,11 +438,11 @@ class Keys:
         so, and every key warms up again (admission forgets its counts)."""
         session = self.session
         for entry in list(session.lru):
-            self._release(entry, "invalidate")
+            self.release(entry, "invalidate")
         for region in session.regions:
             for entry in list(region.entries.values()):
                 if entry.state is AWAITING_ANALYSIS:
-                    self._release(entry, "invalidate")
+                    self.release(entry, "invalidate")
         session.admission.forget(lambda counted: True)
 
     def drift(self, region) -> None:
