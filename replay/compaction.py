@@ -4,6 +4,12 @@ A recording that grew the pool substantially may have fragmented it (a bigger sh
 reuse the blocks smaller shapes were recorded into); recorded again into a fresh pool, the
 graphs share one set of blocks. replay.admission.CompactionRule says when it is worth its
 recordings; each graph's swap goes through replay.lifecycle (``recapture``).
+
+A key is recorded again only under its own torch settings (``key[2]``): a graph bakes the
+kernels torch chose under the settings it was recorded with, and a compaction runs under the
+settings of the call that triggered it. A key whose settings differ now, and a key of calls
+passing objects (its recording needs the caller's object, which no placeholder stands in
+for), is released instead (``release``: it records again when called).
 """
 
 from __future__ import annotations
@@ -13,10 +19,22 @@ import time
 
 import torch
 
-from replay import recording
+from replay import recording, torch_state
 from replay.admission import CompactionRule
+from replay.errors import RefusedKey
 
 log = logging.getLogger("replay")
+
+
+def recordable_now(key: tuple) -> bool:
+    """Whether a compaction may record ``key`` again: under its own torch settings (those in
+    force now), and from placeholders of its leaves (no object argument)."""
+    if len(key[1]) > 3:
+        return False
+    try:
+        return key[2] == torch_state.torch_modes()
+    except RefusedKey:  # settings no key may be made under (an active dispatch mode)
+        return False
 
 
 class Compaction:
@@ -38,6 +56,7 @@ class Compaction:
         if (
             self.enabled
             and others
+            and recordable_now(entry.key)  # (its own graph is replayed next: never released here)
             and capture.memory >= max(1 << 20, size // 10)
             and self.rule.due(device, size, len(others) + 1, session.counters.records)
             and session.admission.may_record()
@@ -50,15 +69,16 @@ class Compaction:
         session = self.session
         if recording.CAPTURES.holds_shared():
             return False  # inside another region's eager run: no capture can start here
-        entries = sorted(
-            (e for e in session.lru if e.graph is not None and e.graph.device == device),
-            key=lambda e: e.graph.input_bytes,
-            reverse=True,
-        )
+        held = [e for e in session.lru if e.graph is not None and e.graph.device == device]
+        entries = sorted((e for e in held if recordable_now(e.key)), key=lambda e: e.graph.input_bytes, reverse=True)
         for region in session.regions:  # captures still awaiting analysis live in the old pool:
             for entry in list(region.entries.values()):  # they go, and record again when called
                 if entry.unanalysed is not None and entry.unanalysed.device == device:
                     session.keys.release(entry)
+        kept = set(entries)
+        for entry in held:  # as do graphs that cannot be recorded again here and now
+            if entry not in kept:
+                session.keys.release(entry)
         started = time.perf_counter()
         before = session.pool_bytes(device)
         new_pool = recording.KeptPool(device, session.capture_stream(device))

@@ -76,17 +76,20 @@ def alias_checks(code: Source, graph, leaves: Sequence) -> None:
         code.namespace[f"_e{i}"] = extent
     for i, _ in tensors:
         code.line(f"_p{i} = l{i}.data_ptr()")
-    pattern = set(graph.key[3])
+    # the key's groups among the tensors passed as such (an object's tensor keyed by its address
+    # is not one: the full key every call passing objects computes holds its groups)
+    groups = region_keys.restricted_groups(graph.key[3], {i for i, _ in tensors})
     ranges = [(i, extent) for i, extent in tensors if extent]  # an empty tensor overlaps nothing
-    if not pattern and _apart_in_bulk(code, ranges):
+    if not groups and _apart_in_bulk(code, ranges):
         return
     if len(tensors) > 8:  # one sort instead of n^2/2 comparisons
-        code.namespace["_pattern_of"] = region_keys.pattern_of
-        code.namespace["_PATTERN"] = graph.key[3]
+        code.namespace["_overlap_groups"] = region_keys.overlap_groups
+        code.namespace["_PATTERN"] = groups
         listed = "".join(f"({i}, _p{i}, _p{i} + _e{i}), " for i, _extent in tensors)
-        code.line(f"if _pattern_of([{listed}]) != _PATTERN:")
+        code.line(f"if _overlap_groups([{listed}]) != _PATTERN:")
         code.line("return _MISMATCH", 2)
         return
+    pattern = region_keys.overlapping_pairs(groups)
     for n, (i, extent_i) in enumerate(tensors):
         for j, extent_j in tensors[n + 1 :]:
             if not extent_i or not extent_j:

@@ -37,7 +37,7 @@ _VALUE_LEAVES = (bool, int, float, complex, str, bytes, type(None), torch.dtype,
 _COUNT_DEPTH = 8
 
 
-def counted_shapes(device_of, spec: object, leaves: Sequence, paths: list) -> tuple:
+def counted_shapes(device_of, spec: object, leaves: Sequence, paths: list, addressed: Sequence[int] = ()) -> tuple:
     """What admission counts a call under, with its region: the call's structure with each
     tensor's shape and each constant (cheap). Calls of one full key always share it (the full
     key holds all of it), so its count bounds the key's from above: a call it leaves warming
@@ -50,27 +50,43 @@ def counted_shapes(device_of, spec: object, leaves: Sequence, paths: list) -> tu
     (:func:`_count_element`): admission's counts outlive the call by up to two windows of
     calls, and a ``Batch`` object of tensors new every step kept every batch of the window
     alive. (The hash of the constant itself is taken first, so an unhashable one is still
-    refused.)"""
+    refused.)
+
+    A walked object (a carrier, :mod:`replay.objects`) counts as
+    :data:`~replay.region_keys.CARRIER`, as its key does: a new cache per generation counts
+    with the one before (its structure is the spec's, what it holds its shadow leaves').
+    ``addressed``: the object tensors its key holds by their address (region_keys.region_key),
+    counted by it too, so that an object given new tensors every call (read by torch ops: a
+    key each) warms each of them, rather than counting them all as one key that records at
+    every call."""
     try:
-        shapes = (
-            spec,
-            tuple(
-                leaf.shape
-                if isinstance(leaf, torch.Tensor)
-                else (
-                    DYNAMIC_MARK
-                    if isinstance(leaf, Dynamic)
-                    else leaf
-                    if leaf.__class__ in PLAIN_CONSTANTS
-                    else _counted_constant(leaf)
-                )
-                for leaf in leaves
-            ),
+        counted = tuple(
+            leaf.shape
+            if isinstance(leaf, torch.Tensor)
+            else (
+                DYNAMIC_MARK
+                if isinstance(leaf, Dynamic)
+                else leaf
+                if leaf.__class__ in PLAIN_CONSTANTS
+                else _counted_constant(leaf)
+            )
+            for leaf in (_without_carriers(spec, leaves) if len(spec) > 3 else leaves)
         )
+        shapes = (spec, counted)
+        if addressed:
+            shapes += (tuple(leaves[i].data_ptr() for i in sorted(addressed)),)
         hash(shapes)
     except (TypeError, RuntimeError):  # unhashable constants; a nested tensor's .shape raises
         shapes = (spec, region_keys.exact_key(device_of(), spec, leaves, paths))
     return shapes
+
+
+def _without_carriers(spec: tuple, leaves: Sequence) -> list:
+    """The leaves of a call that walked objects, each carrier as its key element."""
+    counted = list(leaves)
+    for i in spec[3].carriers:
+        counted[i] = region_keys.CARRIER
+    return counted
 
 
 class WeakIdentity:
@@ -140,6 +156,10 @@ def describe_key(key: tuple, limit: int = 96) -> str:
     for element in key[region_keys.LEAVES_START :]:
         if isinstance(element, tuple) and element and element[0] is KeyMark.REQUIRES_GRAD:
             parts.append(f"requiring grad: leaf {', '.join(map(str, element[1]))}")
+        elif isinstance(element, tuple) and element and element[0] is KeyMark.ADDRESSES:
+            parts.append(f"at fixed addresses: leaf {', '.join(str(i) for i, _ in element[1])}")
+        elif element == region_keys.CARRIER:
+            parts.append("an object")
         elif isinstance(element, tuple) and len(element) == 6 and isinstance(element[1], tuple):
             parts.append(f"{element[0]}[{','.join(map(str, element[1]))}]")
         elif isinstance(element, tuple) and element and element[0] == "dynamic":

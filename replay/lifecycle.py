@@ -38,6 +38,39 @@ MAX_IDLE_ENTRIES = 256
 #: The most sizes a polymorphic region remembers a state of (a variant, or why it is padded).
 MAX_VARIANT_STATES = 1024
 
+#: Argument structures a region keeps hints of (``Region.hints``): beyond, the least recently
+#: used one goes, and its structure's next warm-up is observed again.
+MAX_HINTS = 256
+
+
+class RecentlyUsed(collections.OrderedDict):
+    """A mapping that keeps its ``limit`` most recently used entries: reading one with
+    :meth:`get`, or writing one, makes it the most recent; a write beyond ``limit`` drops the
+    least recent. Why: bookkeeping that callers grow by passing ever-new structures (a dict
+    keyed by request id) stays within a stated count, and what goes is what was used longest
+    ago, the cheapest to relearn. ``in`` leaves the order alone."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def get(self, key, default=None):
+        value = super().get(key, _ABSENT)
+        if value is _ABSENT:
+            return default
+        with contextlib.suppress(KeyError):  # (another thread dropped it meanwhile)
+            self.move_to_end(key)
+        return value
+
+    def __setitem__(self, key, value) -> None:
+        super().__setitem__(key, value)
+        self.move_to_end(key)
+        while len(self) > self.limit:
+            self.popitem(last=False)
+
+
+_ABSENT = object()
+
 
 class KeyState(enum.Enum):
     """Where a key stands (its value is what ``report()`` shows)."""
@@ -433,18 +466,31 @@ class Keys:
 
     def vary(self, entry: Entry, variant) -> None:
         """NO_ENTRY -> SIZE_VARIANT: ``entry``'s size is served by ``variant`` of its bucket's graph."""
+        self._room_for_a_variant(entry.region)
         _move(entry, "vary")
         entry.graph = variant
         entry.region.variants[entry.key] = variant
 
     def not_a_variant(self, region, key: tuple, why: str) -> None:
         """Remember why the bucket's graph cannot serve ``key`` at its size (it is padded),
-        forgetting such reasons (never variants) beyond ``MAX_VARIANT_STATES``."""
+        within ``MAX_VARIANT_STATES`` (:meth:`_room_for_a_variant`)."""
+        self._room_for_a_variant(region)
+        region.variants[key] = why
+
+    def _room_for_a_variant(self, region) -> None:
+        """Keep a region's size states below ``MAX_VARIANT_STATES`` before one is added: the
+        reasons for padding go first (a size that comes back is observed again), then the
+        variant replayed least (its size is padded until observed again), the oldest among
+        equals."""
         variants = region.variants
+        if len(variants) < MAX_VARIANT_STATES:
+            return
+        for stale in [k for k, v in variants.items() if v.__class__ is str]:
+            del variants[stale]
         if len(variants) >= MAX_VARIANT_STATES:
-            for stale in [k for k, v in variants.items() if v.__class__ is str]:
-                del variants[stale]
-        variants[key] = why
+            least = min(variants.values(), key=lambda variant: variant.replays)
+            least.release()  # (leaves its family: its bucket's graph serves on)
+            self.drop_variant(least)
 
     def drop_variant(self, variant) -> None:
         """SIZE_VARIANT -> NO_ENTRY: the size's bucket graph went; it is observed again when it

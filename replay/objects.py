@@ -44,6 +44,7 @@ the key of a region that changes one.
 from __future__ import annotations
 
 import collections
+import copy
 import dataclasses
 import types
 import typing
@@ -102,8 +103,9 @@ def is_object(value: object) -> bool:
 
 def _constant_class(cls: type) -> bool:
     """Whether values of ``cls`` are constants of a key or containers flatten walks (a frozen
-    dataclass is rebuilt), not objects to walk."""
-    if cls in region_keys.BY_VALUE or issubclass(cls, region_keys.NOT_OBJECTS):
+    dataclass is rebuilt), or markers (a padded tensor: an argument of its own), not objects to
+    walk."""
+    if cls in region_keys.BY_VALUE or issubclass(cls, (*region_keys.NOT_OBJECTS, *_MARKERS)):
         return True
     return hasattr(cls, "__dataclass_fields__") and cls.__dataclass_params__.frozen
 
@@ -479,6 +481,14 @@ def _members_difference(a: tuple | None, b: tuple | None, path: str) -> str | No
     return _member_path(path, other_names[len(names)]) if len(other_names) > len(names) else None
 
 
+def structure_changed(before: Snapshot, after: Snapshot) -> int | None:
+    """Which of a call's objects (its number among them) first differs in its structure
+    between two snapshots (an attribute added or removed, a container grown, a class changed:
+    a first call's lazy initialisation), not only in its plain values or which tensors it
+    holds; None where none does."""
+    return next((n for n, (b, a) in enumerate(zip(before.carriers, after.carriers)) if b[1] != a[1]), None)
+
+
 def _first_of(found) -> str | None:
     return next((f for f in found if f), None)
 
@@ -488,3 +498,80 @@ def _shown(exact_key: object) -> str:
     if isinstance(exact_key, tuple) and len(exact_key) == 2 and exact_key[0] in (str, int, bool, type(None)):
         return repr(exact_key[1])
     return repr(exact_key)
+
+
+# --- what a recording and a graph are given in their place -------------------------------------
+class _Baked:
+    """The leaf a recording or a graph is given in place of a value it never takes as an
+    argument: an object's tensor keyed by its address (the graph reads it where it lies), or
+    the object itself in a graph's leaves (a graph keeps no caller's object alive)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "replay.objects.BAKED"
+
+    def __copy__(self) -> _Baked:  # one marker: copies are itself
+        return self
+
+    def __deepcopy__(self, memo: dict) -> _Baked:
+        return self
+
+
+BAKED = _Baked()
+
+
+def shadow_tensors(spec: object, leaves: Sequence) -> frozenset[int]:
+    """The leaves of a call's objects that are tensors (none for a call without objects)."""
+    if len(spec) <= 3:
+        return frozenset()
+    return frozenset(i for i in spec[3].shadows if isinstance(leaves[i], torch.Tensor))
+
+
+def recording_leaves(leaves: Sequence, addressed: Sequence[int]) -> Sequence:
+    """The leaves a recording takes: ``addressed`` (object tensors keyed by their address)
+    replaced by :data:`BAKED`, so that no input is made of them (no staging, no rebinding:
+    the region reads them through the object, where they lie)."""
+    if not addressed:
+        return leaves
+    baked = list(leaves)
+    for i in addressed:
+        baked[i] = BAKED
+    return baked
+
+
+def graph_leaves(spec: object, leaves: Sequence, addressed: Sequence[int]) -> Sequence:
+    """:func:`recording_leaves` with each carrier :data:`BAKED` too: what a graph is built
+    from (its templates would keep the caller's object, and all it holds, alive)."""
+    if len(spec) <= 3:
+        return leaves
+    baked = list(recording_leaves(leaves, addressed))
+    for i in spec[3].carriers:
+        baked[i] = BAKED
+    return baked
+
+
+def copyable(spec: object, leaves: Sequence) -> bool:
+    """Whether a call's objects can be copied for a verification (:func:`with_copied_objects`):
+    a deep copy of each, its tensors kept as they are (only the structure is tried)."""
+    if len(spec) <= 3:
+        return True
+    return with_copied_objects(spec, leaves, leaves) is not None
+
+
+def with_copied_objects(spec: object, leaves: Sequence, copies: Sequence) -> list | None:
+    """``copies`` (of ``leaves``, tensors cloned as graph.clone_preserving_sharing clones
+    them) with each object a deep copy of the caller's whose tensors are those copies: what a
+    verification runs the region on eagerly, so that its writes reach the copies and never
+    the caller's objects (which the replay wrote already). None where an object cannot be
+    copied (the replay is then not verified)."""
+    if len(spec) <= 3:
+        return list(copies)
+    memo: dict[int, object] = {id(leaves[i]): copies[i] for i in spec[3].shadows if isinstance(leaves[i], torch.Tensor)}
+    result = list(copies)
+    try:
+        for i in spec[3].carriers:
+            result[i] = copy.deepcopy(leaves[i], memo)
+    except Exception:  # an object deepcopy cannot copy (whatever its class raises)
+        return None
+    return result

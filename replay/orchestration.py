@@ -17,7 +17,7 @@ import torch
 
 import jitcore
 from jitcore.for_replay import CaptureBusy, get_backend
-from replay import instrumentation, recording, region_keys
+from replay import effects, instrumentation, objects, recording, region_keys
 from replay.dispatch import MISS, flat_guard
 from replay.graph import RecordedGraph, guard_outputs
 from replay.keying import KeyText, describe_key
@@ -48,6 +48,12 @@ class Hints:
     stage: set[int] = attrs.Factory(set)
     copy_back: set[int] = attrs.Factory(set)
     clean: bool = False  # the observed warm-up saw no torch op touch an input
+    #: Tensors of object arguments that nodes replay cannot rebind read or write (torch ops:
+    #: the warm-up's observer, or an analysis asking to stage them): keyed by their address,
+    #: since nothing can stage what the region reads through an object (region_keys.region_key).
+    addressed: set[int] = attrs.Factory(set)
+    #: What the observed warm-up did that no graph replays (replay.effects), if anything.
+    effect: effects.Effect | None = None
     #: Why keys of this structure run eagerly under grad mode ("" if nothing says so): the
     #: observed warm-up ran under grad mode, none of its tensor arguments required grad, and
     #: outputs did (weights the region reads that require grad, as module parameters do).
@@ -84,6 +90,7 @@ class KeyRecorder:
                 return region.run_eagerly(call, entry) if served is MISS else served
             region.take_snapshot()
             session.keys.record(entry)
+            run = effects.RunEffects.before(call)
             started = time.perf_counter()
             try:
                 capture = self._capture(entry, key, call, device)
@@ -102,7 +109,24 @@ class KeyRecorder:
             finally:
                 session.admission.captured(time.perf_counter() - started)  # failed captures cost time too
             session.keys.capture(entry, capture)
+            self._judge_captured_run(key, run)
             return self._first_launch(entry, key, capture, call.leaves)
+
+    def _judge_captured_run(self, key: tuple, run: effects.RunEffects) -> None:
+        """After a capture: a key whose run did what no graph replays (replay.effects) is
+        unreplayable; its next call gives it up (its capture waits there, as any capture
+        does) and runs eagerly. This call is exact: its Python ran once, its graph launches
+        once. State the watch sees is refused where the key's captured run changed it twice
+        (the first change re-keys the region, as any change of its globals does: a closed-over
+        cache's lazy initialisation)."""
+        region = self.region
+        effect = run.after()
+        if effect is None:
+            changed = effects.watched_change(region.snapshot)
+            if changed is not None and region.unreplayable.suspected_before(key, changed):
+                effect = effects.Effect(effects.assignment(changed), changed)
+        if effect is not None:
+            region.refuse_replays(key, effect)
 
     def _capture(self, entry: Entry, key: tuple, call: FlatCall, device: int):
         region, session = self.region, self.region.session
@@ -110,19 +134,21 @@ class KeyRecorder:
         # hint): staged apart, they would stop sharing memory, which is exact only once an
         # analysis of the graph has shown that nothing writes them.
         overlapping = set() if entry.analysed_staging else {i for pair in key[3] for i in pair}
+        shadows = objects.shadow_tensors(call.spec, call.leaves)
         return session.record_key(
             region.fn,
             call.spec,
-            call.leaves,
+            objects.recording_leaves(call.leaves, region_keys.addressed_leaves(key)),
             call.paths,
             device=device,
             pool=session.pool(device),
             stream=session.capture_stream(device),
-            stage=entry.stage_hint - overlapping,
-            copy_back=entry.copy_back_hint - overlapping,
+            stage=entry.stage_hint - overlapping - shadows,
+            copy_back=entry.copy_back_hint - overlapping - shadows,
             observe=not entry.observed_clean,
             storages=session.policy.polymorphic,
             held=self.tensors_held_by_name(),
+            **({"shadows": shadows} if shadows else {}),
         )
 
     def _first_launch(self, entry: Entry, key: tuple, capture, leaves: list):
@@ -163,13 +189,19 @@ class KeyRecorder:
         region, session = self.region, self.region.session
         with session.lock:
             capture = session.keys.analyse(entry)
+            unreplayable = region.unreplayable.reason(key)
+            if unreplayable is not None:  # its captured run did what no graph replays
+                capture.graph.reset()
+                session.keys.stop_recording(entry, "give_up", unreplayable)
+                return region.run_eagerly(call, entry)
             analysed = time.perf_counter()
+            leaves = objects.graph_leaves(call.spec, call.leaves, region_keys.addressed_leaves(key))
             try:
                 try:
                     session.analyse(capture)
                     instrumentation.steps.start()
                     graph = session.build_graph(
-                        region, key, capture, call.spec, call.leaves, call.paths, session, len(session.lru)
+                        region, key, capture, call.spec, leaves, call.paths, session, len(session.lru)
                     )
                     instrumentation.steps.mark("build replay")
                 finally:  # charged before a failure records again: failed analyses cost time too
@@ -194,7 +226,12 @@ class KeyRecorder:
 
     def _restage(self, entry: Entry, key: tuple, call: FlatCall, device: int, plan):
         """The analysis found inputs to stage or copy back that the capture did not: record
-        again with them (the structure's hints learn them too), three captures at most."""
+        again with them (the structure's hints learn them too), three captures at most.
+        Tensors of object arguments among them are never staged: keyed by their address
+        instead (:meth:`_address`)."""
+        shadows = objects.shadow_tensors(call.spec, call.leaves)
+        if (plan.needs_staging | plan.needs_copy_back) & shadows:
+            return self._address(entry, call, plan, shadows)
         entry.stage_hint |= plan.needs_staging
         entry.copy_back_hint |= plan.needs_copy_back
         hints = self.region.hints.setdefault(call.spec, Hints())
@@ -206,6 +243,22 @@ class KeyRecorder:
         if entry.retries > MAX_RESTAGES:
             return self._give_up(entry, call, "staging did not settle after three captures")
         return self.record(entry, key, call, device)
+
+    def _address(self, entry: Entry, call: FlatCall, plan, shadows: frozenset[int]):
+        """The analysis found tensors of object arguments that a node replay cannot rebind
+        reads or writes: the region reads them through the object, so no staged copy can stand
+        in. The structure's keys hold their addresses from now on (Hints.addressed), so this
+        call has another key, recorded now, its other inputs staged as the plan says; the
+        key without addresses is left (the region's keys of this structure are never it
+        again: a bounded idle entry)."""
+        region, session = self.region, self.region.session
+        hints = region.hints.setdefault(call.spec, Hints())
+        hints.addressed |= (plan.needs_staging | plan.needs_copy_back) & shadows
+        hints.stage |= plan.needs_staging - shadows
+        hints.copy_back |= plan.needs_copy_back - shadows
+        session.counters.record_retries += 1
+        session.keys.stop_recording(entry, "retry")
+        return region.keyed_call_recorded(call)
 
     def _note_input_choices(self, key: tuple, capture) -> None:
         """The session's report of how each input of the new graph is handled."""
@@ -270,6 +323,13 @@ class KeyRecorder:
         log.info("region %s, key %s: runs eagerly from now on: %s", region.name, KeyText(entry.key), reason)
         warn(f"region {region.name}, key {describe_key(entry.key)}: runs eagerly from now on: {reason}")
         return region.run_eagerly(call, entry)
+
+    def refuse_unreplayable(self, entry: Entry, call: FlatCall, why: str):
+        """A key whose run did what no graph replays (replay.effects), about to record: it
+        runs eagerly from now on (warned where it was seen)."""
+        self.region.session.keys.refuse(entry, why)
+        log.info("region %s, key %s: runs eagerly from now on: %s", self.region.name, KeyText(entry.key), why)
+        return self.region.run_eagerly(call, entry)
 
     def refuse_autograd(self, entry: Entry, call: FlatCall, why: str):
         """The key runs eagerly from now on (exactly as eager: outputs keep their ``grad_fn``),

@@ -92,7 +92,9 @@ _SHARED_CAPTURE_EXCLUSION = CAPTURES.shared()
 
 #: ``fill_bits`` answers by (fill's type, fill, its sign, dtype): ``replay.padded()`` runs on
 #: every call of a bucketed loop, where converting the fill through a tensor would be paid each time.
+#: Emptied beyond ``_FILL_BITS_KEPT`` answers (fills a loop makes up as it goes).
 _FILL_BITS: dict[tuple, int | None] = {}
+_FILL_BITS_KEPT = 1024
 _UNKNOWN = object()
 
 
@@ -108,6 +110,8 @@ def fill_bits(fill: bool | int | float, dtype: torch.dtype) -> int | None:
         key = (fill.__class__, fill, dtype)
     bits = _FILL_BITS.get(key, _UNKNOWN)
     if bits is _UNKNOWN:
+        if len(_FILL_BITS) >= _FILL_BITS_KEPT:
+            _FILL_BITS.clear()
         bits = _FILL_BITS[key] = _exact_bits(fill, dtype)
     return bits
 

@@ -666,13 +666,27 @@ def input_ranges(tensors: dict[int, torch.Tensor], paths: Sequence[str]) -> list
 
 
 def _prepare_inputs(
-    leaves: Sequence, paths: Sequence[str], *, device: int, stage: set[int], held: HeldTensors | None = None
+    leaves: Sequence,
+    paths: Sequence[str],
+    *,
+    device: int,
+    stage: set[int],
+    held: HeldTensors | None = None,
+    shadows: frozenset[int] = frozenset(),
 ) -> _CaptureInputs:
     """Check the tensor inputs are on the capture's device, note which of them the region may
     reach by another route (:func:`input_doubts`), and make the staged inputs' buffers
-    (refusing inputs that cannot be staged). Raises CaptureFailed."""
+    (refusing inputs that cannot be staged). Raises CaptureFailed.
+
+    ``shadows``: the tensors of object arguments (replay.objects), which the region reads
+    through the object: never staged, and refused on the host (no pinned buffer can stand in)."""
     tensors = {i: leaf for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)}
     on_host = {i: t for i, t in tensors.items() if t.device.type == "cpu"}
+    on_host_inside_objects = sorted(shadows & on_host.keys())
+    if on_host_inside_objects:
+        path = paths[on_host_inside_objects[0]]
+        raise CaptureFailed(f"{path} is a CPU tensor inside an object argument: a graph would bake its values")
+    stage = set(stage) - shadows
     for i, tensor in on_host.items():
         reason = host_inputs.unsupported_reason(tensor)
         if reason:
@@ -1126,6 +1140,7 @@ def capture(
     observe: bool = True,
     storages: bool = False,
     held: HeldTensors | None = None,
+    shadows: frozenset[int] = frozenset(),
 ) -> Capture:
     """Record ``fn`` once. Raises CaptureAborted or CaptureFailed.
 
@@ -1134,13 +1149,14 @@ def capture(
     scan after capture still catches foreign kernels and copies that reach an input).
     ``storages=True`` keeps where each pointer parameter pointed (``Capture.pointer_storages``,
     for replay.polymorphic). ``held``: the tensors the region reaches by name (:func:`input_doubts`).
+    ``shadows``: the tensors of object arguments (:func:`_prepare_inputs`).
 
     The steps, each marked on ``replay.instrumentation.steps``: prepare; then, holding
     :data:`CAPTURES` exclusively, run the region under capture with its checks, snapshot the
     pool, give the outputs memory of their own, keep the extents and the records, instantiate.
     ``Capture.seconds`` counts from capture begin to the graph instantiated."""
     instrumentation.steps.start()
-    prepared = _prepare_inputs(leaves, paths, device=device, stage=stage, held=held)
+    prepared = _prepare_inputs(leaves, paths, device=device, stage=stage, held=held, shadows=shadows)
     args, kwargs = region_arguments(spec, leaves, paths, prepared.staged, prepared.host_buffers())
     observer = _observer(prepared, observe)
     with CAPTURES.exclusive():  # no other thread's work may break this capture

@@ -8,6 +8,12 @@ by replay.routing; any other is flattened once, into the
 (replay.keying.counted_shapes) and, where the rule lets it or its shapes have an entry, keyed
 (replay.region_keys.region_key); the key's state (replay.lifecycle) says whether it replays,
 records (replay.orchestration), or runs eagerly.
+
+Object arguments (a Hugging Face cache, a state class, a module) are walked on this path
+(replay.objects): the flat dispatch hands every call passing one here, so each such call
+computes its full key, which checks the objects' structure and plain values. A key whose
+observed or captured run did what no graph replays (a Python assignment to an object or to
+watched state, a draw from the CPU generator: replay.effects) runs eagerly from then on.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import attrs
 import torch
 
 from jitcore import GlobalDriftError
-from replay import buckets, region_keys, watch
+from replay import buckets, effects, objects, region_keys, watch
 from replay.dispatch import MISS as _MISS
 from replay.dispatch import (
     RUN_EAGERLY,
@@ -38,7 +44,16 @@ from replay.dispatch import (
 )
 from replay.graph import MISMATCH, RecordedGraph
 from replay.keying import counted_shapes
-from replay.lifecycle import AWAITING_ANALYSIS, EAGER_ONLY, REPLAYING, Entry, Forgotten
+from replay.lifecycle import (
+    AWAITING_ANALYSIS,
+    EAGER_ONLY,
+    MAX_HINTS,
+    REPLAYING,
+    WARMING,
+    Entry,
+    Forgotten,
+    RecentlyUsed,
+)
 from replay.observe import op_observer
 from replay.orchestration import Hints, KeyRecorder
 from replay.region_keys import FlatCall, grad_leaves, outputs_requiring_grad
@@ -87,7 +102,8 @@ class Region:
         self.bucket_bases: dict[tuple, Entry] = {}
         self.forgotten = Forgotten()  # calls of keys that have (or kept) no entry
         self.refusals: set[str] = set()  # reasons of calls no key could be made for, warned once each
-        self.hints: dict[object, Hints] = {}  # spec -> what its keys taught about the inputs
+        self.unreplayable = effects.Unreplayable()  # keys whose runs did what no graph replays
+        self.hints: RecentlyUsed = RecentlyUsed(MAX_HINTS)  # spec -> what its keys taught about the inputs
         self.snapshot = None  # its globals as its graphs were recorded against (take_snapshot)
         self.cost = EagerCost(session.admission, time.perf_counter)
         self.said_autograd = False  # the ReplayWarning of keys that need autograd was given
@@ -147,8 +163,8 @@ class Region:
         if buckets.has_padded(args, kwargs):
             return self.router.call_padded(args, kwargs)
         try:
-            call = region_keys.flat_call(args, kwargs)
-        except region_keys.RefusedKey as refused:  # a dict key no graph may bake
+            call = region_keys.flat_call(args, kwargs, walk_objects=True)
+        except region_keys.RefusedKey as refused:  # a dict key no graph may bake, an object no walk can read
             return self.refused_arguments(refused, args, kwargs)
         return self.call_flat(call)
 
@@ -160,7 +176,7 @@ class Region:
             session.say_eager_once()
             return self.run_eagerly(call)
         try:
-            counted = (self, counted_shapes(session.current_device, call.spec, call.leaves, call.paths))
+            counted = self.counted(call)
         except region_keys.RefusedKey as refused:
             return self.refused(refused, call)
         decision = None
@@ -186,7 +202,7 @@ class Region:
                 return self.call_flat(call)
         device = session.current_device()
         try:
-            key = region_keys.region_key(device, call.spec, call.leaves, call.paths)
+            key = self.key_of(call, device)
         except region_keys.RefusedKey as refused:
             return self.refused(refused, call)
         entry = session.keys.lookup(self, key)
@@ -197,10 +213,9 @@ class Region:
         if decision is None:
             decision = self._decide(counted, call.spec)
         if decision is not RECORD:
-            observed = None
             if decision is OBSERVE:  # the first warm-up of its argument structure
-                observed = self.hints[call.spec] = Hints(observed_key=key)
-            return self.run_eagerly(call, entry, observe=observed)
+                return self._observed_warm_up(call, entry, key, device)
+            return self.run_eagerly(call, entry)
         autograd = self._needs_autograd(key, call) if torch.is_grad_enabled() else ""
         if entry is None:
             entry = session.keys.admit(self, key, counted)
@@ -210,7 +225,57 @@ class Region:
                 entry.observed_clean = hints.clean and hints.observed_key == key
         if autograd:
             return self.recorder.refuse_autograd(entry, call, autograd)
+        unreplayable = self.unreplayable.reason(key)
+        if unreplayable is not None and entry.state is WARMING:
+            return self.recorder.refuse_unreplayable(entry, call, unreplayable)
         return self.recorder.record(entry, key, call, device)
+
+    def _addressed(self, spec: object) -> set[int] | tuple:
+        """The object tensors the keys of ``spec`` hold by their address (Hints.addressed): those
+        its hints say a node replay cannot rebind reads or writes."""
+        hints = self.hints.get(spec) if len(spec) > 3 else None
+        return hints.addressed if hints is not None else ()
+
+    def counted(self, call: FlatCall) -> tuple:
+        """What admission counts ``call`` under (replay.keying.counted_shapes), with its region."""
+        device_of = self.session.current_device
+        return (self, counted_shapes(device_of, call.spec, call.leaves, call.paths, self._addressed(call.spec)))
+
+    def key_of(self, call: FlatCall, device: int) -> tuple:
+        """The full key of a call (replay.region_keys.region_key), with the addresses of the
+        object tensors its structure's keys hold by address."""
+        return region_keys.region_key(device, call.spec, call.leaves, call.paths, self._addressed(call.spec))
+
+    def keyed_call_recorded(self, call: FlatCall):
+        """A call admission let record, counted and keyed again (its structure's hints changed
+        its key: replay.orchestration's addressed tensors)."""
+        return self._keyed_call(call, self.counted(call), RECORD)
+
+    def _observed_warm_up(self, call: FlatCall, entry: Entry | None, key: tuple, device: int):
+        """The first warm-up of an argument structure, observed (:meth:`run_eagerly`): what
+        it teaches the structure's keys, and, where it did what no graph replays, its key
+        refused (as the key is computed after it, with the addresses it taught)."""
+        observed = self.hints[call.spec] = Hints(observed_key=key)
+        result = self.run_eagerly(call, entry, observe=observed)
+        if observed.effect is not None:
+            try:
+                key = self.key_of(call, device)
+            except region_keys.RefusedKey:
+                pass  # (the run changed a setting the key holds: its calls are keyed anew)
+            self.refuse_replays(key, observed.effect)
+        return result
+
+    def refuse_replays(self, key: tuple, effect: effects.Effect) -> None:
+        """``key``'s run did what no graph replays: it never records (and its capture, if it
+        has one, is given up at its next call). Warned once per reason; quietly the first
+        time an object's structure changes at a path (a first call's lazy initialisation: a
+        key of its own, which the next calls do not share)."""
+        self.unreplayable.mark(key, effect.reason)
+        changed = effect.changed
+        if changed is not None and not self.unreplayable.structure_seen_before(changed, effect.path):
+            log.info("region %s: a key runs eagerly: %s", self.name, effect.reason)
+            return
+        self._warn_once(effect.reason)
 
     def serve_entry(self, entry: Entry, key: tuple, call: FlatCall, device: int):
         """A call of a key with an entry, as its state says: replayed, eagerly, or analysed
@@ -299,10 +364,15 @@ class Region:
             return result
         tensors = [(i, leaf) for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
         observer = op_observer([region_keys.byte_range(t) for _, t in tensors])
+        run = effects.RunEffects.before(call)
         with SHARED_CAPTURE_EXCLUSION, observer:
             result = self.fn(*args, **kwargs)
-        observe.stage |= {tensors[w][0] for w in observer.read}
-        observe.copy_back |= {tensors[w][0] for w in observer.written}
+        observe.effect = run.after()
+        read, written = {tensors[w][0] for w in observer.read}, {tensors[w][0] for w in observer.written}
+        shadows = objects.shadow_tensors(call.spec, leaves)  # (an object's tensors: keyed by address)
+        observe.addressed |= (read | written) & shadows
+        observe.stage |= read - shadows
+        observe.copy_back |= written - shadows
         observe.clean = not observer.read and not observer.written
         if torch.is_grad_enabled() and not grad_leaves(observe.observed_key or ()):
             # no argument required grad, so outputs that do come from what the region reads
@@ -330,23 +400,23 @@ class Region:
         would bake without seeing it change, a constant whose equality is not exact, a torch
         setting that cannot be read) runs eagerly, with one ReplayWarning per reason (naming
         the argument)."""
-        self._warn_refused(refused)
+        self._warn_once(refused.reason)
         return self.run_eagerly(call)
 
     def refused_arguments(self, refused: region_keys.RefusedKey, args: tuple, kwargs: dict):
         """:meth:`refused`, for a call flatten itself refused: it runs on its arguments."""
-        self._warn_refused(refused)
+        self._warn_once(refused.reason)
         self.count_eager(None)
         with SHARED_CAPTURE_EXCLUSION:
             return self.fn(*args, **kwargs)
 
-    def _warn_refused(self, refused: region_keys.RefusedKey) -> None:
-        """One ReplayWarning per reason a call is refused (a bounded set of reasons kept)."""
-        if refused.reason not in self.refusals:
+    def _warn_once(self, reason: str) -> None:
+        """One ReplayWarning per reason calls run eagerly (a bounded set of reasons kept)."""
+        if reason not in self.refusals:
             if len(self.refusals) < MAX_REFUSALS:
-                self.refusals.add(refused.reason)
-            log.info("region %s: runs eagerly: %s", self.name, refused.reason)
-            warn(f"region {self.name}: runs eagerly: {refused.reason}")
+                self.refusals.add(reason)
+            log.info("region %s: runs eagerly: %s", self.name, reason)
+            warn(f"region {self.name}: runs eagerly: {reason}")
 
     def run_declined(self, call: FlatCall):
         """A call no graph may serve exactly (see buckets.call): eagerly, counted as declined."""
@@ -368,9 +438,9 @@ class Region:
         """Replay ``graph`` on ``call`` (every ``verify_every``-th replay verified); a call it
         declines runs eagerly, counted under ``entry`` (None: a variant, counted with the region)."""
         every = self.session.policy.verify_every
-        if every and (graph.replays + 1) % every == 0:
+        if every and (graph.replays + 1) % every == 0 and objects.copyable(call.spec, call.leaves):
             self.session.counters.verifications += 1
-            result = graph.verify(call.leaves, lambda snapshot: self.run_eagerly(attrs.evolve(call, leaves=snapshot)))
+            result = graph.verify(call.leaves, lambda snapshot: self._run_on_copies(call, snapshot))
         else:
             result = self.cost.replay_graph(graph, call.leaves)  # (counted, some timed)
         if result is MISMATCH:
@@ -383,6 +453,12 @@ class Region:
                 self.session.keys.release(entry)
             return self.run_eagerly(call, entry)
         return result
+
+    def _run_on_copies(self, call: FlatCall, copies: list):
+        """A verification's eager run, on copies of the call's tensors (and objects: a deep
+        copy of each, holding those copies, so that the region's writes never reach the
+        caller's objects a second time)."""
+        return self.run_eagerly(attrs.evolve(call, leaves=objects.with_copied_objects(call.spec, call.leaves, copies)))
 
     # --- its globals -----------------------------------------------------------------------
     def take_snapshot(self) -> None:

@@ -252,8 +252,10 @@ def _exact_keys(keys: tuple, path: str) -> tuple:
     return tuple(constant_key(k, f"{path} key {k!r}") for k in keys)
 
 
-#: The paths of flat calls, by argument count (shared: callers never change ``paths``).
+#: The paths of flat calls, by argument count (shared: callers never change ``paths``), for
+#: counts below ``_FLAT_PATHS_KEPT``: a call of more arguments makes its own.
 _FLAT_PATHS: dict[int, list[str]] = {}
+_FLAT_PATHS_KEPT = 256
 
 
 def flatten(
@@ -324,7 +326,9 @@ def _flat(args: tuple) -> tuple[object, list, list[str]]:
     count = len(args)
     paths = _FLAT_PATHS.get(count)
     if paths is None:
-        paths = _FLAT_PATHS[count] = [f"args[{i}]" for i in range(count)]
+        paths = [f"args[{i}]" for i in range(count)]
+        if count < _FLAT_PATHS_KEPT:
+            _FLAT_PATHS[count] = paths
     return (FLAT, count), list(args), paths
 
 
@@ -344,10 +348,11 @@ class FlatCall:
     starts: list[int] | None = None
 
 
-def flat_call(args: tuple, kwargs: dict) -> FlatCall:
-    """A region call's arguments flattened (as :func:`flatten` does) into one :class:`FlatCall`."""
+def flat_call(args: tuple, kwargs: dict, *, walk_objects: bool = False) -> FlatCall:
+    """A region call's arguments flattened (as :func:`flatten` does) into one :class:`FlatCall`.
+    ``walk_objects``: object arguments walked (the session's full path), else leaves a key refuses."""
     starts: list[int] = []
-    spec, leaves, paths = _flatten(args, kwargs, False, False, starts)
+    spec, leaves, paths = _flatten(args, kwargs, False, walk_objects, starts)
     return FlatCall(spec, leaves, paths, starts if spec[0] != FLAT else None)
 
 
@@ -407,16 +412,34 @@ def leaf_key(leaf: object, path: str) -> object:
     TypeError for an unhashable one."""
     cls = leaf.__class__
     if cls is torch.Tensor:
-        return jitcore.lean_static_signature(leaf)
+        return tensor_signature(leaf)
     if cls in BY_VALUE:
         return (cls, leaf)
     if cls is float:  # by bit pattern: -0.0 == 0.0 and nan != nan, yet each is its own constant
         return (float, _pack_double(leaf))
     if isinstance(leaf, torch.Tensor):
-        return jitcore.lean_static_signature(leaf)
+        return tensor_signature(leaf)
     if isinstance(leaf, Dynamic):
         return ("dynamic", leaf.value.__class__)  # the type object: np.bool_ is not bool
     return _other_constant_key(leaf, cls, path)
+
+
+#: Tensor signatures as keys hold them, one object for equal ones (``_SIGNATURES_KEPT`` at most).
+_SIGNATURES: dict[tuple, tuple] = {}
+_SIGNATURES_KEPT = 4096
+
+
+def tensor_signature(tensor: torch.Tensor) -> tuple:
+    """A tensor's static signature (``jitcore.lean_static_signature``), the same object for
+    equal signatures: keys outlive their call (entries, hints), and a list of one tensor passed
+    many times held one signature per element where one object per layout is the same key."""
+    signature = jitcore.lean_static_signature(tensor)
+    shared = _SIGNATURES.get(signature)
+    if shared is None:
+        if len(_SIGNATURES) >= _SIGNATURES_KEPT:
+            _SIGNATURES.clear()
+        shared = _SIGNATURES[signature] = signature
+    return shared
 
 
 def constant_key(value: object, path: str) -> object:
@@ -609,9 +632,13 @@ class KeyMark(enum.Enum):
 
     #: followed by the indices of the tensor leaves that require grad (see region_key)
     REQUIRES_GRAD = "requires grad"
+    #: followed by (leaf index, data pointer) of the object tensors keyed by their address
+    ADDRESSES = "at fixed addresses"
 
 
-def region_key(device: int, spec: object, leaves: Sequence, paths: Sequence[str]) -> tuple:
+def region_key(
+    device: int, spec: object, leaves: Sequence, paths: Sequence[str], addressed: Iterable[int] = ()
+) -> tuple:
     """The full key of one call: device, the torch modes in force, the argument structure,
     how the tensor arguments overlap each other, and each leaf's signature; and which tensor
     arguments require grad, where any does: ``(..., (KeyMark.REQUIRES_GRAD, indices))``.
@@ -619,6 +646,13 @@ def region_key(device: int, spec: object, leaves: Sequence, paths: Sequence[str]
     :func:`torch_modes`): the session runs it eagerly. A walked object's carrier is keyed as
     :data:`CARRIER` (its class and structure are in the spec, what it holds in its shadow
     leaves' elements).
+
+    ``addressed``: the shadow tensors (leaf indices) keyed by their data pointers as well,
+    ``(..., (KeyMark.ADDRESSES, ((index, pointer), ...)))`` before the grad mark. Why: the
+    region reads an object's tensors through the object, so nothing can stage them; where a
+    node replay cannot rebind reads or writes one (a torch op: Hugging Face's ``index_copy_``
+    into its cache), the graph holds its address, and so must the key (a decode loop keeps
+    its cache, and its key; a new cache elsewhere is another key).
 
     Why the grad mark: a graph cannot carry autograd (a replay hands out detached views of
     its memory), so a call whose tensors require grad must never find the key of a call whose
@@ -628,6 +662,8 @@ def region_key(device: int, spec: object, leaves: Sequence, paths: Sequence[str]
     already (jitcore.guards), so both paths tell the two apart. Grad and inference mode are
     in every key already (its torch settings)."""
     key = exact_key(device, spec, leaves, paths)
+    if addressed:
+        key = (*key, (KeyMark.ADDRESSES, tuple((i, leaves[i].data_ptr()) for i in sorted(addressed))))
     for leaf in leaves:  # (a plain loop: every full key pays for it)
         if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
             grads = tuple(i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and leaf.requires_grad)
@@ -646,6 +682,14 @@ def grad_leaves(key: tuple) -> tuple[int, ...]:
     """The tensor leaves of ``key`` that require grad (see :func:`region_key`)."""
     last = key[-1] if len(key) > LEAVES_START else None
     return last[1] if last.__class__ is tuple and last and last[0] is KeyMark.REQUIRES_GRAD else ()
+
+
+def addressed_leaves(key: tuple) -> tuple[int, ...]:
+    """The object tensors ``key`` holds by their address (see :func:`region_key`)."""
+    for element in key[-2:]:
+        if element.__class__ is tuple and element and element[0] is KeyMark.ADDRESSES:
+            return tuple(i for i, _ in element[1])
+    return ()
 
 
 #: The key element of a walked object itself (replay.objects): no identity.
@@ -686,10 +730,11 @@ def tensor_ranges(leaves: Sequence) -> list[tuple[int, int, int]]:
     return ranges
 
 
-def alias_pattern(leaves: Sequence) -> tuple[tuple[int, int], ...]:
-    """The pairs of tensor leaves whose bytes overlap (the same tensor twice, overlapping
-    views). A graph recorded for one pattern must never serve another: a region that writes
-    one argument and reads the other gives different results when they share memory.
+def alias_pattern(leaves: Sequence) -> tuple[tuple[int, ...], ...]:
+    """How the tensor leaves' bytes overlap (the same tensor twice, overlapping views): the
+    groups of leaves that share a byte, as :func:`overlap_groups` gives them. A graph recorded
+    for one pattern must never serve another: a region that writes one argument and reads the
+    other gives different results when they share memory.
 
     Most calls pass tensors of distinct allocations: when the storages' byte spans are
     disjoint, no two tensors can overlap and the exact element ranges are not computed."""
@@ -702,7 +747,7 @@ def alias_pattern(leaves: Sequence) -> tuple[tuple[int, int], ...]:
         spans = None
     if spans is not None and all(lo + size <= next_lo for (lo, size), (next_lo, _) in itertools.pairwise(spans)):
         return ()
-    return pattern_of(tensor_ranges(leaves))
+    return overlap_groups(tensor_ranges(leaves))
 
 
 #: Argument types that hold no tensor and are keyed by value as they are.
@@ -736,7 +781,9 @@ class MergedRanges:
 
 
 def pattern_of(ranges: Sequence[tuple[int, int, int]]) -> tuple[tuple[int, int], ...]:
-    """The overlapping pairs among (leaf index, first byte, one past the last byte) ranges."""
+    """The overlapping pairs among (leaf index, first byte, one past the last byte) ranges: the
+    pairwise definition :func:`overlap_groups` holds the same information as, for the few
+    ranges whose pairs a caller needs (n(n-1)/2 of them for one tensor passed n times)."""
     ranges = sorted(ranges, key=lambda r: r[1])
     pairs = []
     for n, (i, lo, hi) in enumerate(ranges):
@@ -746,6 +793,52 @@ def pattern_of(ranges: Sequence[tuple[int, int, int]]) -> tuple[tuple[int, int],
             if other_lo < other_hi and lo < hi:
                 pairs.append((min(i, j), max(i, j)))
     return tuple(sorted(pairs))
+
+
+def overlap_groups(ranges: Iterable[tuple[int, int, int]]) -> tuple[tuple[int, ...], ...]:
+    """The aliasing part of a key: the maximal groups, of two or more, of (leaf index, first
+    byte, one past the last byte) ranges that all share a byte, each group its leaves in
+    order, the groups in order. Two ranges overlap exactly where one group holds both, and a
+    set of overlapping pairs has one set of maximal groups (its maximal cliques), so two calls
+    share this pattern exactly where they share :func:`pattern_of`'s pairs.
+
+    Why groups, not pairs: one tensor passed N times makes N(N-1)/2 pairs and one group. Ranges
+    on a line that overlap pairwise share a point, so a sweep over the sorted ends finds every
+    maximal group where a run of starts meets an end (at one address an end sorts first: ranges
+    that touch share no byte): a sort, plus the groups' own size."""
+    ends = []
+    for i, lo, hi in ranges:
+        if lo < hi:  # an empty range overlaps nothing
+            ends += ((lo, 1, i), (hi, 0, i))
+    ends.sort()
+    open_now: dict[int, None] = {}
+    groups = []
+    grew = False
+    for _address, starts, i in ends:
+        if starts:
+            open_now[i] = None
+            grew = True
+            continue
+        if grew and len(open_now) > 1:
+            groups.append(tuple(sorted(open_now)))
+        grew = False
+        del open_now[i]
+    return tuple(sorted(groups))
+
+
+def overlapping_pairs(pattern: Iterable[tuple[int, ...]]) -> set[tuple[int, int]]:
+    """The pairs of leaves (lower index first) that an aliasing pattern (:func:`overlap_groups`)
+    says overlap."""
+    return {pair for group in pattern for pair in itertools.combinations(group, 2)}
+
+
+def restricted_groups(pattern: Iterable[tuple[int, ...]], leaves: set[int]) -> tuple[tuple[int, ...], ...]:
+    """An aliasing pattern (:func:`overlap_groups`) among some of its leaves only: what
+    :func:`overlap_groups` gives for those leaves' ranges. Each maximal group of a subset lies in
+    a maximal group of the whole, so the subset's groups are the largest of the restrictions."""
+    cut = {tuple(i for i in group if i in leaves) for group in pattern}
+    cut = {group for group in cut if len(group) > 1}
+    return tuple(sorted(g for g in cut if not any(g != h and set(g) <= set(h) for h in cut)))
 
 
 def plain_leaves(leaves: Sequence) -> list:

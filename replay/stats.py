@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import collections
+
 import attrs
+
+#: Input choices a session keeps for its report (``Stats.inputs``): those of its most recent
+#: recordings, whatever number of keys a loop records over its life.
+MAX_INPUT_CHOICES = 4096
 
 
 @attrs.define
@@ -43,7 +49,10 @@ class Stats:
     declined: int = 0  # calls a recorded graph could not serve exactly (run eagerly instead)
     variants: int = 0  # sizes a bucket's graph serves at their own size (replay.polymorphic)
     not_polymorphic: int = 0  # sizes observed whose launches the bucket's graph cannot run: padded
-    inputs: list[InputChoice] = attrs.Factory(list)
+    #: the most recent ``MAX_INPUT_CHOICES`` (a list in a copy)
+    inputs: collections.deque[InputChoice] | list[InputChoice] = attrs.Factory(
+        lambda: collections.deque(maxlen=MAX_INPUT_CHOICES)
+    )
 
     def copy(self) -> Stats:
         return attrs.evolve(self, inputs=list(self.inputs))

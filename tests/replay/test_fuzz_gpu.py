@@ -18,6 +18,11 @@ GPU (marked ``gpu``, skipped without one):
   harness with the eager stand-in: on the GPU's kernels (cuBLAS picks another kernel for another
   height) the grammar's regions stay row-independent within the unpadded check's tolerance, so
   a failure of ``test_fuzz_padded_regions`` is replay's.
+- ``test_fuzz_object_regions``: the objects family (tests/replay/fuzz_objects.py: an object
+  argument holding tensors and plain values, a module read through the region's globals, both
+  changed between calls), ``REPLAY_FUZZ_OBJECT_CASES`` (default 16) cases; its eager-with-eager
+  twin ``test_fuzz_object_harness_finds_nothing_comparing_eager_with_eager``. Its CPU tests are
+  in tests/replay/test_fuzz_objects.py.
 
 CPU: the grammar is deterministic per seed and describes every region; the harness finds nothing
 when "replay" is eager and catches deliberately broken replays (a baked dynamic scalar, repeated
@@ -31,6 +36,7 @@ tests/replay/test_fuzz_padded.py.
 from __future__ import annotations
 
 import builtins
+import collections
 import dis
 import os
 import random
@@ -41,6 +47,7 @@ import torch
 import replay
 
 from . import fuzz_grammar as fz
+from . import fuzz_objects as fo
 
 DEFAULT_SEED = 20250601
 
@@ -128,6 +135,33 @@ def test_fuzz_padded_harness_finds_nothing_comparing_eager_with_eager():
     summary = fz.run(harness, seed_start=seed, cases=12, steps_per_region=40, family=fz.PADDED)
     assert not summary.mismatches, _summary_text(summary, seed)
     assert summary.padding["padded"] > 0
+
+
+@pytest.mark.gpu
+def test_fuzz_object_regions():
+    """The objects family (tests/replay/fuzz_objects.py): ``REPLAY_FUZZ_OBJECT_CASES`` cases
+    (default 16) x ``REPLAY_FUZZ_STEPS`` calls from ``REPLAY_FUZZ_SEED``, regions passed a
+    cache-like object and reading a module, both changed between calls."""
+    seed = int(os.environ.get("REPLAY_FUZZ_SEED", DEFAULT_SEED))
+    cases = int(os.environ.get("REPLAY_FUZZ_OBJECT_CASES", 16))
+    steps = int(os.environ.get("REPLAY_FUZZ_STEPS", 200))
+    calls = replays = 0
+    fallbacks = collections.Counter()
+    for case_seed in range(seed, seed + cases):
+        result = fo.run_objects_case(fo.generate_objects_case(case_seed), replay.capture, calls=steps)
+        assert result.mismatch is None, f"REPLAY_FUZZ_SEED={case_seed}\n{result.mismatch.report()}"
+        calls, replays = calls + result.calls, replays + result.stats.replays
+        fallbacks.update(result.fallbacks)
+    print(f"objects: {cases} cases, {calls} calls, {replays} replayed; fallbacks {dict(fallbacks)}")
+    assert replays >= 0.2 * calls, f"only {replays} of {calls} calls were replayed"
+
+
+@pytest.mark.gpu
+def test_fuzz_object_harness_finds_nothing_comparing_eager_with_eager():
+    seed = int(os.environ.get("REPLAY_FUZZ_SEED", DEFAULT_SEED))
+    for case_seed in range(seed, seed + 6):
+        result = fo.run_objects_case(fo.generate_objects_case(case_seed), fz.EagerSession, calls=40)
+        assert result.mismatch is None, result.mismatch.report()
 
 
 # --- CPU: the grammar and the harness itself ---------------------------------------------------

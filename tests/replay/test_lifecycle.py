@@ -8,7 +8,9 @@ from __future__ import annotations
 import ast
 import contextlib
 import functools
+import gc
 import pathlib
+import tracemalloc
 import warnings
 
 import attrs
@@ -18,6 +20,8 @@ import torch
 from jitcore.backends import use_backend
 from jitcore.backends.null import NullBackend
 from replay import lifecycle, recording, region_keys
+from replay import region as region_module
+from replay import stats as stats_module
 from replay.lifecycle import (
     ANALYSING,
     AWAITING_ANALYSIS,
@@ -236,6 +240,10 @@ class _Variant:
     entry: Entry
     key: tuple
     replays: int = 0
+    released: bool = False
+
+    def release(self) -> None:
+        self.released = True
 
 
 def _vary(session, step):
@@ -364,3 +372,150 @@ def test_the_diagram_has_one_arrow_per_move_of_the_table():
     table = lifecycle.transition_table().splitlines()
     assert len(table) == 2 + len(TRANSITIONS) and all(f"`{m.event}`" in table[2 + i] for i, m in enumerate(TRANSITIONS))
     assert {NO_ENTRY, RECORDING, ANALYSING} <= {s for m in TRANSITIONS for s in (*m.sources, m.target)}
+
+
+# --- bounded bookkeeping ----------------------------------------------------------------------------
+def test_recently_used_keeps_its_most_recently_read_or_written_entries():
+    table = lifecycle.RecentlyUsed(3)
+    for key in "abc":
+        table[key] = key.upper()
+    assert table.get("a") == "A" and "b" in table  # a read makes "a" recent; ``in`` changes nothing
+    table["d"] = "D"
+    assert list(table) == ["c", "a", "d"]  # "b", the least recent, went
+    assert table.setdefault("e", "E") == "E" and list(table) == ["a", "d", "e"]
+    assert table.get("b") is None and table.get("b", 0) == 0
+    table["a"] = "A2"  # a write of a held key makes it recent too
+    assert list(table.items()) == [("d", "D"), ("e", "E"), ("a", "A2")]
+
+
+def test_a_region_keeps_the_hints_of_its_most_recent_structures(walked, monkeypatch):
+    monkeypatch.setattr(region_module, "MAX_HINTS", 4)
+    session = walked[1]()
+    step = session.region(lambda batch: torch.full((3,), 2.0))  # touches no input: a clean warm-up
+    x = torch.ones(3)
+    observed = []
+    original = step.run_eagerly
+
+    def run_eagerly(call, entry=None, observe=None):
+        observed.append(observe is not None)
+        return original(call, entry, observe)
+
+    monkeypatch.setattr(step, "run_eagerly", run_eagerly)
+    for number in range(10):
+        assert torch.equal(step({"x": x, f"request {number}": 1}), x * 2)
+    assert observed == [True] * 10 and len(step.hints) == 4
+
+    def requests():
+        return [spec[0][0][1][1] for spec in step.hints]  # (the dict's keys, in the spec)
+
+    assert requests() == [f"request {n}" for n in range(6, 10)]
+    step({"x": x, "request 7": 1})  # recorded: its hint is read (the capture needs no observer)
+    step({"x": x, "request 0": 1})  # recorded, its hint forgotten: the capture observes instead
+    assert [observe for *_, observe in session.captures] == [False, True]
+    assert requests() == ["request 6", "request 8", "request 9", "request 7"]  # "request 7" the most recent
+
+
+def test_a_regions_size_states_are_bounded_the_least_replayed_variant_going_last(walked, monkeypatch):
+    monkeypatch.setattr(lifecycle, "MAX_VARIANT_STATES", 3)
+    session = walked[1]()
+    step = session.region(add)
+    variants = []
+    for number, replays in enumerate((5, 2, 7)):
+        key = ("size", number)
+        variants.append(_Variant(Entry(step, key, (step, key)), key, replays=replays))
+        session.keys.vary(variants[-1].entry, variants[-1])
+    session.keys.not_a_variant(step, ("size", 3), "its launches differ")  # full: the variant replayed least goes
+    assert variants[1].released and variants[1].entry.state is NO_ENTRY and step.forgotten.replays == 2
+    assert list(step.variants) == [("size", 0), ("size", 2), ("size", 3)]
+    key = ("size", 4)
+    newest = _Variant(Entry(step, key, (step, key)), key, replays=0)
+    session.keys.vary(newest.entry, newest)  # full: the reasons go first, then no variant need go
+    assert list(step.variants) == [("size", 0), ("size", 2), ("size", 4)] and not variants[0].released
+
+
+#: What a region and its session keep of a loop of ever-new argument structures, at most
+#: (tracemalloc: what stays allocated). While lists of up to 1000 tensors are the newest: the
+#: counts of two windows of calls and MAX_HINTS keys, each as large as its call's structure.
+HELD_FOR_LARGE_STRUCTURES = 64 * 2**20
+#: ... and once small structures have taken their places.
+HELD_FOR_SMALL_STRUCTURES = 8 * 2**20
+
+
+def _a_tensor(*args, **kwargs):
+    return _ONE
+
+
+_ONE = torch.ones(2)
+
+
+def test_a_hundred_thousand_distinct_structures_keep_bounded_bookkeeping():
+    """Lists of lengths 1..1000 (of one tensor), dicts keyed by request id, distinct keyword
+    names: 100,000 structures, each new, through a region (each call's warm-up observed, each
+    leaving a hint and a count), within a stated memory whatever their number."""
+    x = _ONE
+    with use_backend(NullBackend()):
+        session = DoubleSession()
+        DoubleSession.current = session
+        step = session.region(_a_tensor)
+        step(x)
+        gc.collect()
+        tracemalloc.start()
+        try:
+            start = tracemalloc.get_traced_memory()[0]
+            large = small = 0
+            for length in range(1, 1001):
+                step([x] * length)
+                large = max(large, tracemalloc.get_traced_memory()[0] - start)
+            for number in range(99_000):
+                if number % 2:
+                    step({f"request {number}": x})
+                else:
+                    step(x, **{f"name_{number}": x})
+                if number >= 4 * session.admission.sketch.window:  # (two windows replaced the lists' counts)
+                    small = max(small, tracemalloc.get_traced_memory()[0] - start)
+        finally:
+            tracemalloc.stop()
+    assert large < HELD_FOR_LARGE_STRUCTURES and small < HELD_FOR_SMALL_STRUCTURES, (large, small)
+    assert len(step.hints) == lifecycle.MAX_HINTS and len(session.admission.sketch.counts) <= 2 * 1024  # (2 windows)
+    assert len(step.entries) == 0 and session.stats().eager_runs == 100_001
+
+
+def _few_structures(session) -> tuple:
+    """A loop over five argument structures (one tensor many times in a list, a dict keyed by
+    request id, keywords, a flat call, overlapping views in a list), 40 calls each: the
+    session's counts, and each key's state, eager runs and replays."""
+    step = session.region(_total)
+    x, y = torch.ones(3), torch.full((3,), 2.0)
+    structures = [
+        (([x] * 300,), {}),
+        (({"request 1": x, "request 2": y},), {}),
+        ((x,), {"scale": y}),
+        ((x, y), {}),
+        (([x, y, x[1:]],), {}),
+    ]
+    for _ in range(40):
+        for args, kwargs in structures:
+            assert torch.equal(step(*args, **kwargs), _total(*args, **kwargs))
+    stats = session.stats()
+    keys = [(e.state, e.eager_runs, e.replays) for e in step.entries.values()]
+    return stats.calls, stats.replays, stats.eager_runs, stats.records, stats.too_rare, len(step.hints), keys
+
+
+def _total(*args, **kwargs):
+    return sum(t.sum() for t in region_keys.flatten(args, kwargs)[1])
+
+
+def test_a_loop_of_few_structures_counts_and_decides_as_it_did_without_bounds(monkeypatch):
+    with use_backend(NullBackend()):
+        DoubleSession.current = session = DoubleSession()
+        bounded = _few_structures(session)
+        for module, name in ((region_module, "MAX_HINTS"), (lifecycle, "MAX_IDLE_ENTRIES")):
+            monkeypatch.setattr(module, name, 10**9)
+        monkeypatch.setattr(stats_module, "MAX_INPUT_CHOICES", None)
+        monkeypatch.setattr(region_keys, "_SIGNATURES_KEPT", 0)  # (no signature shared)
+        DoubleSession.current = session = DoubleSession()
+        unbounded = _few_structures(session)
+    # each structure: its first call eager (observed, before its key has an entry), its second
+    # recorded (the capture's launch is its result), every later one replayed (as before the
+    # bounds were there: the same figures)
+    assert bounded == unbounded == (200, 195, 5, 5, 0, 5, [(REPLAYING, 0, 39)] * 5)

@@ -369,14 +369,19 @@ def test_a_call_without_objects_has_no_snapshot():
 
 
 # --- transformers' own StaticCache, where installed ------------------------------------------
-def test_a_transformers_static_cache_keeps_its_key_and_its_python_state_through_decode_steps():
-    transformers = pytest.importorskip("transformers")
+def tiny_llama(transformers) -> tuple:
+    """(model, config): a two-layer Llama with random weights (seed 0), on the CPU."""
     config = transformers.LlamaConfig(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=64,
     )  # fmt: skip
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).eval()
+    return transformers.LlamaForCausalLM(config).eval(), config
+
+
+def test_a_transformers_static_cache_keeps_its_key_and_its_python_state_through_decode_steps():
+    transformers = pytest.importorskip("transformers")
+    model, config = tiny_llama(transformers)
 
     def step(cache, position):
         ids = torch.tensor([[position % 64]])

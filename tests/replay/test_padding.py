@@ -179,3 +179,9 @@ def test_a_first_pad_inside_someone_elses_capture_goes_torchs_way():
     assert (x.dtype, 2, 1, x.get_device()) not in padding._REFUSED
     again = padding.pad(x, 1, 9, 1.5, padding.fill_bits(1.5, x.dtype))  # outside: the kernel, compiled now
     assert torch.equal(_bits(again), _bits(expected)) and padding.pad_along.cache_info().states == 1
+
+
+def test_fills_a_loop_makes_up_keep_a_bounded_cache():
+    for n in range(3 * padding._FILL_BITS_KEPT):
+        assert padding.fill_bits(n + 0.5, torch.float32) == struct.unpack("<I", struct.pack("<f", n + 0.5))[0]
+    assert len(padding._FILL_BITS) <= padding._FILL_BITS_KEPT

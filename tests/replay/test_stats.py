@@ -1,6 +1,6 @@
 """The session report: totals, the key table, and input choices grouped across keys."""
 
-from replay.stats import InputChoice, Stats, report
+from replay.stats import MAX_INPUT_CHOICES, InputChoice, Stats, report
 
 
 def _choices(keys: list[str], staged_in: set[str]) -> list[InputChoice]:
@@ -43,3 +43,12 @@ def test_totals_and_key_table():
     assert header.split() == ["region", "key", "state", "calls", "replays", "eager", "capture", "ms", "MiB"]
     assert set(rule.replace(" ", "")) == {"-"}
     assert row.split() == ["step", "(float32[2])", "recorded", "10", "8", "2", "1.20", "0.5"]
+
+
+def test_a_session_keeps_the_input_choices_of_its_most_recent_recordings():
+    stats = Stats()
+    keys = [f"(float32[{n}])" for n in range(MAX_INPUT_CHOICES)]
+    stats.inputs.extend(_choices(keys, staged_in=set()))  # two per key
+    assert len(stats.inputs) == MAX_INPUT_CHOICES and stats.inputs[0].key == keys[MAX_INPUT_CHOICES // 2]
+    copied = stats.copy()
+    assert copied.inputs == list(stats.inputs) and copied.inputs is not stats.inputs
