@@ -152,7 +152,12 @@ TRANSITIONS: tuple[Transition, ...] = (
     ),
     Transition("bound", (WARMING, EAGER_ONLY), NO_ENTRY, "beyond MAX_IDLE_ENTRIES idle entries, the least recent go"),
     Transition("vary", (NO_ENTRY,), SIZE_VARIANT, "an observed size runs its bucket's graph at its own size"),
-    Transition("drop_variant", (SIZE_VARIANT,), NO_ENTRY, "its bucket's graph was released"),
+    Transition(
+        "drop_variant",
+        (SIZE_VARIANT,),
+        NO_ENTRY,
+        "its bucket's graph was released, or beyond MAX_VARIANT_STATES it was replayed least",
+    ),
 )
 
 _TARGETS: dict[tuple[KeyState, str], KeyState] = {
@@ -491,8 +496,8 @@ class Keys:
             self.drop_variant(least)
 
     def drop_variant(self, variant) -> None:
-        """SIZE_VARIANT -> NO_ENTRY: the size's bucket graph went; it is observed again when it
-        comes back."""
+        """SIZE_VARIANT -> NO_ENTRY: the size's bucket graph went, or the region's size states
+        are full and it was replayed least; it is observed again when it comes back."""
         entry = variant.entry
         _move(entry, "drop_variant")
         region = entry.region

@@ -440,7 +440,7 @@ SAMPLE = Costs(eager=1e-3, replay=350e-6, replay_host=50e-6, capture=6e-3, analy
 SHAPES = Costs(
     eager=240e-6, replay=75e-6, replay_host=20e-6, capture=2.5e-3, analysis=2e-3, first_capture=0.02, overhead=7e-6
 )
-#: The decode-loop sample with the costs a GPU run of it measured (notes/policy-fix.md): a step
+#: The decode-loop sample with the costs a GPU run of it measured (docs/benchmarks/admission-simulation.md): a step
 #: bound by the GPU when replayed, sixteen recordings whose analyses cost about as much again
 #: as their captures.
 SAMPLE_MEASURED = Costs(
