@@ -383,7 +383,7 @@ def _repeat(region, memo: Memo, plain: list) -> FlatCall | None:
     if entry.state is not REPLAYING or memo.check():
         forget(region, memo)
         return None
-    if not session.can_record() or session.current_device() != memo.key[0] or any_requires_grad(memo.object_tensors):
+    if not session.can_record() or session.current_device() != memo.key[0] or _any_requires_grad(memo.object_tensors):
         return None
     leaves = _leaves(memo, plain)
     if leaves is None or _aliasing(memo, leaves) != memo.key[3]:
@@ -406,7 +406,8 @@ def _repeat(region, memo: Memo, plain: list) -> FlatCall | None:
     return FlatCall(memo.spec, leaves, memo.paths, memo.starts)
 
 
-def any_requires_grad(tensors: tuple) -> bool:
+def _any_requires_grad(tensors: tuple) -> bool:
+    """Whether one of the objects' tensors requires grad now (the key's grad mark would say so)."""
     for tensor in tensors:
         if tensor.requires_grad:
             return True
