@@ -256,6 +256,12 @@ class Keys:
             region.entries.move_to_end(key)
         return entry
 
+    def called(self, entry: Entry) -> None:
+        """A call of ``entry``'s key served without its lookup (replay.object_calls): made the
+        most recently called, as :meth:`lookup` makes it (from the end, without hashing the
+        key, where it is the most recent already)."""
+        entry.region.entries.move_to_end(entry.key)
+
     def admit(self, region, key: tuple, counted: tuple) -> Entry:
         """NO_ENTRY -> WARMING: the entry of a key admission lets record; the region's idle
         entries beyond ``MAX_IDLE_ENTRIES`` go (``bound``)."""

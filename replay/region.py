@@ -29,7 +29,7 @@ import attrs
 import torch
 
 from jitcore import GlobalDriftError
-from replay import buckets, effects, objects, region_keys, watch
+from replay import buckets, effects, object_calls, objects, region_keys, watch
 from replay.dispatch import MISS as _MISS
 from replay.dispatch import (
     RUN_EAGERLY,
@@ -105,6 +105,7 @@ class Region:
         self.unreplayable = effects.Unreplayable()  # keys whose runs did what no graph replays
         self.hints: RecentlyUsed = RecentlyUsed(MAX_HINTS)  # spec -> what its keys taught about the inputs
         self.snapshot = None  # its globals as its graphs were recorded against (take_snapshot)
+        self.object_memos: tuple = ()  # what serves repeated object calls (replay.object_calls)
         self.cost = EagerCost(session.admission, time.perf_counter)
         self.said_autograd = False  # the ReplayWarning of keys that need autograd was given
         self.router = Router(self)
@@ -160,6 +161,10 @@ class Region:
         """A call the flat dispatch did not serve: routed where it pads (replay.routing), else
         flattened once, into the record every later step reads (:meth:`call_flat`)."""
         self.session.check_open()
+        if self.object_memos:  # the same objects as a replayed call's, unchanged: its entry
+            served = object_calls.serve(self, args, kwargs, _MISS)
+            if served is not _MISS:
+                return served
         if buckets.has_padded(args, kwargs):
             return self.router.call_padded(args, kwargs)
         try:
@@ -207,6 +212,10 @@ class Region:
             return self.refused(refused, call)
         entry = session.keys.lookup(self, key)
         if entry is not None:
+            if decision is None and entry.state is REPLAYING and len(call.spec) > 3:
+                memo = object_calls.remember(self, call, key, counted, entry)
+                if memo is not None:
+                    object_calls.keep(self, memo)
             served = self.serve_entry(entry, key, call, device)
             if served is not _MISS:
                 return served
@@ -482,6 +491,7 @@ class Region:
         session.keys.drift(self)
         session.release_output_slots(self)
         self.hints.clear()
+        self.object_memos = ()
         session.admission.forget(lambda counted: counted[0] is self)
         self.snapshot = None
         self.program.region_drift = None

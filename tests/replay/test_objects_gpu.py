@@ -20,7 +20,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import replay
-from replay import region_keys
+from replay import object_calls, region_keys
 from tests.replay.cache_standin import CountingCache, StandInCache, attention_step, attention_weights
 from tests.replay.fuzz_grammar import copy_row, row_sum
 
@@ -87,6 +87,43 @@ def test_a_static_cache_stand_in_as_an_argument_replays_bit_for_bit_a_new_cache_
         recorded = [key for key, entry in region.entries.items() if entry.graph is not None]
         assert recorded and all(region_keys.addressed_leaves(key) for key in recorded)
     assert not [w for w in caught if issubclass(w.category, replay.ReplayWarning)]  # (the lazy first calls: quiet)
+
+
+def test_a_decode_loop_passing_its_cache_is_served_from_its_memo_at_every_steady_step(monkeypatch):
+    """After its first replays, every step of a loop passing the same cache is served by the
+    memo of its key (replay.object_calls: no walk, no full key), bit for bit as eager."""
+    served: list[bool] = []
+    real = object_calls._repeat
+
+    def repeat(region, memo, plain):
+        call = real(region, memo, plain)
+        served.append(call is not None)
+        return call
+
+    monkeypatch.setattr(object_calls, "_repeat", repeat)
+    weights = attention_weights(LAYERS, WIDTH, device=DEVICE)
+    steps, by = 32, 12
+    with torch.no_grad(), replay.capture(record_budget=1) as session:
+        region = session.region(attention_step)
+        cache = StandInCache(LAYERS, MAX_LEN)
+        eager_cache = copy.deepcopy(cache)
+        previous, first = None, None
+        for number in range(steps):
+            hidden = torch.randn(2, 1, WIDTH, device=DEVICE)
+            expected = attention_step(weights, eager_cache, hidden.clone())
+            poison(previous)
+            count = served.count(True)
+            got = region(weights, cache, hidden)
+            assert same(got, expected), "outputs differ from eager"
+            for mine, theirs in zip(cache_tensors(cache), cache_tensors(eager_cache), strict=True):
+                assert same(mine, theirs), "the cache differs from eager's after the call"
+            if served.count(True) > count and first is None:
+                first = number
+            if first is not None:
+                assert served.count(True) == count + 1, f"step {number} was not served from the memo"
+            previous = got
+        assert first is not None and first <= by, f"the memo first served step {first}"
+        replayed(session, steps - by)
 
 
 # --- a cache only jit kernels read and write: rebound, one graph for every new cache -------------
