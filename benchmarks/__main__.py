@@ -15,9 +15,10 @@ included, and its ceiling once every size is recorded) and, with two GPUs, decod
 (the tensor-parallel sample). These
 need a GPU (keys runs on CPU tensors without one) and are the default; jit_cpu (the jit's
 Python-side cost with the driver call a no-op), recording_cpu (a recording's host steps besides
-the driver) and watch (the check of what a region reaches through its globals and objects, for
-10, 100 and 1,000 watched tensors; with a GPU, the replay's host time with and without it) run
-on any machine, with ``--only jit_cpu recording_cpu watch``.
+the driver), watch (the check of what a region reaches through its globals and objects, for
+10, 100 and 1,000 watched tensors; with a GPU, the replay's host time with and without it) and
+object_calls (the host path of a call passing an object: its memo, the full path) run on any
+machine, with ``--only jit_cpu recording_cpu watch object_calls``.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import torch
 from benchmarks import common
 
 GPU_BENCHMARKS = ["launch", "jit", "keys", "replay", "pool_snapshot", "scaling", "shapes", "triton_region", "hf"]
-CPU_BENCHMARKS = ["jit_cpu", "recording_cpu", "watch"]
+CPU_BENCHMARKS = ["jit_cpu", "recording_cpu", "watch", "object_calls"]
 SAMPLE = "decode_loop"
 
 

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import attrs
 
-from replay import region_keys
+from replay import object_calls, region_keys
 
 # --- the steps of a call ------------------------------------------------------------------
 
@@ -170,3 +170,44 @@ def _namespaces_swapped(graphs: Sequence, replacements: Callable[[object], dict[
     finally:
         for graph, values in saved:
             graph.namespace.update(values)
+
+
+# --- a call passing objects ------------------------------------------------------------------
+
+
+class ObjectMemos:
+    """The memos of repeated object calls (replay.object_calls) switched on or off for the
+    whole process, so that a benchmark times a call with its memo and on the full path alone,
+    round robin (:meth:`off` drops ``region``'s memos; measurement only)."""
+
+    def __init__(self, region) -> None:
+        self.region = region
+        self._saved = object_calls.serve, object_calls.remember
+
+    def on(self) -> None:
+        object_calls.serve, object_calls.remember = self._saved
+
+    def off(self) -> None:
+        object_calls.serve = _not_served
+        object_calls.remember = _not_remembered
+        self.region.object_memos = ()
+
+
+def _not_served(region, args: tuple, kwargs: dict, miss: object) -> object:
+    return miss
+
+
+def _not_remembered(*memo: object) -> None:
+    return None
+
+
+def full_key_steps(region, args: tuple) -> dict[str, Callable[[], object]]:
+    """The full path's steps for a call of ``region`` with ``args`` (objects among them), each
+    callable alone: the walk (``flat_call``), admission's count and the full key."""
+    call = region_keys.flat_call(args, {}, walk_objects=True)
+    device = region.session.current_device()
+    return {
+        "the walk (flat_call)": lambda: region_keys.flat_call(args, {}, walk_objects=True),
+        "admission's count": lambda: region.counted(call),
+        "the full key": lambda: region.key_of(call, device),
+    }

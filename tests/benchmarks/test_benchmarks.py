@@ -82,6 +82,7 @@ def test_the_runner_runs_the_cpu_benchmarks_and_each_table_names_its_command(tmp
             "keys",
             "jit_cpu",
             "recording_cpu",
+            "object_calls",
             "--quick",
             "--out",
             str(tmp_path),
@@ -93,7 +94,8 @@ def test_the_runner_runs_the_cpu_benchmarks_and_each_table_names_its_command(tmp
     )
     assert done.returncode == 0, done.stdout + done.stderr
     keys_table = "keys-cuda" if torch.cuda.is_available() else "keys"  # keys.py names its table by device
-    for table, name in ((keys_table, "keys"), ("jit-cpu", "jit_cpu"), ("recording-cpu", "recording_cpu")):
+    tables = ((keys_table, "keys"), ("jit-cpu", "jit_cpu"), ("recording-cpu", "recording_cpu"))
+    for table, name in (*tables, ("object-calls-cpu", "object_calls")):
         command = f"python -m benchmarks --only {name} --out {tmp_path} --quick"
         assert json.loads((tmp_path / f"{table}.json").read_text())["command"] == command
         assert f"Command: `{command}`" in (tmp_path / f"{table}.md").read_text()
