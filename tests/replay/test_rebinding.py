@@ -356,6 +356,23 @@ def test_every_parameters_words_in_one_pass_are_each_parameters_own(params):
     assert param_of.tolist() == [n for n, each in enumerate(expected) for _ in range(len(each))]
 
 
+#: A parameter of whole 4-byte halves (a pointer, an int, a struct of them, or nothing), as
+#: most kernels' are: every parameter so, the scan reads the joined bytes by halves.
+_HALVES_PARAM = st.lists(
+    st.one_of(_ADDRESSES.map(struct.Struct("<Q").pack), st.binary(min_size=4, max_size=4)), max_size=6
+).map(b"".join)
+
+
+@settings(max_examples=400, deadline=None)
+@given(params=st.lists(_HALVES_PARAM, max_size=12))
+def test_parameters_of_whole_halves_give_each_parameters_own_words(params):
+    words, param_of = pointer_words_of(params)
+    expected = [_reference_pointer_words(p) for p in params]
+    assert words.dtype == np.uint64 and param_of.dtype == np.intp
+    assert words.tolist() == [w for each in expected for w in each.tolist()]
+    assert param_of.tolist() == [n for n, each in enumerate(expected) for _ in range(len(each))]
+
+
 @settings(max_examples=300, deadline=None)
 @given(
     bounds=st.lists(st.tuples(_ADDRESSES, st.integers(0, 5000)), min_size=0, max_size=5),
@@ -390,6 +407,7 @@ def test_the_inputs_each_node_reaches_are_decided_at_once_as_node_by_node(bounds
 
 _FOREIGN = st.one_of(
     st.builds(lambda params: NodeView(0, "kernel", 0xF, tuple(params)), st.lists(_PARAM, max_size=6)),
+    st.builds(lambda params: NodeView(0, "kernel", 0xF, tuple(params)), st.lists(_HALVES_PARAM, max_size=6)),
     st.builds(lambda: NodeView(0, "kernel", 0xF, None)),
     st.builds(
         lambda kind, pointers: NodeView(0, kind, pointers=pointers),
