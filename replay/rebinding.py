@@ -732,20 +732,19 @@ class _Binder:
     def pointer_owners(self, launch: LaunchView, address: int) -> tuple[list[InputRange], bool]:
         """The inputs a pointer points into, and whether it is replay's own staging copy of
         its launch's input (bound to that input, overlaps or not)."""
-        owners = inputs_at(self.stager.inputs, address)
-        by_index = self.stager.by_index
-        own = by_index.get(launch.staging_input) if launch.staging_input is not None else None
-        staging_copy = own is not None and address == own.lo
-        if staging_copy:
-            owners = [own]  # our own copy of this very input: bound to it, overlaps or not
-        return owners, staging_copy
+        staging_copy = address == self.staging_copy_address(launch)
+        if staging_copy:  # our own copy of this very input: bound to it, overlaps or not
+            return [self.stager.by_index[launch.staging_input]], True
+        return inputs_at(self.stager.inputs, address), False
 
     def bind_pointer(self, launch: LaunchView, launch_number: int, node_index: int, param: ParamView) -> set[int]:
         """Rebind a pointer into exactly one input; stage the inputs it may point into where
         that is ambiguous. Returns the jit arguments its offset is recomputed from."""
         (address,) = _POINTER.unpack_from(launch.param_bytes, param.offset)
         owners, staging_copy = self.pointer_owners(launch, address)
-        dynamic = self.depends_on_dynamic(launch, param.offset_scalar_args, f"the offset of pointer {param.index}")
+        dynamic = bool(param.offset_scalar_args) and self.depends_on_dynamic(
+            launch, param.offset_scalar_args, f"the offset of pointer {param.index}"
+        )
         if dynamic:
             _refuse_dynamic_offset(launch, param, owners)
         if len(owners) == 1 and (owners[0].index not in self.stager.overlaps or staging_copy):
@@ -786,10 +785,10 @@ class _Binder:
                 param.offset,
                 owner.index,
                 place.address - owner.lo,
-                dynamic=place.dynamic,
-                recorded_offset=param.byte_offset,
-                offset_evaluate=param.offset_evaluate if place.dynamic else None,
-                aligned=param.aligned,
+                place.dynamic,
+                param.byte_offset,
+                param.offset_evaluate if place.dynamic else None,
+                param.aligned,
             )
         )
         if not param.read_only:
