@@ -74,6 +74,10 @@ def compile_function(source: str, name: str, description: str, namespace: dict) 
     return function
 
 
+#: The indentation of a generated line at each depth.
+_INDENTS = tuple("    " * depth for depth in range(8))
+
+
 class Source:
     """Lines of generated Python with their indentation, and values bound by name."""
 
@@ -84,7 +88,7 @@ class Source:
         self._bound: dict[int, str] = {}
 
     def line(self, text: str, depth: int = 1) -> None:
-        self.lines.append("    " * depth + text)
+        self.lines.append((_INDENTS[depth] if depth < len(_INDENTS) else "    " * depth) + text)
 
     def bind(self, value: object, prefix: str = "_v") -> str:
         """A name for ``value`` in the generated function's namespace (one per object)."""

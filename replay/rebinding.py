@@ -27,6 +27,7 @@ with made-up graphs; :mod:`replay.recording` feeds it what a real capture produc
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import operator
 import struct
@@ -214,7 +215,6 @@ class Plan:
 
 
 _POINTER = struct.Struct("<Q")
-_NOTHING: frozenset[int] = frozenset()
 
 
 def inputs_at(inputs: Sequence[InputRange], address: int) -> list[InputRange]:
@@ -241,6 +241,8 @@ def pointer_words_of(params: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray]:
     if not params:
         return _NO_WORDS, _NO_NUMBERS
     lengths = np.fromiter(map(len, params), dtype=np.intp, count=len(params))
+    if not (lengths & 3).any():  # every parameter whole 4-byte halves: the windows of the joined halves
+        return _words_by_halves(b"".join(params), lengths >> 2)
     windows = np.maximum((lengths - 4) // 4, 0)  # at offsets 0, 4, ..., len - 8 of each
     total = int(windows.sum())
     if not total:
@@ -256,6 +258,17 @@ def pointer_words_of(params: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray]:
         return halves[at] | (halves[at + 1] << np.uint64(32)), param_of
     octets = np.frombuffer(data, dtype=np.uint8)[offsets[:, None] + _WINDOW]
     return octets.view("<u8").reshape(total), param_of
+
+
+def _words_by_halves(data: bytes, halves_of: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`pointer_words_of` where each parameter is ``halves_of[k]`` 4-byte halves joined in
+    ``data``: the window at each half and the next, kept where both are one parameter's."""
+    halves = np.frombuffer(data, dtype="<u4").astype(np.uint64)
+    if len(halves) < 2:
+        return _NO_WORDS, _NO_NUMBERS
+    param_of = np.repeat(np.arange(len(halves_of)), halves_of)
+    within = param_of[:-1] == param_of[1:]
+    return (halves[:-1] | (halves[1:] << np.uint64(32)))[within], param_of[:-1][within]
 
 
 def inputs_reached(inputs: Sequence[InputRange], words: np.ndarray) -> list[InputRange]:
@@ -276,6 +289,10 @@ def inputs_reached_by_group(
     if not len(words):
         return reached
     words = np.asarray(words, dtype=np.uint64)
+    placed = _placed_bounds(inputs)
+    if not placed or placed[-1] < 1 << 64:  # (an empty input at the last address ends past uint64)
+        if not (np.searchsorted(np.array(placed, dtype=np.uint64), words, side="right") & 1).any():
+            return reached  # no word in any input (usually: a library kernel's words point into the pool)
     found: dict[int, set[int]] = {}  # group -> the places in ``inputs`` of the non-empty inputs reached
     held = _held_words(inputs, words, group_of, found)
     empty_found: dict[int, set[int]] = {}
@@ -430,14 +447,46 @@ def _param_slices(params: Sequence[ParamView]) -> Callable[[bytes], tuple[bytes,
     return _remember(_SLICES, params, operator.itemgetter(*spans) if spans else lambda data: ())
 
 
-def _param_kinds(params: Sequence[ParamView]) -> tuple[tuple[ParamView, ...], tuple[ParamView, ...]]:
-    """(the pointer parameters, the scalar parameters computed from runtime scalars)."""
+def _param_kinds(params: Sequence[ParamView]) -> tuple[tuple[ParamView, ...], tuple[ParamView, ...], Callable]:
+    """(the pointer parameters, the scalar parameters computed from runtime scalars, a function
+    of a launch's parameter bytes answering every pointer parameter's address in their order:
+    one C call, a Struct reading them all where their offsets follow each other)."""
     cached = _KINDS.get(id(params))
     if cached is not None and cached[0] is params:
         return cached[1]
     pointers = tuple(p for p in params if p.kind == "pointer")
     scalars = tuple(p for p in params if p.kind == "scalar" and p.evaluate is not None)
-    return _remember(_KINDS, params, (pointers, scalars))
+    return _remember(_KINDS, params, (pointers, scalars, _pointer_reader([p.offset for p in pointers])))
+
+
+def _pointer_reader(offsets: Sequence[int]) -> Callable[[bytes], tuple[int, ...]]:
+    """``read(data)``: the 8-byte little-endian words of ``data`` at ``offsets``, as
+    ``_POINTER.unpack_from`` reads each (struct.error where ``data`` is too short)."""
+    if all(b >= a + 8 for a, b in itertools.pairwise(offsets)):
+        fmt, position = "<", 0
+        for offset in offsets:
+            fmt += "x" * (offset - position) + "Q"
+            position = offset + 8
+        return struct.Struct(fmt).unpack_from
+    unpack = _POINTER.unpack_from
+    return lambda data: tuple(unpack(data, offset)[0] for offset in offsets)
+
+
+def _placed_bounds(inputs: Sequence[InputRange]) -> list[int]:
+    """Where :func:`inputs_at` finds an input, as the sorted bounds of disjoint stretches
+    ``[b0, b1), [b2, b3), ...``: an address is in some input exactly where
+    ``bisect_right(bounds, address)`` is odd (an empty input at a nonzero address counts as
+    the stretch of that one address)."""
+    spans = sorted(
+        [(r.lo, r.hi) for r in inputs if r.lo < r.hi] + [(r.lo, r.lo + 1) for r in inputs if r.lo == r.hi and r.lo]
+    )
+    bounds: list[int] = []
+    for lo, hi in spans:
+        if bounds and lo <= bounds[-1]:
+            bounds[-1] = max(bounds[-1], hi)
+        else:
+            bounds += [lo, hi]
+    return bounds
 
 
 def _arguments_source(launch: LaunchView, needed: set[int]) -> tuple[str | None, ...]:
@@ -633,13 +682,11 @@ class _Binder:
     plan: Plan
     launches: Sequence[LaunchView]
     stager: _Stager
-    # every address inputs_at can place lies in [lowest, highest] (an empty span without inputs)
-    lowest: int = attrs.field(init=False)
-    highest: int = attrs.field(init=False)
+    # where inputs_at places an address in some input (_placed_bounds)
+    placed: list[int] = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
-        self.lowest = min((r.lo for r in self.stager.inputs), default=1)
-        self.highest = max((r.hi for r in self.stager.inputs), default=0)
+        self.placed = _placed_bounds(self.stager.inputs)
 
     def depends_on_dynamic(self, launch: LaunchView, args: Sequence[int], what: str) -> bool:
         """Whether a value computed from jit arguments ``args`` changes from replay to replay
@@ -659,15 +706,16 @@ class _Binder:
     def bind_launch(self, launch_number: int, node_index: int) -> None:
         """Bind the pointers, scalars and grid sizes of a jit launch to its graph node. (A
         launch without dynamic arguments has no scalar or grid size to recompute, and its
-        pointers into no input are left as recorded: both answered here, without a call.)"""
+        pointers into no input, at a fixed offset, are left as recorded: both answered here,
+        without a call, as :meth:`bind_pointer` would answer them.)"""
         launch = self.launches[launch_number]
-        pointers, scalars = _param_kinds(launch.params)
+        pointers, scalars, read_pointers = _param_kinds(launch.params)
         needed: set[int] = set()
-        unpack, lowest, highest = _POINTER.unpack_from, self.lowest, self.highest
-        for param in pointers:
-            if not param.offset_scalar_args and not lowest <= unpack(launch.param_bytes, param.offset)[0] <= highest:
-                continue  # into no input, at a fixed offset (the region's own memory): left as recorded
-            needed |= self.bind_pointer(launch, launch_number, node_index, param)
+        if pointers:
+            placed, own = self.placed, self.staging_copy_address(launch)
+            for param, address in zip(pointers, read_pointers(launch.param_bytes)):
+                if param.offset_scalar_args or bisect.bisect_right(placed, address) & 1 or address == own:
+                    needed |= self.bind_pointer(launch, launch_number, node_index, param)
         if launch.dynamic_args:
             for param in scalars:
                 needed |= self.bind_scalar(launch, launch_number, node_index, param)
@@ -676,25 +724,27 @@ class _Binder:
         if needed:
             self.recompute_arguments(launch_number, launch, needed)
 
+    def staging_copy_address(self, launch: LaunchView) -> int | None:
+        """The address of replay's own staging copy of the launch's input (None: it has none)."""
+        own = self.stager.by_index.get(launch.staging_input) if launch.staging_input is not None else None
+        return None if own is None else own.lo
+
     def pointer_owners(self, launch: LaunchView, address: int) -> tuple[list[InputRange], bool]:
         """The inputs a pointer points into, and whether it is replay's own staging copy of
         its launch's input (bound to that input, overlaps or not)."""
-        owners = inputs_at(self.stager.inputs, address)
-        by_index = self.stager.by_index
-        own = by_index.get(launch.staging_input) if launch.staging_input is not None else None
-        staging_copy = own is not None and address == own.lo
-        if staging_copy:
-            owners = [own]  # our own copy of this very input: bound to it, overlaps or not
-        return owners, staging_copy
+        staging_copy = address == self.staging_copy_address(launch)
+        if staging_copy:  # our own copy of this very input: bound to it, overlaps or not
+            return [self.stager.by_index[launch.staging_input]], True
+        return inputs_at(self.stager.inputs, address), False
 
     def bind_pointer(self, launch: LaunchView, launch_number: int, node_index: int, param: ParamView) -> set[int]:
         """Rebind a pointer into exactly one input; stage the inputs it may point into where
         that is ambiguous. Returns the jit arguments its offset is recomputed from."""
         (address,) = _POINTER.unpack_from(launch.param_bytes, param.offset)
-        if not param.offset_scalar_args and not self.lowest <= address <= self.highest:
-            return _NOTHING  # into no input, at a fixed offset (the region's own memory): left as recorded
         owners, staging_copy = self.pointer_owners(launch, address)
-        dynamic = self.depends_on_dynamic(launch, param.offset_scalar_args, f"the offset of pointer {param.index}")
+        dynamic = bool(param.offset_scalar_args) and self.depends_on_dynamic(
+            launch, param.offset_scalar_args, f"the offset of pointer {param.index}"
+        )
         if dynamic:
             _refuse_dynamic_offset(launch, param, owners)
         if len(owners) == 1 and (owners[0].index not in self.stager.overlaps or staging_copy):
@@ -735,10 +785,10 @@ class _Binder:
                 param.offset,
                 owner.index,
                 place.address - owner.lo,
-                dynamic=place.dynamic,
-                recorded_offset=param.byte_offset,
-                offset_evaluate=param.offset_evaluate if place.dynamic else None,
-                aligned=param.aligned,
+                place.dynamic,
+                param.byte_offset,
+                param.offset_evaluate if place.dynamic else None,
+                param.aligned,
             )
         )
         if not param.read_only:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import bisect
 import struct
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -356,6 +358,23 @@ def test_every_parameters_words_in_one_pass_are_each_parameters_own(params):
     assert param_of.tolist() == [n for n, each in enumerate(expected) for _ in range(len(each))]
 
 
+#: A parameter of whole 4-byte halves (a pointer, an int, a struct of them, or nothing), as
+#: most kernels' are: every parameter so, the scan reads the joined bytes by halves.
+_HALVES_PARAM = st.lists(
+    st.one_of(_ADDRESSES.map(struct.Struct("<Q").pack), st.binary(min_size=4, max_size=4)), max_size=6
+).map(b"".join)
+
+
+@settings(max_examples=400, deadline=None)
+@given(params=st.lists(_HALVES_PARAM, max_size=12))
+def test_parameters_of_whole_halves_give_each_parameters_own_words(params):
+    words, param_of = pointer_words_of(params)
+    expected = [_reference_pointer_words(p) for p in params]
+    assert words.dtype == np.uint64 and param_of.dtype == np.intp
+    assert words.tolist() == [w for each in expected for w in each.tolist()]
+    assert param_of.tolist() == [n for n, each in enumerate(expected) for _ in range(len(each))]
+
+
 @settings(max_examples=300, deadline=None)
 @given(
     bounds=st.lists(st.tuples(_ADDRESSES, st.integers(0, 5000)), min_size=0, max_size=5),
@@ -390,6 +409,7 @@ def test_the_inputs_each_node_reaches_are_decided_at_once_as_node_by_node(bounds
 
 _FOREIGN = st.one_of(
     st.builds(lambda params: NodeView(0, "kernel", 0xF, tuple(params)), st.lists(_PARAM, max_size=6)),
+    st.builds(lambda params: NodeView(0, "kernel", 0xF, tuple(params)), st.lists(_HALVES_PARAM, max_size=6)),
     st.builds(lambda: NodeView(0, "kernel", 0xF, None)),
     st.builds(
         lambda kind, pointers: NodeView(0, kind, pointers=pointers),
@@ -517,3 +537,62 @@ def test_fixed_addresses_are_every_node_word_a_replay_does_not_change():
     assert fixed_addresses([], [(X.lo, X.hi)]) == ()
     assert fixed_addresses([kernel, NodeView(4, "kernel", 0xF, None)], []) is None
     assert fixed_addresses([NodeView(5, "memcpy", pointers=None)], []) is None
+
+
+# --- the plan skips pointers into no input without asking each one -------------------------------
+
+
+@st.composite
+def _random_capture(draw):
+    """Inputs that may overlap or be empty, jit launches whose pointers land inside, at the
+    bounds of or outside them (some with offsets from a dynamic scalar, some through a tensor
+    whose extent doubts them, some replay's own staging copies), and their kernel nodes."""
+    bounds = draw(st.lists(st.tuples(st.integers(1, 40), st.sampled_from([0, 64, 256, 4096])), max_size=5))
+    inputs = [InputRange(i, f"args[{i}]", lo << 10, (lo << 10) + size) for i, (lo, size) in enumerate(bounds)]
+    edges = [0, 1 << 10, 41 << 10, 0x7FFF_0000] + [a + d for r in inputs for a in (r.lo, r.hi) for d in (-8, 0, 8)]
+    address = st.sampled_from(edges) | st.integers(0, 50 << 10)
+    launches, nodes = [], []
+    for number in range(draw(st.integers(0, 6))):
+        params, data, extents = [], b"", {}
+        for _ in range(draw(st.integers(0, 4))):
+            dynamic = draw(st.booleans()) and draw(st.booleans())
+            params.append(
+                ParamView(
+                    len(params),
+                    len(data),
+                    8,
+                    "Q",
+                    "pointer",
+                    read_only=draw(st.booleans()),
+                    offset_scalar_args=(0,) if dynamic else (),
+                    offset_evaluate=(lambda _s: 0) if dynamic else None,
+                )
+            )
+            if draw(st.integers(0, 5)) == 0:
+                extents[len(params) - 1] = Extent(0, 1 << 20, draw(st.sampled_from(["", "another holder"])))
+            data += struct.pack("<Q", draw(address))
+        staging = draw(st.none() | st.integers(0, 5))
+        view = LaunchView(
+            0x100 + number % 2, f"k{number}", data, tuple(params), {0: "_d0"}, frozenset({0}), extents=extents
+        ).replace(staging_input=staging)
+        launches.append(view)
+        nodes.append(node_for(number, view))
+    return inputs, launches, nodes, set(draw(st.lists(st.integers(0, 5), max_size=3)))
+
+
+@settings(max_examples=400, deadline=None)
+@given(capture=_random_capture())
+def test_pointers_skipped_as_into_no_input_decide_as_if_each_were_asked(capture):
+    """The plan asks only the pointers some input may hold (one bisect of the inputs' placed
+    stretches); asking every pointer, as if every address were placed, decides the same."""
+    import replay.rebinding as rebinding
+
+    inputs, launches, nodes, staged = capture
+    skipping = plan(inputs, launches, nodes, staged=staged)
+    with pytest.MonkeyPatch.context() as patched:
+        patched.setattr(rebinding, "_placed_bounds", lambda _inputs: [0, 1 << 65])
+        asking = plan(inputs, launches, nodes, staged=staged)
+    assert skipping == asking
+    for address in range(0, 42 << 10, 256):
+        placed = bisect.bisect_right(rebinding._placed_bounds(inputs), address) & 1
+        assert bool(placed) == bool(inputs_at(inputs, address))
