@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import attrs
 
-from replay import object_calls, region_keys
+from replay import lifecycle, object_calls, region_keys
 
 # --- the steps of a call ------------------------------------------------------------------
 
@@ -146,7 +146,7 @@ def measure_generated_python(region) -> contextlib.AbstractContextManager:
     """Inside the context, ``region``'s recorded keys replay through their generated Python
     function alone, without csrc/replay_step.c in front of it (what a replay costs where that
     file is not built)."""
-    return region.session.keys.runs_replaced(region, generated_replay)
+    return lifecycle.runs_replaced(region, generated_replay)
 
 
 def generated_replay(run: Callable) -> Callable:
@@ -208,6 +208,6 @@ def full_key_steps(region, args: tuple) -> dict[str, Callable[[], object]]:
     device = region.session.current_device()
     return {
         "the walk (flat_call)": lambda: region_keys.flat_call(args, {}, walk_objects=True),
-        "admission's count": lambda: region.counted(call),
-        "the full key": lambda: region.key_of(call, device),
+        "admission's count": lambda: region.keying.counted(call),
+        "the full key": lambda: region.keying.key_of(call, device),
     }

@@ -1,9 +1,10 @@
 """The session's part of a key: what admission counts a call under (without keeping its
-arguments alive), and a key in a few words.
+arguments alive), a region's keys of its calls, and a key in a few words.
 
 region_keys makes the exact key of a call; this module adds what the session needs around
-it: the cheaper count a call is admitted by before any key is made, and the key's wording
-for logs and reports.
+it: the cheaper count a call is admitted by before any key is made, both with the addresses a
+region's argument structure keys by (:class:`CallKeys`), and the key's wording for logs and
+reports.
 """
 
 from __future__ import annotations
@@ -181,3 +182,46 @@ class KeyText:
 
     def __str__(self) -> str:
         return describe_key(self.key)
+
+
+# --- a region's keys of its calls ---------------------------------------------------------------
+class CallKeys:
+    """A region's keys of its flattened calls: what admission counts a call under and the call's
+    full key, both holding the addresses of the object tensors that the call's argument
+    structure keys by address (its hints, learnt by replay.orchestration), and why a key about
+    to record under grad mode must run eagerly. One place, because admission, the full path,
+    the recording and the memos of object calls must agree on what a key is."""
+
+    def __init__(self, region) -> None:
+        self.region = region
+
+    def addressed(self, spec: object) -> set[int] | tuple:
+        """The object tensors the keys of ``spec`` hold by their address (Hints.addressed): those
+        its hints say a node replay cannot rebind reads or writes."""
+        hints = self.region.hints.get(spec) if len(spec) > 3 else None
+        return hints.addressed if hints is not None else ()
+
+    def counted(self, call) -> tuple:
+        """What admission counts ``call`` under (:func:`counted_shapes`), with its region."""
+        region = self.region
+        device_of = region.session.current_device
+        return (region, counted_shapes(device_of, call.spec, call.leaves, call.paths, self.addressed(call.spec)))
+
+    def key_of(self, call, device: int) -> tuple:
+        """The full key of a call (replay.region_keys.region_key), with the addresses of the
+        object tensors its structure's keys hold by address."""
+        return region_keys.region_key(device, call.spec, call.leaves, call.paths, self.addressed(call.spec))
+
+    def needs_autograd(self, key: tuple, call) -> str:
+        """Why a key about to be recorded under grad mode must run eagerly instead ("" if
+        nothing says so): tensor arguments that require grad (its key says which), or outputs
+        that required grad in its structure's observed warm-up (Hints.autograd). A graph's
+        outputs are detached views of its memory: it would return them without ``grad_fn``.
+        Outputs requiring grad in a capture are refused by the recording itself
+        (recording.own_outputs), for the keys no observed warm-up spoke for."""
+        grads = region_keys.grad_leaves(key)
+        if grads:
+            paths = call.paths
+            return f"{', '.join(paths[i] for i in grads)} {'requires' if len(grads) == 1 else 'require'} grad"
+        hints = self.region.hints.get(call.spec)
+        return hints.autograd if hints is not None else ""

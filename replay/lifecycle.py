@@ -206,7 +206,7 @@ class Entry:
     def __init__(self, region, key: tuple, counted: tuple):
         self.region = region
         self.key = key
-        self.counted = counted  # what admission counts its calls under (Region.counted)
+        self.counted = counted  # what admission counts its calls under (replay.keying.CallKeys.counted)
         self.state = NO_ENTRY  # (Keys moves it)
         self.eager_runs = 0
         self.graph = None  # its RecordedGraph while REPLAYING (a VariantGraph as a SIZE_VARIANT)
@@ -310,7 +310,7 @@ class Keys:
         :meth:`make_room`), until the key's next call analyses it."""
         _move(entry, "capture")
         entry.unanalysed = taken
-        entry.region.outputs_changed()
+        entry.region.router.outputs_changed()
         session = self.session
         session.pending[entry] = None
         session.admission.held(entry, entry.counted)
@@ -320,7 +320,7 @@ class Keys:
         """AWAITING_ANALYSIS -> ANALYSING: the capture, taken out of the pending ones."""
         _move(entry, "analyse")
         capture, entry.unanalysed = entry.unanalysed, None
-        entry.region.outputs_changed()
+        entry.region.router.outputs_changed()
         self.session.pending.pop(entry, None)
         self.session.admission.dropped(entry)  # served again with its graph
         return capture
@@ -331,7 +331,7 @@ class Keys:
         put a flat call's key in its region's pre-key table (``guard`` None: it has none)."""
         _move(entry, "serve")
         entry.graph = graph
-        entry.region.outputs_changed()
+        entry.region.router.outputs_changed()
         session = self.session
         self.make_room(entry, allowance=0)
         session.lru[entry] = None
@@ -359,7 +359,7 @@ class Keys:
         entry.replays_before += old.replays
         admission.restarted(entry, frequency)  # its new graph counts replays from 0
         old.release()
-        entry.region.outputs_changed()
+        entry.region.router.outputs_changed()
         candidates = entry.region.by_pre_key.get(entry.pre_key) if entry.pre_key is not None else None
         if candidates and not self.session.policy.verify_every:
             candidates[:] = [(g, self._run_of(e), e) if e is entry else (g, r, e) for g, r, e in candidates]
@@ -431,7 +431,7 @@ class Keys:
             entry.unanalysed.graph.reset()
             entry.unanalysed = None
         entry.graph = None
-        region.outputs_changed()
+        region.router.outputs_changed()
         entry.guard = None
         session.counters.graphs = len(session.lru)
 
@@ -511,19 +511,20 @@ class Keys:
             del region.variants[variant.key]
         region.forgotten.replays += variant.replays
 
-    # --- instrumentation -------------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def runs_replaced(self, region, replace: Callable[[Callable], Callable]) -> Iterator[None]:
-        """Inside the context, each of ``region``'s pre-key candidates runs ``replace(run)``
-        (benchmarks: a replay through another path)."""
-        saved = [(candidates, list(candidates)) for candidates in region.by_pre_key.values()]
+
+# --- instrumentation ------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def runs_replaced(region, replace: Callable[[Callable], Callable]) -> Iterator[None]:
+    """Inside the context, each of ``region``'s pre-key candidates runs ``replace(run)``
+    (benchmarks: a replay through another path); the candidates it held come back after."""
+    saved = [(candidates, list(candidates)) for candidates in region.by_pre_key.values()]
+    for candidates, held in saved:
+        candidates[:] = [(guard, replace(run), entry) for guard, run, entry in held]
+    try:
+        yield
+    finally:
         for candidates, held in saved:
-            candidates[:] = [(guard, replace(run), entry) for guard, run, entry in held]
-        try:
-            yield
-        finally:
-            for candidates, held in saved:
-                candidates[:] = held
+            candidates[:] = held
 
 
 # --- the invariants ----------------------------------------------------------------------------------

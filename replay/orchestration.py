@@ -18,10 +18,11 @@ import torch
 import jitcore
 from jitcore.for_replay import CaptureBusy, get_backend
 from replay import effects, instrumentation, objects, recording, region_keys
-from replay.dispatch import MISS, flat_guard
+from replay.dispatch import MISS, SHARED_CAPTURE_EXCLUSION, flat_guard
 from replay.graph import RecordedGraph, guard_outputs
 from replay.keying import KeyText, describe_key
 from replay.lifecycle import ANALYSING, WARMING, Entry
+from replay.observe import op_observer
 from replay.rebinding import STAGED
 from replay.region_keys import FlatCall
 from replay.stats import InputChoice
@@ -77,6 +78,69 @@ class KeyRecorder:
         attributes = [*module.parameters(), *module.buffers()] if isinstance(module, torch.nn.Module) else []
         return recording.HeldTensors(named.tensors, attributes, complete=named.complete)
 
+    # --- the observed warm-up -------------------------------------------------------------------
+    def observed_warm_up(self, call: FlatCall, entry: Entry | None, key: tuple, device: int):
+        """The first warm-up of an argument structure, run eagerly under the torch-op observer
+        (:meth:`_observed_run`): what it teaches the structure's keys, and, where it did what no
+        graph replays, its key refused (as the key is computed after it, with the addresses it
+        taught)."""
+        region = self.region
+        observed = region.hints[call.spec] = Hints(observed_key=key)
+        result = self._observed_run(call, entry, observed)
+        if observed.effect is not None:
+            try:
+                key = region.keying.key_of(call, device)
+            except region_keys.RefusedKey:
+                pass  # (the run changed a setting the key holds: its calls are keyed anew)
+            self.refuse_replays(key, observed.effect)
+        return result
+
+    def _observed_run(self, call: FlatCall, entry: Entry | None, observed: Hints):
+        """An eager run of ``call`` (counted under ``entry``) that fills ``observed``: which
+        tensor arguments torch ops read and write (staged, copied back, or for an object's
+        tensors keyed by address), what it did that no graph replays, and whether its outputs
+        require grad where no argument does."""
+        region = self.region
+        region.count_eager(entry)
+        leaves = call.leaves
+        args, kwargs = region_keys.unflatten(call.spec, region_keys.plain_leaves(leaves))
+        tensors = [(i, leaf) for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+        observer = op_observer([region_keys.byte_range(t) for _, t in tensors])
+        run = effects.RunEffects.before(call)
+        with SHARED_CAPTURE_EXCLUSION, observer:
+            result = region.fn(*args, **kwargs)
+        observed.effect = run.after()
+        read, written = {tensors[w][0] for w in observer.read}, {tensors[w][0] for w in observer.written}
+        shadows = objects.shadow_tensors(call.spec, leaves)  # (an object's tensors: keyed by address)
+        observed.addressed |= (read | written) & shadows
+        observed.stage |= read - shadows
+        observed.copy_back |= written - shadows
+        observed.clean = not observer.read and not observer.written
+        if torch.is_grad_enabled() and not region_keys.grad_leaves(observed.observed_key or ()):
+            # no argument required grad, so outputs that do come from what the region reads
+            # (its weights): its keys under grad mode would record a graph that drops them
+            grads = region_keys.outputs_requiring_grad(result)
+            if grads:
+                shown = f"{', '.join(grads[:3])}{', ...' if len(grads) > 3 else ''}"
+                observed.autograd = (
+                    f"{shown} of an eager run required grad with no argument requiring it (tensors the region "
+                    "reads require it: module parameters do by default)"
+                )
+        return result
+
+    def refuse_replays(self, key: tuple, effect: effects.Effect) -> None:
+        """``key``'s run did what no graph replays: it never records (and its capture, if it
+        has one, is given up at its next call). Warned once per reason; quietly the first
+        time an object's structure changes at a path (a first call's lazy initialisation: a
+        key of its own, which the next calls do not share)."""
+        region = self.region
+        region.unreplayable.mark(key, effect.reason)
+        changed = effect.changed
+        if changed is not None and not region.unreplayable.structure_seen_before(changed, effect.path):
+            log.info("region %s: a key runs eagerly: %s", region.name, effect.reason)
+            return
+        region.warn_once(effect.reason)
+
     # --- the first call: capture and launch ---------------------------------------------------
     def record(self, entry: Entry, key: tuple, call: FlatCall, device: int):
         """Capture the key and launch the new graph once (this call's result). The analysis
@@ -126,7 +190,7 @@ class KeyRecorder:
             if changed is not None and region.unreplayable.suspected_before(key, changed):
                 effect = effects.Effect(effects.assignment(changed), changed)
         if effect is not None:
-            region.refuse_replays(key, effect)
+            self.refuse_replays(key, effect)
 
     def _capture(self, entry: Entry, key: tuple, call: FlatCall, device: int):
         region, session = self.region, self.region.session

@@ -43,7 +43,7 @@ from replay.dispatch import (
     plain_when_unpadded,
 )
 from replay.graph import MISMATCH, RecordedGraph
-from replay.keying import counted_shapes
+from replay.keying import CallKeys
 from replay.lifecycle import (
     AWAITING_ANALYSIS,
     EAGER_ONLY,
@@ -54,9 +54,8 @@ from replay.lifecycle import (
     Forgotten,
     RecentlyUsed,
 )
-from replay.observe import op_observer
-from replay.orchestration import Hints, KeyRecorder
-from replay.region_keys import FlatCall, grad_leaves, outputs_requiring_grad
+from replay.orchestration import KeyRecorder
+from replay.region_keys import FlatCall
 from replay.routing import Router
 from replay.warn import warn
 
@@ -109,6 +108,7 @@ class Region:
         self.cost = EagerCost(session.admission, time.perf_counter)
         self.said_autograd = False  # the ReplayWarning of keys that need autograd was given
         self.router = Router(self)
+        self.keying = CallKeys(self)
         self.recorder = KeyRecorder(self)
         self.program = self._program()
         self.dispatch: Callable = make_dispatch(self.program)  # (args) -> result or MISS
@@ -181,7 +181,7 @@ class Region:
             session.say_eager_once()
             return self.run_eagerly(call)
         try:
-            counted = self.counted(call)
+            counted = self.keying.counted(call)
         except region_keys.RefusedKey as refused:
             return self.refused(refused, call)
         decision = None
@@ -207,7 +207,7 @@ class Region:
                 return self.call_flat(call)
         device = session.current_device()
         try:
-            key = self.key_of(call, device)
+            key = self.keying.key_of(call, device)
         except region_keys.RefusedKey as refused:
             return self.refused(refused, call)
         entry = session.keys.lookup(self, key)
@@ -223,9 +223,9 @@ class Region:
             decision = self._decide(counted, call.spec)
         if decision is not RECORD:
             if decision is OBSERVE:  # the first warm-up of its argument structure
-                return self._observed_warm_up(call, entry, key, device)
+                return self.recorder.observed_warm_up(call, entry, key, device)
             return self.run_eagerly(call, entry)
-        autograd = self._needs_autograd(key, call) if torch.is_grad_enabled() else ""
+        autograd = self.keying.needs_autograd(key, call) if torch.is_grad_enabled() else ""
         if entry is None:
             entry = session.keys.admit(self, key, counted)
             hints = self.hints.get(call.spec)
@@ -239,52 +239,10 @@ class Region:
             return self.recorder.refuse_unreplayable(entry, call, unreplayable)
         return self.recorder.record(entry, key, call, device)
 
-    def _addressed(self, spec: object) -> set[int] | tuple:
-        """The object tensors the keys of ``spec`` hold by their address (Hints.addressed): those
-        its hints say a node replay cannot rebind reads or writes."""
-        hints = self.hints.get(spec) if len(spec) > 3 else None
-        return hints.addressed if hints is not None else ()
-
-    def counted(self, call: FlatCall) -> tuple:
-        """What admission counts ``call`` under (replay.keying.counted_shapes), with its region."""
-        device_of = self.session.current_device
-        return (self, counted_shapes(device_of, call.spec, call.leaves, call.paths, self._addressed(call.spec)))
-
-    def key_of(self, call: FlatCall, device: int) -> tuple:
-        """The full key of a call (replay.region_keys.region_key), with the addresses of the
-        object tensors its structure's keys hold by address."""
-        return region_keys.region_key(device, call.spec, call.leaves, call.paths, self._addressed(call.spec))
-
     def keyed_call_recorded(self, call: FlatCall):
         """A call admission let record, counted and keyed again (its structure's hints changed
         its key: replay.orchestration's addressed tensors)."""
-        return self._keyed_call(call, self.counted(call), RECORD)
-
-    def _observed_warm_up(self, call: FlatCall, entry: Entry | None, key: tuple, device: int):
-        """The first warm-up of an argument structure, observed (:meth:`run_eagerly`): what
-        it teaches the structure's keys, and, where it did what no graph replays, its key
-        refused (as the key is computed after it, with the addresses it taught)."""
-        observed = self.hints[call.spec] = Hints(observed_key=key)
-        result = self.run_eagerly(call, entry, observe=observed)
-        if observed.effect is not None:
-            try:
-                key = self.key_of(call, device)
-            except region_keys.RefusedKey:
-                pass  # (the run changed a setting the key holds: its calls are keyed anew)
-            self.refuse_replays(key, observed.effect)
-        return result
-
-    def refuse_replays(self, key: tuple, effect: effects.Effect) -> None:
-        """``key``'s run did what no graph replays: it never records (and its capture, if it
-        has one, is given up at its next call). Warned once per reason; quietly the first
-        time an object's structure changes at a path (a first call's lazy initialisation: a
-        key of its own, which the next calls do not share)."""
-        self.unreplayable.mark(key, effect.reason)
-        changed = effect.changed
-        if changed is not None and not self.unreplayable.structure_seen_before(changed, effect.path):
-            log.info("region %s: a key runs eagerly: %s", self.name, effect.reason)
-            return
-        self._warn_once(effect.reason)
+        return self._keyed_call(call, self.keying.counted(call), RECORD)
 
     def serve_entry(self, entry: Entry, key: tuple, call: FlatCall, device: int):
         """A call of a key with an entry, as its state says: replayed, eagerly, or analysed
@@ -297,20 +255,6 @@ class Region:
         if state is AWAITING_ANALYSIS:
             return self.recorder.finish(entry, key, call, device)
         return _MISS
-
-    def _needs_autograd(self, key: tuple, call: FlatCall) -> str:
-        """Why a key about to be recorded under grad mode must run eagerly instead ("" if
-        nothing says so): tensor arguments that require grad (its key says which), or outputs
-        that required grad in its structure's observed warm-up (Hints.autograd). A graph's
-        outputs are detached views of its memory: it would return them without ``grad_fn``.
-        Outputs requiring grad in a capture are refused by the recording itself
-        (recording.own_outputs), for the keys no observed warm-up spoke for."""
-        grads = grad_leaves(key)
-        if grads:
-            paths = call.paths
-            return f"{', '.join(paths[i] for i in grads)} {'requires' if len(grads) == 1 else 'require'} grad"
-        hints = self.hints.get(call.spec)
-        return hints.autograd if hints is not None else ""
 
     # --- admission -----------------------------------------------------------------------
     def decide_flat(self, args: tuple, counted: tuple, spec: object, count: int) -> object:
@@ -359,40 +303,15 @@ class Region:
         return decision
 
     # --- eager runs ------------------------------------------------------------------------
-    def run_eagerly(self, call: FlatCall, entry: Entry | None = None, observe: Hints | None = None):
+    def run_eagerly(self, call: FlatCall, entry: Entry | None = None):
         """Run the region's function on a flattened call, counted under ``entry`` (None: the
-        region's aggregate); timed, or observed (``observe``: what the warm-up teaches)."""
+        region's aggregate), timed (the eager cost admission weighs)."""
         self.count_eager(entry)
-        leaves = call.leaves
-        args, kwargs = region_keys.unflatten(call.spec, region_keys.plain_leaves(leaves))
-        if observe is None:
-            with SHARED_CAPTURE_EXCLUSION:  # may load kernels: not while another thread captures
-                started = time.perf_counter()
-                result = self.fn(*args, **kwargs)
-            self.cost.took(time.perf_counter() - started)  # (rarer than the flat path's: every call)
-            return result
-        tensors = [(i, leaf) for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-        observer = op_observer([region_keys.byte_range(t) for _, t in tensors])
-        run = effects.RunEffects.before(call)
-        with SHARED_CAPTURE_EXCLUSION, observer:
+        args, kwargs = region_keys.unflatten(call.spec, region_keys.plain_leaves(call.leaves))
+        with SHARED_CAPTURE_EXCLUSION:  # may load kernels: not while another thread captures
+            started = time.perf_counter()
             result = self.fn(*args, **kwargs)
-        observe.effect = run.after()
-        read, written = {tensors[w][0] for w in observer.read}, {tensors[w][0] for w in observer.written}
-        shadows = objects.shadow_tensors(call.spec, leaves)  # (an object's tensors: keyed by address)
-        observe.addressed |= (read | written) & shadows
-        observe.stage |= read - shadows
-        observe.copy_back |= written - shadows
-        observe.clean = not observer.read and not observer.written
-        if torch.is_grad_enabled() and not grad_leaves(observe.observed_key or ()):
-            # no argument required grad, so outputs that do come from what the region reads
-            # (its weights): its keys under grad mode would record a graph that drops them
-            grads = outputs_requiring_grad(result)
-            if grads:
-                shown = f"{', '.join(grads[:3])}{', ...' if len(grads) > 3 else ''}"
-                observe.autograd = (
-                    f"{shown} of an eager run required grad with no argument requiring it (tensors the region "
-                    "reads require it: module parameters do by default)"
-                )
+        self.cost.took(time.perf_counter() - started)  # (rarer than the flat path's: every call)
         return result
 
     def count_eager(self, entry: Entry | None) -> None:
@@ -409,17 +328,17 @@ class Region:
         would bake without seeing it change, a constant whose equality is not exact, a torch
         setting that cannot be read) runs eagerly, with one ReplayWarning per reason (naming
         the argument)."""
-        self._warn_once(refused.reason)
+        self.warn_once(refused.reason)
         return self.run_eagerly(call)
 
     def refused_arguments(self, refused: region_keys.RefusedKey, args: tuple, kwargs: dict):
         """:meth:`refused`, for a call flatten itself refused: it runs on its arguments."""
-        self._warn_once(refused.reason)
+        self.warn_once(refused.reason)
         self.count_eager(None)
         with SHARED_CAPTURE_EXCLUSION:
             return self.fn(*args, **kwargs)
 
-    def _warn_once(self, reason: str) -> None:
+    def warn_once(self, reason: str) -> None:
         """One ReplayWarning per reason calls run eagerly (a bounded set of reasons kept)."""
         if reason not in self.refusals:
             if len(self.refusals) < MAX_REFUSALS:
@@ -495,10 +414,6 @@ class Region:
         session.admission.forget(lambda counted: counted[0] is self)
         self.snapshot = None
         self.program.region_drift = None
-
-    def outputs_changed(self) -> None:
-        """A graph, capture or output slot of this region came or went (replay.routing)."""
-        self.router.outputs_changed()
 
     def __repr__(self) -> str:
         return f"<replay region {self.name}: {len(self.entries)} keys>"

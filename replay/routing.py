@@ -257,7 +257,7 @@ class Router:
         except region_keys.RefusedKey as refused:
             return region.refused(refused, call), None
         if grad_leaves(key) and torch.is_grad_enabled():
-            return MISS, None  # padded: its key runs eagerly (Region._needs_autograd)
+            return MISS, None  # padded: its key runs eagerly (replay.keying.CallKeys.needs_autograd)
         state = region.variants.get(key)
         if isinstance(state, polymorphic.VariantGraph):
             return region.run_graph(state, call, None), None

@@ -73,7 +73,7 @@ def walked(monkeypatch):
         return wrapper
 
     for name, method in vars(Keys).items():
-        if callable(method) and not name.startswith("__") and name != "runs_replaced":
+        if callable(method) and not name.startswith("__"):
             monkeypatch.setattr(Keys, name, checked(method))
 
     def make(**policy):
@@ -394,16 +394,16 @@ def test_a_region_keeps_the_hints_of_its_most_recent_structures(walked, monkeypa
     step = session.region(lambda batch: torch.full((3,), 2.0))  # touches no input: a clean warm-up
     x = torch.ones(3)
     observed = []
-    original = step.run_eagerly
+    original = step.recorder.observed_warm_up
 
-    def run_eagerly(call, entry=None, observe=None):
-        observed.append(observe is not None)
-        return original(call, entry, observe)
+    def observed_warm_up(call, *args):
+        observed.append(call.spec)
+        return original(call, *args)
 
-    monkeypatch.setattr(step, "run_eagerly", run_eagerly)
+    monkeypatch.setattr(step.recorder, "observed_warm_up", observed_warm_up)
     for number in range(10):
         assert torch.equal(step({"x": x, f"request {number}": 1}), x * 2)
-    assert observed == [True] * 10 and len(step.hints) == 4
+    assert len(observed) == 10 and len(set(observed)) == 10 and len(step.hints) == 4
 
     def requests():
         return [spec[0][0][1][1] for spec in step.hints]  # (the dict's keys, in the spec)

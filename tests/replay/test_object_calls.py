@@ -55,7 +55,7 @@ class Oracle:
         def serve(region, args, kwargs, miss):
             try:
                 call = region_keys.flat_call(args, kwargs, walk_objects=True)
-                full = (call, region.counted(call), region.key_of(call, region.session.current_device()))
+                full = (call, region.keying.counted(call), region.keying.key_of(call, region.session.current_device()))
             except region_keys.RefusedKey:
                 full = None
             self.pending = [full]

@@ -129,10 +129,10 @@ def test_keys_and_counts_of_objects_hold_the_addresses_their_structure_keys_by(m
     state = State(t=torch.randn(3))
     step(x, state)  # the observed warm-up: teaches the address
     call = region_keys.flat_call((x, state), {}, walk_objects=True)
-    counted, key = step.counted(call), step.key_of(call, -1)
+    counted, key = step.keying.counted(call), step.keying.key_of(call, -1)
     assert counted[1][2] == (state.t.data_ptr(),) and addresses(key) == ((2, state.t.data_ptr()),)
     fresh = region_keys.flat_call((x, State(t=torch.randn(3))), {}, walk_objects=True)
-    assert step.counted(fresh) != counted and step.key_of(fresh, -1) != key
+    assert step.keying.counted(fresh) != counted and step.keying.key_of(fresh, -1) != key
     assert "at fixed addresses: leaf 2" in replay.keying.describe_key(key, limit=1000)
 
 
@@ -384,7 +384,7 @@ def test_a_transformers_static_cache_as_an_argument_is_keyed_alike_every_step_an
             for position in range(6):
                 ids, positions = torch.tensor([[position * 7 % 64]]), torch.tensor([[position]])
                 call = region_keys.flat_call((ids, positions, cache), {}, walk_objects=True)
-                keys.append(region.key_of(call, -1))
+                keys.append(region.keying.key_of(call, -1))
                 before = objects.snapshot(call.spec, call.leaves, call.paths)
                 assert bitwise_equal(region(ids, positions, cache), step(ids, positions, eager_cache))
                 change = objects.first_change(before, objects.snapshot(call.spec, call.leaves, call.paths))

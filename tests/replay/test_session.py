@@ -341,8 +341,8 @@ def test_keys_that_never_repeat_leave_no_entry_and_run_no_observer(session_facto
     # a prefill-like loop: hundreds of lengths, each seen once. Each call costs its eager run
     # plus the key: no entry, no observer, no recording
     observed = []
-    original = replay.region.op_observer
-    monkeypatch.setattr(replay.region, "op_observer", lambda *a: observed.append(a) or original(*a))
+    original = replay.orchestration.op_observer
+    monkeypatch.setattr(replay.orchestration, "op_observer", lambda *a: observed.append(a) or original(*a))
     session = session_factory(record_after=1)
     step = session.region(add)
     step(torch.randn(1), torch.randn(1))  # the region's first key: its warm-up is observed once
@@ -419,7 +419,7 @@ def test_the_output_memory_a_padded_call_is_checked_against_follows_graphs_comin
         step(replay.padded(h))
     (entry,) = [e for e in step.entries.values() if e.graph is not None]
     entry.graph.output_memory = {h.data_ptr(): h.untyped_storage().nbytes()}  # as if h were its output
-    step.outputs_changed()  # what the region's own bookkeeping does when a graph comes
+    step.router.outputs_changed()  # what the region's own bookkeeping does when a graph comes
     assert torch.equal(step(replay.padded(h)), h * 2) and session.stats().declined == 1
     session.keys.release(entry)  # its memory is no longer written by a replay: no reason to decline
     assert torch.equal(step(replay.padded(h)), h * 2) and session.stats().declined == 1
@@ -429,7 +429,7 @@ def test_the_output_memory_a_padded_call_is_checked_against_follows_graphs_comin
 
 
 def test_keys_that_share_shapes_share_a_count_and_stay_exact(session_factory):
-    # admission counts calls by shapes (Region.counted): a float16 key after two float32 calls of
+    # admission counts calls by shapes (replay.keying.CallKeys.counted): a float16 key after two float32 calls of
     # the same shape is recorded on its first call, which is exact (record_after=0 does the same)
     session = session_factory(record_after=1)
     step = session.region(add)
@@ -1930,7 +1930,9 @@ def test_admission_keeps_no_argument_alive_and_counts_constants_as_before(sessio
     assert sum(ref() is not None for ref in refs) == 0
     # two objects holding the same tensor count as one key, as their key is one; another tensor apart
     held, other = torch.ones(1024), torch.ones(1024)
-    counted = [step.counted(region_keys.flat_call((x, _Holder(t)), {}, walk_objects=True)) for t in (held, held, other)]
+    counted = [
+        step.keying.counted(region_keys.flat_call((x, _Holder(t)), {}, walk_objects=True)) for t in (held, held, other)
+    ]
     assert counted[0] == counted[1] != counted[2]
     # an unhashable constant is still refused loudly, by its key
     with pytest.raises(TypeError, match="unhashable set"):
