@@ -25,7 +25,7 @@ import attrs
 import torch
 
 from jitcore.for_replay import ArgumentCheck, compiled_helpers_enabled, current_device_reader, make_guard
-from replay import buckets, recording, region_keys
+from replay import buckets, recording, region_keys, value_keys
 from replay.admission import ReplayTimes, replay_or_guess
 from replay.dynamic import Dynamic
 from replay.graph import MISMATCH, compile_function
@@ -410,7 +410,7 @@ def flat_guard(device: int, spec: object, leaves: Sequence) -> tuple[Callable | 
         elif isinstance(leaf, Dynamic):
             checks.append(ArgumentCheck.wrapping(Dynamic, "value", type(leaf.value)))
         elif isinstance(leaf, float):  # by bits: -0.0 is not 0.0, a NaN is itself
-            checks.append(ArgumentCheck.equal_through(leaf, region_keys.float_bits))
+            checks.append(ArgumentCheck.equal_through(leaf, value_keys.float_bits))
         elif isinstance(leaf, (bool, int, str, type(None))):
             checks.append(ArgumentCheck.equal(leaf))
         else:

@@ -34,7 +34,7 @@ import attrs
 import torch
 
 from jitcore.for_replay import generated, get_backend
-from replay import graph_outputs, output_slots, rebinding, region_keys
+from replay import graph_outputs, output_slots, rebinding, region_keys, value_keys
 from replay.errors import ReplayMismatchError
 from replay.graph_outputs import (  # noqa: F401 (the output kinds, where callers import them)
     ConstantOutput,
@@ -61,7 +61,7 @@ def bitwise_equal(a: object, b: object) -> bool:
             return False
         return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
     if isinstance(a, float) and isinstance(b, float):
-        return region_keys.float_bits(a) == region_keys.float_bits(b)
+        return value_keys.float_bits(a) == value_keys.float_bits(b)
     return type(a) is type(b) and a == b
 
 

@@ -37,7 +37,7 @@ import torch
 
 from jitcore import GlobalDriftError
 from jitcore.for_replay import torch_native_module
-from replay import objects, region_keys, watch
+from replay import objects, region_keys, value_keys, watch
 from replay.dynamic import Dynamic
 from replay.errors import ReplayError
 from replay.lifecycle import REPLAYING
@@ -420,7 +420,7 @@ def _leaves(memo: Memo, plain: list) -> list | None:
     leaves, key, paths = list(memo.template), memo.key, memo.paths
     for j, i in zip(memo.object_at, memo.object_full):
         leaves[i] = plain[j]
-    leaf_key = region_keys.leaf_key
+    leaf_key = value_keys.leaf_key
     for j, i, cls, value in zip(memo.plain_at, memo.full_at, memo.classes, memo.values):
         leaf = plain[j]
         if leaf.__class__ is not cls or (value is not None and leaf is not value):

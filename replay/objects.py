@@ -53,7 +53,7 @@ from collections.abc import Sequence
 import attrs
 import torch
 
-from replay import region_keys
+from replay import value_keys
 from replay.dynamic import Dynamic
 from replay.errors import RefusedKey
 from replay.padding import Padded
@@ -105,7 +105,7 @@ def _constant_class(cls: type) -> bool:
     """Whether values of ``cls`` are constants of a key or containers flatten walks (a frozen
     dataclass is rebuilt), or markers (a padded tensor: an argument of its own), not objects to
     walk."""
-    if cls in region_keys.BY_VALUE or issubclass(cls, (*region_keys.NOT_OBJECTS, *_MARKERS)):
+    if cls in value_keys.BY_VALUE or issubclass(cls, (*value_keys.NOT_OBJECTS, *_MARKERS)):
         return True
     return hasattr(cls, "__dataclass_fields__") and cls.__dataclass_params__.frozen
 
@@ -301,7 +301,7 @@ class ObjectWalk:
         return ("seq", cls, children, self._own_attributes(value, cls, path, depth))
 
     def _mapping(self, value: dict, cls: type, path: str, depth: int) -> tuple:
-        constant_key = region_keys.constant_key
+        constant_key = value_keys.constant_key
         reference = self._first_meeting(value)
         if reference is not None:
             return reference
@@ -313,7 +313,7 @@ class ObjectWalk:
         return ("map", cls, exact, children, factory_key, self._own_attributes(value, cls, path, depth))
 
     def _set(self, value: set | frozenset, cls: type, path: str) -> tuple:
-        constant_key = region_keys.constant_key
+        constant_key = value_keys.constant_key
         if not isinstance(value, frozenset):
             reference = self._first_meeting(value)
             if reference is not None:
@@ -393,7 +393,7 @@ def _token(leaf: object, path: str) -> object:
     if isinstance(leaf, torch.Tensor):
         return ("tensor", id(leaf), leaf.data_ptr(), leaf.dtype, tuple(leaf.shape), leaf.stride())
     try:
-        return region_keys.constant_key(leaf, path)
+        return value_keys.constant_key(leaf, path)
     except (RefusedKey, TypeError):
         return ("identity", id(leaf))
 

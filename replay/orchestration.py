@@ -19,6 +19,7 @@ import jitcore
 from jitcore.for_replay import CaptureBusy, get_backend
 from replay import effects, instrumentation, objects, recording, region_keys
 from replay.dispatch import MISS, SHARED_CAPTURE_EXCLUSION, flat_guard
+from replay.errors import RefusedKey
 from replay.graph import RecordedGraph, guard_outputs
 from replay.keying import KeyText, describe_key
 from replay.lifecycle import ANALYSING, WARMING, Entry
@@ -90,7 +91,7 @@ class KeyRecorder:
         if observed.effect is not None:
             try:
                 key = region.keying.key_of(call, device)
-            except region_keys.RefusedKey:
+            except RefusedKey:
                 pass  # (the run changed a setting the key holds: its calls are keyed anew)
             self.refuse_replays(key, observed.effect)
         return result

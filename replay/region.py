@@ -42,6 +42,7 @@ from replay.dispatch import (
     native_enabled,
     plain_when_unpadded,
 )
+from replay.errors import RefusedKey
 from replay.graph import MISMATCH, RecordedGraph
 from replay.keying import CallKeys
 from replay.lifecycle import (
@@ -169,7 +170,7 @@ class Region:
             return self.router.call_padded(args, kwargs)
         try:
             call = region_keys.flat_call(args, kwargs, walk_objects=True)
-        except region_keys.RefusedKey as refused:  # a dict key no graph may bake, an object no walk can read
+        except RefusedKey as refused:  # a dict key no graph may bake, an object no walk can read
             return self.refused_arguments(refused, args, kwargs)
         return self.call_flat(call)
 
@@ -182,7 +183,7 @@ class Region:
             return self.run_eagerly(call)
         try:
             counted = self.keying.counted(call)
-        except region_keys.RefusedKey as refused:
+        except RefusedKey as refused:
             return self.refused(refused, call)
         decision = None
         if counted[1] not in self.entry_shapes:
@@ -208,7 +209,7 @@ class Region:
         device = session.current_device()
         try:
             key = self.keying.key_of(call, device)
-        except region_keys.RefusedKey as refused:
+        except RefusedKey as refused:
             return self.refused(refused, call)
         entry = session.keys.lookup(self, key)
         if entry is not None:
@@ -323,15 +324,15 @@ class Region:
         else:
             self.forgotten.eager_runs += 1
 
-    def refused(self, refused: region_keys.RefusedKey, call: FlatCall):
-        """A call whose key cannot be made exactly (region_keys.RefusedKey: an argument a graph
+    def refused(self, refused: RefusedKey, call: FlatCall):
+        """A call whose key cannot be made exactly (RefusedKey: an argument a graph
         would bake without seeing it change, a constant whose equality is not exact, a torch
         setting that cannot be read) runs eagerly, with one ReplayWarning per reason (naming
         the argument)."""
         self.warn_once(refused.reason)
         return self.run_eagerly(call)
 
-    def refused_arguments(self, refused: region_keys.RefusedKey, args: tuple, kwargs: dict):
+    def refused_arguments(self, refused: RefusedKey, args: tuple, kwargs: dict):
         """:meth:`refused`, for a call flatten itself refused: it runs on its arguments."""
         self.warn_once(refused.reason)
         self.count_eager(None)

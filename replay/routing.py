@@ -20,7 +20,7 @@ from jitcore.for_replay import current_stream_reader
 from replay import buckets, padding, polymorphic, recording, region_keys
 from replay.dispatch import MISS, SHARED_CAPTURE_EXCLUSION
 from replay.dynamic import Dynamic
-from replay.errors import DynamicScalarError, ReplayError
+from replay.errors import DynamicScalarError, RefusedKey, ReplayError
 from replay.graph import MISMATCH, RecordedGraph
 from replay.keying import DYNAMIC_MARK, KeyText, counted_shapes
 from replay.lifecycle import REPLAYING, Entry
@@ -254,7 +254,7 @@ class Router:
                 return region.rekey(marked.args, marked.kwargs), None
         try:
             key = region_keys.region_key(session.current_device(), call.spec, call.leaves, call.paths)
-        except region_keys.RefusedKey as refused:
+        except RefusedKey as refused:
             return region.refused(refused, call), None
         if grad_leaves(key) and torch.is_grad_enabled():
             return MISS, None  # padded: its key runs eagerly (replay.keying.CallKeys.needs_autograd)
@@ -294,7 +294,7 @@ class Router:
             entry = region.entries.get(
                 region_keys.region_key(region.session.current_device(), padded.spec, padded.leaves, padded.paths)
             )
-        except region_keys.RefusedKey:
+        except RefusedKey:
             return  # its calls run eagerly
         if entry is not None and entry.state is REPLAYING and entry.graph is not None:
             region.session.keys.learn_base(region, bucket, entry)

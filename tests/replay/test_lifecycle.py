@@ -19,7 +19,7 @@ import torch
 
 from jitcore.backends import use_backend
 from jitcore.backends.null import NullBackend
-from replay import lifecycle, recording, region_keys
+from replay import lifecycle, recording, region_keys, value_keys
 from replay import region as region_module
 from replay import stats as stats_module
 from replay.lifecycle import (
@@ -512,7 +512,7 @@ def test_a_loop_of_few_structures_counts_and_decides_as_it_did_without_bounds(mo
         for module, name in ((region_module, "MAX_HINTS"), (lifecycle, "MAX_IDLE_ENTRIES")):
             monkeypatch.setattr(module, name, 10**9)
         monkeypatch.setattr(stats_module, "MAX_INPUT_CHOICES", None)
-        monkeypatch.setattr(region_keys, "_SIGNATURES_KEPT", 0)  # (no signature shared)
+        monkeypatch.setattr(value_keys, "_SIGNATURES_KEPT", 0)  # (no signature shared)
         DoubleSession.current = session = DoubleSession()
         unbounded = _few_structures(session)
     # each structure: its first call eager (observed, before its key has an entry), its second

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from jitcore.backends import use_backend
 from jitcore.backends.null import NullBackend
 from replay import object_calls, region_keys
+from replay.errors import RefusedKey
 from replay.lifecycle import REPLAYING
 from tests.replay.test_session import DoubleSession
 
@@ -56,7 +57,7 @@ class Oracle:
             try:
                 call = region_keys.flat_call(args, kwargs, walk_objects=True)
                 full = (call, region.keying.counted(call), region.keying.key_of(call, region.session.current_device()))
-            except region_keys.RefusedKey:
+            except RefusedKey:
                 full = None
             self.pending = [full]
             return real_serve(region, args, kwargs, miss)

@@ -13,8 +13,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from replay import dynamic, objects, region_keys
-from replay.region_keys import CARRIER, FLAT, RefusedKey, flatten, region_key, unflatten
+from replay import dynamic, objects, region_keys, value_keys
+from replay.errors import RefusedKey
+from replay.region_keys import CARRIER, FLAT, flatten, region_key, unflatten
 from tests.replay.cache_standin import CountingCache, GrowingLayer, StandInCache, attention_step, attention_weights
 
 
@@ -76,7 +77,7 @@ def test_an_object_is_a_carrier_leaf_returned_as_it_is_with_its_contents_as_shad
 
 
 def jitcore_signature(t):
-    return region_keys.leaf_key(t, "t")
+    return value_keys.leaf_key(t, "t")
 
 
 def test_objects_anywhere_in_the_arguments_and_keywords():

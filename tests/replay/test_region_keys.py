@@ -25,7 +25,8 @@ from hypothesis import strategies as st
 
 import jitcore
 import replay
-from replay import dynamic, objects, region_keys
+from replay import dynamic, objects, region_keys, value_keys
+from replay.errors import RefusedKey
 from replay.keying import describe_key
 from replay.region_keys import FLAT, extent_bytes, flatten, leaf_key, plain_leaves, region_key, unflatten
 
@@ -58,7 +59,7 @@ def test_keys_hold_one_signature_object_for_equal_tensor_layouts():
     key = key_of([x, x.clone(), x.t()])
     first, second, transposed = key[region_keys.LEAVES_START :]
     assert first is second and first == leaf_key(x.clone(), "x") and transposed != first
-    assert region_keys.tensor_signature(x) == jitcore.lean_static_signature(x)
+    assert value_keys.tensor_signature(x) == jitcore.lean_static_signature(x)
 
 
 def test_nested_round_trip():
@@ -414,7 +415,7 @@ REFUSED_ARGUMENTS = {
 @pytest.mark.parametrize("name", REFUSED_ARGUMENTS)
 def test_arguments_a_graph_would_bake_without_seeing_them_change_are_refused_naming_the_path(name):
     args, message = REFUSED_ARGUMENTS[name]
-    with pytest.raises(region_keys.RefusedKey, match=message) as refused:
+    with pytest.raises(RefusedKey, match=message) as refused:
         key_of(_X, *args)
     assert refused.value.path is not None and refused.value.path.startswith("args[")
 
@@ -422,7 +423,7 @@ def test_arguments_a_graph_would_bake_without_seeing_them_change_are_refused_nam
 def test_a_mutated_object_argument_never_keeps_its_key():
     """The finding's loop: params.temperature changed between calls. Refused, never the same key."""
     params = Sampling(1.0)
-    with pytest.raises(region_keys.RefusedKey, match="pass the values themselves|Pass the values themselves"):
+    with pytest.raises(RefusedKey, match="pass the values themselves|Pass the values themselves"):
         key_of(_X, params)
     assert key_of(_X, params.temperature) != key_of(_X, 0.5)  # what the message advises: keyed by value
 
@@ -556,7 +557,7 @@ def test_a_dataclass_that_is_not_frozen_is_not_walked():
     class State:  # hashable by identity: the region may write it, a rebuilt copy would take the writes
         t: torch.Tensor
 
-    with pytest.raises(region_keys.RefusedKey, match=r"args\[1\] is a .*State, an object compared by identity"):
+    with pytest.raises(RefusedKey, match=r"args\[1\] is a .*State, an object compared by identity"):
         key_of(_X, State(torch.ones(2)))
 
 

@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 
 import replay
 from jitcore import torch_native
-from replay import region_keys, torch_state
+from replay import torch_state
+from replay.errors import RefusedKey
 
 
 # --- torch modes: every setting read by the key is seen by replay's per-call check -------------
@@ -320,7 +321,7 @@ def test_every_mode_the_key_holds_is_seen_by_the_replay_check(name, checks_kind)
             warnings.simplefilter("ignore")  # deprecations (MAGMA), CPU autocast dtypes
             with MODE_CHANGES[name]():
                 if name in REFUSING:
-                    with pytest.raises(region_keys.RefusedKey, match=f"\\({name}: "):
+                    with pytest.raises(RefusedKey, match=f"\\({name}: "):
                         torch_state.torch_modes()
                     assert changed() is True
                     return
@@ -757,7 +758,7 @@ def test_a_setting_that_cannot_be_read_refuses_the_key_and_the_replay(monkeypatc
     check = torch_state.modes_changed(recorded)
     assert check() is False
     state["broken"] = True
-    with pytest.raises(region_keys.RefusedKey, match="the torch setting a flaky setting cannot be read"):
+    with pytest.raises(RefusedKey, match="the torch setting a flaky setting cannot be read"):
         modes()
     with pytest.warns(replay.ReplayWarning, match="a flaky setting cannot be read"):
         assert check() is True
@@ -856,7 +857,7 @@ def test_a_torch_function_mode_other_than_a_device_refuses_and_a_device_is_keyed
         assert meta[number] == (torch.device("meta"),) and check() is True
         assert torch_state.modes_changed(meta)() is False
         with _Logging():
-            with pytest.raises(region_keys.RefusedKey, match=r"TorchFunctionMode .*_Logging\) is active"):
+            with pytest.raises(RefusedKey, match=r"TorchFunctionMode .*_Logging\) is active"):
                 torch_state.torch_modes()
             assert torch_state.modes_changed(meta)() is True
     torch.set_default_device("meta")
