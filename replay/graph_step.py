@@ -21,12 +21,11 @@ from replay.graph_outputs import ConstantOutput, HeldOutput, InputView, OwnedOut
 from replay.graph_source import (
     DYNAMIC_NAME,
     GeneratedReplay,
-    Source,
-    compile_function,
     notes_stream,
     readers_holder,
     staged_copies,
 )
+from replay.source_text import Source, compile_function
 from replay.step_program import (
     Alignment,
     MemoryRange,
