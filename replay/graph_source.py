@@ -59,7 +59,7 @@ UNKNOWN = _Unknown()
 DYNAMIC_NAME = re.compile(r"\b_d(\d+)\b")
 
 
-@attrs.frozen
+@attrs.define
 class PatchSlot:
     """One value a replay may write into a kernel node; ``_last[index]`` in the generated
     code is what the node holds now."""
@@ -241,7 +241,7 @@ class ReplaySource:
             patches.add(binding.node, value, writes, held=recorded_pointer[binding.input] + binding.delta)
         for (input_index, node), bound in sorted(static.items()):
             buffer = code.bind(graph.updaters[node].params.buffer, "_buf")
-            step_writes = tuple(PointerWrite(int(b.offset), int(b.delta)) for b in bound)
+            step_writes = tuple([PointerWrite(int(b.offset), int(b.delta)) for b in bound])
             writes = [f"_pack_Q({buffer}, {w.offset}, _p{input_index} + {w.delta})" for w in step_writes]
             patches.add(
                 node,

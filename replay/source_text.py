@@ -45,7 +45,11 @@ class Source:
         self._bound: dict[int, str] = {}
 
     def line(self, text: str, depth: int = 1) -> None:
-        self.lines.append((_INDENTS[depth] if depth < len(_INDENTS) else "    " * depth) + text)
+        try:
+            indent = _INDENTS[depth]
+        except IndexError:
+            indent = "    " * depth
+        self.lines.append(indent + text)
 
     def bind(self, value: object, prefix: str = "_v") -> str:
         """A name for ``value`` in the generated function's namespace (one per object)."""
