@@ -48,9 +48,10 @@ from replay.graph_outputs import (  # noqa: F401 (the output kinds, where caller
     StaleGuardTensor,
     guard_outputs,
 )
-from replay.graph_source import MISMATCH, UNKNOWN, ReplaySource, compile_function
+from replay.graph_source import MISMATCH, UNKNOWN, ReplaySource
 from replay.graph_step import ReplayStep, make_step  # noqa: F401 (where tests read the C step type)
 from replay.recording import Capture
+from replay.source_text import compile_function
 
 
 def bitwise_equal(a: object, b: object) -> bool:

@@ -20,7 +20,7 @@ from jitcore.for_replay import compiled_helpers_enabled
 from replay import recording, region_keys
 
 if TYPE_CHECKING:
-    from replay.graph_source import Source
+    from replay.source_text import Source
 
 try:  # the aliasing check in C (csrc/replay_checks.c; optional, built by setup.py)
     from replay._checks import disjoint as _disjoint

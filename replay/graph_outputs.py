@@ -29,7 +29,7 @@ from replay.errors import StaleOutputError
 from replay.recording import Capture, CaptureFailed, RecordLater, owned_output_memory
 
 if TYPE_CHECKING:
-    from replay.graph_source import Source
+    from replay.source_text import Source
 
 # What each output leaf of a graph is; compared by identity (``eq=False``) where they hold
 # tensors or arbitrary values.

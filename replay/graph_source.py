@@ -10,17 +10,16 @@ that namespace, so the two run one program.
 
 from __future__ import annotations
 
-import itertools
 import re
 import struct
-import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 
-from jitcore.for_replay import current_stream_reader, generated
+from jitcore.for_replay import current_stream_reader
 from replay import graph_checks, graph_outputs
 from replay import host as host_inputs
+from replay.source_text import Source
 from replay.step_program import NodeValue, PointerWrite, ScalarWrite
 
 
@@ -56,64 +55,11 @@ class _Unknown:
 
 UNKNOWN = _Unknown()
 
-_sources = itertools.count()
-
-#: A named constant in a dynamic scalar's source (replay.dynamic ``_k``, replay.recording ``_lit``).
-_CONSTANT_NAME = re.compile(r"\b(?:_k|_lit)\d+\b")
 #: A dynamic leaf's value in a generated expression.
 DYNAMIC_NAME = re.compile(r"\b_d(\d+)\b")
 
 
-def compile_function(source: str, name: str, description: str, namespace: dict) -> Callable:
-    """Compile generated source with ``namespace`` as its globals, through jitcore's one
-    generated-source helper (registered with ``linecache``, so tracebacks and pdb show its lines)."""
-    filename = f"<{generated.comment(description)} #{next(_sources)}>"
-    function = generated.define(source, filename, namespace)[name]
-    function.source = source
-    weakref.finalize(function, generated.forget_source, filename)  # rebuilt often: linecache stays bounded
-    return function
-
-
-#: The indentation of a generated line at each depth.
-_INDENTS = tuple("    " * depth for depth in range(8))
-
-
-class Source:
-    """Lines of generated Python with their indentation, and values bound by name."""
-
-    def __init__(self, namespace: dict) -> None:
-        self.lines: list[str] = []
-        self.namespace = namespace
-        self._names = itertools.count()
-        self._bound: dict[int, str] = {}
-
-    def line(self, text: str, depth: int = 1) -> None:
-        self.lines.append((_INDENTS[depth] if depth < len(_INDENTS) else "    " * depth) + text)
-
-    def bind(self, value: object, prefix: str = "_v") -> str:
-        """A name for ``value`` in the generated function's namespace (one per object)."""
-        name = self._bound.get(id(value))
-        if name is None or self.namespace.get(name) is not value:
-            name = self._bound[id(value)] = f"{prefix}{next(self._names)}"
-            self.namespace[name] = value
-        return name
-
-    def text(self) -> str:
-        return "\n".join(self.lines) + "\n"
-
-    def with_constants(self, source: str, constants: Mapping[str, object]) -> str:
-        """``source`` (an expression over dynamic leaves and named constants, see
-        replay.dynamic) with each constant renamed to this function's own name for its value.
-        The names a recording gives constants (``_k7``, ``_lit3``) come from process-wide
-        counters, so every recording of a region would generate a text of its own; renamed,
-        the same region recorded at another shape generates the same text, and its compiled
-        code is reused (jitcore.generated.compile_source)."""
-        return _CONSTANT_NAME.sub(
-            lambda found: self.bind(constants[found[0]], "_k") if found[0] in constants else found[0], source
-        )
-
-
-@attrs.frozen
+@attrs.define
 class PatchSlot:
     """One value a replay may write into a kernel node; ``_last[index]`` in the generated
     code is what the node holds now."""
@@ -295,7 +241,7 @@ class ReplaySource:
             patches.add(binding.node, value, writes, held=recorded_pointer[binding.input] + binding.delta)
         for (input_index, node), bound in sorted(static.items()):
             buffer = code.bind(graph.updaters[node].params.buffer, "_buf")
-            step_writes = tuple(PointerWrite(int(b.offset), int(b.delta)) for b in bound)
+            step_writes = tuple([PointerWrite(int(b.offset), int(b.delta)) for b in bound])
             writes = [f"_pack_Q({buffer}, {w.offset}, _p{input_index} + {w.delta})" for w in step_writes]
             patches.add(
                 node,

@@ -21,12 +21,11 @@ from replay.graph_outputs import ConstantOutput, HeldOutput, InputView, OwnedOut
 from replay.graph_source import (
     DYNAMIC_NAME,
     GeneratedReplay,
-    Source,
-    compile_function,
     notes_stream,
     readers_holder,
     staged_copies,
 )
+from replay.source_text import Source, compile_function
 from replay.step_program import (
     Alignment,
     MemoryRange,
@@ -209,11 +208,12 @@ def _scalars(graph, launches: list[int]) -> tuple[ScalarComputation, ...]:
 def _nodes(graph, generated: GeneratedReplay) -> tuple[NodePatch, ...]:
     """Each patched node with the values the generator planned for it, as the C step writes them."""
     nodes = []
+    updaters = graph.updaters
     for node, slots in generated.patches.slots.items():
-        if any(slot.step is None for slot in slots):
+        values = tuple([slot.step for slot in slots])
+        if any(value is None for value in values):
             raise Refused("a node value csrc/replay_step.c does not write")
-        updater = graph.updaters[node]
-        values = tuple(slot.step for slot in slots)
+        updater = updaters[node]
         nodes.append(NodePatch(node, updater.params.buffer, updater.set_call, updater.set_args, values))
     return tuple(nodes)
 

@@ -56,7 +56,9 @@ class ScalarComputation:
     packer: Callable  # struct.Struct(fmt).pack: a value that does not fit raises, and the call declines
 
 
-@attrs.frozen
+# The node values and their writes are made per patched slot at every graph build: plain
+# attrs classes, an init of a frozen one costing over twice as much. Nothing changes them.
+@attrs.define
 class PointerWrite:
     """Where a rebound pointer goes in its node's parameter buffer."""
 
@@ -64,7 +66,7 @@ class PointerWrite:
     delta: int  # the recorded view's bytes from its input's pointer
 
 
-@attrs.frozen
+@attrs.define
 class ScalarWrite:
     """Where a scalar's packed bytes go in its node's parameter buffer."""
 
@@ -72,7 +74,7 @@ class ScalarWrite:
     size: int  # the packed value's bytes: another size is refused, never written
 
 
-@attrs.frozen
+@attrs.define
 class NodeValue:
     """One value a node may be given: the pointer of a tensor argument (plus each write's
     delta) or a computed scalar; written only where it differs from what the node holds."""
@@ -83,7 +85,7 @@ class NodeValue:
     writes: tuple[PointerWrite, ...] | tuple[ScalarWrite, ...]
 
 
-@attrs.frozen(eq=False)
+@attrs.define(eq=False)
 class NodePatch:
     """A kernel node whose parameters a replay may change, and the driver call pushing them."""
 

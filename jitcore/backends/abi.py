@@ -465,13 +465,15 @@ class PackedParams:
 
     def __init__(self, layout: ParamLayout, initial: bytes | None = None):
         self.layout = layout
-        self.buffer = (ctypes.c_char * max(layout.size, 8))()
+        size = max(layout.size, 8)
+        if initial is None:
+            self.buffer = (ctypes.c_char * size)()
+        else:  # the first ``layout.size`` bytes of ``initial``, zeros after (one copy, no memmove call)
+            self.buffer = (ctypes.c_char * size).from_buffer_copy(bytes(initial[: layout.size]).ljust(size, b"\0"))
         self.buffer_address = ctypes.addressof(self.buffer)
         count = max(len(layout.offsets), 1)
         self.pointers = (ctypes.c_void_p * count)(*[self.buffer_address + offset for offset in layout.offsets])
         self.address = ctypes.addressof(self.pointers)
-        if initial is not None:
-            ctypes.memmove(self.buffer, initial, min(len(initial), layout.size))
 
     def bytes(self) -> bytes:
         return bytes(self.buffer[: self.layout.size])

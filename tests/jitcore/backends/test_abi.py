@@ -324,3 +324,22 @@ def test_canonical_type_resolves_spellings_and_leaves_unknown_types_alone():
     for unknown in ("scalar_t", "short long", "signed unsigned", "long long long", "std::scalar_t", "MyStruct"):
         assert abi.canonical_type(unknown) == unknown
         assert abi.parse_param(f"{unknown}* p").accepts_dtype("float32")  # opaque: any dtype
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(st.sampled_from(["char", "short", "int", "long long", "double", "float*"]), min_size=0, max_size=6),
+    st.binary(max_size=80),
+)
+def test_packed_params_start_from_the_layouts_bytes_of_initial(spellings, initial):
+    """The buffer holds the first ``layout.size`` bytes of ``initial`` and zeros after them, whatever
+    its length (the recorded bytes of a node may be longer or shorter than the layout); the pointer
+    array points at each parameter's offset in it."""
+    layout = abi.ParamLayout.of([abi.parse_param(s) for s in spellings])
+    packed = abi.PackedParams(layout, initial)
+    size = max(layout.size, 8)
+    expected = initial[: layout.size] + bytes(size - len(initial[: layout.size]))
+    assert bytes(packed.buffer) == expected
+    assert [packed.pointers[i] or 0 for i in range(len(layout.offsets))] == [
+        packed.buffer_address + offset for offset in layout.offsets
+    ]
