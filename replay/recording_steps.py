@@ -58,12 +58,13 @@ class RecordingSteps:
         records, extents = self.kept
         return recording.launch_views(records, self.handles, {}, extents)
 
-    def plan(self) -> object:
+    def plan(self, nodes: list | None = None) -> object:
+        """The plan over ``nodes`` (by default a kernel node per launch), every input rebound."""
         none: set[int] = set()
         return rebinding.build_plan(
             self.inputs,
             self.launch_views,
-            self.nodes,
+            self.nodes if nodes is None else nodes,
             staged=none,
             copied_back=none,
             torch_read=none,

@@ -126,17 +126,7 @@ def _graph_node(view: NodeView) -> GraphNode:
 
 def plan(sample: SampleCapture) -> recording.rebinding.Plan:
     """The rebinding planner's plan of the sample (every argument rebound)."""
-    steps = sample.steps
-    nothing: set[int] = set()
-    return recording.rebinding.build_plan(
-        steps.inputs,
-        steps.launch_views,
-        sample.node_views,
-        staged=nothing,
-        copied_back=nothing,
-        torch_read=nothing,
-        torch_written=nothing,
-    )
+    return sample.steps.plan(sample.node_views)
 
 
 def capture_for_graph(sample: SampleCapture, graph: object, made: recording.rebinding.Plan) -> recording.Capture:
