@@ -111,7 +111,7 @@ class HolderWalk(objects.ObjectWalk):
         if token == objects.TENSOR:
             self._tensor(value, path)
         elif isinstance(value, (int, float, complex, str, bytes)) and not isinstance(value, enum.Enum):
-            if value.__class__ not in objects._PLAIN and objects._state_of(value) is not None:
+            if value.__class__ not in objects.PLAIN and objects.state_of(value) is not None:
                 self.unwatchable = f"{path} is a {type(value).__name__} with attributes"
         return super()._leaf(value, path, token)
 
@@ -158,7 +158,7 @@ class HolderWalk(objects.ObjectWalk):
         if id(value) not in self.seen:
             self._dict(value, path, watch.ITEMS)
             if isinstance(value, collections.defaultdict):
-                factory = watch._slot_value(value, "default_factory")
+                factory = watch.slot_value(value, "default_factory")
                 self._add(other_holders=Identical(value, "default_factory", factory, f"{path}.default_factory"))
         return super()._mapping(value, cls, path, depth)
 
@@ -169,21 +169,21 @@ class HolderWalk(objects.ObjectWalk):
 
     def _own_attributes(self, value: object, cls: type, path: str, depth: int) -> tuple | None:
         if cls not in _PLAIN_CONTAINERS:  # its class (assignable) and its own attributes
-            self._holder_object(value, cls, objects._state_of(value), path)
+            self._holder_object(value, cls, objects.state_of(value), path)
         return super()._own_attributes(value, cls, path, depth)
 
     def _object(self, value: object, cls: type, path: str, depth: int) -> tuple:
         if id(value) not in self.seen or value is self.top:
             walk = objects.class_walk(cls)
-            state = objects._state_of(value)
+            state = objects.state_of(value)
             self._holder_object(value, cls, state, path)
             if walk.slots and value is self.top:
                 self.unwatchable = f"{path} has slots (an argument object is held weakly)"
             for name in walk.slots:
-                recorded = watch._slot_value(value, name)
-                self._add(other_holders=Identical(value, name, recorded, objects._member_path(path, name)))
+                recorded = watch.slot_value(value, name)
+                self._add(other_holders=Identical(value, name, recorded, objects.member_path(path, name)))
             if walk.module and type(state) is dict:
-                for registry, _ in objects._MODULE_SECTIONS:
+                for registry, _ in objects.MODULE_SECTIONS:
                     members = state.get(registry)
                     if type(members) is dict:
                         self._dict(members, path, watch.REGISTRY)
@@ -368,7 +368,7 @@ def serve(region, args: tuple, kwargs: dict, miss: object) -> object:
 
 def _same_objects(memo: Memo, plain: list) -> bool:
     """Whether the call passes the memo's objects, each with its class and __dict__."""
-    state_of = objects._state_of
+    state_of = objects.state_of
     for j, ref, (cls, state) in zip(memo.object_at, memo.objects, memo.object_state):
         value = plain[j]
         if value is not ref() or value.__class__ is not cls or state_of(value) is not state:

@@ -122,7 +122,7 @@ _MODULE_SKIPPED = frozenset(
         "_non_persistent_buffers_set",
     }
 )
-_MODULE_SECTIONS = (("_parameters", "p"), ("_buffers", "b"), ("_modules", "m"))
+MODULE_SECTIONS = (("_parameters", "p"), ("_buffers", "b"), ("_modules", "m"))
 #: Classes defined in C whose instances keep no state, or all of it in their __dict__.
 _STATELESS_C_CLASSES = frozenset(
     {
@@ -205,16 +205,16 @@ def _item_path(path: str, key: object) -> str:
     return f"{path}[{key!r}]"
 
 
-def _member_path(path: str, name: str) -> str:
+def member_path(path: str, name: str) -> str:
     return f"{path}.{name}" if name.isidentifier() else f"{path}[{int(name) if name.isdigit() else repr(name)}]"
 
 
 # --- the walk ----------------------------------------------------------------------------------
 #: Classes of plain values taken as shadow leaves without a look inside (keyed by the key's leaf keys).
-_PLAIN = frozenset({int, float, bool, type(None), str, bytes, complex, torch.dtype, torch.device})
+PLAIN = frozenset({int, float, bool, type(None), str, bytes, complex, torch.dtype, torch.device})
 
 
-def _state_of(value: object) -> dict | None:
+def state_of(value: object) -> dict | None:
     """The instance's ``__dict__`` as stored (no ``__getattribute__`` of the class runs), or None."""
     try:
         return object.__getattribute__(value, "__dict__")
@@ -273,7 +273,7 @@ class ObjectWalk:
         cls = value.__class__
         if cls is torch.Tensor or isinstance(value, torch.Tensor):
             return self._leaf(value, path, TENSOR)
-        if cls in _PLAIN:
+        if cls in PLAIN:
             return self._leaf(value, path, VALUE)
         if depth > MAX_DEPTH:
             raise refused(
@@ -324,7 +324,7 @@ class ObjectWalk:
         """A container subclass's own attributes (a plain container has none): walked too."""
         if cls in (tuple, list, dict, collections.OrderedDict, collections.defaultdict):
             return None
-        state = _state_of(value)
+        state = state_of(value)
         return self._members(state, path, depth) if state else None
 
     def _members(self, state: dict, path: str, depth: int) -> tuple:
@@ -333,7 +333,7 @@ class ObjectWalk:
             if not isinstance(name, str):
                 raise refused(f"holds an attribute named by a {type(name).__name__}, not a string", path)
             names.append(name)
-            children.append(self.value(item, _member_path(path, name), depth + 1))
+            children.append(self.value(item, member_path(path, name), depth + 1))
         return (tuple(names), tuple(children))
 
     def _object(self, value: object, cls: type, path: str, depth: int) -> tuple:
@@ -343,7 +343,7 @@ class ObjectWalk:
         walk = class_walk(cls)
         if walk.refusal:
             raise refused(walk.refusal, path)
-        state = _state_of(value)
+        state = state_of(value)
         if walk.module and state is not None:
             return ("module", cls, self._module_members(state, path, depth))
         names, children = self._members(state, path, depth) if state else ((), ())
@@ -354,7 +354,7 @@ class ObjectWalk:
             except AttributeError:
                 slots.append(_UNSET)
             else:
-                slots.append(self.value(item, _member_path(path, name), depth + 1))
+                slots.append(self.value(item, member_path(path, name), depth + 1))
         if not names and not any(slot is not _UNSET for slot in slots) and walk.computed:
             raise refused(
                 f"is a {_name(cls)} that holds no state of its own (its class computes what it shows, through "
@@ -366,13 +366,13 @@ class ObjectWalk:
     def _module_members(self, state: dict, path: str, depth: int) -> tuple:
         """An nn.Module's parameters, buffers and submodules by name, then its other attributes."""
         sections = []
-        for attribute, section in _MODULE_SECTIONS:
+        for attribute, section in MODULE_SECTIONS:
             members = state.get(attribute)
             if isinstance(members, dict):
                 names = tuple(members)
-                children = tuple(self.value(members[n], _member_path(path, n), depth + 1) for n in names)
+                children = tuple(self.value(members[n], member_path(path, n), depth + 1) for n in names)
                 sections.append((section, names, children))
-        skipped = _MODULE_SKIPPED.union(attribute for attribute, _ in _MODULE_SECTIONS)
+        skipped = _MODULE_SKIPPED.union(attribute for attribute, _ in MODULE_SECTIONS)
         rest = {name: item for name, item in state.items() if name not in skipped}
         return (tuple(sections), self._members(rest, path, depth))
 
@@ -474,11 +474,11 @@ def _members_difference(a: tuple | None, b: tuple | None, path: str) -> str | No
     (names, children), (other_names, other_children) = a, b
     for position, name in enumerate(names):
         if position >= len(other_names) or other_names[position] != name:
-            return _member_path(path, name)
-        found = _difference(children[position], other_children[position], _member_path(path, name))
+            return member_path(path, name)
+        found = _difference(children[position], other_children[position], member_path(path, name))
         if found:
             return found
-    return _member_path(path, other_names[len(names)]) if len(other_names) > len(names) else None
+    return member_path(path, other_names[len(names)]) if len(other_names) > len(names) else None
 
 
 def structure_changed(before: Snapshot, after: Snapshot) -> int | None:

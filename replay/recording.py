@@ -83,7 +83,7 @@ class CaptureRetry(Exception):
 CAPTURES = for_replay.CAPTURES
 
 
-class _Recorder:
+class Recorder:
     """The jitcore recorder: keeps every launch (and the graph node it became, where the
     backend can say), refuses every miss. Packed launches append their records and nodes
     themselves (``launch_sink``), as :meth:`launch` does, without a Python call per launch."""
@@ -753,7 +753,7 @@ def region_arguments(
     return unflatten(spec, capture_leaves)
 
 
-def _copy_staged_in(prepared: _CaptureInputs, recorder: _Recorder, staging_launches: dict[int, int]) -> None:
+def _copy_staged_in(prepared: _CaptureInputs, recorder: Recorder, staging_launches: dict[int, int]) -> None:
     """Captured first: copy each staged input into its buffer (remembering which launch
     records are these copies, for the plan)."""
     for i, buffer in prepared.staged.items():
@@ -845,7 +845,7 @@ def _refuse_host_misuse(prepared: _CaptureInputs, observation: object, region_re
 
 def _copy_staged_back(
     prepared: _CaptureInputs,
-    recorder: _Recorder,
+    recorder: Recorder,
     written: set[int],
     copy_back: set[int],
     staging_launches: dict[int, int],
@@ -865,7 +865,7 @@ def _run_under_capture(
     args: tuple,
     kwargs: dict,
     prepared: _CaptureInputs,
-    recorder: _Recorder,
+    recorder: Recorder,
     observer,
     graph: torch.cuda.CUDAGraph,
     *,
@@ -913,7 +913,7 @@ def _begin_capture(graph: torch.cuda.CUDAGraph, device: int, pool: tuple) -> Non
 
 
 def _run_region(
-    fn, args: tuple, kwargs: dict, prepared: _CaptureInputs, recorder: _Recorder, observer, copy_back: set[int]
+    fn, args: tuple, kwargs: dict, prepared: _CaptureInputs, recorder: Recorder, observer, copy_back: set[int]
 ) -> _Recorded:
     """Under capture, with the launch recorders and the torch-op observer on: the staging
     copies in, the region, the refusals of what a graph cannot reproduce, the copies back.
@@ -1099,7 +1099,7 @@ def _make_capture(
     leaves: Sequence,
     prepared: _CaptureInputs,
     recorded: _Recorded,
-    recorder: _Recorder,
+    recorder: Recorder,
     kept: _KeptRecords,
     seconds: float,
     memory: int,
@@ -1168,7 +1168,7 @@ def capture(
     args, kwargs = region_arguments(spec, leaves, paths, prepared.staged, prepared.host_buffers())
     observer = _observer(prepared, observe)
     with CAPTURES.exclusive():  # no other thread's work may break this capture
-        recorder = _Recorder(get_backend())
+        recorder = Recorder(get_backend())
         graph = torch.cuda.CUDAGraph(keep_graph=True)
         pool_before = _pool_bytes_before(device, pool)
         instrumentation.steps.mark("prepare")

@@ -44,7 +44,7 @@ class RecordingSteps:
         self.launch_views = self.views()
 
     def region(self) -> list:
-        recorder = recording._Recorder(self.backend)
+        recorder = recording.Recorder(self.backend)
         with for_replay.recording(recorder):
             self.fn(*self.args)
         return recorder.records

@@ -167,7 +167,7 @@ class Other:
     path: str
 
     def now(self) -> object:
-        return freeze(self.holder) if self.slot is None else _slot_value(self.holder, self.slot)
+        return freeze(self.holder) if self.slot is None else slot_value(self.holder, self.slot)
 
     def same(self) -> bool:
         now = self.now()
@@ -274,7 +274,7 @@ class WatchProgram:
         return path
 
 
-def _slot_value(holder: object, slot: str) -> object:
+def slot_value(holder: object, slot: str) -> object:
     """What a slot holds, as stored (no ``__getattribute__`` of the class runs), or _UNSET."""
     try:
         return object.__getattribute__(holder, slot)
@@ -292,7 +292,7 @@ def _instance_dict(holder: object) -> object:
 def _entry_path(path: str, role: str, key: object) -> str:
     """An entry's path: an attribute (a submodule of a Sequential by its number), or an item."""
     if role != ITEMS and isinstance(key, str):
-        return objects._member_path(path, key)
+        return objects.member_path(path, key)
     return f"{path}[{key!r}]"
 
 
@@ -406,7 +406,7 @@ class _Walk:
             self._dict(state, path, ATTRIBUTES, depth, module=walk.module)
         for name in walk.slots:
             slot_path = _entry_path(path, ATTRIBUTES, name)
-            recorded = _slot_value(value, name)
+            recorded = slot_value(value, name)
             if self._spend(1, slot_path):
                 fields["other_holders"].append(Other(value, name, recorded, slot_path))
                 if recorded is not _UNSET:
