@@ -303,19 +303,19 @@ def _refusal_reason(value: object, cls: type, path: str) -> str:
     name = f"{cls.__module__}.{cls.__qualname__}"
     if isinstance(value, torch.nn.Module):
         return (
-            f"region argument {path} is an nn.Module ({name}), compared by identity: a graph bakes what the "
-            "region reads from it besides its tensors (Python attributes, submodules replaced later), and "
-            "changing those keeps the key, so calls passing it run eagerly. Close over the module instead (a "
-            "global or closure of the region: its parameters are read at their addresses, its attributes are "
-            "baked, see docs/replay.md), or pass the tensors and values the region needs"
+            f"region argument {path} is an nn.Module ({name}) where no walk reads it (a padded call, a "
+            "constant): compared by identity, a graph would bake what the region reads from it besides its "
+            "tensors, and a change to those would keep the key, so calls passing it run eagerly. Pass it as a "
+            "plain argument (walked), close over the module instead (a global or closure of the region: what "
+            "it reads there is watched, see docs/replay.md), or pass the tensors and values the region needs"
         )
     if cls.__hash__ is object.__hash__:
         return (
-            f"region argument {path} is a {name}, an object compared by identity: a graph bakes the attributes "
-            "the region reads from it, and changing one (obj.attr = value) keeps the key, so calls passing it "
-            "run eagerly. Pass the values themselves (replay.dynamic for numbers that change), a frozen "
-            "dataclass or named tuple of them, or close over the object (its attributes are then baked, as "
-            "docs/replay.md says)"
+            f"region argument {path} is a {name}, an object compared by identity where no walk reads it (a "
+            "padded call, a constant): a graph would bake the attributes the region reads from it, and changing "
+            "one (obj.attr = value) would keep the key, so calls passing it run eagerly. Pass the values "
+            "themselves (replay.dynamic for numbers that change), a frozen dataclass or named tuple of them, "
+            "pass the object as a plain argument (walked), or close over it (watched, as docs/replay.md says)"
         )
     return (
         f"region argument {path} is a {name}, a constant whose equality is its own (__eq__ and __hash__), not "

@@ -402,7 +402,7 @@ REFUSED_ARGUMENTS = {
     "an object compared by identity": ((Sampling(1.0),), r"args\[1\] is a .*Sampling, an object compared by identity"),
     "the same, in a frozen dataclass": ((Cfg(Sampling(1.0)),), r"args\[1\]\.n is a .*Sampling"),
     "the same, in a named tuple": ((NT(Sampling(1.0)),), r"args\[1\]\[0\] is a .*Sampling"),
-    "an nn.Module": ((torch.nn.Linear(2, 2),), r"args\[1\] is an nn.Module .*Close over the module"),
+    "an nn.Module": ((torch.nn.Linear(2, 2),), r"args\[1\] is an nn.Module .*close over the module"),
     "a torch.Generator": ((torch.Generator(),), r"args\[1\] is a torch\._C\.Generator"),
     "a functools.partial": ((functools.partial(len),), r"args\[1\] is a functools\.partial"),
     "a bound method of a mutable object": ((Sampling(1.0).__init__,), r"args\[1\]\.__self__ is a .*Sampling"),
