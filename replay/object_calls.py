@@ -74,6 +74,19 @@ class Identical(watch.Other):
         return self.now() is self.recorded
 
 
+@attrs.frozen(eq=False)
+class InOrder(watch.Other):
+    """An ``OrderedDict``'s own order, the very keys in it (``move_to_end`` changes it, not the
+    dict beneath, which the watch of its items compares): the walk keys that order."""
+
+    def now(self) -> tuple:
+        return tuple(collections.OrderedDict.__iter__(self.holder))
+
+    def same(self) -> bool:
+        now = self.now()
+        return len(now) == len(self.recorded) and all(map(operator.is_, now, self.recorded))
+
+
 class HolderWalk(objects.ObjectWalk):
     """The objects' walk (replay.objects.ObjectWalk, unchanged), noting each holder it reads:
     what :class:`Strict` must watch for the walk to find the same again. ``unwatchable`` says
@@ -157,6 +170,9 @@ class HolderWalk(objects.ObjectWalk):
     def _mapping(self, value: dict, cls: type, path: str, depth: int) -> tuple:
         if id(value) not in self.seen:
             self._dict(value, path, watch.ITEMS)
+            if isinstance(value, collections.OrderedDict) and dict.__len__(value) > 1:  # (fewer: no order to change)
+                order = tuple(collections.OrderedDict.__iter__(value))
+                self._add(other_holders=InOrder(value, None, order, f"{path} (its order)"))
             if isinstance(value, collections.defaultdict):
                 factory = watch.slot_value(value, "default_factory")
                 self._add(other_holders=Identical(value, "default_factory", factory, f"{path}.default_factory"))

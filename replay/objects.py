@@ -222,6 +222,15 @@ def state_of(value: object) -> dict | None:
         return None
 
 
+def stored_items(value: dict) -> tuple:
+    """A dict's items as stored (no ``__getitem__`` or ``__iter__`` of a subclass runs), an
+    ``OrderedDict``'s in its own order: ``move_to_end`` reorders it, not the dict beneath, and
+    the region iterates it in its own order (a reordered one is another key)."""
+    if isinstance(value, collections.OrderedDict):
+        return tuple((k, dict.__getitem__(value, k)) for k in collections.OrderedDict.__iter__(value))
+    return tuple(dict.items(value))
+
+
 class ObjectWalk:
     """The walk of one call's objects: appends each object (a carrier) and then what it holds
     (its shadow leaves) to the call's leaves and paths, and returns the layout that the spec
@@ -305,7 +314,7 @@ class ObjectWalk:
         reference = self._first_meeting(value)
         if reference is not None:
             return reference
-        items = tuple(dict.items(value))  # as stored: no __getitem__ of a subclass runs
+        items = stored_items(value)
         exact = tuple(constant_key(k, f"{path} key {k!r}") for k, _ in items)
         children = tuple(self.value(item, f"{path}[{k!r}]", depth + 1) for k, item in items)
         factory = getattr(value, "default_factory", None) if isinstance(value, collections.defaultdict) else None

@@ -5,10 +5,12 @@ every change the key reads sending the call back to the full path."""
 
 from __future__ import annotations
 
+import collections
 import gc
 import math
 import weakref
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -152,6 +154,48 @@ def _requires_grad(cache):
     cache.layers[0].spare.requires_grad_()
 
 
+class OtherLayer(Layer):
+    pass
+
+
+def _nested_class_changed(cache):
+    cache.layers[0].__class__ = OtherLayer
+
+
+def _attribute_moved_last(cache):
+    keys = cache.layers[0].keys
+    del cache.layers[0].keys
+    cache.layers[0].keys = keys  # the same names and values, in another order
+
+
+def _item_shared(cache):
+    cache.layers[1] = cache.layers[0]
+
+
+def _storage_set(cache):
+    cache.layers[0].keys.set_(torch.randn(6).untyped_storage(), 0, (2, 3), (3, 1))
+
+
+def _offset_moved(cache):
+    cache.layers[0].spare.as_strided_((3,), (1,), 1)
+
+
+def _dtype_view(cache):
+    cache.layers[0].spare.data = cache.layers[0].spare.data.view(torch.int32)
+
+
+def _negative_zero(cache):
+    cache.layers[0].scale = -0.0
+
+
+def _numpy_scalar(cache):
+    cache.layers[0].scale = np.float64(2.0)
+
+
+def _int_for_bool(cache):
+    cache.offloading = 0
+
+
 @pytest.mark.parametrize(
     "change",
     [
@@ -165,6 +209,15 @@ def _requires_grad(cache):
         _dict_replaced,
         _class_changed,
         _requires_grad,
+        _nested_class_changed,
+        _attribute_moved_last,
+        _item_shared,
+        _storage_set,
+        _offset_moved,
+        _dtype_view,
+        _negative_zero,
+        _numpy_scalar,
+        _int_for_bool,
     ],
 )
 def test_a_change_of_what_the_key_reads_takes_the_full_path(session, oracle, change):
@@ -212,6 +265,79 @@ def test_other_objects_shapes_and_values_take_the_full_path(session, oracle):
     region(torch.tensor([[3, 4]]), torch.tensor([[1]]), cache)
     region(torch.tensor([[3.0]]), torch.tensor([[1]]), cache)
     assert oracle.served == served
+
+
+class Ordered(Cache):
+    def __init__(self) -> None:
+        super().__init__()
+        self.parts = collections.OrderedDict(a=torch.ones(2), b=torch.zeros(2))
+
+
+def ordered_step(x, cache):
+    return torch.cat([x, *cache.parts.values()])
+
+
+def test_an_ordered_dict_reordered_takes_the_full_path_and_another_key(session, oracle):
+    region = session.region(ordered_step)
+    cache = Ordered()
+    for _ in range(8):
+        region(torch.ones(1), cache)
+    served, replays = oracle.served, session.stats().replays
+    assert served
+    cache.parts.move_to_end("a")  # the dict beneath keeps its order: the walk reads the OrderedDict's
+    assert torch.equal(region(torch.ones(1), cache), torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0]))
+    assert oracle.served == served and session.stats().replays == replays
+
+
+def test_arguments_moved_swapped_or_passed_by_keyword_take_the_full_path(session, oracle):
+    def two(x, a, b):
+        return x + a.layers[0].keys.sum() * 2.0 + b.layers[0].keys.sum()
+
+    region = session.region(two)
+    a, b = Cache(), Cache()
+    for _ in range(6):
+        region(torch.ones(1), a, b)
+    served = oracle.served
+    assert served
+    region(torch.ones(1), b, a)
+    region(torch.ones(1), a, b=b)
+    region(torch.ones(1), a, a)
+    assert oracle.served == served
+    b.layers = a.layers  # shared between the two arguments: another structure
+    for _ in range(6):
+        region(torch.ones(1), a, b)
+
+
+class Stack(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+        self.register_buffer("shift", torch.zeros(3))
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda m: setattr(m, "lin", torch.nn.Linear(3, 3)),
+        lambda m: m.register_forward_hook(lambda *_: None),
+        lambda m: m.lin.register_forward_pre_hook(lambda *_: None),
+        lambda m: m.eval(),
+        lambda m: setattr(m.lin, "weight", torch.nn.Parameter(torch.randn(3, 3))),
+        lambda m: m.lin.weight.requires_grad_(False),
+    ],
+)
+def test_a_changed_module_argument_takes_the_full_path(session, oracle, change):
+    region = session.region(lambda x, m: m.lin(x) + m.shift)
+    module = Stack()
+    with torch.no_grad():
+        for _ in range(8):
+            region(torch.ones(3), module)
+        served = oracle.served
+        change(module)
+        region(torch.ones(3), module)
+        assert oracle.served == served
+        for _ in range(4):
+            region(torch.ones(3), module)
 
 
 def test_nan_plain_arguments_take_the_full_path(session, oracle):

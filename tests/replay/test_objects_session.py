@@ -6,6 +6,7 @@ generator) refusing its key, exactly as eager, with one warning naming what chan
 
 from __future__ import annotations
 
+import collections
 import copy
 import threading
 import time
@@ -165,6 +166,27 @@ def test_a_python_assignment_to_an_object_is_refused_naming_it_and_never_dropped
     ]
     # (from record_after=2 on, no run of such a key is observed or recorded: each call has a key of its own)
     assert replay_warnings(caught) == (said if record_after < 2 else [])
+
+
+def rotating(x, state):
+    out = torch.cat([x, *state.parts.values()])
+    state.parts.move_to_end(next(iter(state.parts)))  # reorders the OrderedDict alone
+    return out
+
+
+def test_a_region_reordering_an_ordered_dict_of_an_object_is_never_replayed(make):
+    session = make(record_after=1)
+    step = session.region(rotating)
+    x = torch.ones(1)
+
+    def made() -> State:
+        return State(parts=collections.OrderedDict(a=torch.zeros(1), b=torch.full((1,), 2.0)))
+
+    state, eager_state = made(), made()
+    for _ in range(8):
+        assert torch.equal(step(x, state), rotating(x, eager_state))
+        assert list(state.parts) == list(eager_state.parts)
+    assert session.stats().replays == 0
 
 
 def test_a_counting_cache_is_refused_where_its_key_comes_back(make):
