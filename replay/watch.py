@@ -20,13 +20,18 @@ method's ``self``), and what is reached through them, walked by the rules of
   backward hooks, a plain dict): its size and each key and value, the same objects in the
   same order, where a scalar (int, float by its bits, bool, str, bytes, None, a device) may be
   set again to an equal value;
-- a list the same way; a set by a frozen copy (:func:`jitcore.drift.freeze`); a tuple's items;
+- a list the same way; a set by a frozen copy (:func:`jitcore.drift.freeze`) and its items; a
+  tuple's items; a list, dict or set subclass's class and ``__dict__`` too;
+- a root function's defaults (the region's function, a function read as its global): the tuple
+  and dict it holds, and what they reach;
+- an optimizer's parameters' gradients: the tensor each holds (or None), and its state;
 - an object of a Python class: its class (``__class__`` assigned) and its ``__dict__`` (the
   same dict), its slots; an ``nn.Module`` is such an object, walked without its state-dict
   hooks;
 - a tensor (a parameter, a buffer, a tensor attribute): its Python type, data pointer, dispatch
   keys (its device type, conjugate and negative bits among them), dtype, device, sizes and
-  strides. Not its storage's size (torch resizes a storage into new memory, which the pointer
+  strides (a sparse or nested tensor by its members: :func:`watched_tensor_state`), and its
+  class and ``__dict__`` (``w.scale = ...``). Not its storage's size (torch resizes a storage into new memory, which the pointer
   shows), nor whether it requires grad (see docs/replay.md, Autograd).
 
 Not walked (compared by identity by whatever holds them): functions, classes, modules, enums,
@@ -128,6 +133,7 @@ def _walked_class(cls: type) -> bool:
 #: What a dict holds, for messages and measurements.
 ATTRIBUTES, REGISTRY, ITEMS = "attributes", "registry", "items"
 _UNSET = object()  # an unset slot
+_UNREADABLE = ("unreadable",)  # a tensor's field torch does not give
 _dispatch_keys = torch._C._dispatch_keys
 
 
@@ -155,6 +161,59 @@ def python_tensor_state(tensor: torch.Tensor) -> tuple | None:
         )
     except (RuntimeError, NotImplementedError, TypeError):
         return None
+
+
+def watched_tensor_state(tensor: torch.Tensor) -> tuple:
+    """What the watch compares of a tensor: :func:`python_tensor_state`, else (sparse, nested:
+    no one pointer) what can be read of it."""
+    state = python_tensor_state(tensor)
+    return _partial_tensor_state(tensor) if state is None else state
+
+
+def _partial_tensor_state(tensor: torch.Tensor) -> tuple:
+    """What can be read of a tensor whose memory torch does not expose as one pointer (sparse,
+    nested): each field where it reads (a sparse tensor's by its indices and values), else a
+    marker, so that a change of its layout, dtype or sizes is still seen."""
+    parts: list = []
+    readers = (type, _dispatch_keys_bits, operator.attrgetter("layout", "dtype", "device"), _sizes, _members)
+    for read in readers:
+        try:
+            parts.append(read(tensor))
+        except (RuntimeError, NotImplementedError, TypeError, AttributeError):
+            parts.append(_UNREADABLE)
+    return tuple(parts)
+
+
+def _dispatch_keys_bits(tensor: torch.Tensor) -> object:
+    return _dispatch_keys(tensor).raw_repr()
+
+
+def _sizes(tensor: torch.Tensor) -> tuple:
+    return tuple(tensor.shape)
+
+
+def _members(tensor: torch.Tensor) -> tuple:
+    """A sparse tensor's indices and values, a nested tensor's buffer and its tensors' sizes,
+    strides and offsets (their states and the layout's numbers)."""
+    if tensor.is_nested:
+        layout = (
+            tensor._nested_tensor_size(),
+            tensor._nested_tensor_strides(),
+            tensor._nested_tensor_storage_offsets(),
+        )
+        return (
+            python_tensor_state(tensor.values()),
+            *((tuple(part.shape), tuple(part.flatten().tolist())) for part in layout),
+        )
+    if tensor.layout is torch.sparse_coo:
+        members = (tensor._indices(), tensor._values())
+    elif tensor.layout in (torch.sparse_csr, torch.sparse_bsr):
+        members = (tensor.crow_indices(), tensor.col_indices(), tensor.values())
+    elif tensor.layout in (torch.sparse_csc, torch.sparse_bsc):
+        members = (tensor.ccol_indices(), tensor.row_indices(), tensor.values())
+    else:
+        return _UNREADABLE
+    return tuple(python_tensor_state(member) for member in members)
 
 
 @attrs.frozen(eq=False)
@@ -227,7 +286,7 @@ class WatchProgram:
             items, recorded = list.copy(self.lists[index]), self.list_items[index]
             return len(items) == len(recorded) and all(map(same_value, items, recorded))
         if kind == "t":
-            return python_tensor_state(self.tensors[index]) == self.states[index]
+            return watched_tensor_state(self.tensors[index]) == self.states[index]
         if kind == "o":
             return self.other_holders[index].same()
         raise ValueError(f"a watch holder's kind is 'd', 'l', 't' or 'o', not {kind!r}")
@@ -246,15 +305,15 @@ class WatchProgram:
             current = self.lists[i]
             if (list.__len__(current) != len(items) or not all(map(is_, current, items))) and not self.same("l", i):
                 return self.list_paths[i]
+        for i, tensor in enumerate(self.tensors):
+            if watched_tensor_state(tensor) != self.states[i]:
+                return self.tensor_paths[i]
         for i, holder in enumerate(self.objects):
             if type(holder) is not self.types[i]:
                 return f"{self.object_paths[i]} (its class)"
             recorded = self.object_dicts[i]
             if recorded is not None and _instance_dict(holder) is not recorded:
                 return f"{self.object_paths[i]}.__dict__"
-        for i, tensor in enumerate(self.tensors):
-            if python_tensor_state(tensor) != self.states[i]:
-                return self.tensor_paths[i]
         for other in self.other_holders:
             if not other.same():
                 return other.path
@@ -304,6 +363,7 @@ class _Walk:
     def __init__(self, reader: object | None, words: Callable | None) -> None:
         self.reader, self.read_words = reader, words
         self.seen: set[int] = set()
+        self.grads: set[int] = set()  # the parameters whose gradient is watched
         self.kept: list = []  # what `seen` names, alive while the walk lasts
         self.budget = MAX_VALUES
         self.fields: dict[str, list] = {field.name: [] for field in attrs.fields(WatchProgram)}
@@ -329,6 +389,11 @@ class _Walk:
         if isinstance(value, torch.Tensor):
             self._first(value)
             self._tensor(value, path)
+            self._attributes(value, path, depth)  # a tensor's Python attributes (w.scale = ...)
+            return
+        if isinstance(value, types.FunctionType) and depth == 0:
+            self._first(value)
+            self._defaults(value, path)  # a root function's defaults are read by its calls
             return
         if isinstance(value, _NOT_WALKED):
             return
@@ -336,6 +401,8 @@ class _Walk:
             self.fields["unwatched"].append(path)
             return
         self._first(value)
+        if isinstance(value, (dict, list, set, frozenset)) and cls not in (dict, list, set, frozenset):
+            self._attributes(value, path, depth)  # a subclass's own attributes and class
         if isinstance(value, dict):
             self._dict(value, path, ITEMS, depth)
         elif isinstance(value, list):
@@ -346,6 +413,8 @@ class _Walk:
         elif isinstance(value, (set, frozenset)):
             if self._spend(1, path):
                 self.fields["other_holders"].append(Other(value, None, freeze(value), path))
+                for i, item in enumerate(value):  # the objects and tensors it holds
+                    self.value(item, f"{path}{{{i}}}", depth + 1)
         elif isinstance(value, types.MethodType):
             self.value(value.__self__, f"{path}.__self__", depth + 1)
         elif (objects.is_object(value) or dataclasses.is_dataclass(cls)) and _walked_class(cls):
@@ -360,9 +429,44 @@ class _Walk:
             return
         fields = self.fields
         fields["tensors"].append(tensor)
-        fields["states"].append(python_tensor_state(tensor))
+        fields["states"].append(watched_tensor_state(tensor))
         fields["words"].append(self.read_words(tensor) if self.read_words is not None else None)
         fields["tensor_paths"].append(path)
+
+    def _attributes(self, value: object, path: str, depth: int) -> None:
+        """A tensor's or a container subclass's class and ``__dict__`` (where it has one)."""
+        state = _instance_dict(value)
+        if type(state) is not dict or id(state) in self.seen:
+            return
+        fields = self.fields
+        fields["objects"].append(value)
+        fields["types"].append(type(value))
+        fields["object_dicts"].append(state)
+        fields["object_paths"].append(path)
+        self._first(state)
+        self._dict(state, path, ATTRIBUTES, depth)
+
+    def _defaults(self, function: types.FunctionType, path: str) -> None:
+        """A function's defaults (the tuple and dict, as held, and what they reach)."""
+        for name in ("__defaults__", "__kwdefaults__"):
+            held = getattr(function, name)
+            if held is not None and self._spend(1, f"{path}.{name}"):
+                self.fields["other_holders"].append(Other(function, name, held, f"{path}.{name}"))
+                self.value(held, f"{path}.{name}", 1)
+
+    def _grads(self, optimizer: torch.optim.Optimizer, path: str) -> None:
+        """The gradient each parameter of an optimizer holds (a step reads it where it lies):
+        the same tensor, or None, and its state."""
+        for g, group in enumerate(getattr(optimizer, "param_groups", ())):
+            for i, parameter in enumerate(group.get("params", ()) if isinstance(group, dict) else ()):
+                if not isinstance(parameter, torch.Tensor) or id(parameter) in self.grads:
+                    continue
+                self.grads.add(id(parameter))
+                grad_path = f"{path}.param_groups[{g}]['params'][{i}].grad"
+                if self._spend(1, grad_path):
+                    self.fields["other_holders"].append(Other(parameter, "grad", parameter.grad, grad_path))
+                    if parameter.grad is not None:
+                        self.value(parameter.grad, grad_path, 1)
 
     def _dict(self, value: dict, path: str, role: str, depth: int, module: bool = False) -> None:
         items = tuple(dict.items(value))
@@ -404,6 +508,8 @@ class _Walk:
         if state is not None:
             self._first(state)
             self._dict(state, path, ATTRIBUTES, depth, module=walk.module)
+        if isinstance(value, torch.optim.Optimizer):
+            self._grads(value, path)
         for name in walk.slots:
             slot_path = _entry_path(path, ATTRIBUTES, name)
             recorded = slot_value(value, name)
@@ -430,10 +536,12 @@ def region_roots(fn: Callable, entries, owner: str) -> list[tuple[object, str]]:
     (globals, closure values, module attributes)."""
     roots: list[tuple[object, str]] = []
     if isinstance(fn, types.MethodType):
-        roots.append((fn.__self__, f"{owner}.__self__"))
+        roots += [(fn.__self__, f"{owner}.__self__"), (fn.__func__, owner)]
     elif isinstance(fn, functools.partial):
         roots += [(fn.args, f"{owner}.args"), (fn.keywords, f"{owner}.keywords"), (fn.func, f"{owner}.func")]
-    elif not isinstance(fn, (types.FunctionType, type, types.BuiltinFunctionType)):
+    elif isinstance(fn, types.FunctionType):
+        roots.append((fn, owner))  # its defaults
+    elif not isinstance(fn, (type, types.BuiltinFunctionType)):
         roots.append((fn, owner))
     roots += [(entry.value, entry.path) for entry in entries if entry.where != "builtin"]
     return roots

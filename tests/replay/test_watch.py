@@ -562,3 +562,122 @@ def test_the_c_check_sees_every_write_on_each_cpython_found_here(python, tmp_pat
     assert built.returncode == 0, built.stderr[-3000:]
     ran = subprocess.run([python, "-c", PROBE, str(tmp_path)], capture_output=True, text=True)
     assert ran.returncode == 0 and ran.stdout.startswith("ok"), ran.stderr[-3000:]
+
+
+def _with_grads() -> torch.optim.Optimizer:
+    m = torch.nn.Linear(2, 2)
+    for parameter in m.parameters():
+        parameter.grad = torch.zeros_like(parameter)
+    return torch.optim.SGD(m.parameters(), lr=0.1)
+
+
+class _Items(list):
+    pass
+
+
+class _Entries(dict):
+    pass
+
+
+def _attributed(container):
+    container.weight = torch.zeros(3)
+    return container
+
+
+def _defaulted(x, cfg={"scale": 1.0}, *, w=torch.zeros(2)):  # noqa: B006, B008 (its defaults are what is watched)
+    return x
+
+
+# (what it makes, what it does, the path the Python check names): state the walk reaches
+# beyond a plain object's dict, each a value a graph bakes
+REACHED_CHANGES = {
+    "an optimizer's gradient replaced": (
+        _with_grads,
+        lambda o: setattr(o.param_groups[0]["params"][0], "grad", torch.ones(2, 2)),
+        "opt.param_groups[0]['params'][0].grad",
+    ),
+    "an optimizer's gradient set to None": (
+        _with_grads,
+        lambda o: setattr(o.param_groups[0]["params"][1], "grad", None),
+        "opt.param_groups[0]['params'][1].grad",
+    ),
+    "a tensor's attribute set": (
+        lambda: _attributed(torch.zeros(2)),
+        lambda t: setattr(t, "weight", torch.ones(3)),
+        "opt.weight",
+    ),
+    "an object in a set given another tensor": (
+        lambda: {"s": {_attributed(Holder())}},
+        lambda d: setattr(next(iter(d["s"])), "weight", torch.ones(3)),
+        "opt['s']{0}.weight",
+    ),
+    "a tensor in a frozenset given other memory": (
+        lambda: [frozenset([torch.zeros(3)])],
+        lambda items: next(iter(items[0])).set_(torch.zeros(7)),
+        "opt[0]{0}",
+    ),
+    "a list subclass's attribute set": (
+        lambda: _attributed(_Items([1])),
+        lambda items: setattr(items, "weight", torch.ones(3)),
+        "opt.weight",
+    ),
+    "a dict subclass's attribute set": (
+        lambda: _attributed(_Entries(a=1)),
+        lambda entries: setattr(entries, "weight", torch.ones(3)),
+        "opt.weight",
+    ),
+    "a list subclass's class assigned": (
+        lambda: _attributed(_Items([1])),
+        lambda items: setattr(items, "__class__", type("Other", (list,), {})),
+        "opt (its class)",
+    ),
+    "a sparse tensor given other memory of its shape": (
+        lambda: [torch.randn(3).to_sparse()],
+        lambda items: setattr(items[0], "data", torch.randn(3).to_sparse()),
+        "opt[0]",
+    ),
+    "a nested tensor given other sizes": (
+        lambda: [torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)])],
+        lambda items: setattr(items[0], "data", torch.nested.nested_tensor([torch.zeros(4)])),
+        "opt[0]",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(REACHED_CHANGES))
+def test_state_reached_past_a_plain_dict_is_seen_by_every_check(name, helper):
+    make, change, path = REACHED_CHANGES[name]
+    root = make()
+    made = all_checks([(root, "opt")], helper)
+    assert not any(_answers(made).values())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        change(root)
+    assert _answers(made) == dict.fromkeys(made, True)
+    assert made["python"][0].first_change() == path
+
+
+def test_a_region_functions_defaults_are_watched(helper):
+    """A default argument is read by every call that leaves it out: its object mutated, its
+    tensor moved, or the defaults replaced is a change; the function's own globals snapshot
+    does not hold them."""
+    saved = (_defaulted.__defaults__, _defaulted.__kwdefaults__)
+    roots = watch.region_roots(_defaulted, [], "region")
+    try:
+        made = all_checks(roots, helper)
+        assert not any(_answers(made).values())
+        _defaulted.__defaults__[0]["scale"] = 2.0
+        assert _answers(made) == dict.fromkeys(made, True)
+        assert made["python"][0].first_change() == "region.__defaults__[0]['scale']"
+        _defaulted.__defaults__[0]["scale"] = 1.0
+        assert not any(_answers(made).values())
+        _defaulted.__kwdefaults__["w"].set_(torch.zeros(5))
+        assert made["python"][0].first_change() == "region.__kwdefaults__['w']"
+        made = all_checks(roots, helper)
+        _defaulted.__defaults__ = ({"scale": 1.0},)
+        assert _answers(made) == dict.fromkeys(made, True)
+        assert made["python"][0].first_change() == "region.__defaults__"
+        method_roots = watch.region_roots(Holder().__init__, [], "bound")
+        assert any(value is Holder.__init__ for value, _ in method_roots)
+    finally:
+        _defaulted.__defaults__, _defaulted.__kwdefaults__ = saved
