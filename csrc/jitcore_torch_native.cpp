@@ -685,8 +685,9 @@ template <class C> void read_context(C &context, SettingsState &state, Covered *
 }
 
 // The thread's torch function and dispatch modes and tracing, the default tensor type's device,
-// cuBLAS's SM carveout and TorchScript's executor switches. The tracing state is covered as far
-// as a key can hold it: a key requires None, which the state's "not tracing" determines.
+// the thread's local dispatch key sets (included and excluded), cuBLAS's SM carveout and
+// TorchScript's executor switches. The tracing state is covered as far as a key can hold it: a
+// key requires None, which the state's "not tracing" determines.
 void read_modes(SettingsState &state, Covered *covered) {
     state.add(at::impl::PythonTorchFunctionTLS::stack_len());
     COVER(covered, "_len_torch_function_stack");
@@ -699,6 +700,11 @@ void read_modes(SettingsState &state, Covered *covered) {
     COVER(covered, "_get_tracing_state");
     state.add(torch::tensors::get_default_dispatch_key());
     COVER(covered, "_get_default_device");
+    c10::impl::LocalDispatchKeySet keys = c10::impl::tls_local_dispatch_key_set();
+    state.add(keys.included_.raw_repr());
+    COVER(covered, "_dispatch_tls_local_include_set");
+    state.add(keys.excluded_.raw_repr());
+    COVER(covered, "_dispatch_tls_local_exclude_set");
     std::optional<int32_t> carveout = at::globalContext()._SMCarveout_EXPERIMENTAL();
     state.add(carveout.has_value() ? static_cast<int64_t>(*carveout) : int64_t{-1});
     COVER(covered, "_get_sm_carveout_experimental");

@@ -25,6 +25,11 @@ import torch.backends.mha
 import torch.backends.opt_einsum
 import torch.nn.modules.module
 
+try:  # torch's registry of pluggable flash-attention implementations (FA3, FA4)
+    import torch.nn.attention._registry as _flash_registry
+except ImportError:  # a torch without it
+    _flash_registry = None
+
 from jitcore.for_replay import compiled_helpers_enabled, generated, torch_native_module
 from replay.errors import RefusedKey, ReplayError, ReplayWarning
 
@@ -103,6 +108,20 @@ def python_flush_denormal() -> bool:
 def python_total_length(*sized: object) -> int:
     """The sum of the arguments' lengths (csrc/replay_checks.c's ``total_length``)."""
     return sum(map(len, sized))
+
+
+def dispatch_keys_included() -> int:
+    """The thread's local dispatch keys included, as bits: what an op dispatches to beyond its
+    tensors' keys (``torch._C._IncludeDispatchKeyGuard``, ``_set_meta_in_tls_dispatch_include``,
+    the Python dispatcher). The torch-side helper reads the same set in C++."""
+    return torch._C._dispatch_tls_local_include_set().raw_repr()
+
+
+def dispatch_keys_excluded() -> int:
+    """The thread's local dispatch keys excluded, as bits: layers an op skips
+    (``torch._C._AutoDispatchBelowAutograd``: outputs without autograd history;
+    ``_ExcludeDispatchKeyGuard`` of ``Conjugate``: a conjugate view read unconjugated)."""
+    return torch._C._dispatch_tls_local_exclude_set().raw_repr()
 
 
 #: The readers of state torch has no getter for: C functions where csrc/replay_checks.c was
@@ -234,6 +253,17 @@ _WANTED: list[tuple[str, str, Callable | None, tuple, dict]] = [
         if torch.backends.opt_einsum.is_available()  # else torch never reads them (and cannot set them)
     ),
     ("flush denormal", "torch.set_flush_denormal", flush_denormal, (), {}),
+    # the thread's dispatch key sets: inference mode and autocast are among them, and so is every
+    # guard that makes an op skip a layer (autograd, conjugation) or reach another (Meta, Python)
+    ("thread-local dispatch keys included", "_dispatch_tls_local_include_set", dispatch_keys_included, (), {}),
+    ("thread-local dispatch keys excluded", "_dispatch_tls_local_exclude_set", dispatch_keys_excluded, (), {}),
+    (
+        "flash-attention implementation",
+        "torch.nn.attention.current_flash_attention_impl",
+        None if _flash_registry is None else vars(_flash_registry).get,
+        ("_FLASH_ATTENTION_ACTIVE",),  # (name, handle) of activate_flash_attention_impl, or None
+        {},
+    ),
 ]
 
 #: torch >= 2.9's reader of its per-backend float32 precisions (``torch.backends.fp32_precision``,
@@ -724,9 +754,22 @@ GLOBAL_STATE: dict[str, Handling] = {
         "_jit_nvfuser_can_be_enabled",
         "_jit_nvfuser_enabled",  # a no-op that warns: nvFuser left TorchScript
         "_llvm_enabled",
+        "_jit_texpr_fallback_allowed",  # a fused group that fails to compile runs unfused
     ),
     "default device": _keyed("default device (C++)", "torch function modes", "torch function handling disabled"),
     "MHA fast path": _keyed("MHA fast path"),
+    "flash-attention implementation": _keyed("flash-attention implementation"),
+    "thread-local dispatch keys": Handling(
+        "keyed",
+        (
+            "_dispatch_tls_local_include_set",
+            "_dispatch_tls_local_exclude_set",
+            "_dispatch_tls_is_dispatch_key_included",
+            "_dispatch_tls_is_dispatch_key_excluded",
+            "_meta_in_tls_dispatch_include",
+        ),
+        ("thread-local dispatch keys included", "thread-local dispatch keys excluded"),
+    ),
     "opt_einsum": _keyed("opt_einsum enabled", "opt_einsum strategy")
     if torch.backends.opt_einsum.is_available()
     else _outside(
@@ -741,7 +784,10 @@ GLOBAL_STATE: dict[str, Handling] = {
     "torch dispatch modes": _refused(
         "torch dispatch modes", getters=("_len_torch_dispatch_stack", "_get_dispatch_mode", "_get_dispatch_stack_at")
     ),
-    "torch.func transforms": _refused("torch.func transform"),
+    "torch.func transforms": _refused(
+        "torch.func transform",
+        getters=("torch._C._functorch.maybe_current_level", "_are_functorch_transforms_active"),
+    ),
     "torch.jit tracing": _refused("TorchScript tracing", getters=("_get_tracing_state", "_is_tracing")),
     "forward-mode AD": _refused(
         "forward-mode AD", getters=("torch.autograd.forward_ad._current_level", "_is_fwd_grad_enabled")
@@ -772,6 +818,11 @@ GLOBAL_STATE: dict[str, Handling] = {
     "DTensor": _outside(
         "DTensor's implicit replication: DTensors are tensor subclasses, refused as arguments",
         "_get_dtensor_allow_implicit_replication",
+    ),
+    "functionalization": _outside(
+        "whether functionalization re-applies views: only functional tensors (a subclass, refused as an argument, "
+        "or torch.func.functionalize, a refused transform) run it",
+        "_functionalization_reapply_views_tls",
     ),
     "activation checkpointing": _outside(
         "the graph-execution group of torch.utils.checkpoint: which recomputation a backward pass makes",

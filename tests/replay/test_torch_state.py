@@ -264,6 +264,34 @@ MODE_CHANGES.update(
         "flush denormal": _flipped(torch_state.python_flush_denormal, torch.set_flush_denormal),
     }
 )
+
+
+@contextlib.contextmanager
+def _flash_attention_impl():
+    """A flash-attention implementation activated (torch.nn.attention.activate_flash_attention_impl,
+    as FA3 or FA4 would be; this one registers no kernel), then the default restored."""
+    from torch.nn.attention import _registry
+
+    class Handle:
+        def remove(self):
+            pass
+
+    torch.nn.attention.register_flash_attention_impl("replay-test", register_fn=Handle)
+    try:
+        torch.nn.attention.activate_flash_attention_impl("replay-test")
+        yield
+    finally:
+        torch.nn.attention.restore_flash_attention_impl(_raise_warn=False)
+        _registry._FLASH_ATTENTION_IMPLS.pop("replay-test", None)
+
+
+MODE_CHANGES.update(
+    {
+        "thread-local dispatch keys included": lambda: _C._IncludeDispatchKeyGuard(_C.DispatchKey.Meta),
+        "thread-local dispatch keys excluded": _C._AutoDispatchBelowAutograd,
+        "flash-attention implementation": _flash_attention_impl,
+    }
+)
 if torch.backends.opt_einsum.is_available():  # else torch refuses to set them
     MODE_CHANGES.update(
         {
@@ -291,6 +319,64 @@ REFUSING = {
 
 def test_every_mode_the_key_holds_has_a_change_in_this_test():
     assert set(torch_state.MODE_NAMES) <= set(MODE_CHANGES)
+
+
+def _conjugate_read_as_its_base() -> bool:
+    return (torch.tensor([1 + 2j]).conj() * 1).imag.item() == 2.0
+
+
+def _masked_select_runs_its_meta_kernel() -> bool:
+    try:
+        torch.masked_select(torch.ones(2), torch.ones(2, dtype=torch.bool))
+    except NotImplementedError:  # the Meta kernel it has not
+        return True
+    return False
+
+
+#: Guards of the thread's dispatch keys, each with what it makes an op compute otherwise (None:
+#: an op with a Python kernel runs it).
+_DISPATCH_GUARDS = {
+    "below autograd": (_C._AutoDispatchBelowAutograd, lambda: (torch.ones(2, requires_grad=True) * 2).grad_fn is None),
+    "conjugation skipped": (
+        lambda: _C._ExcludeDispatchKeyGuard(_C.DispatchKeySet(_C.DispatchKey.Conjugate)),
+        _conjugate_read_as_its_base,
+    ),
+    "Meta included": (lambda: _C._IncludeDispatchKeyGuard(_C.DispatchKey.Meta), _masked_select_runs_its_meta_kernel),
+    "Python dispatcher": (_C._EnablePythonDispatcher, None),
+}
+
+
+@pytest.mark.parametrize("guard", sorted(_DISPATCH_GUARDS))
+def test_a_guard_of_the_threads_dispatch_keys_is_keyed_and_seen_by_the_replay_check(guard, checks_kind):
+    """Under such a guard an op computes something else (an output without autograd history, a
+    conjugate view read as its base, a meta tensor): a graph recorded under it must not serve a
+    call outside it, nor the reverse."""
+    make, computes_otherwise = _DISPATCH_GUARDS[guard]
+    recorded = torch_state.torch_modes()
+    outside = torch_state.modes_changed(recorded)
+    with make():
+        assert computes_otherwise is None or computes_otherwise()
+        inside = torch_state.torch_modes()
+        assert inside != recorded and outside() is True
+        under = torch_state.modes_changed(inside)
+        assert under() is False
+    assert under() is True and outside() is False
+    assert not _conjugate_read_as_its_base()
+
+
+def test_an_activated_flash_attention_implementation_is_keyed_and_seen_by_the_replay_check(checks_kind):
+    """activate_flash_attention_impl("FA4") swaps the kernels SDPA's flash backend runs: a graph
+    recorded under one implementation must not serve a call under another (each activation is
+    its own, its handle being another)."""
+    recorded = torch_state.torch_modes()
+    default = torch_state.modes_changed(recorded)
+    with _flash_attention_impl():
+        first = torch_state.torch_modes()
+        assert first != recorded and default() is True
+        assert torch_state.modes_changed(first)() is False
+    with _flash_attention_impl():
+        assert torch_state.torch_modes() != first and torch_state.modes_changed(first)() is True
+    assert default() is False
 
 
 #: Settings that change nothing while autocast is off: the replay check ignores them then.
@@ -775,6 +861,8 @@ def test_a_setting_that_cannot_be_read_refuses_the_key_and_the_replay(monkeypatc
 _GETTER = re.compile(
     r"_get_\w+|_is_\w+_(enabled|disabled)|is_\w+_enabled|_jit_(get|can|is)_\w+|_jit_(?!set_)\w+_enabled"
     r"|_cuda_\w*get_\w+|_cuda_\w*is_enabled|_len_torch_\w+|_is_tracing|_llvm_enabled"
+    r"|_dispatch_tls_(?!set_)\w+|_meta_in_tls_dispatch_include|_are_\w+_active|_jit_texpr_fallback_allowed"
+    r"|_functionalization_\w+_tls"
 )
 #: Names the pattern catches that read no global setting: queries of the build or of a value
 #: passed in, files, models and schemas, caches' statistics, torch internals' scratch space.
