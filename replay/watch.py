@@ -21,7 +21,8 @@ method's ``self``), and what is reached through them, walked by the rules of
   same order, where a scalar (int, float by its bits, bool, str, bytes, None, a device) may be
   set again to an equal value;
 - a list the same way; a set by a frozen copy (:func:`jitcore.drift.freeze`) and its items; a
-  tuple's items; a list, dict or set subclass's class and ``__dict__`` too;
+  tuple's items; a list, dict or set subclass's class and ``__dict__`` too (not an
+  ``OrderedDict``'s or a ``defaultdict``'s own attributes);
 - a root function's defaults (the region's function, a function read as its global): the tuple
   and dict it holds, and what they reach;
 - an optimizer's parameters' gradients: the tensor each holds (or None), and its state;
@@ -31,8 +32,9 @@ method's ``self``), and what is reached through them, walked by the rules of
 - a tensor (a parameter, a buffer, a tensor attribute): its Python type, data pointer, dispatch
   keys (its device type, conjugate and negative bits among them), dtype, device, sizes and
   strides (a sparse or nested tensor by its members: :func:`watched_tensor_state`), and its
-  class and ``__dict__`` (``w.scale = ...``). Not its storage's size (torch resizes a storage into new memory, which the pointer
-  shows), nor whether it requires grad (see docs/replay.md, Autograd).
+  class and ``__dict__`` (``w.scale = ...``). Not its storage's size (torch resizes a storage
+  into new memory, which the pointer shows), nor whether it requires grad (see
+  docs/replay.md, Autograd).
 
 Not walked (compared by identity by whatever holds them): functions, classes, modules, enums,
 dtypes, objects of C extension types (a generator, a lock, a numpy array), and objects of the
@@ -53,6 +55,7 @@ check leaves every case it does not decide by identity to :meth:`WatchProgram.sa
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
 import functools
@@ -74,6 +77,10 @@ try:  # the check in C (csrc/replay_checks.c; optional, built by setup.py)
 except ImportError:
     _WatchCheck = None
 
+#: Containers whose own attributes are not watched, only what they hold: the built-in ones
+#: (they have none), and the standard library's ordered and default dicts, which hold a module's
+#: hooks by the dozen and whose instances' own attributes no region reads.
+_PLAIN_CONTAINERS = frozenset({dict, list, set, frozenset, collections.OrderedDict, collections.defaultdict})
 #: Levels of objects and containers a walk follows below a root.
 MAX_DEPTH = 32
 #: Values watched in all for one region: each dict entry, list item, set, slot and tensor.
@@ -401,7 +408,7 @@ class _Walk:
             self.fields["unwatched"].append(path)
             return
         self._first(value)
-        if isinstance(value, (dict, list, set, frozenset)) and cls not in (dict, list, set, frozenset):
+        if isinstance(value, (dict, list, set, frozenset)) and cls not in _PLAIN_CONTAINERS:
             self._attributes(value, path, depth)  # a subclass's own attributes and class
         if isinstance(value, dict):
             self._dict(value, path, ITEMS, depth)
