@@ -46,13 +46,19 @@ def timed_pass(step, stream, tokens, *, dynamic: bool) -> tuple[float, list[torc
     return time.perf_counter() - start, logits
 
 
-def one_length(sample, model, device, steps: int, repeats: int) -> dict:
-    """Eager against a fresh session's replay over ``steps`` steps, recordings included."""
+def _loop(sample, model, device, steps: int) -> tuple:
+    """The sample's request stream over ``steps`` steps, its tokens on the device, fresh caches and
+    the eager step over them: what each measurement runs."""
     config = model.config
     stream = sample.request_stream(steps, config.max_batch, config.max_len, config.vocab, 1)
     tokens = [torch.tensor(ids, device=device) for _pos, ids in stream]
     caches = model.new_cache(device)
-    eager_step = lambda ids, pos: model.step(ids, pos, *caches)
+    return stream, tokens, caches, lambda ids, pos: model.step(ids, pos, *caches)
+
+
+def one_length(sample, model, device, steps: int, repeats: int) -> dict:
+    """Eager against a fresh session's replay over ``steps`` steps, recordings included."""
+    stream, tokens, caches, eager_step = _loop(sample, model, device, steps)
     eager_times, replay_times, bitwise, reports = [], [], True, []
     for _ in range(repeats):
         seconds, expected = timed_pass(eager_step, stream, tokens, dynamic=False)
@@ -80,11 +86,7 @@ def one_length(sample, model, device, steps: int, repeats: int) -> dict:
 
 def ceiling(sample, model, device, steps: int, repeats: int) -> dict:
     """Every size recorded beforehand: the stream replayed again, against eager."""
-    config = model.config
-    stream = sample.request_stream(steps, config.max_batch, config.max_len, config.vocab, 1)
-    tokens = [torch.tensor(ids, device=device) for _pos, ids in stream]
-    caches = model.new_cache(device)
-    eager_step = lambda ids, pos: model.step(ids, pos, *caches)
+    stream, tokens, caches, eager_step = _loop(sample, model, device, steps)
     with replay.capture() as session:
         region = session.region(model.step, name="decode_step")
         replayed = lambda ids, pos: region(ids, pos, *caches)
