@@ -136,6 +136,9 @@ class HolderWalk(objects.ObjectWalk):
         self._add(
             tensors=tensor, states=state, tensor_paths=path, words=helper.tensor_state(tensor) if helper else None
         )
+        attributes = objects.state_of(tensor)  # its own Python attributes, keyed by the walk (even none yet)
+        if attributes is not None:
+            self._holder_object(tensor, tensor.__class__, attributes, path)
 
     def _add(self, **values: object) -> None:
         for name, value in values.items():

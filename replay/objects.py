@@ -281,7 +281,9 @@ class ObjectWalk:
         """The layout of any value inside an object (its shadow leaves appended)."""
         cls = value.__class__
         if cls is torch.Tensor or isinstance(value, torch.Tensor):
-            return self._leaf(value, path, TENSOR)
+            token = self._leaf(value, path, TENSOR)
+            state = state_of(value)  # its own Python attributes (t.scale = 2.0), read as any object's
+            return self._tensor_attributes(value, state, path, depth) if state else token
         if cls in PLAIN:
             return self._leaf(value, path, VALUE)
         if depth > MAX_DEPTH:
@@ -300,6 +302,15 @@ class ObjectWalk:
         if is_object(value) or (dataclasses.is_dataclass(cls) and not isinstance(value, type)):
             return self._object(value, cls, path, depth)
         return self._leaf(value, path, VALUE)  # a constant: an enum, a class, a function, a numpy scalar...
+
+    def _tensor_attributes(self, value: torch.Tensor, state: dict, path: str, depth: int) -> tuple:
+        """The layout of a tensor holding Python attributes: its token and its attributes, walked
+        as an object's (a region reading ``cache.keys.scale`` bakes it as it bakes ``cache.scale``)."""
+        if depth > MAX_DEPTH:
+            raise refused(
+                f"lies deeper than {MAX_DEPTH} levels of objects and containers (replay.objects.MAX_DEPTH)", path
+            )
+        return ("tensor", self._members(state, path, depth))
 
     def _sequence(self, value: tuple | list, cls: type, path: str, depth: int) -> tuple:
         if not isinstance(value, tuple):
@@ -449,6 +460,8 @@ def _difference(a: object, b: object, path: str) -> str | None:
     """Where two layouts of the same carrier first differ (None where they are equal)."""
     if a == b:
         return None
+    if isinstance(a, tuple) and isinstance(b, tuple) and a[0] == b[0] == "tensor":  # a tensor's attributes
+        return _members_difference(a[1], b[1], path) or path
     if not (isinstance(a, tuple) and isinstance(b, tuple)) or a[0] != b[0] or a[1] != b[1] or a[0] in ("ref", "set"):
         return path
     if a[0] == "seq":

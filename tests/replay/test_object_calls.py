@@ -196,6 +196,10 @@ def _int_for_bool(cache):
     cache.offloading = 0
 
 
+def _tensor_attribute_set(cache):
+    cache.layers[0].keys.scale = 2.0  # a tensor's own Python attribute
+
+
 @pytest.mark.parametrize(
     "change",
     [
@@ -218,6 +222,7 @@ def _int_for_bool(cache):
         _negative_zero,
         _numpy_scalar,
         _int_for_bool,
+        _tensor_attribute_set,
     ],
 )
 def test_a_change_of_what_the_key_reads_takes_the_full_path(session, oracle, change):
@@ -230,6 +235,23 @@ def test_a_change_of_what_the_key_reads_takes_the_full_path(session, oracle, cha
     region(torch.tensor([[3]]), torch.tensor([[1]]), cache)
     assert oracle.served == served  # (the oracle: every call served after it has the full path's key)
     run(region, cache, 6)
+
+
+def test_a_tensors_own_attribute_changed_takes_the_full_path(session, oracle):
+    def scaled_step(ids, positions, cache):
+        return step(ids, positions, cache) * cache.layers[0].keys.scale
+
+    region = session.region(scaled_step)
+    cache = Cache()
+    cache.layers[0].keys.scale = 1.0
+    run(region, cache, 8)
+    served = oracle.served
+    assert served
+    cache.layers[0].keys.scale = 2.0
+    region(torch.tensor([[3]]), torch.tensor([[1]]), cache)
+    assert oracle.served == served
+    run(region, cache, 6)
+    assert oracle.served > served
 
 
 def test_in_place_writes_keep_the_memo(session, oracle):

@@ -197,6 +197,24 @@ def test_changing_a_plain_value_or_the_structure_changes_the_key():
     assert key_of(State(n=1, t=torch.zeros(2))) == base
 
 
+def test_a_tensors_own_python_attributes_are_keyed_and_a_change_to_them_is_seen():
+    tensor = torch.zeros(2)
+    tensor.scale = 1.0  # what a region reading state.t.scale bakes, as it bakes state.scale
+    state = State(t=tensor)
+    spec, leaves, paths = walked(state)
+    assert "args[0].t.scale" in paths
+    base = region_key(0, spec, leaves, paths)
+    before = objects.snapshot(spec, leaves, paths)
+    tensor.scale = 2.0
+    assert key_of(state) != base
+    assert objects.first_change(before, objects.snapshot(spec, leaves, paths)) == "args[0].t.scale"
+    tensor.scale = 1.0
+    assert key_of(state) == base
+    tensor.extra = None
+    assert key_of(state) != base
+    assert objects.first_change(before, objects.snapshot(spec, leaves, paths)) == "args[0].t.extra"
+
+
 def test_classes_and_functions_held_as_attributes_are_keyed_by_identity():
     def f():
         return 1

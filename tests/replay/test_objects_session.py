@@ -168,6 +168,29 @@ def test_a_python_assignment_to_an_object_is_refused_naming_it_and_never_dropped
     assert replay_warnings(caught) == (said if record_after < 2 else [])
 
 
+def scaling_its_tensor(x, state):
+    state.t.scale = state.t.scale * 2.0  # a tensor's own Python attribute, set in Python
+    return x * state.t.scale
+
+
+def test_a_python_assignment_to_a_tensors_own_attribute_is_refused_naming_it(make):
+    session = make(record_after=1)
+    step = session.region(scaling_its_tensor)
+    x, tensor, eager_tensor = torch.randn(2), torch.zeros(2), torch.zeros(2)
+    tensor.scale = eager_tensor.scale = 1.0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(6):
+            tensor.scale = eager_tensor.scale = 1.0  # the same key every call, changed by every run
+            assert torch.equal(step(x, State(t=tensor)), scaling_its_tensor(x, State(t=eager_tensor)))
+            assert tensor.scale == eager_tensor.scale == 2.0
+    assert session.stats().replays - session.stats().records <= 0
+    assert replay_warnings(caught) == [
+        f"region {step.name}: runs eagerly: the region changes args[1].t.scale: a Python assignment a graph "
+        "cannot replay"
+    ]
+
+
 def rotating(x, state):
     out = torch.cat([x, *state.parts.values()])
     state.parts.move_to_end(next(iter(state.parts)))  # reorders the OrderedDict alone
