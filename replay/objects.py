@@ -155,11 +155,31 @@ def _slot_names(cls: type) -> tuple[str, ...]:
     return tuple(names)
 
 
+#: What a class body may hold that computes nothing an instance shows: methods, and the
+#: descriptors of slots and of ``__dict__``. Any other descriptor (a property, a custom
+#: ``__get__``) computes what it shows, from wherever it reads.
+_PLAIN_ATTRIBUTES = (
+    types.FunctionType,
+    classmethod,
+    staticmethod,
+    types.MemberDescriptorType,
+    types.GetSetDescriptorType,
+    types.MethodDescriptorType,
+    types.WrapperDescriptorType,
+    types.ClassMethodDescriptorType,
+    types.BuiltinFunctionType,
+)
+
+
 def _computes_state(cls: type) -> bool:
-    """Whether the class computes what its instances hold: a property or ``__getattr__``."""
+    """Whether the class computes what its instances show: ``__getattr__``,
+    ``__getattribute__``, a property or any other descriptor with ``__get__``."""
     for klass in cls.__mro__[:-1]:
-        if "__getattr__" in klass.__dict__ or any(isinstance(v, property) for v in klass.__dict__.values()):
+        if "__getattr__" in klass.__dict__ or "__getattribute__" in klass.__dict__:
             return True
+        for value in klass.__dict__.values():
+            if not isinstance(value, _PLAIN_ATTRIBUTES) and hasattr(type(value), "__get__"):
+                return True
     return False
 
 
@@ -378,7 +398,8 @@ class ObjectWalk:
         if not names and not any(slot is not _UNSET for slot in slots) and walk.computed:
             raise refused(
                 f"is a {_name(cls)} that holds no state of its own (its class computes what it shows, through "
-                "properties or __getattr__), so a key cannot see what the region reads from it",
+                "properties, other descriptors, __getattr__ or __getattribute__), so a key cannot see what the "
+                "region reads from it",
                 path,
             )
         return ("object", cls, names, children, walk.slots, tuple(slots))

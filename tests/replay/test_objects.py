@@ -57,6 +57,23 @@ class Computed:  # no state of its own: what it shows comes from elsewhere
         return 2.0
 
 
+_SHOWN = {"scale": 2.0}
+
+
+class _Shown:  # a descriptor of its own, reading what it shows from elsewhere
+    def __get__(self, instance, owner):
+        return _SHOWN["scale"]
+
+
+class Described:
+    scale = _Shown()
+
+
+class Forwarding:  # every attribute through __getattribute__
+    def __getattribute__(self, name):
+        return _SHOWN[name] if name in _SHOWN else object.__getattribute__(self, name)
+
+
 # --- structures ----------------------------------------------------------------------------------
 def test_an_object_is_a_carrier_leaf_returned_as_it_is_with_its_contents_as_shadow_leaves():
     x, t = torch.randn(3), torch.randn(2, 2)
@@ -242,6 +259,8 @@ REFUSED = {
     ),
     "a functools.partial": (lambda: State(p=functools.partial(len)), r"args\[0\]\.p is a functools\.partial"),
     "a property-only object": (lambda: State(c=Computed()), r"args\[0\]\.c is a .*Computed that holds no state"),
+    "a descriptor-only object": (lambda: State(c=Described()), r"args\[0\]\.c is a .*Described that holds no state"),
+    "a __getattribute__ object": (lambda: State(c=Forwarding()), r"args\[0\]\.c is a .*Forwarding that holds no"),
     "a dynamic scalar inside": (lambda: State(pos=dynamic(3)), r"args\[0\]\.pos is a dynamic scalar inside an object"),
     "a tensor as a dict key": (lambda: State(d={torch.zeros(1): 1}), r"args\[0\]\.d key .* is a tensor inside"),
     "a tensor in a set": (lambda: State(s={1, 2}, f=frozenset({torch.zeros(1)})), r"args\[0\]\.f item"),
