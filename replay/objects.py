@@ -330,7 +330,8 @@ class ObjectWalk:
             raise refused(
                 f"lies deeper than {MAX_DEPTH} levels of objects and containers (replay.objects.MAX_DEPTH)", path
             )
-        return ("tensor", self._members(state, path, depth))
+        reference = self._first_meeting(state)  # a tensor met twice, or its attributes reaching it: a reference
+        return ("tensor", reference or self._members(state, path, depth))
 
     def _sequence(self, value: tuple | list, cls: type, path: str, depth: int) -> tuple:
         if not isinstance(value, tuple):
@@ -482,6 +483,8 @@ def _difference(a: object, b: object, path: str) -> str | None:
     if a == b:
         return None
     if isinstance(a, tuple) and isinstance(b, tuple) and a[0] == b[0] == "tensor":  # a tensor's attributes
+        if "ref" in (a[1][0], b[1][0]):
+            return path
         return _members_difference(a[1], b[1], path) or path
     if not (isinstance(a, tuple) and isinstance(b, tuple)) or a[0] != b[0] or a[1] != b[1] or a[0] in ("ref", "set"):
         return path

@@ -504,6 +504,7 @@ OPERATIONS = st.sampled_from(
         "same_scale",
         "nan_scale",
         "add_attribute",
+        "tensor_attribute",
         "grad",
         "release",
     ]
@@ -536,6 +537,8 @@ def _apply(operation: str, state: dict, region, session) -> None:
         layer.scale = {"set_scale": layer.scale + 1.0, "same_scale": float(str(layer.scale))}.get(operation, math.nan)
     elif operation == "add_attribute":
         cache.__dict__.setdefault("extra", 0)
+    elif operation == "tensor_attribute":
+        layer.keys.note = getattr(layer.keys, "note", 0) + 1  # a tensor's own attribute, added then changed
     elif operation == "grad":
         layer.spare.requires_grad_(not layer.spare.requires_grad)
     elif operation == "release":

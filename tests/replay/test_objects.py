@@ -230,6 +230,9 @@ def test_a_tensors_own_python_attributes_are_keyed_and_a_change_to_them_is_seen(
     tensor.extra = None
     assert key_of(state) != base
     assert objects.first_change(before, objects.snapshot(spec, leaves, paths)) == "args[0].t.extra"
+    tensor.itself, state.again = tensor, tensor  # reaching itself, met twice: references, as objects are
+    spec, leaves, paths = walked(state)
+    assert paths == ["args[0]", "args[0].t", "args[0].t.scale", "args[0].t.extra", "args[0].t.itself", "args[0].again"]
 
 
 def test_classes_and_functions_held_as_attributes_are_keyed_by_identity():
