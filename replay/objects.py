@@ -22,16 +22,16 @@ Walked: an object's ``__dict__`` (in its order) and ``__slots__`` (an unset slot
 its own); lists, tuples, dicts (keys keyed exactly), sets and their subclasses inside (the
 class keyed, a subclass's own attributes walked too); nested objects; an ``nn.Module``'s
 parameters, buffers and submodules by name (``args[0].layers[3].self_attn.q_proj.weight``)
-and its other attributes, without its state-dict hooks (which a call never runs). An object
-reached twice is keyed as a reference to where it was first met, so sharing is part of the
-structure (and a cycle ends). Bounds: :data:`MAX_DEPTH` levels of nesting and
+and its other attributes, without its state-dict hooks (which a call never runs); a tensor's
+own Python attributes (``t.scale``), as an object's. An object reached twice is keyed as a
+reference to where it was first met, so sharing is part of the structure (and a cycle ends). Bounds: :data:`MAX_DEPTH` levels of nesting and
 :data:`MAX_LEAVES` leaves for all the objects of a call.
 
 Refused (:class:`replay.errors.RefusedKey` naming the path): objects of C extension
 types that keep state Python cannot read (a ``torch.Generator``, a lock, a ``functools.partial``),
-objects whose class computes what they hold (no instance state, but properties or
-``__getattr__``), a dynamic scalar or a padded marker inside an object (pass it as an argument
-of its own), a walk beyond the bounds, and values a constant may not be (a tensor as a dict
+objects whose class computes what they hold (no instance state, but properties, other
+descriptors, ``__getattr__`` or ``__getattribute__``), a dynamic scalar or a padded marker
+inside an object (pass it as an argument of its own), a walk beyond the bounds, and values a constant may not be (a tensor as a dict
 key, an object compared by its own equality inside a set).
 
 Side effects: a graph cannot replay a Python assignment. :func:`snapshot` records the
@@ -136,8 +136,8 @@ _STATELESS_C_CLASSES = frozenset(
 @attrs.frozen
 class ClassWalk:
     """How the instances of one class are walked: ``refusal`` (why they cannot be, or ""),
-    the names of their slots, whether the class computes what its instances hold (properties,
-    ``__getattr__``), whether it is an ``nn.Module``."""
+    the names of their slots, whether the class computes what its instances hold (descriptors,
+    ``__getattr__``, ``__getattribute__``), whether it is an ``nn.Module``."""
 
     refusal: str
     slots: tuple[str, ...]
