@@ -24,15 +24,17 @@ class keyed, a subclass's own attributes walked too); nested objects; an ``nn.Mo
 parameters, buffers and submodules by name (``args[0].layers[3].self_attn.q_proj.weight``)
 and its other attributes, without its state-dict hooks (which a call never runs); a tensor's
 own Python attributes (``t.scale``), as an object's. An object reached twice is keyed as a
-reference to where it was first met, so sharing is part of the structure (and a cycle ends). Bounds: :data:`MAX_DEPTH` levels of nesting and
-:data:`MAX_LEAVES` leaves for all the objects of a call.
+reference to where it was first met, so sharing is part of the structure (and a cycle ends).
+Bounds: :data:`MAX_DEPTH` levels of nesting and :data:`MAX_LEAVES` leaves for all the objects
+of a call.
 
 Refused (:class:`replay.errors.RefusedKey` naming the path): objects of C extension
 types that keep state Python cannot read (a ``torch.Generator``, a lock, a ``functools.partial``),
 objects whose class computes what they hold (no instance state, but properties, other
 descriptors, ``__getattr__`` or ``__getattribute__``), a dynamic scalar or a padded marker
-inside an object (pass it as an argument of its own), a walk beyond the bounds, and values a constant may not be (a tensor as a dict
-key, an object compared by its own equality inside a set).
+inside an object (pass it as an argument of its own), a walk beyond the bounds, and values a
+constant may not be (a tensor as a dict key, an object compared by its own equality inside a
+set).
 
 Side effects: a graph cannot replay a Python assignment. :func:`snapshot` records the
 structure and the plain values of a call's objects (and which tensor each attribute holds, at
