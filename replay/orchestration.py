@@ -77,7 +77,8 @@ class KeyRecorder:
         named = region.snapshot.tensors_by_name() if region.snapshot is not None else jitcore.TensorsByName([], True)
         module = region.fn if isinstance(region.fn, torch.nn.Module) else getattr(region.fn, "__self__", None)
         attributes = [*module.parameters(), *module.buffers()] if isinstance(module, torch.nn.Module) else []
-        return recording.HeldTensors(named.tensors, attributes, complete=named.complete)
+        watched = getattr(getattr(region.snapshot, "watch", None), "tensors", ())
+        return recording.HeldTensors(named.tensors, attributes, complete=named.complete, watched=watched)
 
     # --- the observed warm-up -------------------------------------------------------------------
     def observed_warm_up(self, call: FlatCall, entry: Entry | None, key: tuple, device: int):
