@@ -1679,7 +1679,7 @@ def owned_output_memory(capture: Capture) -> dict[int, int]:
     return memory
 
 
-def first_outputs(capture: Capture, inputs: Sequence) -> object:
+def first_outputs(capture: Capture, inputs: Sequence, hand_out=None) -> object:
     """What the first launch of a fresh capture returns, as every replay returns it, the
     capture's own objects never handed out (replay.output_identity.first_outputs)."""
-    return output_identity.first_outputs(capture, inputs)
+    return output_identity.first_outputs(capture, inputs, hand_out)

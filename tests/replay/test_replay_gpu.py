@@ -197,6 +197,34 @@ def test_outputs_are_overwritten_clone_outputs_copies_and_stale_reads_are_caught
             a.sum()
 
 
+COUNTS: list = []  # a global tensor a region writes and returns (made where CUDA is)
+
+
+def counts_and_doubles(x):
+    counts = COUNTS[0]
+    counts.add_(1)
+    return x, counts, x * 2, counts[1:]
+
+
+@pytest.mark.parametrize("policy", ["clone_outputs", "check_stale"])
+def test_clone_outputs_and_check_stale_touch_only_what_the_graph_writes(policy):
+    """The caller's argument and a global the region returns are what eager returns (the
+    objects themselves, a view of the global over the global), on the recording call and on
+    every replay; only the graph's own output is copied, or guarded."""
+    COUNTS[:] = [torch.zeros(4, device="cuda")]
+    with replay.capture(record_after=0, **{policy: True}) as session:
+        step = session.region(counts_and_doubles)
+        for calls in range(1, 6):
+            x = torch.randn(4, device="cuda")
+            arg, counts, doubled, tail = step(x)
+            assert arg is x and counts is COUNTS[0] and type(counts) is torch.Tensor
+            assert torch.equal(counts, torch.full((4,), float(calls), device="cuda")) and torch.equal(doubled, x * 2)
+            assert tail.data_ptr() == counts.data_ptr() + 4 and type(tail) is torch.Tensor
+            assert (type(doubled) is torch.Tensor) == (policy == "clone_outputs")
+        assert session.stats().replays >= 4
+    COUNTS.clear()
+
+
 def mixed(x, w):
     h = torch.empty_like(x)
     relu(x, h)
