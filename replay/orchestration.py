@@ -92,10 +92,10 @@ class KeyRecorder:
         observed = region.hints[call.spec] = Hints(observed_key=key)
         result = self._observed_run(call, entry, observed)
         if observed.effect is not None:
-            try:
-                key = region.keying.key_of(call, device)
+            try:  # (a torch setting the run changed: the key of the settings it began with)
+                key = key if observed.effect.settings else region.keying.key_of(call, device)
             except RefusedKey:
-                pass  # (the run changed a setting the key holds: its calls are keyed anew)
+                pass
             self.refuse_replays(key, observed.effect)
         return result
 

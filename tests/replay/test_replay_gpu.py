@@ -225,6 +225,32 @@ def test_clone_outputs_and_check_stale_touch_only_what_the_graph_writes(policy):
     COUNTS.clear()
 
 
+def turns_tf32_on(x, w):
+    torch.backends.cuda.matmul.allow_tf32 = True  # and leaves it on: every eager call sets it
+    return x @ w
+
+
+def test_a_region_leaving_a_torch_setting_changed_runs_eagerly_where_the_caller_puts_it_back():
+    x, w = torch.randn(64, 64, device="cuda"), torch.randn(64, 64, device="cuda")
+    before = torch.backends.cuda.matmul.allow_tf32
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with replay.capture(record_after=0) as session:
+                step = session.region(turns_tf32_on)
+                for _ in range(5):
+                    torch.backends.cuda.matmul.allow_tf32 = False
+                    step(x, w)
+                    assert torch.backends.cuda.matmul.allow_tf32  # as eagerly, at every call
+                assert session.stats().replays <= 1  # the first launch of the refused capture at most
+                for _ in range(5):  # left on: a key whose runs change nothing, replayed
+                    assert torch.equal(step(x, w), turns_tf32_on(x, w))
+                assert session.stats().replays >= 4
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+    assert any("leaves it changed" in str(w.message) for w in caught)
+
+
 def mixed(x, w):
     h = torch.empty_like(x)
     relu(x, h)
