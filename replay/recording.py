@@ -1015,7 +1015,10 @@ def _pool_memory_holding(
     (or be a global's, returned as is): only a snapshot tells."""
     if measured:
         return pool_memory
-    _spec, leaves, _paths = flatten((outputs,), {}, walk_dataclasses=True)
+    try:
+        _spec, leaves, _paths = flatten((outputs,), {}, walk_dataclasses=True)
+    except TypeError:  # a result no graph returns: own_outputs refuses it, naming why (CaptureFailed)
+        return pool_memory
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor) and leaf.device.type == "cuda" and leaf.numel():
             lo, hi = byte_range(leaf)
