@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import array
+import collections
 import random
 import types
 import warnings
@@ -249,6 +250,34 @@ def test_a_region_leaving_a_torch_setting_changed_runs_eagerly_where_the_caller_
     finally:
         torch.backends.cuda.matmul.allow_tf32 = before
     assert any("leaves it changed" in str(w.message) for w in caught)
+
+
+class _ModelOutput(collections.OrderedDict):  # transformers' pattern: no graph returns it
+    pass
+
+
+def returns_a_model_output(x):
+    return _ModelOutput(logits=x * 2)
+
+
+def returns_a_dict_keyed_by_its_argument(x):
+    return {x: x * 2}
+
+
+@pytest.mark.parametrize("fn", [returns_a_model_output, returns_a_dict_keyed_by_its_argument])
+def test_a_result_no_graph_returns_runs_eagerly_with_a_warning_never_an_error(fn):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with replay.capture(record_after=0) as session:
+            step = session.region(fn)
+            for _ in range(4):
+                x = torch.randn(4, device="cuda")
+                out = step(x)
+                assert type(out) is type(fn(x)) and torch.equal(next(iter(out.values())), x * 2)
+                assert fn is returns_a_model_output or next(iter(out)) is x
+            stats = session.stats()
+    assert stats.replays == 0 and stats.eager_only_keys == 1
+    assert any(issubclass(w.category, replay.ReplayWarning) for w in caught)
 
 
 def mixed(x, w):
