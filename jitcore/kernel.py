@@ -98,6 +98,19 @@ class Kernel:
         self._specializations: dict[tuple[str, ...], KernelSpecialization] = {}  # by spelled arguments
         self._lock = threading.Lock()
 
+    #: What its compiled binaries and parameter types are made of: fixed once set, since a
+    #: specialization compiles once per device (a later ``kernel.options = [...]`` would keep
+    #: running the binary of the old options).
+    _FIXED = frozenset({"source", "name", "options", "signature", "declaration"})
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name in Kernel._FIXED and name in self.__dict__:
+            raise AttributeError(
+                f"Kernel.{name} is fixed when the kernel is made (its compiled binaries depend on it): make another "
+                "jc.Kernel instead"
+            )
+        object.__setattr__(self, name, value)
+
     def instantiate(self, *template_args: object) -> KernelSpecialization:
         """The specialization for these template arguments (torch dtypes, ints, bools, str).
 

@@ -103,6 +103,7 @@ class DynamicScalar(DeferredScalar):
     __complex__ = DeferredScalar.refusal("complex()")
     __hash__ = DeferredScalar.refusal("hash()")
     __format__ = DeferredScalar.refusal("formatting")
+    __str__ = DeferredScalar.refusal("str()")  # (repr, a debugging aid, names it as what it is)
 
     def _arithmetic(self, op: str, other: object, reflected: bool) -> DynamicScalar:
         constants = dict(self.constants)

@@ -1,5 +1,6 @@
 """What a region's run may do that no graph replays: a Python assignment to an object it was
-passed or to the state its watch sees, a draw from the CPU generator.
+passed or to the state its watch sees, a draw from the CPU generator, a torch setting left
+changed.
 
 Why they refuse a key rather than drop or re-key: a graph replays what the GPU did while it
 was recorded, never the Python that ran (``cache.seen_tokens += 1``, ``self.calls += 1``), and
@@ -39,6 +40,11 @@ CPU_DRAW = "the region draws from the CPU generator: a graph would repeat its re
 MAX_KEYS = 1024
 
 
+def setting(name: str) -> str:
+    """Why a key whose run left a torch setting changed runs eagerly."""
+    return f"the region changes a torch setting ({name}) and leaves it changed: a graph cannot replay that"
+
+
 def assignment(path: str) -> str:
     """Why a key whose run set ``path`` runs eagerly."""
     return f"the region changes {path}: a Python assignment a graph cannot replay"
@@ -54,6 +60,7 @@ class Effect:
     reason: str
     path: str = ""
     changed: int | None = None
+    settings: bool = False  # a torch setting: the key is the one of the settings before the run
 
 
 @attrs.define
@@ -65,15 +72,20 @@ class RunEffects:
     call: FlatCall
     objects_before: objects.Snapshot | None
     random_before: torch.Tensor
+    settings_before: tuple | None = None
 
     @classmethod
     def before(cls, call: FlatCall) -> RunEffects:
-        return cls(call, objects.snapshot(call.spec, call.leaves, call.paths), torch_state.cpu_random_state())
+        snapshot = objects.snapshot(call.spec, call.leaves, call.paths)
+        return cls(call, snapshot, torch_state.cpu_random_state(), torch_state.settings_or_none())
 
     def after(self) -> Effect | None:
         """What the run did since :meth:`before` that no graph replays (None: nothing)."""
         if torch_state.cpu_random_advanced(self.random_before):
             return Effect(CPU_DRAW)
+        name = torch_state.setting_changed(self.settings_before)
+        if name is not None:
+            return Effect(setting(name), settings=True)
         if self.objects_before is None:
             return None
         call = self.call

@@ -272,12 +272,20 @@ def maker(graph, number: int) -> Callable[[], torch.Tensor] | None:
     size, stride = tuple(tensor.shape), tuple(tensor.stride())
     if not tensor.numel():
         return functools.partial(torch.empty_strided, size, stride, dtype=tensor.dtype, device=tensor.device)
-    owned = getattr(graph.capture, "identity", output_identity.UNKNOWN).owned
-    storage = owned[number][0] if number in owned else tensor.untyped_storage().data_ptr()
-    if storage in graph.output_memory:
+    if writes(graph, number):
         return tensor.detach
     template = torch.as_strided(tensor, size, stride, tensor.storage_offset())
     return functools.partial(torch.as_strided, template, size, stride, tensor.storage_offset())
+
+
+def writes(graph, number: int) -> bool:
+    """Whether output ``number`` (an OwnedOutput) lies in memory the graph writes at every
+    replay: the outputs ``clone_outputs`` copies and ``check_stale`` guards."""
+    tensor = graph.outputs[number].tensor
+    if not tensor.numel():
+        return False
+    owned = getattr(graph.capture, "identity", output_identity.UNKNOWN).owned
+    return (owned[number][0] if number in owned else tensor.untyped_storage().data_ptr()) in graph.output_memory
 
 
 def makers(graph) -> dict[int, Callable]:
@@ -325,9 +333,12 @@ def _expression(code: Source, graph, number: int, clone: bool, guard: bool) -> s
     if isinstance(item, SlotOutput):  # a fresh tensor on the slot's memory
         return _handed_out(code, f"_v[{int(item.number)}]", clone, guard, ".detach()")
     if isinstance(item, OwnedOutput):  # made afresh by the same object the C step calls
-        return _handed_out(code, f"{code.bind(graph.output_makers[number], '_make')}()", clone, guard)
-    if isinstance(item, HeldOutput):
-        return _handed_out(code, code.bind(item.tensor, "_out"), clone, guard)
+        made = f"{code.bind(graph.output_makers[number], '_make')}()"
+        # copied or guarded only where the graph writes it (not an empty tensor or a view of
+        # a global, which eager makes anew or reads where the global lies)
+        return _handed_out(code, made, clone, guard) if writes(graph, number) else made
+    if isinstance(item, HeldOutput):  # the global itself, as eagerly (no copy, no guard)
+        return code.bind(item.tensor, "_out")
     if isinstance(item, InputView):
         owner = item.input
         if item.whole:

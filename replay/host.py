@@ -27,6 +27,7 @@ memory, and host tensors with a lazy conjugate or negative bit.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Iterable
 
 import torch
 
@@ -269,3 +270,42 @@ def blocking_rewrite(func, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
             return (*args[:2], True, *args[3:]), kwargs
         return args, {**kwargs, "non_blocking": True}
     return args, kwargs
+
+
+def named_host_ranges(tensors: Iterable[object]) -> list[tuple[tuple[int, int], bool]]:
+    """(byte range of its storage, pinned) of each CPU tensor among ``tensors`` (those a region
+    reaches by name: its globals, closures and module attributes), for the capture's observer.
+
+    Why: a torch op reading such a tensor on the CPU (``x * scale`` with a 0-dim CPU ``scale``,
+    ``scale.item()``, ``int(flags[0])``) runs once, at the capture, and the graph keeps the
+    values it read; the watch sees the tensor's identity and layout, never its values, so a
+    later ``scale.fill_(...)`` would leave every replay on the old value. The storage, not the
+    tensor: a view the region makes may reach beyond the tensor itself."""
+    ranges, seen = [], set()
+    for tensor in tensors:
+        if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu" or tensor.layout is not torch.strided:
+            continue
+        storage = tensor.untyped_storage()
+        span = (storage.data_ptr(), storage.data_ptr() + storage.nbytes())
+        if span[0] and span not in seen:
+            seen.add(span)
+            ranges.append((span, tensor.is_pinned()))
+    return ranges
+
+
+def named_use_refusal(func, named: dict, hits: dict[str, int], pinned: set[int]) -> str | None:
+    """Why a torch op touching a CPU tensor the region reaches by name cannot be captured (None:
+    it can). Only a plain copy of a pinned one to the device, asked non-blocking by the region
+    itself, is replayed: the graph's copy reads the tensor's memory when it runs, as the eager
+    copy reads it asynchronously. Anything else reads the values on the CPU (baked into the
+    graph), or copies pageable memory, which a replay would read later than eager does."""
+    name = getattr(func, "__name__", str(func))
+    copies = host_use_refusal(func, named, hits, str) is None
+    non_blocking = named.get("non_blocking") is True
+    if copies and non_blocking and set(hits.values()) <= pinned:
+        return None
+    return (
+        f"{name} reads a CPU tensor the region reaches by name (a global, closure or module attribute) on the "
+        "CPU: its values would be baked into the graph, and a later in-place write to it would not reach a "
+        "replay (move it to the GPU, or pass it as an argument)"
+    )

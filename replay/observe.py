@@ -73,7 +73,13 @@ class TorchOpObserver(TorchDispatchMode):
     arguments during a capture. An op touching one that is not a plain copy to a device
     tensor is noted in ``host_refusals`` (see :func:`replay.host.host_use_refusal`). With
     ``rewrite_blocking`` (a capture), such an op raises ``HostInputRefused`` before it runs,
-    and the copies allowed run non-blocking (see :func:`replay.host.blocking_rewrite`)."""
+    and the copies allowed run non-blocking (see :func:`replay.host.blocking_rewrite`).
+
+    ``named``: the storages of the CPU tensors the region reaches by name (a global, a closure
+    or module attribute: :func:`replay.host.named_host_ranges`), each with whether it is pinned.
+    An op reading one on the CPU would bake its values into the graph, where a later in-place
+    write would not reach them: noted (and raised in a capture) like a host input's misuse
+    (:func:`replay.host.named_use_refusal`), never rewritten."""
 
     def __init__(
         self,
@@ -81,6 +87,7 @@ class TorchOpObserver(TorchDispatchMode):
         host: Sequence[tuple[int, tuple[int, int]]] = (),
         describe=str,
         rewrite_blocking: bool = False,
+        named: Sequence[tuple[tuple[int, int], bool]] = (),
     ):
         super().__init__()
         self.ranges = list(ranges)
@@ -91,6 +98,8 @@ class TorchOpObserver(TorchDispatchMode):
         # an input, or rebinding it, would part it from memory the op reads at a fixed address
         self.reached_beyond: set[int] = set()
         self.host = list(host)
+        self.named = [(-1 - n, span) for n, (span, _pinned) in enumerate(named)]
+        self.pinned = {-1 - n for n, (_span, pinned) in enumerate(named) if pinned}
         self.describe = describe
         self.rewrite_blocking = rewrite_blocking
         self.host_refusals: list[str] = []
@@ -106,8 +115,10 @@ class TorchOpObserver(TorchDispatchMode):
             self.reached_beyond.update(hits)
         return hits
 
-    def _host_hits(self, arguments: tuple, args: tuple, kwargs: dict) -> tuple[dict, dict]:
-        """The op's arguments by name, and which of them touch a host buffer (name -> input)."""
+    def _host_hits(self, arguments: tuple, args: tuple, kwargs: dict, host: Sequence = ()) -> tuple[dict, dict]:
+        """The op's arguments by name, and which of them touch a host buffer (name -> input;
+        ``host``: (index, byte range) of the buffers, the host inputs' by default)."""
+        host = host or self.host
         named, hits = {}, {}
         for name, _written, value, tensors in _arguments_and_tensors(arguments, args, kwargs):
             named[name] = value
@@ -115,7 +126,7 @@ class TorchOpObserver(TorchDispatchMode):
                 if tensor.device.type != "cpu" or tensor.layout is not torch.strided:
                     continue
                 lo, hi = byte_range(tensor)
-                for i, (a, b) in self.host:
+                for i, (a, b) in host:
                     if (a < hi and lo < b) or (lo == hi and a <= lo < max(b, a + 1)):
                         hits.setdefault(name, i)
         return named, hits
@@ -131,6 +142,10 @@ class TorchOpObserver(TorchDispatchMode):
             with self:
                 return run_as_parts(func, args, kwargs)
         arguments = _schema_arguments(func)
+        if arguments and self.named:
+            named, hits = self._host_hits(arguments, args, kwargs, self.named)
+            if hits:
+                self._refuse(host_inputs.named_use_refusal(func, named, hits, self.pinned))
         if arguments and self.host:
             named, hits = self._host_hits(arguments, args, kwargs)
             if hits:

@@ -9,6 +9,7 @@ result); its analysis waits for the key's next call, so a key called once is nev
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 
@@ -20,7 +21,8 @@ from jitcore.for_replay import CaptureBusy, get_backend
 from replay import effects, instrumentation, objects, recording, region_keys
 from replay.dispatch import MISS, SHARED_CAPTURE_EXCLUSION, flat_guard
 from replay.errors import RefusedKey
-from replay.graph import RecordedGraph, guard_outputs
+from replay.graph import RecordedGraph
+from replay.graph_outputs import stale_guard
 from replay.keying import KeyText, describe_key
 from replay.lifecycle import ANALYSING, WARMING, Entry
 from replay.observe import op_observer
@@ -77,7 +79,8 @@ class KeyRecorder:
         named = region.snapshot.tensors_by_name() if region.snapshot is not None else jitcore.TensorsByName([], True)
         module = region.fn if isinstance(region.fn, torch.nn.Module) else getattr(region.fn, "__self__", None)
         attributes = [*module.parameters(), *module.buffers()] if isinstance(module, torch.nn.Module) else []
-        return recording.HeldTensors(named.tensors, attributes, complete=named.complete)
+        watched = getattr(getattr(region.snapshot, "watch", None), "tensors", ())
+        return recording.HeldTensors(named.tensors, attributes, complete=named.complete, watched=watched)
 
     # --- the observed warm-up -------------------------------------------------------------------
     def observed_warm_up(self, call: FlatCall, entry: Entry | None, key: tuple, device: int):
@@ -89,10 +92,10 @@ class KeyRecorder:
         observed = region.hints[call.spec] = Hints(observed_key=key)
         result = self._observed_run(call, entry, observed)
         if observed.effect is not None:
-            try:
-                key = region.keying.key_of(call, device)
+            try:  # (a torch setting the run changed: the key of the settings it began with)
+                key = key if observed.effect.settings else region.keying.key_of(call, device)
             except RefusedKey:
-                pass  # (the run changed a setting the key holds: its calls are keyed anew)
+                pass
             self.refuse_replays(key, observed.effect)
         return result
 
@@ -240,12 +243,12 @@ class KeyRecorder:
             capture.host.launched()  # it reads the host inputs' pinned buffers until done
         entry.uses_rng = generator is not None and generator.get_offset() != offset
         entry.rng_epoch = recording.GENERATOR_EPOCH[0]
-        outputs = recording.first_outputs(capture, leaves)
+        hand_out = None  # what a replay does to the outputs in the graph's memory, and to nothing else
         if session.policy.clone_outputs:
-            return _clone_tensors(outputs)
-        if session.policy.check_stale:
-            return guard_outputs(outputs, entry)
-        return outputs
+            hand_out = torch.Tensor.clone
+        elif session.policy.check_stale:
+            hand_out = functools.partial(stale_guard, owner=entry)
+        return recording.first_outputs(capture, leaves, hand_out)
 
     # --- the next call: analysis into a graph --------------------------------------------------
     def finish(self, entry: Entry, key: tuple, call: FlatCall, device: int):
@@ -420,9 +423,3 @@ def _cuda_generator(device: int):
         return torch.cuda.default_generators[device]
     except (IndexError, RuntimeError, AttributeError):
         return None
-
-
-def _clone_tensors(value: object) -> object:
-    spec, leaves, _ = region_keys.flatten((value,), {}, walk_dataclasses=True)
-    cloned = [leaf.clone() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
-    return region_keys.unflatten(spec, cloned)[0][0]

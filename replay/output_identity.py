@@ -19,7 +19,7 @@ changes what the graph was recorded with.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import attrs
 import torch
@@ -110,13 +110,16 @@ def with_memory(identity: OutputIdentity, outputs: object, owned_storages: set[i
     return attrs.evolve(identity, owned=owned, addresses=addresses, held=identity.held - owned.keys())
 
 
-def first_outputs(capture, inputs: Sequence) -> object:
+def first_outputs(capture, inputs: Sequence, hand_out: Callable | None = None) -> object:
     """What the first launch of a fresh capture returns, as every replay returns it: an
     argument returned as is is the caller's argument, a tensor the region reaches by name that
     tensor, anything else a fresh object (a view of the caller's input for a view of an input
     or its staged buffer, a ``detach()`` of memory the graph owns, a fresh view of a global,
     a fresh empty tensor), the same object where the region returned one object twice; dynamic
-    scalars as their recorded values. The capture's own objects are never handed out."""
+    scalars as their recorded values. The capture's own objects are never handed out.
+    ``hand_out``: applied to each tensor in memory the graph writes, and to nothing else (a
+    copy under ``clone_outputs``, a stale guard under ``check_stale``), as a replay applies it:
+    the caller's argument, a global and views of them are what eager returns."""
     spec, leaves, _ = flatten((capture.outputs,), {}, walk_dataclasses=True)
     identity = getattr(capture, "identity", None) or UNKNOWN
     owned = getattr(capture, "owned_outputs", set())
@@ -132,11 +135,11 @@ def first_outputs(capture, inputs: Sequence) -> object:
         elif n in identity.inputs:
             values.append(inputs[identity.inputs[n]])
         else:
-            values.append(_fresh(leaf, buffers, inputs, owned))
+            values.append(_fresh(leaf, buffers, inputs, owned, hand_out))
     return unflatten(spec, values)[0][0]
 
 
-def _fresh(leaf: torch.Tensor, buffers: Mapping[int, torch.Tensor], inputs: Sequence, owned: set[int]):
+def _fresh(leaf: torch.Tensor, buffers: Mapping[int, torch.Tensor], inputs: Sequence, owned: set[int], hand_out=None):
     """A fresh object for a tensor output of the recording call (see :func:`first_outputs`)."""
     if not leaf.numel():
         return torch.empty_strided(leaf.shape, leaf.stride(), dtype=leaf.dtype, device=leaf.device)
@@ -145,7 +148,7 @@ def _fresh(leaf: torch.Tensor, buffers: Mapping[int, torch.Tensor], inputs: Sequ
         if lo <= leaf.data_ptr() and leaf.data_ptr() + extent_bytes(leaf) <= lo + extent_bytes(buffer):
             return _same_view_of(inputs[i], leaf, leaf.data_ptr() - lo)  # the same view of the caller's memory
     if leaf.untyped_storage().data_ptr() in owned:
-        return leaf.detach()
+        return leaf.detach() if hand_out is None else hand_out(leaf.detach())
     return torch.as_strided(leaf, leaf.shape, leaf.stride(), leaf.storage_offset())
 
 

@@ -628,6 +628,9 @@ class _CaptureInputs:
     staged_storages: dict[int, tuple[int, int]] = attrs.Factory(dict)
     # input -> why a pointer into it may not follow it (input_doubts, taken before the region ran)
     doubts: dict[int, InputDoubt] = attrs.Factory(dict)
+    # the CPU tensors the region reaches by name: (their storage's byte range, pinned), which
+    # the capture's observer refuses to see read on the CPU (host.named_host_ranges)
+    named_host: list[tuple[tuple[int, int], bool]] = attrs.Factory(list)
 
     def observed_ranges(self) -> list[tuple[int, int]]:
         """What the torch-op observer watches: ``watched``, then ``staged_storages``."""
@@ -721,6 +724,7 @@ def _prepare_inputs(
         host,
         _storages_beyond(tensors, staged, doubts),
         doubts,
+        host_inputs.named_host_ranges((*held.named, *held.attributes, *held.watched) if held is not None else ()),
     )
 
 
@@ -969,8 +973,11 @@ class _OnStream:
 def _observer(prepared: _CaptureInputs, observe: bool) -> contextlib.AbstractContextManager:
     """The capture's torch-op observer: a context manager whose value is what it saw."""
     host = prepared.host
-    if host is not None:  # always observed: a torch op reading host values would bake them in
-        return TorchOpObserver(prepared.observed_ranges(), host.ranges(), host.paths.get, rewrite_blocking=True)
+    if host is not None or prepared.named_host:  # always observed: a torch op reading host values would bake them in
+        ranges, describe = (host.ranges(), host.paths.get) if host is not None else ((), str)
+        return TorchOpObserver(
+            prepared.observed_ranges(), ranges, describe, rewrite_blocking=True, named=prepared.named_host
+        )
     if observe:
         return op_observer(prepared.observed_ranges())
     return contextlib.nullcontext(_NoObservation())
@@ -1008,7 +1015,10 @@ def _pool_memory_holding(
     (or be a global's, returned as is): only a snapshot tells."""
     if measured:
         return pool_memory
-    _spec, leaves, _paths = flatten((outputs,), {}, walk_dataclasses=True)
+    try:
+        _spec, leaves, _paths = flatten((outputs,), {}, walk_dataclasses=True)
+    except TypeError:  # a result no graph returns: own_outputs refuses it, naming why (CaptureFailed)
+        return pool_memory
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor) and leaf.device.type == "cuda" and leaf.numel():
             lo, hi = byte_range(leaf)
@@ -1322,6 +1332,9 @@ class HeldTensors:
     named: Sequence[torch.Tensor] = ()
     attributes: Sequence[torch.Tensor] = ()
     complete: bool = True
+    # every tensor the region's watch holds (replay.watch: deeper than ``named``, through the
+    # objects and modules it reaches): searched for CPU tensors only (host.named_host_ranges)
+    watched: Sequence[torch.Tensor] = ()
 
 
 def input_doubts(tensors: Mapping[int, torch.Tensor], held: HeldTensors | None = None) -> dict:
@@ -1669,7 +1682,7 @@ def owned_output_memory(capture: Capture) -> dict[int, int]:
     return memory
 
 
-def first_outputs(capture: Capture, inputs: Sequence) -> object:
+def first_outputs(capture: Capture, inputs: Sequence, hand_out=None) -> object:
     """What the first launch of a fresh capture returns, as every replay returns it, the
     capture's own objects never handed out (replay.output_identity.first_outputs)."""
-    return output_identity.first_outputs(capture, inputs)
+    return output_identity.first_outputs(capture, inputs, hand_out)

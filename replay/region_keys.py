@@ -124,7 +124,7 @@ def _flatten_into(
         keys = tuple(value)
         children = tuple(_flatten_into(value[k], leaves, f"{path}[{k!r}]", paths, outputs, walk) for k in keys)
         if outputs:  # no key compares an output's structure
-            return ("dict", keys, children)
+            return ("dict", _output_keys(keys, path), children)
         # graph.py and _rebuild read the first three; the fourth makes the spec compare the
         # keys exactly ({1: x}, {1.0: x} and {True: x} are three structures), the second not at all
         return ("dict", RawKeys(keys), children, _exact_keys(keys, path))
@@ -168,12 +168,29 @@ def _flatten_subclass(
         factory = (None,)
     children = tuple(_flatten_into(value[k], leaves, f"{path}[{k!r}]", paths, outputs, walk) for k in keys)
     children = (*factory, *children)
-    return (MappingOf(cls, keys, keys if outputs else _exact_keys(keys, path)), children)
+    return (MappingOf(cls, keys, _output_keys(keys, path) if outputs else _exact_keys(keys, path)), children)
 
 
 def _exact_keys(keys: tuple, path: str) -> tuple:
     """The exact keys of a dict's keys (:func:`constant_key`), in order."""
     return tuple(constant_key(k, f"{path} key {k!r}") for k in keys)
+
+
+def _output_keys(keys: tuple, path: str) -> tuple:
+    """A returned dict's keys, which a replay returns as recorded: a tensor among them (or in a
+    tuple or frozenset key) would be the recording's object at every replay, where eager
+    returns the call's (``{x: y}``), so it is a TypeError naming the path."""
+    pending = list(keys)
+    while pending:
+        key = pending.pop()
+        if isinstance(key, torch.Tensor):
+            raise TypeError(
+                f"{path} is a dict keyed by a tensor: a replay would return the recording's tensor as its key "
+                "(key it by something else, or return the tensor as a value)"
+            )
+        if isinstance(key, (tuple, frozenset)):
+            pending.extend(key)
+    return keys
 
 
 #: The paths of flat calls, by argument count (shared: callers never change ``paths``), for

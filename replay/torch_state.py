@@ -618,6 +618,29 @@ def _generated_check(program: SettingsProgram) -> Callable[[], bool]:
 
 
 # --- random draws from the CPU generator ------------------------------------------------------
+def settings_or_none() -> tuple | None:
+    """``torch_modes()``, or None where the key would be refused (a setting unreadable, a
+    state no graph holds): what :func:`setting_changed` compares a run's settings by."""
+    try:
+        return torch_modes()
+    except RefusedKey:
+        return None
+
+
+def setting_changed(before: tuple | None) -> str | None:
+    """The first setting a key holds (its MODE_NAMES words) that differs from ``before``
+    (:func:`settings_or_none`, read before a run of the region), or None. Why it refuses a key:
+    a region that sets a torch setting and leaves it set (``torch.set_default_dtype``, a TF32
+    switch, ``torch.set_grad_enabled``) changes it on every eager call, and a replay, which
+    runs none of the region's Python, would leave the caller's setting as it was."""
+    now = settings_or_none()
+    if now == before:
+        return None
+    if now is None or before is None:
+        return "a state the key refuses (a torch function or dispatch mode, a setting unreadable)"
+    return next(name for name, a, b in zip(MODE_NAMES, before, now) if a != b)
+
+
 def cpu_random_state() -> torch.Tensor:
     """The default CPU generator's state, a copy: what :func:`cpu_random_advanced` compares."""
     return torch.default_generator.get_state()

@@ -104,3 +104,14 @@ def test_one_spelling_is_one_specialization():
         assert kernel.instantiate(True) is kernel.instantiate(np.True_) is kernel.instantiate("true")
         assert kernel.instantiate(True) is not kernel.instantiate(1)
         assert kernel.instantiate(True).name_expression == "s<true>"
+
+
+@pytest.mark.parametrize("name", ["source", "name", "options", "signature", "declaration"])
+def test_what_a_kernels_binaries_are_made_of_cannot_be_changed_after_it_is_made(name):
+    """A specialization compiles once per device: a kernel whose options (or source) were set
+    anew would keep running the old binary, so the change is refused, naming the attribute."""
+    kernel = jc.Kernel(COPY, "copy", options=["-DA=1"])
+    before = getattr(kernel, name)
+    with pytest.raises(AttributeError, match=rf"Kernel\.{name} is fixed when the kernel is made"):
+        setattr(kernel, name, ("-DA=2",) if name == "options" else "other")
+    assert getattr(kernel, name) == before and kernel.instantiate(torch.float32).kernel is kernel

@@ -84,13 +84,34 @@ def test_evaluate_compiles_once_through_codegen_without_builtins(monkeypatch):
         lambda p: p == 3,
         lambda p: p < 3,
         lambda p: f"{p:d}",
+        lambda p: f"{p}",
+        str,
+        lambda p: "%s" % p,  # noqa: UP031 (the %-format is what is tested)
         lambda p: list(range(10))[p],
         lambda p: torch.full((2,), p),
         lambda p: torch.arange(p),
     ],
-    ids=["bool", "int", "float", "hash", "eq", "lt", "format", "index", "torch.full", "torch.arange"],
+    ids=[
+        "bool",
+        "int",
+        "float",
+        "hash",
+        "eq",
+        "lt",
+        "format",
+        "f-string",
+        "str",
+        "%s",
+        "index",
+        "torch.full",
+        "torch.arange",
+    ],
 )
 def test_uses_that_would_bake_the_value_are_refused(use):
+    """A string made of the value (``str(pos)`` returned, or a dict key chosen by it) would be
+    the recording's at every replay: refused like a number made of it; ``repr`` stays a
+    debugging aid that names it as what it is."""
+    assert repr(DynamicScalar("_d0", 3, "args[0]")) == "DynamicScalar(args[0] = 3)"
     pos = DynamicScalar("_d0", 3, "args[0]")
     with pytest.raises((DynamicScalarError, TypeError)) as info:
         use(pos)

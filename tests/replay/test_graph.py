@@ -577,6 +577,30 @@ def _owning(sim=None):
     return graph, sim, out
 
 
+@pytest.mark.parametrize("policy", ["clone_outputs", "check_stale"])
+def test_only_outputs_in_the_graphs_memory_are_copied_or_guarded(policy):
+    """``clone_outputs`` copies, and ``check_stale`` guards, what a later replay overwrites:
+    the graph's own output memory. The caller's argument, a global the region returns and views
+    of them are what eager returns (``out is w``; a write into ``out`` reaches ``w``), and one
+    object returned twice is one object (copied once)."""
+    x, w = torch.randn(8), torch.randn(4)
+    buffer = torch.empty(64, dtype=torch.uint8)
+    out = torch.empty(0).set_(buffer.untyped_storage(), 2, (2, 3), (3, 1))
+    outputs = (out, x, x[1:], w, w[1:], out, torch.empty(0, 2))
+    graph, _ = build([x], Plan(), outputs=outputs, held=[w], owned=[buffer], **{policy: True})
+    y = torch.randn(8)
+    mine, arg, view, held, held_view, again, empty = graph.replay(y)
+    assert arg is y and held is w and again is mine and type(held) is torch.Tensor
+    assert view._base is y and held_view.data_ptr() == w.data_ptr() + 4 and empty.shape == (0, 2)
+    assert all(type(t) is torch.Tensor for t in (arg, view, held, held_view, empty))
+    if policy == "clone_outputs":
+        assert mine.data_ptr() != out.data_ptr() and type(mine) is torch.Tensor and torch.equal(mine, out)
+    else:
+        assert isinstance(mine, graph_module.StaleGuardTensor) and mine.data_ptr() == out.data_ptr()
+    held_view.fill_(7.0)  # as eagerly: a write through a view of the global reaches it
+    assert torch.equal(w[1:], torch.full((3,), 7.0))
+
+
 @pytest.mark.parametrize(
     "resize",
     [

@@ -526,6 +526,66 @@ def test_torch_itself_cannot_capture_a_blocking_host_copy():
     torch.rand(4, device="cuda")  # the generator is not left capturing
 
 
+SCALE = torch.tensor(2.0)  # a CPU tensor a region reaches by name (as a module's plain tensor attribute)
+
+
+class Temperature(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.temperature = torch.tensor(0.5)  # not a buffer: .cuda() leaves it on the CPU
+
+    def forward(self, logits):
+        return logits / self.temperature
+
+
+def scaled_by_a_cpu_global(x):
+    return x * SCALE, SCALE.item()
+
+
+def test_a_cpu_tensor_the_region_reaches_by_name_is_never_baked_into_a_graph():
+    """A torch op reading a CPU tensor on the CPU (a 0-dim one as a scalar, ``.item()``) reads
+    it once, at the capture: the graph would keep the value, and the watch never sees an
+    in-place write. Such a key runs eagerly, with one warning, and every call is exact."""
+    module = Temperature().cuda()
+    x = torch.randn(8, device="cuda")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with replay.capture() as session:
+            step, sampler = session.region(scaled_by_a_cpu_global), session.region(module)
+            for value in (2.0, 2.0, 2.0, 3.0, 3.0, 5.0):
+                SCALE.fill_(value)
+                module.temperature.fill_(value / 4)
+                out, item = step(x)
+                assert torch.equal(out, x * value) and item == value
+                assert torch.equal(sampler(x), x / (value / 4))
+            stats = session.stats()
+    SCALE.fill_(2.0)
+    assert stats.replays == 0 and stats.eager_only_keys == 2
+    assert any("reaches by name" in str(w.message) for w in caught)
+
+
+PINNED: list = []  # a pinned CPU tensor a region reaches by name (made where CUDA is)
+
+
+def adds_a_pinned_global(x):
+    return x + PINNED[0].to("cuda", non_blocking=True)
+
+
+def test_a_pinned_cpu_tensor_the_region_copies_non_blocking_is_read_live_by_every_replay():
+    PINNED[:] = [torch.zeros(8).pin_memory()]
+    x = torch.randn(8, device="cuda")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", replay.ReplayWarning)
+        with replay.capture() as session:
+            step = session.region(adds_a_pinned_global)
+            for value in range(6):
+                torch.cuda.synchronize()  # as eagerly: the copy reads the memory when it runs
+                PINNED[0].fill_(float(value))
+                assert torch.equal(step(x), x + value)
+            assert session.stats().replays >= 3
+    PINNED.clear()
+
+
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.float16, torch.bool])
 def test_host_tensors_of_every_dtype_are_replayed_bit_for_bit(dtype):
     def region(x, host):

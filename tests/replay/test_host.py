@@ -139,6 +139,67 @@ def test_unsupported_host_tensors_are_named():
     assert "negative" in host_inputs.unsupported_reason(torch.randn(3, dtype=torch.complex64).conj().imag)
 
 
+# --- CPU tensors the region reaches by name: their values would be baked into the graph --------
+#: What a region may do with a CPU tensor it reaches by name (a global ``scale``) that a graph
+#: would bake: the op reads its values on the CPU once, at the capture.
+NAMED_READS = {
+    "a 0-dim CPU tensor as a scalar": lambda s, x: x * s,
+    "item()": lambda s, x: s.item(),
+    "int()": lambda s, x: int(s),
+    "a CPU op": lambda s, x: s + 1,
+    "written in place": lambda s, x: s.add_(1),
+    "a view of it read": lambda s, x: s.view(1).sum(),
+    "a blocking copy to the device": lambda s, x: s.to("meta"),
+}
+
+
+@pytest.mark.parametrize("name", NAMED_READS)
+def test_an_op_reading_a_cpu_tensor_the_region_reaches_by_name_refuses_the_capture_before_it_runs(name):
+    scale, x = torch.tensor(2.0), torch.ones(3)
+    named = host_inputs.named_host_ranges([torch.randn(2, device="meta"), torch.empty(0), scale, scale.view(1)])
+    assert named == [(region_keys.byte_range(scale), False)]  # its storage, once; CPU tensors only
+    with pytest.raises(host_inputs.HostInputRefused, match="a CPU tensor the region reaches by name"):
+        with TorchOpObserver([], (), str, True, named=named):
+            NAMED_READS[name](scale, x)
+    assert scale.item() == 2.0  # refused before it ran
+    observer = TorchOpObserver([], (), str, named=named)  # an observed eager run only notes it
+    with observer:
+        NAMED_READS[name](scale, x)
+    assert len(observer.host_refusals) == 1
+
+
+def test_metadata_of_a_cpu_tensor_reached_by_name_and_other_cpu_tensors_are_not_refused():
+    scale = torch.arange(4.0)
+    with TorchOpObserver([], (), str, True, named=host_inputs.named_host_ranges([scale])) as observer:
+        torch.empty_like(scale), scale.shape, scale.view(2, 2), torch.ones(3) * 2.0, torch.randn(2).sum()
+    assert observer.host_refusals == []
+
+
+def test_only_a_non_blocking_copy_of_a_pinned_cpu_tensor_reached_by_name_is_replayed():
+    """The graph's copy reads the memory when it runs, as the eager non-blocking copy of pinned
+    memory does; a blocking copy (which a capture would rewrite) or pageable memory, read later
+    by a replay than by eager, is refused."""
+    t = torch.arange(4.0)
+    copy = aten._to_copy.default
+    for non_blocking, pinned, allowed in ((True, {-1}, True), (False, {-1}, False), (True, set(), False)):
+        named = {"self": t, "device": torch.device("meta"), "non_blocking": non_blocking}
+        refusal = host_inputs.named_use_refusal(copy, named, {"self": -1}, pinned)
+        assert (refusal is None) is allowed
+    converting = {"self": t, "dtype": torch.float64, "device": torch.device("meta"), "non_blocking": True}
+    assert host_inputs.named_use_refusal(copy, converting, {"self": -1}, {-1}) is not None
+
+
+def test_a_capture_observes_the_cpu_tensors_the_region_reaches_even_where_it_would_not_observe():
+    scale, deep, weight = torch.tensor(2.0), torch.zeros(2), torch.randn(2, device="meta")
+    held = recording.HeldTensors(named=(weight,), attributes=(scale,), watched=(deep, scale))
+    prepared = recording._prepare_inputs([], [], device=0, stage=set(), held=held)
+    assert prepared.named_host == host_inputs.named_host_ranges([scale, deep])
+    observer = recording._observer(prepared, observe=False)
+    assert isinstance(observer, TorchOpObserver) and observer.named and observer.rewrite_blocking
+    nothing = recording._prepare_inputs([], [], device=0, stage=set(), held=recording.HeldTensors(named=(weight,)))
+    assert not isinstance(recording._observer(nothing, observe=False), TorchOpObserver)
+
+
 # --- the generated replay against a simulated exec -----------------------------------------------
 class FakeEvent:
     def __init__(self, log: list, host) -> None:

@@ -275,6 +275,39 @@ def test_a_draw_from_the_cpu_generator_refuses_the_key(make, record_after):
     assert [entry.state for entry in step.entries.values()] == [EAGER_ONLY]
 
 
+def sets_the_default_dtype(x):
+    torch.set_default_dtype(torch.float64)  # and leaves it so: every eager call sets it
+    return x + torch.ones(3)
+
+
+@pytest.mark.parametrize("record_after", [0, 1])
+def test_a_region_leaving_a_torch_setting_changed_is_refused_under_the_settings_it_began_with(make, record_after):
+    """A replay runs none of the region's Python: where the caller puts the setting back before
+    each call, a replayed key would leave it as the caller set it, where eager changes it. Such
+    a key runs eagerly; the key of the settings the region leaves (nothing changes there)
+    replays."""
+    session = make(record_after=record_after)
+    step = session.region(sets_the_default_dtype)
+    x = torch.ones(3, dtype=torch.float64)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(6):
+                torch.set_default_dtype(torch.float32)  # the caller puts it back at every call
+                assert torch.equal(step(x), x + 1) and torch.get_default_dtype() is torch.float64
+            changing = [entry.state for entry in step.entries.values()]
+            for _ in range(6):
+                assert torch.equal(step(x), x + 1)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    assert changing == [EAGER_ONLY]
+    assert replay_warnings(caught) == [
+        f"region {step.name}: runs eagerly: the region changes a torch setting (default dtype) and leaves it "
+        "changed: a graph cannot replay that"
+    ]
+    assert REPLAYING in [entry.state for entry in step.entries.values()] and session.stats().replays >= 4
+
+
 def test_a_region_changing_watched_state_is_refused_at_its_second_change_not_recorded_again_and_again(make):
     counter = State(n=0)
 

@@ -113,3 +113,19 @@ def test_a_tensor_given_memory_of_its_own_is_never_returned_as_itself():
     own = torch.empty(0).set_(buffer.untyped_storage(), 0, (4,), (1,))
     identity = output_identity.with_memory(identity, (own,), {buffer.data_ptr()})
     assert identity.held == frozenset() and identity.owned == {0: (buffer.data_ptr(), 64)}
+
+
+def test_the_recording_call_hands_out_through_hand_out_only_what_the_graph_writes():
+    """``clone_outputs`` and ``check_stale`` touch the memory a replay overwrites, never the
+    caller's argument, a global or views of them: the recording call as its replays."""
+    x, w = torch.randn(8), torch.randn(5)
+    buffer = torch.empty(16)
+    owned = torch.empty(0).set_(buffer.untyped_storage(), 0, (2, 4), (4, 1))
+    outputs = (x, x[1:], w, w[1:], owned, owned, torch.empty(0))
+    identity = output_identity.identify(outputs, output_identity.given_objects([x, w], {}, None), Held((w,)))
+    capture = Capture(outputs, {}, {buffer.data_ptr()}, identity)
+    first = output_identity.first_outputs(capture, [x, w], torch.Tensor.clone)
+    arg, view, held, held_view, mine, again, empty = first
+    assert arg is x and held is w and view._base is x and held_view.data_ptr() == w.data_ptr() + 4
+    assert again is mine and mine.data_ptr() != owned.data_ptr() and torch.equal(mine, owned)
+    assert empty.shape == (0,)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import collections
+import types
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -456,6 +459,20 @@ def test_an_output_outside_the_pool_known_takes_a_snapshot_before_own_outputs_de
     assert walks == []
     assert recording._pool_memory_holding({"y": outside}, [], 0, (0, 1), known, False) == [(0x8000, 0x8100)]
     assert walks == [(0, 1)]
+
+    class ModelOutput(collections.OrderedDict):  # a result no graph returns: left to own_outputs' refusal
+        pass
+
+    for result in (ModelOutput(y=outside), {inside: outside}):
+        assert recording._pool_memory_holding(result, [], 0, (0, 1), known, False) is known
+    prepared = types.SimpleNamespace(watched=[], host_ranges=list)
+    resets = []
+    for result in (ModelOutput(y=outside), {inside: outside}):
+        with pytest.raises(recording.CaptureFailed, match="a dict subclass|keyed by a tensor"):
+            recorded = types.SimpleNamespace(outputs=result)
+            graph = types.SimpleNamespace(reset=lambda: resets.append(1))
+            recording._give_outputs_their_own_memory(recorded, prepared, graph, known, None, None, 0)
+    assert resets == [1, 1]  # nothing of the capture left behind
 
 
 class _CopyBackend:

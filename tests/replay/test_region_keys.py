@@ -539,6 +539,19 @@ def test_containers_that_cannot_be_rebuilt_exactly_are_a_clear_error(name, side)
         flatten((value,), {}, walk_dataclasses=side == "output")
 
 
+@pytest.mark.parametrize(
+    "value",
+    [{_X: 1}, {(1, _X): 1}, collections.OrderedDict([(frozenset([_X]), 1)]), [{"a": {_X: 2}}]],
+    ids=["a tensor", "in a tuple", "in a frozenset of an OrderedDict", "nested"],
+)
+def test_a_returned_dict_keyed_by_a_tensor_is_a_clear_error(value):
+    """A replay returns an output dict's keys as recorded: a tensor key would be the recording's
+    object at every replay, where eager returns the call's."""
+    with pytest.raises(TypeError, match=r"args\[0\].* is a dict keyed by a tensor"):
+        flatten((value,), {}, walk_dataclasses=True)
+    assert flatten(({"a": _X, (1, "b"): 2},), {}, walk_dataclasses=True)[1] == [_X, 2]  # constants: as recorded
+
+
 def test_frozen_dataclasses_holding_tensors_make_their_tensors_leaves():
     """A fresh Batch every step: one key per shape (its tensors rebound like any argument),
     not a key per object; its other fields are constants of the key."""

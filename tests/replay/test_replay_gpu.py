@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import array
+import collections
 import random
 import types
 import warnings
@@ -195,6 +196,88 @@ def test_outputs_are_overwritten_clone_outputs_copies_and_stale_reads_are_caught
         step(*fresh_inputs(2, None), dynamic(2))
         with pytest.raises(replay.StaleOutputError, match="overwritten by a later replay"):
             a.sum()
+
+
+COUNTS: list = []  # a global tensor a region writes and returns (made where CUDA is)
+
+
+def counts_and_doubles(x):
+    counts = COUNTS[0]
+    counts.add_(1)
+    return x, counts, x * 2, counts[1:]
+
+
+@pytest.mark.parametrize("policy", ["clone_outputs", "check_stale"])
+def test_clone_outputs_and_check_stale_touch_only_what_the_graph_writes(policy):
+    """The caller's argument and a global the region returns are what eager returns (the
+    objects themselves, a view of the global over the global), on the recording call and on
+    every replay; only the graph's own output is copied, or guarded."""
+    COUNTS[:] = [torch.zeros(4, device="cuda")]
+    with replay.capture(record_after=0, **{policy: True}) as session:
+        step = session.region(counts_and_doubles)
+        for calls in range(1, 6):
+            x = torch.randn(4, device="cuda")
+            arg, counts, doubled, tail = step(x)
+            assert arg is x and counts is COUNTS[0] and type(counts) is torch.Tensor
+            assert torch.equal(counts, torch.full((4,), float(calls), device="cuda")) and torch.equal(doubled, x * 2)
+            assert tail.data_ptr() == counts.data_ptr() + 4 and type(tail) is torch.Tensor
+            assert (type(doubled) is torch.Tensor) == (policy == "clone_outputs")
+        assert session.stats().replays >= 4
+    COUNTS.clear()
+
+
+def turns_tf32_on(x, w):
+    torch.backends.cuda.matmul.allow_tf32 = True  # and leaves it on: every eager call sets it
+    return x @ w
+
+
+def test_a_region_leaving_a_torch_setting_changed_runs_eagerly_where_the_caller_puts_it_back():
+    x, w = torch.randn(64, 64, device="cuda"), torch.randn(64, 64, device="cuda")
+    before = torch.backends.cuda.matmul.allow_tf32
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with replay.capture(record_after=0) as session:
+                step = session.region(turns_tf32_on)
+                for _ in range(5):
+                    torch.backends.cuda.matmul.allow_tf32 = False
+                    step(x, w)
+                    assert torch.backends.cuda.matmul.allow_tf32  # as eagerly, at every call
+                assert session.stats().replays <= 1  # the first launch of the refused capture at most
+                for _ in range(5):  # left on: a key whose runs change nothing, replayed
+                    assert torch.equal(step(x, w), turns_tf32_on(x, w))
+                assert session.stats().replays >= 4
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+    assert any("leaves it changed" in str(w.message) for w in caught)
+
+
+class _ModelOutput(collections.OrderedDict):  # transformers' pattern: no graph returns it
+    pass
+
+
+def returns_a_model_output(x):
+    return _ModelOutput(logits=x * 2)
+
+
+def returns_a_dict_keyed_by_its_argument(x):
+    return {x: x * 2}
+
+
+@pytest.mark.parametrize("fn", [returns_a_model_output, returns_a_dict_keyed_by_its_argument])
+def test_a_result_no_graph_returns_runs_eagerly_with_a_warning_never_an_error(fn):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with replay.capture(record_after=0) as session:
+            step = session.region(fn)
+            for _ in range(4):
+                x = torch.randn(4, device="cuda")
+                out = step(x)
+                assert type(out) is type(fn(x)) and torch.equal(next(iter(out.values())), x * 2)
+                assert fn is returns_a_model_output or next(iter(out)) is x
+            stats = session.stats()
+    assert stats.replays == 0 and stats.eager_only_keys == 1
+    assert any(issubclass(w.category, replay.ReplayWarning) for w in caught)
 
 
 def mixed(x, w):

@@ -981,3 +981,18 @@ def test_a_draw_from_the_cpu_generator_is_seen():
     state = torch_state.cpu_random_state()
     torch.manual_seed(0)
     assert torch_state.cpu_random_advanced(state) is True
+
+
+def test_a_setting_a_run_left_changed_is_named_and_a_refused_state_counts_as_one():
+    before = torch_state.settings_or_none()
+    assert before is not None and torch_state.setting_changed(before) is None
+    with torch.no_grad():
+        assert torch_state.setting_changed(before) == "grad mode"
+    torch.backends.cudnn.benchmark = not torch.backends.cudnn.benchmark
+    try:
+        assert torch_state.setting_changed(before) == "cuDNN benchmark"
+    finally:
+        torch.backends.cudnn.benchmark = not torch.backends.cudnn.benchmark
+    with _PassThrough():  # a state no key holds: the run left something no graph replays
+        assert torch_state.settings_or_none() is None and torch_state.setting_changed(before) is not None
+    assert torch_state.setting_changed(None) is not None
