@@ -149,7 +149,7 @@ class Session:
             target = f"cuda:{device}"
             slots = self._output_slots[(region, device)] = OutputSlots(
                 lambda size: torch.empty(size, dtype=torch.uint8, device=target),
-                changed=region.outputs_changed,  # a slot came or went
+                changed=region.router.outputs_changed,  # a slot came or went
             )
         return slots
 

@@ -2041,3 +2041,15 @@ def test_a_region_reading_more_by_name_than_the_search_looks_through_holds_it_in
 
 _GLOBAL_WEIGHT = torch.ones(4)
 _MANY_NAMES = list(range(20))
+
+
+def test_a_regions_output_slots_tell_its_router_that_the_output_memory_moved(session_factory):
+    """The session's own output slots (not a test double's) reach the region's router: a slot
+    that comes or goes forgets the output ranges the padded routing checks arguments against."""
+    session = session_factory()
+    step = session.region(add)
+    slots = Session.output_slots(session, step, 0)
+    assert Session.output_slots(session, step, 0) is slots
+    step.router._output_ranges = object()
+    slots._changed()
+    assert step.router._output_ranges is None
