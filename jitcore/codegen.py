@@ -48,7 +48,8 @@ import functools
 import struct
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import attrs
 
@@ -59,7 +60,7 @@ from jitcore.backends.base import Backend
 from jitcore.errors import ArgumentError, LaunchConfigError
 from jitcore.generated import Expression, comment, define, forget_source, python_name, source_filename
 from jitcore.symbolic import Binder, Sym
-from jitcore.tracing import Trace, TraceLaunch
+from jitcore.tracing import ParamSource, Trace, TraceLaunch
 
 
 def never(*args: object) -> bool:
@@ -80,7 +81,7 @@ def stream_handle(stream: object) -> int:
     )
 
 
-def leaf_values(trace: Trace, args: Sequence[object]) -> dict[str, object]:
+def leaf_values(trace: Trace, args: Sequence[Any]) -> dict[str, object]:
     """Read every leaf the trace uses from concrete arguments (the slow, generic way)."""
     values: dict[str, object] = {}
     for variable, leaf in trace.leaves.items():
@@ -166,8 +167,20 @@ _unpack_pointer = struct.Struct("<Q").unpack_from
 _POINTER_RECORDS = 16
 
 
+class StateRun(Protocol):
+    """A call state's generated ``run`` function, which carries its state and its source (what
+    the jit's cache holds and its dispatcher calls)."""
+
+    call_state: CallState
+    source: str
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
+
+
 class CallState:
     """One traced launcher for one key: generated ``run`` plus what replay's hook needs."""
+
+    guard: Callable | None  # the jit's guard of this state, set when it is first promoted (jit._promote)
 
     def __init__(
         self, owner: str, index: int, key: tuple, trace: Trace, backend: Backend, returns: tuple[int, ...] | int | None
@@ -440,7 +453,7 @@ class CallState:
         self.namespace[f"_f{number}"] = self.backend.launch_function(function)
         self.namespace[f"_fn{number}"] = function
 
-        def local(expr: object, name: str) -> str:
+        def local(expr: Sym | int, name: str) -> str:
             if symbolic.is_static(expr):
                 return symbolic.render(expr, bind)
             lines.append(f"{name} = {expr.source(bind)}")
@@ -907,7 +920,8 @@ def _records_in_c(launchers: Sequence) -> bool:
     if not all(hasattr(launcher, "recorded") for launcher in launchers):
         return False
     if not _TOLD_THE_HELPER:
-        from jitcore.backends import _native  # a packed launch with ``recorded`` is its PackedLaunch
+        # a packed launch with ``recorded`` is its PackedLaunch
+        from jitcore.backends import _native  # type: ignore[attr-defined]  # a C extension, built by setup.py
 
         fields = recorder.LaunchRecord._fields
         _native.use_launch_record(recorder.LaunchRecord, tuple(fields.index(f) for f in _CALL_FIELDS))
@@ -929,7 +943,7 @@ def _with_constants(launch: TraceLaunch) -> PackedParams:
     return packed
 
 
-def _direct_pointer(source: object) -> bool:
+def _direct_pointer(source: ParamSource) -> bool:
     """Whether a parameter is a tensor argument's data pointer itself (no offset added): a
     packed launch reads it from the tensor (its ``P`` code)."""
     if source.kind != "pointer":

@@ -9,6 +9,7 @@ frees the export when the capsule is dropped.
 from __future__ import annotations
 
 import ctypes
+from typing import Protocol
 
 import attrs
 
@@ -126,6 +127,12 @@ def read_capsule(capsule: object) -> DLPackView:
     )
 
 
-def export(obj: object) -> DLPackView:
+class SupportsDLPack(Protocol):
+    """A DLPack producer: what :func:`export` reads."""
+
+    def __dlpack__(self) -> object: ...
+
+
+def export(obj: SupportsDLPack) -> DLPackView:
     """Export ``obj`` through its ``__dlpack__`` method and decode the result."""
     return read_capsule(obj.__dlpack__())

@@ -83,6 +83,7 @@ import os
 import reprlib
 import sys
 import types
+import typing
 import warnings
 import weakref
 from collections.abc import Callable
@@ -804,10 +805,10 @@ class GlobalsSnapshot:
         """The message for entry ``index`` having drifted."""
         entry = self.entries[index]
         if entry.where == "builtin":
-            mapping, readers = entry.source[1], entry.value
-            name = next((n for n in readers if n in mapping), next(iter(readers)))  # type: ignore[union-attr]
+            mapping, readers = entry.source[1], typing.cast(dict, entry.value)  # readers by name
+            name = next((n for n in readers if n in mapping), next(iter(readers)))
             return (
-                f"builtin {name!r} read by {readers[name]} changed: a new global now shadows the builtin "  # type: ignore[index]
+                f"builtin {name!r} read by {readers[name]} changed: a new global now shadows the builtin "
                 "it read; rename the global"
             )
         now = entry.now()

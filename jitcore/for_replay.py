@@ -20,7 +20,7 @@ from types import ModuleType
 from jitcore import generated
 from jitcore.backends import compiled_helpers_enabled, get_backend
 from jitcore.backends.abi import ParamLayout, ParamType
-from jitcore.backends.base import Backend
+from jitcore.backends.base import Backend, GraphNode, NodeUpdater
 from jitcore.codegen import never
 from jitcore.drift import SKIP_PACKAGES, freeze
 from jitcore.guards import ArgumentCheck, make_guard
@@ -57,7 +57,7 @@ def native_helper() -> ModuleType | None:
     if not compiled_helpers_enabled():
         return None
     try:
-        from jitcore.backends import _native
+        from jitcore.backends import _native  # type: ignore[attr-defined]  # a C extension, built by setup.py
     except ImportError:
         return None
     return _native
@@ -81,7 +81,9 @@ __all__ = [
     "CheckRecord",
     "ConfigRecord",
     "DeferredScalar",
+    "GraphNode",
     "LaunchRecord",
+    "NodeUpdater",
     "ParamLayout",
     "ParamRecord",
     "ParamType",

@@ -30,6 +30,7 @@ import threading
 import types
 import weakref
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 _filenames: dict[str, int] = {}
 _filenames_lock = threading.Lock()
@@ -99,12 +100,12 @@ def compile_source(source: str, filename: str) -> types.CodeType:
     return code
 
 
-def define(source: str, filename: str, namespace: dict[str, object]) -> dict[str, object]:
+def define(source: str, filename: str, namespace: dict[str, object]) -> dict[str, Any]:
     """Compile generated ``source`` (registered under ``filename``) with ``namespace`` as its
     globals and return what it defines. Definitions go into a separate dict, so a generated
     function's name can never replace a value in its namespace."""
     register_source(filename, source)
-    defined: dict[str, object] = {}
+    defined: dict[str, Any] = {}  # whatever the source defines: functions the caller gives attributes
     exec(compile_source(source, filename), namespace, defined)
     return defined
 

@@ -27,6 +27,7 @@ import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import Any
 
 import attrs
 import numpy as np
@@ -34,7 +35,7 @@ import torch
 
 from jitcore import generated, guards, keys, recorder, tensors
 from jitcore.backends import Backend, get_backend
-from jitcore.codegen import CallState, never
+from jitcore.codegen import CallState, StateRun, never
 from jitcore.drift import GlobalsSnapshot
 from jitcore.errors import (
     ArgumentError,
@@ -76,7 +77,7 @@ class JitFunction:
             raise TypeError(f"{self.name}: a launcher parameter may not be called 'stream' (it is jit's keyword)")
         self.plan = keys.KeyPlan(self.parameters)
         # key -> the call state's generated run function (its CallState is run.call_state)
-        self.states: OrderedDict[tuple, Callable] = OrderedDict()
+        self.states: OrderedDict[tuple, StateRun] = OrderedDict()
         self.snapshot: GlobalsSnapshot | None = None
         self.compiles = 0
         self.evictions = 0
@@ -141,7 +142,7 @@ class JitFunction:
         ]
         return "\n".join(lines) + "\n"
 
-    def _promote(self, key: tuple, run: Callable, args: tuple) -> None:
+    def _promote(self, key: tuple, run: StateRun, args: tuple) -> None:
         """Make ``run`` the guarded fast path (its guard is built once, from these args)."""
         state = run.call_state
         guard = getattr(state, "guard", _UNBUILT)
@@ -180,7 +181,7 @@ class JitFunction:
             description=f"guard of {self.name}",
         )
 
-    def _compile_dispatcher(self, source: str) -> Callable:
+    def _compile_dispatcher(self, source: str) -> Any:  # a generated function, given the jit's attributes
         """The dispatcher function of ``source``, its parameters renamed to the user's."""
         dispatcher = generated.define(source, self.filename, self.namespace)[generated.python_name(self.name)]
         dispatcher.__code__ = generated.rename_parameters(dispatcher.__code__, [p.name for p in self.parameters])
@@ -219,7 +220,7 @@ class JitFunction:
         """The call state for these arguments, built if needed, without launching."""
         return self._lookup(args)[1].call_state
 
-    def _lookup(self, args: tuple) -> tuple[tuple, Callable]:
+    def _lookup(self, args: tuple) -> tuple[tuple, StateRun]:
         """The full-key lookup: validate everything, check drift, find or build the state."""
         concrete = tuple(_unwrap_scalar(a) for a in args)
         try:
@@ -319,7 +320,8 @@ class JitFunction:
                 print(f"# jitcore call state\n{state.source}")
         return state
 
-    def _traced(self, trace: Trace, index: int, param: keys.Parameter, arg: object, signature: object) -> object:
+    def _traced(self, trace: Trace, index: int, param: keys.Parameter, arg: object, signature: Any) -> object:
+        # (signature: the argument's part of the key; a tensor's is a SignatureToken)
         if param.constexpr or arg is None:
             return arg  # static for this call state (None: a left-out optional tensor, a null pointer)
         if isinstance(arg, torch.Tensor) or isinstance(arg, tensors.TensorAdaptor):

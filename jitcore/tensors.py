@@ -543,7 +543,7 @@ _FACT_NAMES = (
 )
 
 
-def _facts(source: object) -> tuple:
+def _facts(source: torch.Tensor | np.ndarray) -> tuple:
     """The facts of ``source`` (a torch tensor or a numpy array) that an adaptor's description
     depends on, in the order of :data:`_FACT_NAMES` (a numpy array has the first four).
 

@@ -180,7 +180,7 @@ def use_data_pointer_reader(helper: types.ModuleType | None) -> None:
     """Tell the C launch helper (csrc/jitcore_native.c, where it is built) to read tensors'
     data pointers through ``helper``'s reader (None: through ``data_ptr()``)."""
     try:
-        from jitcore.backends import _native
+        from jitcore.backends import _native  # type: ignore[attr-defined]  # a C extension, built by setup.py
     except ImportError:
         return
     _native.use_data_pointer_reader(None if helper is None else helper.data_pointer_reader)

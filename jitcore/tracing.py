@@ -11,6 +11,7 @@ from __future__ import annotations
 import operator
 import threading
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import attrs
 import numpy as np
@@ -21,6 +22,9 @@ from jitcore.backends import abi
 from jitcore.backends.base import DeviceLimits, LoadedFunction
 from jitcore.errors import ArgumentError, LaunchConfigError, SymbolicValueError
 from jitcore.symbolic import Sym
+
+if TYPE_CHECKING:  # (kernel imports tracing)
+    from jitcore.kernel import KernelSpecialization
 
 _local = threading.local()
 
@@ -54,7 +58,7 @@ class ParamSource:
 
 @attrs.define
 class TraceLaunch:
-    kernel: object  # KernelSpecialization
+    kernel: KernelSpecialization
     function: LoadedFunction
     grid: tuple
     block: tuple
@@ -203,7 +207,7 @@ class Trace:
         check_static_config(label, grid3, block3, shared, self.limits, function)
         self.launches.append(TraceLaunch(kernel, function, grid3, block3, shared, sources))
 
-    def _config_int(self, label: str, what: str, value: object) -> object:
+    def _config_int(self, label: str, what: str, value: int | Sym) -> object:
         """A launch dimension or shared-memory size as the driver must get it: a plain int on
         every call (:meth:`plain_int`); a bare bool argument is refused as a static bool is."""
         if self.bare_scalar_type(value) in (bool, np.bool_):
@@ -521,7 +525,7 @@ class TracedTensor:
         Ellipsis (torch's multi-ellipsis results are inconsistent) and advanced indexing.
         """
         single = not isinstance(index, tuple)
-        items = [self._exact_item(*_index_kind(item)) for item in ([index] if single else index)]
+        items = [self._exact_item(*_index_kind(item)) for item in (index if isinstance(index, tuple) else [index])]
         if sum(1 for kind, _ in items if kind == "ellipsis") > 1:
             raise IndexError("an index can only have a single ellipsis ('...') inside a launcher")
         ndim = self.ndim

@@ -20,16 +20,25 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING
 
 import attrs
 import torch
 
 from jitcore.for_replay import ArgumentCheck, compiled_helpers_enabled, current_device_reader, make_guard
-from replay import buckets, recording, region_keys, value_keys
+from replay import recording, region_keys, value_keys
 from replay.admission import ReplayTimes, replay_or_guess
 from replay.dynamic import Dynamic
 from replay.graph import MISMATCH, compile_function
 from replay.keying import DYNAMIC_MARK, PLAIN_CONSTANTS
+
+if TYPE_CHECKING:  # the types the program's fields hold, named for the type checker only
+    from replay.admission import Admission, FrequencySketch, RecordingBudget
+    from replay.buckets import Padded
+    from replay.lifecycle import Forgotten
+    from replay.session import Session
+    from replay.stats import Stats
 
 try:  # the region's call and its flat dispatch in C (csrc/replay_eager.c; optional, built by setup.py)
     from replay._eager import EagerGate, RegionCall
@@ -206,16 +215,16 @@ class DispatchProgram:
     region: object = attrs.field(on_setattr=_fixed)  # counted under (region, shapes)
     by_pre_key: dict = attrs.field(on_setattr=_fixed)  # pre-key -> [(guard, replay, entry)]
     entry_shapes: dict = attrs.field(on_setattr=_fixed)  # shapes with an entry: their calls need the full key
-    session: object = attrs.field(on_setattr=_fixed)  # closed, _gpu
-    admission: object = attrs.field(on_setattr=_fixed)  # record_after
-    sketch: object = attrs.field(on_setattr=_fixed)  # admission's counts (calls, window, counts, halve)
-    budget: object = attrs.field(on_setattr=_fixed)  # version
-    counters: object = attrs.field(on_setattr=_fixed)  # the session's Stats: too_rare, eager_runs
-    forgotten: object = attrs.field(on_setattr=_fixed)  # eager_runs of keys without an entry
+    session: Session = attrs.field(on_setattr=_fixed)  # closed, _gpu
+    admission: Admission = attrs.field(on_setattr=_fixed)  # record_after
+    sketch: FrequencySketch = attrs.field(on_setattr=_fixed)  # admission's counts (calls, window, counts, halve)
+    budget: RecordingBudget = attrs.field(on_setattr=_fixed)  # version
+    counters: Stats = attrs.field(on_setattr=_fixed)  # the session's Stats: too_rare, eager_runs
+    forgotten: Forgotten = attrs.field(on_setattr=_fixed)  # eager_runs of keys without an entry
     quiet: QuietBound = attrs.field(on_setattr=_fixed)
     replay_times: ReplayTimes = attrs.field(on_setattr=_fixed)  # runs: the region's replays, counted
     fn: Callable = attrs.field(on_setattr=_fixed)  # the region's function
-    exclusion: object = attrs.field(on_setattr=_fixed)  # the capture exclusion's shared side
+    exclusion: AbstractContextManager = attrs.field(on_setattr=_fixed)  # the capture exclusion's shared side
     touch: Callable = attrs.field(on_setattr=_fixed)  # a replay's recency in the session's LRU
     clock: Callable[[], float] = attrs.field(on_setattr=_fixed)
     # replay.padded markers taken as their tensors where they need no padding (None: never)
@@ -261,6 +270,40 @@ class FlatDispatch:
 
     __slots__ = ("program", *_HELD)
 
+    # the held fields (set from the program in __init__), typed as DispatchProgram types them
+    program: DispatchProgram
+    region: object
+    by_pre_key: dict
+    entry_shapes: dict
+    session: Session
+    admission: Admission
+    sketch: FrequencySketch
+    budget: RecordingBudget
+    counters: Stats
+    forgotten: Forgotten
+    quiet: QuietBound
+    replay_times: ReplayTimes
+    fn: Callable
+    exclusion: AbstractContextManager
+    touch: Callable
+    clock: Callable[[], float]
+    padded_type: type | None
+    buckets: frozenset
+    largest: int
+    specs: tuple
+    flat: object
+    tensor_type: type
+    dynamic_type: type
+    dynamic_mark: tuple
+    plain: frozenset
+    miss: object
+    eagerly: object
+    declined: object
+    time_replays: bool
+    mask: int
+    settled: int
+    settled_mask: int
+
     def __init__(self, program: DispatchProgram) -> None:
         self.program = program
         for name in _HELD:
@@ -298,7 +341,7 @@ class FlatDispatch:
         result = self.known_pre_key(args, tuple(pre), True)
         return self.program.full_path(args, {}) if result is self.miss else result
 
-    def _unpadded(self, marker: buckets.Padded, unpadded: list | None) -> torch.Tensor | None:
+    def _unpadded(self, marker: Padded, unpadded: list | None) -> torch.Tensor | None:
         """A marker's tensor where its size needs no padding (beyond the largest bucket, or a
         bucket's size) and it agrees with the markers before it; else None."""
         tensor, dim = marker.tensor, marker.dim

@@ -29,6 +29,7 @@ replay.graph_outputs'), the C step's program replay.graph_step's.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
@@ -52,6 +53,10 @@ from replay.graph_source import MISMATCH, UNKNOWN, ReplaySource
 from replay.graph_step import ReplayStep, make_step  # noqa: F401 (where tests read the C step type)
 from replay.recording import Capture
 from replay.source_text import compile_function
+
+if TYPE_CHECKING:
+    from jitcore.for_replay import NodeUpdater
+    from replay.polymorphic import Family
 
 
 def bitwise_equal(a: object, b: object) -> bool:
@@ -160,6 +165,11 @@ def _globals_checks(records: Sequence) -> list:
 class RecordedGraph:
     """One key's graph: its exec, node updaters, outputs and the generated replay."""
 
+    # set by replay.polymorphic when the graph becomes the base of a family of size variants:
+    # node -> (its parameter bytes, its grid) as captured; the nodes the plan binds values in
+    node_base: dict[int, tuple[bytes, tuple]]
+    bound_nodes: set[int]
+
     def __init__(
         self,
         region,
@@ -189,14 +199,14 @@ class RecordedGraph:
         # _e{i}), the replay of a region's next shape is, as text, the one compiled before
         # (generated.compile_source reuses its code; the filename still tells graphs apart)
         self.name = "replay_graph"
-        self.family = None  # the graphs sharing this exec (replay.polymorphic), once there are several
+        self.family: Family | None = None  # the graphs sharing this exec (replay.polymorphic), once there are several
         self.released = False
         self.updaters = self._node_updaters(backend, capture)
         self.node_states = {node: NodeState(updater) for node, updater in self.updaters.items()}
         self.checks = _globals_checks(capture.records)
         self._outputs_of(backend, capture)
         self.in_place = self._inputs_taken_in_place(capture)
-        self.namespace: dict[str, object] = dict(backend.hot_namespace)
+        self.namespace: dict[str, Any] = dict(backend.hot_namespace)  # what the generated replay reads
         self.source = self._generate(backend, leaves)
         self.replay = compile_function(
             self.source, self.name, f"replay graph {number} of region {region.name}", self.namespace
@@ -231,7 +241,7 @@ class RecordedGraph:
         #: of its own (graph_source.notes_stream): what the allocator is told on release
         self.stream: int | None = None
 
-    def _node_updaters(self, backend, capture: Capture) -> dict[int, object]:
+    def _node_updaters(self, backend, capture: Capture) -> dict[int, NodeUpdater]:
         """An updater per kernel node a replay patches (a pointer, a scalar or a grid)."""
         raw_exec = self.graph.raw_cuda_graph_exec()
         nodes = {n.index: n for n in capture.nodes}

@@ -29,6 +29,8 @@ from replay.errors import StaleOutputError
 from replay.recording import Capture, CaptureFailed, RecordLater, owned_output_memory
 
 if TYPE_CHECKING:
+    from jitcore.for_replay import GraphNode
+    from replay.lifecycle import Entry
     from replay.source_text import Source
 
 # What each output leaf of a graph is; compared by identity (``eq=False``) where they hold
@@ -196,7 +198,7 @@ def own_memory_lanes(graph, capture: Capture) -> list:
 
 
 # --- the region's output slots ---------------------------------------------------------------
-def adopt_slots(graph, backend, capture: Capture) -> tuple[object, tuple[int, ...], list]:
+def adopt_slots(graph, backend, capture: Capture) -> tuple[output_slots.OutputSlots | None, tuple[int, ...], list]:
     """Point ``graph``'s output copies at its region's shared output slots, where the
     backend can retarget them (the CUDA backend: each copy is a memcpy node appended by
     recording.own_outputs into a buffer of its own, one per group of outputs sharing
@@ -229,10 +231,10 @@ def adopt_slots(graph, backend, capture: Capture) -> tuple[object, tuple[int, ..
     return slots_of(graph.region, graph.device), tuple(size for _start, size in by_size), retargets
 
 
-def _output_copies(graph, capture: Capture) -> dict[int, object] | None:
+def _output_copies(graph, capture: Capture) -> dict[int, GraphNode] | None:
     """Buffer address -> the memcpy node writing it, for every output buffer; None where
     that is not what recording.own_outputs makes (two copies into one buffer, one missing)."""
-    copies: dict[int, object] = {}
+    copies: dict[int, GraphNode] = {}
     for node in getattr(capture, "nodes", None) or ():
         if node.kind == "memcpy" and len(node.pointers) == 2 and node.pointers[1] in graph.output_memory:
             if node.pointers[1] in copies:
@@ -391,6 +393,9 @@ def stale_guard(leaf: object, owner) -> object:
 class StaleGuardTensor(torch.Tensor):
     """An output handed out in ``check_stale`` mode: any use after the graph that produced it
     has been replayed again raises :class:`StaleOutputError` instead of reading new data."""
+
+    _replay_owner: Entry  # the entry whose replay wrote it (set by stale_guard)
+    _replay_generation: int  # that entry's replay count when it was handed out
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):

@@ -25,7 +25,7 @@ from replay.graph_source import (
     readers_holder,
     staged_copies,
 )
-from replay.source_text import Source, compile_function
+from replay.source_text import Source, SourcedFunction, compile_function
 from replay.step_program import (
     Alignment,
     MemoryRange,
@@ -175,7 +175,7 @@ def _arguments(graph, launches: list[int]) -> tuple[tuple[int, ...], tuple | Non
     return dynamic, None, _argument_maker(graph, launches, dynamic)
 
 
-def _argument_maker(graph, launches: list[int], dynamic: tuple[int, ...]) -> Callable:
+def _argument_maker(graph, launches: list[int], dynamic: tuple[int, ...]) -> SourcedFunction:
     """``step_arguments(*values)``: each launch's jit arguments (the generated replay's
     ``_a{launch}``), from the dynamic leaves' values in ``dynamic``'s order, for the C step.
     Its builtins are the replay function's own, so its expressions resolve as they do there."""

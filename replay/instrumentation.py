@@ -13,10 +13,14 @@ import contextlib
 import re
 import time
 from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import attrs
 
 from replay import lifecycle, object_calls, region_keys
+
+if TYPE_CHECKING:
+    from replay.graph import RecordedGraph
 
 # --- the steps of a call ------------------------------------------------------------------
 
@@ -156,7 +160,9 @@ def generated_replay(run: Callable) -> Callable:
 
 
 @contextlib.contextmanager
-def _namespaces_swapped(graphs: Sequence, replacements: Callable[[object], dict[str, object]]) -> Iterator[None]:
+def _namespaces_swapped(
+    graphs: Sequence[RecordedGraph], replacements: Callable[[RecordedGraph], dict[str, object]]
+) -> Iterator[None]:
     """Each graph's replay namespace with ``replacements(graph)`` in place while the context
     lasts, then its own values back. The C step reads these names from the same namespace at
     every call, so the hooks apply to it too."""

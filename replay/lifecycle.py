@@ -24,10 +24,14 @@ import enum
 import functools
 import logging
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import attrs
 
 from replay.keying import KeyText
+
+if TYPE_CHECKING:  # (graph imports this module's users)
+    from replay.graph import RecordedGraph
 
 log = logging.getLogger("replay")
 
@@ -209,7 +213,7 @@ class Entry:
         self.counted = counted  # what admission counts its calls under (replay.keying.CallKeys.counted)
         self.state = NO_ENTRY  # (Keys moves it)
         self.eager_runs = 0
-        self.graph = None  # its RecordedGraph while REPLAYING (a VariantGraph as a SIZE_VARIANT)
+        self.graph: RecordedGraph | None = None  # its RecordedGraph while REPLAYING (a VariantGraph as a SIZE_VARIANT)
         self.guard: Callable | None = None  # its flat calls' guard (replay.dispatch.make_guard)
         self.stage_hint: set[int] = set()
         self.copy_back_hint: set[int] = set()

@@ -31,6 +31,8 @@ import collections
 import enum
 import operator
 import weakref
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 import attrs
 import torch
@@ -40,9 +42,12 @@ from jitcore.for_replay import torch_native_module
 from replay import objects, region_keys, value_keys, watch
 from replay.dynamic import Dynamic
 from replay.errors import ReplayError
-from replay.lifecycle import REPLAYING
+from replay.lifecycle import REPLAYING, Entry
 from replay.region_keys import FlatCall
 from replay.torch_state import torch_modes
+
+if TYPE_CHECKING:  # (orchestration imports this module)
+    from replay.orchestration import Hints
 
 #: Memos a region keeps (the most recent first): a loop over a few caches at once keeps each.
 MAX_MEMOS = 4
@@ -94,7 +99,7 @@ class HolderWalk(objects.ObjectWalk):
 
     __slots__ = ("fields", "helper", "tops", "top", "carrier_state", "unwatchable")
 
-    def __init__(self, helper: object | None) -> None:
+    def __init__(self, helper: ModuleType | None) -> None:
         super().__init__([], [])
         self.fields: dict[str, list] = {f.name: [] for f in attrs.fields(Strict) if f.name not in ("reader",)}
         self.helper = helper
@@ -223,7 +228,7 @@ class Memo:
     argument objects and other leaves lie among the leaves of the call without the walk
     (``region_keys.flatten``), and the watch of what the walk read."""
 
-    entry: object
+    entry: Entry
     key: tuple
     spec: object
     paths: list
@@ -243,7 +248,7 @@ class Memo:
     object_ranges: tuple  # (leaf index, first byte, end) of each of the objects' tensors
     merged: region_keys.MergedRanges
     object_groups: tuple  # their aliasing among themselves
-    hints: object  # what the structure's hints were (their addressed tensors shape the key)
+    hints: Hints | None  # what the structure's hints were (their addressed tensors shape the key)
     addressed: frozenset
 
 

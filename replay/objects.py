@@ -109,7 +109,7 @@ def _constant_class(cls: type) -> bool:
     walk."""
     if cls in value_keys.BY_VALUE or issubclass(cls, (*value_keys.NOT_OBJECTS, *_MARKERS)):
         return True
-    return hasattr(cls, "__dataclass_fields__") and cls.__dataclass_params__.frozen
+    return value_keys.frozen_dataclass(cls)
 
 
 # --- how a class is walked ---------------------------------------------------------------------

@@ -71,9 +71,13 @@ import functools
 import sys
 import weakref
 from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import attrs
 import torch
+
+if TYPE_CHECKING:  # (graph imports this module)
+    from replay.graph import RecordedGraph
 
 try:  # the replay step in C answers held() too (csrc/replay_step.c; optional, built by setup.py)
     from replay._step import storage_references as _storage_references
@@ -119,7 +123,7 @@ def torch_stream(stream: int, device: torch.device | int | None) -> torch.cuda.S
     return torch.cuda.ExternalStream(stream, device=device)
 
 
-def _cuda_stream(stream: object) -> torch.cuda.Stream:
+def _cuda_stream(stream: torch.Stream | torch.cuda.Stream) -> torch.cuda.Stream:
     """A stream a caller gave ``record_stream`` as the CUDA stream object torch's events take
     (``torch.Stream``, the generic kind, is rebuilt from its ids)."""
     if isinstance(stream, torch.cuda.Stream):
@@ -317,7 +321,7 @@ class Slot:
     streams: set[int] = attrs.Factory(set)  # raw streams replays wrote it from (written_from adds each)
     freed: bool = False  # its memory went back to the allocator (or to a storage that moved): never written again
     # graph -> ((lane, template view), ...): the views of its outputs in this slot
-    templates: dict[object, tuple[tuple[int, torch.Tensor], ...]] = attrs.Factory(dict)
+    templates: dict[RecordedGraph, tuple[tuple[int, torch.Tensor], ...]] = attrs.Factory(dict)
     inference: bool = False  # its buffers are inference tensors: it serves inference-mode replays only
     readers: list = attrs.Factory(list)  # streams callers read its outputs on since its last write
 
@@ -329,7 +333,7 @@ class Slot:
             if lane.buffer is not None and lane.buffer.is_cuda:
                 _watch(lane)
 
-    def views_for(self, graph: object, outputs: Sequence[tuple]) -> tuple[torch.Tensor, ...]:
+    def views_for(self, graph: RecordedGraph, outputs: Sequence[tuple]) -> tuple[torch.Tensor, ...]:
         """``graph``'s output templates in this slot, made on its first use of the slot;
         ``outputs`` holds (lane, dtype, size, stride, storage offset) per output."""
         made = self.templates.get(graph)
@@ -340,7 +344,7 @@ class Slot:
             )
         return tuple(view for _lane, view in made)
 
-    def drop_views(self, graph: object) -> None:
+    def drop_views(self, graph: RecordedGraph) -> None:
         for lane, _view in self.templates.pop(graph, ()):
             self.lanes[lane].own -= 1  # the template goes with the last reference to it: ours
 
@@ -430,7 +434,7 @@ class OutputSlots:
         self._changed = changed
         self.slots: list[Slot] = []
 
-    def choose(self, graph: object, need: tuple[int, ...]) -> Slot:
+    def choose(self, graph: RecordedGraph, need: tuple[int, ...]) -> Slot:
         """The slot a replay of ``graph`` writes: the one it wrote last if no other graph
         wrote it since, else one nobody holds outputs in (the one its copies point at first:
         no node update; a spare beyond ``SPARE_SLOTS`` is freed then), else a new one; only
@@ -455,11 +459,11 @@ class OutputSlots:
             self._free(spare[SPARE_SLOTS:])
         return chosen
 
-    def wrote(self, graph: object, slot: Slot) -> None:
+    def wrote(self, graph: RecordedGraph, slot: Slot) -> None:
         slot.writer = graph
         graph.slot = slot
 
-    def forget(self, graph: object) -> None:
+    def forget(self, graph: RecordedGraph) -> None:
         """``graph`` is released: it writes no slot any more (what it handed out stays held)."""
         for slot in self.slots:
             if slot.writer is graph:

@@ -469,7 +469,7 @@ class VariantGraph(RecordedGraph):
         nodes = {n.index: n for n in base.capture.nodes}
         self.node_base = {node: (moved.param_bytes[launch], moved.grids[launch]) for launch, node in plan.matches}
         raw_exec = self.graph.raw_cuda_graph_exec()
-        bound = {b.node for b in (*plan.pointers, *plan.scalars)}
+        bound = {b.node for b in plan.pointers} | {b.node for b in plan.scalars}
         for node, state in self.node_base.items():
             if node in family.updaters or (node not in bound and state == base.node_base[node]):
                 continue

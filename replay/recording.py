@@ -26,14 +26,15 @@ import sys
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from typing import Protocol
 
 import attrs
 import numpy as np
 import torch
 
 from jitcore import CaptureMissError, for_replay
-from jitcore.for_replay import get_backend
+from jitcore.for_replay import LaunchRecord, ParamRecord, get_backend
 from replay import host as host_inputs
 from replay import instrumentation, output_identity, rebinding, staging, triton_launches
 from replay.dynamic import Dynamic, DynamicScalar
@@ -45,6 +46,17 @@ log = logging.getLogger("replay")
 
 _NUMBERS = (int, float, bool)
 _POINTER = struct.Struct("<Q")  # a pointer parameter's bytes
+
+
+class OpObservation(Protocol):
+    """What an op observer saw (replay.observe's observers, or none): indices into the
+    watched ranges that torch ops read and wrote."""
+
+    @property
+    def read(self) -> Collection[int]: ...
+
+    @property
+    def written(self) -> Collection[int]: ...
 
 
 class _NoObservation:
@@ -656,7 +668,7 @@ class _Recorded:
     # what the region returned (tensors in the pool, constants, dynamic scalars), until its
     # tensors are given memory of their own (the pool's then return to the pool)
     outputs: object
-    observation: object  # what torch ops read and wrote (indices into the watched ranges)
+    observation: OpObservation  # what torch ops read and wrote (indices into the watched ranges)
     staging_launches: dict[int, int]  # record index -> the input a staging copy reads or writes
     copied_back: set[int]
     output_bytes: int = 0  # memory of the outputs' own buffers (outside the pool)
@@ -765,7 +777,7 @@ def _copy_staged_in(prepared: _CaptureInputs, recorder: Recorder, staging_launch
         staging.copy(prepared.tensors[i], buffer)
 
 
-def _pointer_addresses(records: Sequence, *, written_only: bool = False) -> Iterator[tuple[object, int]]:
+def _pointer_addresses(records: Sequence, *, written_only: bool = False) -> Iterator[tuple[LaunchRecord, int]]:
     """(record, address) of every pointer parameter the records' jit launches pass (only
     those not read-only, with ``written_only``)."""
     for record in records:
@@ -774,7 +786,7 @@ def _pointer_addresses(records: Sequence, *, written_only: bool = False) -> Iter
                 yield record, _POINTER.unpack_from(record.param_bytes, param.offset)[0]
 
 
-def _inputs_written(prepared: _CaptureInputs, observation: object, region_records: Sequence) -> set[int]:
+def _inputs_written(prepared: _CaptureInputs, observation: OpObservation, region_records: Sequence) -> set[int]:
     """The inputs the region wrote: those torch ops wrote, and the staged inputs whose buffer
     a jit launch of the region writes through a pointer."""
     watched = len(prepared.watched)
@@ -788,7 +800,7 @@ def _inputs_written(prepared: _CaptureInputs, observation: object, region_record
     return written
 
 
-def _refuse_reads_beyond_inputs(prepared: _CaptureInputs, observation: object) -> None:
+def _refuse_reads_beyond_inputs(prepared: _CaptureInputs, observation: OpObservation) -> None:
     """A torch op read a tensor that holds an input and reaches beyond it (``cache`` while
     ``cache[0]`` is the argument): the op reads that memory at a fixed address, while replay
     would rebind or stage the input apart from it, so the key runs eagerly. So does a capture
@@ -806,7 +818,9 @@ def _refuse_reads_beyond_inputs(prepared: _CaptureInputs, observation: object) -
         )
 
 
-def _refuse_staged_inputs_reached_otherwise(prepared: _CaptureInputs, observation: object, region_records) -> None:
+def _refuse_staged_inputs_reached_otherwise(
+    prepared: _CaptureInputs, observation: OpObservation, region_records
+) -> None:
     """A staged input is a copy of the caller's tensor: exact only while the region reaches
     that memory through the input alone. A torch op or a jit launch that reaches the caller's
     storage of a staged input otherwise (a global or closure tensor holding it: ``cache``
@@ -831,7 +845,7 @@ def _refuse_staged_inputs_reached_otherwise(prepared: _CaptureInputs, observatio
         )
 
 
-def _refuse_host_misuse(prepared: _CaptureInputs, observation: object, region_records: Sequence) -> None:
+def _refuse_host_misuse(prepared: _CaptureInputs, observation: OpObservation, region_records: Sequence) -> None:
     """Inside the capture, before the graph is ever launched: a torch op used a host input's
     values on the CPU (or wrote it), or a jit launch writes its pinned buffer."""
     refusals = list(getattr(observation, "host_refusals", ()))
@@ -952,7 +966,7 @@ class _OnStream:
     def __init__(self, stream: torch.cuda.Stream) -> None:
         self.stream = stream
         self.previous: torch.cuda.Stream | None = None
-        self.other_device = None
+        self.other_device: torch.cuda.StreamContext | None = None
 
     def __enter__(self) -> None:
         stream = self.stream
@@ -1407,7 +1421,7 @@ class _ByteRanges:
         return before > 0 and self.reach[before - 1] > lo
 
 
-def _pointer_tensors(record) -> Iterator[tuple[object, torch.Tensor]]:
+def _pointer_tensors(record) -> Iterator[tuple[ParamRecord, torch.Tensor]]:
     """(parameter record, tensor) for each pointer parameter of a launch record whose jit
     argument is a tensor (``args`` still the tensors)."""
     for param in record.params:

@@ -72,7 +72,7 @@ class RecordingSteps:
         )
 
 
-def _node_holding(number: int, record) -> object:
+def _node_holding(number: int, record) -> rebinding.NodeView:
     """The kernel node a launch record would be in a captured graph (its handle made up)."""
     spans = zip(record.layout.offsets, record.layout.types)
     params = tuple(record.param_bytes[offset : offset + t.size] for offset, t in spans)

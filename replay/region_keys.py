@@ -22,6 +22,7 @@ import bisect
 import collections
 import enum
 import itertools
+import typing
 from collections.abc import Iterable, Sequence
 
 import attrs
@@ -40,6 +41,7 @@ from replay.torch_state import (  # noqa: F401 (what callers read here)
 from replay.value_keys import (
     constant_key,
     field_names,
+    frozen_dataclass,
     leaf_key,
     no_extra_attributes,
     tuple_kind,
@@ -134,7 +136,7 @@ def _flatten_into(
         return None
     if isinstance(value, (tuple, dict, list)):
         return _flatten_subclass(value, cls, leaves, path, paths, outputs, walk)
-    if hasattr(cls, "__dataclass_fields__") and (outputs or cls.__dataclass_params__.frozen):
+    if hasattr(cls, "__dataclass_fields__") and (outputs or frozen_dataclass(cls)):
         names = field_names(cls)
         no_extra_attributes(value, names, path)
         return (
@@ -163,7 +165,7 @@ def _flatten_subclass(
     keys = tuple(value)
     factory: tuple = ()
     if cls is collections.defaultdict:  # the first leaf, as MappingOf takes it
-        leaves.append(value.default_factory)
+        leaves.append(typing.cast(collections.defaultdict, value).default_factory)
         paths.append(f"{path}.default_factory")
         factory = (None,)
     children = tuple(_flatten_into(value[k], leaves, f"{path}[{k!r}]", paths, outputs, walk) for k in keys)

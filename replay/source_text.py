@@ -11,7 +11,8 @@ from __future__ import annotations
 import itertools
 import re
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 from jitcore.for_replay import generated
 
@@ -21,7 +22,15 @@ _sources = itertools.count()
 _CONSTANT_NAME = re.compile(r"\b(?:_k|_lit)\d+\b")
 
 
-def compile_function(source: str, name: str, description: str, namespace: dict) -> Callable:
+class SourcedFunction(Protocol):
+    """A generated function that carries its own source (what tests and ``full_source`` read)."""
+
+    source: str
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
+
+
+def compile_function(source: str, name: str, description: str, namespace: dict) -> SourcedFunction:
     """Compile generated source with ``namespace`` as its globals, through jitcore's one
     generated-source helper (registered with ``linecache``, so tracebacks and pdb show its lines)."""
     filename = f"<{generated.comment(description)} #{next(_sources)}>"

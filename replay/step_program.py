@@ -14,6 +14,8 @@ from collections.abc import Callable
 
 import attrs
 
+from replay.source_text import SourcedFunction
+
 
 @attrs.frozen
 class TensorArgument:
@@ -138,7 +140,7 @@ class StepProgram:
     dynamic_leaves: tuple[int, ...]  # the leaves whose ``.value`` is read, once a call
     launch_count: int  # the argument tuples computed: one per launch that has jit arguments
     argument_sources: tuple[tuple[int | None, ...], ...] | None  # per argument its dynamic leaf, or None
-    argument_maker: Callable | None  # else: a function of the dynamic values making every tuple
+    argument_maker: SourcedFunction | None  # else: a function of the dynamic values making every tuple
     scalars: tuple[ScalarComputation, ...]
     arithmetic_errors: tuple[type[BaseException], ...]  # what a computation declines the call on
     # --- the nodes

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
+from types import ModuleType
+from typing import Protocol, TypeGuard
 
 import attrs
 import torch
@@ -484,7 +486,11 @@ class SettingsProgram:
         return "".join(test.way for test in self.tests)
 
 
-def _is_pybind_enum(value: object) -> bool:
+class _PybindEnum(Protocol):
+    value: int
+
+
+def _is_pybind_enum(value: object) -> TypeGuard[_PybindEnum]:
     """A pybind11 enum member (torch's preferred-library settings): its ``.value`` is its int."""
     return hasattr(type(value), "__members__") and isinstance(getattr(value, "value", None), int)
 
@@ -527,7 +533,7 @@ def setting_tests(recorded: tuple) -> list[SettingTest]:
     return tests
 
 
-def settings_program(recorded: tuple, state_reader: object | None = None) -> SettingsProgram:
+def settings_program(recorded: tuple, state_reader: ModuleType | None = None) -> SettingsProgram:
     """The program of ``recorded``'s check; ``state_reader`` the torch-side helper (its
     ``settings_state`` and ``SETTINGS_COVERED``), or None for a check that runs every test."""
     tests = tuple(setting_tests(recorded))
@@ -572,7 +578,7 @@ def modes_changed(recorded: tuple, *, compiled: bool = True, watch: bool = True)
     return check
 
 
-def _settings_helper() -> object | None:
+def _settings_helper() -> ModuleType | None:
     """The torch-side helper where it is loaded and reads this torch's settings, else None."""
     helper = torch_native_module()
     if helper is None or getattr(helper, "SETTINGS_COVERED", None) is None or not hasattr(helper, "SETTINGS_READER"):

@@ -407,8 +407,9 @@ def _wrap(original):
         finally:
             _local.recorder = recorder
 
-    run.__wrapped__ = original
-    run._replay_triton_hook = True
+    # (attributes on a wrapper function: the type checker has no way to declare them on a def)
+    run.__wrapped__ = original  # type: ignore[attr-defined]
+    run._replay_triton_hook = True  # type: ignore[attr-defined]
     return run
 
 

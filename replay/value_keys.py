@@ -16,7 +16,8 @@ import fractions
 import struct
 import types
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Protocol
 
 import attrs
 import numpy as np
@@ -28,12 +29,18 @@ from replay.errors import RefusedKey
 
 
 # --- the kinds of tuples ------------------------------------------------------------------------
+class _NamedTupleClass(Protocol):
+    """A named tuple class, as :class:`NamedTupleOf` rebuilds its values."""
+
+    def _make(self, iterable: Iterable) -> tuple: ...
+
+
 @attrs.frozen
 class NamedTupleOf:
     """The spec kind of a named tuple: ``kind(*items)`` rebuilds it through ``_make`` (no
     ``__new__`` of a subclass runs again), as graph.py's generated replay calls a kind."""
 
-    cls: type
+    cls: _NamedTupleClass
 
     def __call__(self, *items: object) -> tuple:
         return self.cls._make(items)
@@ -90,12 +97,12 @@ def tuple_kind(value: tuple, cls: type, path: str) -> object:
     if isinstance(fields, tuple) and len(fields) == len(value) and hasattr(cls, "_make"):
         no_extra_attributes(value, fields, path)
         return NamedTupleOf(cls)
-    sequence_fields = getattr(cls, "n_sequence_fields", None)
-    if isinstance(sequence_fields, int) and isinstance(getattr(cls, "n_fields", None), int):  # a structseq
-        if cls.n_fields != sequence_fields:
+    sequence_fields, n_fields = getattr(cls, "n_sequence_fields", None), getattr(cls, "n_fields", None)
+    if isinstance(sequence_fields, int) and isinstance(n_fields, int):  # a structseq
+        if n_fields != sequence_fields:
             raise TypeError(
                 f"{path} is a {cls.__qualname__}, a structseq with fields that are not items "
-                f"({cls.n_fields} fields, {sequence_fields} items): it cannot be rebuilt; pass tuple({path})"
+                f"({n_fields} fields, {sequence_fields} items): it cannot be rebuilt; pass tuple({path})"
             )
         return StructSeqOf(cls)
     raise TypeError(
@@ -211,8 +218,15 @@ NOT_OBJECTS = (
 )
 
 
-def _other_constant_key(value: object, cls: type, path: str) -> object:
-    """:func:`constant_key` beyond its commonest classes (see there)."""
+def frozen_dataclass(cls: type) -> bool:
+    """Whether ``cls`` is a frozen dataclass (its instances are constants a key holds by value)."""
+    # (__dataclass_params__ is what @dataclass sets on the class; the type checker does not model it)
+    return hasattr(cls, "__dataclass_fields__") and cls.__dataclass_params__.frozen  # type: ignore[attr-defined]
+
+
+def _other_constant_key(value: Any, cls: type, path: str) -> object:
+    """:func:`constant_key` beyond its commonest classes (see there). (``value`` is of any
+    class: each branch reads what its exact class ``cls``, ``value.__class__``, has.)"""
     if cls is complex:
         return (complex, _pack_double(value.real) + _pack_double(value.imag))
     if cls is tuple or cls is frozenset:
@@ -239,7 +253,7 @@ def _other_constant_key(value: object, cls: type, path: str) -> object:
     if isinstance(value, tuple):  # named tuples, structseqs, torch.Size inside a constant
         kind = tuple_kind(value, cls, path)
         return (kind, tuple(constant_key(v, f"{path}[{i}]") for i, v in enumerate(value)))
-    if hasattr(cls, "__dataclass_fields__") and cls.__dataclass_params__.frozen:
+    if frozen_dataclass(cls):
         names = field_names(cls)
         no_extra_attributes(value, names, path)
         return (cls, names, tuple(constant_key(getattr(value, n), f"{path}.{n}") for n in names))
@@ -289,7 +303,7 @@ def _subclass_or_refused_key(value: object, cls: type, path: str) -> object:
 
 #: The plain value of a subclass of a plain constant, through the base class's own slot (never
 #: an override of ``__int__`` and the like).
-_BASE_VALUE: dict[type, Callable[[object], object]] = {
+_BASE_VALUE: dict[type, Callable[[Any], object]] = {
     int: int.__int__,
     float: float.__float__,
     complex: lambda v: complex(float.__float__(v.real), float.__float__(v.imag)),

@@ -90,7 +90,7 @@ def native_calls() -> dict[str, Callable[..., tuple]] | None:
     if not compiled_helpers_enabled():
         return None
     try:
-        from jitcore.backends import _native
+        from jitcore.backends import _native  # type: ignore[attr-defined]  # a C extension, built by setup.py
     except ImportError:
         return None
     try:
@@ -143,7 +143,7 @@ def _other_node(index: int, handle: int, kind: int) -> GraphNode:
     return GraphNode(index, handle, "other")
 
 
-def _flat_copy(destination: int, source: int, nbytes: int) -> object:
+def _flat_copy(destination: int, source: int, nbytes: int) -> driver.CUDA_MEMCPY3D:
     """The copy parameters of ``nbytes`` from one device address to another (what a captured
     device-to-device cudaMemcpyAsync holds)."""
     params = driver.CUDA_MEMCPY3D()

@@ -56,7 +56,7 @@ _check = StatusCheck(hip.hipError_t, _status_detail)
 
 
 class _Hiprtc(RuntimeCompiler):
-    def destroy(self, program: object) -> None:
+    def destroy(self, program: hiprtc.hiprtcProgram) -> None:
         # hiprtcDestroyProgram takes a hiprtcProgram*: hip-python wants a reference to the handle
         hiprtc.hiprtcDestroyProgram(program.createRef())
 
@@ -106,7 +106,7 @@ def _header_include_dir() -> str | None:
     return None
 
 
-def _device_properties(device: int) -> object:
+def _device_properties(device: int) -> hip.hipDeviceProp_t:
     try:
         result = hip.hipGetDeviceProperties(device)  # hip-python >= 10: (status, props)
     except TypeError:  # hip-python <= 7.x: fills a caller-allocated struct

@@ -42,7 +42,7 @@ def _native_helper():
     try:
         if not compiled_helpers_enabled():
             raise ImportError
-        from jitcore.backends import _native
+        from jitcore.backends import _native  # type: ignore[attr-defined]  # a C extension, built by setup.py
     except ImportError:
         raise ValueError("NullBackend(packed=True) needs jitcore.backends._native, built and not turned off") from None
     return _native

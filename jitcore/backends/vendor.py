@@ -18,7 +18,7 @@ import contextlib
 import threading
 from collections.abc import Callable, Sequence
 from types import ModuleType
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from jitcore.backends.base import Backend, CompiledBinary, DeviceLimits, LoadedFunction
 from jitcore.errors import CompileError, DriverError
@@ -65,7 +65,7 @@ class StatusCheck:
         detail = self.detail(status) if with_detail else ""
         return DriverError(call, int(status), status_name(self.enum, status), detail)
 
-    def __call__(self, result: tuple, call: str) -> object:
+    def __call__(self, result: tuple, call: str) -> Any:  # the binding's own (untyped) values
         status = result[0]
         if int(status):
             raise self.error(call, status)
