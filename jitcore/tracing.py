@@ -11,7 +11,7 @@ from __future__ import annotations
 import operator
 import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Any
 
 import attrs
 import numpy as np
@@ -22,9 +22,6 @@ from jitcore.backends import abi
 from jitcore.backends.base import DeviceLimits, LoadedFunction
 from jitcore.errors import ArgumentError, LaunchConfigError, SymbolicValueError
 from jitcore.symbolic import Sym
-
-if TYPE_CHECKING:  # (kernel imports tracing)
-    from jitcore.kernel import KernelSpecialization
 
 _local = threading.local()
 
@@ -58,7 +55,7 @@ class ParamSource:
 
 @attrs.define
 class TraceLaunch:
-    kernel: KernelSpecialization
+    kernel: Any
     function: LoadedFunction
     grid: tuple
     block: tuple

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING
+from typing import Any
 
 import attrs
 import torch
@@ -32,13 +32,6 @@ from replay.admission import ReplayTimes, replay_or_guess
 from replay.dynamic import Dynamic
 from replay.graph import MISMATCH, compile_function
 from replay.keying import DYNAMIC_MARK, PLAIN_CONSTANTS
-
-if TYPE_CHECKING:  # the types the program's fields hold, named for the type checker only
-    from replay.admission import Admission, FrequencySketch, RecordingBudget
-    from replay.buckets import Padded
-    from replay.lifecycle import Forgotten
-    from replay.session import Session
-    from replay.stats import Stats
 
 try:  # the region's call and its flat dispatch in C (csrc/replay_eager.c; optional, built by setup.py)
     from replay._eager import EagerGate, RegionCall
@@ -215,12 +208,12 @@ class DispatchProgram:
     region: object = attrs.field(on_setattr=_fixed)  # counted under (region, shapes)
     by_pre_key: dict = attrs.field(on_setattr=_fixed)  # pre-key -> [(guard, replay, entry)]
     entry_shapes: dict = attrs.field(on_setattr=_fixed)  # shapes with an entry: their calls need the full key
-    session: Session = attrs.field(on_setattr=_fixed)  # closed, _gpu
-    admission: Admission = attrs.field(on_setattr=_fixed)  # record_after
-    sketch: FrequencySketch = attrs.field(on_setattr=_fixed)  # admission's counts (calls, window, counts, halve)
-    budget: RecordingBudget = attrs.field(on_setattr=_fixed)  # version
-    counters: Stats = attrs.field(on_setattr=_fixed)  # the session's Stats: too_rare, eager_runs
-    forgotten: Forgotten = attrs.field(on_setattr=_fixed)  # eager_runs of keys without an entry
+    session: Any = attrs.field(on_setattr=_fixed)  # closed, _gpu
+    admission: Any = attrs.field(on_setattr=_fixed)  # record_after
+    sketch: Any = attrs.field(on_setattr=_fixed)  # admission's counts (calls, window, counts, halve)
+    budget: Any = attrs.field(on_setattr=_fixed)  # version
+    counters: Any = attrs.field(on_setattr=_fixed)  # the session's Stats: too_rare, eager_runs
+    forgotten: Any = attrs.field(on_setattr=_fixed)  # eager_runs of keys without an entry
     quiet: QuietBound = attrs.field(on_setattr=_fixed)
     replay_times: ReplayTimes = attrs.field(on_setattr=_fixed)  # runs: the region's replays, counted
     fn: Callable = attrs.field(on_setattr=_fixed)  # the region's function
@@ -275,12 +268,12 @@ class FlatDispatch:
     region: object
     by_pre_key: dict
     entry_shapes: dict
-    session: Session
-    admission: Admission
-    sketch: FrequencySketch
-    budget: RecordingBudget
-    counters: Stats
-    forgotten: Forgotten
+    session: Any
+    admission: Any
+    sketch: Any
+    budget: Any
+    counters: Any
+    forgotten: Any
     quiet: QuietBound
     replay_times: ReplayTimes
     fn: Callable
@@ -341,10 +334,11 @@ class FlatDispatch:
         result = self.known_pre_key(args, tuple(pre), True)
         return self.program.full_path(args, {}) if result is self.miss else result
 
-    def _unpadded(self, marker: Padded, unpadded: list | None) -> torch.Tensor | None:
+    def _unpadded(self, marker: Any, unpadded: list | None) -> torch.Tensor | None:
         """A marker's tensor where its size needs no padding (beyond the largest bucket, or a
         bucket's size) and it agrees with the markers before it; else None."""
-        tensor, dim = marker.tensor, marker.dim
+        tensor: torch.Tensor = marker.tensor  # (a replay.buckets.Padded)
+        dim = marker.dim
         if tensor.__class__ is not self.tensor_type or dim.__class__ is not int:
             return None
         try:

@@ -56,7 +56,6 @@ from replay.source_text import compile_function
 
 if TYPE_CHECKING:
     from jitcore.for_replay import NodeUpdater
-    from replay.polymorphic import Family
 
 
 def bitwise_equal(a: object, b: object) -> bool:
@@ -199,7 +198,7 @@ class RecordedGraph:
         # _e{i}), the replay of a region's next shape is, as text, the one compiled before
         # (generated.compile_source reuses its code; the filename still tells graphs apart)
         self.name = "replay_graph"
-        self.family: Family | None = None  # the graphs sharing this exec (replay.polymorphic), once there are several
+        self.family: Any | None = None  # the graphs sharing this exec (replay.polymorphic), once there are several
         self.released = False
         self.updaters = self._node_updaters(backend, capture)
         self.node_states = {node: NodeState(updater) for node, updater in self.updaters.items()}

@@ -13,14 +13,11 @@ import contextlib
 import re
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING
+from typing import Any
 
 import attrs
 
 from replay import lifecycle, object_calls, region_keys
-
-if TYPE_CHECKING:
-    from replay.graph import RecordedGraph
 
 # --- the steps of a call ------------------------------------------------------------------
 
@@ -160,9 +157,7 @@ def generated_replay(run: Callable) -> Callable:
 
 
 @contextlib.contextmanager
-def _namespaces_swapped(
-    graphs: Sequence[RecordedGraph], replacements: Callable[[RecordedGraph], dict[str, object]]
-) -> Iterator[None]:
+def _namespaces_swapped(graphs: Sequence[Any], replacements: Callable[[Any], dict[str, object]]) -> Iterator[None]:
     """Each graph's replay namespace with ``replacements(graph)`` in place while the context
     lasts, then its own values back. The C step reads these names from the same namespace at
     every call, so the hooks apply to it too."""

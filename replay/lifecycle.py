@@ -24,14 +24,11 @@ import enum
 import functools
 import logging
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import Any
 
 import attrs
 
 from replay.keying import KeyText
-
-if TYPE_CHECKING:  # (graph imports this module's users)
-    from replay.graph import RecordedGraph
 
 log = logging.getLogger("replay")
 
@@ -213,7 +210,7 @@ class Entry:
         self.counted = counted  # what admission counts its calls under (replay.keying.CallKeys.counted)
         self.state = NO_ENTRY  # (Keys moves it)
         self.eager_runs = 0
-        self.graph: RecordedGraph | None = None  # its RecordedGraph while REPLAYING (a VariantGraph as a SIZE_VARIANT)
+        self.graph: Any | None = None  # its RecordedGraph while REPLAYING (a VariantGraph as a SIZE_VARIANT)
         self.guard: Callable | None = None  # its flat calls' guard (replay.dispatch.make_guard)
         self.stage_hint: set[int] = set()
         self.copy_back_hint: set[int] = set()

@@ -32,7 +32,7 @@ import enum
 import operator
 import weakref
 from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import Any
 
 import attrs
 import torch
@@ -45,9 +45,6 @@ from replay.errors import ReplayError
 from replay.lifecycle import REPLAYING, Entry
 from replay.region_keys import FlatCall
 from replay.torch_state import torch_modes
-
-if TYPE_CHECKING:  # (orchestration imports this module)
-    from replay.orchestration import Hints
 
 #: Memos a region keeps (the most recent first): a loop over a few caches at once keeps each.
 MAX_MEMOS = 4
@@ -248,7 +245,7 @@ class Memo:
     object_ranges: tuple  # (leaf index, first byte, end) of each of the objects' tensors
     merged: region_keys.MergedRanges
     object_groups: tuple  # their aliasing among themselves
-    hints: Hints | None  # what the structure's hints were (their addressed tensors shape the key)
+    hints: Any | None  # what the structure's hints were (their addressed tensors shape the key)
     addressed: frozenset
 
 

@@ -71,13 +71,10 @@ import functools
 import sys
 import weakref
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import Any
 
 import attrs
 import torch
-
-if TYPE_CHECKING:  # (graph imports this module)
-    from replay.graph import RecordedGraph
 
 try:  # the replay step in C answers held() too (csrc/replay_step.c; optional, built by setup.py)
     from replay._step import storage_references as _storage_references
@@ -321,7 +318,7 @@ class Slot:
     streams: set[int] = attrs.Factory(set)  # raw streams replays wrote it from (written_from adds each)
     freed: bool = False  # its memory went back to the allocator (or to a storage that moved): never written again
     # graph -> ((lane, template view), ...): the views of its outputs in this slot
-    templates: dict[RecordedGraph, tuple[tuple[int, torch.Tensor], ...]] = attrs.Factory(dict)
+    templates: dict[Any, tuple[tuple[int, torch.Tensor], ...]] = attrs.Factory(dict)
     inference: bool = False  # its buffers are inference tensors: it serves inference-mode replays only
     readers: list = attrs.Factory(list)  # streams callers read its outputs on since its last write
 
@@ -333,7 +330,7 @@ class Slot:
             if lane.buffer is not None and lane.buffer.is_cuda:
                 _watch(lane)
 
-    def views_for(self, graph: RecordedGraph, outputs: Sequence[tuple]) -> tuple[torch.Tensor, ...]:
+    def views_for(self, graph: Any, outputs: Sequence[tuple]) -> tuple[torch.Tensor, ...]:
         """``graph``'s output templates in this slot, made on its first use of the slot;
         ``outputs`` holds (lane, dtype, size, stride, storage offset) per output."""
         made = self.templates.get(graph)
@@ -344,7 +341,7 @@ class Slot:
             )
         return tuple(view for _lane, view in made)
 
-    def drop_views(self, graph: RecordedGraph) -> None:
+    def drop_views(self, graph: Any) -> None:
         for lane, _view in self.templates.pop(graph, ()):
             self.lanes[lane].own -= 1  # the template goes with the last reference to it: ours
 
@@ -434,7 +431,7 @@ class OutputSlots:
         self._changed = changed
         self.slots: list[Slot] = []
 
-    def choose(self, graph: RecordedGraph, need: tuple[int, ...]) -> Slot:
+    def choose(self, graph: Any, need: tuple[int, ...]) -> Slot:
         """The slot a replay of ``graph`` writes: the one it wrote last if no other graph
         wrote it since, else one nobody holds outputs in (the one its copies point at first:
         no node update; a spare beyond ``SPARE_SLOTS`` is freed then), else a new one; only
@@ -459,11 +456,11 @@ class OutputSlots:
             self._free(spare[SPARE_SLOTS:])
         return chosen
 
-    def wrote(self, graph: RecordedGraph, slot: Slot) -> None:
+    def wrote(self, graph: Any, slot: Slot) -> None:
         slot.writer = graph
         graph.slot = slot
 
-    def forget(self, graph: RecordedGraph) -> None:
+    def forget(self, graph: Any) -> None:
         """``graph`` is released: it writes no slot any more (what it handed out stays held)."""
         for slot in self.slots:
             if slot.writer is graph:
