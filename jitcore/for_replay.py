@@ -18,7 +18,7 @@ from collections.abc import Callable
 from types import ModuleType
 
 from jitcore import generated
-from jitcore.backends import compiled_helpers_enabled, get_backend
+from jitcore.backends import compiled_helpers_enabled, get_backend, native_module
 from jitcore.backends.abi import ParamLayout, ParamType
 from jitcore.backends.base import Backend, GraphNode, NodeUpdater
 from jitcore.codegen import never
@@ -54,13 +54,7 @@ def native_helper() -> ModuleType | None:
     """jitcore's C helper (csrc/jitcore_native.c, ``jitcore.backends._native``) where it was
     built and ``JITCORE_NATIVE`` allows it, else None: replay's recording hands it the launch
     records to copy without their tensors."""
-    if not compiled_helpers_enabled():
-        return None
-    try:
-        from jitcore.backends import _native  # type: ignore[attr-defined]  # a C extension, built by setup.py
-    except ImportError:
-        return None
-    return _native
+    return native_module()
 
 
 def torch_native_module() -> ModuleType | None:

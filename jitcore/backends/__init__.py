@@ -11,6 +11,7 @@ import contextlib
 import importlib
 import os
 import threading
+import types
 from collections.abc import Iterator
 
 from jitcore.backends.base import Backend
@@ -29,6 +30,19 @@ def compiled_helpers_enabled() -> bool:
     csrc/replay_eager.c) may be used where they were built: ``JITCORE_NATIVE=0`` turns them all
     off, and their Python equivalents run."""
     return os.environ.get("JITCORE_NATIVE", "1").strip() != "0"
+
+
+def native_module() -> types.ModuleType | None:
+    """jitcore's C helper (csrc/jitcore_native.c, ``jitcore.backends._native``) where it was
+    built and :func:`compiled_helpers_enabled` allows it, else None: the one place that decides
+    whether the helper is used."""
+    if not compiled_helpers_enabled():
+        return None
+    try:
+        from jitcore.backends import _native  # type: ignore[attr-defined]  # a C extension, built by setup.py
+    except ImportError:
+        return None
+    return _native
 
 
 _instances: dict[str, Backend] = {}
@@ -83,4 +97,12 @@ def use_backend(backend: Backend) -> Iterator[Backend]:
             _instances[name] = previous
 
 
-__all__ = ["Backend", "BACKENDS", "compiled_helpers_enabled", "get_backend", "selected_name", "use_backend"]
+__all__ = [
+    "Backend",
+    "BACKENDS",
+    "compiled_helpers_enabled",
+    "get_backend",
+    "native_module",
+    "selected_name",
+    "use_backend",
+]

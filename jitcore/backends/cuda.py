@@ -12,7 +12,7 @@ import functools
 import os
 from collections.abc import Callable, Mapping, Sequence
 
-from jitcore.backends import compiled_helpers_enabled
+from jitcore.backends import native_module
 from jitcore.backends.abi import CUDA_TYPE_NAMES, PackedParams, ParamLayout, prelude
 from jitcore.backends.base import GraphNode, LoadedFunction, NodeUpdater
 from jitcore.backends.vendor import DriverBackend, RuntimeCompiler, StatusCheck
@@ -87,11 +87,8 @@ def native_calls() -> dict[str, Callable[..., tuple]] | None:
     replaces and returns the same ``(status,)`` tuple, so generated code is the same on both
     paths; the default stream is the one cuda-bindings uses (legacy, or per-thread where
     ``CUDA_PYTHON_CUDA_PER_THREAD_DEFAULT_STREAM`` asks for it)."""
-    if not compiled_helpers_enabled():
-        return None
-    try:
-        from jitcore.backends import _native  # type: ignore[attr-defined]  # a C extension, built by setup.py
-    except ImportError:
+    _native = native_module()
+    if _native is None:
         return None
     try:
         libcuda = ctypes.CDLL("libcuda.so.1")

@@ -37,15 +37,12 @@ def _launch_failed(status: int, label: str) -> None:
 
 def _native_helper():
     """jitcore.backends._native, where it was built and ``JITCORE_NATIVE`` does not turn it off."""
-    from jitcore.backends import compiled_helpers_enabled
+    from jitcore.backends import native_module
 
-    try:
-        if not compiled_helpers_enabled():
-            raise ImportError
-        from jitcore.backends import _native  # type: ignore[attr-defined]  # a C extension, built by setup.py
-    except ImportError:
-        raise ValueError("NullBackend(packed=True) needs jitcore.backends._native, built and not turned off") from None
-    return _native
+    helper = native_module()
+    if helper is None:
+        raise ValueError("NullBackend(packed=True) needs jitcore.backends._native, built and not turned off")
+    return helper
 
 
 class NullBackend(Backend):
